@@ -1,0 +1,1 @@
+//! boot (PID-1 issue).

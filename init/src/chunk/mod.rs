@@ -1,0 +1,1 @@
+//! File bodies and content chunks.

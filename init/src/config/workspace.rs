@@ -1,0 +1,150 @@
+//! The `[workspace]` table: where the FUSE workspace is mounted, where its state lives, and
+//! how the kernel caches it. Owned by the filesystem side; validated here, used by `workspace/`.
+
+use serde::Deserialize;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::units::{duration_str, size_str};
+
+/// Page-cache policy for file contents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CacheMode {
+    /// Keep the page cache across opens while the file is unchanged; drop it when it changed.
+    Auto,
+    /// Never drop the page cache on open (fastest; single writer only).
+    Kernel,
+    /// Direct I/O: no page cache for file contents.
+    None,
+}
+
+impl std::str::FromStr for CacheMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "kernel" => Ok(Self::Kernel),
+            "none" => Ok(Self::None),
+            _ => Err(format!("cache mode `{s}` is not one of auto, kernel, none")),
+        }
+    }
+}
+
+impl CacheMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Kernel => "kernel",
+            Self::None => "none",
+        }
+    }
+}
+
+/// Whether to hand file I/O to the kernel via FUSE passthrough.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Passthrough {
+    Auto,
+    On,
+    Off,
+}
+
+impl std::str::FromStr for Passthrough {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            _ => Err(format!("passthrough `{s}` is not one of auto, on, off")),
+        }
+    }
+}
+
+/// What to do when FUSE cannot be mounted (no `/dev/fuse`, no CAP_SYS_ADMIN).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FuseUnavailable {
+    Fail,
+    PlainDir,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkspaceConfig {
+    /// Where the workspace is mounted.
+    pub mount_point: PathBuf,
+    /// Durable state: metadata database, file bodies, chunks.
+    pub state_dir: PathBuf,
+    pub cache: CacheMode,
+    /// FUSE worker threads (0 = number of CPUs, at least 2).
+    pub threads: usize,
+    #[serde(with = "duration_str")]
+    pub attr_timeout: Duration,
+    #[serde(with = "duration_str")]
+    pub entry_timeout: Duration,
+    #[serde(with = "duration_str")]
+    pub negative_timeout: Duration,
+    /// Kernel writeback cache (batches small writes; not used together with passthrough).
+    pub writeback_cache: bool,
+    pub passthrough: Passthrough,
+    /// Files up to this size are stored inline in the metadata database.
+    #[serde(with = "size_str")]
+    pub inline_max: u64,
+    /// Chunk window for checkpoints (power of two, 64 KiB – 8 MiB).
+    #[serde(with = "size_str")]
+    pub chunk_size: u64,
+    pub on_fuse_unavailable: FuseUnavailable,
+}
+
+impl Default for WorkspaceConfig {
+    fn default() -> Self {
+        Self {
+            mount_point: PathBuf::from("/workspace"),
+            state_dir: PathBuf::from("/var/lib/keel"),
+            cache: CacheMode::Auto,
+            threads: 0,
+            attr_timeout: Duration::from_secs(1),
+            entry_timeout: Duration::from_secs(1),
+            negative_timeout: Duration::from_secs(1),
+            writeback_cache: true,
+            passthrough: Passthrough::Off,
+            inline_max: 4096,
+            chunk_size: 512 * 1024,
+            on_fuse_unavailable: FuseUnavailable::Fail,
+        }
+    }
+}
+
+impl WorkspaceConfig {
+    /// Checks values serde cannot: ranges and relations between keys.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        let bad = |k: &str, why: String| Err((format!("workspace.{k}"), why));
+        if !self.mount_point.is_absolute() {
+            return bad("mount_point", format!("`{}` must be an absolute path", self.mount_point.display()));
+        }
+        if !self.state_dir.is_absolute() {
+            return bad("state_dir", format!("`{}` must be an absolute path", self.state_dir.display()));
+        }
+        if self.threads > 64 {
+            return bad("threads", format!("{} is more than 64", self.threads));
+        }
+        if !self.chunk_size.is_power_of_two() || !(64 << 10..=8 << 20).contains(&self.chunk_size) {
+            return bad("chunk_size", format!("{} must be a power of two between 64KiB and 8MiB", self.chunk_size));
+        }
+        if self.inline_max > 64 * 1024 {
+            return bad("inline_max", format!("{} is larger than 64KiB", self.inline_max));
+        }
+        Ok(())
+    }
+
+    /// Worker threads to actually start.
+    pub fn effective_threads(&self) -> usize {
+        if self.threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 8)
+        } else {
+            self.threads
+        }
+    }
+}

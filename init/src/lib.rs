@@ -1,0 +1,14 @@
+//! keel: a PID-1 init and a durable FUSE workspace for Linux sandboxes.
+//!
+//! `main.rs` only parses the subcommand and exits; everything else lives here. Dependencies
+//! point one way: `workspace` → `meta`, `chunk`; `meta`, `chunk` and `sys` import no sibling.
+
+pub mod boot;
+pub mod chunk;
+pub mod config;
+pub mod logging;
+pub mod meta;
+pub mod run;
+pub mod supervisor;
+pub mod sys;
+pub mod workspace;

@@ -1,0 +1,34 @@
+//! The `keel` binary: picks the subcommand and turns its result into the process exit code.
+//! This is the only place that exits.
+
+use std::ffi::OsString;
+
+const USAGE: &str = "usage:
+  keel run [--config FILE] [--] CMD [ARGS...]   run as the container's init (PID 1)
+  keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none] [--threads N] [--config FILE]
+                                                mount the workspace in the foreground
+  keel [--config FILE] [--] CMD [ARGS...]       same as `keel run`";
+
+fn main() {
+    let mut args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let code = match args.first().and_then(|a| a.to_str()) {
+        Some("mount") => {
+            args.remove(0);
+            keel::workspace::cli::mount_main(args)
+        }
+        Some("run") => {
+            args.remove(0);
+            keel::run::main(args)
+        }
+        Some("-h") | Some("--help") | Some("help") => {
+            println!("{USAGE}");
+            0
+        }
+        Some("--version") | Some("-V") => {
+            println!("keel {}", env!("CARGO_PKG_VERSION"));
+            0
+        }
+        _ => keel::run::main(args),
+    };
+    std::process::exit(code);
+}

@@ -1,0 +1,1 @@
+//! supervisor (PID-1 issue).

@@ -1,0 +1,7 @@
+//! The durable FUSE workspace: POSIX semantics in `fs` (no fuser types), the thin kernel
+//! adapter in `fuse`, and mounting/unmounting in `session`.
+
+pub mod cli;
+pub mod session;
+
+pub use session::{mount, Mounted, SessionError};
