@@ -5,11 +5,12 @@ use tracing_subscriber::EnvFilter;
 
 /// Installs the global subscriber once; later calls are no-ops.
 pub fn init() {
-    let filter = EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| EnvFilter::new("info,fuser=warn"));
     let json = std::env::var("KEEL_LOG_FORMAT").map(|v| v == "json").unwrap_or(false);
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(false)
         .with_target(false);
     let _ = if json {
         builder.json().try_init()

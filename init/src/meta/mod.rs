@@ -1,1 +1,614 @@
-//! SQLite inode store.
+//! The inode store: every inode, directory entry, xattr and inline file body of a workspace in
+//! one SQLite database (WAL, `synchronous=NORMAL`). One short transaction per mutating
+//! operation; `sync` makes everything committed so far durable. Nothing outside this module
+//! touches rusqlite. This module imports no sibling module.
+
+mod schema;
+
+use std::path::Path;
+
+use rusqlite::{params, Connection, OptionalExtension};
+
+/// An inode number, stable from create until the inode is gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InodeNo(pub u64);
+
+impl InodeNo {
+    pub const ROOT: InodeNo = InodeNo(1);
+}
+
+/// A timestamp in nanoseconds since the Unix epoch (negative before 1970).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct Nanos(pub i64);
+
+/// What kind of file an inode is. Stored as the `S_IFMT` bits of the mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    File,
+    Dir,
+    Symlink,
+    Fifo,
+    Socket,
+    CharDev,
+    BlockDev,
+}
+
+impl Kind {
+    pub fn from_mode(mode: u32) -> Option<Kind> {
+        Some(match mode & libc::S_IFMT {
+            libc::S_IFREG => Kind::File,
+            libc::S_IFDIR => Kind::Dir,
+            libc::S_IFLNK => Kind::Symlink,
+            libc::S_IFIFO => Kind::Fifo,
+            libc::S_IFSOCK => Kind::Socket,
+            libc::S_IFCHR => Kind::CharDev,
+            libc::S_IFBLK => Kind::BlockDev,
+            _ => return None,
+        })
+    }
+
+    pub fn mode_bits(self) -> u32 {
+        match self {
+            Kind::File => libc::S_IFREG,
+            Kind::Dir => libc::S_IFDIR,
+            Kind::Symlink => libc::S_IFLNK,
+            Kind::Fifo => libc::S_IFIFO,
+            Kind::Socket => libc::S_IFSOCK,
+            Kind::CharDev => libc::S_IFCHR,
+            Kind::BlockDev => libc::S_IFBLK,
+        }
+    }
+}
+
+/// Where a regular file's bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Storage {
+    /// In the `inline_data` table (small files).
+    Inline,
+    /// In a body file under the state dir, named after the inode.
+    Body,
+}
+
+/// One inode's metadata.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inode {
+    pub ino: InodeNo,
+    pub kind: Kind,
+    /// Permission bits incl. setuid/setgid/sticky (no `S_IFMT`).
+    pub perm: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub nlink: u32,
+    pub size: u64,
+    pub atime: Nanos,
+    pub mtime: Nanos,
+    pub ctime: Nanos,
+    pub rdev: u32,
+    /// Parent directory (directories only; used for `..` and the rename-into-self check).
+    pub parent: InodeNo,
+    pub storage: Storage,
+}
+
+/// A directory entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dirent {
+    pub name: Vec<u8>,
+    pub ino: InodeNo,
+    pub kind: Kind,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MetaError {
+    #[error("open database {path}: {source}")]
+    Open {
+        path: String,
+        source: rusqlite::Error,
+    },
+    #[error("{path} is not a keel state database: {reason}")]
+    Foreign { path: String, reason: String },
+    #[error("database: {0}")]
+    Sql(#[from] rusqlite::Error),
+    #[error("corrupt row for inode {0}: {1}")]
+    Corrupt(u64, String),
+}
+
+impl MetaError {
+    /// True when the failure is the disk being full (SQLITE_FULL).
+    pub fn is_full(&self) -> bool {
+        matches!(self, MetaError::Sql(rusqlite::Error::SqliteFailure(e, _))
+            if e.code == rusqlite::ErrorCode::DiskFull)
+            || matches!(self, MetaError::Sql(rusqlite::Error::SqliteFailure(e, _))
+            if e.extended_code == rusqlite::ffi::SQLITE_IOERR_WRITE)
+    }
+}
+
+pub type Result<T> = std::result::Result<T, MetaError>;
+
+/// The open database. Not `Sync`: callers serialise access (the workspace holds it under a
+/// mutex).
+pub struct Store {
+    conn: Connection,
+}
+
+impl Store {
+    /// Opens (creating when absent) the database at `path` and checks it is keel's.
+    pub fn open(path: &Path, now: Nanos) -> Result<Store> {
+        let p = path.display().to_string();
+        let existed = path.exists();
+        let conn = Connection::open(path).map_err(|source| MetaError::Open {
+            path: p.clone(),
+            source,
+        })?;
+        schema::configure(&conn).map_err(|e| classify_open_error(&p, e))?;
+        if existed {
+            schema::check(&conn, &p)?;
+        } else {
+            schema::create(&conn, now)?;
+        }
+        Ok(Store { conn })
+    }
+
+    /// A read-only view (each statement in its own implicit transaction).
+    pub fn read(&self) -> Tx<'_> {
+        Tx {
+            conn: &self.conn,
+            open: false,
+        }
+    }
+
+    /// Starts a write transaction; it rolls back unless `commit` is called.
+    pub fn write(&self) -> Result<Tx<'_>> {
+        self.conn.execute_batch("BEGIN IMMEDIATE")?;
+        Ok(Tx {
+            conn: &self.conn,
+            open: true,
+        })
+    }
+
+    /// Makes every committed transaction durable (fsync of the WAL).
+    pub fn sync(&self) -> Result<()> {
+        self.conn.execute_batch("PRAGMA synchronous=FULL")?;
+        let r = (|| -> Result<()> {
+            let tx = self.write()?;
+            tx.conn
+                .prepare_cached("UPDATE meta SET value = value + 1 WHERE key = 'syncs'")?
+                .execute([])?;
+            tx.commit()
+        })();
+        self.conn.execute_batch("PRAGMA synchronous=NORMAL")?;
+        r
+    }
+
+    /// Checkpoints the WAL into the main database file and truncates it (clean shutdown).
+    pub fn checkpoint(&self) -> Result<()> {
+        self.conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+        Ok(())
+    }
+
+    /// Runs SQLite's own consistency check; returns the problems it found.
+    pub fn integrity_check(&self) -> Result<Vec<String>> {
+        let mut st = self.conn.prepare("PRAGMA integrity_check")?;
+        let rows = st.query_map([], |r| r.get::<_, String>(0))?;
+        let mut out = Vec::new();
+        for r in rows {
+            let r = r?;
+            if r != "ok" {
+                out.push(r);
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn classify_open_error(path: &str, e: rusqlite::Error) -> MetaError {
+    match &e {
+        rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::NotADatabase => {
+            MetaError::Foreign {
+                path: path.to_string(),
+                reason: "file is not a SQLite database".into(),
+            }
+        }
+        _ => MetaError::Sql(e),
+    }
+}
+
+/// A transaction (or, from `Store::read`, plain autocommit reads).
+pub struct Tx<'a> {
+    conn: &'a Connection,
+    open: bool,
+}
+
+impl Drop for Tx<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+    }
+}
+
+const INODE_COLS: &str =
+    "ino, mode, uid, gid, nlink, size, atime, mtime, ctime, rdev, parent, storage";
+
+fn row_to_inode(r: &rusqlite::Row<'_>) -> rusqlite::Result<(u64, u32, Inode)> {
+    let ino: i64 = r.get(0)?;
+    let mode: u32 = r.get(1)?;
+    let storage: i64 = r.get(11)?;
+    Ok((
+        ino as u64,
+        mode,
+        Inode {
+            ino: InodeNo(ino as u64),
+            kind: Kind::File,
+            perm: mode & 0o7777,
+            uid: r.get(2)?,
+            gid: r.get(3)?,
+            nlink: r.get(4)?,
+            size: r.get::<_, i64>(5)? as u64,
+            atime: Nanos(r.get(6)?),
+            mtime: Nanos(r.get(7)?),
+            ctime: Nanos(r.get(8)?),
+            rdev: r.get(9)?,
+            parent: InodeNo(r.get::<_, i64>(10)? as u64),
+            storage: if storage == 0 {
+                Storage::Inline
+            } else {
+                Storage::Body
+            },
+        },
+    ))
+}
+
+fn finish_inode((ino, mode, mut inode): (u64, u32, Inode)) -> Result<Inode> {
+    inode.kind = Kind::from_mode(mode)
+        .ok_or_else(|| MetaError::Corrupt(ino, format!("bad mode {mode:o}")))?;
+    Ok(inode)
+}
+
+impl Tx<'_> {
+    pub fn commit(mut self) -> Result<()> {
+        self.open = false;
+        if let Err(e) = self.conn.execute_batch("COMMIT") {
+            let _ = self.conn.execute_batch("ROLLBACK");
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    pub fn get(&self, ino: InodeNo) -> Result<Option<Inode>> {
+        let mut st = self
+            .conn
+            .prepare_cached(&format!("SELECT {INODE_COLS} FROM inode WHERE ino = ?1"))?;
+        let row = st.query_row([ino.0 as i64], row_to_inode).optional()?;
+        row.map(finish_inode).transpose()
+    }
+
+    /// Inserts a new inode and returns its number (`inode.ino` is ignored).
+    pub fn insert(&self, inode: &Inode) -> Result<InodeNo> {
+        let mut st = self.conn.prepare_cached(
+            "INSERT INTO inode (mode, uid, gid, nlink, size, atime, mtime, ctime, rdev, parent, storage)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+        )?;
+        st.execute(params![
+            inode.kind.mode_bits() | inode.perm,
+            inode.uid,
+            inode.gid,
+            inode.nlink,
+            inode.size as i64,
+            inode.atime.0,
+            inode.mtime.0,
+            inode.ctime.0,
+            inode.rdev,
+            inode.parent.0 as i64,
+            storage_code(inode.storage),
+        ])?;
+        Ok(InodeNo(self.conn.last_insert_rowid() as u64))
+    }
+
+    pub fn update(&self, inode: &Inode) -> Result<()> {
+        let mut st = self.conn.prepare_cached(
+            "UPDATE inode SET mode=?2, uid=?3, gid=?4, nlink=?5, size=?6, atime=?7, mtime=?8,
+             ctime=?9, rdev=?10, parent=?11, storage=?12 WHERE ino=?1",
+        )?;
+        st.execute(params![
+            inode.ino.0 as i64,
+            inode.kind.mode_bits() | inode.perm,
+            inode.uid,
+            inode.gid,
+            inode.nlink,
+            inode.size as i64,
+            inode.atime.0,
+            inode.mtime.0,
+            inode.ctime.0,
+            inode.rdev,
+            inode.parent.0 as i64,
+            storage_code(inode.storage),
+        ])?;
+        Ok(())
+    }
+
+    /// Deletes an inode with its xattrs, inline data and symlink target.
+    pub fn delete(&self, ino: InodeNo) -> Result<()> {
+        for sql in [
+            "DELETE FROM inode WHERE ino = ?1",
+            "DELETE FROM xattr WHERE ino = ?1",
+            "DELETE FROM inline_data WHERE ino = ?1",
+            "DELETE FROM symlink WHERE ino = ?1",
+        ] {
+            self.conn.prepare_cached(sql)?.execute([ino.0 as i64])?;
+        }
+        Ok(())
+    }
+
+    pub fn lookup(&self, parent: InodeNo, name: &[u8]) -> Result<Option<Dirent>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT ino, kind FROM dirent WHERE parent = ?1 AND name = ?2")?;
+        let r = st
+            .query_row(params![parent.0 as i64, name], |r| {
+                Ok((r.get::<_, i64>(0)?, r.get::<_, u32>(1)?))
+            })
+            .optional()?;
+        match r {
+            None => Ok(None),
+            Some((ino, kind)) => Ok(Some(Dirent {
+                name: name.to_vec(),
+                ino: InodeNo(ino as u64),
+                kind: Kind::from_mode(kind)
+                    .ok_or_else(|| MetaError::Corrupt(ino as u64, "bad dirent kind".into()))?,
+            })),
+        }
+    }
+
+    pub fn link(&self, parent: InodeNo, name: &[u8], ino: InodeNo, kind: Kind) -> Result<()> {
+        self.conn
+            .prepare_cached("INSERT INTO dirent (parent, name, ino, kind) VALUES (?1, ?2, ?3, ?4)")?
+            .execute(params![parent.0 as i64, name, ino.0 as i64, kind.mode_bits()])?;
+        Ok(())
+    }
+
+    /// Points an existing entry at another inode (rename over, exchange).
+    pub fn relink(&self, parent: InodeNo, name: &[u8], ino: InodeNo, kind: Kind) -> Result<()> {
+        self.conn
+            .prepare_cached("UPDATE dirent SET ino = ?3, kind = ?4 WHERE parent = ?1 AND name = ?2")?
+            .execute(params![parent.0 as i64, name, ino.0 as i64, kind.mode_bits()])?;
+        Ok(())
+    }
+
+    pub fn unlink(&self, parent: InodeNo, name: &[u8]) -> Result<()> {
+        self.conn
+            .prepare_cached("DELETE FROM dirent WHERE parent = ?1 AND name = ?2")?
+            .execute(params![parent.0 as i64, name])?;
+        Ok(())
+    }
+
+    pub fn dir_is_empty(&self, dir: InodeNo) -> Result<bool> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT 1 FROM dirent WHERE parent = ?1 LIMIT 1")?;
+        Ok(st.query_row([dir.0 as i64], |_| Ok(())).optional()?.is_none())
+    }
+
+    /// All entries of a directory, in name order.
+    pub fn list(&self, dir: InodeNo) -> Result<Vec<Dirent>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT name, ino, kind FROM dirent WHERE parent = ?1 ORDER BY name")?;
+        let rows = st.query_map([dir.0 as i64], |r| {
+            Ok((
+                r.get::<_, Vec<u8>>(0)?,
+                r.get::<_, i64>(1)?,
+                r.get::<_, u32>(2)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for r in rows {
+            let (name, ino, kind) = r?;
+            out.push(Dirent {
+                name,
+                ino: InodeNo(ino as u64),
+                kind: Kind::from_mode(kind)
+                    .ok_or_else(|| MetaError::Corrupt(ino as u64, "bad dirent kind".into()))?,
+            });
+        }
+        Ok(out)
+    }
+
+    pub fn symlink_target(&self, ino: InodeNo) -> Result<Option<Vec<u8>>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT target FROM symlink WHERE ino = ?1")?
+            .query_row([ino.0 as i64], |r| r.get(0))
+            .optional()?)
+    }
+
+    pub fn set_symlink_target(&self, ino: InodeNo, target: &[u8]) -> Result<()> {
+        self.conn
+            .prepare_cached("INSERT OR REPLACE INTO symlink (ino, target) VALUES (?1, ?2)")?
+            .execute(params![ino.0 as i64, target])?;
+        Ok(())
+    }
+
+    pub fn inline_data(&self, ino: InodeNo) -> Result<Vec<u8>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT data FROM inline_data WHERE ino = ?1")?
+            .query_row([ino.0 as i64], |r| r.get(0))
+            .optional()?
+            .unwrap_or_default())
+    }
+
+    pub fn set_inline_data(&self, ino: InodeNo, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            self.conn
+                .prepare_cached("DELETE FROM inline_data WHERE ino = ?1")?
+                .execute([ino.0 as i64])?;
+        } else {
+            self.conn
+                .prepare_cached("INSERT OR REPLACE INTO inline_data (ino, data) VALUES (?1, ?2)")?
+                .execute(params![ino.0 as i64, data])?;
+        }
+        Ok(())
+    }
+
+    pub fn xattr(&self, ino: InodeNo, name: &[u8]) -> Result<Option<Vec<u8>>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT value FROM xattr WHERE ino = ?1 AND name = ?2")?
+            .query_row(params![ino.0 as i64, name], |r| r.get(0))
+            .optional()?)
+    }
+
+    pub fn set_xattr(&self, ino: InodeNo, name: &[u8], value: &[u8]) -> Result<()> {
+        self.conn
+            .prepare_cached("INSERT OR REPLACE INTO xattr (ino, name, value) VALUES (?1, ?2, ?3)")?
+            .execute(params![ino.0 as i64, name, value])?;
+        Ok(())
+    }
+
+    /// Removes an xattr; returns whether it existed.
+    pub fn remove_xattr(&self, ino: InodeNo, name: &[u8]) -> Result<bool> {
+        let n = self
+            .conn
+            .prepare_cached("DELETE FROM xattr WHERE ino = ?1 AND name = ?2")?
+            .execute(params![ino.0 as i64, name])?;
+        Ok(n > 0)
+    }
+
+    pub fn xattr_names(&self, ino: InodeNo) -> Result<Vec<Vec<u8>>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT name FROM xattr WHERE ino = ?1 ORDER BY name")?;
+        let rows = st.query_map([ino.0 as i64], |r| r.get::<_, Vec<u8>>(0))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Inodes with no remaining links (left over when keel stopped while files were open).
+    pub fn orphans(&self) -> Result<Vec<Inode>> {
+        let mut st = self
+            .conn
+            .prepare_cached(&format!("SELECT {INODE_COLS} FROM inode WHERE nlink = 0"))?;
+        let rows = st.query_map([], row_to_inode)?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(finish_inode(r?)?);
+        }
+        Ok(out)
+    }
+
+    /// Number of inodes (for statfs).
+    pub fn inode_count(&self) -> Result<u64> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT count(*) FROM inode")?
+            .query_row([], |r| r.get::<_, i64>(0))? as u64)
+    }
+
+    /// Every inode (for fsck and tests).
+    pub fn all_inodes(&self) -> Result<Vec<Inode>> {
+        let mut st = self
+            .conn
+            .prepare_cached(&format!("SELECT {INODE_COLS} FROM inode ORDER BY ino"))?;
+        let rows = st.query_map([], row_to_inode)?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(finish_inode(r?)?);
+        }
+        Ok(out)
+    }
+
+    /// Every directory entry as (parent, entry) (for fsck and tests).
+    pub fn all_dirents(&self) -> Result<Vec<(InodeNo, Dirent)>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT parent, name, ino, kind FROM dirent ORDER BY parent, name")?;
+        let rows = st.query_map([], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, Vec<u8>>(1)?,
+                r.get::<_, i64>(2)?,
+                r.get::<_, u32>(3)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for r in rows {
+            let (p, name, ino, kind) = r?;
+            out.push((
+                InodeNo(p as u64),
+                Dirent {
+                    name,
+                    ino: InodeNo(ino as u64),
+                    kind: Kind::from_mode(kind)
+                        .ok_or_else(|| MetaError::Corrupt(ino as u64, "bad dirent kind".into()))?,
+                },
+            ));
+        }
+        Ok(out)
+    }
+}
+
+fn storage_code(s: Storage) -> i64 {
+    match s {
+        Storage::Inline => 0,
+        Storage::Body => 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(perm: u32) -> Inode {
+        Inode {
+            ino: InodeNo(0),
+            kind: Kind::File,
+            perm,
+            uid: 1,
+            gid: 2,
+            nlink: 1,
+            size: 0,
+            atime: Nanos(1),
+            mtime: Nanos(2),
+            ctime: Nanos(3),
+            rdev: 0,
+            parent: InodeNo::ROOT,
+            storage: Storage::Inline,
+        }
+    }
+
+    #[test]
+    fn create_root_and_roundtrip() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("meta.db");
+        let mut s = Store::open(&p, Nanos(5)).unwrap();
+        let root = s.read().get(InodeNo::ROOT).unwrap().unwrap();
+        assert_eq!(root.kind, Kind::Dir);
+        assert_eq!(root.nlink, 2);
+        let tx = s.write().unwrap();
+        let ino = tx.insert(&file(0o644)).unwrap();
+        tx.link(InodeNo::ROOT, b"a", ino, Kind::File).unwrap();
+        tx.set_xattr(ino, b"user.x", b"1").unwrap();
+        tx.commit().unwrap();
+        // A rolled-back transaction leaves nothing behind.
+        {
+            let tx = s.write().unwrap();
+            tx.unlink(InodeNo::ROOT, b"a").unwrap();
+        }
+        drop(s);
+        let s = Store::open(&p, Nanos(6)).unwrap();
+        let d = s.read().lookup(InodeNo::ROOT, b"a").unwrap().unwrap();
+        assert_eq!(d.ino, ino);
+        let got = s.read().get(ino).unwrap().unwrap();
+        assert_eq!(got.perm, 0o644);
+        assert_eq!(s.read().xattr(ino, b"user.x").unwrap().unwrap(), b"1");
+    }
+
+    #[test]
+    fn foreign_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("meta.db");
+        std::fs::write(&p, b"definitely not sqlite, just some bytes that are long enough").unwrap();
+        let e = Store::open(&p, Nanos(0)).err().unwrap();
+        assert!(matches!(e, MetaError::Foreign { .. }), "{e}");
+    }
+}

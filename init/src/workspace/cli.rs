@@ -1,8 +1,172 @@
-//! `keel mount`: argument parsing for mounting the workspace in the foreground.
+//! `keel mount`: mounts the workspace in the foreground until SIGTERM/SIGINT/SIGHUP, then
+//! syncs and unmounts. Options override the `[workspace]` table of the config file.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
 
-pub fn mount_main(_args: Vec<OsString>) -> i32 {
-    eprintln!("keel: mount: not implemented yet");
-    2
+use crate::config::Config;
+use crate::sys::fgsig::StopSignals;
+
+const USAGE: &str = "usage: keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none] [--threads N] [--config FILE]";
+
+/// Parsed `keel mount` arguments.
+#[derive(Debug, Default, PartialEq)]
+pub struct MountArgs {
+    pub state: Option<PathBuf>,
+    pub mount_point: Option<PathBuf>,
+    pub cache: Option<String>,
+    pub threads: Option<usize>,
+    pub config: Option<PathBuf>,
+}
+
+pub fn parse(args: Vec<OsString>) -> Result<MountArgs, String> {
+    let mut out = MountArgs::default();
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        let s = a.to_string_lossy().into_owned();
+        let (flag, inline) = match s.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (s.clone(), None),
+        };
+        let mut value = |name: &str| -> Result<OsString, String> {
+            match &inline {
+                Some(v) => Ok(OsString::from(v)),
+                None => it.next().ok_or_else(|| format!("{name} needs a value")),
+            }
+        };
+        match flag.as_str() {
+            "--state" => out.state = Some(PathBuf::from(value("--state")?)),
+            "--cache" => out.cache = Some(value("--cache")?.to_string_lossy().into_owned()),
+            "--threads" => {
+                let v = value("--threads")?;
+                let n = v
+                    .to_str()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|n| (1..=64).contains(n))
+                    .ok_or_else(|| format!("--threads: `{}` is not a number from 1 to 64", v.to_string_lossy()))?;
+                out.threads = Some(n);
+            }
+            "--config" => out.config = Some(PathBuf::from(value("--config")?)),
+            "-h" | "--help" => return Err(USAGE.to_string()),
+            f if f.starts_with('-') => return Err(format!("unknown option `{f}`\n{USAGE}")),
+            _ => {
+                if out.mount_point.is_some() {
+                    return Err(format!("unexpected argument `{s}`\n{USAGE}"));
+                }
+                out.mount_point = Some(PathBuf::from(a));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn absolute(p: PathBuf) -> PathBuf {
+    if p.is_absolute() {
+        p
+    } else {
+        std::env::current_dir().map(|d| d.join(&p)).unwrap_or(p)
+    }
+}
+
+pub fn mount_main(args: Vec<OsString>) -> i32 {
+    crate::logging::init();
+    let a = match parse(args) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("keel: mount: {e}");
+            return 2;
+        }
+    };
+    let config_path = a
+        .config
+        .clone()
+        .or_else(|| std::env::var_os("KEEL_CONFIG").map(PathBuf::from));
+    let mut cfg = match &config_path {
+        Some(p) => match Config::load(p) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("keel: {e}");
+                return 2;
+            }
+        },
+        None => Config::default(),
+    };
+    let ws = &mut cfg.workspace;
+    if let Some(s) = a.state {
+        ws.state_dir = absolute(s);
+    }
+    match a.mount_point {
+        Some(m) => ws.mount_point = absolute(m),
+        None => {
+            eprintln!("keel: mount: missing MOUNTPOINT\n{USAGE}");
+            return 2;
+        }
+    }
+    if let Some(c) = a.cache {
+        match c.parse() {
+            Ok(c) => ws.cache = c,
+            Err(e) => {
+                eprintln!("keel: mount: --cache: {e}");
+                return 2;
+            }
+        }
+    }
+    if let Some(t) = a.threads {
+        ws.threads = t;
+    }
+    if let Err((key, reason)) = ws.validate() {
+        eprintln!("keel: mount: {key}: {reason}");
+        return 2;
+    }
+    let signals = match StopSignals::block() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("keel: mount: block signals: {e}");
+            return 1;
+        }
+    };
+    let mounted = match crate::workspace::mount(ws) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("keel: mount: {e}");
+            return 1;
+        }
+    };
+    match signals.wait() {
+        Ok(sig) => tracing::info!(signal = sig, "stopping"),
+        Err(e) => tracing::warn!(error = %e, "waiting for signals failed; unmounting"),
+    }
+    match mounted.unmount() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("keel: mount: {e}");
+            1
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(v: &[&str]) -> Vec<OsString> {
+        v.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn parses_all_options() {
+        let a = parse(args(&["--state", "/s", "/m", "--cache=kernel", "--threads", "4"])).unwrap();
+        assert_eq!(a.state, Some(PathBuf::from("/s")));
+        assert_eq!(a.mount_point, Some(PathBuf::from("/m")));
+        assert_eq!(a.cache.as_deref(), Some("kernel"));
+        assert_eq!(a.threads, Some(4));
+    }
+
+    #[test]
+    fn rejects_bad_input() {
+        assert!(parse(args(&["--threads", "0", "/m"])).is_err());
+        assert!(parse(args(&["--bogus"])).is_err());
+        assert!(parse(args(&["/a", "/b"])).is_err());
+        assert!(parse(args(&["--state"])).is_err());
+    }
 }

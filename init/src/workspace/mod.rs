@@ -2,6 +2,8 @@
 //! adapter in `fuse`, and mounting/unmounting in `session`.
 
 pub mod cli;
+pub mod fs;
+pub mod fuse;
 pub mod session;
 
 pub use session::{mount, Mounted, SessionError};

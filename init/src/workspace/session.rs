@@ -1,34 +1,152 @@
 //! Mounting and unmounting the workspace: locks the state dir, opens the store, starts the
-//! multi-threaded FUSE session, and on shutdown flushes and unmounts.
+//! multi-threaded FUSE session, and on shutdown syncs and unmounts.
 
+use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::config::WorkspaceConfig;
+use crate::sys;
+
+use super::fs::{FsOptions, WorkspaceFs};
+use super::fuse::{FuseAdapter, KernelFeatures, Timeouts};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
-    #[error("state dir {path}: already in use by another keel (lock held on {lock})")]
+    #[error("state dir {path}: already in use by another keel (lock {lock} is held)")]
     StateLocked { path: PathBuf, lock: PathBuf },
     #[error("state dir {path}: {reason}")]
     OpenState { path: PathBuf, reason: String },
+    #[error("mount point {path}: {reason}")]
+    MountPoint { path: PathBuf, reason: String },
     #[error("mount {path}: {source}")]
-    Mount { path: PathBuf, source: std::io::Error },
+    Mount { path: PathBuf, source: io::Error },
     #[error("flush: {0}")]
     Flush(String),
     #[error("unmount {path}: {source}")]
-    Unmount { path: PathBuf, source: std::io::Error },
+    Unmount { path: PathBuf, source: io::Error },
 }
 
-/// A mounted workspace. Dropping it without `unmount` still unmounts (best effort).
+/// A mounted workspace. Dropping it unmounts too, but only `unmount` reports errors.
 pub struct Mounted {
     mount_point: PathBuf,
+    fs: Arc<WorkspaceFs>,
+    session: Option<fuser::BackgroundSession>,
+    _lock: sys::file::LockFile,
+}
+
+/// Names that may sit in a state dir that keel has not initialised yet.
+const HARMLESS: &[&str] = &["lost+found", "lock", ".keep"];
+
+fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
+    let bad = |reason: String| SessionError::OpenState {
+        path: dir.to_path_buf(),
+        reason,
+    };
+    std::fs::create_dir_all(dir).map_err(|e| bad(format!("cannot create: {e}")))?;
+    if !dir.join("meta.db").exists() {
+        let entries = std::fs::read_dir(dir).map_err(|e| bad(format!("cannot read: {e}")))?;
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if !HARMLESS.contains(&name.as_ref()) && name != "bodies" {
+                return Err(bad(format!(
+                    "not a keel state dir (it holds `{name}` but no meta.db); refusing to touch it"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn prepare_mount_point(p: &Path) -> Result<(), SessionError> {
+    let bad = |reason: String| SessionError::MountPoint {
+        path: p.to_path_buf(),
+        reason,
+    };
+    match std::fs::metadata(p) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(bad("exists and is not a directory".into())),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            // A FUSE daemon died here earlier; clear its dead mount.
+            sys::file::detach_mount(p).map_err(|e| bad(format!("stale mount: {e}")))?;
+            Ok(())
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(p).map_err(|e| bad(format!("cannot create: {e}")))
+        }
+        Err(e) => Err(bad(e.to_string())),
+    }
 }
 
 /// Mounts the workspace described by `cfg` and returns once the kernel has accepted it.
 pub fn mount(cfg: &WorkspaceConfig) -> Result<Mounted, SessionError> {
-    Err(SessionError::Mount {
-        path: cfg.mount_point.clone(),
-        source: std::io::Error::other("not implemented yet"),
+    let state = &cfg.state_dir;
+    check_state_dir(state)?;
+    let lock_path = state.join("lock");
+    let lock = sys::file::try_lock(&lock_path)
+        .map_err(|e| SessionError::OpenState {
+            path: state.clone(),
+            reason: format!("lock {}: {e}", lock_path.display()),
+        })?
+        .ok_or_else(|| SessionError::StateLocked {
+            path: state.clone(),
+            lock: lock_path.clone(),
+        })?;
+    let fs = WorkspaceFs::new(
+        state,
+        FsOptions {
+            cache: cfg.cache,
+            inline_max: cfg.inline_max,
+        },
+    )
+    .map_err(|e| SessionError::OpenState {
+        path: state.clone(),
+        reason: e.to_string(),
+    })?;
+    let fs = Arc::new(fs);
+    prepare_mount_point(&cfg.mount_point)?;
+
+    let adapter = FuseAdapter::new(
+        fs.clone(),
+        Timeouts {
+            attr: cfg.attr_timeout,
+            entry: cfg.entry_timeout,
+            negative: cfg.negative_timeout,
+        },
+        KernelFeatures {
+            writeback_cache: cfg.writeback_cache && cfg.cache != crate::config::CacheMode::None,
+        },
+    );
+    let mut fc = fuser::Config::default();
+    fc.mount_options = vec![
+        fuser::MountOption::FSName("keel".into()),
+        fuser::MountOption::Subtype("keel".into()),
+        fuser::MountOption::DefaultPermissions,
+        fuser::MountOption::Dev,
+        fuser::MountOption::Suid,
+    ];
+    fc.acl = fuser::SessionACL::All;
+    fc.n_threads = Some(cfg.effective_threads());
+    fc.clone_fd = true;
+    let session = fuser::Session::new(adapter, &cfg.mount_point, &fc)
+        .and_then(|s| s.spawn())
+        .map_err(|source| SessionError::Mount {
+            path: cfg.mount_point.clone(),
+            source,
+        })?;
+    tracing::info!(
+        mount_point = %cfg.mount_point.display(),
+        state = %state.display(),
+        cache = cfg.cache.as_str(),
+        threads = cfg.effective_threads(),
+        "workspace mounted"
+    );
+    Ok(Mounted {
+        mount_point: cfg.mount_point.clone(),
+        fs,
+        session: Some(session),
+        _lock: lock,
     })
 }
 
@@ -37,13 +155,41 @@ impl Mounted {
         &self.mount_point
     }
 
-    /// Makes every file whose close returned durable in the local store.
+    /// Makes every file whose close returned durable in the local store: asks the kernel to
+    /// write back its dirty pages, then syncs bodies and metadata.
     pub fn flush(&self) -> Result<(), SessionError> {
-        Ok(())
+        if let Err(e) = sys::file::syncfs(&self.mount_point) {
+            tracing::warn!(error = %e, "syncfs of the mount failed; syncing the store anyway");
+        }
+        self.fs
+            .sync_all()
+            .map_err(|e| SessionError::Flush(e.to_string()))
     }
 
     /// Flushes, then unmounts and waits for the FUSE workers to finish.
-    pub fn unmount(self) -> Result<(), SessionError> {
+    pub fn unmount(mut self) -> Result<(), SessionError> {
+        let flushed = self.flush();
+        let session = self.session.take().expect("session present until unmount");
+        session
+            .umount_and_join()
+            .map_err(|source| SessionError::Unmount {
+                path: self.mount_point.clone(),
+                source,
+            })?;
+        flushed?;
+        self.fs
+            .shutdown()
+            .map_err(|e| SessionError::Flush(e.to_string()))?;
+        tracing::info!(mount_point = %self.mount_point.display(), "workspace unmounted");
         Ok(())
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        if let Some(s) = self.session.take() {
+            let _ = self.fs.sync_all();
+            let _ = s.umount_and_join();
+        }
     }
 }

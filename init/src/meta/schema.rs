@@ -1,0 +1,85 @@
+//! The database schema, its version stamp, and the connection settings.
+
+use rusqlite::{Connection, OptionalExtension};
+
+use super::{MetaError, Nanos, Result};
+
+const MAGIC: &str = "keel-workspace";
+const VERSION: i64 = 1;
+
+pub(super) fn configure(conn: &Connection) -> rusqlite::Result<()> {
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    conn.execute_batch(
+        "PRAGMA journal_mode=WAL;
+         PRAGMA synchronous=NORMAL;
+         PRAGMA foreign_keys=OFF;
+         PRAGMA temp_store=MEMORY;
+         PRAGMA cache_size=-32768;",
+    )?;
+    // Reading one row forces SQLite to look at the file header.
+    conn.query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))?;
+    Ok(())
+}
+
+pub(super) fn create(conn: &Connection, now: Nanos) -> Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         CREATE TABLE meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
+         CREATE TABLE inode (
+            ino INTEGER PRIMARY KEY AUTOINCREMENT,
+            mode INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL,
+            nlink INTEGER NOT NULL, size INTEGER NOT NULL,
+            atime INTEGER NOT NULL, mtime INTEGER NOT NULL, ctime INTEGER NOT NULL,
+            rdev INTEGER NOT NULL, parent INTEGER NOT NULL, storage INTEGER NOT NULL);
+         CREATE INDEX inode_orphans ON inode(nlink) WHERE nlink = 0;
+         CREATE TABLE dirent (
+            parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL, kind INTEGER NOT NULL,
+            PRIMARY KEY (parent, name)) WITHOUT ROWID;
+         CREATE TABLE xattr (
+            ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL,
+            PRIMARY KEY (ino, name)) WITHOUT ROWID;
+         CREATE TABLE inline_data (ino INTEGER PRIMARY KEY, data BLOB NOT NULL);
+         CREATE TABLE symlink (ino INTEGER PRIMARY KEY, target BLOB NOT NULL);",
+    )?;
+    conn.execute(
+        "INSERT INTO meta (key, value) VALUES ('magic', ?1), ('version', ?2), ('syncs', 0)",
+        rusqlite::params![MAGIC, VERSION],
+    )?;
+    conn.execute(
+        "INSERT INTO inode (ino, mode, uid, gid, nlink, size, atime, mtime, ctime, rdev, parent, storage)
+         VALUES (1, ?1, 0, 0, 2, 0, ?2, ?2, ?2, 0, 1, 0)",
+        rusqlite::params![libc::S_IFDIR | 0o755, now.0],
+    )?;
+    conn.execute_batch("COMMIT")?;
+    Ok(())
+}
+
+pub(super) fn check(conn: &Connection, path: &str) -> Result<()> {
+    let foreign = |reason: String| MetaError::Foreign {
+        path: path.to_string(),
+        reason,
+    };
+    let has_meta: Option<String> = conn
+        .query_row(
+            "SELECT name FROM sqlite_master WHERE type='table' AND name='meta'",
+            [],
+            |r| r.get(0),
+        )
+        .optional()?;
+    if has_meta.is_none() {
+        return Err(foreign("it has no keel `meta` table".into()));
+    }
+    let magic: Option<String> = conn
+        .query_row("SELECT value FROM meta WHERE key='magic'", [], |r| r.get(0))
+        .optional()?;
+    if magic.as_deref() != Some(MAGIC) {
+        return Err(foreign(format!("magic is {magic:?}, expected {MAGIC:?}")));
+    }
+    let version: i64 = conn.query_row("SELECT value FROM meta WHERE key='version'", [], |r| r.get(0))?;
+    if version != VERSION {
+        return Err(foreign(format!(
+            "schema version {version} is not supported (this keel reads version {VERSION})"
+        )));
+    }
+    Ok(())
+}

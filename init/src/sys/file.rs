@@ -1,0 +1,100 @@
+//! File and filesystem syscalls the workspace needs beyond std: fallocate, SEEK_DATA/HOLE,
+//! statvfs, flock, copy_file_range. Thin safe wrappers over `nix`.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsFd;
+use std::path::Path;
+
+fn io_err(e: nix::errno::Errno) -> io::Error {
+    io::Error::from_raw_os_error(e as i32)
+}
+
+/// `fallocate(2)` with raw mode bits (FALLOC_FL_*).
+pub fn fallocate(f: &File, mode: i32, offset: u64, len: u64) -> io::Result<()> {
+    let flags = nix::fcntl::FallocateFlags::from_bits_retain(mode);
+    nix::fcntl::fallocate(f.as_fd(), flags, offset as i64, len as i64).map_err(io_err)
+}
+
+/// `lseek(2)` with SEEK_DATA (`data = true`) or SEEK_HOLE.
+pub fn seek_data_hole(f: &File, offset: u64, data: bool) -> io::Result<u64> {
+    let whence = if data {
+        nix::unistd::Whence::SeekData
+    } else {
+        nix::unistd::Whence::SeekHole
+    };
+    nix::unistd::lseek(f.as_fd(), offset as i64, whence)
+        .map(|o| o as u64)
+        .map_err(io_err)
+}
+
+/// Free-space numbers of the filesystem holding `path`.
+#[derive(Debug, Clone, Copy)]
+pub struct SpaceInfo {
+    pub block_size: u64,
+    pub fragment_size: u64,
+    pub blocks: u64,
+    pub blocks_free: u64,
+    pub blocks_avail: u64,
+    pub files: u64,
+    pub files_free: u64,
+}
+
+pub fn statvfs(path: &Path) -> io::Result<SpaceInfo> {
+    let s = nix::sys::statvfs::statvfs(path).map_err(io_err)?;
+    Ok(SpaceInfo {
+        block_size: s.block_size(),
+        fragment_size: s.fragment_size(),
+        blocks: s.blocks(),
+        blocks_free: s.blocks_free(),
+        blocks_avail: s.blocks_available(),
+        files: s.files(),
+        files_free: s.files_free(),
+    })
+}
+
+/// An exclusive advisory lock held for as long as the value lives.
+#[derive(Debug)]
+pub struct LockFile {
+    _lock: nix::fcntl::Flock<File>,
+}
+
+/// Takes an exclusive non-blocking `flock` on `path` (created if needed).
+/// Returns `Ok(None)` when another process holds it.
+pub fn try_lock(path: &Path) -> io::Result<Option<LockFile>> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)?;
+    match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(l) => Ok(Some(LockFile { _lock: l })),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+        Err((_, e)) => Err(io_err(e)),
+    }
+}
+
+/// `copy_file_range(2)` between two files at explicit offsets; returns bytes copied.
+pub fn copy_range(src: &File, src_off: u64, dst: &File, dst_off: u64, len: usize) -> io::Result<usize> {
+    let mut so = src_off as i64;
+    let mut d_o = dst_off as i64;
+    nix::fcntl::copy_file_range(src.as_fd(), Some(&mut so), dst.as_fd(), Some(&mut d_o), len)
+        .map_err(io_err)
+}
+
+/// `syncfs(2)`: writes out every dirty page of the filesystem holding `path`.
+pub fn syncfs(path: &Path) -> io::Result<()> {
+    let dir = File::open(path)?;
+    nix::unistd::syncfs(&dir).map_err(io_err)
+}
+
+/// Detaches whatever is mounted on `path` (`umount -l`), e.g. a dead FUSE mount that only
+/// answers ENOTCONN. Returns whether something was unmounted.
+pub fn detach_mount(path: &Path) -> io::Result<bool> {
+    match nix::mount::umount2(path, nix::mount::MntFlags::MNT_DETACH) {
+        Ok(()) => Ok(true),
+        Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => Ok(false),
+        Err(e) => Err(io_err(e)),
+    }
+}

@@ -1,0 +1,1497 @@
+//! POSIX semantics of the workspace, with no FUSE types: names, links, renames, attributes,
+//! xattrs, file data (inline in SQLite or in a body file written in place), open-unlinked
+//! files and durability points. `fuse.rs` translates kernel requests into these calls; tests
+//! call them directly.
+//!
+//! Concurrency: one mutex guards the metadata store and the table of in-use inodes; reads and
+//! writes of body files run outside it on a shared file handle.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::chunk::BodyStore;
+use crate::config::CacheMode;
+use crate::meta::{Dirent, Inode, InodeNo, Kind, MetaError, Nanos, Storage, Store, Tx};
+use crate::sys;
+
+/// Longest name of a directory entry, in bytes.
+pub const NAME_MAX: usize = 255;
+/// Longest symlink target, in bytes.
+pub const PATH_MAX: usize = 4096;
+/// Longest xattr name and value.
+pub const XATTR_NAME_MAX: usize = 255;
+pub const XATTR_SIZE_MAX: usize = 65536;
+/// Most hard links one inode may have.
+pub const LINK_MAX: u32 = 65000;
+
+const XATTR_CREATE: i32 = 1;
+const XATTR_REPLACE: i32 = 2;
+const RENAME_NOREPLACE: u32 = 1;
+const RENAME_EXCHANGE: u32 = 2;
+
+/// Everything that can go wrong in a filesystem operation. `errno` maps each to the one
+/// errno the caller sees.
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("no such file or directory")]
+    NotFound,
+    #[error("file exists")]
+    Exists,
+    #[error("not a directory")]
+    NotDir,
+    #[error("is a directory")]
+    IsDir,
+    #[error("directory not empty")]
+    NotEmpty,
+    #[error("name too long")]
+    NameTooLong,
+    #[error("invalid argument")]
+    Invalid,
+    #[error("no such attribute")]
+    NoAttr,
+    #[error("buffer too small")]
+    Range,
+    #[error("attribute value too large")]
+    TooBig,
+    #[error("operation not permitted")]
+    NotPermitted,
+    #[error("permission denied")]
+    Access,
+    #[error("bad file handle")]
+    BadHandle,
+    #[error("operation not supported")]
+    NotSupported,
+    #[error("no data at or after offset")]
+    NoData,
+    #[error("too many links")]
+    TooManyLinks,
+    #[error("io: {0}")]
+    Io(#[from] io::Error),
+    #[error("metadata: {0}")]
+    Meta(#[from] MetaError),
+}
+
+impl FsError {
+    /// The errno for this error. One exhaustive match: adding a variant forces a choice here.
+    pub fn errno(&self) -> i32 {
+        match self {
+            FsError::NotFound => libc::ENOENT,
+            FsError::Exists => libc::EEXIST,
+            FsError::NotDir => libc::ENOTDIR,
+            FsError::IsDir => libc::EISDIR,
+            FsError::NotEmpty => libc::ENOTEMPTY,
+            FsError::NameTooLong => libc::ENAMETOOLONG,
+            FsError::Invalid => libc::EINVAL,
+            FsError::NoAttr => libc::ENODATA,
+            FsError::Range => libc::ERANGE,
+            FsError::TooBig => libc::E2BIG,
+            FsError::NotPermitted => libc::EPERM,
+            FsError::Access => libc::EACCES,
+            FsError::BadHandle => libc::EBADF,
+            FsError::NotSupported => libc::EOPNOTSUPP,
+            FsError::NoData => libc::ENXIO,
+            FsError::TooManyLinks => libc::EMLINK,
+            FsError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
+            FsError::Meta(e) if e.is_full() => libc::ENOSPC,
+            FsError::Meta(_) => libc::EIO,
+        }
+    }
+}
+
+pub type FsResult<T> = Result<T, FsError>;
+
+/// Who is asking (from the kernel request).
+#[derive(Debug, Clone, Copy)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// An inode's attributes as `stat` shows them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attr {
+    pub inode: Inode,
+    /// Allocated 512-byte blocks.
+    pub blocks: u64,
+}
+
+/// A time to set with `setattr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetTime {
+    Now,
+    At(Nanos),
+}
+
+/// The fields `setattr` changes; `None` leaves a field alone.
+#[derive(Debug, Clone, Default)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<SetTime>,
+    pub mtime: Option<SetTime>,
+    pub ctime: Option<Nanos>,
+}
+
+/// How the kernel should cache an opened file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OpenInfo {
+    pub keep_cache: bool,
+    pub direct_io: bool,
+}
+
+/// One directory entry as `readdir` returns it.
+#[derive(Debug, Clone)]
+pub struct DirEntry {
+    pub name: Vec<u8>,
+    pub ino: InodeNo,
+    pub kind: Kind,
+}
+
+/// Numbers for `statfs`.
+#[derive(Debug, Clone, Copy)]
+pub struct StatFs {
+    pub blocks: u64,
+    pub bfree: u64,
+    pub bavail: u64,
+    pub files: u64,
+    pub ffree: u64,
+    pub bsize: u32,
+    pub namelen: u32,
+    pub frsize: u32,
+}
+
+/// Tunables of the filesystem itself.
+#[derive(Debug, Clone)]
+pub struct FsOptions {
+    pub cache: CacheMode,
+    pub inline_max: u64,
+}
+
+/// The bytes of an open regular file.
+enum Data {
+    Inline(Vec<u8>),
+    Body(Arc<File>),
+}
+
+/// State of a regular file while it is open (or being changed by a data operation).
+struct OpenFile {
+    /// Authoritative attributes while open; the store may lag behind until `dirty` is cleared.
+    inode: Inode,
+    data: Data,
+    dirty: bool,
+}
+
+/// An inode the kernel knows about (looked up) or that has open handles.
+#[derive(Default)]
+struct Node {
+    lookups: u64,
+    opens: u32,
+    open: Option<OpenFile>,
+    /// (mtime, size) when the last handle was closed: the page cache is still valid if the
+    /// file looks the same at the next open (cache mode `auto`).
+    cache_stamp: Option<(Nanos, u64)>,
+}
+
+enum Handle {
+    File { ino: InodeNo },
+    Dir { entries: Vec<DirEntry> },
+}
+
+struct Inner {
+    store: Store,
+    nodes: HashMap<InodeNo, Node>,
+    handles: HashMap<u64, Handle>,
+    next_fh: u64,
+}
+
+/// The workspace filesystem over one state directory.
+pub struct WorkspaceFs {
+    inner: Mutex<Inner>,
+    bodies: BodyStore,
+    state_dir: PathBuf,
+    opts: FsOptions,
+}
+
+/// Current time in nanoseconds since the epoch.
+pub fn now() -> Nanos {
+    let d = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    Nanos(d.as_nanos() as i64)
+}
+
+fn check_name(name: &[u8]) -> FsResult<()> {
+    if name.len() > NAME_MAX {
+        return Err(FsError::NameTooLong);
+    }
+    if name.is_empty() || name.contains(&b'/') || name == b"." || name == b".." {
+        return Err(FsError::Invalid);
+    }
+    Ok(())
+}
+
+impl WorkspaceFs {
+    /// Opens the state directory (which must already be locked by the caller), removing
+    /// inodes that were unlinked while open when keel last stopped.
+    pub fn new(state_dir: &Path, opts: FsOptions) -> Result<WorkspaceFs, FsError> {
+        let store = Store::open(&state_dir.join("meta.db"), now())?;
+        let bodies = BodyStore::open(&state_dir.join("bodies"))
+            .map_err(|e| FsError::Io(io::Error::other(e.to_string())))?;
+        let orphans = store.read().orphans()?;
+        if !orphans.is_empty() {
+            let tx = store.write()?;
+            for o in &orphans {
+                tx.delete(o.ino)?;
+            }
+            tx.commit()?;
+            for o in &orphans {
+                bodies.remove(o.ino.0)?;
+            }
+            tracing::info!(count = orphans.len(), "removed files that were unlinked while open");
+        }
+        Ok(WorkspaceFs {
+            inner: Mutex::new(Inner {
+                store,
+                nodes: HashMap::new(),
+                handles: HashMap::new(),
+                next_fh: 1,
+            }),
+            bodies,
+            state_dir: state_dir.to_path_buf(),
+            opts,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    // ----- inode helpers (called with the lock held) -----
+
+    fn load(inner: &Inner, ino: InodeNo) -> FsResult<Inode> {
+        if let Some(of) = inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
+            return Ok(of.inode.clone());
+        }
+        inner.store.read().get(ino)?.ok_or(FsError::NotFound)
+    }
+
+    fn load_dir(inner: &Inner, ino: InodeNo) -> FsResult<Inode> {
+        let i = Self::load(inner, ino)?;
+        if i.kind != Kind::Dir {
+            return Err(FsError::NotDir);
+        }
+        Ok(i)
+    }
+
+    /// Writes an inode (and, for an open inline file, its bytes) in `tx`, and updates the
+    /// open copy.
+    fn save(nodes: &mut HashMap<InodeNo, Node>, tx: &Tx<'_>, inode: &Inode) -> FsResult<()> {
+        tx.update(inode)?;
+        if let Some(of) = nodes.get_mut(&inode.ino).and_then(|n| n.open.as_mut()) {
+            of.inode = inode.clone();
+            if let Data::Inline(bytes) = &of.data {
+                tx.set_inline_data(inode.ino, bytes)?;
+            }
+            of.dirty = false;
+        }
+        Ok(())
+    }
+
+    fn attr(&self, inode: Inode, body: Option<&File>) -> FsResult<Attr> {
+        let blocks = match (inode.kind, inode.storage) {
+            (Kind::File, Storage::Body) => {
+                use std::os::unix::fs::MetadataExt;
+                match body {
+                    Some(f) => f.metadata()?.blocks(),
+                    None => self.bodies.stat(inode.ino.0)?.map(|(_, b)| b).unwrap_or(0),
+                }
+            }
+            _ => inode.size.div_ceil(512),
+        };
+        Ok(Attr { inode, blocks })
+    }
+
+    fn attr_locked(&self, inner: &Inner, ino: InodeNo) -> FsResult<Attr> {
+        let inode = Self::load(inner, ino)?;
+        let body = inner
+            .nodes
+            .get(&ino)
+            .and_then(|n| n.open.as_ref())
+            .and_then(|of| match &of.data {
+                Data::Body(f) => Some(f.clone()),
+                Data::Inline(_) => None,
+            });
+        self.attr(inode, body.as_deref())
+    }
+
+    fn remember(inner: &mut Inner, ino: InodeNo) {
+        inner.nodes.entry(ino).or_default().lookups += 1;
+    }
+
+    fn in_use(inner: &Inner, ino: InodeNo) -> bool {
+        inner
+            .nodes
+            .get(&ino)
+            .is_some_and(|n| n.lookups > 0 || n.opens > 0)
+    }
+
+    /// Deletes an inode that has no links and nobody using it.
+    fn purge(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        let tx = inner.store.write()?;
+        tx.delete(ino)?;
+        tx.commit()?;
+        inner.nodes.remove(&ino);
+        self.bodies.remove(ino.0)?;
+        Ok(())
+    }
+
+    fn new_inode(caller: Caller, parent: &Inode, kind: Kind, perm: u32, rdev: u32) -> Inode {
+        let t = now();
+        let (gid, perm) = if parent.perm & libc::S_ISGID != 0 {
+            let perm = if kind == Kind::Dir {
+                perm | libc::S_ISGID
+            } else {
+                perm
+            };
+            (parent.gid, perm)
+        } else {
+            (caller.gid, perm)
+        };
+        Inode {
+            ino: InodeNo(0),
+            kind,
+            perm: perm & 0o7777,
+            uid: caller.uid,
+            gid,
+            nlink: if kind == Kind::Dir { 2 } else { 1 },
+            size: 0,
+            atime: t,
+            mtime: t,
+            ctime: t,
+            rdev,
+            parent: parent.ino,
+            storage: Storage::Inline,
+        }
+    }
+
+    /// Loads the bytes of a regular file into its node so data operations can work on it.
+    fn ensure_open(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        if inner.nodes.get(&ino).is_some_and(|n| n.open.is_some()) {
+            return Ok(());
+        }
+        let inode = inner.store.read().get(ino)?.ok_or(FsError::NotFound)?;
+        match inode.kind {
+            Kind::File => {}
+            Kind::Dir => return Err(FsError::IsDir),
+            _ => return Err(FsError::Invalid),
+        }
+        let data = match inode.storage {
+            Storage::Inline => Data::Inline(inner.store.read().inline_data(ino)?),
+            Storage::Body => {
+                let f = self.bodies.open_rw(ino.0)?;
+                // The body may disagree with the committed size after a crash: the store
+                // is the truth (bytes past it were never acknowledged).
+                if f.metadata()?.len() != inode.size {
+                    f.set_len(inode.size)?;
+                }
+                Data::Body(Arc::new(f))
+            }
+        };
+        let mut data = data;
+        if let Data::Inline(v) = &mut data {
+            v.resize(inode.size as usize, 0);
+        }
+        inner.nodes.entry(ino).or_default().open = Some(OpenFile {
+            inode,
+            data,
+            dirty: false,
+        });
+        Ok(())
+    }
+
+    /// Writes back and drops the loaded bytes of a file nobody has open.
+    fn settle(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        let Some(node) = inner.nodes.get_mut(&ino) else {
+            return Ok(());
+        };
+        if node.opens > 0 {
+            return Ok(());
+        }
+        if node.open.as_ref().is_some_and(|of| of.dirty) {
+            let inode = node.open.as_ref().map(|of| of.inode.clone());
+            if let Some(inode) = inode {
+                let tx = inner.store.write()?;
+                Self::save(&mut inner.nodes, &tx, &inode)?;
+                tx.commit()?;
+            }
+        }
+        let node = inner.nodes.get_mut(&ino).expect("node present");
+        if let Some(of) = node.open.take() {
+            node.cache_stamp = Some((of.inode.mtime, of.inode.size));
+        }
+        if node.lookups == 0 {
+            let linked = inner
+                .store
+                .read()
+                .get(ino)?
+                .map(|i| i.nlink > 0)
+                .unwrap_or(false);
+            inner.nodes.remove(&ino);
+            if !linked {
+                self.purge(inner, ino)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves an inline file's bytes into a fresh body file.
+    fn to_body(&self, of: &mut OpenFile) -> FsResult<()> {
+        if let Data::Inline(bytes) = &of.data {
+            let f = self.bodies.open_rw(of.inode.ino.0)?;
+            f.set_len(0)?;
+            f.write_all_at(bytes, 0)?;
+            f.set_len(of.inode.size)?;
+            of.data = Data::Body(Arc::new(f));
+            of.inode.storage = Storage::Body;
+            of.dirty = true;
+        }
+        Ok(())
+    }
+
+    /// Sets the size of an open file's bytes.
+    fn resize(&self, of: &mut OpenFile, size: u64) -> FsResult<()> {
+        if size > self.opts.inline_max {
+            self.to_body(of)?;
+        }
+        match &mut of.data {
+            Data::Inline(v) => v.resize(size as usize, 0),
+            Data::Body(f) => f.set_len(size)?,
+        }
+        of.inode.size = size;
+        of.dirty = true;
+        Ok(())
+    }
+
+    // ----- namespace -----
+
+    pub fn lookup(&self, parent: InodeNo, name: &[u8]) -> FsResult<Attr> {
+        if name.len() > NAME_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let p = Self::load_dir(inner, parent)?;
+        let ino = match name {
+            b"." => parent,
+            b".." => p.parent,
+            _ => {
+                inner
+                    .store
+                    .read()
+                    .lookup(parent, name)?
+                    .ok_or(FsError::NotFound)?
+                    .ino
+            }
+        };
+        let attr = self.attr_locked(inner, ino)?;
+        Self::remember(inner, ino);
+        Ok(attr)
+    }
+
+    pub fn forget(&self, ino: InodeNo, n: u64) {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let Some(node) = inner.nodes.get_mut(&ino) else {
+            return;
+        };
+        node.lookups = node.lookups.saturating_sub(n);
+        if node.lookups == 0 && node.opens == 0 {
+            if let Err(e) = self.settle(inner, ino) {
+                tracing::warn!(ino = ino.0, error = %e, "forget: could not settle inode");
+            }
+        }
+    }
+
+    pub fn getattr(&self, ino: InodeNo) -> FsResult<Attr> {
+        let guard = self.lock();
+        let inner: &Inner = &guard;
+        self.attr_locked(inner, ino)
+    }
+
+    pub fn setattr(&self, ino: InodeNo, set: &SetAttr) -> FsResult<Attr> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let t = now();
+        if let Some(size) = set.size {
+            let inode = Self::load(inner, ino)?;
+            match inode.kind {
+                Kind::File => {}
+                Kind::Dir => return Err(FsError::IsDir),
+                _ => return Err(FsError::Invalid),
+            }
+            self.ensure_open(inner, ino)?;
+            let of = inner
+                .nodes
+                .get_mut(&ino)
+                .and_then(|n| n.open.as_mut())
+                .expect("loaded");
+            if size != of.inode.size {
+                self.resize(of, size)?;
+            }
+            // truncate(2) updates mtime and ctime even when the size does not change.
+            of.inode.mtime = t;
+            of.inode.ctime = t;
+        }
+        let mut inode = Self::load(inner, ino)?;
+        if let Some(mode) = set.mode {
+            inode.perm = mode & 0o7777;
+        }
+        if let Some(uid) = set.uid {
+            inode.uid = uid;
+        }
+        if let Some(gid) = set.gid {
+            inode.gid = gid;
+        }
+        match set.atime {
+            Some(SetTime::Now) => inode.atime = t,
+            Some(SetTime::At(x)) => inode.atime = x,
+            None => {}
+        }
+        match set.mtime {
+            Some(SetTime::Now) => inode.mtime = t,
+            Some(SetTime::At(x)) => inode.mtime = x,
+            None => {}
+        }
+        inode.ctime = set.ctime.unwrap_or(t);
+        let tx = inner.store.write()?;
+        Self::save(&mut inner.nodes, &tx, &inode)?;
+        tx.commit()?;
+        if set.size.is_some() {
+            self.settle(inner, ino)?;
+        }
+        self.attr_locked(inner, ino)
+    }
+
+    pub fn readlink(&self, ino: InodeNo) -> FsResult<Vec<u8>> {
+        let guard = self.lock();
+        let inner: &Inner = &guard;
+        let i = Self::load(inner, ino)?;
+        if i.kind != Kind::Symlink {
+            return Err(FsError::Invalid);
+        }
+        let target = inner.store.read().symlink_target(ino)?;
+        target.ok_or(FsError::NotFound)
+    }
+
+    /// Creates a new inode named `name` in `parent` and returns its attributes.
+    fn make(
+        &self,
+        caller: Caller,
+        parent: InodeNo,
+        name: &[u8],
+        kind: Kind,
+        perm: u32,
+        rdev: u32,
+        target: Option<&[u8]>,
+    ) -> FsResult<Attr> {
+        check_name(name)?;
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let mut p = Self::load_dir(inner, parent)?;
+        if p.nlink == 0 {
+            return Err(FsError::NotFound);
+        }
+        if inner.store.read().lookup(parent, name)?.is_some() {
+            return Err(FsError::Exists);
+        }
+        let mut inode = Self::new_inode(caller, &p, kind, perm, rdev);
+        if let Some(t) = target {
+            inode.size = t.len() as u64;
+        }
+        let t = inode.ctime;
+        let tx = inner.store.write()?;
+        inode.ino = tx.insert(&inode)?;
+        tx.link(parent, name, inode.ino, kind)?;
+        if let Some(target) = target {
+            tx.set_symlink_target(inode.ino, target)?;
+        }
+        if kind == Kind::Dir {
+            p.nlink += 1;
+        }
+        p.mtime = t;
+        p.ctime = t;
+        Self::save(&mut inner.nodes, &tx, &p)?;
+        tx.commit()?;
+        Self::remember(inner, inode.ino);
+        self.attr(inode, None)
+    }
+
+    pub fn mknod(
+        &self,
+        caller: Caller,
+        parent: InodeNo,
+        name: &[u8],
+        mode: u32,
+        rdev: u32,
+    ) -> FsResult<Attr> {
+        let kind = Kind::from_mode(mode).unwrap_or(Kind::File);
+        if kind == Kind::Dir || kind == Kind::Symlink {
+            return Err(FsError::Invalid);
+        }
+        let rdev = if matches!(kind, Kind::CharDev | Kind::BlockDev) {
+            rdev
+        } else {
+            0
+        };
+        self.make(caller, parent, name, kind, mode & 0o7777, rdev, None)
+    }
+
+    pub fn mkdir(&self, caller: Caller, parent: InodeNo, name: &[u8], mode: u32) -> FsResult<Attr> {
+        self.make(caller, parent, name, Kind::Dir, mode & 0o7777, 0, None)
+    }
+
+    pub fn symlink(
+        &self,
+        caller: Caller,
+        parent: InodeNo,
+        name: &[u8],
+        target: &[u8],
+    ) -> FsResult<Attr> {
+        if target.len() >= PATH_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        if target.is_empty() {
+            return Err(FsError::NotFound);
+        }
+        self.make(caller, parent, name, Kind::Symlink, 0o777, 0, Some(target))
+    }
+
+    pub fn unlink(&self, parent: InodeNo, name: &[u8]) -> FsResult<()> {
+        self.remove(parent, name, false)
+    }
+
+    pub fn rmdir(&self, parent: InodeNo, name: &[u8]) -> FsResult<()> {
+        match name {
+            b"." => return Err(FsError::Invalid),
+            b".." => return Err(FsError::NotEmpty),
+            _ => {}
+        }
+        self.remove(parent, name, true)
+    }
+
+    fn remove(&self, parent: InodeNo, name: &[u8], dir: bool) -> FsResult<()> {
+        if name.len() > NAME_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let mut p = Self::load_dir(inner, parent)?;
+        let d = inner
+            .store
+            .read()
+            .lookup(parent, name)?
+            .ok_or(FsError::NotFound)?;
+        let mut child = Self::load(inner, d.ino)?;
+        let t = now();
+        if dir {
+            if child.kind != Kind::Dir {
+                return Err(FsError::NotDir);
+            }
+            if !inner.store.read().dir_is_empty(d.ino)? {
+                return Err(FsError::NotEmpty);
+            }
+            child.nlink = 0;
+            p.nlink -= 1;
+        } else {
+            if child.kind == Kind::Dir {
+                return Err(FsError::IsDir);
+            }
+            child.nlink -= 1;
+        }
+        child.ctime = t;
+        p.mtime = t;
+        p.ctime = t;
+        let tx = inner.store.write()?;
+        tx.unlink(parent, name)?;
+        Self::save(&mut inner.nodes, &tx, &child)?;
+        Self::save(&mut inner.nodes, &tx, &p)?;
+        tx.commit()?;
+        if child.nlink == 0 && !Self::in_use(inner, child.ino) {
+            self.purge(inner, child.ino)?;
+        }
+        Ok(())
+    }
+
+    pub fn link(&self, ino: InodeNo, newparent: InodeNo, newname: &[u8]) -> FsResult<Attr> {
+        check_name(newname)?;
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let mut inode = Self::load(inner, ino)?;
+        if inode.kind == Kind::Dir {
+            return Err(FsError::NotPermitted);
+        }
+        if inode.nlink == 0 {
+            return Err(FsError::NotFound);
+        }
+        if inode.nlink >= LINK_MAX {
+            return Err(FsError::TooManyLinks);
+        }
+        let mut p = Self::load_dir(inner, newparent)?;
+        if inner.store.read().lookup(newparent, newname)?.is_some() {
+            return Err(FsError::Exists);
+        }
+        let t = now();
+        inode.nlink += 1;
+        inode.ctime = t;
+        p.mtime = t;
+        p.ctime = t;
+        let tx = inner.store.write()?;
+        tx.link(newparent, newname, ino, inode.kind)?;
+        Self::save(&mut inner.nodes, &tx, &inode)?;
+        Self::save(&mut inner.nodes, &tx, &p)?;
+        tx.commit()?;
+        Self::remember(inner, ino);
+        self.attr_locked(inner, ino)
+    }
+
+    /// Is `dir` equal to `ancestor` or below it?
+    fn is_within(inner: &Inner, mut dir: InodeNo, ancestor: InodeNo) -> FsResult<bool> {
+        loop {
+            if dir == ancestor {
+                return Ok(true);
+            }
+            if dir == InodeNo::ROOT {
+                return Ok(false);
+            }
+            dir = Self::load(inner, dir)?.parent;
+        }
+    }
+
+    pub fn rename(
+        &self,
+        parent: InodeNo,
+        name: &[u8],
+        newparent: InodeNo,
+        newname: &[u8],
+        flags: u32,
+    ) -> FsResult<()> {
+        if name.len() > NAME_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        check_name(newname)?;
+        if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE) != 0
+            || flags == RENAME_NOREPLACE | RENAME_EXCHANGE
+        {
+            return Err(FsError::Invalid);
+        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        Self::load_dir(inner, parent)?;
+        Self::load_dir(inner, newparent)?;
+        let src = inner
+            .store
+            .read()
+            .lookup(parent, name)?
+            .ok_or(FsError::NotFound)?;
+        let dst = inner.store.read().lookup(newparent, newname)?;
+        let t = now();
+
+        if flags & RENAME_EXCHANGE != 0 {
+            let dst = dst.ok_or(FsError::NotFound)?;
+            return self.exchange(inner, parent, &src, newparent, &dst, t);
+        }
+        if let Some(d) = &dst {
+            if flags & RENAME_NOREPLACE != 0 {
+                return Err(FsError::Exists);
+            }
+            if d.ino == src.ino {
+                // Two links to the same inode: POSIX says do nothing.
+                return Ok(());
+            }
+        }
+        let mut s = Self::load(inner, src.ino)?;
+        if s.kind == Kind::Dir && newparent != parent && Self::is_within(inner, newparent, src.ino)? {
+            return Err(FsError::Invalid);
+        }
+        let mut victim = None;
+        if let Some(d) = &dst {
+            let mut v = Self::load(inner, d.ino)?;
+            match (s.kind == Kind::Dir, v.kind == Kind::Dir) {
+                (true, false) => return Err(FsError::NotDir),
+                (false, true) => return Err(FsError::IsDir),
+                (true, true) => {
+                    if !inner.store.read().dir_is_empty(d.ino)? {
+                        return Err(FsError::NotEmpty);
+                    }
+                    v.nlink = 0;
+                }
+                (false, false) => v.nlink -= 1,
+            }
+            v.ctime = t;
+            victim = Some(v);
+        }
+
+        let tx = inner.store.write()?;
+        tx.unlink(parent, name)?;
+        if dst.is_some() {
+            tx.relink(newparent, newname, src.ino, s.kind)?;
+        } else {
+            tx.link(newparent, newname, src.ino, s.kind)?;
+        }
+        s.ctime = t;
+        if s.kind == Kind::Dir {
+            s.parent = newparent;
+        }
+        Self::save(&mut inner.nodes, &tx, &s)?;
+        if let Some(v) = &victim {
+            Self::save(&mut inner.nodes, &tx, v)?;
+        }
+        // Parents last, so their nlink reflects every change above.
+        let mut p = Self::load(inner, parent)?;
+        let victim_dir = victim.as_ref().is_some_and(|v| v.kind == Kind::Dir);
+        if parent == newparent {
+            if victim_dir {
+                p.nlink -= 1;
+            }
+            p.mtime = t;
+            p.ctime = t;
+            Self::save(&mut inner.nodes, &tx, &p)?;
+        } else {
+            let mut np = Self::load(inner, newparent)?;
+            if s.kind == Kind::Dir {
+                p.nlink -= 1;
+                np.nlink += 1;
+            }
+            if victim_dir {
+                np.nlink -= 1;
+            }
+            p.mtime = t;
+            p.ctime = t;
+            np.mtime = t;
+            np.ctime = t;
+            Self::save(&mut inner.nodes, &tx, &p)?;
+            Self::save(&mut inner.nodes, &tx, &np)?;
+        }
+        tx.commit()?;
+        if let Some(v) = victim {
+            if v.nlink == 0 && !Self::in_use(inner, v.ino) {
+                self.purge(inner, v.ino)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn exchange(
+        &self,
+        inner: &mut Inner,
+        parent: InodeNo,
+        a: &Dirent,
+        newparent: InodeNo,
+        b: &Dirent,
+        t: Nanos,
+    ) -> FsResult<()> {
+        if a.ino == b.ino {
+            return Ok(());
+        }
+        let mut ia = Self::load(inner, a.ino)?;
+        let mut ib = Self::load(inner, b.ino)?;
+        if parent != newparent {
+            if ia.kind == Kind::Dir && Self::is_within(inner, newparent, a.ino)? {
+                return Err(FsError::Invalid);
+            }
+            if ib.kind == Kind::Dir && Self::is_within(inner, parent, b.ino)? {
+                return Err(FsError::Invalid);
+            }
+        }
+        let tx = inner.store.write()?;
+        tx.relink(parent, &a.name, b.ino, ib.kind)?;
+        tx.relink(newparent, &b.name, a.ino, ia.kind)?;
+        ia.ctime = t;
+        ib.ctime = t;
+        if ia.kind == Kind::Dir {
+            ia.parent = newparent;
+        }
+        if ib.kind == Kind::Dir {
+            ib.parent = parent;
+        }
+        Self::save(&mut inner.nodes, &tx, &ia)?;
+        Self::save(&mut inner.nodes, &tx, &ib)?;
+        let mut p = Self::load(inner, parent)?;
+        p.mtime = t;
+        p.ctime = t;
+        if parent == newparent {
+            Self::save(&mut inner.nodes, &tx, &p)?;
+        } else {
+            let mut np = Self::load(inner, newparent)?;
+            let a_dir = i64::from(ia.kind == Kind::Dir);
+            let b_dir = i64::from(ib.kind == Kind::Dir);
+            p.nlink = (i64::from(p.nlink) - a_dir + b_dir) as u32;
+            np.nlink = (i64::from(np.nlink) + a_dir - b_dir) as u32;
+            np.mtime = t;
+            np.ctime = t;
+            Self::save(&mut inner.nodes, &tx, &p)?;
+            Self::save(&mut inner.nodes, &tx, &np)?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    // ----- files -----
+
+    fn open_info(&self, node: &Node, inode: &Inode, flags: i32) -> OpenInfo {
+        let direct = flags & libc::O_DIRECT != 0;
+        match self.opts.cache {
+            CacheMode::None => OpenInfo {
+                keep_cache: false,
+                direct_io: true,
+            },
+            CacheMode::Kernel => OpenInfo {
+                keep_cache: true,
+                direct_io: direct,
+            },
+            CacheMode::Auto => OpenInfo {
+                keep_cache: node.cache_stamp == Some((inode.mtime, inode.size)) || node.opens > 1,
+                direct_io: direct,
+            },
+        }
+    }
+
+    fn new_handle(inner: &mut Inner, h: Handle) -> u64 {
+        let fh = inner.next_fh;
+        inner.next_fh += 1;
+        inner.handles.insert(fh, h);
+        fh
+    }
+
+    pub fn open(&self, ino: InodeNo, flags: i32) -> FsResult<(u64, OpenInfo)> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let inode = Self::load(inner, ino)?;
+        match inode.kind {
+            Kind::File => {}
+            Kind::Dir => return Err(FsError::IsDir),
+            _ => return Err(FsError::Invalid),
+        }
+        self.ensure_open(inner, ino)?;
+        let node = inner.nodes.get_mut(&ino).expect("loaded");
+        node.opens += 1;
+        let inode = node.open.as_ref().expect("loaded").inode.clone();
+        let info = self.open_info(inner.nodes.get(&ino).expect("loaded"), &inode, flags);
+        let fh = Self::new_handle(inner, Handle::File { ino });
+        Ok((fh, info))
+    }
+
+    pub fn create(
+        &self,
+        caller: Caller,
+        parent: InodeNo,
+        name: &[u8],
+        mode: u32,
+        flags: i32,
+    ) -> FsResult<(Attr, u64, OpenInfo)> {
+        let attr = self.make(caller, parent, name, Kind::File, mode & 0o7777, 0, None)?;
+        let (fh, info) = self.open(attr.inode.ino, flags)?;
+        Ok((attr, fh, info))
+    }
+
+    /// Clones what a data operation needs without holding the lock during I/O.
+    fn file_of<'a>(&self, inner: &'a mut Inner, ino: InodeNo) -> FsResult<&'a mut OpenFile> {
+        self.ensure_open(inner, ino)?;
+        Ok(inner
+            .nodes
+            .get_mut(&ino)
+            .and_then(|n| n.open.as_mut())
+            .expect("loaded"))
+    }
+
+    pub fn read(&self, ino: InodeNo, offset: u64, size: u32, buf: &mut Vec<u8>) -> FsResult<()> {
+        buf.clear();
+        let body = {
+            let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+            let of = self.file_of(inner, ino)?;
+            if offset >= of.inode.size {
+                return Ok(());
+            }
+            let n = (of.inode.size - offset).min(u64::from(size)) as usize;
+            match &of.data {
+                Data::Inline(v) => {
+                    let o = offset as usize;
+                    buf.extend_from_slice(&v[o..o + n]);
+                    return Ok(());
+                }
+                Data::Body(f) => (f.clone(), n),
+            }
+        };
+        let (f, n) = body;
+        buf.resize(n, 0);
+        let mut done = 0;
+        while done < n {
+            let r = f.read_at(&mut buf[done..], offset + done as u64)?;
+            if r == 0 {
+                // A body shorter than the recorded size reads as zeros (sparse tail).
+                break;
+            }
+            done += r;
+        }
+        Ok(())
+    }
+
+    pub fn write(&self, ino: InodeNo, offset: u64, data: &[u8]) -> FsResult<u32> {
+        let end = offset
+            .checked_add(data.len() as u64)
+            .filter(|e| *e <= i64::MAX as u64)
+            .ok_or(FsError::Io(io::Error::from_raw_os_error(libc::EFBIG)))?;
+        let f = {
+            let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+            let inline_max = self.opts.inline_max;
+            let of = self.file_of(inner, ino)?;
+            if end > inline_max {
+                self.to_body(of)?;
+            }
+            let t = now();
+            match &mut of.data {
+                Data::Inline(v) => {
+                    if (v.len() as u64) < end {
+                        v.resize(end as usize, 0);
+                    }
+                    v[offset as usize..end as usize].copy_from_slice(data);
+                    of.inode.size = of.inode.size.max(end);
+                    of.inode.mtime = t;
+                    of.inode.ctime = t;
+                    of.dirty = true;
+                    return Ok(data.len() as u32);
+                }
+                Data::Body(f) => f.clone(),
+            }
+        };
+        f.write_all_at(data, offset)?;
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        if let Some(of) = inner.nodes.get_mut(&ino).and_then(|n| n.open.as_mut()) {
+            let t = now();
+            of.inode.size = of.inode.size.max(end);
+            of.inode.mtime = t;
+            of.inode.ctime = t;
+            of.dirty = true;
+        }
+        Ok(data.len() as u32)
+    }
+
+    /// Commits a file's pending attributes (on close of a descriptor).
+    pub fn flush(&self, ino: InodeNo) -> FsResult<()> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let inode = match inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
+            Some(of) if of.dirty => of.inode.clone(),
+            _ => return Ok(()),
+        };
+        let tx = inner.store.write()?;
+        Self::save(&mut inner.nodes, &tx, &inode)?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    pub fn release(&self, fh: u64) -> FsResult<()> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let Some(Handle::File { ino }) = inner.handles.remove(&fh) else {
+            return Err(FsError::BadHandle);
+        };
+        if let Some(node) = inner.nodes.get_mut(&ino) {
+            node.opens = node.opens.saturating_sub(1);
+        }
+        self.settle(inner, ino)
+    }
+
+    /// Makes a file's bytes and metadata durable.
+    pub fn fsync(&self, ino: InodeNo, datasync: bool) -> FsResult<()> {
+        let body = {
+            let guard = self.lock();
+        let inner: &Inner = &guard;
+            match inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
+                Some(OpenFile {
+                    data: Data::Body(f),
+                    ..
+                }) => Some(f.clone()),
+                _ => None,
+            }
+        };
+        if let Some(f) = body {
+            if datasync {
+                f.sync_data()?;
+            } else {
+                f.sync_all()?;
+            }
+            self.bodies.sync_entry(ino.0)?;
+        }
+        self.flush(ino)?;
+        let guard = self.lock();
+        let inner: &Inner = &guard;
+        inner.store.sync()?;
+        Ok(())
+    }
+
+    pub fn fallocate(&self, ino: InodeNo, offset: u64, len: u64, mode: i32) -> FsResult<()> {
+        const KEEP_SIZE: i32 = libc::FALLOC_FL_KEEP_SIZE;
+        const PUNCH: i32 = libc::FALLOC_FL_PUNCH_HOLE;
+        const ZERO: i32 = libc::FALLOC_FL_ZERO_RANGE;
+        if mode & !(KEEP_SIZE | PUNCH | ZERO) != 0 {
+            return Err(FsError::NotSupported);
+        }
+        if mode & PUNCH != 0 && (mode & KEEP_SIZE == 0 || mode & ZERO != 0) {
+            return Err(FsError::Invalid);
+        }
+        let end = offset
+            .checked_add(len)
+            .filter(|e| *e <= i64::MAX as u64)
+            .ok_or(FsError::Io(io::Error::from_raw_os_error(libc::EFBIG)))?;
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let of = self.file_of(inner, ino)?;
+        let grows = mode & KEEP_SIZE == 0 && end > of.inode.size;
+        if grows {
+            self.resize(of, end)?;
+        }
+        let zero_end = end.min(of.inode.size);
+        if mode & (PUNCH | ZERO) != 0 && offset < zero_end {
+            match &mut of.data {
+                Data::Inline(v) => v[offset as usize..zero_end as usize].fill(0),
+                Data::Body(f) => {
+                    let m = if mode & PUNCH != 0 {
+                        PUNCH | KEEP_SIZE
+                    } else {
+                        ZERO | KEEP_SIZE
+                    };
+                    if sys::file::fallocate(f, m, offset, zero_end - offset).is_err() {
+                        zero_fill(f, offset, zero_end)?;
+                    }
+                }
+            }
+        } else if mode & (PUNCH | ZERO) == 0 {
+            if let Data::Body(f) = &of.data {
+                // Reserve the space so later writes cannot fail with ENOSPC.
+                match sys::file::fallocate(f, KEEP_SIZE, offset, len) {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        if grows || mode & (PUNCH | ZERO) != 0 {
+            let t = now();
+            of.inode.mtime = t;
+            of.inode.ctime = t;
+            of.dirty = true;
+        }
+        let inode = of.inode.clone();
+        let tx = inner.store.write()?;
+        Self::save(&mut inner.nodes, &tx, &inode)?;
+        tx.commit()?;
+        self.settle(inner, ino)
+    }
+
+    /// SEEK_DATA (`data = true`) or SEEK_HOLE from `offset`.
+    pub fn seek(&self, ino: InodeNo, offset: u64, data: bool) -> FsResult<u64> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let of = self.file_of(inner, ino)?;
+        let size = of.inode.size;
+        if offset >= size {
+            return Err(FsError::NoData);
+        }
+        match &of.data {
+            Data::Inline(_) => Ok(if data { offset } else { size }),
+            Data::Body(f) => match sys::file::seek_data_hole(f, offset, data) {
+                Ok(o) => Ok(o.min(size)),
+                Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
+                    if data {
+                        Err(FsError::NoData)
+                    } else {
+                        Ok(size)
+                    }
+                }
+                Err(e) => Err(e.into()),
+            },
+        }
+    }
+
+    pub fn copy_file_range(
+        &self,
+        ino_in: InodeNo,
+        off_in: u64,
+        ino_out: InodeNo,
+        off_out: u64,
+        len: u64,
+    ) -> FsResult<u64> {
+        let src_size = {
+            let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+            self.file_of(inner, ino_in)?.inode.size
+        };
+        if off_in >= src_size || len == 0 {
+            return Ok(0);
+        }
+        let len = len.min(src_size - off_in);
+        let mut buf = Vec::new();
+        let mut done = 0u64;
+        while done < len {
+            let n = (len - done).min(1 << 20) as u32;
+            self.read(ino_in, off_in + done, n, &mut buf)?;
+            if buf.is_empty() {
+                break;
+            }
+            self.write(ino_out, off_out + done, &buf)?;
+            done += buf.len() as u64;
+        }
+        Ok(done)
+    }
+
+    // ----- directories -----
+
+    pub fn opendir(&self, ino: InodeNo) -> FsResult<u64> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let d = Self::load_dir(inner, ino)?;
+        let mut entries = vec![
+            DirEntry {
+                name: b".".to_vec(),
+                ino,
+                kind: Kind::Dir,
+            },
+            DirEntry {
+                name: b"..".to_vec(),
+                ino: d.parent,
+                kind: Kind::Dir,
+            },
+        ];
+        for e in inner.store.read().list(ino)? {
+            entries.push(DirEntry {
+                name: e.name,
+                ino: e.ino,
+                kind: e.kind,
+            });
+        }
+        Ok(Self::new_handle(inner, Handle::Dir { entries }))
+    }
+
+    /// Entries of an open directory from `offset` on; each comes with the offset of the next.
+    /// `add` returns true when the reply buffer is full.
+    pub fn readdir(
+        &self,
+        fh: u64,
+        offset: u64,
+        mut add: impl FnMut(&DirEntry, u64) -> bool,
+    ) -> FsResult<()> {
+        let guard = self.lock();
+        let inner: &Inner = &guard;
+        let Some(Handle::Dir { entries }) = inner.handles.get(&fh) else {
+            return Err(FsError::BadHandle);
+        };
+        for (i, e) in entries.iter().enumerate().skip(offset as usize) {
+            if add(e, i as u64 + 1) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Like `readdir`, with attributes; every entry accepted by `add` (other than `.` and
+    /// `..`) counts as a lookup.
+    pub fn readdirplus(
+        &self,
+        fh: u64,
+        offset: u64,
+        mut add: impl FnMut(&DirEntry, &Attr, u64) -> bool,
+    ) -> FsResult<()> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let Some(Handle::Dir { entries }) = inner.handles.get(&fh) else {
+            return Err(FsError::BadHandle);
+        };
+        let entries: Vec<DirEntry> = entries.iter().skip(offset as usize).cloned().collect();
+        for (i, e) in entries.iter().enumerate() {
+            let attr = match self.attr_locked(inner, e.ino) {
+                Ok(a) => a,
+                // Removed since opendir: skip it.
+                Err(FsError::NotFound) => continue,
+                Err(err) => return Err(err),
+            };
+            if add(e, &attr, offset + i as u64 + 1) {
+                break;
+            }
+            if e.name != b"." && e.name != b".." {
+                Self::remember(inner, e.ino);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn releasedir(&self, fh: u64) {
+        self.lock().handles.remove(&fh);
+    }
+
+    pub fn fsyncdir(&self) -> FsResult<()> {
+        self.lock().store.sync()?;
+        Ok(())
+    }
+
+    pub fn statfs(&self) -> FsResult<StatFs> {
+        let s = sys::file::statvfs(&self.state_dir)?;
+        let used = self.lock().store.read().inode_count()?;
+        Ok(StatFs {
+            blocks: s.blocks,
+            bfree: s.blocks_free,
+            bavail: s.blocks_avail,
+            files: used + s.files_free,
+            ffree: s.files_free,
+            bsize: s.block_size as u32,
+            namelen: NAME_MAX as u32,
+            frsize: s.fragment_size as u32,
+        })
+    }
+
+    // ----- xattrs -----
+
+    pub fn setxattr(&self, ino: InodeNo, name: &[u8], value: &[u8], flags: i32) -> FsResult<()> {
+        if name.is_empty() || name.len() > XATTR_NAME_MAX {
+            return Err(FsError::Range);
+        }
+        if value.len() > XATTR_SIZE_MAX {
+            return Err(FsError::TooBig);
+        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let mut inode = Self::load(inner, ino)?;
+        let exists = inner.store.read().xattr(ino, name)?.is_some();
+        if flags & XATTR_CREATE != 0 && exists {
+            return Err(FsError::Exists);
+        }
+        if flags & XATTR_REPLACE != 0 && !exists {
+            return Err(FsError::NoAttr);
+        }
+        inode.ctime = now();
+        let tx = inner.store.write()?;
+        tx.set_xattr(ino, name, value)?;
+        Self::save(&mut inner.nodes, &tx, &inode)?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    pub fn getxattr(&self, ino: InodeNo, name: &[u8]) -> FsResult<Vec<u8>> {
+        if name.len() > XATTR_NAME_MAX {
+            return Err(FsError::Range);
+        }
+        let guard = self.lock();
+        let inner: &Inner = &guard;
+        Self::load(inner, ino)?;
+        let v = inner.store.read().xattr(ino, name)?;
+        v.ok_or(FsError::NoAttr)
+    }
+
+    /// All xattr names, each followed by a NUL byte.
+    pub fn listxattr(&self, ino: InodeNo) -> FsResult<Vec<u8>> {
+        let guard = self.lock();
+        let inner: &Inner = &guard;
+        Self::load(inner, ino)?;
+        let mut out = Vec::new();
+        for n in inner.store.read().xattr_names(ino)? {
+            out.extend_from_slice(&n);
+            out.push(0);
+        }
+        Ok(out)
+    }
+
+    pub fn removexattr(&self, ino: InodeNo, name: &[u8]) -> FsResult<()> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let mut inode = Self::load(inner, ino)?;
+        inode.ctime = now();
+        let tx = inner.store.write()?;
+        if !tx.remove_xattr(ino, name)? {
+            return Err(FsError::NoAttr);
+        }
+        Self::save(&mut inner.nodes, &tx, &inode)?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// `access(2)` check by mode bits (only used without `default_permissions`).
+    pub fn access(&self, ino: InodeNo, caller: Caller, mask: i32) -> FsResult<()> {
+        let guard = self.lock();
+        let inner: &Inner = &guard;
+        let i = Self::load(inner, ino)?;
+        if mask == libc::F_OK {
+            return Ok(());
+        }
+        let bits = if caller.uid == 0 {
+            // root may read/write anything, and execute when any x bit is set.
+            if mask & libc::X_OK != 0 && i.kind != Kind::Dir && i.perm & 0o111 == 0 {
+                return Err(FsError::Access);
+            }
+            return Ok(());
+        } else if caller.uid == i.uid {
+            (i.perm >> 6) & 7
+        } else if caller.gid == i.gid {
+            (i.perm >> 3) & 7
+        } else {
+            i.perm & 7
+        };
+        if (mask as u32) & !bits & 7 != 0 {
+            return Err(FsError::Access);
+        }
+        Ok(())
+    }
+
+    // ----- whole-filesystem -----
+
+    /// Commits every open file's pending attributes, writes all bodies to disk and makes
+    /// the store durable (shutdown, `sync`).
+    pub fn sync_all(&self) -> FsResult<()> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let dirty: Vec<Inode> = inner
+            .nodes
+            .values()
+            .filter_map(|n| n.open.as_ref())
+            .filter(|of| of.dirty)
+            .map(|of| of.inode.clone())
+            .collect();
+        if !dirty.is_empty() {
+            let tx = inner.store.write()?;
+            for inode in &dirty {
+                Self::save(&mut inner.nodes, &tx, inode)?;
+            }
+            tx.commit()?;
+        }
+        sys::file::syncfs(&self.state_dir)?;
+        inner.store.sync()?;
+        Ok(())
+    }
+
+    /// Final step before unmount: sync everything and fold the WAL into the database.
+    pub fn shutdown(&self) -> FsResult<()> {
+        self.sync_all()?;
+        self.lock().store.checkpoint()?;
+        Ok(())
+    }
+}
+
+fn zero_fill(f: &File, from: u64, to: u64) -> io::Result<()> {
+    let zeros = vec![0u8; (to - from).min(1 << 20) as usize];
+    let mut off = from;
+    while off < to {
+        let n = ((to - off) as usize).min(zeros.len());
+        f.write_all_at(&zeros[..n], off)?;
+        off += n as u64;
+    }
+    Ok(())
+}

@@ -1,0 +1,644 @@
+//! The thin adapter between the kernel's FUSE requests (fuser) and `WorkspaceFs`: converts
+//! arguments and replies, nothing else. All POSIX decisions live in `fs.rs`.
+
+use std::cell::RefCell;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use fuser::{
+    AccessFlags, BsdFileFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType,
+    Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags,
+    RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus,
+    ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request,
+    TimeOrNow, WriteFlags,
+};
+
+use super::fs::{Attr, Caller, FsError, OpenInfo, SetAttr, SetTime, WorkspaceFs};
+use crate::meta::{InodeNo as Ino, Kind, Nanos};
+
+/// Kernel cache lifetimes.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    pub attr: Duration,
+    pub entry: Duration,
+    pub negative: Duration,
+}
+
+/// Kernel features requested at init.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelFeatures {
+    pub writeback_cache: bool,
+}
+
+pub struct FuseAdapter {
+    fs: Arc<WorkspaceFs>,
+    timeouts: Timeouts,
+    features: KernelFeatures,
+}
+
+impl FuseAdapter {
+    pub fn new(fs: Arc<WorkspaceFs>, timeouts: Timeouts, features: KernelFeatures) -> Self {
+        FuseAdapter {
+            fs,
+            timeouts,
+            features,
+        }
+    }
+}
+
+thread_local! {
+    static READ_BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+fn errno(e: &FsError) -> Errno {
+    if let FsError::Io(_) | FsError::Meta(_) = e {
+        tracing::debug!(error = %e, "request failed");
+    }
+    Errno::from_i32(e.errno())
+}
+
+fn ino(i: INodeNo) -> Ino {
+    Ino(i.0)
+}
+
+fn time(n: Nanos) -> SystemTime {
+    if n.0 >= 0 {
+        UNIX_EPOCH + Duration::from_nanos(n.0 as u64)
+    } else {
+        UNIX_EPOCH - Duration::from_nanos(n.0.unsigned_abs())
+    }
+}
+
+fn nanos(t: SystemTime) -> Nanos {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => Nanos(d.as_nanos() as i64),
+        Err(e) => Nanos(-(e.duration().as_nanos() as i64)),
+    }
+}
+
+fn file_type(k: Kind) -> FileType {
+    match k {
+        Kind::File => FileType::RegularFile,
+        Kind::Dir => FileType::Directory,
+        Kind::Symlink => FileType::Symlink,
+        Kind::Fifo => FileType::NamedPipe,
+        Kind::Socket => FileType::Socket,
+        Kind::CharDev => FileType::CharDevice,
+        Kind::BlockDev => FileType::BlockDevice,
+    }
+}
+
+fn file_attr(a: &Attr) -> FileAttr {
+    let i = &a.inode;
+    FileAttr {
+        ino: INodeNo(i.ino.0),
+        size: i.size,
+        blocks: a.blocks,
+        atime: time(i.atime),
+        mtime: time(i.mtime),
+        ctime: time(i.ctime),
+        crtime: time(i.ctime),
+        kind: file_type(i.kind),
+        perm: i.perm as u16,
+        nlink: i.nlink,
+        uid: i.uid,
+        gid: i.gid,
+        rdev: i.rdev,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
+fn caller(req: &Request) -> Caller {
+    Caller {
+        uid: req.uid(),
+        gid: req.gid(),
+    }
+}
+
+fn fopen_flags(info: OpenInfo) -> FopenFlags {
+    let mut f = FopenFlags::empty();
+    if info.keep_cache {
+        f |= FopenFlags::FOPEN_KEEP_CACHE;
+    }
+    if info.direct_io {
+        f |= FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES;
+    }
+    f
+}
+
+fn set_time(t: TimeOrNow) -> SetTime {
+    match t {
+        TimeOrNow::Now => SetTime::Now,
+        TimeOrNow::SpecificTime(t) => SetTime::At(nanos(t)),
+    }
+}
+
+impl FuseAdapter {
+    fn entry(&self, reply: ReplyEntry, r: Result<Attr, FsError>) {
+        match r {
+            Ok(a) => reply.entry_with_ttls(
+                &self.timeouts.entry,
+                &self.timeouts.attr,
+                &file_attr(&a),
+                Generation(0),
+            ),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn empty(reply: ReplyEmpty, r: Result<(), FsError>) {
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+}
+
+impl Filesystem for FuseAdapter {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let mut wanted = InitFlags::FUSE_DO_READDIRPLUS
+            | InitFlags::FUSE_READDIRPLUS_AUTO
+            | InitFlags::FUSE_PARALLEL_DIROPS
+            | InitFlags::FUSE_AUTO_INVAL_DATA
+            | InitFlags::FUSE_CACHE_SYMLINKS
+            | InitFlags::FUSE_ASYNC_DIO
+            | InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP
+            | InitFlags::FUSE_ATOMIC_O_TRUNC;
+        if self.features.writeback_cache {
+            wanted |= InitFlags::FUSE_WRITEBACK_CACHE;
+        }
+        for flag in wanted.iter() {
+            if config.add_capabilities(flag).is_err() {
+                tracing::debug!(?flag, "kernel does not offer this FUSE capability");
+            }
+        }
+        let _ = config.set_max_write(1 << 20);
+        let _ = config.set_max_readahead(1 << 20);
+        let _ = config.set_max_background(64);
+        let _ = config.set_congestion_threshold(48);
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        if let Err(e) = self.fs.shutdown() {
+            tracing::error!(error = %e, "final sync of the workspace failed");
+        }
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        match self.fs.lookup(ino(parent), name.as_bytes()) {
+            Err(FsError::NotFound) if !self.timeouts.negative.is_zero() => {
+                // ino 0 with a lifetime: the kernel caches the negative entry.
+                let mut a = file_attr(&Attr {
+                    inode: crate::meta::Inode {
+                        ino: Ino(0),
+                        kind: Kind::File,
+                        perm: 0,
+                        uid: 0,
+                        gid: 0,
+                        nlink: 0,
+                        size: 0,
+                        atime: Nanos(0),
+                        mtime: Nanos(0),
+                        ctime: Nanos(0),
+                        rdev: 0,
+                        parent: Ino(0),
+                        storage: crate::meta::Storage::Inline,
+                    },
+                    blocks: 0,
+                });
+                a.ino = INodeNo(0);
+                reply.entry_with_ttls(&self.timeouts.negative, &Duration::ZERO, &a, Generation(0));
+            }
+            r => self.entry(reply, r),
+        }
+    }
+
+    fn forget(&self, _req: &Request, i: INodeNo, nlookup: u64) {
+        self.fs.forget(ino(i), nlookup);
+    }
+
+    fn getattr(&self, _req: &Request, i: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.fs.getattr(ino(i)) {
+            Ok(a) => reply.attr(&self.timeouts.attr, &file_attr(&a)),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        i: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let set = SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+            atime: atime.map(set_time),
+            mtime: mtime.map(set_time),
+            ctime: ctime.map(nanos),
+        };
+        match self.fs.setattr(ino(i), &set) {
+            Ok(a) => reply.attr(&self.timeouts.attr, &file_attr(&a)),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, i: INodeNo, reply: ReplyData) {
+        match self.fs.readlink(ino(i)) {
+            Ok(t) => reply.data(&t),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let r = self
+            .fs
+            .mknod(caller(req), ino(parent), name.as_bytes(), mode, rdev);
+        self.entry(reply, r);
+    }
+
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let r = self.fs.mkdir(caller(req), ino(parent), name.as_bytes(), mode);
+        self.entry(reply, r);
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        Self::empty(reply, self.fs.unlink(ino(parent), name.as_bytes()));
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        Self::empty(reply, self.fs.rmdir(ino(parent), name.as_bytes()));
+    }
+
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        let r = self.fs.symlink(
+            caller(req),
+            ino(parent),
+            link_name.as_bytes(),
+            target.as_os_str().as_bytes(),
+        );
+        self.entry(reply, r);
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let r = self.fs.rename(
+            ino(parent),
+            name.as_bytes(),
+            ino(newparent),
+            newname.as_bytes(),
+            flags.bits(),
+        );
+        Self::empty(reply, r);
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        i: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        let r = self.fs.link(ino(i), ino(newparent), newname.as_bytes());
+        self.entry(reply, r);
+    }
+
+    fn open(&self, _req: &Request, i: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        match self.fs.open(ino(i), flags.0) {
+            Ok((fh, info)) => reply.opened(FileHandle(fh), fopen_flags(info)),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        i: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        READ_BUF.with(|b| {
+            let mut buf = b.borrow_mut();
+            match self.fs.read(ino(i), offset, size, &mut buf) {
+                Ok(()) => reply.data(&buf),
+                Err(e) => reply.error(errno(&e)),
+            }
+            // Do not keep a huge buffer around after a big read.
+            if buf.capacity() > (2 << 20) {
+                *buf = Vec::new();
+            }
+        });
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        i: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        match self.fs.write(ino(i), offset, data) {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        i: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        Self::empty(reply, self.fs.flush(ino(i)));
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _i: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        Self::empty(reply, self.fs.release(fh.0));
+    }
+
+    fn fsync(&self, _req: &Request, i: INodeNo, _fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+        Self::empty(reply, self.fs.fsync(ino(i), datasync));
+    }
+
+    fn opendir(&self, _req: &Request, i: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.fs.opendir(ino(i)) {
+            Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        _i: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let r = self.fs.readdir(fh.0, offset, |e, next| {
+            reply.add(INodeNo(e.ino.0), next, file_type(e.kind), OsStr::from_bytes(&e.name))
+        });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        _i: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let ttl = self.timeouts.entry;
+        let r = self.fs.readdirplus(fh.0, offset, |e, a, next| {
+            reply.add(
+                INodeNo(e.ino.0),
+                next,
+                OsStr::from_bytes(&e.name),
+                &ttl,
+                &file_attr(a),
+                Generation(0),
+            )
+        });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _i: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        self.fs.releasedir(fh.0);
+        reply.ok();
+    }
+
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        _i: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        Self::empty(reply, self.fs.fsyncdir());
+    }
+
+    fn statfs(&self, _req: &Request, _i: INodeNo, reply: ReplyStatfs) {
+        match self.fs.statfs() {
+            Ok(s) => reply.statfs(
+                s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize,
+            ),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        i: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        Self::empty(reply, self.fs.setxattr(ino(i), name.as_bytes(), value, flags));
+    }
+
+    fn getxattr(&self, _req: &Request, i: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        match self.fs.getxattr(ino(i), name.as_bytes()) {
+            Ok(v) => xattr_reply(reply, &v, size),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn listxattr(&self, _req: &Request, i: INodeNo, size: u32, reply: ReplyXattr) {
+        match self.fs.listxattr(ino(i)) {
+            Ok(v) => xattr_reply(reply, &v, size),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn removexattr(&self, _req: &Request, i: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        Self::empty(reply, self.fs.removexattr(ino(i), name.as_bytes()));
+    }
+
+    fn access(&self, req: &Request, i: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        Self::empty(reply, self.fs.access(ino(i), caller(req), mask.bits()));
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        match self
+            .fs
+            .create(caller(req), ino(parent), name.as_bytes(), mode, flags)
+        {
+            Ok((a, fh, info)) => reply.created(
+                &self.timeouts.entry,
+                &file_attr(&a),
+                Generation(0),
+                FileHandle(fh),
+                fopen_flags(info),
+            ),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        i: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        Self::empty(reply, self.fs.fallocate(ino(i), offset, length, mode));
+    }
+
+    fn lseek(
+        &self,
+        _req: &Request,
+        i: INodeNo,
+        _fh: FileHandle,
+        offset: i64,
+        whence: i32,
+        reply: ReplyLseek,
+    ) {
+        let data = match whence {
+            libc::SEEK_DATA => true,
+            libc::SEEK_HOLE => false,
+            _ => return reply.error(Errno::EINVAL),
+        };
+        if offset < 0 {
+            return reply.error(Errno::ENXIO);
+        }
+        match self.fs.seek(ino(i), offset as u64, data) {
+            Ok(o) => reply.offset(o as i64),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn copy_file_range(
+        &self,
+        _req: &Request,
+        ino_in: INodeNo,
+        _fh_in: FileHandle,
+        offset_in: u64,
+        ino_out: INodeNo,
+        _fh_out: FileHandle,
+        offset_out: u64,
+        len: u64,
+        _flags: CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        let len = len.min(u64::from(u32::MAX) & !0xfff);
+        match self
+            .fs
+            .copy_file_range(ino(ino_in), offset_in, ino(ino_out), offset_out, len)
+        {
+            Ok(n) => reply.written(n as u32),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+}
+
+fn xattr_reply(reply: ReplyXattr, v: &[u8], size: u32) {
+    if size == 0 {
+        reply.size(v.len() as u32);
+    } else if v.len() > size as usize {
+        reply.error(Errno::ERANGE);
+    } else {
+        reply.data(v);
+    }
+}
