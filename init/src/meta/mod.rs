@@ -302,7 +302,9 @@ impl Tx<'_> {
             inode.parent.0 as i64,
             storage_code(inode.storage),
         ])?;
-        Ok(InodeNo(self.conn.last_insert_rowid() as u64))
+        let ino = InodeNo(self.conn.last_insert_rowid() as u64);
+        self.mark_changed(ino)?;
+        Ok(ino)
     }
 
     pub fn update(&self, inode: &Inode) -> Result<()> {
@@ -324,6 +326,25 @@ impl Tx<'_> {
             inode.parent.0 as i64,
             storage_code(inode.storage),
         ])?;
+        self.mark_changed(inode.ino)
+    }
+
+    /// Records that an inode's metadata, entries or xattrs changed since the last checkpoint.
+    pub fn mark_changed(&self, ino: InodeNo) -> Result<()> {
+        self.conn
+            .prepare_cached("INSERT OR IGNORE INTO changed (ino) VALUES (?1)")?
+            .execute([ino.0 as i64])?;
+        Ok(())
+    }
+
+    /// Records that chunk windows `idx` of a file body were written since the last checkpoint.
+    pub fn mark_dirty_windows(&self, ino: InodeNo, idx: impl IntoIterator<Item = u64>) -> Result<()> {
+        let mut st = self
+            .conn
+            .prepare_cached("INSERT OR IGNORE INTO dirty_window (ino, idx) VALUES (?1, ?2)")?;
+        for i in idx {
+            st.execute(params![ino.0 as i64, i as i64])?;
+        }
         Ok(())
     }
 
@@ -334,10 +355,11 @@ impl Tx<'_> {
             "DELETE FROM xattr WHERE ino = ?1",
             "DELETE FROM inline_data WHERE ino = ?1",
             "DELETE FROM symlink WHERE ino = ?1",
+            "DELETE FROM dirty_window WHERE ino = ?1",
         ] {
             self.conn.prepare_cached(sql)?.execute([ino.0 as i64])?;
         }
-        Ok(())
+        self.mark_changed(ino)
     }
 
     pub fn lookup(&self, parent: InodeNo, name: &[u8]) -> Result<Option<Dirent>> {

@@ -39,7 +39,12 @@ pub(super) fn create(conn: &Connection, now: Nanos) -> Result<()> {
             ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL,
             PRIMARY KEY (ino, name)) WITHOUT ROWID;
          CREATE TABLE inline_data (ino INTEGER PRIMARY KEY, data BLOB NOT NULL);
-         CREATE TABLE symlink (ino INTEGER PRIMARY KEY, target BLOB NOT NULL);",
+         CREATE TABLE symlink (ino INTEGER PRIMARY KEY, target BLOB NOT NULL);
+         -- Change tracking for checkpoints: inodes whose metadata, entries or xattrs changed,
+         -- and chunk windows of file bodies written, since the last checkpoint.
+         CREATE TABLE changed (ino INTEGER PRIMARY KEY);
+         CREATE TABLE dirty_window (ino INTEGER NOT NULL, idx INTEGER NOT NULL,
+            PRIMARY KEY (ino, idx)) WITHOUT ROWID;",
     )?;
     conn.execute(
         "INSERT INTO meta (key, value) VALUES ('magic', ?1), ('version', ?2), ('syncs', 0)",

@@ -6,7 +6,7 @@
 //! Concurrency: one mutex guards the metadata store and the table of in-use inodes; reads and
 //! writes of body files run outside it on a shared file handle.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -172,6 +172,8 @@ pub struct StatFs {
 pub struct FsOptions {
     pub cache: CacheMode,
     pub inline_max: u64,
+    /// Chunk window size for change tracking (a power of two).
+    pub chunk_size: u64,
 }
 
 /// The bytes of an open regular file.
@@ -186,6 +188,18 @@ struct OpenFile {
     inode: Inode,
     data: Data,
     dirty: bool,
+    /// Chunk windows written since the store last recorded them.
+    windows: BTreeSet<u64>,
+}
+
+impl OpenFile {
+    /// Notes that bytes `[from, to)` changed, for checkpoints.
+    fn touch(&mut self, from: u64, to: u64, chunk_size: u64) {
+        let first = from / chunk_size;
+        let last = to.max(from + 1).div_ceil(chunk_size);
+        self.windows.extend(first..last);
+        self.dirty = true;
+    }
 }
 
 /// An inode the kernel knows about (looked up) or that has open handles.
@@ -298,6 +312,9 @@ impl WorkspaceFs {
             of.inode = inode.clone();
             if let Data::Inline(bytes) = &of.data {
                 tx.set_inline_data(inode.ino, bytes)?;
+            }
+            if !of.windows.is_empty() {
+                tx.mark_dirty_windows(inode.ino, std::mem::take(&mut of.windows))?;
             }
             of.dirty = false;
         }
@@ -412,6 +429,7 @@ impl WorkspaceFs {
             inode,
             data,
             dirty: false,
+            windows: BTreeSet::new(),
         });
         Ok(())
     }
@@ -474,8 +492,9 @@ impl WorkspaceFs {
             Data::Inline(v) => v.resize(size as usize, 0),
             Data::Body(f) => f.set_len(size)?,
         }
+        let (lo, hi) = (of.inode.size.min(size), of.inode.size.max(size));
+        of.touch(lo, hi, self.opts.chunk_size);
         of.inode.size = size;
-        of.dirty = true;
         Ok(())
     }
 
@@ -1067,7 +1086,7 @@ impl WorkspaceFs {
                     of.inode.size = of.inode.size.max(end);
                     of.inode.mtime = t;
                     of.inode.ctime = t;
-                    of.dirty = true;
+                    of.touch(offset, end, self.opts.chunk_size);
                     return Ok(data.len() as u32);
                 }
                 Data::Body(f) => f.clone(),
@@ -1081,7 +1100,7 @@ impl WorkspaceFs {
             of.inode.size = of.inode.size.max(end);
             of.inode.mtime = t;
             of.inode.ctime = t;
-            of.dirty = true;
+            of.touch(offset, end, self.opts.chunk_size);
         }
         Ok(data.len() as u32)
     }
@@ -1185,6 +1204,9 @@ impl WorkspaceFs {
                     Err(e) => return Err(e.into()),
                 }
             }
+        }
+        if mode & (PUNCH | ZERO) != 0 && offset < zero_end {
+            of.touch(offset, zero_end, self.opts.chunk_size);
         }
         if grows || mode & (PUNCH | ZERO) != 0 {
             let t = now();

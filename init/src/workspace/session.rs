@@ -98,6 +98,7 @@ pub fn mount(cfg: &WorkspaceConfig) -> Result<Mounted, SessionError> {
         FsOptions {
             cache: cfg.cache,
             inline_max: cfg.inline_max,
+            chunk_size: cfg.chunk_size,
         },
     )
     .map_err(|e| SessionError::OpenState {
