@@ -5,8 +5,11 @@ use tracing_subscriber::EnvFilter;
 
 /// Installs the global subscriber once; later calls are no-ops.
 pub fn init() {
-    let filter = EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| EnvFilter::new("info,fuser=warn"));
-    let json = std::env::var("KEEL_LOG_FORMAT").map(|v| v == "json").unwrap_or(false);
+    let filter =
+        EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| EnvFilter::new("info,fuser=warn"));
+    let json = std::env::var("KEEL_LOG_FORMAT")
+        .map(|v| v == "json")
+        .unwrap_or(false);
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -15,10 +18,7 @@ pub fn init() {
     let _ = if json {
         builder.json().try_init()
     } else {
-        builder
-            .without_time()
-            .event_format(KeelFormat)
-            .try_init()
+        builder.without_time().event_format(KeelFormat).try_init()
     };
 }
 

@@ -22,7 +22,8 @@ impl BodyStore {
     pub fn open(root: &Path) -> Result<BodyStore, BodyError> {
         for shard in 0..=255u32 {
             let p = root.join(format!("{shard:02x}"));
-            std::fs::create_dir_all(&p).map_err(|source| BodyError::CreateDir { path: p, source })?;
+            std::fs::create_dir_all(&p)
+                .map_err(|source| BodyError::CreateDir { path: p, source })?;
         }
         Ok(BodyStore {
             root: root.to_path_buf(),
@@ -94,7 +95,11 @@ impl BodyStore {
             let dir = self.root.join(format!("{shard:02x}"));
             for e in std::fs::read_dir(dir)? {
                 let e = e?;
-                if let Some(id) = e.file_name().to_str().and_then(|s| u64::from_str_radix(s, 16).ok()) {
+                if let Some(id) = e
+                    .file_name()
+                    .to_str()
+                    .and_then(|s| u64::from_str_radix(s, 16).ok())
+                {
                     out.push(id);
                 }
             }

@@ -48,11 +48,12 @@ impl Config {
                 reason: e.message().trim().replace('\n', " "),
             }
         })?;
-        cfg.validate().map_err(|(key, reason)| ConfigError::Invalid {
-            path: path.to_path_buf(),
-            key,
-            reason,
-        })?;
+        cfg.validate()
+            .map_err(|(key, reason)| ConfigError::Invalid {
+                path: path.to_path_buf(),
+                key,
+                reason,
+            })?;
         Ok(cfg)
     }
 
@@ -77,7 +78,10 @@ fn key_at(text: &str, pos: usize) -> String {
     let pos = pos.min(text.len());
     let before = &text[..pos];
     let line_start = before.rfind('\n').map(|i| i + 1).unwrap_or(0);
-    let line_end = text[pos..].find('\n').map(|i| pos + i).unwrap_or(text.len());
+    let line_end = text[pos..]
+        .find('\n')
+        .map(|i| pos + i)
+        .unwrap_or(text.len());
     let line = text[line_start..line_end].trim();
     let mut table = String::new();
     for l in before[..line_start].lines().rev() {
@@ -89,10 +93,16 @@ fn key_at(text: &str, pos: usize) -> String {
     }
     let lineno = before.matches('\n').count() + 1;
     let key = if line.starts_with('[') {
-        line.trim_matches(|c| c == '[' || c == ']').trim().to_string()
+        line.trim_matches(|c| c == '[' || c == ']')
+            .trim()
+            .to_string()
     } else if let Some((k, _)) = line.split_once('=') {
         let k = k.trim();
-        if table.is_empty() { k.to_string() } else { format!("{table}.{k}") }
+        if table.is_empty() {
+            k.to_string()
+        } else {
+            format!("{table}.{k}")
+        }
     } else if table.is_empty() {
         "(file)".to_string()
     } else {
@@ -107,9 +117,12 @@ mod tests {
 
     #[test]
     fn unknown_key_is_named() {
-        let err = Config::parse("[workspace]\ncache = \"auto\"\nbogus = 1\n", Path::new("x.toml"))
-            .unwrap_err()
-            .to_string();
+        let err = Config::parse(
+            "[workspace]\ncache = \"auto\"\nbogus = 1\n",
+            Path::new("x.toml"),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("workspace.bogus"), "{err}");
         assert!(err.contains("x.toml"), "{err}");
     }

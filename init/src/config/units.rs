@@ -6,20 +6,26 @@ use std::time::Duration;
 /// Parses a duration such as `"500ms"`, `"6s"`, `"2m"`, `"1h"` or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a duration (expected e.g. \"500ms\", \"6s\", \"2m\")"))?;
+    let n: f64 = num.parse().map_err(|_| {
+        format!("`{s}` is not a duration (expected e.g. \"500ms\", \"6s\", \"2m\")")
+    })?;
     let secs = match unit.trim() {
         "" | "s" | "sec" | "secs" => n,
         "ms" => n / 1000.0,
         "us" | "µs" => n / 1_000_000.0,
         "m" | "min" => n * 60.0,
         "h" => n * 3600.0,
-        other => return Err(format!("`{s}`: unknown duration unit `{other}` (use ms, s, m or h)")),
+        other => {
+            return Err(format!(
+                "`{s}`: unknown duration unit `{other}` (use ms, s, m or h)"
+            ))
+        }
     };
-    if !secs.is_finite() || secs < 0.0 || secs > 1e9 {
+    if !secs.is_finite() || !(0.0..=1e9).contains(&secs) {
         return Err(format!("`{s}` is out of range"));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -39,9 +45,14 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "M" | "MiB" => 1 << 20,
         "G" | "GiB" => 1 << 30,
         "T" | "TiB" => 1 << 40,
-        other => return Err(format!("`{s}`: unknown size unit `{other}` (use KiB, MiB, GiB)")),
+        other => {
+            return Err(format!(
+                "`{s}`: unknown size unit `{other}` (use KiB, MiB, GiB)"
+            ))
+        }
     };
-    n.checked_mul(mult).ok_or_else(|| format!("`{s}` is out of range"))
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("`{s}` is out of range"))
 }
 
 /// serde helpers so config structs can hold `Duration` written as strings.

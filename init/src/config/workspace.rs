@@ -122,19 +122,34 @@ impl WorkspaceConfig {
     pub fn validate(&self) -> Result<(), (String, String)> {
         let bad = |k: &str, why: String| Err((format!("workspace.{k}"), why));
         if !self.mount_point.is_absolute() {
-            return bad("mount_point", format!("`{}` must be an absolute path", self.mount_point.display()));
+            return bad(
+                "mount_point",
+                format!("`{}` must be an absolute path", self.mount_point.display()),
+            );
         }
         if !self.state_dir.is_absolute() {
-            return bad("state_dir", format!("`{}` must be an absolute path", self.state_dir.display()));
+            return bad(
+                "state_dir",
+                format!("`{}` must be an absolute path", self.state_dir.display()),
+            );
         }
         if self.threads > 64 {
             return bad("threads", format!("{} is more than 64", self.threads));
         }
         if !self.chunk_size.is_power_of_two() || !(64 << 10..=8 << 20).contains(&self.chunk_size) {
-            return bad("chunk_size", format!("{} must be a power of two between 64KiB and 8MiB", self.chunk_size));
+            return bad(
+                "chunk_size",
+                format!(
+                    "{} must be a power of two between 64KiB and 8MiB",
+                    self.chunk_size
+                ),
+            );
         }
         if self.inline_max > 64 * 1024 {
-            return bad("inline_max", format!("{} is larger than 64KiB", self.inline_max));
+            return bad(
+                "inline_max",
+                format!("{} is larger than 64KiB", self.inline_max),
+            );
         }
         Ok(())
     }
@@ -142,7 +157,10 @@ impl WorkspaceConfig {
     /// Worker threads to actually start.
     pub fn effective_threads(&self) -> usize {
         if self.threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 8)
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2)
+                .clamp(2, 8)
         } else {
             self.threads
         }

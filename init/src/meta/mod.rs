@@ -338,7 +338,11 @@ impl Tx<'_> {
     }
 
     /// Records that chunk windows `idx` of a file body were written since the last checkpoint.
-    pub fn mark_dirty_windows(&self, ino: InodeNo, idx: impl IntoIterator<Item = u64>) -> Result<()> {
+    pub fn mark_dirty_windows(
+        &self,
+        ino: InodeNo,
+        idx: impl IntoIterator<Item = u64>,
+    ) -> Result<()> {
         let mut st = self
             .conn
             .prepare_cached("INSERT OR IGNORE INTO dirty_window (ino, idx) VALUES (?1, ?2)")?;
@@ -385,15 +389,27 @@ impl Tx<'_> {
     pub fn link(&self, parent: InodeNo, name: &[u8], ino: InodeNo, kind: Kind) -> Result<()> {
         self.conn
             .prepare_cached("INSERT INTO dirent (parent, name, ino, kind) VALUES (?1, ?2, ?3, ?4)")?
-            .execute(params![parent.0 as i64, name, ino.0 as i64, kind.mode_bits()])?;
+            .execute(params![
+                parent.0 as i64,
+                name,
+                ino.0 as i64,
+                kind.mode_bits()
+            ])?;
         Ok(())
     }
 
     /// Points an existing entry at another inode (rename over, exchange).
     pub fn relink(&self, parent: InodeNo, name: &[u8], ino: InodeNo, kind: Kind) -> Result<()> {
         self.conn
-            .prepare_cached("UPDATE dirent SET ino = ?3, kind = ?4 WHERE parent = ?1 AND name = ?2")?
-            .execute(params![parent.0 as i64, name, ino.0 as i64, kind.mode_bits()])?;
+            .prepare_cached(
+                "UPDATE dirent SET ino = ?3, kind = ?4 WHERE parent = ?1 AND name = ?2",
+            )?
+            .execute(params![
+                parent.0 as i64,
+                name,
+                ino.0 as i64,
+                kind.mode_bits()
+            ])?;
         Ok(())
     }
 
@@ -408,7 +424,10 @@ impl Tx<'_> {
         let mut st = self
             .conn
             .prepare_cached("SELECT 1 FROM dirent WHERE parent = ?1 LIMIT 1")?;
-        Ok(st.query_row([dir.0 as i64], |_| Ok(())).optional()?.is_none())
+        Ok(st
+            .query_row([dir.0 as i64], |_| Ok(()))
+            .optional()?
+            .is_none())
     }
 
     /// All entries of a directory, in name order.
@@ -602,7 +621,7 @@ mod tests {
     fn create_root_and_roundtrip() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("meta.db");
-        let mut s = Store::open(&p, Nanos(5)).unwrap();
+        let s = Store::open(&p, Nanos(5)).unwrap();
         let root = s.read().get(InodeNo::ROOT).unwrap().unwrap();
         assert_eq!(root.kind, Kind::Dir);
         assert_eq!(root.nlink, 2);
@@ -629,7 +648,11 @@ mod tests {
     fn foreign_file_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("meta.db");
-        std::fs::write(&p, b"definitely not sqlite, just some bytes that are long enough").unwrap();
+        std::fs::write(
+            &p,
+            b"definitely not sqlite, just some bytes that are long enough",
+        )
+        .unwrap();
         let e = Store::open(&p, Nanos(0)).err().unwrap();
         assert!(matches!(e, MetaError::Foreign { .. }), "{e}");
     }

@@ -80,7 +80,9 @@ pub(super) fn check(conn: &Connection, path: &str) -> Result<()> {
     if magic.as_deref() != Some(MAGIC) {
         return Err(foreign(format!("magic is {magic:?}, expected {MAGIC:?}")));
     }
-    let version: i64 = conn.query_row("SELECT value FROM meta WHERE key='version'", [], |r| r.get(0))?;
+    let version: i64 = conn.query_row("SELECT value FROM meta WHERE key='version'", [], |r| {
+        r.get(0)
+    })?;
     if version != VERSION {
         return Err(foreign(format!(
             "schema version {version} is not supported (this keel reads version {VERSION})"

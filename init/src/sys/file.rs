@@ -76,7 +76,13 @@ pub fn try_lock(path: &Path) -> io::Result<Option<LockFile>> {
 }
 
 /// `copy_file_range(2)` between two files at explicit offsets; returns bytes copied.
-pub fn copy_range(src: &File, src_off: u64, dst: &File, dst_off: u64, len: usize) -> io::Result<usize> {
+pub fn copy_range(
+    src: &File,
+    src_off: u64,
+    dst: &File,
+    dst_off: u64,
+    len: usize,
+) -> io::Result<usize> {
     let mut so = src_off as i64;
     let mut d_o = dst_off as i64;
     nix::fcntl::copy_file_range(src.as_fd(), Some(&mut so), dst.as_fd(), Some(&mut d_o), len)

@@ -43,7 +43,12 @@ pub fn parse(args: Vec<OsString>) -> Result<MountArgs, String> {
                     .to_str()
                     .and_then(|v| v.parse().ok())
                     .filter(|n| (1..=64).contains(n))
-                    .ok_or_else(|| format!("--threads: `{}` is not a number from 1 to 64", v.to_string_lossy()))?;
+                    .ok_or_else(|| {
+                        format!(
+                            "--threads: `{}` is not a number from 1 to 64",
+                            v.to_string_lossy()
+                        )
+                    })?;
                 out.threads = Some(n);
             }
             "--config" => out.config = Some(PathBuf::from(value("--config")?)),
@@ -155,7 +160,15 @@ mod tests {
 
     #[test]
     fn parses_all_options() {
-        let a = parse(args(&["--state", "/s", "/m", "--cache=kernel", "--threads", "4"])).unwrap();
+        let a = parse(args(&[
+            "--state",
+            "/s",
+            "/m",
+            "--cache=kernel",
+            "--threads",
+            "4",
+        ]))
+        .unwrap();
         assert_eq!(a.state, Some(PathBuf::from("/s")));
         assert_eq!(a.mount_point, Some(PathBuf::from("/m")));
         assert_eq!(a.cache.as_deref(), Some("kernel"));

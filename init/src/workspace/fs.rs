@@ -176,6 +176,14 @@ pub struct FsOptions {
     pub chunk_size: u64,
 }
 
+/// What to create in `make`.
+struct New<'a> {
+    kind: Kind,
+    perm: u32,
+    rdev: u32,
+    target: Option<&'a [u8]>,
+}
+
 /// The bytes of an open regular file.
 enum Data {
     Inline(Vec<u8>),
@@ -268,7 +276,10 @@ impl WorkspaceFs {
             for o in &orphans {
                 bodies.remove(o.ino.0)?;
             }
-            tracing::info!(count = orphans.len(), "removed files that were unlinked while open");
+            tracing::info!(
+                count = orphans.len(),
+                "removed files that were unlinked while open"
+            );
         }
         Ok(WorkspaceFs {
             inner: Mutex::new(Inner {
@@ -610,16 +621,13 @@ impl WorkspaceFs {
     }
 
     /// Creates a new inode named `name` in `parent` and returns its attributes.
-    fn make(
-        &self,
-        caller: Caller,
-        parent: InodeNo,
-        name: &[u8],
-        kind: Kind,
-        perm: u32,
-        rdev: u32,
-        target: Option<&[u8]>,
-    ) -> FsResult<Attr> {
+    fn make(&self, caller: Caller, parent: InodeNo, name: &[u8], new: New<'_>) -> FsResult<Attr> {
+        let New {
+            kind,
+            perm,
+            rdev,
+            target,
+        } = new;
         check_name(name)?;
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
@@ -669,11 +677,31 @@ impl WorkspaceFs {
         } else {
             0
         };
-        self.make(caller, parent, name, kind, mode & 0o7777, rdev, None)
+        self.make(
+            caller,
+            parent,
+            name,
+            New {
+                kind,
+                perm: mode & 0o7777,
+                rdev,
+                target: None,
+            },
+        )
     }
 
     pub fn mkdir(&self, caller: Caller, parent: InodeNo, name: &[u8], mode: u32) -> FsResult<Attr> {
-        self.make(caller, parent, name, Kind::Dir, mode & 0o7777, 0, None)
+        self.make(
+            caller,
+            parent,
+            name,
+            New {
+                kind: Kind::Dir,
+                perm: mode & 0o7777,
+                rdev: 0,
+                target: None,
+            },
+        )
     }
 
     pub fn symlink(
@@ -689,7 +717,17 @@ impl WorkspaceFs {
         if target.is_empty() {
             return Err(FsError::NotFound);
         }
-        self.make(caller, parent, name, Kind::Symlink, 0o777, 0, Some(target))
+        self.make(
+            caller,
+            parent,
+            name,
+            New {
+                kind: Kind::Symlink,
+                perm: 0o777,
+                rdev: 0,
+                target: Some(target),
+            },
+        )
     }
 
     pub fn unlink(&self, parent: InodeNo, name: &[u8]) -> FsResult<()> {
@@ -836,7 +874,8 @@ impl WorkspaceFs {
             }
         }
         let mut s = Self::load(inner, src.ino)?;
-        if s.kind == Kind::Dir && newparent != parent && Self::is_within(inner, newparent, src.ino)? {
+        if s.kind == Kind::Dir && newparent != parent && Self::is_within(inner, newparent, src.ino)?
+        {
             return Err(FsError::Invalid);
         }
         let mut victim = None;
@@ -1015,7 +1054,17 @@ impl WorkspaceFs {
         mode: u32,
         flags: i32,
     ) -> FsResult<(Attr, u64, OpenInfo)> {
-        let attr = self.make(caller, parent, name, Kind::File, mode & 0o7777, 0, None)?;
+        let attr = self.make(
+            caller,
+            parent,
+            name,
+            New {
+                kind: Kind::File,
+                perm: mode & 0o7777,
+                rdev: 0,
+                target: None,
+            },
+        )?;
         let (fh, info) = self.open(attr.inode.ino, flags)?;
         Ok((attr, fh, info))
     }
@@ -1034,7 +1083,7 @@ impl WorkspaceFs {
         buf.clear();
         let body = {
             let mut guard = self.lock();
-        let inner: &mut Inner = &mut guard;
+            let inner: &mut Inner = &mut guard;
             let of = self.file_of(inner, ino)?;
             if offset >= of.inode.size {
                 return Ok(());
@@ -1064,13 +1113,16 @@ impl WorkspaceFs {
     }
 
     pub fn write(&self, ino: InodeNo, offset: u64, data: &[u8]) -> FsResult<u32> {
+        if data.is_empty() {
+            return Ok(0);
+        }
         let end = offset
             .checked_add(data.len() as u64)
             .filter(|e| *e <= i64::MAX as u64)
             .ok_or(FsError::Io(io::Error::from_raw_os_error(libc::EFBIG)))?;
         let f = {
             let mut guard = self.lock();
-        let inner: &mut Inner = &mut guard;
+            let inner: &mut Inner = &mut guard;
             let inline_max = self.opts.inline_max;
             let of = self.file_of(inner, ino)?;
             if end > inline_max {
@@ -1135,7 +1187,7 @@ impl WorkspaceFs {
     pub fn fsync(&self, ino: InodeNo, datasync: bool) -> FsResult<()> {
         let body = {
             let guard = self.lock();
-        let inner: &Inner = &guard;
+            let inner: &Inner = &guard;
             match inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
                 Some(OpenFile {
                     data: Data::Body(f),
@@ -1256,7 +1308,7 @@ impl WorkspaceFs {
     ) -> FsResult<u64> {
         let src_size = {
             let mut guard = self.lock();
-        let inner: &mut Inner = &mut guard;
+            let inner: &mut Inner = &mut guard;
             self.file_of(inner, ino_in)?.inode.size
         };
         if off_in >= src_size || len == 0 {

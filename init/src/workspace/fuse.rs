@@ -11,9 +11,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use fuser::{
     AccessFlags, BsdFileFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType,
     Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags,
-    RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus,
-    ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request,
-    TimeOrNow, WriteFlags,
+    RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty,
+    ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
+    WriteFlags,
 };
 
 use super::fs::{Attr, Caller, FsError, OpenInfo, SetAttr, SetTime, WorkspaceFs};
@@ -294,7 +294,9 @@ impl Filesystem for FuseAdapter {
         _umask: u32,
         reply: ReplyEntry,
     ) {
-        let r = self.fs.mkdir(caller(req), ino(parent), name.as_bytes(), mode);
+        let r = self
+            .fs
+            .mkdir(caller(req), ino(parent), name.as_bytes(), mode);
         self.entry(reply, r);
     }
 
@@ -428,7 +430,14 @@ impl Filesystem for FuseAdapter {
         Self::empty(reply, self.fs.release(fh.0));
     }
 
-    fn fsync(&self, _req: &Request, i: INodeNo, _fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+    fn fsync(
+        &self,
+        _req: &Request,
+        i: INodeNo,
+        _fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         Self::empty(reply, self.fs.fsync(ino(i), datasync));
     }
 
@@ -448,7 +457,12 @@ impl Filesystem for FuseAdapter {
         mut reply: ReplyDirectory,
     ) {
         let r = self.fs.readdir(fh.0, offset, |e, next| {
-            reply.add(INodeNo(e.ino.0), next, file_type(e.kind), OsStr::from_bytes(&e.name))
+            reply.add(
+                INodeNo(e.ino.0),
+                next,
+                file_type(e.kind),
+                OsStr::from_bytes(&e.name),
+            )
         });
         match r {
             Ok(()) => reply.ok(),
@@ -523,7 +537,10 @@ impl Filesystem for FuseAdapter {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        Self::empty(reply, self.fs.setxattr(ino(i), name.as_bytes(), value, flags));
+        Self::empty(
+            reply,
+            self.fs.setxattr(ino(i), name.as_bytes(), value, flags),
+        );
     }
 
     fn getxattr(&self, _req: &Request, i: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {

@@ -1,0 +1,682 @@
+//! `WorkspaceFs` without a kernel: direct tests of POSIX semantics, and a proptest reference
+//! model (create / write at offset / truncate / rename / link / unlink / mkdir / rmdir /
+//! chmod / xattr / fsync / remount) compared against an in-memory model after every step.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use keel::config::CacheMode;
+use keel::meta::{InodeNo, Kind};
+use keel::workspace::fs::{Caller, FsError, FsOptions, SetAttr, WorkspaceFs};
+use proptest::prelude::*;
+
+const ROOT: Caller = Caller { uid: 0, gid: 0 };
+
+fn opts() -> FsOptions {
+    FsOptions {
+        cache: CacheMode::Auto,
+        inline_max: 64,
+        chunk_size: 64 * 1024,
+    }
+}
+
+fn open_fs(dir: &Path) -> WorkspaceFs {
+    WorkspaceFs::new(dir, opts()).expect("open workspace")
+}
+
+/// Resolves a slash-separated path relative to the root.
+fn resolve(fs: &WorkspaceFs, path: &str) -> Result<InodeNo, FsError> {
+    let mut ino = InodeNo::ROOT;
+    for part in path.split('/').filter(|p| !p.is_empty()) {
+        ino = fs.lookup(ino, part.as_bytes())?.inode.ino;
+    }
+    Ok(ino)
+}
+
+fn split(path: &str) -> (&str, &str) {
+    match path.rsplit_once('/') {
+        Some((p, n)) => (p, n),
+        None => ("", path),
+    }
+}
+
+fn write_file(fs: &WorkspaceFs, ino: InodeNo, off: u64, data: &[u8]) {
+    let (fh, _) = fs.open(ino, libc::O_RDWR).unwrap();
+    assert_eq!(fs.write(ino, off, data).unwrap() as usize, data.len());
+    fs.flush(ino).unwrap();
+    fs.release(fh).unwrap();
+}
+
+fn read_all(fs: &WorkspaceFs, ino: InodeNo) -> Vec<u8> {
+    let (fh, _) = fs.open(ino, libc::O_RDONLY).unwrap();
+    let mut out = Vec::new();
+    let mut buf = Vec::new();
+    loop {
+        fs.read(ino, out.len() as u64, 1 << 16, &mut buf).unwrap();
+        if buf.is_empty() {
+            break;
+        }
+        out.extend_from_slice(&buf);
+    }
+    fs.release(fh).unwrap();
+    out
+}
+
+#[test]
+fn create_write_read_across_inline_and_body() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let (a, fh, _) = fs
+        .create(ROOT, InodeNo::ROOT, b"f", 0o644, libc::O_RDWR)
+        .unwrap();
+    let ino = a.inode.ino;
+    fs.write(ino, 0, b"hello").unwrap();
+    // Crosses inline_max (64): moves to a body file.
+    fs.write(ino, 100, &[7u8; 200]).unwrap();
+    fs.release(fh).unwrap();
+    let data = read_all(&fs, ino);
+    assert_eq!(data.len(), 300);
+    assert_eq!(&data[..5], b"hello");
+    assert!(data[5..100].iter().all(|b| *b == 0));
+    assert!(data[100..].iter().all(|b| *b == 7));
+    assert_eq!(fs.getattr(ino).unwrap().inode.size, 300);
+}
+
+#[test]
+fn unlinked_open_file_stays_readable_until_release() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let (a, fh, _) = fs
+        .create(ROOT, InodeNo::ROOT, b"f", 0o644, libc::O_RDWR)
+        .unwrap();
+    let ino = a.inode.ino;
+    fs.write(ino, 0, &[1u8; 1000]).unwrap();
+    fs.unlink(InodeNo::ROOT, b"f").unwrap();
+    assert!(matches!(
+        fs.lookup(InodeNo::ROOT, b"f"),
+        Err(FsError::NotFound)
+    ));
+    let mut buf = Vec::new();
+    fs.read(ino, 0, 1000, &mut buf).unwrap();
+    assert_eq!(buf, vec![1u8; 1000]);
+    assert_eq!(fs.getattr(ino).unwrap().inode.nlink, 0);
+    fs.release(fh).unwrap();
+    // The kernel still holds one lookup from create; forgetting it frees the inode.
+    fs.forget(ino, 1);
+    assert!(matches!(fs.getattr(ino), Err(FsError::NotFound)));
+}
+
+#[test]
+fn rename_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let d = fs
+        .mkdir(ROOT, InodeNo::ROOT, b"d", 0o755)
+        .unwrap()
+        .inode
+        .ino;
+    let sub = fs.mkdir(ROOT, d, b"sub", 0o755).unwrap().inode.ino;
+    // Directory into its own subtree.
+    assert!(matches!(
+        fs.rename(InodeNo::ROOT, b"d", sub, b"x", 0),
+        Err(FsError::Invalid)
+    ));
+    fs.mknod(ROOT, InodeNo::ROOT, b"f", libc::S_IFREG | 0o644, 0)
+        .unwrap();
+    fs.mknod(ROOT, InodeNo::ROOT, b"g", libc::S_IFREG | 0o644, 0)
+        .unwrap();
+    // RENAME_NOREPLACE onto an existing name.
+    assert!(matches!(
+        fs.rename(InodeNo::ROOT, b"f", InodeNo::ROOT, b"g", 1),
+        Err(FsError::Exists)
+    ));
+    // A file over a directory, a directory over a file.
+    assert!(matches!(
+        fs.rename(InodeNo::ROOT, b"f", InodeNo::ROOT, b"d", 0),
+        Err(FsError::IsDir)
+    ));
+    assert!(matches!(
+        fs.rename(InodeNo::ROOT, b"d", InodeNo::ROOT, b"f", 0),
+        Err(FsError::NotDir)
+    ));
+    // Moving a directory to another parent moves one link between the parents.
+    let other = fs
+        .mkdir(ROOT, InodeNo::ROOT, b"o", 0o755)
+        .unwrap()
+        .inode
+        .ino;
+    assert_eq!(fs.getattr(d).unwrap().inode.nlink, 3);
+    fs.rename(d, b"sub", other, b"sub", 0).unwrap();
+    assert_eq!(fs.getattr(d).unwrap().inode.nlink, 2);
+    assert_eq!(fs.getattr(other).unwrap().inode.nlink, 3);
+    assert_eq!(fs.lookup(sub, b"..").unwrap().inode.ino, other);
+    // RENAME_EXCHANGE of a file and a directory in different parents.
+    fs.rename(InodeNo::ROOT, b"f", other, b"sub", 2).unwrap();
+    assert_eq!(fs.lookup(InodeNo::ROOT, b"f").unwrap().inode.ino, sub);
+    assert_eq!(fs.getattr(other).unwrap().inode.nlink, 2);
+    assert_eq!(fs.getattr(InodeNo::ROOT).unwrap().inode.nlink, 5);
+}
+
+#[test]
+fn bad_names_and_xattr_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let long = vec![b'x'; 256];
+    assert!(matches!(
+        fs.mkdir(ROOT, InodeNo::ROOT, &long, 0o755),
+        Err(FsError::NameTooLong)
+    ));
+    assert_eq!(FsError::NameTooLong.errno(), libc::ENAMETOOLONG);
+    let f = fs
+        .mknod(ROOT, InodeNo::ROOT, b"f", libc::S_IFREG | 0o644, 0)
+        .unwrap()
+        .inode
+        .ino;
+    assert!(matches!(
+        fs.setxattr(f, b"user.a", b"1", 2),
+        Err(FsError::NoAttr)
+    ));
+    fs.setxattr(f, b"user.a", b"1", 1).unwrap();
+    assert!(matches!(
+        fs.setxattr(f, b"user.a", b"2", 1),
+        Err(FsError::Exists)
+    ));
+    fs.setxattr(f, b"user.a", b"2", 2).unwrap();
+    assert_eq!(fs.getxattr(f, b"user.a").unwrap(), b"2");
+    assert!(matches!(
+        fs.setxattr(f, b"user.big", &vec![0u8; 65537], 0),
+        Err(FsError::TooBig)
+    ));
+    assert_eq!(fs.listxattr(f).unwrap(), b"user.a\0");
+    fs.removexattr(f, b"user.a").unwrap();
+    assert!(matches!(fs.getxattr(f, b"user.a"), Err(FsError::NoAttr)));
+}
+
+#[test]
+fn sparse_large_file_and_seek() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let (a, fh, _) = fs
+        .create(ROOT, InodeNo::ROOT, b"big", 0o644, libc::O_RDWR)
+        .unwrap();
+    let ino = a.inode.ino;
+    let off = 5u64 << 30;
+    fs.write(ino, off, b"tail").unwrap();
+    assert_eq!(fs.getattr(ino).unwrap().inode.size, off + 4);
+    assert!(fs.getattr(ino).unwrap().blocks < 1024);
+    assert_eq!(fs.seek(ino, 0, true).unwrap() / 4096, off / 4096);
+    assert_eq!(fs.seek(ino, 0, false).unwrap(), 0);
+    let mut buf = Vec::new();
+    fs.read(ino, off - 2, 10, &mut buf).unwrap();
+    assert_eq!(buf, b"\0\0tail");
+    // Punch a hole over the data.
+    fs.fallocate(
+        ino,
+        off,
+        4,
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+    )
+    .unwrap();
+    fs.read(ino, off, 4, &mut buf).unwrap();
+    assert_eq!(buf, b"\0\0\0\0");
+    fs.release(fh).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// The reference model.
+
+#[derive(Debug, Clone, PartialEq)]
+enum MNode {
+    File { id: usize },
+    Dir,
+}
+
+/// A file's bytes, mode and xattrs.
+type MFile = (Vec<u8>, u32, BTreeMap<String, Vec<u8>>);
+
+#[derive(Debug, Clone, Default)]
+struct Model {
+    /// path → node; directories have no data.
+    paths: BTreeMap<String, MNode>,
+    /// file id → (bytes, mode, xattrs)
+    files: Vec<MFile>,
+    dir_modes: BTreeMap<String, u32>,
+    dir_xattrs: BTreeMap<String, BTreeMap<String, Vec<u8>>>,
+}
+
+impl Model {
+    fn parent_ok(&self, path: &str) -> bool {
+        let (p, _) = split(path);
+        p.is_empty() || matches!(self.paths.get(p), Some(MNode::Dir))
+    }
+    fn children(&self, dir: &str) -> Vec<String> {
+        let prefix = if dir.is_empty() {
+            String::new()
+        } else {
+            format!("{dir}/")
+        };
+        self.paths
+            .keys()
+            .filter(|k| {
+                k.starts_with(&prefix) && !k[prefix.len()..].contains('/') && k.len() > prefix.len()
+            })
+            .cloned()
+            .collect()
+    }
+    fn nlink(&self, id: usize) -> usize {
+        self.paths
+            .values()
+            .filter(|n| **n == MNode::File { id })
+            .count()
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Create(String),
+    Write(String, u64, Vec<u8>),
+    Truncate(String, u64),
+    Mkdir(String),
+    Rmdir(String),
+    Unlink(String),
+    Rename(String, String),
+    Link(String, String),
+    Chmod(String, u32),
+    SetXattr(String, String, Vec<u8>),
+    RemoveXattr(String, String),
+    Fsync(String),
+    Remount { clean: bool },
+}
+
+fn path_strategy() -> impl Strategy<Value = String> {
+    let name = prop::sample::select(vec!["a", "b", "c"]);
+    prop::collection::vec(name, 1..=3).prop_map(|v| v.join("/"))
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    let data = prop::collection::vec(any::<u8>(), 0..300);
+    prop_oneof![
+        3 => path_strategy().prop_map(Op::Create),
+        4 => (path_strategy(), 0u64..400, data).prop_map(|(p, o, d)| Op::Write(p, o, d)),
+        2 => (path_strategy(), 0u64..500).prop_map(|(p, s)| Op::Truncate(p, s)),
+        3 => path_strategy().prop_map(Op::Mkdir),
+        1 => path_strategy().prop_map(Op::Rmdir),
+        2 => path_strategy().prop_map(Op::Unlink),
+        3 => (path_strategy(), path_strategy()).prop_map(|(a, b)| Op::Rename(a, b)),
+        2 => (path_strategy(), path_strategy()).prop_map(|(a, b)| Op::Link(a, b)),
+        1 => (path_strategy(), 0u32..0o1000).prop_map(|(p, m)| Op::Chmod(p, m)),
+        1 => (path_strategy(), prop::sample::select(vec!["user.x", "user.y"]), prop::collection::vec(any::<u8>(), 0..20))
+            .prop_map(|(p, n, v)| Op::SetXattr(p, n.to_string(), v)),
+        1 => (path_strategy(), prop::sample::select(vec!["user.x", "user.y"]))
+            .prop_map(|(p, n)| Op::RemoveXattr(p, n.to_string())),
+        1 => path_strategy().prop_map(Op::Fsync),
+        1 => any::<bool>().prop_map(|clean| Op::Remount { clean }),
+    ]
+}
+
+/// Applies `op` to the model; returns whether the real filesystem should succeed.
+fn apply_model(m: &mut Model, op: &Op) -> bool {
+    match op {
+        Op::Create(p) => {
+            if !m.parent_ok(p) || m.paths.contains_key(p) {
+                return false;
+            }
+            m.files.push((Vec::new(), 0o644, BTreeMap::new()));
+            m.paths.insert(
+                p.clone(),
+                MNode::File {
+                    id: m.files.len() - 1,
+                },
+            );
+            true
+        }
+        Op::Write(p, off, d) => match m.paths.get(p) {
+            Some(MNode::File { id }) => {
+                let f = &mut m.files[*id].0;
+                let end = *off as usize + d.len();
+                if !d.is_empty() {
+                    if f.len() < end {
+                        f.resize(end, 0);
+                    }
+                    f[*off as usize..end].copy_from_slice(d);
+                }
+                true
+            }
+            _ => false,
+        },
+        Op::Truncate(p, s) => match m.paths.get(p) {
+            Some(MNode::File { id }) => {
+                m.files[*id].0.resize(*s as usize, 0);
+                true
+            }
+            _ => false,
+        },
+        Op::Mkdir(p) => {
+            if !m.parent_ok(p) || m.paths.contains_key(p) {
+                return false;
+            }
+            m.paths.insert(p.clone(), MNode::Dir);
+            m.dir_modes.insert(p.clone(), 0o755);
+            true
+        }
+        Op::Rmdir(p) => {
+            if !matches!(m.paths.get(p), Some(MNode::Dir)) || !m.children(p).is_empty() {
+                return false;
+            }
+            m.paths.remove(p);
+            m.dir_modes.remove(p);
+            m.dir_xattrs.remove(p);
+            true
+        }
+        Op::Unlink(p) => {
+            if !matches!(m.paths.get(p), Some(MNode::File { .. })) {
+                return false;
+            }
+            m.paths.remove(p);
+            true
+        }
+        Op::Rename(a, b) => {
+            let Some(src) = m.paths.get(a).cloned() else {
+                return false;
+            };
+            if !m.parent_ok(b) {
+                return false;
+            }
+            if a == b {
+                return true;
+            }
+            if src == MNode::Dir && b.starts_with(&format!("{a}/")) {
+                return false;
+            }
+            match (m.paths.get(b), &src) {
+                (Some(MNode::Dir), MNode::File { .. }) => return false,
+                (Some(MNode::File { .. }), MNode::Dir) => return false,
+                (Some(MNode::Dir), MNode::Dir) if !m.children(b).is_empty() => return false,
+                (Some(MNode::File { id: x }), MNode::File { id: y }) if x == y => return true,
+                _ => {}
+            }
+            // Move the subtree.
+            let moved: Vec<(String, MNode)> = m
+                .paths
+                .iter()
+                .filter(|(k, _)| *k == a || k.starts_with(&format!("{a}/")))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            if matches!(m.paths.get(b), Some(MNode::Dir)) {
+                m.dir_modes.remove(b);
+                m.dir_xattrs.remove(b);
+            }
+            m.paths.remove(b);
+            for (k, v) in moved {
+                m.paths.remove(&k);
+                let nk = format!("{b}{}", &k[a.len()..]);
+                if let Some(mode) = m.dir_modes.remove(&k) {
+                    m.dir_modes.insert(nk.clone(), mode);
+                }
+                if let Some(x) = m.dir_xattrs.remove(&k) {
+                    m.dir_xattrs.insert(nk.clone(), x);
+                }
+                m.paths.insert(nk, v);
+            }
+            true
+        }
+        Op::Link(a, b) => {
+            let Some(MNode::File { id }) = m.paths.get(a).cloned() else {
+                return false;
+            };
+            if !m.parent_ok(b) || m.paths.contains_key(b) {
+                return false;
+            }
+            m.paths.insert(b.clone(), MNode::File { id });
+            true
+        }
+        Op::Chmod(p, mode) => match m.paths.get(p) {
+            Some(MNode::File { id }) => {
+                m.files[*id].1 = *mode;
+                true
+            }
+            Some(MNode::Dir) => {
+                m.dir_modes.insert(p.clone(), *mode);
+                true
+            }
+            None => false,
+        },
+        Op::SetXattr(p, n, v) => match m.paths.get(p) {
+            Some(MNode::File { id }) => {
+                m.files[*id].2.insert(n.clone(), v.clone());
+                true
+            }
+            Some(MNode::Dir) => {
+                m.dir_xattrs
+                    .entry(p.clone())
+                    .or_default()
+                    .insert(n.clone(), v.clone());
+                true
+            }
+            None => false,
+        },
+        Op::RemoveXattr(p, n) => match m.paths.get(p) {
+            Some(MNode::File { id }) => m.files[*id].2.remove(n).is_some(),
+            Some(MNode::Dir) => m
+                .dir_xattrs
+                .get_mut(p)
+                .map(|x| x.remove(n).is_some())
+                .unwrap_or(false),
+            None => false,
+        },
+        Op::Fsync(p) => matches!(m.paths.get(p), Some(MNode::File { .. })),
+        Op::Remount { .. } => true,
+    }
+}
+
+fn apply_real(fs: &WorkspaceFs, op: &Op) -> Result<(), FsError> {
+    let parent_of = |p: &str| -> Result<(InodeNo, String), FsError> {
+        let (dir, name) = split(p);
+        Ok((resolve(fs, dir)?, name.to_string()))
+    };
+    match op {
+        Op::Create(p) => {
+            let (d, n) = parent_of(p)?;
+            let (_, fh, _) =
+                fs.create(ROOT, d, n.as_bytes(), 0o644, libc::O_RDWR | libc::O_EXCL)?;
+            fs.release(fh)
+        }
+        Op::Write(p, off, data) => {
+            let ino = resolve(fs, p)?;
+            if fs.getattr(ino)?.inode.kind != Kind::File {
+                return Err(FsError::IsDir);
+            }
+            write_file(fs, ino, *off, data);
+            Ok(())
+        }
+        Op::Truncate(p, s) => {
+            let ino = resolve(fs, p)?;
+            fs.setattr(
+                ino,
+                &SetAttr {
+                    size: Some(*s),
+                    ..Default::default()
+                },
+            )?;
+            Ok(())
+        }
+        Op::Mkdir(p) => {
+            let (d, n) = parent_of(p)?;
+            fs.mkdir(ROOT, d, n.as_bytes(), 0o755).map(|_| ())
+        }
+        Op::Rmdir(p) => {
+            let (d, n) = parent_of(p)?;
+            fs.rmdir(d, n.as_bytes())
+        }
+        Op::Unlink(p) => {
+            let (d, n) = parent_of(p)?;
+            fs.unlink(d, n.as_bytes())
+        }
+        Op::Rename(a, b) => {
+            let (da, na) = parent_of(a)?;
+            let (db, nb) = parent_of(b)?;
+            fs.rename(da, na.as_bytes(), db, nb.as_bytes(), 0)
+        }
+        Op::Link(a, b) => {
+            let ino = resolve(fs, a)?;
+            let (db, nb) = parent_of(b)?;
+            fs.link(ino, db, nb.as_bytes()).map(|_| ())
+        }
+        Op::Chmod(p, mode) => {
+            let ino = resolve(fs, p)?;
+            fs.setattr(
+                ino,
+                &SetAttr {
+                    mode: Some(*mode),
+                    ..Default::default()
+                },
+            )
+            .map(|_| ())
+        }
+        Op::SetXattr(p, n, v) => {
+            let ino = resolve(fs, p)?;
+            fs.setxattr(ino, n.as_bytes(), v, 0)
+        }
+        Op::RemoveXattr(p, n) => {
+            let ino = resolve(fs, p)?;
+            fs.removexattr(ino, n.as_bytes())
+        }
+        Op::Fsync(p) => {
+            let ino = resolve(fs, p)?;
+            let (fh, _) = fs.open(ino, libc::O_RDONLY)?;
+            fs.fsync(ino, false)?;
+            fs.release(fh)
+        }
+        Op::Remount { .. } => Ok(()),
+    }
+}
+
+/// Compares the whole tree with the model.
+fn compare(fs: &WorkspaceFs, m: &Model) {
+    let mut seen_ids: BTreeMap<usize, InodeNo> = BTreeMap::new();
+    let mut stack = vec![(String::new(), InodeNo::ROOT)];
+    let mut real_paths = Vec::new();
+    while let Some((path, ino)) = stack.pop() {
+        let fh = fs.opendir(ino).unwrap();
+        let mut entries = Vec::new();
+        fs.readdir(fh, 0, |e, _| {
+            entries.push(e.clone());
+            false
+        })
+        .unwrap();
+        fs.releasedir(fh);
+        let mut subdirs = 0;
+        for e in entries {
+            if e.name == b"." || e.name == b".." {
+                continue;
+            }
+            let name = String::from_utf8(e.name.clone()).unwrap();
+            let p = if path.is_empty() {
+                name
+            } else {
+                format!("{path}/{name}")
+            };
+            real_paths.push(p.clone());
+            let attr = fs.getattr(e.ino).unwrap().inode;
+            match m.paths.get(&p) {
+                Some(MNode::Dir) => {
+                    assert_eq!(attr.kind, Kind::Dir, "{p}");
+                    assert_eq!(attr.perm, m.dir_modes[&p], "mode of {p}");
+                    let want: Vec<u8> = m
+                        .dir_xattrs
+                        .get(&p)
+                        .map(|x| x.keys().flat_map(|k| k.bytes().chain([0])).collect())
+                        .unwrap_or_default();
+                    assert_eq!(fs.listxattr(e.ino).unwrap(), want, "xattrs of {p}");
+                    subdirs += 1;
+                    stack.push((p, e.ino));
+                }
+                Some(MNode::File { id }) => {
+                    assert_eq!(attr.kind, Kind::File, "{p}");
+                    if let Some(prev) = seen_ids.insert(*id, e.ino) {
+                        assert_eq!(prev, e.ino, "hard links of {p} must share an inode");
+                    }
+                    let (data, mode, xattrs) = &m.files[*id];
+                    assert_eq!(attr.size as usize, data.len(), "size of {p}");
+                    assert_eq!(&read_all(fs, e.ino), data, "bytes of {p}");
+                    assert_eq!(attr.perm, *mode, "mode of {p}");
+                    assert_eq!(attr.nlink as usize, m.nlink(*id), "nlink of {p}");
+                    let want: Vec<u8> = xattrs.keys().flat_map(|k| k.bytes().chain([0])).collect();
+                    assert_eq!(fs.listxattr(e.ino).unwrap(), want, "xattrs of {p}");
+                    for (k, v) in xattrs {
+                        assert_eq!(&fs.getxattr(e.ino, k.as_bytes()).unwrap(), v);
+                    }
+                }
+                None => panic!("{p} exists but the model has no such path"),
+            }
+        }
+        assert_eq!(
+            fs.getattr(ino).unwrap().inode.nlink,
+            2 + subdirs,
+            "nlink of directory `{path}`"
+        );
+    }
+    real_paths.sort();
+    let want: Vec<String> = m.paths.keys().cloned().collect();
+    assert_eq!(real_paths, want);
+}
+
+fn run_model(ops: &[Op]) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fs = open_fs(dir.path());
+    let mut m = Model::default();
+    for (i, op) in ops.iter().enumerate() {
+        let mut next = m.clone();
+        let want_ok = apply_model(&mut next, op);
+        let got = apply_real(&fs, op);
+        assert_eq!(
+            got.is_ok(),
+            want_ok,
+            "step {i}: {op:?}: filesystem said {got:?}, model said ok={want_ok}"
+        );
+        if want_ok {
+            m = next;
+        }
+        if let Op::Remount { clean } = op {
+            if *clean {
+                fs.shutdown().unwrap();
+            }
+            drop(fs);
+            fs = open_fs(dir.path());
+        }
+        compare(&fs, &m);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, max_shrink_iters: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn matches_reference_model(ops in prop::collection::vec(op_strategy(), 1..60)) {
+        run_model(&ops);
+    }
+}
+
+/// Renaming a directory over an empty directory in the same parent drops one parent link.
+#[test]
+fn regression_rename_dir_over_empty_dir() {
+    run_model(&[
+        Op::Mkdir("a".into()),
+        Op::Mkdir("b".into()),
+        Op::Rename("a".into(), "b".into()),
+        Op::Remount { clean: false },
+    ]);
+}
+
+/// A hard link survives the unlink of the original name, across a remount.
+#[test]
+fn regression_link_then_unlink_then_remount() {
+    run_model(&[
+        Op::Create("a".into()),
+        Op::Write("a".into(), 10, vec![1, 2, 3]),
+        Op::Link("a".into(), "b".into()),
+        Op::Unlink("a".into()),
+        Op::Remount { clean: true },
+        Op::Truncate("b".into(), 200),
+    ]);
+}
