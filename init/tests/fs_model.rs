@@ -17,6 +17,7 @@ fn opts() -> FsOptions {
         cache: CacheMode::Auto,
         inline_max: 64,
         chunk_size: 64 * 1024,
+        passthrough: Default::default(),
     }
 }
 

@@ -12,6 +12,8 @@ pub(super) fn configure(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(
         "PRAGMA journal_mode=WAL;
          PRAGMA synchronous=NORMAL;
+         PRAGMA locking_mode=EXCLUSIVE;
+         PRAGMA wal_autocheckpoint=4000;
          PRAGMA foreign_keys=OFF;
          PRAGMA temp_store=MEMORY;
          PRAGMA cache_size=-32768;",
@@ -26,7 +28,7 @@ pub(super) fn create(conn: &Connection, now: Nanos) -> Result<()> {
         "BEGIN;
          CREATE TABLE meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
          CREATE TABLE inode (
-            ino INTEGER PRIMARY KEY AUTOINCREMENT,
+            ino INTEGER PRIMARY KEY,
             mode INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL,
             nlink INTEGER NOT NULL, size INTEGER NOT NULL,
             atime INTEGER NOT NULL, mtime INTEGER NOT NULL, ctime INTEGER NOT NULL,

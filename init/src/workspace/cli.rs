@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use crate::config::Config;
 use crate::sys::fgsig::StopSignals;
 
-const USAGE: &str = "usage: keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none] [--threads N] [--config FILE]";
+const USAGE: &str = "usage: keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none] [--passthrough auto|on|off] [--threads N] [--config FILE]";
 
 /// Parsed `keel mount` arguments.
 #[derive(Debug, Default, PartialEq)]
@@ -15,6 +15,7 @@ pub struct MountArgs {
     pub state: Option<PathBuf>,
     pub mount_point: Option<PathBuf>,
     pub cache: Option<String>,
+    pub passthrough: Option<String>,
     pub threads: Option<usize>,
     pub config: Option<PathBuf>,
 }
@@ -37,6 +38,9 @@ pub fn parse(args: Vec<OsString>) -> Result<MountArgs, String> {
         match flag.as_str() {
             "--state" => out.state = Some(PathBuf::from(value("--state")?)),
             "--cache" => out.cache = Some(value("--cache")?.to_string_lossy().into_owned()),
+            "--passthrough" => {
+                out.passthrough = Some(value("--passthrough")?.to_string_lossy().into_owned())
+            }
             "--threads" => {
                 let v = value("--threads")?;
                 let n = v
@@ -112,6 +116,15 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
             Ok(c) => ws.cache = c,
             Err(e) => {
                 eprintln!("keel: mount: --cache: {e}");
+                return 2;
+            }
+        }
+    }
+    if let Some(p) = a.passthrough {
+        match p.parse() {
+            Ok(p) => ws.passthrough = p,
+            Err(e) => {
+                eprintln!("keel: mount: --passthrough: {e}");
                 return 2;
             }
         }

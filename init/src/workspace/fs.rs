@@ -11,6 +11,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -140,10 +141,12 @@ pub struct SetAttr {
 }
 
 /// How the kernel should cache an opened file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct OpenInfo {
     pub keep_cache: bool,
     pub direct_io: bool,
+    /// Hand reads and writes of this handle to the kernel on this body file (passthrough).
+    pub backing: Option<Arc<File>>,
 }
 
 /// One directory entry as `readdir` returns it.
@@ -174,6 +177,8 @@ pub struct FsOptions {
     pub inline_max: u64,
     /// Chunk window size for change tracking (a power of two).
     pub chunk_size: u64,
+    /// Set by the FUSE layer once the kernel agreed to pass file I/O through to body files.
+    pub passthrough: Arc<AtomicBool>,
 }
 
 /// What to create in `make`.
@@ -219,10 +224,32 @@ struct Node {
     /// (mtime, size) when the last handle was closed: the page cache is still valid if the
     /// file looks the same at the next open (cache mode `auto`).
     cache_stamp: Option<(Nanos, u64)>,
+    /// Open handles whose I/O the kernel passes straight to the body file.
+    pt_opens: u32,
+    /// (size, mtime, ctime) of the body when we last looked: a change means the kernel wrote
+    /// through a passthrough handle.
+    pt_base: Option<BodyStamp>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct BodyStamp {
+    size: u64,
+    mtime: Nanos,
+    ctime: Nanos,
+}
+
+fn body_stamp(f: &File) -> io::Result<BodyStamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = f.metadata()?;
+    Ok(BodyStamp {
+        size: m.len(),
+        mtime: Nanos(m.mtime() * 1_000_000_000 + m.mtime_nsec()),
+        ctime: Nanos(m.ctime() * 1_000_000_000 + m.ctime_nsec()),
+    })
 }
 
 enum Handle {
-    File { ino: InodeNo },
+    File { ino: InodeNo, passthrough: bool },
     Dir { entries: Vec<DirEntry> },
 }
 
@@ -346,6 +373,49 @@ impl WorkspaceFs {
         Ok(Attr { inode, blocks })
     }
 
+    /// Picks up what the kernel wrote through passthrough handles: size and times from the
+    /// body, and every window marked dirty (the written ranges are unknown).
+    fn sync_from_body(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        let chunk = self.opts.chunk_size;
+        let Some(node) = inner.nodes.get_mut(&ino) else {
+            return Ok(());
+        };
+        let (Some(base), Some(of)) = (node.pt_base, node.open.as_mut()) else {
+            return Ok(());
+        };
+        let Data::Body(f) = &of.data else {
+            return Ok(());
+        };
+        let now_stamp = body_stamp(f)?;
+        if now_stamp != base {
+            of.inode.size = now_stamp.size;
+            if now_stamp.mtime != base.mtime {
+                of.inode.mtime = now_stamp.mtime;
+            }
+            of.inode.ctime = of.inode.ctime.max(now_stamp.ctime);
+            of.touch(0, now_stamp.size, chunk);
+            node.pt_base = Some(now_stamp);
+        }
+        Ok(())
+    }
+
+    /// Re-reads the body stamp after keel itself changed a passthrough file, so its own
+    /// change is not mistaken for a kernel write.
+    fn rebase(inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        if let Some(node) = inner.nodes.get_mut(&ino) {
+            if node.pt_base.is_some() {
+                if let Some(OpenFile {
+                    data: Data::Body(f),
+                    ..
+                }) = &node.open
+                {
+                    node.pt_base = Some(body_stamp(f)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn attr_locked(&self, inner: &Inner, ino: InodeNo) -> FsResult<Attr> {
         let inode = Self::load(inner, ino)?;
         let body = inner
@@ -372,11 +442,16 @@ impl WorkspaceFs {
 
     /// Deletes an inode that has no links and nobody using it.
     fn purge(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        let had_body = Self::load(inner, ino)
+            .map(|i| i.storage == Storage::Body)
+            .unwrap_or(true);
         let tx = inner.store.write()?;
         tx.delete(ino)?;
         tx.commit()?;
         inner.nodes.remove(&ino);
-        self.bodies.remove(ino.0)?;
+        if had_body {
+            self.bodies.remove(ino.0)?;
+        }
         Ok(())
     }
 
@@ -550,14 +625,16 @@ impl WorkspaceFs {
     }
 
     pub fn getattr(&self, ino: InodeNo) -> FsResult<Attr> {
-        let guard = self.lock();
-        let inner: &Inner = &guard;
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        self.sync_from_body(inner, ino)?;
         self.attr_locked(inner, ino)
     }
 
     pub fn setattr(&self, ino: InodeNo, set: &SetAttr) -> FsResult<Attr> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
+        self.sync_from_body(inner, ino)?;
         let t = now();
         if let Some(size) = set.size {
             let inode = Self::load(inner, ino)?;
@@ -604,6 +681,7 @@ impl WorkspaceFs {
         Self::save(&mut inner.nodes, &tx, &inode)?;
         tx.commit()?;
         if set.size.is_some() {
+            Self::rebase(inner, ino)?;
             self.settle(inner, ino)?;
         }
         self.attr_locked(inner, ino)
@@ -1009,14 +1087,17 @@ impl WorkspaceFs {
             CacheMode::None => OpenInfo {
                 keep_cache: false,
                 direct_io: true,
+                backing: None,
             },
             CacheMode::Kernel => OpenInfo {
                 keep_cache: true,
                 direct_io: direct,
+                backing: None,
             },
             CacheMode::Auto => OpenInfo {
                 keep_cache: node.cache_stamp == Some((inode.mtime, inode.size)) || node.opens > 1,
                 direct_io: direct,
+                backing: None,
             },
         }
     }
@@ -1038,11 +1119,51 @@ impl WorkspaceFs {
             _ => return Err(FsError::Invalid),
         }
         self.ensure_open(inner, ino)?;
+        if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
+            self.sync_from_body(inner, ino)?;
+            let t = now();
+            let of = self.file_of(inner, ino)?;
+            if of.inode.size != 0 {
+                self.resize(of, 0)?;
+            }
+            of.inode.mtime = t;
+            of.inode.ctime = t;
+            of.dirty = true;
+            Self::rebase(inner, ino)?;
+        }
+        let passthrough = self.opts.passthrough.load(Ordering::Relaxed);
         let node = inner.nodes.get_mut(&ino).expect("loaded");
+        let mut backing = None;
+        // The kernel refuses to mix cached and passthrough handles on one inode.
+        if passthrough && node.opens == node.pt_opens {
+            let of = node.open.as_mut().expect("loaded");
+            if flags & libc::O_ACCMODE != libc::O_RDONLY {
+                self.to_body(of)?;
+            }
+            if let Data::Body(f) = &of.data {
+                if node.pt_base.is_none() {
+                    node.pt_base = Some(body_stamp(f)?);
+                }
+                backing = Some(f.clone());
+                node.pt_opens += 1;
+            }
+        }
         node.opens += 1;
         let inode = node.open.as_ref().expect("loaded").inode.clone();
-        let info = self.open_info(inner.nodes.get(&ino).expect("loaded"), &inode, flags);
-        let fh = Self::new_handle(inner, Handle::File { ino });
+        let mut info = self.open_info(inner.nodes.get(&ino).expect("loaded"), &inode, flags);
+        let pt = backing.is_some();
+        if pt {
+            info.keep_cache = false;
+            info.direct_io = false;
+        }
+        info.backing = backing;
+        let fh = Self::new_handle(
+            inner,
+            Handle::File {
+                ino,
+                passthrough: pt,
+            },
+        );
         Ok((fh, info))
     }
 
@@ -1072,6 +1193,7 @@ impl WorkspaceFs {
     /// Clones what a data operation needs without holding the lock during I/O.
     fn file_of<'a>(&self, inner: &'a mut Inner, ino: InodeNo) -> FsResult<&'a mut OpenFile> {
         self.ensure_open(inner, ino)?;
+        self.sync_from_body(inner, ino)?;
         Ok(inner
             .nodes
             .get_mut(&ino)
@@ -1154,6 +1276,7 @@ impl WorkspaceFs {
             of.inode.ctime = t;
             of.touch(offset, end, self.opts.chunk_size);
         }
+        Self::rebase(inner, ino)?;
         Ok(data.len() as u32)
     }
 
@@ -1161,6 +1284,7 @@ impl WorkspaceFs {
     pub fn flush(&self, ino: InodeNo) -> FsResult<()> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
+        self.sync_from_body(inner, ino)?;
         let inode = match inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
             Some(of) if of.dirty => of.inode.clone(),
             _ => return Ok(()),
@@ -1171,16 +1295,25 @@ impl WorkspaceFs {
         Ok(())
     }
 
-    pub fn release(&self, fh: u64) -> FsResult<()> {
+    /// Closes a file handle; returns whether it was a passthrough handle.
+    pub fn release(&self, fh: u64) -> FsResult<bool> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
-        let Some(Handle::File { ino }) = inner.handles.remove(&fh) else {
+        let Some(Handle::File { ino, passthrough }) = inner.handles.remove(&fh) else {
             return Err(FsError::BadHandle);
         };
+        self.sync_from_body(inner, ino)?;
         if let Some(node) = inner.nodes.get_mut(&ino) {
             node.opens = node.opens.saturating_sub(1);
+            if passthrough {
+                node.pt_opens = node.pt_opens.saturating_sub(1);
+                if node.pt_opens == 0 {
+                    node.pt_base = None;
+                }
+            }
         }
-        self.settle(inner, ino)
+        self.settle(inner, ino)?;
+        Ok(passthrough)
     }
 
     /// Makes a file's bytes and metadata durable.
@@ -1270,6 +1403,7 @@ impl WorkspaceFs {
         let tx = inner.store.write()?;
         Self::save(&mut inner.nodes, &tx, &inode)?;
         tx.commit()?;
+        Self::rebase(inner, ino)?;
         self.settle(inner, ino)
     }
 
@@ -1532,6 +1666,15 @@ impl WorkspaceFs {
     pub fn sync_all(&self) -> FsResult<()> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
+        let pt: Vec<InodeNo> = inner
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.pt_opens > 0)
+            .map(|(i, _)| *i)
+            .collect();
+        for ino in pt {
+            self.sync_from_body(inner, ino)?;
+        }
         let dirty: Vec<Inode> = inner
             .nodes
             .values()

@@ -2,18 +2,20 @@
 //! arguments and replies, nothing else. All POSIX decisions live in `fs.rs`.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
-    AccessFlags, BsdFileFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType,
-    Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags,
-    RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty,
-    ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
-    WriteFlags,
+    AccessFlags, BackingId, BsdFileFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle,
+    FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig, LockOwner,
+    OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus,
+    ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request,
+    TimeOrNow, WriteFlags,
 };
 
 use super::fs::{Attr, Caller, FsError, OpenInfo, SetAttr, SetTime, WorkspaceFs};
@@ -28,15 +30,21 @@ pub struct Timeouts {
 }
 
 /// Kernel features requested at init.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct KernelFeatures {
     pub writeback_cache: bool,
+    /// Ask for FUSE passthrough (`Some(true)` = required, `Some(false)` = if offered).
+    pub passthrough: Option<bool>,
+    /// Set here when the kernel accepted passthrough; read by `WorkspaceFs`.
+    pub passthrough_on: Arc<AtomicBool>,
 }
 
 pub struct FuseAdapter {
     fs: Arc<WorkspaceFs>,
     timeouts: Timeouts,
     features: KernelFeatures,
+    /// Backing files registered with the kernel, per inode, with their handle count.
+    backing: Mutex<HashMap<u64, (BackingId, u32)>>,
 }
 
 impl FuseAdapter {
@@ -45,7 +53,12 @@ impl FuseAdapter {
             fs,
             timeouts,
             features,
+            backing: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn backing(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (BackingId, u32)>> {
+        self.backing.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -119,7 +132,7 @@ fn caller(req: &Request) -> Caller {
     }
 }
 
-fn fopen_flags(info: OpenInfo) -> FopenFlags {
+fn fopen_flags(info: &OpenInfo) -> FopenFlags {
     let mut f = FopenFlags::empty();
     if info.keep_cache {
         f |= FopenFlags::FOPEN_KEEP_CACHE;
@@ -168,7 +181,24 @@ impl Filesystem for FuseAdapter {
             | InitFlags::FUSE_ASYNC_DIO
             | InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP
             | InitFlags::FUSE_ATOMIC_O_TRUNC;
-        if self.features.writeback_cache {
+        let mut passthrough = false;
+        if let Some(required) = self.features.passthrough {
+            if config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH)
+                && config.set_max_stack_depth(1).is_ok()
+                && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
+            {
+                passthrough = true;
+            } else if required {
+                tracing::warn!(
+                    "kernel does not offer FUSE passthrough; file I/O goes through keel"
+                );
+            }
+        }
+        self.features
+            .passthrough_on
+            .store(passthrough, Ordering::Relaxed);
+        // The kernel cannot combine passthrough with its writeback cache on one mount.
+        if self.features.writeback_cache && !passthrough {
             wanted |= InitFlags::FUSE_WRITEBACK_CACHE;
         }
         for flag in wanted.iter() {
@@ -359,7 +389,29 @@ impl Filesystem for FuseAdapter {
 
     fn open(&self, _req: &Request, i: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         match self.fs.open(ino(i), flags.0) {
-            Ok((fh, info)) => reply.opened(FileHandle(fh), fopen_flags(info)),
+            Ok((fh, info)) => match &info.backing {
+                None => reply.opened(FileHandle(fh), fopen_flags(&info)),
+                Some(file) => {
+                    let mut map = self.backing();
+                    if let Some((id, n)) = map.get_mut(&i.0) {
+                        *n += 1;
+                        reply.opened_passthrough(FileHandle(fh), fopen_flags(&info), id);
+                        return;
+                    }
+                    match reply.open_backing(file.as_ref()) {
+                        Ok(id) => {
+                            reply.opened_passthrough(FileHandle(fh), fopen_flags(&info), &id);
+                            map.insert(i.0, (id, 1));
+                        }
+                        Err(e) => {
+                            drop(map);
+                            tracing::warn!(error = %e, "passthrough registration failed");
+                            let _ = self.fs.release(fh);
+                            reply.error(Errno::EIO);
+                        }
+                    }
+                }
+            },
             Err(e) => reply.error(errno(&e)),
         }
     }
@@ -427,7 +479,21 @@ impl Filesystem for FuseAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        Self::empty(reply, self.fs.release(fh.0));
+        match self.fs.release(fh.0) {
+            Ok(passthrough) => {
+                if passthrough {
+                    let mut map = self.backing();
+                    if let Some((_, n)) = map.get_mut(&_i.0) {
+                        *n -= 1;
+                        if *n == 0 {
+                            map.remove(&_i.0);
+                        }
+                    }
+                }
+                reply.ok();
+            }
+            Err(e) => reply.error(errno(&e)),
+        }
     }
 
     fn fsync(
@@ -579,13 +645,50 @@ impl Filesystem for FuseAdapter {
             .fs
             .create(caller(req), ino(parent), name.as_bytes(), mode, flags)
         {
-            Ok((a, fh, info)) => reply.created(
-                &self.timeouts.entry,
-                &file_attr(&a),
-                Generation(0),
-                FileHandle(fh),
-                fopen_flags(info),
-            ),
+            Ok((a, fh, info)) => match &info.backing {
+                None => reply.created(
+                    &self.timeouts.entry,
+                    &file_attr(&a),
+                    Generation(0),
+                    FileHandle(fh),
+                    fopen_flags(&info),
+                ),
+                Some(file) => {
+                    let mut map = self.backing();
+                    let attr = file_attr(&a);
+                    if let Some((id, n)) = map.get_mut(&a.inode.ino.0) {
+                        *n += 1;
+                        reply.created_passthrough(
+                            &self.timeouts.entry,
+                            &attr,
+                            Generation(0),
+                            FileHandle(fh),
+                            fopen_flags(&info),
+                            id,
+                        );
+                        return;
+                    }
+                    match reply.open_backing(file.as_ref()) {
+                        Ok(id) => {
+                            reply.created_passthrough(
+                                &self.timeouts.entry,
+                                &attr,
+                                Generation(0),
+                                FileHandle(fh),
+                                fopen_flags(&info),
+                                &id,
+                            );
+                            map.insert(a.inode.ino.0, (id, 1));
+                        }
+                        Err(e) => {
+                            drop(map);
+                            tracing::warn!(error = %e, "passthrough registration failed");
+                            let _ = self.fs.release(fh);
+                            reply.error(Errno::EIO);
+                        }
+                    }
+                }
+            },
             Err(e) => reply.error(errno(&e)),
         }
     }

@@ -5,8 +5,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::config::WorkspaceConfig;
+use crate::config::{CacheMode, Passthrough, WorkspaceConfig};
 use crate::sys;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::fs::{FsOptions, WorkspaceFs};
 use super::fuse::{FuseAdapter, KernelFeatures, Timeouts};
@@ -93,12 +94,14 @@ pub fn mount(cfg: &WorkspaceConfig) -> Result<Mounted, SessionError> {
             path: state.clone(),
             lock: lock_path.clone(),
         })?;
+    let passthrough_on = Arc::new(AtomicBool::new(false));
     let fs = WorkspaceFs::new(
         state,
         FsOptions {
             cache: cfg.cache,
             inline_max: cfg.inline_max,
             chunk_size: cfg.chunk_size,
+            passthrough: passthrough_on.clone(),
         },
     )
     .map_err(|e| SessionError::OpenState {
@@ -116,7 +119,13 @@ pub fn mount(cfg: &WorkspaceConfig) -> Result<Mounted, SessionError> {
             negative: cfg.negative_timeout,
         },
         KernelFeatures {
-            writeback_cache: cfg.writeback_cache && cfg.cache != crate::config::CacheMode::None,
+            writeback_cache: cfg.writeback_cache && cfg.cache != CacheMode::None,
+            passthrough: match cfg.passthrough {
+                Passthrough::Off => None,
+                Passthrough::Auto => Some(false),
+                Passthrough::On => Some(true),
+            },
+            passthrough_on: passthrough_on.clone(),
         },
     );
     let mut fc = fuser::Config::default();
@@ -141,6 +150,7 @@ pub fn mount(cfg: &WorkspaceConfig) -> Result<Mounted, SessionError> {
         state = %state.display(),
         cache = cfg.cache.as_str(),
         threads = cfg.effective_threads(),
+        passthrough = passthrough_on.load(Ordering::Relaxed),
         "workspace mounted"
     );
     Ok(Mounted {
