@@ -480,7 +480,7 @@ fn apply_real(fs: &WorkspaceFs, op: &Op) -> Result<(), FsError> {
             let (d, n) = parent_of(p)?;
             let (_, fh, _) =
                 fs.create(ROOT, d, n.as_bytes(), 0o644, libc::O_RDWR | libc::O_EXCL)?;
-            fs.release(fh)
+            fs.release(fh).map(|_| ())
         }
         Op::Write(p, off, data) => {
             let ino = resolve(fs, p)?;
@@ -546,7 +546,7 @@ fn apply_real(fs: &WorkspaceFs, op: &Op) -> Result<(), FsError> {
             let ino = resolve(fs, p)?;
             let (fh, _) = fs.open(ino, libc::O_RDONLY)?;
             fs.fsync(ino, false)?;
-            fs.release(fh)
+            fs.release(fh).map(|_| ())
         }
         Op::Remount { .. } => Ok(()),
     }
