@@ -65,6 +65,14 @@ fn prepare_mount_point(p: &Path) -> Result<(), SessionError> {
         path: p.to_path_buf(),
         reason,
     };
+    // stat may be answered from the kernel's attribute cache even when the daemon behind a
+    // FUSE mount is dead; statfs always asks the daemon.
+    if let Err(e) = sys::file::statvfs(p) {
+        if e.raw_os_error() == Some(libc::ENOTCONN) {
+            sys::file::detach_mount(p).map_err(|e| bad(format!("stale mount: {e}")))?;
+            tracing::warn!(path = %p.display(), "cleared the dead mount a killed keel left behind");
+        }
+    }
     match std::fs::metadata(p) {
         Ok(m) if m.is_dir() => Ok(()),
         Ok(_) => Err(bad("exists and is not a directory".into())),
