@@ -3,5 +3,6 @@
 //! checkpoints will live here too. This module imports no sibling module except `sys`.
 
 pub mod body;
+pub mod reserve;
 
 pub use body::{BodyError, BodyStore};

@@ -28,7 +28,7 @@ pub(super) fn create(conn: &Connection, now: Nanos) -> Result<()> {
         "BEGIN;
          CREATE TABLE meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
          CREATE TABLE inode (
-            ino INTEGER PRIMARY KEY,
+            ino INTEGER PRIMARY KEY AUTOINCREMENT,
             mode INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL,
             nlink INTEGER NOT NULL, size INTEGER NOT NULL,
             atime INTEGER NOT NULL, mtime INTEGER NOT NULL, ctime INTEGER NOT NULL,

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::chunk::reserve::Reserve;
 use crate::chunk::BodyStore;
 use crate::config::CacheMode;
 use crate::meta::{Dirent, Inode, InodeNo, Kind, MetaError, Nanos, Storage, Store, Tx};
@@ -260,13 +261,69 @@ struct Inner {
     next_fh: u64,
 }
 
+/// One metadata transaction. In-memory copies of open files are only updated once it
+/// commits, so a failed commit (a full disk) leaves memory and store agreeing.
+struct Batch<'a> {
+    tx: Tx<'a>,
+    saved: Vec<Inode>,
+}
+
+impl<'a> Batch<'a> {
+    fn new(store: &'a Store) -> FsResult<Batch<'a>> {
+        Ok(Batch {
+            tx: store.write()?,
+            saved: Vec::new(),
+        })
+    }
+
+    /// Writes an inode (and, for an open file, its inline bytes and dirty windows).
+    fn save(&mut self, nodes: &HashMap<InodeNo, Node>, inode: &Inode) -> FsResult<()> {
+        self.tx.update(inode)?;
+        if let Some(of) = nodes.get(&inode.ino).and_then(|n| n.open.as_ref()) {
+            if let Data::Inline(bytes) = &of.data {
+                self.tx.set_inline_data(inode.ino, bytes)?;
+            }
+            if !of.windows.is_empty() {
+                self.tx
+                    .mark_dirty_windows(inode.ino, of.windows.iter().copied())?;
+            }
+        }
+        self.saved.push(inode.clone());
+        Ok(())
+    }
+
+    fn commit(self, nodes: &mut HashMap<InodeNo, Node>) -> FsResult<()> {
+        self.tx.commit()?;
+        for inode in self.saved {
+            if let Some(of) = nodes.get_mut(&inode.ino).and_then(|n| n.open.as_mut()) {
+                of.inode = inode;
+                of.dirty = false;
+                of.windows.clear();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<'a> std::ops::Deref for Batch<'a> {
+    type Target = Tx<'a>;
+    fn deref(&self) -> &Tx<'a> {
+        &self.tx
+    }
+}
+
 /// The workspace filesystem over one state directory.
 pub struct WorkspaceFs {
     inner: Mutex<Inner>,
     bodies: BodyStore,
     state_dir: PathBuf,
     opts: FsOptions,
+    reserve: Reserve,
+    _boot_reserve: Reserve,
 }
+
+/// Space kept free for metadata commits on a full volume.
+const RESERVE_BYTES: u64 = 1 << 20;
 
 /// Current time in nanoseconds since the epoch.
 pub fn now() -> Nanos {
@@ -290,7 +347,17 @@ impl WorkspaceFs {
     /// Opens the state directory (which must already be locked by the caller), removing
     /// inodes that were unlinked while open when keel last stopped.
     pub fn new(state_dir: &Path, opts: FsOptions) -> Result<WorkspaceFs, FsError> {
+        // Space held back for opening the store (WAL recovery) even on a volume that filled
+        // up while keel last ran: given back now, taken again once the store is open.
+        let boot_reserve = state_dir.join("reserve.boot");
+        if boot_reserve.exists() {
+            File::options()
+                .write(true)
+                .open(&boot_reserve)?
+                .set_len(0)?;
+        }
         let store = Store::open(&state_dir.join("meta.db"), now())?;
+        let boot_reserve = Reserve::open(&boot_reserve, RESERVE_BYTES);
         let bodies = BodyStore::open(&state_dir.join("bodies"))
             .map_err(|e| FsError::Io(io::Error::other(e.to_string())))?;
         let orphans = store.read().orphans()?;
@@ -316,9 +383,28 @@ impl WorkspaceFs {
                 next_fh: 1,
             }),
             bodies,
+            reserve: Reserve::open(&state_dir.join("reserve"), RESERVE_BYTES),
+            _boot_reserve: boot_reserve,
             state_dir: state_dir.to_path_buf(),
             opts,
         })
+    }
+
+    /// Runs an operation that frees space (or must not fail on a full disk); when it fails
+    /// with ENOSPC, gives up the metadata reserve and tries once more. Operations leave no
+    /// trace when they fail, so the retry is safe.
+    fn freeing<T>(&self, mut op: impl FnMut() -> FsResult<T>) -> FsResult<T> {
+        let r = match op() {
+            Err(e) if e.errno() == libc::ENOSPC && self.reserve.release() => {
+                tracing::warn!("state volume is full: using the metadata reserve");
+                op()
+            }
+            r => r,
+        };
+        if r.is_ok() {
+            self.reserve.refill_if_room();
+        }
+        r
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -340,23 +426,6 @@ impl WorkspaceFs {
             return Err(FsError::NotDir);
         }
         Ok(i)
-    }
-
-    /// Writes an inode (and, for an open inline file, its bytes) in `tx`, and updates the
-    /// open copy.
-    fn save(nodes: &mut HashMap<InodeNo, Node>, tx: &Tx<'_>, inode: &Inode) -> FsResult<()> {
-        tx.update(inode)?;
-        if let Some(of) = nodes.get_mut(&inode.ino).and_then(|n| n.open.as_mut()) {
-            of.inode = inode.clone();
-            if let Data::Inline(bytes) = &of.data {
-                tx.set_inline_data(inode.ino, bytes)?;
-            }
-            if !of.windows.is_empty() {
-                tx.mark_dirty_windows(inode.ino, std::mem::take(&mut of.windows))?;
-            }
-            of.dirty = false;
-        }
-        Ok(())
     }
 
     fn attr(&self, inode: Inode, body: Option<&File>) -> FsResult<Attr> {
@@ -445,9 +514,9 @@ impl WorkspaceFs {
         let had_body = Self::load(inner, ino)
             .map(|i| i.storage == Storage::Body)
             .unwrap_or(true);
-        let tx = inner.store.write()?;
+        let tx = Batch::new(&inner.store)?;
         tx.delete(ino)?;
-        tx.commit()?;
+        tx.commit(&mut inner.nodes)?;
         inner.nodes.remove(&ino);
         if had_body {
             self.bodies.remove(ino.0)?;
@@ -531,9 +600,9 @@ impl WorkspaceFs {
         if node.open.as_ref().is_some_and(|of| of.dirty) {
             let inode = node.open.as_ref().map(|of| of.inode.clone());
             if let Some(inode) = inode {
-                let tx = inner.store.write()?;
-                Self::save(&mut inner.nodes, &tx, &inode)?;
-                tx.commit()?;
+                let mut tx = Batch::new(&inner.store)?;
+                tx.save(&inner.nodes, &inode)?;
+                tx.commit(&mut inner.nodes)?;
             }
         }
         let node = inner.nodes.get_mut(&ino).expect("node present");
@@ -632,6 +701,10 @@ impl WorkspaceFs {
     }
 
     pub fn setattr(&self, ino: InodeNo, set: &SetAttr) -> FsResult<Attr> {
+        self.freeing(|| self.setattr_once(ino, set))
+    }
+
+    fn setattr_once(&self, ino: InodeNo, set: &SetAttr) -> FsResult<Attr> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
@@ -677,9 +750,9 @@ impl WorkspaceFs {
             None => {}
         }
         inode.ctime = set.ctime.unwrap_or(t);
-        let tx = inner.store.write()?;
-        Self::save(&mut inner.nodes, &tx, &inode)?;
-        tx.commit()?;
+        let mut tx = Batch::new(&inner.store)?;
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)?;
         if set.size.is_some() {
             Self::rebase(inner, ino)?;
             self.settle(inner, ino)?;
@@ -721,7 +794,7 @@ impl WorkspaceFs {
             inode.size = t.len() as u64;
         }
         let t = inode.ctime;
-        let tx = inner.store.write()?;
+        let mut tx = Batch::new(&inner.store)?;
         inode.ino = tx.insert(&inode)?;
         tx.link(parent, name, inode.ino, kind)?;
         if let Some(target) = target {
@@ -732,8 +805,8 @@ impl WorkspaceFs {
         }
         p.mtime = t;
         p.ctime = t;
-        Self::save(&mut inner.nodes, &tx, &p)?;
-        tx.commit()?;
+        tx.save(&inner.nodes, &p)?;
+        tx.commit(&mut inner.nodes)?;
         Self::remember(inner, inode.ino);
         self.attr(inode, None)
     }
@@ -809,7 +882,7 @@ impl WorkspaceFs {
     }
 
     pub fn unlink(&self, parent: InodeNo, name: &[u8]) -> FsResult<()> {
-        self.remove(parent, name, false)
+        self.freeing(|| self.remove(parent, name, false))
     }
 
     pub fn rmdir(&self, parent: InodeNo, name: &[u8]) -> FsResult<()> {
@@ -818,7 +891,7 @@ impl WorkspaceFs {
             b".." => return Err(FsError::NotEmpty),
             _ => {}
         }
-        self.remove(parent, name, true)
+        self.freeing(|| self.remove(parent, name, true))
     }
 
     fn remove(&self, parent: InodeNo, name: &[u8], dir: bool) -> FsResult<()> {
@@ -853,11 +926,11 @@ impl WorkspaceFs {
         child.ctime = t;
         p.mtime = t;
         p.ctime = t;
-        let tx = inner.store.write()?;
+        let mut tx = Batch::new(&inner.store)?;
         tx.unlink(parent, name)?;
-        Self::save(&mut inner.nodes, &tx, &child)?;
-        Self::save(&mut inner.nodes, &tx, &p)?;
-        tx.commit()?;
+        tx.save(&inner.nodes, &child)?;
+        tx.save(&inner.nodes, &p)?;
+        tx.commit(&mut inner.nodes)?;
         if child.nlink == 0 && !Self::in_use(inner, child.ino) {
             self.purge(inner, child.ino)?;
         }
@@ -887,11 +960,11 @@ impl WorkspaceFs {
         inode.ctime = t;
         p.mtime = t;
         p.ctime = t;
-        let tx = inner.store.write()?;
+        let mut tx = Batch::new(&inner.store)?;
         tx.link(newparent, newname, ino, inode.kind)?;
-        Self::save(&mut inner.nodes, &tx, &inode)?;
-        Self::save(&mut inner.nodes, &tx, &p)?;
-        tx.commit()?;
+        tx.save(&inner.nodes, &inode)?;
+        tx.save(&inner.nodes, &p)?;
+        tx.commit(&mut inner.nodes)?;
         Self::remember(inner, ino);
         self.attr_locked(inner, ino)
     }
@@ -910,6 +983,17 @@ impl WorkspaceFs {
     }
 
     pub fn rename(
+        &self,
+        parent: InodeNo,
+        name: &[u8],
+        newparent: InodeNo,
+        newname: &[u8],
+        flags: u32,
+    ) -> FsResult<()> {
+        self.freeing(|| self.rename_once(parent, name, newparent, newname, flags))
+    }
+
+    fn rename_once(
         &self,
         parent: InodeNo,
         name: &[u8],
@@ -974,7 +1058,7 @@ impl WorkspaceFs {
             victim = Some(v);
         }
 
-        let tx = inner.store.write()?;
+        let mut tx = Batch::new(&inner.store)?;
         tx.unlink(parent, name)?;
         if dst.is_some() {
             tx.relink(newparent, newname, src.ino, s.kind)?;
@@ -985,9 +1069,9 @@ impl WorkspaceFs {
         if s.kind == Kind::Dir {
             s.parent = newparent;
         }
-        Self::save(&mut inner.nodes, &tx, &s)?;
+        tx.save(&inner.nodes, &s)?;
         if let Some(v) = &victim {
-            Self::save(&mut inner.nodes, &tx, v)?;
+            tx.save(&inner.nodes, v)?;
         }
         // Parents last, so their nlink reflects every change above.
         let mut p = Self::load(inner, parent)?;
@@ -998,7 +1082,7 @@ impl WorkspaceFs {
             }
             p.mtime = t;
             p.ctime = t;
-            Self::save(&mut inner.nodes, &tx, &p)?;
+            tx.save(&inner.nodes, &p)?;
         } else {
             let mut np = Self::load(inner, newparent)?;
             if s.kind == Kind::Dir {
@@ -1012,10 +1096,10 @@ impl WorkspaceFs {
             p.ctime = t;
             np.mtime = t;
             np.ctime = t;
-            Self::save(&mut inner.nodes, &tx, &p)?;
-            Self::save(&mut inner.nodes, &tx, &np)?;
+            tx.save(&inner.nodes, &p)?;
+            tx.save(&inner.nodes, &np)?;
         }
-        tx.commit()?;
+        tx.commit(&mut inner.nodes)?;
         if let Some(v) = victim {
             if v.nlink == 0 && !Self::in_use(inner, v.ino) {
                 self.purge(inner, v.ino)?;
@@ -1046,7 +1130,7 @@ impl WorkspaceFs {
                 return Err(FsError::Invalid);
             }
         }
-        let tx = inner.store.write()?;
+        let mut tx = Batch::new(&inner.store)?;
         tx.relink(parent, &a.name, b.ino, ib.kind)?;
         tx.relink(newparent, &b.name, a.ino, ia.kind)?;
         ia.ctime = t;
@@ -1057,13 +1141,13 @@ impl WorkspaceFs {
         if ib.kind == Kind::Dir {
             ib.parent = parent;
         }
-        Self::save(&mut inner.nodes, &tx, &ia)?;
-        Self::save(&mut inner.nodes, &tx, &ib)?;
+        tx.save(&inner.nodes, &ia)?;
+        tx.save(&inner.nodes, &ib)?;
         let mut p = Self::load(inner, parent)?;
         p.mtime = t;
         p.ctime = t;
         if parent == newparent {
-            Self::save(&mut inner.nodes, &tx, &p)?;
+            tx.save(&inner.nodes, &p)?;
         } else {
             let mut np = Self::load(inner, newparent)?;
             let a_dir = i64::from(ia.kind == Kind::Dir);
@@ -1072,10 +1156,10 @@ impl WorkspaceFs {
             np.nlink = (i64::from(np.nlink) + a_dir - b_dir) as u32;
             np.mtime = t;
             np.ctime = t;
-            Self::save(&mut inner.nodes, &tx, &p)?;
-            Self::save(&mut inner.nodes, &tx, &np)?;
+            tx.save(&inner.nodes, &p)?;
+            tx.save(&inner.nodes, &np)?;
         }
-        tx.commit()?;
+        tx.commit(&mut inner.nodes)?;
         Ok(())
     }
 
@@ -1289,30 +1373,38 @@ impl WorkspaceFs {
             Some(of) if of.dirty => of.inode.clone(),
             _ => return Ok(()),
         };
-        let tx = inner.store.write()?;
-        Self::save(&mut inner.nodes, &tx, &inode)?;
-        tx.commit()?;
+        let mut tx = Batch::new(&inner.store)?;
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)?;
         Ok(())
     }
 
     /// Closes a file handle; returns whether it was a passthrough handle.
     pub fn release(&self, fh: u64) -> FsResult<bool> {
-        let mut guard = self.lock();
-        let inner: &mut Inner = &mut guard;
-        let Some(Handle::File { ino, passthrough }) = inner.handles.remove(&fh) else {
-            return Err(FsError::BadHandle);
-        };
-        self.sync_from_body(inner, ino)?;
-        if let Some(node) = inner.nodes.get_mut(&ino) {
-            node.opens = node.opens.saturating_sub(1);
-            if passthrough {
-                node.pt_opens = node.pt_opens.saturating_sub(1);
-                if node.pt_opens == 0 {
-                    node.pt_base = None;
+        let (ino, passthrough) = {
+            let mut guard = self.lock();
+            let inner: &mut Inner = &mut guard;
+            let Some(Handle::File { ino, passthrough }) = inner.handles.remove(&fh) else {
+                return Err(FsError::BadHandle);
+            };
+            if let Err(e) = self.sync_from_body(inner, ino) {
+                tracing::warn!(ino = ino.0, error = %e, "release: cannot stat the body");
+            }
+            if let Some(node) = inner.nodes.get_mut(&ino) {
+                node.opens = node.opens.saturating_sub(1);
+                if passthrough {
+                    node.pt_opens = node.pt_opens.saturating_sub(1);
+                    if node.pt_opens == 0 {
+                        node.pt_base = None;
+                    }
                 }
             }
+            (ino, passthrough)
+        };
+        {
+            let mut guard = self.lock();
+            self.settle(&mut guard, ino)?;
         }
-        self.settle(inner, ino)?;
         Ok(passthrough)
     }
 
@@ -1400,9 +1492,9 @@ impl WorkspaceFs {
             of.dirty = true;
         }
         let inode = of.inode.clone();
-        let tx = inner.store.write()?;
-        Self::save(&mut inner.nodes, &tx, &inode)?;
-        tx.commit()?;
+        let mut tx = Batch::new(&inner.store)?;
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)?;
         Self::rebase(inner, ino)?;
         self.settle(inner, ino)
     }
@@ -1587,10 +1679,10 @@ impl WorkspaceFs {
             return Err(FsError::NoAttr);
         }
         inode.ctime = now();
-        let tx = inner.store.write()?;
+        let mut tx = Batch::new(&inner.store)?;
         tx.set_xattr(ino, name, value)?;
-        Self::save(&mut inner.nodes, &tx, &inode)?;
-        tx.commit()?;
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)?;
         Ok(())
     }
 
@@ -1623,12 +1715,12 @@ impl WorkspaceFs {
         let inner: &mut Inner = &mut guard;
         let mut inode = Self::load(inner, ino)?;
         inode.ctime = now();
-        let tx = inner.store.write()?;
+        let mut tx = Batch::new(&inner.store)?;
         if !tx.remove_xattr(ino, name)? {
             return Err(FsError::NoAttr);
         }
-        Self::save(&mut inner.nodes, &tx, &inode)?;
-        tx.commit()?;
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)?;
         Ok(())
     }
 
@@ -1664,6 +1756,10 @@ impl WorkspaceFs {
     /// Commits every open file's pending attributes, writes all bodies to disk and makes
     /// the store durable (shutdown, `sync`).
     pub fn sync_all(&self) -> FsResult<()> {
+        self.freeing(|| self.sync_all_once())
+    }
+
+    fn sync_all_once(&self) -> FsResult<()> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         let pt: Vec<InodeNo> = inner
@@ -1683,11 +1779,11 @@ impl WorkspaceFs {
             .map(|of| of.inode.clone())
             .collect();
         if !dirty.is_empty() {
-            let tx = inner.store.write()?;
+            let mut tx = Batch::new(&inner.store)?;
             for inode in &dirty {
-                Self::save(&mut inner.nodes, &tx, inode)?;
+                tx.save(&inner.nodes, inode)?;
             }
-            tx.commit()?;
+            tx.commit(&mut inner.nodes)?;
         }
         sys::file::syncfs(&self.state_dir)?;
         inner.store.sync()?;

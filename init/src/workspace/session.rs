@@ -37,7 +37,7 @@ pub struct Mounted {
 }
 
 /// Names that may sit in a state dir that keel has not initialised yet.
-const HARMLESS: &[&str] = &["lost+found", "lock", ".keep"];
+const HARMLESS: &[&str] = &["lost+found", "lock", ".keep", "reserve", "reserve.boot"];
 
 fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
     let bad = |reason: String| SessionError::OpenState {
