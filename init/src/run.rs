@@ -1,10 +1,179 @@
-//! Boot order for `keel run`: boot → open state → mount → spawn services → supervise →
-//! shutdown. (Being built in the PID-1 issue.)
+//! `keel run`: parse the command line, load the config, then the boot order — block signals →
+//! boot (subreaper, `chdir /`, container mounts, limits) → resolve services → check and mount
+//! the workspace → supervise → stop → flush + unmount the workspace → exit code.
+//! A bad config or a failed boot step ends here with one line and nothing started or mounted.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use tracing::{error, info};
+
+use crate::boot::{self, WorkspacePlan};
+use crate::config::{Config, DEFAULT_PATH};
+use crate::supervisor::Supervisor;
+
+/// Exit code for usage and config errors.
+pub const EXIT_USAGE: i32 = 2;
+/// Exit code when keel itself fails to set up.
+pub const EXIT_SETUP: i32 = 1;
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct Args {
+    pub config: Option<PathBuf>,
+    pub command: Vec<OsString>,
+}
+
+/// `[--config FILE | --config=FILE] [--] CMD ARGS...`; option parsing stops at the first
+/// non-option.
+pub fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
+    let mut config = None;
+    let mut it = args.into_iter();
+    let mut command = Vec::new();
+    while let Some(a) = it.next() {
+        let s = a.to_string_lossy();
+        if s == "--" {
+            break;
+        } else if s == "--config" || s == "-c" {
+            config = Some(PathBuf::from(it.next().ok_or("--config needs a FILE")?));
+        } else if let Some(v) = s.strip_prefix("--config=") {
+            config = Some(PathBuf::from(v));
+        } else if s.starts_with('-') && s.len() > 1 {
+            return Err(format!("unknown option `{s}`"));
+        } else {
+            command.push(a);
+            break;
+        }
+    }
+    command.extend(it);
+    Ok(Args { config, command })
+}
+
+/// `--config`, else `KEEL_CONFIG`, else /etc/keel/config.toml if it exists, else defaults.
+fn load_config(explicit: Option<PathBuf>) -> Result<Config, crate::config::ConfigError> {
+    let path = explicit.or_else(|| {
+        std::env::var_os("KEEL_CONFIG")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    });
+    match path {
+        Some(p) => Config::load(&p),
+        None if std::path::Path::new(DEFAULT_PATH).exists() => {
+            Config::load(std::path::Path::new(DEFAULT_PATH))
+        }
+        None => Ok(Config::default()),
+    }
+}
 
 /// Entry point of `keel run`; returns the process exit code.
-pub fn main(_args: Vec<OsString>) -> i32 {
-    eprintln!("keel: run: not implemented yet");
-    2
+pub fn main(args: Vec<OsString>) -> i32 {
+    let t0 = Instant::now();
+    // First, before any thread can exist: every signal to keel arrives on the signalfd.
+    let signals = match crate::sys::signal::block_all() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("keel: error: {e}");
+            return EXIT_SETUP;
+        }
+    };
+    crate::logging::init();
+    let args = match parse_args(args) {
+        Ok(a) => a,
+        Err(e) => {
+            error!("{e} (usage: keel run [--config FILE] [--] CMD [ARGS...])");
+            return EXIT_USAGE;
+        }
+    };
+    let cfg = match load_config(args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            error!("{e}");
+            return EXIT_USAGE;
+        }
+    };
+    let booted = match boot::boot(&cfg) {
+        Ok(b) => b,
+        Err(e) => {
+            error!("{e}");
+            return EXIT_SETUP;
+        }
+    };
+    let supervisor = match Supervisor::new(&cfg, args.command, &booted, signals) {
+        Ok(s) => s,
+        Err(e) => {
+            error!("{e}");
+            return EXIT_SETUP;
+        }
+    };
+    let mounted = match mount_workspace(&cfg) {
+        Ok(m) => m,
+        Err(e) => {
+            error!("{e}");
+            return EXIT_SETUP;
+        }
+    };
+    info!(
+        "ready after {} ({})",
+        crate::shutdown::secs(t0.elapsed()),
+        if booted.pid1 { "PID 1" } else { "subreaper" }
+    );
+    let code = supervisor.run();
+    if let Some(m) = mounted {
+        let since = Instant::now();
+        let _ = crate::shutdown::finish_workspace(m, cfg.shutdown.flush_timeout, since);
+    }
+    info!("exit {code} after {}", crate::shutdown::secs(t0.elapsed()));
+    code
+}
+
+/// Checks the prerequisites and mounts the workspace; `None` when disabled or a plain dir.
+fn mount_workspace(cfg: &Config) -> Result<Option<crate::workspace::Mounted>, String> {
+    match boot::check_workspace(cfg).map_err(|e| e.to_string())? {
+        WorkspacePlan::Disabled | WorkspacePlan::PlainDir(_) => Ok(None),
+        WorkspacePlan::Fuse => match crate::workspace::mount(&cfg.workspace) {
+            Ok(m) => {
+                info!("workspace mounted on {}", m.mount_point().display());
+                Ok(Some(m))
+            }
+            Err(e) => {
+                let hint = match &e {
+                    crate::workspace::SessionError::Mount { source, .. } => {
+                        boot::mount_denied_hint(source)
+                    }
+                    _ => None,
+                };
+                match hint {
+                    Some(h) => boot::unavailable(cfg, format!("{e}: {h}"))
+                        .map(|_| None)
+                        .map_err(|e| e.to_string()),
+                    None => Err(e.to_string()),
+                }
+            }
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn a(v: &[&str]) -> Vec<OsString> {
+        v.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn option_parsing_stops_at_first_non_option() {
+        let p = parse_args(a(&["sh", "-c", "exit 3"])).unwrap();
+        assert_eq!(p.command, a(&["sh", "-c", "exit 3"]));
+        let p = parse_args(a(&["--config", "/x", "--", "sh", "--config", "y"])).unwrap();
+        assert_eq!(p.config, Some(PathBuf::from("/x")));
+        assert_eq!(p.command, a(&["sh", "--config", "y"]));
+        let p = parse_args(a(&["--config=/y", "ls", "-l"])).unwrap();
+        assert_eq!(
+            (p.config, p.command),
+            (Some(PathBuf::from("/y")), a(&["ls", "-l"]))
+        );
+        assert!(parse_args(a(&["--bogus", "ls"])).is_err());
+        assert!(parse_args(a(&["--config"])).is_err());
+    }
 }
