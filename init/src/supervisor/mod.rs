@@ -689,7 +689,25 @@ impl Supervisor {
         }
     }
 
+    /// Starts what can start and runs due probes, until nothing changes.
     fn advance_start(&mut self) {
+        loop {
+            let progress = |s: &Self| {
+                s.units
+                    .iter()
+                    .map(|u| u.ready as usize + u.started_once as usize)
+                    .sum::<usize>()
+            };
+            let ready_before = progress(self);
+            self.advance_start_once();
+            let ready_after = progress(self);
+            if self.stop.is_some() || ready_after == ready_before {
+                return;
+            }
+        }
+    }
+
+    fn advance_start_once(&mut self) {
         let now = Instant::now();
         for k in 0..self.order.len() {
             let i = self.order[k];
