@@ -52,7 +52,6 @@ pub struct Opts<'a> {
     pub ignore: &'a [nix::sys::signal::Signal],
 }
 
-
 /// Starts keel with `config_text` (written to DIR/config.toml) and `argv` after `--`.
 /// `$D` in argv and config is replaced by the temp dir path.
 pub fn start(config_text: &str, argv: &[&str]) -> Keel {
@@ -66,7 +65,14 @@ pub fn start_with(config_text: &str, argv: &[&str], opts: Opts) -> Keel {
     std::fs::write(&cfg, config_text.replace("$D", &d)).unwrap();
     let mut cmd = if opts.pid1 {
         let mut c = Command::new("unshare");
-        c.args(["--pid", "--fork", "--mount-proc", "--kill-child", KEEL]);
+        c.args([
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "--uts",
+            "--kill-child",
+            KEEL,
+        ]);
         c
     } else {
         Command::new(KEEL)
