@@ -261,6 +261,25 @@ mod tests {
     }
 
     #[test]
+    fn shipped_config_parses_and_matches_the_defaults() {
+        let text = include_str!("../../../config/config.toml");
+        let c = Config::parse(text, Path::new("config/config.toml")).unwrap();
+        let d = Config::default();
+        assert_eq!(c.shutdown.grace, d.shutdown.grace);
+        assert_eq!(c.shutdown.flush_timeout, d.shutdown.flush_timeout);
+        assert_eq!(c.init.drop_capabilities, d.init.drop_capabilities);
+        // The commented service example, uncommented, is valid too.
+        let example: String = text
+            .lines()
+            .skip_while(|l| *l != "# [[service]]")
+            .filter(|l| !l.starts_with("# # "))
+            .map(|l| l.trim_start_matches("# ").split(" # ").next().unwrap_or("").to_string() + "\n")
+            .collect();
+        let c = Config::parse(&example, Path::new("example")).unwrap();
+        assert_eq!(c.service[0].name, "db");
+    }
+
+    #[test]
     fn defaults() {
         let c = Config::parse("", Path::new("x.toml")).unwrap();
         assert_eq!(c.workspace.cache, CacheMode::Auto);
