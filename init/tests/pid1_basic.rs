@@ -284,17 +284,31 @@ fn main_command_gets_the_terminal_as_foreground_group() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("c.toml");
     std::fs::write(&cfg, config("", "")).unwrap();
-    let inner = format!("{KEEL} run --config {} -- cat /proc/self/stat", cfg.display());
+    let inner = format!(
+        "{KEEL} run --config {} -- cat /proc/self/stat",
+        cfg.display()
+    );
     let out = std::process::Command::new("script")
         .args(["-qec", &inner, "/dev/null"])
         .stdin(std::process::Stdio::null())
         .output()
         .expect("script(1) from util-linux");
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.contains(" (cat) ")).unwrap_or_else(|| panic!("{text}"));
-    let f: Vec<&str> = line.split(") ").nth(1).unwrap().split_whitespace().collect();
+    let line = text
+        .lines()
+        .find(|l| l.contains(" (cat) "))
+        .unwrap_or_else(|| panic!("{text}"));
+    let f: Vec<&str> = line
+        .split(") ")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .collect();
     // state ppid pgrp session tty_nr tpgid
     let (pid, pgrp, tpgid): (&str, &str, &str) = (line.split(' ').next().unwrap(), f[2], f[5]);
     assert_eq!(pgrp, pid, "main runs in its own process group: {line}");
-    assert_eq!(tpgid, pgrp, "and that group is the terminal's foreground group: {line}");
+    assert_eq!(
+        tpgid, pgrp,
+        "and that group is the terminal's foreground group: {line}"
+    );
 }

@@ -118,6 +118,35 @@ fn services_start_in_dependency_order_after_readiness_and_stop_in_reverse() {
 }
 
 #[test]
+fn a_straggler_in_mains_group_does_not_delay_stopping_services() {
+    let rest = format!("[shutdown]\ngrace = \"1500ms\"\n{}", service("db", ""));
+    // main leaves a TERM-ignoring process in its own group behind.
+    let main = "sh -c 'trap \"\" TERM; touch $D/ready; while :; do sleep 0.05; done' & wait";
+    let mut k = start(&config("", &rest), &["sh", "-c", main]);
+    k.wait_file("up-db");
+    let (code, took) = term_and_wait(&mut k);
+    assert_eq!(code, 143, "{}", k.stderr());
+    assert!(
+        took >= Duration::from_millis(1400),
+        "the straggler needs SIGKILL: {took:?}"
+    );
+    let log = k.stderr();
+    let line = log
+        .lines()
+        .find(|l| l.contains("stop: sent SIGTERM to service db"))
+        .unwrap_or_else(|| panic!("{log}"));
+    let after: f64 = line
+        .rsplit("after ")
+        .next()
+        .unwrap()
+        .trim_end_matches('s')
+        .parse()
+        .unwrap();
+    assert!(after < 1.0, "db was stopped only at {after}s: {log}");
+    assert!(read(&k.path("log")).contains("stop db"));
+}
+
+#[test]
 fn readiness_http_probe_gates_the_main_command() {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -164,6 +193,33 @@ fn readiness_timeout_stops_everything() {
         "{}",
         k.stderr()
     );
+    assert!(!k.path("started").exists());
+}
+
+#[test]
+fn readiness_timeout_applies_to_a_service_that_keeps_crashing() {
+    let rest = "[[service]]\nname = \"crashy\"\ncommand = \"exit 1\"\nrestart = \"always\"\n\
+                ready = { file = \"/nonexistent/x\", timeout = \"400ms\" }\n";
+    let mut k = start(&config("", rest), &["touch", "$D/started"]);
+    let (code, took) = k.wait();
+    assert_eq!(code, 1, "{}", k.stderr());
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    assert!(
+        k.stderr().contains("service crashy not ready"),
+        "{}",
+        k.stderr()
+    );
+    assert!(!k.path("started").exists());
+}
+
+#[test]
+fn stop_signal_before_main_starts_reports_128_plus_n() {
+    let rest = "[[service]]\nname = \"never-ready\"\ncommand = \"touch $D/ready; exec sleep 30\"\n\
+                ready = { file = \"/nonexistent/x\" }\n";
+    let mut k = start(&config("", rest), &["touch", "$D/started"]);
+    let (code, took) = term_and_wait(&mut k);
+    assert_eq!(code, 128 + 15, "{}", k.stderr());
+    assert!(took < Duration::from_secs(3), "{took:?}");
     assert!(!k.path("started").exists());
 }
 

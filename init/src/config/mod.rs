@@ -273,7 +273,14 @@ mod tests {
             .lines()
             .skip_while(|l| *l != "# [[service]]")
             .filter(|l| !l.starts_with("# # "))
-            .map(|l| l.trim_start_matches("# ").split(" # ").next().unwrap_or("").to_string() + "\n")
+            .map(|l| {
+                l.trim_start_matches("# ")
+                    .split(" # ")
+                    .next()
+                    .unwrap_or("")
+                    .to_string()
+                    + "\n"
+            })
             .collect();
         let c = Config::parse(&example, Path::new("example")).unwrap();
         assert_eq!(c.service[0].name, "db");

@@ -146,12 +146,7 @@ impl Supervisor {
         if main_argv.is_empty() && cfg.service.is_empty() {
             return Err(SupervisorError::NothingToRun);
         }
-        let drop_caps: Vec<u32> = cfg
-            .init
-            .drop_capabilities
-            .iter()
-            .filter_map(|c| capability_name(c).and_then(|n| caps::number(&n)))
-            .collect();
+        let drop_caps = caps_to_drop(&cfg.init.drop_capabilities);
         let now = Instant::now();
         let mut units = Vec::new();
         for s in &cfg.service {
@@ -342,7 +337,12 @@ impl Supervisor {
         }
         let stop = self.stop.as_ref().expect("stopped");
         info!("all processes ended after {}", stop.elapsed());
-        self.code.unwrap_or(0)
+        match (self.code, &stop.reason, self.main) {
+            (Some(c), _, _) => c,
+            // A stop signal before the main command could start: report it like a kill.
+            (None, Reason::Signal(s), Some(_)) => 128 + s,
+            _ => 0,
+        }
     }
 
     fn on_signal(&mut self, sig: i32, from: i32) {
@@ -462,11 +462,13 @@ impl Supervisor {
             if u.stop_sent || (u.process_signalled && u.pid.is_some()) {
                 continue;
             }
-            let dependents_down = (0..self.units.len())
-                .filter(|&j| self.units[j].deps.contains(&i))
-                .collect::<Vec<_>>()
-                .into_iter()
-                .all(|j| !self.active(j));
+            // A dependent is down once its own process has ended; stragglers left in its
+            // group were signalled with it and must not hold up the rest of the stop.
+            let dependents_down = self
+                .units
+                .iter()
+                .filter(|v| v.deps.contains(&i))
+                .all(|v| v.pid.is_none());
             if !dependents_down {
                 continue;
             }
@@ -539,7 +541,7 @@ impl Supervisor {
                 consider(t);
             }
             if let Some(p) = &u.probe {
-                if !u.ready {
+                if !u.ready && u.started_once {
                     consider(p.deadline);
                     if p.pid.is_none() {
                         consider(p.next_at);
@@ -726,11 +728,14 @@ impl Supervisor {
         }
         for i in 0..self.units.len() {
             let u = &mut self.units[i];
-            if u.ready || u.pid.is_none() {
+            if u.ready || !u.started_once {
                 continue;
             }
             let label = u.label();
+            let running = u.pid.is_some();
             let Some(p) = u.probe.as_mut() else { continue };
+            // Checked even while the service waits for a restart: a service that keeps
+            // crashing must not hold up the start forever.
             if now >= p.deadline {
                 let msg = format!("{label} not ready after {}", secs(p.readiness.timeout));
                 error!("{msg}");
@@ -738,7 +743,7 @@ impl Supervisor {
                 self.begin_stop(Reason::StartFailed(msg));
                 return;
             }
-            if p.pid.is_some() || now < p.next_at {
+            if !running || p.pid.is_some() || now < p.next_at {
                 continue;
             }
             p.next_at = now + p.readiness.interval;
@@ -772,6 +777,24 @@ impl Supervisor {
             }
         }
     }
+}
+
+/// Capability numbers to drop in children: the configured ones still in keel's bounding set.
+/// Without CAP_SETPCAP keel cannot shrink a bounding set; it says so once and drops nothing.
+fn caps_to_drop(names: &[String]) -> Vec<u32> {
+    let wanted: Vec<u32> = names
+        .iter()
+        .filter_map(|c| capability_name(c).and_then(|n| caps::number(&n)))
+        .filter(|&n| caps::in_bounding_set(n))
+        .collect();
+    if !wanted.is_empty() && !caps::can_drop_bounding() {
+        warn!(
+            "cannot drop {} from services' bounding set: keel lacks CAP_SETPCAP",
+            names.join(", ")
+        );
+        return Vec::new();
+    }
+    wanted
 }
 
 /// Sends `sig` to every descendant of keel; returns how many were signalled.

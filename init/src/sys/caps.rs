@@ -8,6 +8,19 @@ pub fn has_sys_admin() -> bool {
     caps::has_cap(None, CapSet::Effective, Capability::CAP_SYS_ADMIN).unwrap_or(false)
 }
 
+/// True when capability `n` is in keel's bounding set.
+pub fn in_bounding_set(n: u32) -> bool {
+    caps::all()
+        .into_iter()
+        .find(|c| c.index() as u32 == n)
+        .is_some_and(|c| caps::has_cap(None, CapSet::Bounding, c).unwrap_or(false))
+}
+
+/// True when keel may remove capabilities from a bounding set (CAP_SETPCAP).
+pub fn can_drop_bounding() -> bool {
+    caps::has_cap(None, CapSet::Effective, Capability::CAP_SETPCAP).unwrap_or(false)
+}
+
 /// Capability number for a name such as "CAP_SYS_ADMIN".
 pub fn number(name: &str) -> Option<u32> {
     name.parse::<Capability>().ok().map(|c| c.index() as u32)
@@ -17,6 +30,9 @@ pub fn number(name: &str) -> Option<u32> {
 /// from the bounding set (so exec cannot regain it), the inheritable set and the ambient set.
 /// Async-signal-safe: only prctl/capget/capset on caller-provided data.
 pub fn drop_in_child(drop: &[u32]) -> std::io::Result<()> {
+    if drop.is_empty() {
+        return Ok(());
+    }
     for &cap in drop {
         // SAFETY: PR_CAPBSET_DROP takes a capability number; EINVAL for unknown numbers.
         let r = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
