@@ -312,3 +312,122 @@ fn main_command_gets_the_terminal_as_foreground_group() {
         "and that group is the terminal's foreground group: {line}"
     );
 }
+
+#[test]
+fn services_get_their_user_workdir_and_env_and_output_passes_through() {
+    if !require_root("service user test") {
+        return;
+    }
+    // A directory the service user can write to, so main can wait for it.
+    let shared = tempfile::Builder::new()
+        .prefix("keel-svc")
+        .tempdir_in("/tmp")
+        .unwrap();
+    std::fs::set_permissions(
+        shared.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let s = shared.path().display();
+    let rest = format!(
+        "[[service]]\nname = \"who\"\nuser = \"nobody\"\nworkdir = \"{s}\"\nenv = {{ WHO_VAR = \"svc\" }}\n\
+         command = \"echo svc $(id -u) $(pwd) $WHO_VAR $USER; echo to-stderr >&2; touch done\"\n"
+    );
+    let main = format!("while [ ! -e {s}/done ]; do sleep 0.01; done");
+    let mut k = start(&config("", &rest), &["sh", "-c", &main]);
+    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.stdout(), format!("svc 65534 {s} svc nobody\n"));
+    assert!(
+        k.stderr().lines().any(|l| l == "to-stderr"),
+        "{}",
+        k.stderr()
+    );
+}
+
+/// Runs keel without CAP_SYS_ADMIN (dropped from the bounding set by setpriv, so root's exec
+/// does not regain it) with the workspace enabled.
+fn without_sys_admin(rest: &str) -> (i32, String, bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.toml");
+    let text = format!(
+        "[workspace]\nmount_point = \"{}/ws\"\nstate_dir = \"{}/state\"\n{rest}\n",
+        dir.path().display(),
+        dir.path().display()
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let marker = dir.path().join("started");
+    let out = std::process::Command::new("setpriv")
+        .args([
+            "--bounding-set",
+            "-sys_admin",
+            "--inh-caps",
+            "-sys_admin",
+            KEEL,
+            "run",
+            "--config",
+        ])
+        .arg(&cfg)
+        .args(["--", "touch"])
+        .arg(&marker)
+        .output()
+        .expect("setpriv(1) from util-linux");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        marker.exists(),
+    )
+}
+
+#[test]
+fn missing_cap_sys_admin_names_the_flag() {
+    if !require_root("CAP_SYS_ADMIN check") {
+        return;
+    }
+    let (code, err, started) = without_sys_admin("");
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("--cap-add SYS_ADMIN"), "{err}");
+    assert!(
+        !started,
+        "nothing may start when the workspace cannot be mounted"
+    );
+
+    let (code, err, started) = without_sys_admin("on_fuse_unavailable = \"plain-dir\"");
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("WORKSPACE IS NOT DURABLE") && err.contains("--cap-add SYS_ADMIN"),
+        "{err}"
+    );
+    assert!(started);
+}
+
+#[test]
+fn missing_dev_fuse_names_the_flag() {
+    if !require_root("/dev/fuse check") {
+        return;
+    }
+    // In a private mount namespace, /dev/fuse is covered by a regular file.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[workspace]\nmount_point = \"{0}/ws\"\nstate_dir = \"{0}/state\"\n",
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    let fake = dir.path().join("fake-fuse");
+    std::fs::write(&fake, "").unwrap();
+    let script = format!(
+        "mount --make-rprivate / && mount --bind {} /dev/fuse && exec {KEEL} run --config {} -- true",
+        fake.display(),
+        cfg.display()
+    );
+    let out = std::process::Command::new("unshare")
+        .args(["--mount", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("--device /dev/fuse"), "{err}");
+}

@@ -98,8 +98,17 @@ pub fn unmount_lazy(path: &Path) -> Result<(), MountError> {
     })
 }
 
-/// Why /dev/fuse cannot be used, or Ok when it can be opened read-write.
+/// Why /dev/fuse cannot be used, or Ok when it is the FUSE device (char 10:229) and opens
+/// read-write.
 pub fn probe_dev_fuse() -> Result<(), std::io::Error> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let m = std::fs::metadata("/dev/fuse")?;
+    let rdev = m.rdev();
+    if !m.file_type().is_char_device() || (libc::major(rdev), libc::minor(rdev)) != (10, 229) {
+        return Err(std::io::Error::other(
+            "not the FUSE character device 10:229",
+        ));
+    }
     std::fs::OpenOptions::new()
         .read(true)
         .write(true)
