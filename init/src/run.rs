@@ -131,10 +131,7 @@ fn mount_workspace(cfg: &Config) -> Result<Option<crate::workspace::Mounted>, St
     match boot::check_workspace(cfg).map_err(|e| e.to_string())? {
         WorkspacePlan::Disabled | WorkspacePlan::PlainDir(_) => Ok(None),
         WorkspacePlan::Fuse => match crate::workspace::mount(&cfg.workspace) {
-            Ok(m) => {
-                info!("workspace mounted on {}", m.mount_point().display());
-                Ok(Some(m))
-            }
+            Ok(m) => Ok(Some(m)),
             Err(e) => {
                 let hint = match &e {
                     crate::workspace::SessionError::Mount { source, .. } => {

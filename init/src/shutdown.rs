@@ -110,7 +110,7 @@ pub fn finish_workspace(
     }
     match rx.recv_timeout(budget) {
         Ok(Ok(())) => {
-            info!("workspace unmounted after {}", secs(since.elapsed()));
+            info!("workspace flush + unmount took {}", secs(since.elapsed()));
             Ok(())
         }
         Ok(Err(e)) => {
