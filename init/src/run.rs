@@ -18,6 +18,31 @@ pub const EXIT_USAGE: i32 = 2;
 /// Exit code when keel itself fails to set up.
 pub const EXIT_SETUP: i32 = 1;
 
+/// Why `keel run` stopped before supervising anything.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("{0} (usage: keel run [--config FILE] [--] CMD [ARGS...])")]
+    Usage(String),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Boot(#[from] boot::BootError),
+    #[error(transparent)]
+    Supervisor(#[from] crate::supervisor::SupervisorError),
+    #[error("workspace: {0}")]
+    Workspace(String),
+}
+
+impl RunError {
+    /// keel's exit code for this failure: 2 for usage and config, 1 for setup.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RunError::Usage(_) | RunError::Config(_) => EXIT_USAGE,
+            _ => EXIT_SETUP,
+        }
+    }
+}
+
 #[derive(Debug, PartialEq, Eq)]
 pub struct Args {
     pub config: Option<PathBuf>,
@@ -77,39 +102,11 @@ pub fn main(args: Vec<OsString>) -> i32 {
         }
     };
     crate::logging::init();
-    let args = match parse_args(args) {
-        Ok(a) => a,
-        Err(e) => {
-            error!("{e} (usage: keel run [--config FILE] [--] CMD [ARGS...])");
-            return EXIT_USAGE;
-        }
-    };
-    let cfg = match load_config(args.config) {
-        Ok(c) => c,
+    let (cfg, booted, supervisor, mounted) = match setup(args, signals) {
+        Ok(v) => v,
         Err(e) => {
             error!("{e}");
-            return EXIT_USAGE;
-        }
-    };
-    let booted = match boot::boot(&cfg) {
-        Ok(b) => b,
-        Err(e) => {
-            error!("{e}");
-            return EXIT_SETUP;
-        }
-    };
-    let supervisor = match Supervisor::new(&cfg, args.command, &booted, signals) {
-        Ok(s) => s,
-        Err(e) => {
-            error!("{e}");
-            return EXIT_SETUP;
-        }
-    };
-    let mounted = match mount_workspace(&cfg) {
-        Ok(m) => m,
-        Err(e) => {
-            error!("{e}");
-            return EXIT_SETUP;
+            return e.exit_code();
         }
     };
     info!(
@@ -126,9 +123,26 @@ pub fn main(args: Vec<OsString>) -> i32 {
     code
 }
 
+type Setup = (
+    Config,
+    boot::Booted,
+    Supervisor,
+    Option<crate::workspace::Mounted>,
+);
+
+/// Everything before supervision, in order; on error nothing has been started or mounted.
+fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Setup, RunError> {
+    let args = parse_args(args).map_err(RunError::Usage)?;
+    let cfg = load_config(args.config)?;
+    let booted = boot::boot(&cfg)?;
+    let supervisor = Supervisor::new(&cfg, args.command, &booted, signals)?;
+    let mounted = mount_workspace(&cfg)?;
+    Ok((cfg, booted, supervisor, mounted))
+}
+
 /// Checks the prerequisites and mounts the workspace; `None` when disabled or a plain dir.
-fn mount_workspace(cfg: &Config) -> Result<Option<crate::workspace::Mounted>, String> {
-    match boot::check_workspace(cfg).map_err(|e| e.to_string())? {
+fn mount_workspace(cfg: &Config) -> Result<Option<crate::workspace::Mounted>, RunError> {
+    match boot::check_workspace(cfg)? {
         WorkspacePlan::Disabled | WorkspacePlan::PlainDir(_) => Ok(None),
         WorkspacePlan::Fuse => match crate::workspace::mount(&cfg.workspace) {
             Ok(m) => Ok(Some(m)),
@@ -140,10 +154,8 @@ fn mount_workspace(cfg: &Config) -> Result<Option<crate::workspace::Mounted>, St
                     _ => None,
                 };
                 match hint {
-                    Some(h) => boot::unavailable(cfg, format!("{e}: {h}"))
-                        .map(|_| None)
-                        .map_err(|e| e.to_string()),
-                    None => Err(e.to_string()),
+                    Some(h) => Ok(boot::unavailable(cfg, format!("{e}: {h}")).map(|_| None)?),
+                    None => Err(RunError::Workspace(e.to_string())),
                 }
             }
         },

@@ -431,3 +431,24 @@ fn missing_dev_fuse_names_the_flag() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("--device /dev/fuse"), "{err}");
 }
+
+#[test]
+fn exit_status_survives_an_inherited_ignored_sigchld() {
+    // With SIGCHLD ignored the kernel would reap children itself and keel would never see the
+    // main command's status; keel resets it for itself and hands it on to the child.
+    let ignore = [Signal::SIGCHLD];
+    let opts = || Opts {
+        ignore: &ignore,
+        ..Default::default()
+    };
+    let mut k = start_with(&config("", ""), &["sh", "-c", "exit 7"], opts());
+    assert_eq!(k.wait().0, 7, "{}", k.stderr());
+    let mut k = start_with(&config("", ""), &["cat", "/proc/self/status"], opts());
+    assert_eq!(k.wait().0, 0);
+    let s = k.stdout();
+    assert_ne!(
+        status_mask(&s, "SigIgn:") & (1 << (libc::SIGCHLD - 1)),
+        0,
+        "{s}"
+    );
+}

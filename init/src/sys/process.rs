@@ -179,7 +179,7 @@ pub fn spawn(spec: &SpawnSpec) -> std::io::Result<i32> {
         cmd.stdin(Stdio::null());
     }
     let mask = super::signal::inherited_sigset();
-    let sigpipe_ignored = super::signal::inherited_ignored() & (1 << (libc::SIGPIPE - 1)) != 0;
+    let ignored = super::signal::inherited_ignored();
     let session = spec.session;
     let drop_caps = spec.drop_caps.clone();
     let nnp = spec.no_new_privs;
@@ -223,7 +223,7 @@ pub fn spawn(spec: &SpawnSpec) -> std::io::Result<i32> {
                 return Err(std::io::Error::last_os_error());
             }
         }
-        super::signal::restore_in_child(&mask, sigpipe_ignored)
+        super::signal::restore_in_child(&mask, ignored)
     };
     // SAFETY: the closure only makes async-signal-safe syscalls on data prepared before fork
     // (no allocation, no locks).

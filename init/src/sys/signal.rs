@@ -85,14 +85,21 @@ pub fn inherited_sigset() -> libc::sigset_t {
     set
 }
 
-/// In a forked child, before exec: restore the inherited mask and SIGPIPE disposition (std's
-/// Command resets SIGPIPE to SIG_DFL; every other disposition survives exec untouched because
-/// keel never installs handlers). Async-signal-safe.
-pub fn restore_in_child(mask: &libc::sigset_t, sigpipe_ignored: bool) -> std::io::Result<()> {
-    if sigpipe_ignored {
-        // SAFETY: setting a disposition to SIG_IGN is always valid.
-        if unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) } == libc::SIG_ERR {
-            return Err(std::io::Error::last_os_error());
+fn bit(sig: i32) -> u64 {
+    1 << (sig - 1)
+}
+
+/// In a forked child, before exec: restore the inherited mask and the inherited SIG_IGN of
+/// SIGPIPE (std's Command resets it to SIG_DFL) and SIGCHLD (keel resets it for itself).
+/// Every other disposition survives exec untouched because keel never installs handlers.
+/// `ignored` is `inherited_ignored()`, read before fork. Async-signal-safe.
+pub fn restore_in_child(mask: &libc::sigset_t, ignored: u64) -> std::io::Result<()> {
+    for sig in [libc::SIGPIPE, libc::SIGCHLD] {
+        if ignored & bit(sig) != 0 {
+            // SAFETY: setting a disposition to SIG_IGN is always valid.
+            if unsafe { libc::signal(sig, libc::SIG_IGN) } == libc::SIG_ERR {
+                return Err(std::io::Error::last_os_error());
+            }
         }
     }
     // SAFETY: `mask` points to a valid sigset_t; no old mask is requested.
@@ -105,6 +112,14 @@ pub fn restore_in_child(mask: &libc::sigset_t, sigpipe_ignored: bool) -> std::io
 /// Blocks every signal in the calling thread (call before any other thread exists) and returns
 /// a non-blocking signalfd that receives them all.
 pub fn block_all() -> Result<Signals, SignalError> {
+    if inherited_ignored() & bit(libc::SIGCHLD) != 0 {
+        // An ignored SIGCHLD makes the kernel reap children itself: keel would never learn
+        // any exit status. Children get the ignored disposition back in `restore_in_child`.
+        // SAFETY: setting SIGCHLD to its default disposition is always valid.
+        if unsafe { libc::signal(libc::SIGCHLD, libc::SIG_DFL) } == libc::SIG_ERR {
+            return Err(SignalError::Block(Errno::last()));
+        }
+    }
     let all = SigSet::all();
     nix::sys::signal::pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&all), None)
         .map_err(SignalError::Block)?;
