@@ -452,3 +452,37 @@ fn exit_status_survives_an_inherited_ignored_sigchld() {
         "{s}"
     );
 }
+
+#[test]
+fn logs_are_prefixed_lines_or_json_and_service_output_is_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(&cfg, config("", "")).unwrap();
+    let run = |format: Option<&str>| {
+        let mut c = std::process::Command::new(KEEL);
+        c.args(["run", "--config"])
+            .arg(&cfg)
+            .args(["--", "sh", "-c", "echo out; echo err >&2"]);
+        c.env_remove("KEEL_LOG").env_remove("KEEL_LOG_FORMAT");
+        if let Some(f) = format {
+            c.env("KEEL_LOG_FORMAT", f);
+        }
+        let o = c.output().unwrap();
+        assert_eq!(o.status.code(), Some(0));
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "out\n");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let text = run(None);
+    for l in text.lines().filter(|l| *l != "err") {
+        assert!(l.starts_with("keel: "), "{l:?} in\n{text}");
+    }
+    assert!(text.lines().any(|l| l == "err"), "{text}");
+    let json = run(Some("json"));
+    for l in json.lines().filter(|l| *l != "err") {
+        assert!(
+            l.starts_with('{') && l.ends_with('}') && l.contains("\"level\""),
+            "{l:?} in\n{json}"
+        );
+    }
+    assert!(json.contains("main command"), "{json}");
+}
