@@ -9,6 +9,7 @@ pub mod config;
 pub mod logging;
 pub mod meta;
 pub mod run;
+pub mod shutdown;
 pub mod supervisor;
 pub mod sys;
 pub mod workspace;

@@ -1,10 +1,188 @@
-//! Boot order for `keel run`: boot → open state → mount → spawn services → supervise →
-//! shutdown. (Being built in the PID-1 issue.)
+//! `keel run`: parse the command line, load the config, then the boot order — block signals →
+//! boot (subreaper, `chdir /`, container mounts, limits) → resolve services → check and mount
+//! the workspace → supervise → stop → flush + unmount the workspace → exit code.
+//! A bad config or a failed boot step ends here with one line and nothing started or mounted.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use tracing::{error, info};
+
+use crate::boot::{self, WorkspacePlan};
+use crate::config::{Config, DEFAULT_PATH};
+use crate::supervisor::Supervisor;
+
+/// Exit code for usage and config errors.
+pub const EXIT_USAGE: i32 = 2;
+/// Exit code when keel itself fails to set up.
+pub const EXIT_SETUP: i32 = 1;
+
+/// Why `keel run` stopped before supervising anything.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("{0} (usage: keel run [--config FILE] [--] CMD [ARGS...])")]
+    Usage(String),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Boot(#[from] boot::BootError),
+    #[error(transparent)]
+    Supervisor(#[from] crate::supervisor::SupervisorError),
+    #[error("workspace: {0}")]
+    Workspace(String),
+}
+
+impl RunError {
+    /// keel's exit code for this failure: 2 for usage and config, 1 for setup.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RunError::Usage(_) | RunError::Config(_) => EXIT_USAGE,
+            _ => EXIT_SETUP,
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct Args {
+    pub config: Option<PathBuf>,
+    pub command: Vec<OsString>,
+}
+
+/// `[--config FILE | --config=FILE] [--] CMD ARGS...`; option parsing stops at the first
+/// non-option.
+pub fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
+    let mut config = None;
+    let mut it = args.into_iter();
+    let mut command = Vec::new();
+    while let Some(a) = it.next() {
+        let s = a.to_string_lossy();
+        if s == "--" {
+            break;
+        } else if s == "--config" || s == "-c" {
+            config = Some(PathBuf::from(it.next().ok_or("--config needs a FILE")?));
+        } else if let Some(v) = s.strip_prefix("--config=") {
+            config = Some(PathBuf::from(v));
+        } else if s.starts_with('-') && s.len() > 1 {
+            return Err(format!("unknown option `{s}`"));
+        } else {
+            command.push(a);
+            break;
+        }
+    }
+    command.extend(it);
+    Ok(Args { config, command })
+}
+
+/// `--config`, else `KEEL_CONFIG`, else /etc/keel/config.toml if it exists, else defaults.
+fn load_config(explicit: Option<PathBuf>) -> Result<Config, crate::config::ConfigError> {
+    let path = explicit.or_else(|| {
+        std::env::var_os("KEEL_CONFIG")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    });
+    match path {
+        Some(p) => Config::load(&p),
+        None if std::path::Path::new(DEFAULT_PATH).exists() => {
+            Config::load(std::path::Path::new(DEFAULT_PATH))
+        }
+        None => Ok(Config::default()),
+    }
+}
 
 /// Entry point of `keel run`; returns the process exit code.
-pub fn main(_args: Vec<OsString>) -> i32 {
-    eprintln!("keel: run: not implemented yet");
-    2
+pub fn main(args: Vec<OsString>) -> i32 {
+    let t0 = Instant::now();
+    // First, before any thread can exist: every signal to keel arrives on the signalfd.
+    let signals = match crate::sys::signal::block_all() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("keel: error: {e}");
+            return EXIT_SETUP;
+        }
+    };
+    crate::logging::init();
+    let (cfg, booted, supervisor, mounted) = match setup(args, signals) {
+        Ok(v) => v,
+        Err(e) => {
+            error!("{e}");
+            return e.exit_code();
+        }
+    };
+    info!(
+        "ready after {} ({})",
+        crate::shutdown::secs(t0.elapsed()),
+        if booted.pid1 { "PID 1" } else { "subreaper" }
+    );
+    let code = supervisor.run();
+    if let Some(m) = mounted {
+        let since = Instant::now();
+        let _ = crate::shutdown::finish_workspace(m, cfg.shutdown.flush_timeout, since);
+    }
+    info!("exit {code} after {}", crate::shutdown::secs(t0.elapsed()));
+    code
+}
+
+type Setup = (
+    Config,
+    boot::Booted,
+    Supervisor,
+    Option<crate::workspace::Mounted>,
+);
+
+/// Everything before supervision, in order; on error nothing has been started or mounted.
+fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Setup, RunError> {
+    let args = parse_args(args).map_err(RunError::Usage)?;
+    let cfg = load_config(args.config)?;
+    let booted = boot::boot(&cfg)?;
+    let supervisor = Supervisor::new(&cfg, args.command, &booted, signals)?;
+    let mounted = mount_workspace(&cfg)?;
+    Ok((cfg, booted, supervisor, mounted))
+}
+
+/// Checks the prerequisites and mounts the workspace; `None` when disabled or a plain dir.
+fn mount_workspace(cfg: &Config) -> Result<Option<crate::workspace::Mounted>, RunError> {
+    match boot::check_workspace(cfg)? {
+        WorkspacePlan::Disabled | WorkspacePlan::PlainDir(_) => Ok(None),
+        WorkspacePlan::Fuse => match crate::workspace::mount(&cfg.workspace) {
+            Ok(m) => Ok(Some(m)),
+            Err(e) => {
+                let hint = match &e {
+                    crate::workspace::SessionError::Mount { source, .. } => {
+                        boot::mount_denied_hint(source)
+                    }
+                    _ => None,
+                };
+                match hint {
+                    Some(h) => Ok(boot::unavailable(cfg, format!("{e}: {h}")).map(|_| None)?),
+                    None => Err(RunError::Workspace(e.to_string())),
+                }
+            }
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn a(v: &[&str]) -> Vec<OsString> {
+        v.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn option_parsing_stops_at_first_non_option() {
+        let p = parse_args(a(&["sh", "-c", "exit 3"])).unwrap();
+        assert_eq!(p.command, a(&["sh", "-c", "exit 3"]));
+        let p = parse_args(a(&["--config", "/x", "--", "sh", "--config", "y"])).unwrap();
+        assert_eq!(p.config, Some(PathBuf::from("/x")));
+        assert_eq!(p.command, a(&["sh", "--config", "y"]));
+        let p = parse_args(a(&["--config=/y", "ls", "-l"])).unwrap();
+        assert_eq!(
+            (p.config, p.command),
+            (Some(PathBuf::from("/y")), a(&["ls", "-l"]))
+        );
+        assert!(parse_args(a(&["--bogus", "ls"])).is_err());
+        assert!(parse_args(a(&["--config"])).is_err());
+    }
 }

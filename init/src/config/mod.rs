@@ -2,9 +2,15 @@
 //! typed, validated values. Unknown keys, wrong types and bad values are rejected with the
 //! file, the key and the reason in one line, before anything is mounted or started.
 
+pub mod init;
+pub mod service;
+pub mod shutdown;
 pub mod units;
 pub mod workspace;
 
+pub use init::{ForwardTo, InitConfig, Rlimit};
+pub use service::{Probe, Readiness, Restart, ServiceConfig};
+pub use shutdown::ShutdownConfig;
 pub use workspace::{CacheMode, FuseUnavailable, Passthrough, WorkspaceConfig};
 
 use serde::Deserialize;
@@ -31,7 +37,10 @@ pub enum ConfigError {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
+    pub init: InitConfig,
     pub workspace: WorkspaceConfig,
+    pub shutdown: ShutdownConfig,
+    pub service: Vec<ServiceConfig>,
 }
 
 impl Config {
@@ -67,9 +76,52 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), (String, String)> {
+        self.init.validate()?;
         self.workspace.validate()?;
+        self.shutdown.validate()?;
+        service::validate(&self.service)?;
         Ok(())
     }
+}
+
+/// Signal number for "SIGTERM", "TERM", "sigterm" or "15"; `None` if it names none.
+pub fn signal_name(s: &str) -> Option<i32> {
+    let t = s.trim();
+    if let Ok(n) = t.parse::<i32>() {
+        return nix::sys::signal::Signal::try_from(n).ok().map(|s| s as i32);
+    }
+    let up = t.to_ascii_uppercase();
+    let full = if up.starts_with("SIG") {
+        up
+    } else {
+        format!("SIG{up}")
+    };
+    full.parse::<nix::sys::signal::Signal>()
+        .ok()
+        .map(|s| s as i32)
+}
+
+/// Splits `http://host:port/path` into (host:port, path); `None` for anything else.
+pub fn parse_http_url(url: &str) -> Option<(String, String)> {
+    let rest = url.strip_prefix("http://")?;
+    let (hostport, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    if hostport.is_empty() {
+        return None;
+    }
+    let hostport = if hostport
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+    {
+        hostport.to_string()
+    } else if hostport.contains(':') && !hostport.ends_with(']') {
+        return None;
+    } else {
+        format!("{hostport}:80")
+    };
+    Some((hostport, path.to_string()))
 }
 
 /// Best-effort name of the key at byte offset `pos`: `table.key` from the nearest table header
@@ -137,6 +189,101 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("workspace.chunk_size"), "{err}");
+    }
+
+    #[test]
+    fn service_keys_are_named() {
+        let p = Path::new("c.toml");
+        let err = Config::parse(
+            "[[service]]\nname = \"a\"\ncommand = [\"x\"]\nrestart = \"sometimes\"\n",
+            p,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("service.restart"), "{err}");
+        let err = Config::parse(
+            "[[service]]\nname = \"a\"\ncommand = [\"x\"]\ndepends_on = [\"b\"]\n",
+            p,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("service[0].depends_on") && err.contains("`b`"),
+            "{err}"
+        );
+        let cyc = "[[service]]\nname=\"a\"\ncommand=\"x\"\ndepends_on=[\"b\"]\n[[service]]\nname=\"b\"\ncommand=\"x\"\ndepends_on=[\"a\"]\n";
+        let err = Config::parse(cyc, p).unwrap_err().to_string();
+        assert!(err.contains("cycle"), "{err}");
+        let err = Config::parse("[shutdown]\ngrace = \"6 parsecs\"\n", p)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("shutdown.grace"), "{err}");
+        let err = Config::parse("[init]\nrlimits = { nofiles = 10 }\n", p)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("init.rlimits.nofiles"), "{err}");
+        let err = Config::parse("[[service]]\nname=\"a\"\ncommand=\"x\"\nready = { file = \"/x\", http = \"http://a:1/\" }\n", p)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("service[0].ready"), "{err}");
+    }
+
+    #[test]
+    fn service_order_and_values() {
+        let text = "[init]\nrlimits = { nofile = 1024, core = [0, \"unlimited\"] }\numask = \"027\"\n\
+            [[service]]\nname=\"web\"\ncommand=[\"web\"]\ndepends_on=[\"db\"]\nready = { http = \"http://127.0.0.1:8080/health\" }\n\
+            [[service]]\nname=\"db\"\ncommand=\"db --serve\"\nrestart=\"on-failure\"\n";
+        let c = Config::parse(text, Path::new("c.toml")).unwrap();
+        assert_eq!(service::order(&c.service).unwrap(), vec![1, 0]);
+        assert_eq!(
+            c.service[1].command.argv(),
+            vec!["/bin/sh", "-c", "db --serve"]
+        );
+        assert_eq!(
+            c.init.rlimits["core"],
+            Rlimit {
+                soft: 0,
+                hard: init::UNLIMITED
+            }
+        );
+        assert_eq!(c.init.umask_bits(), Some(0o027));
+        assert!(matches!(
+            c.service[0].ready.as_ref().unwrap().probe(),
+            Some(Probe::Http(_))
+        ));
+        assert_eq!(signal_name("term"), Some(15));
+        assert_eq!(signal_name("SIGUSR1"), Some(10));
+        assert_eq!(signal_name("SIGNOPE"), None);
+        assert_eq!(
+            parse_http_url("http://localhost/x"),
+            Some(("localhost:80".into(), "/x".into()))
+        );
+    }
+
+    #[test]
+    fn shipped_config_parses_and_matches_the_defaults() {
+        let text = include_str!("../../../config/config.toml");
+        let c = Config::parse(text, Path::new("config/config.toml")).unwrap();
+        let d = Config::default();
+        assert_eq!(c.shutdown.grace, d.shutdown.grace);
+        assert_eq!(c.shutdown.flush_timeout, d.shutdown.flush_timeout);
+        assert_eq!(c.init.drop_capabilities, d.init.drop_capabilities);
+        // The commented service example, uncommented, is valid too.
+        let example: String = text
+            .lines()
+            .skip_while(|l| *l != "# [[service]]")
+            .filter(|l| !l.starts_with("# # "))
+            .map(|l| {
+                l.trim_start_matches("# ")
+                    .split(" # ")
+                    .next()
+                    .unwrap_or("")
+                    .to_string()
+                    + "\n"
+            })
+            .collect();
+        let c = Config::parse(&example, Path::new("example")).unwrap();
+        assert_eq!(c.service[0].name, "db");
     }
 
     #[test]

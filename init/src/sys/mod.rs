@@ -1,4 +1,9 @@
 //! The only module that talks to the kernel directly: small safe wrappers around syscalls
 //! (through `nix`/`libc`). Every `unsafe` block in keel lives here, with a `// SAFETY:` note.
+
+pub mod caps;
 pub mod fgsig;
 pub mod file;
+pub mod mount;
+pub mod process;
+pub mod signal;

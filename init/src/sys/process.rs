@@ -1,0 +1,339 @@
+//! Processes: starting a child with exactly the state keel wants it to have (session/group,
+//! terminal, inherited signal mask, user, capabilities), the one `waitpid(-1, WNOHANG)` reaper,
+//! subreaper status, finding descendants, and process-wide settings (cwd, rlimits, umask,
+//! hostname, user lookup).
+
+use std::ffi::{CString, OsString};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::Stdio;
+
+use nix::errno::Errno;
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    #[error("become child subreaper: {0}")]
+    Subreaper(Errno),
+    #[error("chdir /: {0}")]
+    Chdir(Errno),
+    #[error("setrlimit {name}: {source}")]
+    Rlimit { name: String, source: Errno },
+    #[error("sethostname: {0}")]
+    Hostname(Errno),
+    #[error("user `{0}` does not exist")]
+    NoSuchUser(String),
+    #[error("group `{0}` does not exist")]
+    NoSuchGroup(String),
+    #[error("look up user `{name}`: {source}")]
+    Lookup { name: String, source: Errno },
+}
+
+/// How a child ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    Code(i32),
+    Signal(i32),
+}
+
+impl Exit {
+    /// Shell convention: the code, or 128+N for signal N.
+    pub fn code(self) -> i32 {
+        match self {
+            Exit::Code(c) => c,
+            Exit::Signal(s) => 128 + s,
+        }
+    }
+    pub fn success(self) -> bool {
+        self == Exit::Code(0)
+    }
+}
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Exit::Code(c) => write!(f, "exit code {c}"),
+            Exit::Signal(s) => write!(f, "killed by {}", super::signal::name(*s)),
+        }
+    }
+}
+
+/// The result of one reaper pass.
+#[derive(Debug, Default)]
+pub struct Reaped {
+    /// Every child that ended during this pass.
+    pub exited: Vec<(i32, Exit)>,
+    /// No children at all remain (waitpid said ECHILD).
+    pub none_left: bool,
+}
+
+/// The one reaper: `waitpid(-1, WNOHANG)` until nothing more has ended.
+pub fn reap_all() -> Reaped {
+    let mut r = Reaped::default();
+    loop {
+        match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(pid, code)) => r.exited.push((pid.as_raw(), Exit::Code(code))),
+            Ok(WaitStatus::Signaled(pid, sig, _)) => {
+                r.exited.push((pid.as_raw(), Exit::Signal(sig as i32)))
+            }
+            Ok(WaitStatus::StillAlive) => return r,
+            Ok(_) => continue,
+            Err(Errno::EINTR) => continue,
+            Err(Errno::ECHILD) => {
+                r.none_left = true;
+                return r;
+            }
+            Err(_) => return r,
+        }
+    }
+}
+
+/// User, primary group and supplementary groups a child switches to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ids {
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
+    pub home: Option<PathBuf>,
+    pub name: String,
+}
+
+/// Resolves `user` (name or number) and optional `group` (name or number).
+pub fn resolve_ids(user: &str, group: Option<&str>) -> Result<Ids, ProcessError> {
+    use nix::unistd::{Gid, Group, Uid, User};
+    let lookup = |e| ProcessError::Lookup {
+        name: user.to_string(),
+        source: e,
+    };
+    let found = match user.parse::<u32>() {
+        Ok(n) => User::from_uid(Uid::from_raw(n)).map_err(lookup)?,
+        Err(_) => User::from_name(user).map_err(lookup)?,
+    };
+    let (uid, mut gid, name, home) = match (found, user.parse::<u32>()) {
+        (Some(u), _) => (u.uid.as_raw(), u.gid.as_raw(), u.name, Some(u.dir)),
+        (None, Ok(n)) => (n, n, user.to_string(), None),
+        (None, Err(_)) => return Err(ProcessError::NoSuchUser(user.to_string())),
+    };
+    if let Some(g) = group {
+        gid = match g.parse::<u32>() {
+            Ok(n) => n,
+            Err(_) => Group::from_name(g)
+                .map_err(|e| ProcessError::Lookup {
+                    name: g.to_string(),
+                    source: e,
+                })?
+                .ok_or_else(|| ProcessError::NoSuchGroup(g.to_string()))?
+                .gid
+                .as_raw(),
+        };
+    }
+    let groups = CString::new(name.clone())
+        .ok()
+        .and_then(|c| nix::unistd::getgrouplist(&c, Gid::from_raw(gid)).ok())
+        .map(|v| v.into_iter().map(|g| g.as_raw()).collect())
+        .unwrap_or_else(|| vec![gid]);
+    Ok(Ids {
+        uid,
+        gid,
+        groups,
+        home,
+        name,
+    })
+}
+
+/// Which session/process group a child gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Session {
+    /// A new session (and group) without a controlling terminal.
+    New,
+    /// A new process group in keel's session, made the terminal's foreground group.
+    ForegroundGroup,
+}
+
+/// Everything a child is started with. Built before fork so the child only makes syscalls.
+#[derive(Debug, Clone)]
+pub struct SpawnSpec {
+    pub argv: Vec<OsString>,
+    /// The complete environment.
+    pub env: Vec<(OsString, OsString)>,
+    pub cwd: PathBuf,
+    pub ids: Option<Ids>,
+    pub session: Session,
+    /// Capability numbers to drop from the bounding, inheritable and ambient sets.
+    pub drop_caps: Vec<u32>,
+    pub no_new_privs: bool,
+    /// Give the child keel's stdin (only the main service) instead of /dev/null.
+    pub stdin: bool,
+}
+
+/// Starts a child; its pid is also its process group id. Errors are those of exec (ENOENT,
+/// EACCES, ...) or of a setup step in the child.
+pub fn spawn(spec: &SpawnSpec) -> std::io::Result<i32> {
+    let mut cmd = std::process::Command::new(&spec.argv[0]);
+    cmd.args(&spec.argv[1..])
+        .env_clear()
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .current_dir(&spec.cwd);
+    if !spec.stdin {
+        cmd.stdin(Stdio::null());
+    }
+    let mask = super::signal::inherited_sigset();
+    let ignored = super::signal::inherited_ignored();
+    let session = spec.session;
+    let drop_caps = spec.drop_caps.clone();
+    let nnp = spec.no_new_privs;
+    let ids = spec.ids.as_ref().map(|i| (i.uid, i.gid, i.groups.clone()));
+    let child_setup = move || -> std::io::Result<()> {
+        match session {
+            Session::New => {
+                // SAFETY: setsid has no arguments; the child is not a group leader yet.
+                if unsafe { libc::setsid() } < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Session::ForegroundGroup => {
+                // SAFETY: setpgid(0, 0) puts the calling process in a new group of its own.
+                if unsafe { libc::setpgid(0, 0) } < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // SAFETY: plain integers; signals are still blocked here, so SIGTTOU from a
+                // background group cannot stop us. Failure (no terminal) is harmless.
+                unsafe { libc::tcsetpgrp(0, libc::getpid()) };
+            }
+        }
+        super::caps::drop_in_child(&drop_caps)?;
+        if let Some((uid, gid, groups)) = &ids {
+            // SAFETY: `groups` is a live Vec of gid_t-sized integers of the given length.
+            if unsafe { libc::setgroups(groups.len(), groups.as_ptr()) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: plain integer arguments.
+            if unsafe { libc::setgid(*gid) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: plain integer arguments.
+            if unsafe { libc::setuid(*uid) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        if nnp {
+            // SAFETY: PR_SET_NO_NEW_PRIVS takes plain integers.
+            if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        super::signal::restore_in_child(&mask, ignored)
+    };
+    // SAFETY: the closure only makes async-signal-safe syscalls on data prepared before fork
+    // (no allocation, no locks).
+    unsafe { cmd.pre_exec(child_setup) };
+    let child = cmd.spawn()?;
+    // Dropping `Child` neither waits nor kills: the one reaper collects it.
+    Ok(child.id() as i32)
+}
+
+/// PR_SET_CHILD_SUBREAPER: orphans below keel are re-parented to keel, not to the real init.
+pub fn become_subreaper() -> Result<(), ProcessError> {
+    nix::sys::prctl::set_child_subreaper(true).map_err(ProcessError::Subreaper)
+}
+
+pub fn is_pid1() -> bool {
+    std::process::id() == 1
+}
+
+pub fn chdir_root() -> Result<(), ProcessError> {
+    nix::unistd::chdir("/").map_err(ProcessError::Chdir)
+}
+
+/// True when stdin is a terminal keel can hand to the main service.
+pub fn has_tty() -> bool {
+    nix::unistd::isatty(std::io::stdin()).unwrap_or(false)
+        && nix::unistd::tcgetpgrp(std::io::stdin()).is_ok()
+}
+
+/// Sets one resource limit (name as in `[init.rlimits]`) for keel; children inherit it.
+pub fn set_rlimit(name: &str, soft: u64, hard: u64) -> Result<(), ProcessError> {
+    use nix::sys::resource::{setrlimit, Resource};
+    let res = match name {
+        "as" => Resource::RLIMIT_AS,
+        "core" => Resource::RLIMIT_CORE,
+        "cpu" => Resource::RLIMIT_CPU,
+        "data" => Resource::RLIMIT_DATA,
+        "fsize" => Resource::RLIMIT_FSIZE,
+        "locks" => Resource::RLIMIT_LOCKS,
+        "memlock" => Resource::RLIMIT_MEMLOCK,
+        "msgqueue" => Resource::RLIMIT_MSGQUEUE,
+        "nice" => Resource::RLIMIT_NICE,
+        "nofile" => Resource::RLIMIT_NOFILE,
+        "nproc" => Resource::RLIMIT_NPROC,
+        "rss" => Resource::RLIMIT_RSS,
+        "rtprio" => Resource::RLIMIT_RTPRIO,
+        "rttime" => Resource::RLIMIT_RTTIME,
+        "sigpending" => Resource::RLIMIT_SIGPENDING,
+        "stack" => Resource::RLIMIT_STACK,
+        _ => {
+            return Err(ProcessError::Rlimit {
+                name: name.into(),
+                source: Errno::EINVAL,
+            })
+        }
+    };
+    let conv = |v: u64| {
+        if v == u64::MAX {
+            libc::RLIM_INFINITY
+        } else {
+            v
+        }
+    };
+    setrlimit(res, conv(soft), conv(hard)).map_err(|source| ProcessError::Rlimit {
+        name: name.into(),
+        source,
+    })
+}
+
+pub fn set_umask(bits: u32) {
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(
+        bits as libc::mode_t,
+    ));
+}
+
+pub fn set_hostname(name: &str) -> Result<(), ProcessError> {
+    nix::unistd::sethostname(name).map_err(ProcessError::Hostname)
+}
+
+/// Every live descendant of `root` (children, grandchildren, ...), from /proc.
+pub fn descendants(root: i32) -> Vec<i32> {
+    let mut parent = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            // "pid (comm) state ppid ...": comm may contain ')' so split at the last one.
+            let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+                continue;
+            };
+            let mut f = rest.split_whitespace();
+            let state = f.next().unwrap_or("");
+            let ppid = f.next().and_then(|p| p.parse::<i32>().ok()).unwrap_or(0);
+            if state != "Z" {
+                parent.push((pid, ppid));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(p) = frontier.pop() {
+        for &(c, pp) in &parent {
+            if pp == p && c != root && !out.contains(&c) {
+                out.push(c);
+                frontier.push(c);
+            }
+        }
+    }
+    out
+}

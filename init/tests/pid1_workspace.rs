@@ -1,0 +1,106 @@
+//! keel run with the real FUSE workspace (root and /dev/fuse; CI fails loudly without them):
+//! what the main command writes survives keel's exit and a fresh mount, the stop flushes and
+//! unmounts, and sandboxed processes cannot unmount the workspace.
+
+mod pid1_support;
+
+use nix::sys::signal::Signal;
+use pid1_support::*;
+use std::path::Path;
+
+fn fuse_available() -> bool {
+    if !require_root("workspace test") {
+        return false;
+    }
+    if !Path::new("/dev/fuse").exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "/dev/fuse is missing and CI is set"
+        );
+        eprintln!("skipping: no /dev/fuse");
+        return false;
+    }
+    true
+}
+
+/// A config mounting the workspace at $D/ws with state in `state` (kept across runs).
+fn ws_config(state: &Path) -> String {
+    format!(
+        "[workspace]\nmount_point = \"$D/ws\"\nstate_dir = \"{}\"\n[shutdown]\ngrace = \"2s\"\n",
+        state.display()
+    )
+}
+
+fn mounted(mp: &Path) -> bool {
+    read(Path::new("/proc/self/mountinfo"))
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(mp.to_str().unwrap()))
+}
+
+#[test]
+fn written_data_survives_exit_and_remount_and_nothing_stays_mounted() {
+    if !fuse_available() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let script = "echo hello > $D/ws/file && mkdir $D/ws/dir && echo ok; \
+                  umount $D/ws 2>/dev/null && echo UNMOUNTED; true";
+    let mut k = start(&ws_config(state.path()), &["sh", "-c", script]);
+    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    // Root in the sandbox lacks CAP_SYS_ADMIN: the unmount attempt failed.
+    assert_eq!(k.stdout(), "ok\n", "{}", k.stderr());
+    assert!(!mounted(&k.path("ws")), "keel left the workspace mounted");
+    assert!(
+        k.stderr().contains("workspace flush + unmount took"),
+        "{}",
+        k.stderr()
+    );
+
+    let mut k = start(
+        &ws_config(state.path()),
+        &["sh", "-c", "cat $D/ws/file; test -d $D/ws/dir"],
+    );
+    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.stdout(), "hello\n");
+}
+
+#[test]
+fn sigterm_flushes_a_file_still_open_for_writing() {
+    if !fuse_available() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let script = "exec 3> $D/ws/open; echo part1 >&3; touch $D/ready; exec sleep 30";
+    let mut k = start(&ws_config(state.path()), &["sh", "-c", script]);
+    k.wait_file("ready");
+    k.signal(Signal::SIGTERM);
+    assert_eq!(k.wait().0, 143, "{}", k.stderr());
+    assert!(!mounted(&k.path("ws")));
+
+    let mut k = start(&ws_config(state.path()), &["cat", "$D/ws/open"]);
+    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.stdout(), "part1\n");
+}
+
+#[test]
+fn a_second_keel_on_the_same_state_dir_is_refused_before_starting_anything() {
+    if !fuse_available() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let mut first = start(
+        &ws_config(state.path()),
+        &["sh", "-c", "touch $D/ready; exec sleep 30"],
+    );
+    first.wait_file("ready");
+    let mut second = start(&ws_config(state.path()), &["touch", "$D/started"]);
+    assert_eq!(second.wait().0, 1, "{}", second.stderr());
+    assert!(
+        second.stderr().contains("already in use"),
+        "{}",
+        second.stderr()
+    );
+    assert!(!second.path("started").exists());
+    first.signal(Signal::SIGTERM);
+    assert_eq!(first.wait().0, 143);
+}
