@@ -40,28 +40,21 @@ impl BodyStore {
 
     /// Opens a body for reading and writing, creating an empty one when absent.
     pub fn open_rw(&self, id: u64) -> io::Result<File> {
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOATIME)
-            .open(self.path(id))
-            .or_else(|e| {
-                // O_NOATIME is refused for files we do not own; retry without it.
-                if e.raw_os_error() == Some(libc::EPERM) {
-                    OpenOptions::new()
-                        .read(true)
-                        .write(true)
-                        .create(true)
-                        .truncate(false)
-                        .mode(0o600)
-                        .open(self.path(id))
-                } else {
-                    Err(e)
-                }
-            })
+        let open = |flags: i32| {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .custom_flags(flags)
+                .open(self.path(id))
+        };
+        // O_NOATIME is refused for files we do not own; retry without it.
+        open(libc::O_CLOEXEC | libc::O_NOATIME).or_else(|e| match e.raw_os_error() {
+            Some(libc::EPERM) => open(libc::O_CLOEXEC),
+            _ => Err(e),
+        })
     }
 
     /// Size and allocated 512-byte blocks of a body, if it exists.

@@ -710,12 +710,7 @@ impl WorkspaceFs {
         self.sync_from_body(inner, ino)?;
         let t = now();
         if let Some(size) = set.size {
-            let inode = Self::load(inner, ino)?;
-            match inode.kind {
-                Kind::File => {}
-                Kind::Dir => return Err(FsError::IsDir),
-                _ => return Err(FsError::Invalid),
-            }
+            // Loads the bytes; refuses directories (EISDIR) and special files (EINVAL).
             self.ensure_open(inner, ino)?;
             let of = inner
                 .nodes
@@ -1196,12 +1191,6 @@ impl WorkspaceFs {
     pub fn open(&self, ino: InodeNo, flags: i32) -> FsResult<(u64, OpenInfo)> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
-        let inode = Self::load(inner, ino)?;
-        match inode.kind {
-            Kind::File => {}
-            Kind::Dir => return Err(FsError::IsDir),
-            _ => return Err(FsError::Invalid),
-        }
         self.ensure_open(inner, ino)?;
         if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
             self.sync_from_body(inner, ino)?;

@@ -60,6 +60,33 @@ impl FuseAdapter {
     fn backing(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (BackingId, u32)>> {
         self.backing.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    fn backing_failed(&self, fh: u64, e: &std::io::Error) {
+        tracing::warn!(error = %e, "passthrough registration failed");
+        let _ = self.fs.release(fh);
+    }
+}
+
+/// The kernel wants one backing id per inode for all its passthrough handles: reuse the
+/// registered one, or register `file` with `open` for the first handle.
+fn acquire_backing<'m>(
+    map: &'m mut HashMap<u64, (BackingId, u32)>,
+    ino: u64,
+    file: &std::fs::File,
+    open: impl FnOnce(&std::fs::File) -> std::io::Result<BackingId>,
+) -> std::io::Result<&'m BackingId> {
+    use std::collections::hash_map::Entry;
+    match map.entry(ino) {
+        Entry::Occupied(e) => {
+            let (id, n) = e.into_mut();
+            *n += 1;
+            Ok(id)
+        }
+        Entry::Vacant(v) => {
+            let id = open(file)?;
+            Ok(&v.insert((id, 1)).0)
+        }
+    }
 }
 
 thread_local! {
@@ -393,20 +420,11 @@ impl Filesystem for FuseAdapter {
                 None => reply.opened(FileHandle(fh), fopen_flags(&info)),
                 Some(file) => {
                     let mut map = self.backing();
-                    if let Some((id, n)) = map.get_mut(&i.0) {
-                        *n += 1;
-                        reply.opened_passthrough(FileHandle(fh), fopen_flags(&info), id);
-                        return;
-                    }
-                    match reply.open_backing(file.as_ref()) {
-                        Ok(id) => {
-                            reply.opened_passthrough(FileHandle(fh), fopen_flags(&info), &id);
-                            map.insert(i.0, (id, 1));
-                        }
+                    match acquire_backing(&mut map, i.0, file, |f| reply.open_backing(f)) {
+                        Ok(id) => reply.opened_passthrough(FileHandle(fh), fopen_flags(&info), id),
                         Err(e) => {
                             drop(map);
-                            tracing::warn!(error = %e, "passthrough registration failed");
-                            let _ = self.fs.release(fh);
+                            self.backing_failed(fh, &e);
                             reply.error(Errno::EIO);
                         }
                     }
@@ -655,35 +673,19 @@ impl Filesystem for FuseAdapter {
                 ),
                 Some(file) => {
                     let mut map = self.backing();
-                    let attr = file_attr(&a);
-                    if let Some((id, n)) = map.get_mut(&a.inode.ino.0) {
-                        *n += 1;
-                        reply.created_passthrough(
+                    let ino = a.inode.ino.0;
+                    match acquire_backing(&mut map, ino, file, |f| reply.open_backing(f)) {
+                        Ok(id) => reply.created_passthrough(
                             &self.timeouts.entry,
-                            &attr,
+                            &file_attr(&a),
                             Generation(0),
                             FileHandle(fh),
                             fopen_flags(&info),
                             id,
-                        );
-                        return;
-                    }
-                    match reply.open_backing(file.as_ref()) {
-                        Ok(id) => {
-                            reply.created_passthrough(
-                                &self.timeouts.entry,
-                                &attr,
-                                Generation(0),
-                                FileHandle(fh),
-                                fopen_flags(&info),
-                                &id,
-                            );
-                            map.insert(a.inode.ino.0, (id, 1));
-                        }
+                        ),
                         Err(e) => {
                             drop(map);
-                            tracing::warn!(error = %e, "passthrough registration failed");
-                            let _ = self.fs.release(fh);
+                            self.backing_failed(fh, &e);
                             reply.error(Errno::EIO);
                         }
                     }
