@@ -4,10 +4,14 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+use crate::config::units::parse_duration;
 use crate::config::Config;
 use crate::sys::fgsig::StopSignals;
+use std::time::Duration;
 
-const USAGE: &str = "usage: keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none] [--passthrough auto|on|off] [--threads N] [--config FILE]";
+const USAGE: &str = "usage: keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none]
+       [--passthrough auto|on|off] [--writeback-cache on|off] [--threads N]
+       [--attr-timeout D] [--entry-timeout D] [--negative-timeout D] [--config FILE]";
 
 /// Parsed `keel mount` arguments.
 #[derive(Debug, Default, PartialEq)]
@@ -16,6 +20,10 @@ pub struct MountArgs {
     pub mount_point: Option<PathBuf>,
     pub cache: Option<String>,
     pub passthrough: Option<String>,
+    pub writeback_cache: Option<bool>,
+    pub attr_timeout: Option<Duration>,
+    pub entry_timeout: Option<Duration>,
+    pub negative_timeout: Option<Duration>,
     pub threads: Option<usize>,
     pub config: Option<PathBuf>,
 }
@@ -54,6 +62,22 @@ pub fn parse(args: Vec<OsString>) -> Result<MountArgs, String> {
                         )
                     })?;
                 out.threads = Some(n);
+            }
+            "--writeback-cache" => {
+                out.writeback_cache = Some(match value("--writeback-cache")?.to_str() {
+                    Some("on") => true,
+                    Some("off") => false,
+                    _ => return Err("--writeback-cache: expected on or off".into()),
+                })
+            }
+            "--attr-timeout" | "--entry-timeout" | "--negative-timeout" => {
+                let v = value(&flag)?;
+                let d = parse_duration(&v.to_string_lossy()).map_err(|e| format!("{flag}: {e}"))?;
+                match flag.as_str() {
+                    "--attr-timeout" => out.attr_timeout = Some(d),
+                    "--entry-timeout" => out.entry_timeout = Some(d),
+                    _ => out.negative_timeout = Some(d),
+                }
             }
             "--config" => out.config = Some(PathBuf::from(value("--config")?)),
             "-h" | "--help" => return Err(USAGE.to_string()),
@@ -129,6 +153,12 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
             }
         }
     }
+    if let Some(w) = a.writeback_cache {
+        ws.writeback_cache = w;
+    }
+    ws.attr_timeout = a.attr_timeout.unwrap_or(ws.attr_timeout);
+    ws.entry_timeout = a.entry_timeout.unwrap_or(ws.entry_timeout);
+    ws.negative_timeout = a.negative_timeout.unwrap_or(ws.negative_timeout);
     if let Some(t) = a.threads {
         ws.threads = t;
     }
@@ -180,8 +210,13 @@ mod tests {
             "--cache=kernel",
             "--threads",
             "4",
+            "--attr-timeout",
+            "2s",
+            "--writeback-cache=off",
         ]))
         .unwrap();
+        assert_eq!(a.attr_timeout, Some(Duration::from_secs(2)));
+        assert_eq!(a.writeback_cache, Some(false));
         assert_eq!(a.state, Some(PathBuf::from("/s")));
         assert_eq!(a.mount_point, Some(PathBuf::from("/m")));
         assert_eq!(a.cache.as_deref(), Some("kernel"));
