@@ -12,7 +12,6 @@ pub(super) fn configure(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(
         "PRAGMA journal_mode=WAL;
          PRAGMA synchronous=NORMAL;
-         PRAGMA locking_mode=EXCLUSIVE;
          PRAGMA wal_autocheckpoint=4000;
          PRAGMA foreign_keys=OFF;
          PRAGMA temp_store=MEMORY;
