@@ -8,6 +8,7 @@ const USAGE: &str = "usage:
   keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none] [--passthrough auto|on|off]
              [--threads N] [--config FILE] ...       (keel mount --help for all options)
                                                 mount the workspace in the foreground
+  keel status [--socket PATH] [--config FILE]   print the running keel's status (JSON)
   keel [--config FILE] [--] CMD [ARGS...]       same as `keel run`";
 
 fn main() {
@@ -16,6 +17,10 @@ fn main() {
         Some("mount") => {
             args.remove(0);
             keel::workspace::cli::mount_main(args)
+        }
+        Some("status") => {
+            args.remove(0);
+            keel::control::client::status_main(args)
         }
         Some("run") => {
             args.remove(0);

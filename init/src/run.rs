@@ -31,6 +31,8 @@ pub enum RunError {
     Supervisor(#[from] crate::supervisor::SupervisorError),
     #[error("workspace: {0}")]
     Workspace(String),
+    #[error(transparent)]
+    Control(#[from] crate::control::ControlError),
 }
 
 impl RunError {
@@ -38,6 +40,7 @@ impl RunError {
     pub fn exit_code(&self) -> i32 {
         match self {
             RunError::Usage(_) | RunError::Config(_) => EXIT_USAGE,
+            RunError::Control(crate::control::ControlError::Token(_)) => EXIT_USAGE,
             _ => EXIT_SETUP,
         }
     }
@@ -75,7 +78,7 @@ pub fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
 }
 
 /// `--config`, else `KEEL_CONFIG`, else /etc/keel/config.toml if it exists, else defaults.
-fn load_config(explicit: Option<PathBuf>) -> Result<Config, crate::config::ConfigError> {
+pub fn load_config(explicit: Option<PathBuf>) -> Result<Config, crate::config::ConfigError> {
     let path = explicit.or_else(|| {
         std::env::var_os("KEEL_CONFIG")
             .filter(|v| !v.is_empty())
@@ -102,7 +105,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         }
     };
     crate::logging::init();
-    let (cfg, booted, supervisor, mounted) = match setup(args, signals) {
+    let (cfg, booted, supervisor, mounted, control) = match setup(args, signals) {
         Ok(v) => v,
         Err(e) => {
             error!("{e}");
@@ -117,8 +120,13 @@ pub fn main(args: Vec<OsString>) -> i32 {
     let code = supervisor.run();
     if let Some(m) = mounted {
         let since = Instant::now();
+        control.status().unmounting();
         let _ = crate::shutdown::finish_workspace(m, cfg.shutdown.flush_timeout, since);
+        control
+            .status()
+            .set_mount(crate::control::MountState::Unmounted);
     }
+    control.stop();
     info!("exit {code} after {}", crate::shutdown::secs(t0.elapsed()));
     code
 }
@@ -128,6 +136,7 @@ type Setup = (
     boot::Booted,
     Supervisor,
     Option<crate::workspace::Mounted>,
+    crate::control::Control,
 );
 
 /// Everything before supervision, in order; on error nothing has been started or mounted.
@@ -135,9 +144,14 @@ fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Se
     let args = parse_args(args).map_err(RunError::Usage)?;
     let cfg = load_config(args.config)?;
     let booted = boot::boot(&cfg)?;
-    let supervisor = Supervisor::new(&cfg, args.command, &booted, signals)?;
+    // The control API runs on its own threads, which inherit the blocked signal mask.
+    let control = crate::control::start(&cfg)?;
+    let mut supervisor = Supervisor::new(&cfg, args.command, &booted, signals)?;
+    supervisor.set_status(control.status().clone());
+    control.status().mounting(&cfg);
     let mounted = mount_workspace(&cfg)?;
-    Ok((cfg, booted, supervisor, mounted))
+    control.status().mounted(&cfg, mounted.as_ref());
+    Ok((cfg, booted, supervisor, mounted, control))
 }
 
 /// Checks the prerequisites and mounts the workspace; `None` when disabled or a plain dir.

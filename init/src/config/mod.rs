@@ -2,12 +2,14 @@
 //! typed, validated values. Unknown keys, wrong types and bad values are rejected with the
 //! file, the key and the reason in one line, before anything is mounted or started.
 
+pub mod control;
 pub mod init;
 pub mod service;
 pub mod shutdown;
 pub mod units;
 pub mod workspace;
 
+pub use control::ControlConfig;
 pub use init::{ForwardTo, InitConfig, Rlimit};
 pub use service::{Probe, Readiness, Restart, ServiceConfig};
 pub use shutdown::ShutdownConfig;
@@ -41,6 +43,7 @@ pub struct Config {
     pub workspace: WorkspaceConfig,
     pub shutdown: ShutdownConfig,
     pub service: Vec<ServiceConfig>,
+    pub control: ControlConfig,
 }
 
 impl Config {
@@ -80,6 +83,7 @@ impl Config {
         self.workspace.validate()?;
         self.shutdown.validate()?;
         service::validate(&self.service)?;
+        self.control.validate()?;
         Ok(())
     }
 }

@@ -15,6 +15,7 @@ use crate::boot::Booted;
 use crate::config::{
     init::capability_name, signal_name, Config, ForwardTo, Probe, Readiness, Restart,
 };
+use crate::control::status::{ExitInfo, ServiceState, ServiceStatus, StatusHandle};
 use crate::shutdown::{secs, Reason, Stop};
 use crate::sys::caps;
 use crate::sys::process::{self, Exit, Ids, Session, SpawnSpec};
@@ -77,6 +78,9 @@ struct Unit {
     stop_sent: bool,
     /// A forwarded stop signal went to the process only (`forward_to = "process"`).
     process_signalled: bool,
+    /// For the control API: how it last ended, and restarts since keel started.
+    last_exit: Option<Exit>,
+    restarts_total: u64,
 }
 
 impl Unit {
@@ -105,14 +109,23 @@ pub struct Supervisor {
     stop: Option<Stop>,
     stop_signals_seen: u32,
     code: Option<i32>,
+    /// Where unit states are published for the control API.
+    status: Option<StatusHandle>,
 }
 
 fn base_env(cfg: &Config) -> Vec<(OsString, OsString)> {
-    let mut env: Vec<(OsString, OsString)> = std::env::vars_os().collect();
+    let mut env = keel_env();
     for (k, v) in &cfg.init.env {
         set_env(&mut env, k, v);
     }
     env
+}
+
+/// keel's own environment minus what only keel may see (the control API token).
+fn keel_env() -> Vec<(OsString, OsString)> {
+    std::env::vars_os()
+        .filter(|(k, _)| k != crate::config::control::TOKEN_ENV)
+        .collect()
 }
 
 fn set_env(env: &mut Vec<(OsString, OsString)>, k: &str, v: &str) {
@@ -211,6 +224,8 @@ impl Supervisor {
                 finished: false,
                 stop_sent: false,
                 process_signalled: false,
+                last_exit: None,
+                restarts_total: 0,
             });
         }
         for (i, s) in cfg.service.iter().enumerate() {
@@ -274,6 +289,8 @@ impl Supervisor {
                 finished: false,
                 stop_sent: false,
                 process_signalled: false,
+                last_exit: None,
+                restarts_total: 0,
             });
             order.push(n);
             main = Some(n);
@@ -296,6 +313,7 @@ impl Supervisor {
             stop: None,
             stop_signals_seen: 0,
             code: None,
+            status: None,
         })
     }
 
@@ -320,6 +338,7 @@ impl Supervisor {
                     break;
                 }
             }
+            self.publish();
             let timeout = self
                 .next_deadline()
                 .map(|d| d.saturating_duration_since(Instant::now()));
@@ -335,6 +354,7 @@ impl Supervisor {
                 Err(e) => error!("{e}"),
             }
         }
+        self.publish();
         let stop = self.stop.as_ref().expect("stopped");
         info!("all processes ended after {}", stop.elapsed());
         match (self.code, &stop.reason, self.main) {
@@ -343,6 +363,34 @@ impl Supervisor {
             (None, Reason::Signal(s), Some(_)) => 128 + s,
             _ => 0,
         }
+    }
+
+    /// Publishes every unit's state to the control API from now on.
+    pub fn set_status(&mut self, status: StatusHandle) {
+        self.status = Some(status);
+        self.publish();
+    }
+
+    fn publish(&self) {
+        let Some(status) = &self.status else { return };
+        let stopping = self.stop.is_some();
+        let units = self
+            .units
+            .iter()
+            .map(|u| ServiceStatus {
+                name: u.name.clone(),
+                main: u.is_main,
+                pid: u.pid,
+                state: unit_state(u, stopping),
+                probed: u.readiness.as_ref().is_some_and(|r| r.probe().is_some()),
+                restarts: u.restarts_total,
+                last_exit: u.last_exit.map(|e| match e {
+                    Exit::Code(c) => ExitInfo::Code(c),
+                    Exit::Signal(s) => ExitInfo::Signal(s),
+                }),
+            })
+            .collect();
+        status.set_services(units, self.stop.as_ref().map(|s| s.reason.to_string()));
     }
 
     fn on_signal(&mut self, sig: i32, from: i32) {
@@ -577,6 +625,7 @@ impl Supervisor {
         let stopping = self.stop.is_some();
         let u = &mut self.units[i];
         u.pid = None;
+        u.last_exit = Some(exit);
         let ran = u.started_at.elapsed();
         if u.is_main {
             info!("main command (pid {pid}) ended: {exit} after {}", secs(ran));
@@ -601,6 +650,7 @@ impl Supervisor {
         };
         if wanted && (u.max_restarts == 0 || u.restarts < u.max_restarts) {
             u.restarts += 1;
+            u.restarts_total += 1;
             u.next_start = Some(now + u.delay);
             let limit = if u.max_restarts == 0 {
                 "no limit".to_string()
@@ -776,6 +826,20 @@ impl Supervisor {
                 }
             }
         }
+    }
+}
+
+/// A unit's state as the control API reports it.
+fn unit_state(u: &Unit, stopping: bool) -> ServiceState {
+    match u.pid {
+        Some(_) if stopping && (u.stop_sent || u.process_signalled) => ServiceState::Stopping,
+        Some(_) if !u.ready => ServiceState::Starting,
+        Some(_) if u.probe.is_some() => ServiceState::Ready,
+        Some(_) => ServiceState::Running,
+        None if stopping => ServiceState::Stopped,
+        None if u.next_start.is_some() => ServiceState::Restarting,
+        None if !u.started_once => ServiceState::Starting,
+        None => ServiceState::Exited,
     }
 }
 

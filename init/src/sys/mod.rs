@@ -7,3 +7,4 @@ pub mod file;
 pub mod mount;
 pub mod process;
 pub mod signal;
+pub mod socket;

@@ -6,4 +6,4 @@ pub mod fs;
 pub mod fuse;
 pub mod session;
 
-pub use session::{mount, Mounted, SessionError};
+pub use session::{mount, Mounted, MountedHandle, SessionError};

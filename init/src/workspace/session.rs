@@ -33,11 +33,53 @@ pub struct Mounted {
     mount_point: PathBuf,
     fs: Arc<WorkspaceFs>,
     session: Option<fuser::BackgroundSession>,
+    passthrough: Arc<AtomicBool>,
     _lock: sys::file::LockFile,
 }
 
+/// A cloneable handle on a mounted workspace for other threads (the control API's
+/// `POST /checkpoint`, `/status`): it can flush and read the passthrough flag, never unmount.
+/// After the unmount a flush through it only syncs the (still open) store.
+#[derive(Clone)]
+pub struct MountedHandle {
+    mount_point: PathBuf,
+    fs: Arc<WorkspaceFs>,
+    passthrough: Arc<AtomicBool>,
+}
+
+impl MountedHandle {
+    pub fn mount_point(&self) -> &Path {
+        &self.mount_point
+    }
+
+    /// Same as [`Mounted::flush`].
+    pub fn flush(&self) -> Result<(), SessionError> {
+        flush(&self.mount_point, &self.fs)
+    }
+
+    /// FUSE passthrough was negotiated with the kernel.
+    pub fn passthrough(&self) -> bool {
+        self.passthrough.load(Ordering::Relaxed)
+    }
+}
+
+fn flush(mount_point: &Path, fs: &WorkspaceFs) -> Result<(), SessionError> {
+    if let Err(e) = sys::file::syncfs(mount_point) {
+        tracing::warn!(error = %e, "syncfs of the mount failed; syncing the store anyway");
+    }
+    fs.sync_all()
+        .map_err(|e| SessionError::Flush(e.to_string()))
+}
+
 /// Names that may sit in a state dir that keel has not initialised yet.
-const HARMLESS: &[&str] = &["lost+found", "lock", ".keep", "reserve", "reserve.boot"];
+const HARMLESS: &[&str] = &[
+    "lost+found",
+    "lock",
+    ".keep",
+    "reserve",
+    "reserve.boot",
+    "control.sock",
+];
 
 fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
     let bad = |reason: String| SessionError::OpenState {
@@ -165,6 +207,7 @@ pub fn mount(cfg: &WorkspaceConfig) -> Result<Mounted, SessionError> {
         mount_point: cfg.mount_point.clone(),
         fs,
         session: Some(session),
+        passthrough: passthrough_on,
         _lock: lock,
     })
 }
@@ -177,12 +220,16 @@ impl Mounted {
     /// Makes every file whose close returned durable in the local store: asks the kernel to
     /// write back its dirty pages, then syncs bodies and metadata.
     pub fn flush(&self) -> Result<(), SessionError> {
-        if let Err(e) = sys::file::syncfs(&self.mount_point) {
-            tracing::warn!(error = %e, "syncfs of the mount failed; syncing the store anyway");
+        flush(&self.mount_point, &self.fs)
+    }
+
+    /// A handle other threads can flush through.
+    pub fn handle(&self) -> MountedHandle {
+        MountedHandle {
+            mount_point: self.mount_point.clone(),
+            fs: self.fs.clone(),
+            passthrough: self.passthrough.clone(),
         }
-        self.fs
-            .sync_all()
-            .map_err(|e| SessionError::Flush(e.to_string()))
     }
 
     /// Flushes, then unmounts and waits for the FUSE workers to finish.

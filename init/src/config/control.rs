@@ -1,0 +1,183 @@
+//! The `[control]` table: the small HTTP control API (`/health`, `/status`, `/checkpoint`,
+//! `/metrics`) is off unless `listen` is set; `token` (or `KEEL_CONTROL_TOKEN`, which wins)
+//! guards every route but `/health`. `socket` moves or enables the root-only Unix socket that
+//! `keel status` reads (default `<state_dir>/control.sock` whenever the workspace is enabled).
+
+use serde::Deserialize;
+use std::path::PathBuf;
+
+/// Environment variable that supplies (and overrides) the bearer token.
+pub const TOKEN_ENV: &str = "KEEL_CONTROL_TOKEN";
+
+/// File name of the control socket inside the workspace state dir.
+pub const SOCKET_NAME: &str = "control.sock";
+
+/// A secret string: never shown by `Debug`, so a logged config cannot leak it.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Secret(s.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ControlConfig {
+    /// `host:port` for the HTTP API, e.g. "0.0.0.0:8787". Unset: no TCP listener at all.
+    pub listen: Option<String>,
+    /// Bearer token every route but `/health` requires. `KEEL_CONTROL_TOKEN` overrides it.
+    pub token: Option<Secret>,
+    /// Unix socket for `keel status`. Default: `<workspace.state_dir>/control.sock` when the
+    /// workspace is enabled, none when `[init] workspace = false`.
+    pub socket: Option<PathBuf>,
+}
+
+impl ControlConfig {
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        let bad = |k: &str, why: String| Err((format!("control.{k}"), why));
+        if let Some(l) = &self.listen {
+            if let Err(why) = check_listen(l) {
+                return bad("listen", why);
+            }
+        }
+        if let Some(t) = &self.token {
+            if let Err(why) = check_token(t.expose()) {
+                return bad("token", why);
+            }
+        }
+        if let Some(s) = &self.socket {
+            if !s.is_absolute() {
+                return bad(
+                    "socket",
+                    format!("`{}` must be an absolute path", s.display()),
+                );
+            }
+            // sun_path holds 108 bytes including the terminating NUL.
+            if s.as_os_str().len() > 107 {
+                return bad("socket", "path is longer than 107 bytes".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// The token in effect: `KEEL_CONTROL_TOKEN` when set and non-empty, else `token`.
+    pub fn effective_token(&self) -> Result<Option<Secret>, String> {
+        match std::env::var(TOKEN_ENV) {
+            Ok(v) if !v.is_empty() => {
+                check_token(&v).map_err(|why| format!("{TOKEN_ENV}: {why}"))?;
+                Ok(Some(Secret(v)))
+            }
+            _ => Ok(self.token.clone()),
+        }
+    }
+
+    /// Where the control socket lives, if anywhere: `socket`, else `<state_dir>/control.sock`
+    /// when the workspace is enabled.
+    pub fn socket_path(&self, cfg: &super::Config) -> Option<PathBuf> {
+        match &self.socket {
+            Some(p) => Some(p.clone()),
+            None if cfg.init.workspace => Some(cfg.workspace.state_dir.join(SOCKET_NAME)),
+            None => None,
+        }
+    }
+}
+
+/// `host:port` with a numeric port; the host may be an IP, `[v6]` or a name.
+fn check_listen(l: &str) -> Result<(), String> {
+    if l.parse::<std::net::SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let Some((host, port)) = l.rsplit_once(':') else {
+        return Err(format!(
+            "`{l}` is not host:port (e.g. \"0.0.0.0:8787\" or \"127.0.0.1:8787\")"
+        ));
+    };
+    if port.parse::<u16>().is_err() {
+        return Err(format!("`{l}`: `{port}` is not a port number"));
+    }
+    if host.is_empty() || host.contains(':') || host.contains(char::is_whitespace) {
+        return Err(format!(
+            "`{l}` is not host:port (e.g. \"0.0.0.0:8787\" or \"127.0.0.1:8787\")"
+        ));
+    }
+    Ok(())
+}
+
+/// A token must be usable in an `Authorization: Bearer` header: visible ASCII, 1–1024 bytes.
+fn check_token(t: &str) -> Result<(), String> {
+    if t.is_empty() {
+        return Err("is empty (leave the key out for no token)".into());
+    }
+    if t.len() > 1024 {
+        return Err("is longer than 1024 bytes".into());
+    }
+    if !t.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("must be visible ASCII without spaces".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use std::path::Path;
+
+    fn parse(t: &str) -> Result<Config, String> {
+        Config::parse(t, Path::new("c.toml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn off_by_default() {
+        let c = parse("").unwrap();
+        assert!(c.control.listen.is_none());
+        assert!(c.control.token.is_none());
+        assert_eq!(
+            c.control.socket_path(&c),
+            Some(PathBuf::from("/var/lib/keel/control.sock"))
+        );
+        let c = parse("[init]\nworkspace = false\n").unwrap();
+        assert_eq!(c.control.socket_path(&c), None);
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        for (text, key) in [
+            ("[control]\nlisten = \"8787\"\n", "control.listen"),
+            ("[control]\nlisten = \"0.0.0.0:http\"\n", "control.listen"),
+            ("[control]\nlisten = \"\"\n", "control.listen"),
+            ("[control]\ntoken = \"\"\n", "control.token"),
+            ("[control]\ntoken = \"a b\"\n", "control.token"),
+            ("[control]\nsocket = \"rel.sock\"\n", "control.socket"),
+            ("[control]\nport = 1\n", "control.port"),
+        ] {
+            let e = parse(text).unwrap_err();
+            assert!(e.contains(key), "{text:?}: {e}");
+        }
+        for ok in ["0.0.0.0:8787", "127.0.0.1:0", "[::]:8787", "localhost:8787"] {
+            parse(&format!("[control]\nlisten = \"{ok}\"\n")).unwrap();
+        }
+    }
+
+    #[test]
+    fn token_never_shows_in_debug() {
+        let c = parse("[control]\ntoken = \"hunter2-very-secret\"\n").unwrap();
+        assert_eq!(
+            c.control.token.as_ref().unwrap().expose(),
+            "hunter2-very-secret"
+        );
+        assert!(!format!("{c:?}").contains("hunter2"));
+    }
+}

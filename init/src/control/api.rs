@@ -1,0 +1,80 @@
+//! The routes: `GET /health` is public (platform port probes and the image's HEALTHCHECK
+//! carry no token); every other path first needs the bearer token when one is configured, so
+//! a caller without it learns nothing about which routes exist — only then come 404 and 405.
+
+use std::time::Duration;
+
+use super::auth;
+use super::http::{Request, Response};
+use super::metrics;
+use super::status::{CheckpointOutcome, StatusHandle};
+use crate::config::control::Secret;
+
+/// Who may call the protected routes on this listener.
+#[derive(Debug, Clone)]
+pub enum Access {
+    /// Callers must present this token; `None`: no token configured, everyone may.
+    Token(Option<Secret>),
+    /// Already checked by the listener (the root-only Unix socket).
+    Trusted,
+}
+
+fn method_not_allowed(allow: &'static str) -> Response {
+    Response::text(405, "method not allowed\n").with_header("Allow", allow)
+}
+
+/// Answers one request.
+pub fn handle(req: &Request, status: &StatusHandle, access: &Access) -> Response {
+    let get = matches!(req.method.as_str(), "GET" | "HEAD");
+    if req.path == "/health" {
+        if !get {
+            return method_not_allowed("GET, HEAD");
+        }
+        return match status.health() {
+            Ok(()) => Response::text(200, "ok\n"),
+            Err(nr) => Response::text(503, &format!("not ready: {}\n", nr.0)),
+        };
+    }
+    if let Access::Token(Some(token)) = access {
+        if !auth::authorized(req.header("authorization"), token) {
+            return Response::text(401, "unauthorized\n")
+                .with_header("WWW-Authenticate", "Bearer realm=\"keel\"");
+        }
+    }
+    match req.path.as_str() {
+        "/status" if get => Response::json(200, status.status_json()),
+        "/metrics" if get => {
+            let mut r = Response::text(200, &metrics::render(&status.report()));
+            r.content_type = metrics::CONTENT_TYPE;
+            r
+        }
+        "/checkpoint" if req.method == "POST" => checkpoint(status),
+        "/status" | "/metrics" => method_not_allowed("GET, HEAD"),
+        "/checkpoint" => method_not_allowed("POST"),
+        _ => Response::text(404, "not found\n"),
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis().try_into().unwrap_or(u64::MAX)
+}
+
+fn checkpoint(status: &StatusHandle) -> Response {
+    let (code, body) = match status.checkpoint() {
+        CheckpointOutcome::Done(report, took) => {
+            let mut v = serde_json::to_value(&report).unwrap_or_default();
+            if let Some(o) = v.as_object_mut() {
+                o.insert("ok".into(), true.into());
+                o.insert("duration_ms".into(), ms(took).into());
+            }
+            (200, v)
+        }
+        CheckpointOutcome::Unavailable(why) => {
+            (503, serde_json::json!({ "ok": false, "error": why }))
+        }
+        CheckpointOutcome::Failed(why) => (500, serde_json::json!({ "ok": false, "error": why })),
+    };
+    let mut text = serde_json::to_string_pretty(&body).unwrap_or_default();
+    text.push('\n');
+    Response::json(code, text)
+}

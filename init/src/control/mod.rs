@@ -1,0 +1,122 @@
+//! The control API: a small HTTP/1.1 server on std sockets that reports keel's state and
+//! triggers checkpoints. `status` is the shared model everything publishes into; `server`
+//! runs the listeners (TCP when `[control] listen` is set, the root-only Unix socket for
+//! `keel status`); `api` routes; `http`, `auth` and `metrics` are the wire formats; `client`
+//! is `keel status`. Everything here runs on its own threads and never blocks the supervisor.
+
+pub mod api;
+pub mod auth;
+pub mod client;
+pub mod http;
+pub mod metrics;
+pub mod server;
+pub mod status;
+
+pub use status::{
+    CheckpointFn, CheckpointReport, LeaseStatus, MountState, PersistStatus, ServiceState,
+    ServiceStatus, StatusHandle,
+};
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use tracing::{info, warn};
+
+use crate::config::Config;
+use api::Access;
+use server::{Server, ServerError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("control.token: {0}")]
+    Token(String),
+    #[error("control.listen: {0}")]
+    Listen(ServerError),
+    #[error("control.socket: {0}")]
+    Socket(ServerError),
+}
+
+/// The running control servers. Stop them (or drop them) as the very last step.
+#[derive(Debug)]
+pub struct Control {
+    status: StatusHandle,
+    tcp: Option<Server>,
+    unix: Option<Server>,
+}
+
+/// Starts what `[control]` asks for. A TCP listener that cannot bind, or an explicitly
+/// configured socket that cannot be created, is an error; the default socket in the state
+/// dir is a convenience and only warns.
+pub fn start(cfg: &Config) -> Result<Control, ControlError> {
+    let status = &StatusHandle::new(cfg);
+    let c = &cfg.control;
+    let tcp = match &c.listen {
+        Some(addr) => {
+            let token = c.effective_token().map_err(ControlError::Token)?;
+            let secured = token.is_some();
+            let s = server::serve_tcp(addr, status.clone(), Access::Token(token))
+                .map_err(ControlError::Listen)?;
+            let bound = s.local_addr().map(|a| a.to_string());
+            let shown = bound.as_deref().unwrap_or(addr);
+            if secured {
+                info!("control API on http://{shown} (bearer token required except /health)");
+            } else if s.local_addr().is_some_and(|a| a.ip().is_loopback()) {
+                info!("control API on http://{shown}");
+            } else {
+                warn!(
+                    "control API on http://{shown} without a token: whoever reaches the port can read /status and POST /checkpoint (set [control] token or KEEL_CONTROL_TOKEN)"
+                );
+            }
+            Some(s)
+        }
+        None => None,
+    };
+    let unix = match c.socket_path(cfg) {
+        Some(path) => match server::serve_unix(&path, status.clone()) {
+            Ok(s) => Some(s),
+            Err(e) if c.socket.is_some() => return Err(ControlError::Socket(e)),
+            Err(e) => {
+                warn!("no control socket for `keel status`: {e}");
+                None
+            }
+        },
+        None => None,
+    };
+    Ok(Control {
+        status: status.clone(),
+        tcp,
+        unix,
+    })
+}
+
+impl Control {
+    /// The model the servers report from; publish into it.
+    pub fn status(&self) -> &StatusHandle {
+        &self.status
+    }
+
+    /// The TCP address the HTTP API listens on.
+    pub fn tcp_addr(&self) -> Option<SocketAddr> {
+        self.tcp.as_ref().and_then(|s| s.local_addr())
+    }
+
+    /// Stops both listeners and removes the socket file.
+    pub fn stop(self) {
+        if let Some(s) = self.tcp {
+            s.stop();
+        }
+        if let Some(s) = self.unix {
+            s.stop();
+        }
+    }
+}
+
+/// Where `keel status` looks by default: `[control] socket`, else the state dir's
+/// `control.sock` (even when the workspace is disabled, so a typo'd config still says where).
+pub fn default_socket(cfg: &Config) -> PathBuf {
+    cfg.control.socket.clone().unwrap_or_else(|| {
+        cfg.workspace
+            .state_dir
+            .join(crate::config::control::SOCKET_NAME)
+    })
+}

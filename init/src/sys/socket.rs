@@ -1,0 +1,25 @@
+//! Unix socket credentials: who is on the other end of a connection (`SO_PEERCRED`), so the
+//! control socket can refuse everyone but keel's own user whatever the file mode says.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+
+/// The effective uid of the process that connected `stream`.
+pub fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
+    nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials)
+        .map(|c| c.uid())
+        .map_err(|e| io::Error::from_raw_os_error(e as i32))
+}
+
+/// keel's own effective uid.
+pub fn euid() -> u32 {
+    nix::unistd::geteuid().as_raw()
+}
+
+/// Wakes a thread blocked in `accept` on `listener` for good: `shutdown(SHUT_RD)` on a
+/// listening socket makes every pending and future `accept` fail at once (Linux).
+pub fn stop_accepting(listener: &impl AsRawFd) -> io::Result<()> {
+    nix::sys::socket::shutdown(listener.as_raw_fd(), nix::sys::socket::Shutdown::Read)
+        .map_err(|e| io::Error::from_raw_os_error(e as i32))
+}
