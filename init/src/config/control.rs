@@ -172,6 +172,34 @@ mod tests {
     }
 
     #[test]
+    fn shipped_config_documents_every_key() {
+        let text = include_str!("../../../config/config.toml");
+        let section: String = text
+            .lines()
+            .skip_while(|l| *l != "[control]")
+            .take_while(|l| !l.starts_with("# [[service]]"))
+            .map(|l| match l.strip_prefix("# ") {
+                Some(kv)
+                    if kv.split_once(" = ").is_some_and(|(k, _)| {
+                        k.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+                    }) =>
+                {
+                    format!("{kv}\n")
+                }
+                _ if l.starts_with('#') => String::new(),
+                _ => format!("{l}\n"),
+            })
+            .collect();
+        let c = parse(&section).unwrap();
+        assert_eq!(c.control.listen.as_deref(), Some("0.0.0.0:8787"));
+        assert!(c.control.token.is_some());
+        assert!(c.control.socket.is_some());
+        // As shipped (commented out), everything is off.
+        let c = parse(text).unwrap();
+        assert!(c.control.listen.is_none() && c.control.token.is_none());
+    }
+
+    #[test]
     fn token_never_shows_in_debug() {
         let c = parse("[control]\ntoken = \"hunter2-very-secret\"\n").unwrap();
         assert_eq!(

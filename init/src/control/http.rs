@@ -52,6 +52,25 @@ impl HttpError {
 pub trait Conn: Read + Write {
     fn set_read_timeout(&self, d: Option<Duration>) -> io::Result<()>;
     fn set_write_timeout(&self, d: Option<Duration>) -> io::Result<()>;
+    fn shutdown_write(&self) -> io::Result<()>;
+}
+
+/// After answering a request that was not read to its end: half-close and read (and drop)
+/// what the client is still sending, for at most `limit` bytes or until `deadline`. Closing
+/// with unread input would make the kernel reset the connection and could destroy the reply
+/// before the client reads it.
+pub fn linger<C: Conn>(c: &mut C, limit: usize, deadline: Instant) {
+    if c.shutdown_write().is_err() {
+        return;
+    }
+    let mut buf = [0u8; 4096];
+    let mut seen = 0;
+    while seen < limit {
+        match read_some(c, &mut buf, deadline) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => seen += n,
+        }
+    }
 }
 
 impl Conn for std::net::TcpStream {
@@ -61,6 +80,9 @@ impl Conn for std::net::TcpStream {
     fn set_write_timeout(&self, d: Option<Duration>) -> io::Result<()> {
         std::net::TcpStream::set_write_timeout(self, d)
     }
+    fn shutdown_write(&self) -> io::Result<()> {
+        self.shutdown(std::net::Shutdown::Write)
+    }
 }
 
 impl Conn for std::os::unix::net::UnixStream {
@@ -69,6 +91,9 @@ impl Conn for std::os::unix::net::UnixStream {
     }
     fn set_write_timeout(&self, d: Option<Duration>) -> io::Result<()> {
         std::os::unix::net::UnixStream::set_write_timeout(self, d)
+    }
+    fn shutdown_write(&self) -> io::Result<()> {
+        self.shutdown(std::net::Shutdown::Write)
     }
 }
 

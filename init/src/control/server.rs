@@ -28,6 +28,10 @@ pub const MAX_CONNECTIONS: usize = 32;
 pub const READ_DEADLINE: Duration = Duration::from_secs(10);
 /// Time a client has to take each part of the reply.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// After an error reply to a request not read to its end: how much more input to swallow,
+/// and for how long, so the close does not reset the connection under the reply.
+const LINGER_BYTES: usize = 256 * 1024;
+const LINGER_TIME: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -276,17 +280,26 @@ impl Stream {
 /// Reads one request from `c`, answers it, closes.
 fn serve_conn<C: Conn>(mut c: C, status: &StatusHandle, access: &Access) {
     let _ = c.set_write_timeout(Some(WRITE_TIMEOUT));
-    let (resp, head_only) = match http::read_request(&mut c, Instant::now() + READ_DEADLINE) {
-        Ok(req) => (api::handle(&req, status, access), req.method == "HEAD"),
+    let (resp, head_only, unread) = match http::read_request(&mut c, Instant::now() + READ_DEADLINE)
+    {
+        Ok(req) => (
+            api::handle(&req, status, access),
+            req.method == "HEAD",
+            false,
+        ),
         Err(e) => {
             debug!("control: {e}");
             match e.response() {
-                Some(r) => (r, false),
+                Some(r) => (r, false, true),
                 None => return,
             }
         }
     };
     if let Err(e) = http::write_response(&mut c, &resp, head_only) {
         debug!("control: write response: {e}");
+        return;
+    }
+    if unread {
+        http::linger(&mut c, LINGER_BYTES, Instant::now() + LINGER_TIME);
     }
 }

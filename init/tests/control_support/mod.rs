@@ -1,0 +1,98 @@
+//! Shared helpers for the control API tests: a deliberately independent, minimal HTTP client
+//! over real TCP and Unix sockets (so the server is checked against bytes, not against its
+//! own parser), and JSON access.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct Resp {
+    pub code: u16,
+    pub head: String,
+    pub body: String,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.head.lines().skip(1).find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim()
+                .eq_ignore_ascii_case(name)
+                .then(|| v.trim().to_string())
+        })
+    }
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+}
+
+/// Parses a raw HTTP/1.1 response.
+pub fn parse(raw: &[u8]) -> Resp {
+    let text = String::from_utf8_lossy(raw).into_owned();
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no header end in {text:?}"));
+    let code = head
+        .strip_prefix("HTTP/1.1 ")
+        .and_then(|r| r[..3].parse().ok())
+        .unwrap_or_else(|| panic!("bad status line in {head:?}"));
+    Resp {
+        code,
+        head: head.to_string(),
+        body: body.to_string(),
+    }
+}
+
+fn exchange<S: Read + Write>(mut s: S, raw: &[u8]) -> Resp {
+    s.write_all(raw).expect("send request");
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).expect("read response");
+    parse(&out)
+}
+
+/// Sends raw bytes to `addr` and reads the whole response.
+pub fn raw(addr: SocketAddr, bytes: &[u8]) -> Resp {
+    let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    exchange(s, bytes)
+}
+
+pub fn request(addr: SocketAddr, method: &str, path: &str, token: Option<&str>) -> Resp {
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    raw(
+        addr,
+        format!("{method} {path} HTTP/1.1\r\nHost: test\r\n{auth}Content-Length: 0\r\n\r\n")
+            .as_bytes(),
+    )
+}
+
+pub fn get(addr: SocketAddr, path: &str, token: Option<&str>) -> Resp {
+    request(addr, "GET", path, token)
+}
+
+pub fn post(addr: SocketAddr, path: &str, token: Option<&str>) -> Resp {
+    request(addr, "POST", path, token)
+}
+
+/// `GET path` over a Unix socket.
+pub fn unix_get(socket: &Path, path: &str) -> Resp {
+    let s = UnixStream::connect(socket).expect("connect to the control socket");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    exchange(
+        s,
+        format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").as_bytes(),
+    )
+}
+
+/// The value of the Prometheus sample `line_prefix` (e.g. `keel_services{state="ready"}`).
+pub fn metric(text: &str, line_prefix: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_prefix)?.strip_prefix(' ')?.parse().ok())
+}
