@@ -1,16 +1,18 @@
 //! The listeners: one accept thread per listener (TCP for the HTTP API, a Unix socket for
 //! `keel status`), one short-lived thread per connection, at most `MAX_CONNECTIONS` at a time
-//! (the rest get an immediate 503), one request per connection, a deadline for reading the
-//! request and a timeout for writing the reply. The Unix socket is mode 0600 and every peer's
+//! (the rest get a quick 503 from a single busy-responder thread, or are closed when even its
+//! queue is full), one request per connection, a deadline for reading the request and a
+//! timeout for writing the reply. The Unix socket is mode 0600 and every peer's
 //! uid is checked with `SO_PEERCRED` as well. Stopping shuts the listening socket down, which
 //! wakes the accept thread at once, then joins it and removes the socket file.
 
-use std::io::{self, Write};
+use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -32,6 +34,9 @@ pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// and for how long, so the close does not reset the connection under the reply.
 const LINGER_BYTES: usize = 256 * 1024;
 const LINGER_TIME: Duration = Duration::from_secs(1);
+/// Connections over the limit waiting for their 503, and the time each may take.
+const BUSY_QUEUE: usize = 64;
+const BUSY_TIME: Duration = Duration::from_millis(200);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -188,6 +193,22 @@ impl Drop for Server {
     }
 }
 
+/// One thread that answers connections over the limit with 503, one after the other, each
+/// within `BUSY_TIME`; at most `BUSY_QUEUE` wait. `None` if the thread cannot start.
+fn busy_responder() -> Option<SyncSender<Stream>> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Stream>(BUSY_QUEUE);
+    std::thread::Builder::new()
+        .name("keel-control-busy".into())
+        .stack_size(256 * 1024)
+        .spawn(move || {
+            for s in rx {
+                s.refuse_busy();
+            }
+        })
+        .ok()
+        .map(|_| tx)
+}
+
 /// Decrements the connection count when a connection ends (or its thread never started).
 struct Slot(Arc<AtomicUsize>);
 
@@ -199,6 +220,7 @@ impl Drop for Slot {
 
 fn accept_loop(l: &Listener, stop: &AtomicBool, status: &StatusHandle, access: &Access) {
     let active = Arc::new(AtomicUsize::new(0));
+    let mut busy: Option<Option<SyncSender<Stream>>> = None;
     let mut last_warn: Option<Instant> = None;
     loop {
         let accepted = match l {
@@ -223,7 +245,10 @@ fn accept_loop(l: &Listener, stop: &AtomicBool, status: &StatusHandle, access: &
         };
         if active.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
             active.fetch_sub(1, Ordering::SeqCst);
-            stream.refuse_busy();
+            // Past the queue's capacity a connection is simply closed.
+            if let Some(tx) = busy.get_or_insert_with(busy_responder) {
+                let _ = tx.try_send(stream);
+            }
             continue;
         }
         let slot = Slot(active.clone());
@@ -247,13 +272,20 @@ enum Stream {
 }
 
 impl Stream {
-    /// A best-effort 503 that never blocks the accept thread.
+    /// Reads the request (briefly) so the close is clean, then answers 503 busy.
     fn refuse_busy(self) {
-        let msg = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 5\r\nConnection: close\r\n\r\nbusy\n";
-        let _ = match self {
-            Stream::Tcp(mut s) => s.set_nonblocking(true).and_then(|()| s.write_all(msg)),
-            Stream::Unix(mut s) => s.set_nonblocking(true).and_then(|()| s.write_all(msg)),
-        };
+        fn refuse<C: Conn>(mut c: C) {
+            let _ = c.set_write_timeout(Some(BUSY_TIME));
+            let read = http::read_request(&mut c, Instant::now() + BUSY_TIME);
+            let _ = http::write_response(&mut c, &http::Response::text(503, "busy\n"), false);
+            if read.is_err() {
+                http::linger(&mut c, LINGER_BYTES, Instant::now() + BUSY_TIME);
+            }
+        }
+        match self {
+            Stream::Tcp(s) => refuse(s),
+            Stream::Unix(s) => refuse(s),
+        }
     }
 
     fn serve(self, status: &StatusHandle, access: &Access) {
