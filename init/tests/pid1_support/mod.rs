@@ -50,6 +50,8 @@ pub struct Opts<'a> {
     /// Signals blocked / ignored when keel starts.
     pub block: &'a [nix::sys::signal::Signal],
     pub ignore: &'a [nix::sys::signal::Signal],
+    /// Extra environment for keel.
+    pub env: &'a [(&'a str, &'a str)],
 }
 
 /// Starts keel with `config_text` (written to DIR/config.toml) and `argv` after `--`.
@@ -83,6 +85,9 @@ pub fn start_with(config_text: &str, argv: &[&str], opts: Opts) -> Keel {
     cmd.env("D", &d)
         .env_remove("KEEL_LOG_FORMAT")
         .env("KEEL_LOG", "debug");
+    for (k, v) in opts.env {
+        cmd.env(k, v.replace("$D", &d));
+    }
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
