@@ -1,0 +1,134 @@
+//! The control API with the real FUSE workspace (root and /dev/fuse; panics when they are
+//! missing while CI is set, skips with a printed line otherwise): /health turns 200 once the
+//! workspace is mounted, /status reports the mount, POST /checkpoint flushes it, `keel status`
+//! finds the socket in the state dir, and a socket left by a killed keel does not stop the
+//! next one.
+
+mod control_support;
+mod pid1_support;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+
+use control_support::*;
+use nix::sys::signal::Signal;
+use pid1_support::*;
+
+fn fuse_available() -> bool {
+    if !require_root("control workspace test") {
+        return false;
+    }
+    if !Path::new("/dev/fuse").exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "/dev/fuse is missing and CI is set: refusing to skip"
+        );
+        eprintln!("skipping control workspace test: no /dev/fuse");
+        return false;
+    }
+    true
+}
+
+fn ws_config(state: &Path) -> String {
+    format!(
+        "[workspace]\nmount_point = \"$D/ws\"\nstate_dir = \"{}\"\n\
+         [control]\nlisten = \"127.0.0.1:0\"\n[shutdown]\ngrace = \"2s\"\n",
+        state.display()
+    )
+}
+
+fn control_addr(k: &Keel) -> SocketAddr {
+    k.wait_log("control API on http://");
+    let log = k.stderr();
+    let rest = &log[log.find("control API on http://").unwrap() + 22..];
+    rest.split(char::is_whitespace)
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+fn is_mount_point(p: &Path) -> bool {
+    read(Path::new("/proc/self/mountinfo"))
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(p.to_str().unwrap()))
+}
+
+#[test]
+fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
+    if !fuse_available() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let mut k = start(
+        &ws_config(state.path()),
+        &[
+            "sh",
+            "-c",
+            "echo hello > $D/ws/f; touch $D/wrote; exec sleep 30",
+        ],
+    );
+    let addr = control_addr(&k);
+    let r = poll("GET /health 200", || {
+        let r = get(addr, "/health", None);
+        (r.code == 200).then_some(r)
+    });
+    assert_eq!(r.body, "ok\n");
+    // 200 means the mount is really there.
+    assert!(is_mount_point(&k.path("ws")), "{}", k.stderr());
+    k.wait_file("wrote");
+
+    let v = get(addr, "/status", None).json();
+    assert_eq!(v["mount"]["state"], "mounted");
+    assert_eq!(v["mount"]["mounted"], true);
+    assert_eq!(v["mount"]["mount_point"], k.path("ws").to_str().unwrap());
+    assert_eq!(v["mount"]["cache"], "auto");
+    assert!(v["mount"]["passthrough"].is_boolean(), "{v}");
+    assert!(v["persist"]["dirty_bytes"].is_null());
+
+    let r = post(addr, "/checkpoint", None);
+    assert_eq!(r.code, 200, "{r:?}");
+    let c = r.json();
+    assert_eq!(c["ok"], true);
+    assert_eq!(c["remote"], false);
+    assert!(c["done"].as_str().unwrap().starts_with("flushed"), "{c}");
+
+    // keel status finds <state_dir>/control.sock from the config alone.
+    let sock = state.path().join("control.sock");
+    assert!(sock.exists());
+    let out = Command::new(KEEL)
+        .args(["status", "--config"])
+        .arg(k.path("config.toml"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["mount"]["mounted"], true);
+
+    k.signal(Signal::SIGTERM);
+    assert_eq!(k.wait().0, 143, "{}", k.stderr());
+    assert!(!sock.exists(), "control socket left in the state dir");
+    assert!(!is_mount_point(&k.path("ws")));
+}
+
+#[test]
+fn a_stale_socket_in_a_fresh_state_dir_does_not_block_the_next_keel() {
+    if !fuse_available() {
+        return;
+    }
+    // A keel that died before it initialised the state dir left only its socket behind.
+    let state = tempfile::tempdir().unwrap();
+    drop(std::os::unix::net::UnixListener::bind(state.path().join("control.sock")).unwrap());
+    let mut k = start(
+        &ws_config(state.path()),
+        &["sh", "-c", "echo hi > $D/ws/f && cat $D/ws/f"],
+    );
+    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.stdout(), "hi\n");
+    assert!(!state.path().join("control.sock").exists());
+}
