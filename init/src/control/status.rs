@@ -307,7 +307,9 @@ impl StatusHandle {
     }
 
     /// Registers what `POST /checkpoint` runs instead of the default flush. Replaces any
-    /// earlier callback.
+    /// earlier callback. It runs on the HTTP connection's thread, never two at once through
+    /// this API, and the reply waits for it; a panic in it answers 500. keel's final flush
+    /// at shutdown does not wait for a checkpoint in flight: serialize the two in the callee.
     pub fn set_checkpoint(&self, f: CheckpointFn) {
         *lock(&self.0.checkpoint) = Some(Arc::new(f));
     }
@@ -444,9 +446,10 @@ impl StatusHandle {
         }
         let callback = lock(&self.0.checkpoint).clone();
         if let Some(f) = callback {
-            return match f() {
-                Ok(r) => CheckpointOutcome::Done(r, t0.elapsed()),
-                Err(e) => CheckpointOutcome::Failed(e),
+            return match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f())) {
+                Ok(Ok(r)) => CheckpointOutcome::Done(r, t0.elapsed()),
+                Ok(Err(e)) => CheckpointOutcome::Failed(e),
+                Err(_) => CheckpointOutcome::Failed("the checkpoint panicked".into()),
             };
         }
         let ws = lock(&self.0.workspace).clone();
@@ -720,6 +723,11 @@ mod tests {
                 o => panic!("{o:?}"),
             }
         }
+        h.set_checkpoint(Box::new(|| panic!("boom")));
+        assert!(matches!(h.checkpoint(), CheckpointOutcome::Failed(m) if m.contains("panicked")));
+        // The lock a panicking callback poisoned does not wedge the next checkpoint.
+        h.set_checkpoint(Box::new(|| Ok(CheckpointReport::default())));
+        assert!(matches!(h.checkpoint(), CheckpointOutcome::Done(..)));
         h.set_stopping("received SIGTERM");
         assert!(matches!(h.checkpoint(), CheckpointOutcome::Unavailable(_)));
     }
