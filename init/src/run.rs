@@ -1,6 +1,7 @@
 //! `keel run`: parse the command line, load the config, then the boot order — block signals →
-//! boot (subreaper, `chdir /`, container mounts, limits) → resolve services → check and mount
-//! the workspace → supervise → stop → flush + unmount the workspace → exit code.
+//! boot (subreaper, `chdir /`, container mounts, limits) → control API → resolve services →
+//! check and mount the workspace → supervise → stop → flush + unmount the workspace → stop the
+//! control API → exit code. Each step publishes into the control API's `StatusHandle`.
 //! A bad config or a failed boot step ends here with one line and nothing started or mounted.
 
 use std::ffi::OsString;
