@@ -14,9 +14,9 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$repo/script/lib.sh"
 set +e   # lib.sh is errexit-friendly; the cases check every status themselves
 
-CASES=(exit_code default_cmd workspace_is_fuse persist_across_stop stop_waits_for_trap
-       missing_cap missing_fuse bad_config profiles_load nonroot_cannot_umount health_after_mount
-       remote_restore)
+CASES=(exit_code default_cmd pid1_reaps tty_session script_run workspace_is_fuse
+       persist_across_stop stop_waits_for_trap missing_cap missing_fuse bad_config profiles_load
+       nonroot_cannot_umount health_after_mount remote_restore)
 
 if [ "${1:-}" = --list ]; then printf '%s\n' "${CASES[@]}"; exit 0; fi
 selected=("$@")
@@ -68,18 +68,20 @@ fle() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a <= b) }'; }
 
 CASE_ERR=""
 fail() { CASE_ERR="${CASE_ERR:+$CASE_ERR; }$*"; }
-show() {   # show FILE LABEL: container output, on failure or in verbose mode
-    [ -s "$1" ] || return 0
+show() {   # show FILE LABEL: a container's output (and FILE.err when there is one)
+    [ -s "$1" ] || [ -s "$1.err" ] || return 0
     echo "    --- $2"
-    sed -e 's/^/    | /' "$1" | head -n 40
+    all "$1" | sed -e 's/^/    | /' | head -n 40
 }
 
-# run_c OUT ARGS...: `podman run --rm` with keel's flags; stdout+stderr to OUT; returns status.
+# run_c OUT ARGS...: `podman run --rm ARGS`; stdout to OUT, stderr (keel's log) to OUT.err;
+# returns the container's status.
 run_c() {
     local out="$1"; shift
     timeout 120 podman ${KEEL_STORAGE_DRIVER:+--storage-driver "$KEEL_STORAGE_DRIVER"} \
-        run --rm "$@" >"$out" 2>&1 </dev/null
+        run --rm "$@" >"$out" 2>"$out.err" </dev/null
 }
+all() { cat "$1" "$1.err" 2>/dev/null; }   # stdout and stderr of a run_c
 
 # wait_ready NAME [SECS]: waits until the container's log has a READY line.
 wait_ready() {
@@ -134,6 +136,42 @@ EOF
     [ -z "$CASE_ERR" ] || show "$out" "podman run -i IMAGE"
 }
 
+# keel is PID 1 and reaps orphans re-parented to it.
+case_pid1_reaps() {
+    local out="$tmp/pid1.out"
+    run_c "$out" "${keel_flags[@]}" "$image" sh -c '
+        echo "pid1=$(cat /proc/1/comm)"
+        i=0; while [ $i -lt 20 ]; do (sleep 0.2 &); i=$((i + 1)); done
+        sleep 1
+        echo "zombies=$(ps -eo stat= | grep -c "^Z")"' || fail "container failed"
+    grep -qx 'pid1=keel' "$out" || fail "PID 1 is not keel"
+    grep -qx 'zombies=0' "$out" || fail "orphans were not reaped"
+    [ -z "$CASE_ERR" ] || show "$out" out
+}
+
+# With a terminal (podman run -it) the main service gets it as its controlling TTY.
+case_tty_session() {
+    local out="$tmp/tty.out" rc
+    command -v script >/dev/null 2>&1 || { fail "script(1) from bsdutils is missing on the host"; return; }
+    timeout 60 script -qec "podman ${KEEL_STORAGE_DRIVER:+--storage-driver $KEEL_STORAGE_DRIVER} run --rm -it ${keel_flags[*]} $image sh -c 'tty; test -t 0 && echo STDIN-IS-TTY; ps -o stat= -p \$\$; exit 5'" /dev/null \
+        >"$out" 2>&1 </dev/null; rc=$?
+    [ "$rc" = 5 ] || fail "exit status $rc through the TTY, want 5"
+    grep -q '^/dev/pts/' "$out" || fail "the service has no TTY"
+    grep -q 'STDIN-IS-TTY' "$out" || fail "stdin is not the TTY"
+    grep -q '^S.*+' "$out" || fail "the service is not the TTY's foreground process group"
+    [ -z "$CASE_ERR" ] || show "$out" "podman run -it"
+}
+
+# The README's first command: script/run CMD runs CMD in a keel container, status passed through.
+case_script_run() {
+    local out="$tmp/run.out" rc
+    KEEL_IMAGE="$image" timeout 120 "$repo/script/run" --no-build --volume "$prefix-run" \
+        sh -c 'echo "cwd=$(pwd) type=$(stat -f -c %t .)"; exit 7' >"$out" 2>&1 </dev/null; rc=$?
+    [ "$rc" = 7 ] || fail "script/run sh -c 'exit 7' → $rc"
+    grep -q '^cwd=/workspace type=65735546' "$out" || fail "not run in the FUSE /workspace"
+    [ -z "$CASE_ERR" ] || show "$out" "script/run"
+}
+
 # /workspace is a FUSE mount, and the command's working directory is on it (not the
 # directory underneath that was the runtime's cwd before keel mounted).
 case_workspace_is_fuse() {
@@ -184,6 +222,7 @@ case_persist_across_stop() {
     run_c "$tmp/after" "${keel_flags[@]}" -v "$vol:/var/lib/keel" "$image" sh -c "$manifest" \
         || fail "reader container failed"
     if ! diff -u "$tmp/before" "$tmp/after" >"$tmp/diff"; then
+        show "$tmp/after" "reader"
         fail "workspace differs after stop + new container"
         show "$tmp/diff" "diff before/after"
         show "$tmp/writer.log" "writer log"
@@ -220,8 +259,8 @@ check_missing() {   # check_missing FLAG-NAMED-IN-MESSAGE PODMAN-FLAGS...
     run_c "$out" "$@" "$image" sh -c 'echo COMMAND-RAN'; rc=$?
     t1=$(now)
     [ "$rc" != 0 ] || fail "exit status 0 without $want"
-    grep -qF -- "$want" "$out" || fail "message does not name $want"
-    ! grep -q COMMAND-RAN "$out" || fail "the command ran without $want"
+    all "$out" | grep -qF -- "$want" || fail "message does not name $want"
+    ! grep -qx COMMAND-RAN "$out" || fail "the command ran without $want"
     fle "$(elapsed "$t0" "$t1")" 10 || fail "took $(elapsed "$t0" "$t1")s to fail"
     [ -z "$CASE_ERR" ] || show "$out" "without $want"
 }
@@ -238,10 +277,10 @@ case_bad_config() {
             "$image" sh -c 'echo COMMAND-RAN'; rc=$?
         t1=$(now)
         [ "$rc" != 0 ] || fail "$key: exit status 0"
-        grep -qF "$key" "$out" || fail "$key: key not named"
-        grep -qiF "$reason" "$out" || fail "$key: reason ($reason) not given"
-        grep -qF config.toml "$out" || fail "$key: file not named"
-        ! grep -q COMMAND-RAN "$out" || fail "$key: the command ran anyway"
+        all "$out" | grep -qF "$key" || fail "$key: key not named"
+        all "$out" | grep -qiF "$reason" || fail "$key: reason ($reason) not given"
+        all "$out" | grep -qF config.toml || fail "$key: file not named"
+        ! grep -qx COMMAND-RAN "$out" || fail "$key: the command ran anyway"
         fle "$(elapsed "$t0" "$t1")" 10 || fail "$key: took $(elapsed "$t0" "$t1")s"
         [ -z "$CASE_ERR" ] || { show "$out" "$key"; return; }
     done <<'EOF'
@@ -253,7 +292,7 @@ EOF
     # KEEL_CONFIG selects another file; a missing one is an error, not the defaults.
     run_c "$out" "${keel_flags[@]}" -e KEEL_CONFIG=/etc/keel/nope.toml "$image" true; rc=$?
     [ "$rc" != 0 ] || fail "KEEL_CONFIG=/etc/keel/nope.toml: exit status 0"
-    grep -qF nope.toml "$out" || { fail "missing KEEL_CONFIG file not named"; show "$out" nope; }
+    all "$out" | grep -qF nope.toml || { fail "missing KEEL_CONFIG file not named"; show "$out" nope; }
 }
 
 # Every config file the image ships starts a working container.
@@ -271,9 +310,29 @@ case_profiles_load() {
 
 # Features not built yet: reported as skipped with the reason, so the count stays honest.
 pending() { echo "SKIP $1: not built yet: $2"; skipped=$((skipped + 1)); }
+# Sandboxed code cannot unmount /workspace: services run without CAP_SYS_ADMIN (even as root,
+# by default), and as a non-root user with `[init] user`.
 case_nonroot_cannot_umount() {
-    pending nonroot_cannot_umount "services as a non-root user without CAP_SYS_ADMIN (issue 3: [[service]] user); then: umount /workspace must fail"
-    return 2
+    local out="$tmp/umount.out" probe
+    probe='echo "uid=$(id -u)"
+        bnd=$(awk "/^CapBnd/ { print \$2 }" /proc/self/status)
+        if [ $(( 0x$bnd >> 21 & 1 )) = 1 ]; then echo "SYS_ADMIN in bounding set"; fi
+        umount /workspace 2>&1 && echo "UMOUNT-SUCCEEDED"
+        umount -l /workspace 2>&1 && echo "UMOUNT-SUCCEEDED"
+        mount -o remount,ro /workspace 2>&1 && echo "REMOUNT-SUCCEEDED"
+        echo "after=$(awk "\$2 == \"/workspace\" { print \$3 }" /proc/mounts | tail -n1)"'
+    run_c "$out" "${keel_flags[@]}" "$image" sh -c "$probe" || fail "root service: container failed"
+    grep -qxE '(UMOUNT|REMOUNT)-SUCCEEDED|SYS_ADMIN in bounding set' "$out" && fail "root service could unmount/remount or holds SYS_ADMIN"
+    grep -q '^after=fuse' "$out" || fail "root service: /workspace not mounted afterwards"
+    [ -z "$CASE_ERR" ] || { show "$out" "root service"; return; }
+
+    printf '[init]\nuser = "sandbox"\n' >"$tmp/user.toml"
+    run_c "$out" "${keel_flags[@]}" -v "$tmp/user.toml:/etc/keel/config.toml:ro" "$image" \
+        sh -c "$probe" || fail "sandbox user: container failed"
+    grep -qx 'uid=1000' "$out" || fail "[init] user = \"sandbox\" did not run the service as uid 1000"
+    grep -qxE '(UMOUNT|REMOUNT)-SUCCEEDED|SYS_ADMIN in bounding set' "$out" && fail "sandbox user could unmount/remount or holds SYS_ADMIN"
+    grep -q '^after=fuse' "$out" || fail "sandbox user: /workspace not mounted afterwards"
+    [ -z "$CASE_ERR" ] || show "$out" "sandbox user"
 }
 case_health_after_mount() {
     pending health_after_mount "control API (issue 6: [control] listen, GET /health)"
