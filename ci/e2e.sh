@@ -6,7 +6,8 @@
 # named with the reason, never skipped silently.
 #
 # usage: ci/e2e.sh [CASE...]        (default: all; `ci/e2e.sh --list` names them)
-# env:   KEEL_IMAGE (default localhost/keel:e2e), KEEL_E2E_NO_BUILD=1 to reuse the image.
+# env:   KEEL_IMAGE (default localhost/keel:e2e), KEEL_E2E_NO_BUILD=1 to reuse the image,
+#        KEEL_E2E_BIN=PATH to put an already built keel in the image (script/build-image --bin).
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,7 +17,7 @@ set +e   # lib.sh is errexit-friendly; the cases check every status themselves
 
 CASES=(exit_code default_cmd pid1_reaps tty_session script_run workspace_is_fuse
        persist_across_stop stop_waits_for_trap missing_cap missing_fuse bad_config profiles_load
-       nonroot_cannot_umount health_after_mount remote_restore)
+       nonroot_cannot_umount nonroot_can_write health_after_mount remote_restore)
 
 if [ "${1:-}" = --list ]; then printf '%s\n' "${CASES[@]}"; exit 0; fi
 selected=("$@")
@@ -46,7 +47,8 @@ trap 'exit 130' INT TERM
 
 if [ "${KEEL_E2E_NO_BUILD:-0}" != 1 ]; then
     t0=$(date +%s)
-    if ! "$repo/script/build-image" --quiet --tag "$image" >"$tmp/build.log" 2>&1; then
+    if ! "$repo/script/build-image" --quiet --tag "$image" ${KEEL_E2E_BIN:+--bin "$KEEL_E2E_BIN"} \
+            >"$tmp/build.log" 2>&1; then
         cat "$tmp/build.log" >&2
         echo "image build failed"
         echo "0 passed, 1 failed"
@@ -306,6 +308,18 @@ case_profiles_load() {
             || { fail "$f: container failed"; show "$out" "$f"; continue; }
         grep -q '^fuse' "$out" || { fail "$f: /workspace not mounted"; show "$out" "$f"; }
     done
+}
+
+# A main command run as a non-root user ([init] user) can work in its workspace: the
+# workspace root must belong to that user (on a fresh state dir), as a home directory would.
+case_nonroot_can_write() {
+    local out="$tmp/write.out"
+    printf '[init]\nuser = "sandbox"\n' >"$tmp/user.toml"
+    run_c "$out" "${keel_flags[@]}" -v "$tmp/user.toml:/etc/keel/config.toml:ro" "$image" \
+        sh -c 'ls -ldn /workspace; mkdir -p /workspace/src && echo hi > /workspace/src/a && echo WRITE-OK' \
+        || fail "container failed"
+    grep -qx WRITE-OK "$out" || fail "uid 1000 cannot write /workspace"
+    [ -z "$CASE_ERR" ] || show "$out" "sandbox user"
 }
 
 # Features not built yet: reported as skipped with the reason, so the count stays honest.
