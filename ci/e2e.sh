@@ -16,7 +16,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 set +e   # lib.sh is errexit-friendly; the cases check every status themselves
 
 CASES=(exit_code default_cmd pid1_reaps tty_session script_run workspace_is_fuse
-       persist_across_stop stop_waits_for_trap missing_cap missing_fuse bad_config profiles_load
+       persist_across_stop stop_waits_for_trap stop_kills_at_grace missing_cap missing_fuse bad_config profiles_load
        nonroot_cannot_umount nonroot_can_write health_after_mount remote_restore)
 
 if [ "${1:-}" = --list ]; then printf '%s\n' "${CASES[@]}"; exit 0; fi
@@ -249,6 +249,26 @@ case_stop_waits_for_trap() {
     [ "$(pm inspect -f '{{.State.ExitCode}}' "$c")" = 0 ] \
         || fail "exit status $(pm inspect -f '{{.State.ExitCode}}' "$c"), want the service's 0"
     [ -z "$CASE_ERR" ] || show "$tmp/trap.log" log
+    echo "    stop took ${e}s"
+}
+
+# A service that ignores SIGTERM is SIGKILLed when the configured grace (ci.toml: 2 s) ends,
+# long before podman's own timeout.
+case_stop_kills_at_grace() {
+    local c="$prefix-ignore" t0 t1 e st
+    pm run -d --name "$c" "${keel_flags[@]}" -e KEEL_CONFIG=/etc/keel/ci.toml "$image" sh -c '
+        trap "" TERM
+        echo READY
+        while :; do sleep 0.2; done' >/dev/null || { fail "container did not start"; return; }
+    wait_ready "$c" || return
+    t0=$(now); pm stop -t 30 "$c" >/dev/null 2>&1; t1=$(now)
+    e=$(elapsed "$t0" "$t1")
+    st=$(pm inspect -f '{{.State.ExitCode}}' "$c")
+    pm logs "$c" >"$tmp/ignore.log" 2>&1
+    fle 1.9 "$e" || fail "stop took ${e}s: killed before the 2s grace"
+    fle "$e" 6 || fail "stop took ${e}s, want about 2s (the grace of ci.toml)"
+    [ "$st" = 137 ] || fail "exit status $st, want 137 (main command SIGKILLed)"
+    [ -z "$CASE_ERR" ] || show "$tmp/ignore.log" log
     echo "    stop took ${e}s"
 }
 
