@@ -57,10 +57,14 @@ if [ "${KEEL_E2E_NO_BUILD:-0}" != 1 ]; then
     echo "# image $image built in $(( $(date +%s) - t0 ))s"
 fi
 
-keel_flags=(--device /dev/fuse --cap-add SYS_ADMIN)
+base_flags=(--device /dev/fuse --cap-add SYS_ADMIN)
 if [ "$(cat /sys/module/apparmor/parameters/enabled 2>/dev/null)" = Y ]; then
-    keel_flags+=(--security-opt apparmor=unconfined)
+    base_flags+=(--security-opt apparmor=unconfined)
 fi
+keel_flags=("${base_flags[@]}")
+# Without systemd podman cannot schedule the image's HEALTHCHECK and logs errors for every
+# container; only health_after_mount needs it (and runs it by hand).
+[ -d /run/systemd/system ] || keel_flags+=(--no-healthcheck)
 
 # --- helpers ------------------------------------------------------------------------------------
 now() { date +%s.%N; }
@@ -368,9 +372,59 @@ case_nonroot_cannot_umount() {
     grep -q '^after=fuse' "$out" || fail "sandbox user: /workspace not mounted afterwards"
     [ -z "$CASE_ERR" ] || show "$out" "sandbox user"
 }
+# The control API: /health is 503 until the workspace is mounted and every service with a
+# readiness probe is ready, then 200; the image's HEALTHCHECK agrees; /status needs the
+# bearer token (401 without it, naming no routes) and reports the mounted workspace.
 case_health_after_mount() {
-    pending health_after_mount "control API (issue 6: [control] listen, GET /health)"
-    return 2
+    local c="$prefix-health" code i body
+    cat >"$tmp/control.toml" <<'EOF'
+[control]
+listen = "127.0.0.1:8787"
+
+[[service]]
+name = "gate"
+command = ["sh", "-c", "exec sleep infinity"]
+ready = { file = "/tmp/gate-open", interval = "100ms", timeout = "120s" }
+EOF
+    pm run -d --name "$c" "${base_flags[@]}" -e KEEL_CONTROL_TOKEN=e2e-secret-token \
+        -v "$tmp/control.toml:/etc/keel/config.toml:ro" "$image" sh -c 'echo READY; exec sleep infinity' \
+        >/dev/null 2>"$tmp/health-run.err" || { fail "container did not start"; show "$tmp/health-run.err" run; return; }
+    http() {   # http PATH [CURL ARGS...] → prints the status code; body in $tmp/body
+        local path="$1"; shift
+        pm exec "$c" curl -s -m 5 -o /dev/stdout -w '\n%{http_code}' "$@" "http://127.0.0.1:8787$path" \
+            2>/dev/null >"$tmp/http.out"
+        tail -n1 "$tmp/http.out"; sed '$d' "$tmp/http.out" >"$tmp/body"
+    }
+    for ((i = 0; i < 100; i++)); do
+        code=$(http /health); [ "$code" = 000 ] || [ -z "$code" ] || break; sleep 0.1
+    done
+    [ "$code" = 503 ] || fail "/health before the service is ready: $code, want 503"
+    sleep 0.5
+    code=$(http /health)
+    [ "$code" = 503 ] || fail "/health while the service is not ready: $code, want 503"
+    pm logs "$c" 2>/dev/null | grep -qx READY && fail "the main command started before the service was ready"
+    pm exec "$c" touch /tmp/gate-open
+    for ((i = 0; i < 50; i++)); do code=$(http /health); [ "$code" = 200 ] && break; sleep 0.1; done
+    [ "$code" = 200 ] || fail "/health after the service became ready: $code, want 200"
+    wait_ready "$c" 10 || true
+    if [ "$(pm inspect -f '{{if .Config.Healthcheck}}yes{{end}}' "$c" 2>/dev/null)" = yes ]; then
+        pm healthcheck run "$c" >"$tmp/hc.out" 2>&1 || { fail "podman healthcheck run: unhealthy"; show "$tmp/hc.out" healthcheck; }
+    else
+        fail "the image has no HEALTHCHECK"
+    fi
+    code=$(http /status)
+    [ "$code" = 401 ] || fail "/status without a token: $code, want 401"
+    grep -qE 'checkpoint|metrics|/status' "$tmp/body" && fail "the 401 body names routes: $(head -c 200 "$tmp/body")"
+    code=$(http /status -H 'Authorization: Bearer wrong-token')
+    [ "$code" = 401 ] || fail "/status with a wrong token: $code, want 401"
+    code=$(http /status -H 'Authorization: Bearer e2e-secret-token')
+    [ "$code" = 200 ] || fail "/status with the token: $code, want 200"
+    body=$(cat "$tmp/body")
+    grep -q '/workspace' <<<"$body" || fail "/status does not show the mount: ${body:0:300}"
+    grep -qE '"healthy": *true' <<<"$body" || fail "/status does not say healthy: ${body:0:300}"
+    if [ -n "$CASE_ERR" ]; then pm logs "$c" >"$tmp/health.log" 2>&1; show "$tmp/health.log" log; fi
+    pm rm -f -t 0 "$c" >/dev/null 2>&1
+    return 0
 }
 case_remote_restore() {
     pending remote_restore "remote object store (issue 5); then: moto server on the host, no state volume, fresh container restores"
