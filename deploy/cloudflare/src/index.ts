@@ -32,8 +32,10 @@ export class KeelContainer extends Container<Env> {
       KEEL_CONTROL_PORT: String(CONTROL_PORT),
       KEEL_CONTROL_TOKEN: env.KEEL_CONTROL_TOKEN,
       KEEL_WORKSPACE_ID: ctx.id.toString(),
-      R2_ACCOUNT_ID: env.R2_ACCOUNT_ID,
       R2_BUCKET: env.R2_BUCKET,
+      // keel's S3 client (R2 speaks S3): endpoint, region and the R2 API token.
+      AWS_ENDPOINT_URL: `https://${env.R2_ACCOUNT_ID}.r2.cloudflarestorage.com`,
+      AWS_REGION: "auto",
       AWS_ACCESS_KEY_ID: env.AWS_ACCESS_KEY_ID,
       AWS_SECRET_ACCESS_KEY: env.AWS_SECRET_ACCESS_KEY,
     };
