@@ -8,6 +8,8 @@
 # usage: ci/e2e.sh [CASE...]        (default: all; `ci/e2e.sh --list` names them)
 # env:   KEEL_IMAGE (default localhost/keel:e2e), KEEL_E2E_NO_BUILD=1 to reuse the image,
 #        KEEL_E2E_BIN=PATH to put an already built keel in the image (script/build-image --bin).
+# Commands for the containers are single-quoted on purpose: they expand inside them.
+# shellcheck disable=SC2016
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

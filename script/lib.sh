@@ -1,6 +1,9 @@
 # Shared by script/build-image, script/run and ci/e2e.sh. Source it after setting $repo.
 # shellcheck shell=bash
+# $repo comes from the sourcing script; mmdebstrap's hook expands its own "$1".
+# shellcheck disable=SC2154,SC2016
 shopt -s inherit_errexit
+: "${repo:?script/lib.sh needs repo= (the repository root) set before sourcing}"
 
 log() { printf 'keel-image: %s\n' "$*" >&2; }
 die() { printf 'keel-image: error: %s\n' "$*" >&2; exit 1; }
