@@ -151,8 +151,40 @@ fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Se
     supervisor.set_status(control.status().clone());
     control.status().mounting(&cfg);
     let mounted = mount_workspace(&cfg)?;
+    if let Some(m) = &mounted {
+        give_fresh_workspace_to_user(&cfg, m.mount_point());
+    }
     control.status().mounted(&cfg, mounted.as_ref());
     Ok((cfg, booted, supervisor, mounted, control))
+}
+
+/// A fresh (empty, root-owned) workspace is handed to the user the main command runs as, so
+/// a non-root sandbox user can create files in `/workspace`. A workspace with content keeps
+/// its owner: whoever set it up decided.
+fn give_fresh_workspace_to_user(cfg: &Config, mount_point: &std::path::Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Some(user) = cfg.init.user.as_deref() else {
+        return;
+    };
+    let Ok(ids) = crate::sys::process::resolve_ids(user, cfg.init.group.as_deref()) else {
+        return; // the supervisor reports a bad user
+    };
+    let Ok(meta) = std::fs::metadata(mount_point) else {
+        return;
+    };
+    let empty = std::fs::read_dir(mount_point)
+        .map(|mut d| d.next().is_none())
+        .unwrap_or(false);
+    if ids.uid != 0 && meta.uid() == 0 && empty {
+        match std::os::unix::fs::chown(mount_point, Some(ids.uid), Some(ids.gid)) {
+            Ok(()) => info!(
+                "workspace {} now belongs to {}",
+                mount_point.display(),
+                ids.name
+            ),
+            Err(e) => tracing::warn!("cannot give {} to {}: {e}", mount_point.display(), ids.name),
+        }
+    }
 }
 
 /// Checks the prerequisites and mounts the workspace; `None` when disabled or a plain dir.
