@@ -320,6 +320,9 @@ pub struct WorkspaceFs {
     opts: FsOptions,
     reserve: Reserve,
     _boot_reserve: Reserve,
+    /// Body files to remove, handed to a background thread.
+    discard: Mutex<Option<std::sync::mpsc::Sender<u64>>>,
+    discarder: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// Space kept free for metadata commits on a full volume.
@@ -375,6 +378,17 @@ impl WorkspaceFs {
                 "removed files that were unlinked while open"
             );
         }
+        let (discard_tx, discard_rx) = std::sync::mpsc::channel::<u64>();
+        let reaper = bodies.clone();
+        let discarder = std::thread::Builder::new()
+            .name("keel-discard".into())
+            .spawn(move || {
+                for id in discard_rx {
+                    if let Err(e) = reaper.remove(id) {
+                        tracing::warn!(id, error = %e, "cannot remove a body file");
+                    }
+                }
+            })?;
         Ok(WorkspaceFs {
             inner: Mutex::new(Inner {
                 store,
@@ -383,6 +397,8 @@ impl WorkspaceFs {
                 next_fh: 1,
             }),
             bodies,
+            discard: Mutex::new(Some(discard_tx)),
+            discarder: Mutex::new(Some(discarder)),
             reserve: Reserve::open(&state_dir.join("reserve"), RESERVE_BYTES),
             _boot_reserve: boot_reserve,
             state_dir: state_dir.to_path_buf(),
@@ -502,13 +518,6 @@ impl WorkspaceFs {
         inner.nodes.entry(ino).or_default().lookups += 1;
     }
 
-    fn in_use(inner: &Inner, ino: InodeNo) -> bool {
-        inner
-            .nodes
-            .get(&ino)
-            .is_some_and(|n| n.lookups > 0 || n.opens > 0)
-    }
-
     /// Deletes an inode that has no links and nobody using it.
     fn purge(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
         let had_body = Self::load(inner, ino)
@@ -519,9 +528,26 @@ impl WorkspaceFs {
         tx.commit(&mut inner.nodes)?;
         inner.nodes.remove(&ino);
         if had_body {
-            self.bodies.remove(ino.0)?;
+            self.discard_body(ino);
         }
         Ok(())
+    }
+
+    /// Removes a body file off the request path (its inode is already gone from the store;
+    /// inode numbers are never reused, so no new body can take its name meanwhile).
+    fn discard_body(&self, ino: InodeNo) {
+        let sender = self.discard.lock().unwrap_or_else(|p| p.into_inner());
+        let sent = sender.as_ref().map(|s| s.send(ino.0).is_ok()).unwrap_or(false);
+        if !sent {
+            if let Err(e) = self.bodies.remove(ino.0) {
+                tracing::warn!(ino = ino.0, error = %e, "cannot remove a body file");
+            }
+        }
+    }
+
+    /// Whether any handle has the inode open (open-unlinked files must stay).
+    fn is_open(inner: &Inner, ino: InodeNo) -> bool {
+        inner.nodes.get(&ino).is_some_and(|n| n.opens > 0)
     }
 
     fn new_inode(caller: Caller, parent: &Inode, kind: Kind, perm: u32, rdev: u32) -> Inode {
@@ -610,14 +636,10 @@ impl WorkspaceFs {
             node.cache_stamp = Some((of.inode.mtime, of.inode.size));
         }
         if node.lookups == 0 {
-            let linked = inner
-                .store
-                .read()
-                .get(ino)?
-                .map(|i| i.nlink > 0)
-                .unwrap_or(false);
+            let inode = inner.store.read().get(ino)?;
             inner.nodes.remove(&ino);
-            if !linked {
+            // Already deleted (unlinked while nobody had it open) or still linked: done.
+            if inode.is_some_and(|i| i.nlink == 0) {
                 self.purge(inner, ino)?;
             }
         }
@@ -921,13 +943,25 @@ impl WorkspaceFs {
         child.ctime = t;
         p.mtime = t;
         p.ctime = t;
+        // Nobody has it open: the inode goes in the same transaction as its last name. (The
+        // kernel may still hold a lookup reference; `forget` then finds nothing to do.)
+        let delete_now = child.nlink == 0 && !Self::is_open(inner, child.ino);
         let mut tx = Batch::new(&inner.store)?;
         tx.unlink(parent, name)?;
-        tx.save(&inner.nodes, &child)?;
+        if delete_now {
+            tx.delete(child.ino)?;
+        } else {
+            tx.save(&inner.nodes, &child)?;
+        }
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
-        if child.nlink == 0 && !Self::in_use(inner, child.ino) {
-            self.purge(inner, child.ino)?;
+        if delete_now {
+            if let Some(n) = inner.nodes.get_mut(&child.ino) {
+                n.open = None;
+            }
+            if child.storage == Storage::Body {
+                self.discard_body(child.ino);
+            }
         }
         Ok(())
     }
@@ -1096,7 +1130,7 @@ impl WorkspaceFs {
         }
         tx.commit(&mut inner.nodes)?;
         if let Some(v) = victim {
-            if v.nlink == 0 && !Self::in_use(inner, v.ino) {
+            if v.nlink == 0 && !Self::is_open(inner, v.ino) {
                 self.purge(inner, v.ino)?;
             }
         }
@@ -1189,6 +1223,13 @@ impl WorkspaceFs {
     }
 
     pub fn open(&self, ino: InodeNo, flags: i32) -> FsResult<(u64, OpenInfo)> {
+        self.open_as(ino, flags, false)
+    }
+
+    /// `fresh`: the file was just created. It starts inline with a handle through keel, so
+    /// small files never cost a body file; it moves to a body once it outgrows `inline_max`,
+    /// and later opens hand its I/O to the kernel.
+    fn open_as(&self, ino: InodeNo, flags: i32, fresh: bool) -> FsResult<(u64, OpenInfo)> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.ensure_open(inner, ino)?;
@@ -1208,7 +1249,7 @@ impl WorkspaceFs {
         let node = inner.nodes.get_mut(&ino).expect("loaded");
         let mut backing = None;
         // The kernel refuses to mix cached and passthrough handles on one inode.
-        if passthrough && node.opens == node.pt_opens {
+        if passthrough && !fresh && node.opens == node.pt_opens {
             let of = node.open.as_mut().expect("loaded");
             if flags & libc::O_ACCMODE != libc::O_RDONLY {
                 self.to_body(of)?;
@@ -1259,7 +1300,7 @@ impl WorkspaceFs {
                 target: None,
             },
         )?;
-        let (fh, info) = self.open(attr.inode.ino, flags)?;
+        let (fh, info) = self.open_as(attr.inode.ino, flags, true)?;
         Ok((attr, fh, info))
     }
 
@@ -1782,6 +1823,11 @@ impl WorkspaceFs {
     /// Final step before unmount: sync everything and fold the WAL into the database.
     pub fn shutdown(&self) -> FsResult<()> {
         self.sync_all()?;
+        // Finish removing discarded bodies before the state dir is handed on.
+        self.discard.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = self.discarder.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
         self.lock().store.checkpoint()?;
         Ok(())
     }
