@@ -1,0 +1,518 @@
+//! Helpers for the real-mount integration tests (`init/tests/mount_*.rs`): start the built
+//! `keel mount` binary on a temp state dir + temp mount point, wait until the kernel shows the
+//! FUSE mount, and always clean up (a Drop guard SIGTERMs keel and `umount -l`s the mount point,
+//! even when the test panics).
+//!
+//! Gate: these tests need root and `/dev/fuse`. Without them a test returns early after
+//! printing "skipping: needs root and /dev/fuse" — unless `CI` is set, where it panics, so a
+//! CI machine that lost its FUSE device fails instead of silently testing nothing.
+//!
+//! `KEEL_TEST_BIN` overrides the binary (e.g. `ci/dev/fake-keel` to develop the harness).
+//! Timeouts here only bound how long a hung daemon is waited for; no outcome depends on them.
+
+#![allow(dead_code)] // each test crate uses a different subset
+
+pub mod sys;
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::fs;
+use std::io::Read;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+pub const READY_TIMEOUT: Duration = Duration::from_secs(60);
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// True when real-mount tests can run. See the module docs for the CI rule.
+pub fn fuse_available() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let fuse = Path::new("/dev/fuse").exists();
+    if root && fuse {
+        return true;
+    }
+    let why = match (root, fuse) {
+        (false, false) => "not root, no /dev/fuse",
+        (false, true) => "not root",
+        _ => "no /dev/fuse",
+    };
+    if std::env::var_os("CI").is_some() {
+        panic!("real-mount tests need root and /dev/fuse ({why}), and CI is set: refusing to skip");
+    }
+    eprintln!("skipping: needs root and /dev/fuse ({why})");
+    false
+}
+
+/// Starts keel on fresh temp dirs, or returns from the test when mounts are unavailable.
+#[macro_export]
+macro_rules! keel_or_skip {
+    () => {
+        match $crate::common::Keel::start(&[]) {
+            Some(k) => k,
+            None => return,
+        }
+    };
+    ($($arg:expr),+ $(,)?) => {
+        match $crate::common::Keel::start(&[$($arg),+]) {
+            Some(k) => k,
+            None => return,
+        }
+    };
+}
+
+pub fn keel_bin() -> OsString {
+    std::env::var_os("KEEL_TEST_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_keel").into())
+}
+
+/// Is `mnt` currently a FUSE mount point (fstype `fuse` or `fuse.*` in /proc/self/mountinfo)?
+pub fn is_fuse_mount(mnt: &Path) -> bool {
+    let mnt = fs::canonicalize(mnt).unwrap_or_else(|_| mnt.to_path_buf());
+    let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    info.lines().any(|line| {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(sep) = fields.iter().position(|f| *f == "-") else {
+            return false;
+        };
+        let fstype = fields.get(sep + 1).copied().unwrap_or("");
+        fields.get(4).map(|m| unescape_mountinfo(m)) == Some(mnt.to_string_lossy().into_owned())
+            && (fstype == "fuse" || fstype.starts_with("fuse.") || any_fstype())
+    })
+}
+
+/// KEEL_TEST_ANY_FSTYPE=1: accept a non-FUSE mount (ci/dev/bind-keel, to validate the tests).
+fn any_fstype() -> bool {
+    std::env::var_os("KEEL_TEST_ANY_FSTYPE").is_some()
+}
+
+fn unescape_mountinfo(s: &str) -> String {
+    s.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
+}
+
+/// `umount -l`: detach even a mount whose daemon died (ENOTCONN).
+pub fn lazy_unmount(mnt: &Path) {
+    let _ = sys::umount_detach(mnt);
+}
+
+/// How a `keel mount` attempt ended.
+#[derive(Debug)]
+pub enum MountOutcome {
+    Mounted(Child),
+    Exited { status: ExitStatus, stderr: String },
+}
+
+/// Spawns `keel mount --state STATE MNT ARGS...` with output appended to `log`, and waits until
+/// the mount appears or the process exits.
+pub fn spawn_mount(state: &Path, mnt: &Path, args: &[String], log: &Path) -> MountOutcome {
+    fs::create_dir_all(mnt).expect("create mount point");
+    let out = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .expect("open log");
+    let start_len = out.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut child = Command::new(keel_bin())
+        .arg("mount")
+        .arg("--state")
+        .arg(state)
+        .arg(mnt)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().expect("dup log"))
+        .stderr(out)
+        .spawn()
+        .expect("spawn keel");
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            let stderr = read_from(log, start_len);
+            return MountOutcome::Exited { status, stderr };
+        }
+        if is_fuse_mount(mnt) {
+            return MountOutcome::Mounted(child);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            lazy_unmount(mnt);
+            panic!(
+                "keel mount {} not ready after {READY_TIMEOUT:?}; log:\n{}",
+                mnt.display(),
+                read_from(log, start_len)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn read_from(log: &Path, offset: u64) -> String {
+    let mut s = String::new();
+    if let Ok(mut f) = fs::File::open(log) {
+        use std::io::Seek;
+        let _ = f.seek(std::io::SeekFrom::Start(offset));
+        let _ = f.read_to_string(&mut s);
+    }
+    s
+}
+
+/// Waits for `child` to exit, SIGKILLing it after `timeout`. Returns None if it had to be killed.
+pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            return Some(st);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A running `keel mount` on temp dirs. Dropping it stops keel and unmounts, whatever happened.
+pub struct Keel {
+    pub state: PathBuf,
+    pub mnt: PathBuf,
+    pub log: PathBuf,
+    args: Vec<String>,
+    child: Option<Child>,
+    // Last field: removed only after Drop has unmounted.
+    tmp: tempfile::TempDir,
+}
+
+impl Keel {
+    /// Mounts a fresh workspace (state dir `TMP/state` does not exist yet: keel creates it).
+    /// None = skipped (see `fuse_available`).
+    pub fn start(args: &[&str]) -> Option<Keel> {
+        if !fuse_available() {
+            return None;
+        }
+        let tmp = tempfile::Builder::new()
+            .prefix("keel-mount-test.")
+            .tempdir()
+            .expect("tempdir");
+        let state = tmp.path().join("state");
+        Some(Self::start_in(tmp, state, args))
+    }
+
+    /// Mounts with the state dir at `state` (which may live on another filesystem).
+    pub fn start_in(tmp: tempfile::TempDir, state: PathBuf, args: &[&str]) -> Keel {
+        let mnt = tmp.path().join("mnt");
+        let log = tmp.path().join("keel.log");
+        let mut k = Keel {
+            state,
+            mnt,
+            log,
+            args: args.iter().map(|s| s.to_string()).collect(),
+            child: None,
+            tmp,
+        };
+        k.mount();
+        k
+    }
+
+    fn mount(&mut self) {
+        assert!(self.child.is_none(), "already mounted");
+        match spawn_mount(&self.state, &self.mnt, &self.args, &self.log) {
+            MountOutcome::Mounted(child) => self.child = Some(child),
+            MountOutcome::Exited { status, stderr } => {
+                panic!("keel mount exited with {status} before mounting:\n{stderr}")
+            }
+        }
+    }
+
+    /// A path inside the mount.
+    pub fn p(&self, rel: &str) -> PathBuf {
+        self.mnt.join(rel)
+    }
+
+    /// A scratch directory outside the mount (same temp dir, on the host filesystem).
+    pub fn scratch(&self) -> &Path {
+        self.tmp.path()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("keel running").id()
+    }
+
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends `sig` (SIGTERM or SIGINT) and asserts: exit status 0, mount point unmounted.
+    pub fn stop_with(&mut self, sig: libc::c_int) {
+        let mut child = self.child.take().expect("keel running");
+        sys::kill(child.id(), sig);
+        let status = wait_timeout(&mut child, STOP_TIMEOUT);
+        let mounted = is_fuse_mount(&self.mnt);
+        if mounted {
+            lazy_unmount(&self.mnt);
+        }
+        match status {
+            None => panic!("keel did not exit within {STOP_TIMEOUT:?} of signal {sig}"),
+            Some(st) => assert!(
+                st.success(),
+                "keel exited with {st} on signal {sig} (expected 0); log:\n{}",
+                self.log_text()
+            ),
+        }
+        assert!(
+            !mounted,
+            "keel exited on signal {sig} but left {} mounted",
+            self.mnt.display()
+        );
+    }
+
+    /// SIGTERM: flush, unmount, exit 0 (asserted).
+    pub fn stop(&mut self) {
+        self.stop_with(libc::SIGTERM)
+    }
+
+    /// SIGKILL keel and detach the dead mount (ENOTCONN) so the mount point can be reused.
+    pub fn kill9(&mut self) {
+        let mut child = self.child.take().expect("keel running");
+        let _ = child.kill();
+        let _ = child.wait();
+        lazy_unmount(&self.mnt);
+    }
+
+    /// Clean unmount (asserted) and mount again on the same state dir.
+    pub fn remount(&mut self) {
+        self.stop();
+        self.mount();
+    }
+
+    /// `kill -9` and mount again on the same state dir.
+    pub fn crash_remount(&mut self) {
+        self.kill9();
+        self.mount();
+    }
+
+    /// Mounts again after `stop`/`kill9`.
+    pub fn start_again(&mut self) {
+        self.mount();
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+}
+
+impl Drop for Keel {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            sys::kill(child.id(), libc::SIGTERM);
+            if wait_timeout(&mut child, STOP_TIMEOUT).is_none() {
+                eprintln!("keel did not stop on SIGTERM; killed it");
+            }
+        }
+        if is_fuse_mount(&self.mnt) {
+            lazy_unmount(&self.mnt);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tree snapshots: everything "identical bytes and metadata" means across remounts and crashes.
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub kind: &'static str,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub nlink: u64,
+    pub size: u64,
+    pub ino: u64,
+    pub rdev: u64,
+    pub mtime_ns: i128,
+    pub ctime_ns: i128,
+    /// Only when asked: reads may legitimately update atime (relatime).
+    pub atime_ns: Option<i128>,
+    pub target: Option<PathBuf>,
+    pub xattrs: BTreeMap<String, Vec<u8>>,
+    pub content: Option<blake3::Hash>,
+}
+
+pub fn kind_of(ft: fs::FileType) -> &'static str {
+    if ft.is_file() {
+        "file"
+    } else if ft.is_dir() {
+        "dir"
+    } else if ft.is_symlink() {
+        "symlink"
+    } else if ft.is_fifo() {
+        "fifo"
+    } else if ft.is_char_device() {
+        "chr"
+    } else if ft.is_block_device() {
+        "blk"
+    } else if ft.is_socket() {
+        "sock"
+    } else {
+        "unknown"
+    }
+}
+
+pub fn ns(sec: i64, nsec: i64) -> i128 {
+    sec as i128 * 1_000_000_000 + nsec as i128
+}
+
+/// Metadata of one path (not following symlinks), without reading file contents.
+pub fn stat_entry(path: &Path, with_atime: bool) -> Entry {
+    let md = fs::symlink_metadata(path).unwrap_or_else(|e| panic!("lstat {}: {e}", path.display()));
+    let kind = kind_of(md.file_type());
+    let xattrs = if kind == "symlink" {
+        BTreeMap::new()
+    } else {
+        sys::list_xattrs(path)
+            .unwrap_or_else(|e| panic!("listxattr {}: {e}", path.display()))
+            .into_iter()
+            .map(|n| {
+                let v = sys::get_xattr(path, &n).unwrap_or_else(|e| panic!("getxattr {n}: {e}"));
+                (n, v)
+            })
+            .collect()
+    };
+    Entry {
+        kind,
+        mode: md.mode(),
+        uid: md.uid(),
+        gid: md.gid(),
+        nlink: md.nlink(),
+        size: if kind == "dir" { 0 } else { md.size() },
+        ino: md.ino(),
+        rdev: md.rdev(),
+        mtime_ns: ns(md.mtime(), md.mtime_nsec()),
+        ctime_ns: ns(md.ctime(), md.ctime_nsec()),
+        atime_ns: with_atime.then(|| ns(md.atime(), md.atime_nsec())),
+        target: (kind == "symlink").then(|| fs::read_link(path).expect("readlink")),
+        xattrs,
+        content: None,
+    }
+}
+
+/// Relative paths of `root` ("" for root itself) and everything below it, without reading files.
+pub fn walk(root: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let full = root.join(&rel);
+        if fs::symlink_metadata(&full).expect("lstat").is_dir() {
+            for de in fs::read_dir(&full).expect("readdir") {
+                stack.push(rel.join(de.expect("dirent").file_name()));
+            }
+        }
+        out.push(rel);
+    }
+    out.sort();
+    out
+}
+
+/// Every entry below `root` (relative path → Entry), stat taken before contents are read.
+pub fn snapshot(root: &Path, with_atime: bool) -> BTreeMap<PathBuf, Entry> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let full = root.join(&rel);
+        let mut e = stat_entry(&full, with_atime);
+        if e.kind == "dir" {
+            for de in fs::read_dir(&full).expect("readdir") {
+                stack.push(rel.join(de.expect("dirent").file_name()));
+            }
+        }
+        if e.kind == "file" {
+            e.content = Some(hash_file(&full));
+        }
+        out.insert(rel, e);
+    }
+    out
+}
+
+pub fn hash_file(path: &Path) -> blake3::Hash {
+    let mut h = blake3::Hasher::new();
+    let mut f = fs::File::open(path).unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).expect("read");
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    h.finalize()
+}
+
+/// Panics with a readable per-field diff when the two snapshots differ.
+pub fn assert_same_tree(
+    before: &BTreeMap<PathBuf, Entry>,
+    after: &BTreeMap<PathBuf, Entry>,
+    what: &str,
+) {
+    let mut diffs = Vec::new();
+    for (p, a) in before {
+        match after.get(p) {
+            None => diffs.push(format!("{}: missing after {what}", p.display())),
+            Some(b) if a != b => diffs.push(format!(
+                "{}:\n    before {a:?}\n    after  {b:?}",
+                p.display()
+            )),
+            _ => {}
+        }
+    }
+    for p in after.keys().filter(|p| !before.contains_key(*p)) {
+        diffs.push(format!("{}: appeared after {what}", p.display()));
+    }
+    assert!(
+        diffs.is_empty(),
+        "tree changed across {what}:\n  {}",
+        diffs.join("\n  ")
+    );
+}
+
+/// Deterministic pseudo-random bytes (xorshift), so content mismatches are reproducible.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// The errno of an io::Error (panics if it has none).
+pub fn errno(e: &std::io::Error) -> i32 {
+    e.raw_os_error()
+        .unwrap_or_else(|| panic!("no errno in {e}"))
+}
+
+/// Asserts `r` failed with `want` (an errno), with a readable message.
+#[track_caller]
+pub fn assert_errno<T: std::fmt::Debug>(r: std::io::Result<T>, want: i32, what: &str) {
+    match r {
+        Ok(v) => panic!(
+            "{what}: expected errno {want} ({}), got Ok({v:?})",
+            errname(want)
+        ),
+        Err(e) => assert_eq!(
+            errno(&e),
+            want,
+            "{what}: expected {} got {e}",
+            errname(want)
+        ),
+    }
+}
+
+pub fn errname(e: i32) -> String {
+    std::io::Error::from_raw_os_error(e).to_string()
+}

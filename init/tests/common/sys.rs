@@ -1,0 +1,247 @@
+//! Thin libc wrappers for the syscalls the mount tests exercise and std does not expose.
+//! Every function returns `io::Result` carrying the raw errno, so tests can assert exact errors.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+fn cpath(p: &Path) -> CString {
+    CString::new(p.as_os_str().as_bytes()).expect("path without NUL")
+}
+
+fn cstr(s: &str) -> CString {
+    CString::new(s).expect("string without NUL")
+}
+
+fn check(ret: libc::c_int) -> io::Result<()> {
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn check_size(ret: libc::ssize_t) -> io::Result<usize> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
+}
+
+pub fn kill(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill has no memory-safety preconditions; a stale pid at worst returns ESRCH.
+    unsafe { libc::kill(pid as libc::pid_t, sig) };
+}
+
+/// umount2(MNT_DETACH): works on a mount whose FUSE daemon is gone.
+pub fn umount_detach(p: &Path) -> io::Result<()> {
+    let c = cpath(p);
+    // SAFETY: c is a valid NUL-terminated string for the duration of the call.
+    check(unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) })
+}
+
+pub fn mount_tmpfs(p: &Path, options: &str) -> io::Result<()> {
+    let (src, dst, ty, opts) = (cstr("keel-test"), cpath(p), cstr("tmpfs"), cstr(options));
+    // SAFETY: all four pointers are valid NUL-terminated strings that outlive the call.
+    check(unsafe {
+        libc::mount(
+            src.as_ptr(),
+            dst.as_ptr(),
+            ty.as_ptr(),
+            0,
+            opts.as_ptr().cast(),
+        )
+    })
+}
+
+pub fn set_xattr(p: &Path, name: &str, value: &[u8], flags: libc::c_int) -> io::Result<()> {
+    let (c, n) = (cpath(p), cstr(name));
+    // SAFETY: c and n are valid C strings; value points to value.len() readable bytes.
+    check(unsafe {
+        libc::lsetxattr(
+            c.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            flags,
+        )
+    })
+}
+
+/// getxattr with an explicit buffer size (0 = ask for the size).
+pub fn get_xattr_raw(p: &Path, name: &str, buf: &mut [u8]) -> io::Result<usize> {
+    let (c, n) = (cpath(p), cstr(name));
+    // SAFETY: c and n are valid C strings; buf is writable for buf.len() bytes.
+    check_size(unsafe {
+        libc::lgetxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+    })
+}
+
+pub fn get_xattr(p: &Path, name: &str) -> io::Result<Vec<u8>> {
+    loop {
+        let size = get_xattr_raw(p, name, &mut [])?;
+        let mut buf = vec![0u8; size];
+        match get_xattr_raw(p, name, &mut buf) {
+            Ok(n) => {
+                buf.truncate(n);
+                return Ok(buf);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ERANGE) => continue, // grew meanwhile
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+pub fn list_xattrs(p: &Path) -> io::Result<Vec<String>> {
+    let c = cpath(p);
+    loop {
+        // SAFETY: c is a valid C string; a NULL buffer with size 0 asks for the needed size.
+        let size = check_size(unsafe { libc::llistxattr(c.as_ptr(), std::ptr::null_mut(), 0) })?;
+        let mut buf = vec![0u8; size];
+        // SAFETY: buf is writable for buf.len() bytes.
+        match check_size(unsafe { libc::llistxattr(c.as_ptr(), buf.as_mut_ptr().cast(), size) }) {
+            Ok(n) => {
+                buf.truncate(n);
+                let mut names: Vec<String> = buf
+                    .split(|b| *b == 0)
+                    .filter(|s| !s.is_empty())
+                    .map(|s| String::from_utf8_lossy(s).into_owned())
+                    .collect();
+                names.sort();
+                return Ok(names);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ERANGE) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+pub fn remove_xattr(p: &Path, name: &str) -> io::Result<()> {
+    let (c, n) = (cpath(p), cstr(name));
+    // SAFETY: c and n are valid C strings.
+    check(unsafe { libc::lremovexattr(c.as_ptr(), n.as_ptr()) })
+}
+
+pub fn renameat2(from: &Path, to: &Path, flags: libc::c_uint) -> io::Result<()> {
+    let (a, b) = (cpath(from), cpath(to));
+    // SAFETY: a and b are valid C strings; AT_FDCWD resolves them relative to the cwd.
+    check(unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            flags,
+        )
+    })
+}
+
+pub fn fallocate(f: &impl AsRawFd, mode: libc::c_int, off: i64, len: i64) -> io::Result<()> {
+    // SAFETY: fallocate only reads its integer arguments; the fd is owned by `f`.
+    check(unsafe { libc::fallocate(f.as_raw_fd(), mode, off, len) })
+}
+
+pub fn lseek(f: &impl AsRawFd, off: i64, whence: libc::c_int) -> io::Result<i64> {
+    // SAFETY: lseek has no memory-safety preconditions.
+    let r = unsafe { libc::lseek(f.as_raw_fd(), off, whence) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+pub fn copy_file_range(
+    src: &impl AsRawFd,
+    off_in: i64,
+    dst: &impl AsRawFd,
+    off_out: i64,
+    len: usize,
+) -> io::Result<usize> {
+    let (mut i, mut o) = (off_in, off_out);
+    // SAFETY: i and o are valid, exclusively borrowed i64s for the duration of the call.
+    check_size(unsafe {
+        libc::copy_file_range(src.as_raw_fd(), &mut i, dst.as_raw_fd(), &mut o, len, 0)
+    })
+}
+
+/// A timestamp argument of utimensat.
+#[derive(Debug, Clone, Copy)]
+pub enum Ts {
+    Now,
+    Omit,
+    At(i64, i64),
+}
+
+impl Ts {
+    fn spec(self) -> libc::timespec {
+        match self {
+            Ts::Now => libc::timespec {
+                tv_sec: 0,
+                tv_nsec: libc::UTIME_NOW,
+            },
+            Ts::Omit => libc::timespec {
+                tv_sec: 0,
+                tv_nsec: libc::UTIME_OMIT,
+            },
+            Ts::At(s, n) => libc::timespec {
+                tv_sec: s,
+                tv_nsec: n,
+            },
+        }
+    }
+}
+
+/// utimensat(AT_FDCWD, p, [atime, mtime], AT_SYMLINK_NOFOLLOW if nofollow).
+pub fn utimens(p: &Path, atime: Ts, mtime: Ts, nofollow: bool) -> io::Result<()> {
+    let c = cpath(p);
+    let times = [atime.spec(), mtime.spec()];
+    let flags = if nofollow {
+        libc::AT_SYMLINK_NOFOLLOW
+    } else {
+        0
+    };
+    // SAFETY: c is a valid C string and times points to two timespecs.
+    check(unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), flags) })
+}
+
+pub fn mknod(p: &Path, mode: libc::mode_t, dev: libc::dev_t) -> io::Result<()> {
+    let c = cpath(p);
+    // SAFETY: c is a valid C string.
+    check(unsafe { libc::mknod(c.as_ptr(), mode, dev) })
+}
+
+pub fn makedev(major: u32, minor: u32) -> libc::dev_t {
+    libc::makedev(major, minor)
+}
+
+pub fn lchown(p: &Path, uid: u32, gid: u32) -> io::Result<()> {
+    let c = cpath(p);
+    // SAFETY: c is a valid C string.
+    check(unsafe { libc::lchown(c.as_ptr(), uid, gid) })
+}
+
+pub fn statvfs(p: &Path) -> io::Result<libc::statvfs> {
+    let c = cpath(p);
+    // SAFETY: an all-zero statvfs is a valid value of this plain C struct.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c is a valid C string and st is a writable statvfs.
+    check(unsafe { libc::statvfs(c.as_ptr(), &mut st) })?;
+    Ok(st)
+}
+
+/// open(2) with raw flags, for O_NOFOLLOW/O_EXCL/... error checks.
+pub fn open_raw(p: &Path, flags: libc::c_int, mode: libc::mode_t) -> io::Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    let c = cpath(p);
+    // SAFETY: c is a valid C string.
+    let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC, mode as libc::c_uint) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just returned by open and is owned by nobody else.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+}
