@@ -113,7 +113,10 @@ class Divergence(Exception):
 class Side:
     def __init__(self, name, root):
         self.name = name
-        self.root = os.path.abspath(root)
+        # Operations happen in TOP/root; snapshots cover TOP. A symlink "../x" moved to the top
+        # of root resolves to TOP/x: the same place on both sides, and compared too.
+        self.top = os.path.abspath(root)
+        self.root = os.path.join(self.top, "root")
         self.fds = {}
 
     def p(self, rel):
@@ -227,6 +230,24 @@ def diff_snapshots(sa, sb, la, lb):
             if ea.get(k) != eb.get(k):
                 lines.append(f"  {path}: {k}: {la}={ea.get(k)!r} {lb}={eb.get(k)!r}")
     return lines
+
+
+def describe(desc, a, b):
+    """lstat of every path named in an operation, on both sides, to help read a divergence."""
+    lines = []
+    for word in desc.split():
+        rel = word.split("@")[0]
+        if not rel or rel.startswith(("-", "(")) or "=" in rel or len(rel) > 300:
+            continue
+        for side in (a, b):
+            try:
+                st = os.lstat(side.p(rel))
+                info = (f"{stat.filemode(st.st_mode)} nlink={st.st_nlink} size={st.st_size} "
+                        f"ino={st.st_ino}")
+            except OSError as e:
+                info = ename(e.errno)
+            lines.append(f"  now {side.name}: {rel}: {info}")
+    return "\n".join(lines)
 
 
 def reset_times(root):
@@ -580,10 +601,12 @@ def run(args):
     a = Side("test", args.test_dir)
     b = Side("ref", args.ref_dir)
     for s in (a, b):
-        os.makedirs(s.root, exist_ok=True)
-        if os.listdir(s.root):
-            print(f"difftest: {s.root} is not empty", file=sys.stderr)
+        os.makedirs(s.top, exist_ok=True)
+        if os.listdir(s.top):
+            print(f"difftest: {s.top} is not empty", file=sys.stderr)
             return 2
+        os.mkdir(s.root)
+    log = open(args.log, "w", buffering=1) if args.log else None
     rng = random.Random(args.seed)
     gen = Gen(rng, b, [o for o in args.disable.split(",") if o])
     history = []
@@ -592,29 +615,32 @@ def run(args):
         a.close_all()
         b.close_all()
         if crash:
-            fsync_tree(a.root)
-        before = snapshot(a.root, exact_times=True, with_ino=True)
+            fsync_tree(a.top)
+        before = snapshot(a.top, exact_times=True, with_ino=True)
         subprocess.run(cmd, shell=True, check=True)
-        after = snapshot(a.root, exact_times=True, with_ino=True)
+        after = snapshot(a.top, exact_times=True, with_ino=True)
         lines = diff_snapshots(before, after, "before", "after")
         if lines:
             raise Divergence(f"tree under test changed across {label}:\n" + "\n".join(lines))
 
     def checkpoint(label):
-        lines = diff_snapshots(snapshot(a.root), snapshot(b.root), a.name, b.name)
+        lines = diff_snapshots(snapshot(a.top), snapshot(b.top), a.name, b.name)
         if lines:
             raise Divergence(f"trees differ at {label}:\n" + "\n".join(lines))
-        reset_times(a.root)
-        reset_times(b.root)
+        reset_times(a.top)
+        reset_times(b.top)
 
     try:
         checkpoint("start")
         for i in range(1, args.ops + 1):
             desc, fn = gen.op(gen.tree())
             history.append(f"{i}: {desc}")
+            if log:
+                log.write(f"{i}: {desc}\n")
             ra, rb = attempt(fn, a), attempt(fn, b)
             if ra != rb:
-                raise Divergence(f"op {i} {desc}\n  {a.name}: {ra}\n  {b.name}: {rb}")
+                raise Divergence(f"op {i} {desc}\n  {a.name}: {ra}\n  {b.name}: {rb}\n"
+                                 + describe(desc, a, b))
             if i % args.check_every == 0 or i == args.ops:
                 checkpoint(f"op {i}")
             if args.remount_cmd and i % args.remount_every == 0:
@@ -647,6 +673,7 @@ def main():
     ap.add_argument("--remount-every", type=int, default=500)
     ap.add_argument("--crash-cmd", help="shell command that kills -9 and remounts it")
     ap.add_argument("--crash-every", type=int, default=700)
+    ap.add_argument("--log", help="write every operation to this file")
     ap.add_argument("--disable", default="", metavar="OP,OP",
                     help="operations not to generate: " + ",".join(OPS))
     ap.add_argument("test_dir")

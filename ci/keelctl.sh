@@ -118,6 +118,8 @@ cmd=${1:-}
 [ $# -ge 3 ] || { sed -n '2,13p' "$0" >&2; exit 2; }
 shift
 state=$1 mnt=$2
+# Note our own actions in the daemon's log, so a signal keel did not get from us stands out.
+[ "$cmd" = status ] || echo "keelctl: $cmd $(date +%T.%N)" >>"${state%/}.log" 2>/dev/null || true
 case $cmd in
     start) start "$@" ;;
     stop) stop "$state" "$mnt" ;;
