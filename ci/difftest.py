@@ -626,6 +626,15 @@ def run(args):
     def checkpoint(label):
         lines = diff_snapshots(snapshot(a.top), snapshot(b.top), a.name, b.name)
         if lines:
+            for slot in sorted(set(a.fds) | set(b.fds)):
+                for side in (a, b):
+                    if slot in side.fds:
+                        st = os.fstat(side.fds[slot])
+                        lines.append(f"  open fd [{slot}] {side.name}: ino={st.st_ino} "
+                                     f"size={st.st_size} nlink={st.st_nlink}")
+            for rel in ["root/" + r for r in walk(b.root)]:
+                sa, sb = os.lstat(a.p(rel[5:])), os.lstat(b.p(rel[5:]))
+                lines.append(f"  ino {rel}: test={sa.st_ino} ref={sb.st_ino}")
             raise Divergence(f"trees differ at {label}:\n" + "\n".join(lines))
         reset_times(a.top)
         reset_times(b.top)
@@ -664,6 +673,93 @@ def run(args):
     return 0
 
 
+CHECKPOINT = "(checkpoint: compare the trees, reset all times to the sentinel)"
+
+
+def minimize(args):
+    """Delta-debugging: the smallest subset of the first --ops operations (as generated for
+    --seed) that still makes the two sides differ, each subset tried on fresh directories."""
+    gen_side = Side("gen", os.path.join(args.ref_dir, "gen"))
+    os.makedirs(gen_side.root)
+    gen = Gen(random.Random(args.seed), gen_side, [o for o in args.disable.split(",") if o])
+    ops = []
+    for i in range(1, args.ops + 1):
+        desc, fn = gen.op(gen.tree())
+        attempt(fn, gen_side)
+        ops.append((i, desc, fn))
+        # A checkpoint is an operation too: its walk (readdir), reads and mtime reset can
+        # matter; the minimizer keeps only the ones that do.
+        ops.append((i, CHECKPOINT, None))
+    gen_side.close_all()
+    trials = [0]
+
+    def fails(subset):
+        trials[0] += 1
+        k = trials[0]
+        a = Side("test", os.path.join(args.test_dir, f"trial-{k}"))
+        b = Side("ref", os.path.join(args.ref_dir, f"trial-{k}"))
+        for side in (a, b):
+            os.makedirs(side.root)
+        try:
+            for i, desc, fn in subset:
+                if fn is None:  # a checkpoint: compare, then reset the times
+                    if diff_snapshots(snapshot(a.top), snapshot(b.top), "test", "ref"):
+                        return True
+                    reset_times(a.top)
+                    reset_times(b.top)
+                elif attempt(fn, a) != attempt(fn, b):
+                    return True
+            # Compared while the fds are still open, as run() does at a checkpoint.
+            return bool(diff_snapshots(snapshot(a.top), snapshot(b.top), "test", "ref"))
+        finally:
+            a.close_all()
+            b.close_all()
+
+    if not fails(ops):
+        print(f"difftest seed {args.seed}: the first {args.ops} ops do not diverge "
+              "(without checkpoints/remounts); nothing to minimize")
+        return 1
+    n = 2
+    while len(ops) >= 2:
+        chunk = max(1, len(ops) // n)
+        parts = [ops[j:j + chunk] for j in range(0, len(ops), chunk)]
+        for j in range(len(parts)):
+            rest = [op for q, part in enumerate(parts) if q != j for op in part]
+            if fails(rest):
+                ops, n = rest, max(n - 1, 2)
+                break
+        else:
+            if n >= len(ops):
+                break
+            n = min(len(ops), n * 2)
+    print(f"difftest seed {args.seed}: minimal failing sequence ({trials[0]} trials):")
+    for i, desc, fn in ops:
+        print(f"  {i}: {desc}")
+    a = Side("test", os.path.join(args.test_dir, "final"))
+    b = Side("ref", os.path.join(args.ref_dir, "final"))
+    for side in (a, b):
+        os.makedirs(side.root)
+    for i, desc, fn in ops:
+        if fn is None:
+            lines = diff_snapshots(snapshot(a.top), snapshot(b.top), "test", "ref")
+            if lines:
+                print("\n".join([f"  after op {i}, the trees differ:"] + lines))
+                break
+            reset_times(a.top)
+            reset_times(b.top)
+            continue
+        ra, rb = attempt(fn, a), attempt(fn, b)
+        if ra != rb:
+            print(f"  op {i} result: test={ra} ref={rb}")
+            break
+    else:
+        for line in diff_snapshots(snapshot(a.top), snapshot(b.top), "test", "ref"):
+            print(line)
+    a.close_all()
+    b.close_all()
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=1)
@@ -678,7 +774,10 @@ def main():
                     help="operations not to generate: " + ",".join(OPS))
     ap.add_argument("test_dir")
     ap.add_argument("ref_dir")
-    return run(ap.parse_args())
+    ap.add_argument("--minimize", action="store_true",
+                    help="find a minimal failing subset of the first --ops operations")
+    args = ap.parse_args()
+    return minimize(args) if args.minimize else run(args)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ cmd=${1:-}
 shift
 state=$1 mnt=$2
 # Note our own actions in the daemon's log, so a signal keel did not get from us stands out.
-[ "$cmd" = status ] || echo "keelctl: $cmd $(date +%T.%N)" >>"${state%/}.log" 2>/dev/null || true
+[ "$cmd" = status ] || { echo "keelctl: $cmd $(date +%T.%N)" >>"${state%/}.log"; } 2>/dev/null || true
 case $cmd in
     start) start "$@" ;;
     stop) stop "$state" "$mnt" ;;

@@ -862,3 +862,65 @@ fn many_threads_in_parallel() {
         h.join().unwrap();
     }
 }
+
+/// Found by the differential test (seed 1): a write through an open fd followed by a readdir
+/// of the parent (READDIRPLUS carries attributes) must not make the file look shorter.
+#[test]
+fn readdir_after_write_through_open_fd_keeps_size_and_mtime() {
+    let k = keel_or_skip!();
+    let p = k.p("f");
+    let f = OpenOptions::new()
+        .create(true)
+        .read(true)
+        .write(true)
+        .open(&p)
+        .unwrap();
+    f.write_all_at(b"payload", 5000).unwrap();
+    let _ = fs::read_dir(&k.mnt).unwrap().count();
+    assert_eq!(fs::metadata(&p).unwrap().len(), 5007, "stat after readdir");
+    assert_eq!(f.metadata().unwrap().len(), 5007, "fstat after readdir");
+    reset_times(&p);
+    f.write_all_at(b"more", 6000).unwrap();
+    let _ = fs::read_dir(&k.mnt).unwrap().count();
+    assert_eq!(fs::metadata(&p).unwrap().len(), 6004);
+    assert_ne!(mtime_ns(&p), SENTINEL_NS, "mtime after write + readdir");
+    drop(f);
+    let data = fs::read(&p).unwrap();
+    assert_eq!(data.len(), 6004, "size after close");
+    assert_eq!(&data[5000..5007], b"payload");
+    assert_eq!(&data[6000..], b"more");
+}
+
+/// Found by the differential test (seeds 2, 3): fallocate changes mtime and ctime, in every
+/// mode, as on ext4 and tmpfs (the kernel's file_modified()).
+#[test]
+fn fallocate_updates_mtime() {
+    let k = keel_or_skip!();
+    let p = k.p("f");
+    fs::write(&p, pattern(300_000, 1)).unwrap();
+    let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+    for (mode, off, len, what) in [
+        (0, 0, 400_000, "mode 0 extending"),
+        (libc::FALLOC_FL_KEEP_SIZE, 0, 4096, "KEEP_SIZE inside"),
+        (
+            libc::FALLOC_FL_KEEP_SIZE,
+            1_000_000,
+            4096,
+            "KEEP_SIZE beyond EOF",
+        ),
+        (
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            4096,
+            8192,
+            "PUNCH_HOLE",
+        ),
+    ] {
+        reset_times(&p);
+        sys::fallocate(&f, mode, off, len).unwrap();
+        assert_ne!(
+            mtime_ns(&p),
+            SENTINEL_NS,
+            "fallocate {what} must update mtime"
+        );
+    }
+}
