@@ -270,6 +270,8 @@ fn every_cache_mode_and_thread_count_persists() {
         &["--cache", "none"][..],
         &["--threads", "1"][..],
         &["--threads", "4", "--cache", "none"][..],
+        &["--passthrough", "on"][..],
+        &["--passthrough", "on", "--cache", "kernel"][..],
     ] {
         let Some(mut k) = Keel::start(args) else {
             return;
