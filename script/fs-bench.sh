@@ -28,7 +28,7 @@ export KEEL_BIN
 BENCH_DIR=${BENCH_DIR:-$REPO/.bench}
 KEEL_ARGS=${KEEL_ARGS:-}
 
-SHORT=0 REPS=3 OUT= TARGETS=()
+SHORT=0 REPS=3 OUT='' TARGETS=()
 while [ $# -gt 0 ]; do
     case $1 in
         --short) SHORT=1; shift ;;
@@ -59,6 +59,7 @@ chmod 755 "$RUN"
 declare -A ROOT
 FAILED=0
 
+# shellcheck disable=SC2317 # invoked by the EXIT trap
 cleanup() {
     local t
     for t in "${TARGETS[@]}"; do

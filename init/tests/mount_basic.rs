@@ -137,6 +137,7 @@ fn o_direct_and_o_sync_work() {
     let data = pattern(1 << 20, 3);
     let mut f = OpenOptions::new()
         .create(true)
+        .truncate(false)
         .write(true)
         .custom_flags(libc::O_SYNC)
         .open(&p)
@@ -871,6 +872,7 @@ fn readdir_after_write_through_open_fd_keeps_size_and_mtime() {
     let p = k.p("f");
     let f = OpenOptions::new()
         .create(true)
+        .truncate(false)
         .read(true)
         .write(true)
         .open(&p)

@@ -36,6 +36,7 @@ fn build_rich_tree(root: &Path) {
     // Sparse: data at both ends of 10 MiB.
     let f = OpenOptions::new()
         .create(true)
+        .truncate(false)
         .write(true)
         .open(p("sparse.bin"))
         .unwrap();
@@ -179,6 +180,7 @@ fn fsynced_open_files_survive_kill9() {
     let data = pattern(2 * 1024 * 1024 + 99, 21);
     let f1 = OpenOptions::new()
         .create(true)
+        .truncate(false)
         .write(true)
         .open(k.p("open-fsync.bin"))
         .unwrap();
@@ -186,6 +188,7 @@ fn fsynced_open_files_survive_kill9() {
     f1.sync_all().unwrap();
     let f2 = OpenOptions::new()
         .create(true)
+        .truncate(false)
         .write(true)
         .open(k.p("open-fdatasync.txt"))
         .unwrap();
@@ -194,6 +197,7 @@ fn fsynced_open_files_survive_kill9() {
     fs::create_dir(k.p("dir")).unwrap();
     let f3 = OpenOptions::new()
         .create(true)
+        .truncate(false)
         .write(true)
         .open(k.p("dir/in-dir"))
         .unwrap();

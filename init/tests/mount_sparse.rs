@@ -34,6 +34,7 @@ fn sparse_file_larger_than_4gib() {
     let p = k.p("huge.bin");
     let f = OpenOptions::new()
         .create(true)
+        .truncate(false)
         .read(true)
         .write(true)
         .open(&p)
@@ -95,6 +96,7 @@ fn seek_data_and_seek_hole() {
     let p = k.p("holes.bin");
     let f = OpenOptions::new()
         .create(true)
+        .truncate(false)
         .read(true)
         .write(true)
         .open(&p)
@@ -156,6 +158,7 @@ fn fallocate_modes() {
     let p = k.p("alloc.bin");
     let f = OpenOptions::new()
         .create(true)
+        .truncate(false)
         .read(true)
         .write(true)
         .open(&p)

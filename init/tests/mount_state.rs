@@ -82,7 +82,7 @@ fn expect_refused(state: &Path, scratch: &Path, what: &str) -> String {
 fn second_mount_on_same_state_is_refused() {
     let mut k = keel_or_skip!();
     fs::write(k.p("f"), b"first").unwrap();
-    let stderr = expect_refused(&k.state.clone(), &k.scratch().to_path_buf(), "second mount");
+    let stderr = expect_refused(&k.state, k.scratch(), "second mount");
     eprintln!("second mount refused with: {stderr}");
     // The first mount is unaffected.
     assert_eq!(fs::read(k.p("f")).unwrap(), b"first");
@@ -137,11 +137,7 @@ fn corrupt_state_dir_is_refused_and_left_untouched() {
         std::os::unix::fs::FileExt::write_all_at(&f, &pattern(4096, 99), 0).unwrap();
     }
     let before = file_digests(&k.state);
-    let stderr = expect_refused(
-        &k.state.clone(),
-        &k.scratch().to_path_buf(),
-        "corrupt state",
-    );
+    let stderr = expect_refused(&k.state, k.scratch(), "corrupt state");
     eprintln!("corrupt state refused with: {stderr}");
     assert_untouched(&before, &file_digests(&k.state), "a corrupt state dir");
 }
@@ -198,6 +194,7 @@ fn full_state_volume_gives_enospc_and_recovers() {
     let chunk = pattern(1 << 20, 6);
     let mut f = OpenOptions::new()
         .create(true)
+        .truncate(false)
         .write(true)
         .open(k.p("filler.bin"))
         .unwrap();
