@@ -865,32 +865,51 @@ fn many_threads_in_parallel() {
 }
 
 /// Found by the differential test (seed 1): a write through an open fd followed by a readdir
-/// of the parent (READDIRPLUS carries attributes) must not make the file look shorter.
+/// of the parent (READDIRPLUS carries attributes) must not make the file look shorter, whether
+/// the fd came from O_CREAT or from opening an existing file.
 #[test]
 fn readdir_after_write_through_open_fd_keeps_size_and_mtime() {
     let k = keel_or_skip!();
-    let p = k.p("f");
-    let f = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(&p)
-        .unwrap();
-    f.write_all_at(b"payload", 5000).unwrap();
-    let _ = fs::read_dir(&k.mnt).unwrap().count();
-    assert_eq!(fs::metadata(&p).unwrap().len(), 5007, "stat after readdir");
-    assert_eq!(f.metadata().unwrap().len(), 5007, "fstat after readdir");
-    reset_times(&p);
-    f.write_all_at(b"more", 6000).unwrap();
-    let _ = fs::read_dir(&k.mnt).unwrap().count();
-    assert_eq!(fs::metadata(&p).unwrap().len(), 6004);
-    assert_ne!(mtime_ns(&p), SENTINEL_NS, "mtime after write + readdir");
-    drop(f);
-    let data = fs::read(&p).unwrap();
-    assert_eq!(data.len(), 6004, "size after close");
-    assert_eq!(&data[5000..5007], b"payload");
-    assert_eq!(&data[6000..], b"more");
+    for existing in [false, true] {
+        let p = k.p(if existing { "existing" } else { "created" });
+        if existing {
+            fs::write(&p, b"").unwrap();
+        }
+        let f = OpenOptions::new()
+            .create(!existing)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&p)
+            .unwrap();
+        let what = if existing { "existing file" } else { "O_CREAT" };
+        f.write_all_at(b"payload", 5000).unwrap();
+        let _ = fs::read_dir(&k.mnt).unwrap().count();
+        assert_eq!(
+            fs::metadata(&p).unwrap().len(),
+            5007,
+            "{what}: stat after readdir"
+        );
+        assert_eq!(
+            f.metadata().unwrap().len(),
+            5007,
+            "{what}: fstat after readdir"
+        );
+        reset_times(&p);
+        f.write_all_at(b"more", 6000).unwrap();
+        let _ = fs::read_dir(&k.mnt).unwrap().count();
+        assert_eq!(fs::metadata(&p).unwrap().len(), 6004, "{what}");
+        assert_ne!(
+            mtime_ns(&p),
+            SENTINEL_NS,
+            "{what}: mtime after write + readdir"
+        );
+        drop(f);
+        let data = fs::read(&p).unwrap();
+        assert_eq!(data.len(), 6004, "{what}: size after close");
+        assert_eq!(&data[5000..5007], b"payload");
+        assert_eq!(&data[6000..], b"more");
+    }
 }
 
 /// Found by the differential test (seeds 2, 3): fallocate changes mtime and ctime, in every
