@@ -351,15 +351,23 @@ impl WorkspaceFs {
     /// inodes that were unlinked while open when keel last stopped.
     pub fn new(state_dir: &Path, opts: FsOptions) -> Result<WorkspaceFs, FsError> {
         // Space held back for opening the store (WAL recovery) even on a volume that filled
-        // up while keel last ran: given back now, taken again once the store is open.
+        // up while keel last ran: given back only if opening fails, retaken once open.
         let boot_reserve = state_dir.join("reserve.boot");
-        if boot_reserve.exists() {
-            File::options()
-                .write(true)
-                .open(&boot_reserve)?
-                .set_len(0)?;
-        }
-        let store = Store::open(&state_dir.join("meta.db"), now())?;
+        let db = state_dir.join("meta.db");
+        let store = match Store::open(&db, now()) {
+            Ok(s) => s,
+            // A foreign or corrupt store is refused as it is: nothing in the dir is touched.
+            Err(e @ MetaError::Foreign { .. }) => return Err(e.into()),
+            Err(first) if boot_reserve.exists() => {
+                tracing::warn!(error = %first, "cannot open the store; retrying with the space reserve");
+                File::options()
+                    .write(true)
+                    .open(&boot_reserve)?
+                    .set_len(0)?;
+                Store::open(&db, now())?
+            }
+            Err(e) => return Err(e.into()),
+        };
         let boot_reserve = Reserve::open(&boot_reserve, RESERVE_BYTES);
         let bodies = BodyStore::open(&state_dir.join("bodies"))
             .map_err(|e| FsError::Io(io::Error::other(e.to_string())))?;
@@ -501,6 +509,13 @@ impl WorkspaceFs {
         Ok(())
     }
 
+    /// Attributes as the kernel must see them: first picks up passthrough writes, so that no
+    /// reply (lookup, readdirplus, ...) hands the kernel a stale size.
+    fn fresh_attr(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<Attr> {
+        self.sync_from_body(inner, ino)?;
+        self.attr_locked(inner, ino)
+    }
+
     fn attr_locked(&self, inner: &Inner, ino: InodeNo) -> FsResult<Attr> {
         let inode = Self::load(inner, ino)?;
         let body = inner
@@ -537,7 +552,10 @@ impl WorkspaceFs {
     /// inode numbers are never reused, so no new body can take its name meanwhile).
     fn discard_body(&self, ino: InodeNo) {
         let sender = self.discard.lock().unwrap_or_else(|p| p.into_inner());
-        let sent = sender.as_ref().map(|s| s.send(ino.0).is_ok()).unwrap_or(false);
+        let sent = sender
+            .as_ref()
+            .map(|s| s.send(ino.0).is_ok())
+            .unwrap_or(false);
         if !sent {
             if let Err(e) = self.bodies.remove(ino.0) {
                 tracing::warn!(ino = ino.0, error = %e, "cannot remove a body file");
@@ -696,7 +714,7 @@ impl WorkspaceFs {
                     .ino
             }
         };
-        let attr = self.attr_locked(inner, ino)?;
+        let attr = self.fresh_attr(inner, ino)?;
         Self::remember(inner, ino);
         Ok(attr)
     }
@@ -719,7 +737,7 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
-        self.attr_locked(inner, ino)
+        self.fresh_attr(inner, ino)
     }
 
     pub fn setattr(&self, ino: InodeNo, set: &SetAttr) -> FsResult<Attr> {
@@ -774,7 +792,7 @@ impl WorkspaceFs {
             Self::rebase(inner, ino)?;
             self.settle(inner, ino)?;
         }
-        self.attr_locked(inner, ino)
+        self.fresh_attr(inner, ino)
     }
 
     pub fn readlink(&self, ino: InodeNo) -> FsResult<Vec<u8>> {
@@ -995,7 +1013,7 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
         Self::remember(inner, ino);
-        self.attr_locked(inner, ino)
+        self.fresh_attr(inner, ino)
     }
 
     /// Is `dir` equal to `ancestor` or below it?
@@ -1515,12 +1533,11 @@ impl WorkspaceFs {
         if mode & (PUNCH | ZERO) != 0 && offset < zero_end {
             of.touch(offset, zero_end, self.opts.chunk_size);
         }
-        if grows || mode & (PUNCH | ZERO) != 0 {
-            let t = now();
-            of.inode.mtime = t;
-            of.inode.ctime = t;
-            of.dirty = true;
-        }
+        // Like ext4 and tmpfs: every successful fallocate is a modification.
+        let t = now();
+        of.inode.mtime = t;
+        of.inode.ctime = t;
+        of.dirty = true;
         let inode = of.inode.clone();
         let mut tx = Batch::new(&inner.store)?;
         tx.save(&inner.nodes, &inode)?;
@@ -1649,7 +1666,7 @@ impl WorkspaceFs {
         };
         let entries: Vec<DirEntry> = entries.iter().skip(offset as usize).cloned().collect();
         for (i, e) in entries.iter().enumerate() {
-            let attr = match self.attr_locked(inner, e.ino) {
+            let attr = match self.fresh_attr(inner, e.ino) {
                 Ok(a) => a,
                 // Removed since opendir: skip it.
                 Err(FsError::NotFound) => continue,
@@ -1824,8 +1841,16 @@ impl WorkspaceFs {
     pub fn shutdown(&self) -> FsResult<()> {
         self.sync_all()?;
         // Finish removing discarded bodies before the state dir is handed on.
-        self.discard.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(t) = self.discarder.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        self.discard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(t) = self
+            .discarder
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
             let _ = t.join();
         }
         self.lock().store.checkpoint()?;

@@ -236,12 +236,29 @@ impl Mounted {
     pub fn unmount(mut self) -> Result<(), SessionError> {
         let flushed = self.flush();
         let session = self.session.take().expect("session present until unmount");
-        session
-            .umount_and_join()
-            .map_err(|source| SessionError::Unmount {
-                path: self.mount_point.clone(),
-                source,
-            })?;
+        match session.umount_and_join() {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                // Something still has files open or its cwd inside. Everything acknowledged
+                // is synced; detach so the mount point is not left dead behind us.
+                tracing::warn!(
+                    mount_point = %self.mount_point.display(),
+                    "mount point busy: detaching it; processes still inside lose access"
+                );
+                sys::file::detach_mount(&self.mount_point).map_err(|source| {
+                    SessionError::Unmount {
+                        path: self.mount_point.clone(),
+                        source,
+                    }
+                })?;
+            }
+            Err(source) => {
+                return Err(SessionError::Unmount {
+                    path: self.mount_point.clone(),
+                    source,
+                })
+            }
+        }
         flushed?;
         self.fs
             .shutdown()
