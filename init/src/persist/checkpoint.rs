@@ -136,6 +136,9 @@ pub struct PersistParams {
 
 /// Bytes of windows hashed per batch (bounds memory while uploading).
 const BATCH_BYTES: u64 = 64 << 20;
+/// Deltas may add up to the size of the last full snapshot (at least this) before the next
+/// checkpoint compacts them into a full one.
+const COMPACT_FLOOR: u64 = 256 << 10;
 /// Body modification times are coarse: rescan bodies modified this close to the point.
 const MTIME_SLACK_NS: i64 = 2_000_000_000;
 
@@ -351,7 +354,7 @@ impl Persister {
             || !trusted
             || old_cs != Some(cs)
             || deltas + 1 >= u64::from(self.params.compact_every)
-            || (full_bytes > 0 && delta_bytes > full_bytes);
+            || delta_bytes > full_bytes.max(COMPACT_FLOOR);
         if pending.is_empty() && !full {
             return Ok(CheckpointReport {
                 elapsed: t0.elapsed(),

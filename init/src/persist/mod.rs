@@ -25,6 +25,7 @@ pub use checkpoint::{
 };
 pub use remote::{Counted, FsRemote, MemRemote, Remote, RemoteError};
 pub use repo::Repo;
+pub use service::Service;
 
 use crate::config::{PersistConfig, WorkspaceConfig};
 
