@@ -42,15 +42,18 @@ fn restore_roundtrip_across_deltas_and_compaction() {
     let mut history = vec![(s1, at1.clone())];
     for round in 0..10u64 {
         match round % 5 {
-            0 => fs
-                .rename(
-                    keel::meta::InodeNo::ROOT,
-                    b"empty",
-                    keel::meta::InodeNo::ROOT,
-                    format!("empty{round}").as_bytes(),
+            0 => {
+                write_file(&fs, &format!("r{round}"), b"renamed");
+                let root = keel::meta::InodeNo::ROOT;
+                fs.rename(
+                    root,
+                    format!("r{round}").as_bytes(),
+                    root,
+                    format!("r{round}b").as_bytes(),
                     0,
                 )
-                .unwrap_or(()),
+                .unwrap();
+            }
             1 => write_at(
                 &fs,
                 resolve(&fs, "d/e/big"),

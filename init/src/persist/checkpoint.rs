@@ -385,7 +385,8 @@ impl Persister {
                     inodes.push(i);
                     Ok(())
                 })?;
-                for i in inodes {
+                // Unlinked but still open: not part of the tree.
+                for i in inodes.into_iter().filter(|i| i.nlink > 0) {
                     totals.0 += 1;
                     if i.kind == Kind::File {
                         totals.1 += i.size;
@@ -414,7 +415,7 @@ impl Persister {
                 let mut touched: BTreeSet<InodeNo> = view.pending_inodes()?.into_iter().collect();
                 touched.extend(win_by_ino.keys().copied());
                 for ino in touched {
-                    let Some(i) = view.get(ino)? else {
+                    let Some(i) = view.get(ino)?.filter(|i| i.nlink > 0) else {
                         body.deleted.push(ino.0);
                         continue;
                     };
@@ -779,6 +780,9 @@ fn totals_of(view: &Tx<'_>) -> Result<(u64, u64), MetaError> {
     let mut n = 0;
     let mut bytes = 0;
     view.for_each_inode(|i| {
+        if i.nlink == 0 {
+            return Ok(());
+        }
         n += 1;
         if i.kind == Kind::File {
             bytes += i.size;

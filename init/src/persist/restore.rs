@@ -67,8 +67,26 @@ pub fn resolve_seq(repo: &Repo, seq: Option<u64>) -> Result<u64, RestoreError> {
 }
 
 /// Restores snapshot `seq` (default: the head) of `repo` into `state_dir`, which must be
-/// empty or absent. The caller holds the state dir lock.
+/// empty or absent. The caller holds the state dir lock. A restore that fails removes what
+/// it wrote.
 pub fn restore(
+    repo: &mut Repo,
+    seq: Option<u64>,
+    state_dir: &Path,
+    progress: bool,
+) -> Result<RestoreReport, RestoreError> {
+    let r = restore_inner(repo, seq, state_dir, progress);
+    if r.is_err() && !matches!(r, Err(RestoreError::StateDir { .. })) {
+        // Leave the state dir empty again.
+        let _ = std::fs::remove_dir_all(state_dir.join("bodies"));
+        for f in ["meta.db", "meta.db-wal", "meta.db-shm"] {
+            let _ = std::fs::remove_file(state_dir.join(f));
+        }
+    }
+    r
+}
+
+fn restore_inner(
     repo: &mut Repo,
     seq: Option<u64>,
     state_dir: &Path,
