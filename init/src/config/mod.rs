@@ -12,9 +12,9 @@ pub mod workspace;
 
 pub use control::ControlConfig;
 pub use init::{ForwardTo, InitConfig, Rlimit};
+pub use persist::{FsyncMode, PersistConfig};
 pub use service::{Probe, Readiness, Restart, ServiceConfig};
 pub use shutdown::ShutdownConfig;
-pub use persist::{FsyncMode, PersistConfig};
 pub use workspace::{CacheMode, FuseUnavailable, Passthrough, WorkspaceConfig};
 
 use serde::Deserialize;

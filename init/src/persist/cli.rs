@@ -127,6 +127,13 @@ pub fn checkpoint_main(args: Vec<OsString>) -> i32 {
         } else {
             "checkpoint"
         };
+        if let Some(mp) = control::request(state, "mount-point", Duration::from_secs(60))? {
+            // Push what the kernel still caches for the mount into keel first; from this
+            // process, so a keel killed meanwhile cannot deadlock on its own mount.
+            if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
+                eprintln!("keel: checkpoint: syncfs {mp}: {e} (checkpointing what keel has)");
+            }
+        }
         if let Some(r) = control::request(state, cmd, Duration::from_secs(3600))? {
             println!("{r}");
             return Ok(0);

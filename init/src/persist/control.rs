@@ -1,5 +1,5 @@
 //! The control socket `<state>/control.sock`: a running keel answers one-line commands
-//! (`checkpoint`, `checkpoint full`, `gc`, `status`) with one line, `ok <text>` or
+//! (`checkpoint`, `checkpoint full`, `gc`, `status`, `mount-point`) with one line, `ok <text>` or
 //! `error <text>`. `keel checkpoint` and `keel gc` use it to reach a mounted workspace.
 
 use std::io::{BufRead, BufReader, Write};
@@ -57,6 +57,15 @@ fn answer(cmd: &str, tx: &Sender<Cmd>) -> String {
             }
             rx.recv()
                 .map(|s| format!("ok {s}"))
+                .unwrap_or_else(|_| gone())
+        }
+        "mount-point" => {
+            let (reply, rx) = mpsc::channel();
+            if tx.send(Cmd::MountPoint { reply }).is_err() {
+                return gone();
+            }
+            rx.recv()
+                .map(|p| format!("ok {}", p.display()))
                 .unwrap_or_else(|_| gone())
         }
         other => format!("error unknown command `{other}`"),

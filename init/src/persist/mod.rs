@@ -25,7 +25,7 @@ pub use checkpoint::{
 };
 pub use remote::{Counted, FsRemote, MemRemote, Remote, RemoteError};
 pub use repo::Repo;
-pub use service::Service;
+pub use service::{CheckpointHandle, PersistState, Service};
 
 use crate::config::{PersistConfig, WorkspaceConfig};
 

@@ -57,6 +57,12 @@ pub(crate) enum Cmd {
     Status {
         reply: Sender<String>,
     },
+    State {
+        reply: Sender<PersistState>,
+    },
+    MountPoint {
+        reply: Sender<PathBuf>,
+    },
     /// Stop periodic work (the filesystem is about to go away).
     Pause {
         reply: Sender<()>,
@@ -70,6 +76,45 @@ pub(crate) enum Cmd {
     Close {
         clean: bool,
     },
+}
+
+/// A cloneable handle to the running service, for other threads (the HTTP control API's
+/// `POST /checkpoint`, `/status`, `fsync = "remote"`).
+#[derive(Clone)]
+pub struct CheckpointHandle {
+    tx: Sender<Cmd>,
+}
+
+/// What the service reports for `/status`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PersistState {
+    pub backlog: Backlog,
+    pub last_seq: Option<u64>,
+    /// Wall-clock time of the last checkpoint, in ns since the epoch.
+    pub last_checkpoint_ns: Option<i64>,
+    pub remote: String,
+}
+
+impl CheckpointHandle {
+    /// Flushes the filesystem, takes a checkpoint and waits for it.
+    pub fn checkpoint_now(&self) -> Result<CheckpointReport, String> {
+        let (reply, rx) = mpsc::channel();
+        self.tx
+            .send(Cmd::Checkpoint { full: false, reply })
+            .map_err(|_| "checkpoint service stopped".to_string())?;
+        rx.recv()
+            .map_err(|_| "checkpoint service stopped".to_string())?
+    }
+
+    /// Backlog and last checkpoint (waits for a checkpoint in progress).
+    pub fn state(&self) -> Result<PersistState, String> {
+        let (reply, rx) = mpsc::channel();
+        self.tx
+            .send(Cmd::State { reply })
+            .map_err(|_| "checkpoint service stopped".to_string())?;
+        rx.recv()
+            .map_err(|_| "checkpoint service stopped".to_string())
+    }
 }
 
 pub struct Service {
@@ -87,6 +132,7 @@ struct Worker {
     flush: FlushFn,
     since_gc: u32,
     paused: bool,
+    mount_point: PathBuf,
 }
 
 impl Worker {
@@ -155,6 +201,17 @@ impl Worker {
         )
     }
 
+    fn state(&self) -> PersistState {
+        let r = self.p.store().read();
+        let get = |k: &str| r.persist_get(k).ok().flatten();
+        PersistState {
+            backlog: self.p.backlog().unwrap_or_default(),
+            last_seq: get("last_seq").and_then(|v| v.parse().ok()),
+            last_checkpoint_ns: get("last_checkpoint_ns").and_then(|v| v.parse().ok()),
+            remote: self.p.repo().describe(),
+        }
+    }
+
     fn run(mut self, rx: Receiver<Cmd>, interval: Duration) {
         // Changes left from the last run (a failed final checkpoint) go first.
         let mut next = if self.p.has_changes().unwrap_or(false) && !interval.is_zero() {
@@ -206,6 +263,12 @@ impl Worker {
                 Ok(Cmd::Status { reply }) => {
                     let _ = reply.send(self.status());
                 }
+                Ok(Cmd::State { reply }) => {
+                    let _ = reply.send(self.state());
+                }
+                Ok(Cmd::MountPoint { reply }) => {
+                    let _ = reply.send(self.mount_point.clone());
+                }
                 Ok(Cmd::Pause { reply }) => {
                     self.paused = true;
                     let _ = reply.send(());
@@ -250,6 +313,7 @@ impl Service {
             flush,
             since_gc: 0,
             paused: false,
+            mount_point: ws.mount_point.clone(),
         };
         let interval = cfg.interval;
         let handle = std::thread::Builder::new()

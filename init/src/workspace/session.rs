@@ -245,13 +245,13 @@ fn start_persist(
     m: &Mounted,
 ) -> Result<Option<crate::persist::Service>, SessionError> {
     let fs = m.fs.clone();
-    let mp = m.mount_point.clone();
-    let flush: crate::persist::service::FlushFn = Box::new(move || {
-        if let Err(e) = sys::file::syncfs(&mp) {
-            tracing::debug!(error = %e, "syncfs of the mount failed before a checkpoint");
-        }
-        fs.sync_all().map_err(|e| e.to_string())
-    });
+    // Never touch the mount point from inside the daemon here (no syncfs of the mount): a
+    // thread blocked on its own mount keeps a killed keel from ever exiting. Pages still in
+    // the kernel's writeback cache reach the store at their writeback, `keel checkpoint`
+    // syncs the mount from its own process first, and the final checkpoint follows
+    // `Mounted::flush`.
+    let flush: crate::persist::service::FlushFn =
+        Box::new(move || fs.sync_all().map_err(|e| e.to_string()));
     crate::persist::Service::start(cfg, p, flush).map_err(|e| SessionError::Persist(e.to_string()))
 }
 
@@ -278,6 +278,11 @@ impl Mounted {
     /// The checkpoint service, when checkpoints are on.
     pub fn persist(&self) -> Option<&crate::persist::Service> {
         self.persist.as_ref()
+    }
+
+    /// The checkpoint service, e.g. to set the final checkpoint's budget.
+    pub fn persist_mut(&mut self) -> Option<&mut crate::persist::Service> {
+        self.persist.as_mut()
     }
 
     /// Flushes (every open handle's dirty data into the store), takes the final checkpoint

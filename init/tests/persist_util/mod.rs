@@ -22,6 +22,7 @@ pub fn fs_opts() -> FsOptions {
         cache: CacheMode::Auto,
         inline_max: 4096,
         chunk_size: CHUNK,
+        passthrough: Default::default(),
     }
 }
 
