@@ -99,10 +99,30 @@ fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> {
         .map_err(|e| format!("lock {}: {e}", state.display()))?
         .ok_or_else(|| {
             format!(
-                "state dir {} is in use by a running keel that does not answer on control.sock",
+                "state dir {} is in use by a running keel that does not answer on control.sock (checkpoints off, or still starting)",
                 state.display()
             )
         })
+}
+
+/// Asks the running keel; while the state dir is locked but the socket is not up yet (keel
+/// is starting), retries for a few seconds. `None`: no keel runs there.
+fn ask(state: &Path, cmd: &str) -> Result<Option<String>, String> {
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Some(r) = control::request(state, cmd, Duration::from_secs(3600))? {
+            return Ok(Some(r));
+        }
+        let held = state.join("lock").exists()
+            && sys::file::try_lock(&state.join("lock"))
+                .ok()
+                .flatten()
+                .is_none();
+        if !held || t0.elapsed() > Duration::from_secs(5) {
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 fn run(what: &str, f: impl FnOnce() -> Result<i32, String>) -> i32 {
@@ -127,7 +147,7 @@ pub fn checkpoint_main(args: Vec<OsString>) -> i32 {
         } else {
             "checkpoint"
         };
-        if let Some(mp) = control::request(state, "mount-point", Duration::from_secs(60))? {
+        if let Some(mp) = ask(state, "mount-point")? {
             // Push what the kernel still caches for the mount into keel first; from this
             // process, so a keel killed meanwhile cannot deadlock on its own mount.
             if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
@@ -163,7 +183,7 @@ pub fn gc_main(args: Vec<OsString>) -> i32 {
         let a = parse(args)?;
         let cfg = load(&a)?;
         let state = &cfg.workspace.state_dir;
-        if let Some(r) = control::request(state, "gc", Duration::from_secs(3600))? {
+        if let Some(r) = ask(state, "gc")? {
             println!("{r}");
             return Ok(0);
         }
