@@ -62,7 +62,7 @@ impl Default for PersistConfig {
             compact_every: 32,
             gc_grace: Duration::from_secs(15 * 60),
             gc_every: 16,
-            flush_timeout: Duration::from_secs(6),
+            flush_timeout: Duration::from_secs(2),
             concurrency: 16,
             endpoint: None,
             region: None,

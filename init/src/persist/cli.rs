@@ -99,7 +99,7 @@ fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> {
         .map_err(|e| format!("lock {}: {e}", state.display()))?
         .ok_or_else(|| {
             format!(
-                "state dir {} is in use by a running keel that does not answer on control.sock (checkpoints off, or still starting)",
+                "state dir {} is in use by a running keel that does not answer on persist.sock (checkpoints off, or still starting)",
                 state.display()
             )
         })
@@ -157,6 +157,15 @@ pub fn checkpoint_main(args: Vec<OsString>) -> i32 {
         if let Some(r) = control::request(state, cmd, Duration::from_secs(3600))? {
             println!("{r}");
             return Ok(0);
+        }
+        // keel run without persist.sock: its HTTP control API may still take the request.
+        let http = state.join(crate::config::control::SOCKET_NAME);
+        if http.exists() {
+            if let Ok((code, body)) = crate::control::client::request(&http, "POST", "/checkpoint")
+            {
+                println!("{}", body.trim());
+                return Ok(if code == 200 { 0 } else { 1 });
+            }
         }
         let _lock = lock_offline(state)?;
         let mut p = Persister::open(state, repo_of(&cfg)?, params(&cfg.workspace, &cfg.persist))

@@ -1,4 +1,6 @@
-//! The control socket `<state>/control.sock`: a running keel answers one-line commands
+//! The persist socket `<state>/persist.sock` (next to the HTTP control API's
+//! `control.sock`, which serves `POST /checkpoint` through `CheckpointHandle` under `keel
+//! run`): a running keel answers one-line commands
 //! (`checkpoint`, `checkpoint full`, `gc`, `status`, `mount-point`) with one line, `ok <text>` or
 //! `error <text>`. `keel checkpoint` and `keel gc` use it to reach a mounted workspace.
 
@@ -12,6 +14,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::service::Cmd;
+
+/// File name of the socket inside the state dir.
+pub const SOCKET_NAME: &str = "persist.sock";
 
 pub struct Server {
     path: PathBuf,
@@ -127,7 +132,7 @@ impl Drop for Server {
 
 /// Sends a command to the keel running on `state_dir`. `Ok(None)`: nobody is listening.
 pub fn request(state_dir: &Path, cmd: &str, timeout: Duration) -> Result<Option<String>, String> {
-    let path = state_dir.join("control.sock");
+    let path = state_dir.join(SOCKET_NAME);
     let Ok(mut s) = UnixStream::connect(&path) else {
         return Ok(None);
     };

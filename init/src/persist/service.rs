@@ -320,7 +320,7 @@ impl Service {
             .name("keel-checkpoint".into())
             .spawn(move || worker.run(rx, interval))
             .map_err(ServiceError::Spawn)?;
-        let sock = state.join("control.sock");
+        let sock = state.join(super::control::SOCKET_NAME);
         let control =
             control::Server::start(&sock, tx.clone()).map_err(|source| ServiceError::Control {
                 path: sock.clone(),
