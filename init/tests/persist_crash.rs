@@ -368,3 +368,95 @@ fn kill9_crash_loop_keeps_fsynced_files_and_fsck_clean() {
     assert!(child.wait().unwrap().success());
     println!("crash loop: {iterations} kills, {verified} fsync-acknowledged files verified, {} files restored", local.len());
 }
+
+/// A state volume that fills up: writers get ENOSPC (not EIO, not a hang), keel stops
+/// cleanly, and fsck of the state dir stays clean.
+#[test]
+fn enospc_on_a_tiny_state_volume_keeps_fsck_clean() {
+    if !can_mount() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let vol = dir.path().join("vol");
+    fs::create_dir_all(&vol).unwrap();
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=24m", "tmpfs"])
+        .arg(&vol)
+        .status()
+        .unwrap();
+    assert!(ok.success(), "mount tmpfs");
+    struct Umount(PathBuf);
+    impl Drop for Umount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _u = Umount(vol.clone());
+    let config = dir.path().join("config.toml");
+    // The remote lives outside the small volume.
+    fs::write(
+        &config,
+        format!(
+            "[persist]\ninterval = \"0s\"\nremote = \"file://{}\"\n",
+            dir.path().join("remote").display()
+        ),
+    )
+    .unwrap();
+    let rig = Rig {
+        state: vol.join("state"),
+        mnt: dir.path().join("mnt"),
+        config,
+        _dir: tempfile::tempdir().unwrap(),
+    };
+    let m = rig.mount();
+    let mut got_enospc = false;
+    let mut written = 0u64;
+    'outer: for i in 0..100 {
+        let mut f = match File::create(rig.mnt.join(format!("f{i}"))) {
+            Ok(f) => f,
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                got_enospc = true;
+                break;
+            }
+            Err(e) => panic!("create: {e}"),
+        };
+        let chunk = vec![0xabu8; 1 << 20];
+        for _ in 0..4 {
+            match f.write_all(&chunk).and_then(|_| f.sync_all()) {
+                Ok(()) => written += chunk.len() as u64,
+                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                    got_enospc = true;
+                    break 'outer;
+                }
+                Err(e) => panic!("write after {written} bytes: {e} (expected ENOSPC)"),
+            }
+        }
+    }
+    assert!(
+        got_enospc,
+        "wrote {written} bytes to a 24 MiB volume without ENOSPC"
+    );
+    // Make room and stop cleanly: the final checkpoint goes to the remote outside.
+    for i in 0..100 {
+        let _ = fs::remove_file(rig.mnt.join(format!("f{i}")));
+        if i > 2 {
+            break;
+        }
+    }
+    let mut child = m.take();
+    Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    let st = child.wait().unwrap();
+    let (ok, out) = rig.keel(&["fsck"]);
+    assert!(
+        ok && !out.contains("error:"),
+        "fsck after ENOSPC (keel exit {st}):\n{out}"
+    );
+    println!(
+        "enospc: {written} bytes written before ENOSPC; keel exit {st}; {}",
+        out.lines().last().unwrap_or("")
+    );
+}

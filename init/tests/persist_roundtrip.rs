@@ -134,3 +134,35 @@ fn restored_state_checkpoints_incrementally() {
     let (_d, got) = restore_into(remote, None);
     assert_eq!(got, dump(&fs));
 }
+
+/// keel killed while files were being written: bytes that reached a body without the write
+/// being recorded are found at the next start (body newer than the last point where every
+/// write was recorded) and go into the next checkpoint.
+#[test]
+fn unrecorded_writes_after_a_crash_are_checkpointed() {
+    let dir = tempfile::tempdir().unwrap();
+    let remote: Arc<dyn Remote> = Arc::new(MemRemote::new());
+    let fs = open_fs(dir.path());
+    let ino = write_file(&fs, "f", &noise(3, 4 * CHUNK as usize));
+    {
+        let mut p = persister(dir.path(), remote.clone());
+        p.mark_running(true).unwrap();
+        checkpoint(&mut p);
+        // A write the filesystem had not recorded when keel died: straight into the body.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let body = dir
+            .path()
+            .join("bodies")
+            .join(format!("{:02x}/{:x}", ino.0 & 0xff, ino.0));
+        let f = std::fs::OpenOptions::new().write(true).open(body).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, b"unrecorded", 2 * CHUNK + 5).unwrap();
+        // (killed: no mark_running(false))
+    }
+    let mut p = persister(dir.path(), remote.clone());
+    let r = checkpoint(&mut p);
+    assert!(r.windows_hashed >= 1 && r.chunks_uploaded == 1, "{r}");
+    let (_d, got) = restore_into(remote, None);
+    assert_eq!(got, dump(&fs));
+    let bytes = read_all(&fs, ino).unwrap();
+    assert_eq!(&bytes[(2 * CHUNK + 5) as usize..][..10], b"unrecorded");
+}
