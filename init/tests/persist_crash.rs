@@ -457,3 +457,92 @@ fn enospc_on_a_tiny_state_volume_keeps_fsck_clean() {
         out.lines().last().unwrap_or("")
     );
 }
+
+/// `keel checkpoint`, `keel snapshot list` and `keel gc` against a mounted workspace over its
+/// socket; then SIGTERM while a process still holds a file open with written, unflushed
+/// data: the final checkpoint carries it, and a restore of the remote shows it.
+#[test]
+fn cli_over_socket_and_sigterm_with_open_files() {
+    if !can_mount() {
+        return;
+    }
+    let rig = Rig::new();
+    fs::write(
+        &rig.config,
+        "[persist]\ninterval = \"0s\"\nflush_timeout = \"20s\"\n",
+    )
+    .unwrap();
+    let m = rig.mount();
+    fs::create_dir_all(rig.mnt.join("d")).unwrap();
+    fs::write(rig.mnt.join("d/a"), vec![7u8; 3 << 20]).unwrap();
+    let (ok, out) = rig.keel(&["checkpoint"]);
+    assert!(ok && out.contains("snapshot"), "{out}");
+    let (ok, out) = rig.keel(&["snapshot", "list"]);
+    assert!(ok && out.contains("(head)"), "{out}");
+    let (ok, out) = rig.keel(&["gc"]);
+    assert!(ok && out.contains("kept"), "{out}");
+    // A writer that never closes or fsyncs.
+    let mut open = File::create(rig.mnt.join("d/open")).unwrap();
+    open.write_all(b"written but never flushed by the writer")
+        .unwrap();
+    let mut child = m.take();
+    Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    let st = child.wait().unwrap();
+    drop(open);
+    detach(&rig.mnt);
+    // The writer kept the mount busy, but the final checkpoint ran before the unmount.
+    let restored = rig._dir.path().join("restored");
+    let remote = format!("file://{}", rig.state.join("remote").display());
+    let out = Command::new(KEEL)
+        .args(["snapshot", "restore", "latest", "--state"])
+        .arg(&restored)
+        .arg("--remote")
+        .arg(&remote)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "restore: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rig2 = Rig {
+        state: restored,
+        mnt: rig._dir.path().join("mnt2"),
+        config: rig.config.clone(),
+        _dir: tempfile::tempdir().unwrap(),
+    };
+    let m2 = rig2.mount();
+    assert_eq!(
+        fs::read(rig2.mnt.join("d/open")).unwrap(),
+        b"written but never flushed by the writer",
+        "keel exit {st}"
+    );
+    assert_eq!(fs::read(rig2.mnt.join("d/a")).unwrap(), vec![7u8; 3 << 20]);
+    let mut c2 = m2.take();
+    Command::new("kill")
+        .arg("-TERM")
+        .arg(c2.id().to_string())
+        .status()
+        .unwrap();
+    assert!(c2.wait().unwrap().success());
+    // The restored state dir checkpointed to its own (new) remote: complete there too.
+    let (ok, out) = rig2.keel(&["fsck"]);
+    assert!(ok && out.contains(" 0 errors"), "{out}");
+    let again = rig._dir.path().join("again");
+    let out = Command::new(KEEL)
+        .args(["snapshot", "restore", "latest", "--state"])
+        .arg(&again)
+        .arg("--remote")
+        .arg(format!("file://{}", rig2.state.join("remote").display()))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "restore from the second remote: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -342,8 +342,11 @@ impl Persister {
                 kv_u64(&r, "base_seq")?,
             )
         };
-        if old_cs.is_some_and(|c| c != cs) {
-            // Windows changed size: every chunk map is void.
+        if old_cs.is_some_and(|c| c != cs) || (!trusted && last_seq.is_some()) {
+            // Windows changed size, or this remote is not the one the chunk maps were
+            // uploaded to (a new remote, a restored state dir, a wiped bucket): every chunk
+            // map is void, so every window is hashed and offered to the remote again
+            // (chunks it already holds are not rewritten).
             let tx = self.store.write()?;
             tx.clear_file_chunks()?;
             tx.commit()?;

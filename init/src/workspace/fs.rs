@@ -537,7 +537,10 @@ impl WorkspaceFs {
     /// inode numbers are never reused, so no new body can take its name meanwhile).
     fn discard_body(&self, ino: InodeNo) {
         let sender = self.discard.lock().unwrap_or_else(|p| p.into_inner());
-        let sent = sender.as_ref().map(|s| s.send(ino.0).is_ok()).unwrap_or(false);
+        let sent = sender
+            .as_ref()
+            .map(|s| s.send(ino.0).is_ok())
+            .unwrap_or(false);
         if !sent {
             if let Err(e) = self.bodies.remove(ino.0) {
                 tracing::warn!(ino = ino.0, error = %e, "cannot remove a body file");
@@ -1824,8 +1827,16 @@ impl WorkspaceFs {
     pub fn shutdown(&self) -> FsResult<()> {
         self.sync_all()?;
         // Finish removing discarded bodies before the state dir is handed on.
-        self.discard.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(t) = self.discarder.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        self.discard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(t) = self
+            .discarder
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
             let _ = t.join();
         }
         self.lock().store.checkpoint()?;
