@@ -11,6 +11,7 @@ pub mod control;
 pub mod format;
 pub mod fsck;
 pub mod gc;
+pub mod hydrate;
 pub mod objstore;
 pub mod remote;
 pub mod repo;
