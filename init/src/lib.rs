@@ -9,6 +9,7 @@ pub mod config;
 pub mod control;
 pub mod logging;
 pub mod meta;
+pub mod persist;
 pub mod run;
 pub mod shutdown;
 pub mod supervisor;

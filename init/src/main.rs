@@ -9,6 +9,10 @@ const USAGE: &str = "usage:
              [--threads N] [--config FILE] ...       (keel mount --help for all options)
                                                 mount the workspace in the foreground
   keel status [--socket PATH] [--config FILE]   print the running keel's status (JSON)
+  keel checkpoint [--state DIR] [--full]        checkpoint the workspace to its remote now
+  keel gc [--state DIR]                         remove old snapshots and unreferenced chunks
+  keel fsck --state DIR [--repair] [--quick]    check a stopped state dir and its remote
+  keel snapshot list|restore ID ...             list snapshots / restore one into an empty dir
   keel [--config FILE] [--] CMD [ARGS...]       same as `keel run`";
 
 fn main() {
@@ -21,6 +25,22 @@ fn main() {
         Some("status") => {
             args.remove(0);
             keel::control::client::status_main(args)
+        }
+        Some("checkpoint") => {
+            args.remove(0);
+            keel::persist::cli::checkpoint_main(args)
+        }
+        Some("gc") => {
+            args.remove(0);
+            keel::persist::cli::gc_main(args)
+        }
+        Some("fsck") => {
+            args.remove(0);
+            keel::persist::cli::fsck_main(args)
+        }
+        Some("snapshot") => {
+            args.remove(0);
+            keel::persist::cli::snapshot_main(args)
         }
         Some("run") => {
             args.remove(0);

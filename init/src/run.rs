@@ -153,9 +153,47 @@ fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Se
     let mounted = mount_workspace(&cfg)?;
     if let Some(m) = &mounted {
         give_fresh_workspace_to_user(&cfg, m.mount_point());
+        if let Some(p) = m.persist() {
+            publish_checkpoints(control.status(), p.handle());
+        }
     }
     control.status().mounted(&cfg, mounted.as_ref());
     Ok((cfg, booted, supervisor, mounted, control))
+}
+
+/// `POST /checkpoint` takes a real checkpoint to the remote, and `/status` shows the backlog.
+fn publish_checkpoints(
+    status: &crate::control::StatusHandle,
+    h: crate::persist::service::CheckpointHandle,
+) {
+    let publish = {
+        let status = status.clone();
+        move |h: &crate::persist::service::CheckpointHandle| {
+            if let Ok(st) = h.state() {
+                status.update_persist(|p| {
+                    p.dirty_bytes = Some(st.backlog.bytes);
+                    p.dirty_files = Some(st.backlog.files);
+                    p.remote_backlog_bytes = Some(st.backlog.bytes);
+                    p.last_checkpoint = st.last_checkpoint_ns.map(|ns| {
+                        std::time::UNIX_EPOCH + std::time::Duration::from_nanos(ns.max(0) as u64)
+                    });
+                });
+            }
+        }
+    };
+    publish(&h);
+    status.set_checkpoint(Box::new(move || {
+        let r = h.checkpoint_now()?;
+        publish(&h);
+        Ok(crate::control::CheckpointReport {
+            done: r.to_string(),
+            remote: true,
+            files: Some(r.inodes),
+            chunks_uploaded: Some(r.chunks_uploaded),
+            bytes_uploaded: Some(r.chunk_bytes_uploaded),
+            checkpoint: r.seq.map(|s| s.to_string()),
+        })
+    }));
 }
 
 /// A fresh (empty, root-owned) workspace is handed to the user the main command runs as, so
@@ -191,21 +229,29 @@ fn give_fresh_workspace_to_user(cfg: &Config, mount_point: &std::path::Path) {
 fn mount_workspace(cfg: &Config) -> Result<Option<crate::workspace::Mounted>, RunError> {
     match boot::check_workspace(cfg)? {
         WorkspacePlan::Disabled | WorkspacePlan::PlainDir(_) => Ok(None),
-        WorkspacePlan::Fuse => match crate::workspace::mount(&cfg.workspace) {
-            Ok(m) => Ok(Some(m)),
-            Err(e) => {
-                let hint = match &e {
-                    crate::workspace::SessionError::Mount { source, .. } => {
-                        boot::mount_denied_hint(source)
+        WorkspacePlan::Fuse => {
+            match crate::workspace::mount_persistent(&cfg.workspace, &cfg.persist) {
+                Ok(mut m) => {
+                    if let Some(p) = m.persist_mut() {
+                        // Leave a quarter of the flush budget to report what did not get out.
+                        p.set_final_budget(cfg.shutdown.flush_timeout * 3 / 4);
                     }
-                    _ => None,
-                };
-                match hint {
-                    Some(h) => Ok(boot::unavailable(cfg, format!("{e}: {h}")).map(|_| None)?),
-                    None => Err(RunError::Workspace(e.to_string())),
+                    Ok(Some(m))
+                }
+                Err(e) => {
+                    let hint = match &e {
+                        crate::workspace::SessionError::Mount { source, .. } => {
+                            boot::mount_denied_hint(source)
+                        }
+                        _ => None,
+                    };
+                    match hint {
+                        Some(h) => Ok(boot::unavailable(cfg, format!("{e}: {h}")).map(|_| None)?),
+                        None => Err(RunError::Workspace(e.to_string())),
+                    }
                 }
             }
-        },
+        }
     }
 }
 

@@ -1,8 +1,12 @@
 //! File bytes on local disk: one *body* file per regular file that outgrew inline storage,
-//! written in place (`bodies/XX/<id>` under the state dir). Content-addressed chunks for
-//! checkpoints will live here too. This module imports no sibling module except `sys`.
+//! written in place (`bodies/XX/<id>` under the state dir), plus the content addressing used
+//! by checkpoints: `ChunkId` (blake3) and the fixed windowing of bodies into chunks. This
+//! module imports no sibling module except `sys`.
 
 pub mod body;
+pub mod chunker;
+pub mod id;
 pub mod reserve;
 
 pub use body::{BodyError, BodyStore};
+pub use id::ChunkId;

@@ -4,6 +4,7 @@
 
 pub mod control;
 pub mod init;
+pub mod persist;
 pub mod service;
 pub mod shutdown;
 pub mod units;
@@ -11,6 +12,7 @@ pub mod workspace;
 
 pub use control::ControlConfig;
 pub use init::{ForwardTo, InitConfig, Rlimit};
+pub use persist::{FsyncMode, PersistConfig};
 pub use service::{Probe, Readiness, Restart, ServiceConfig};
 pub use shutdown::ShutdownConfig;
 pub use workspace::{CacheMode, FuseUnavailable, Passthrough, WorkspaceConfig};
@@ -44,6 +46,7 @@ pub struct Config {
     pub shutdown: ShutdownConfig,
     pub service: Vec<ServiceConfig>,
     pub control: ControlConfig,
+    pub persist: PersistConfig,
 }
 
 impl Config {
@@ -84,6 +87,7 @@ impl Config {
         self.shutdown.validate()?;
         service::validate(&self.service)?;
         self.control.validate()?;
+        self.persist.validate()?;
         Ok(())
     }
 }

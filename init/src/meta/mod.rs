@@ -3,7 +3,10 @@
 //! operation; `sync` makes everything committed so far durable. Nothing outside this module
 //! touches rusqlite. This module imports no sibling module.
 
+mod persist;
 mod schema;
+
+pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 
 use std::path::Path;
 

@@ -45,7 +45,34 @@ pub(super) fn create(conn: &Connection, now: Nanos) -> Result<()> {
          -- and chunk windows of file bodies written, since the last checkpoint.
          CREATE TABLE changed (ino INTEGER PRIMARY KEY);
          CREATE TABLE dirty_window (ino INTEGER NOT NULL, idx INTEGER NOT NULL,
-            PRIMARY KEY (ino, idx)) WITHOUT ROWID;",
+            PRIMARY KEY (ino, idx)) WITHOUT ROWID;
+         -- Checkpoints (persist/). Directory entries added, removed or repointed since the
+         -- last checkpoint, recorded by triggers so every writer is covered.
+         CREATE TABLE changed_dirent (parent INTEGER NOT NULL, name BLOB NOT NULL,
+            PRIMARY KEY (parent, name)) WITHOUT ROWID;
+         CREATE TRIGGER dirent_ins AFTER INSERT ON dirent BEGIN
+            INSERT OR IGNORE INTO changed_dirent VALUES (NEW.parent, NEW.name); END;
+         CREATE TRIGGER dirent_upd AFTER UPDATE ON dirent BEGIN
+            INSERT OR IGNORE INTO changed_dirent VALUES (OLD.parent, OLD.name);
+            INSERT OR IGNORE INTO changed_dirent VALUES (NEW.parent, NEW.name); END;
+         CREATE TRIGGER dirent_del AFTER DELETE ON dirent BEGIN
+            INSERT OR IGNORE INTO changed_dirent VALUES (OLD.parent, OLD.name); END;
+         -- The change set a checkpoint has claimed but not yet committed: it survives a
+         -- failed or interrupted checkpoint, and the next one takes it first.
+         CREATE TABLE pending_inode (ino INTEGER PRIMARY KEY);
+         CREATE TABLE pending_window (ino INTEGER NOT NULL, idx INTEGER NOT NULL,
+            PRIMARY KEY (ino, idx)) WITHOUT ROWID;
+         CREATE TABLE pending_dirent (parent INTEGER NOT NULL, name BLOB NOT NULL,
+            PRIMARY KEY (parent, name)) WITHOUT ROWID;
+         -- Chunk map of every body file as of the last checkpoint: window idx -> blake3 id
+         -- (NULL: the window is all zeros). A missing row means: not hashed yet.
+         CREATE TABLE file_chunk (ino INTEGER NOT NULL, idx INTEGER NOT NULL, id BLOB,
+            PRIMARY KEY (ino, idx)) WITHOUT ROWID;
+         CREATE INDEX file_chunk_id ON file_chunk(id) WHERE id IS NOT NULL;
+         CREATE TRIGGER inode_del_chunks AFTER DELETE ON inode BEGIN
+            DELETE FROM file_chunk WHERE ino = OLD.ino; END;
+         -- Checkpoint bookkeeping (last snapshot, compaction counters, remote, ...).
+         CREATE TABLE persist_state (key TEXT PRIMARY KEY, value) WITHOUT ROWID;",
     )?;
     conn.execute(
         "INSERT INTO meta (key, value) VALUES ('magic', ?1), ('version', ?2), ('syncs', 0)",

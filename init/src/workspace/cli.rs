@@ -173,7 +173,7 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
             return 1;
         }
     };
-    let mounted = match crate::workspace::mount(ws) {
+    let mounted = match crate::workspace::mount_persistent(ws, &cfg.persist) {
         Ok(m) => m,
         Err(e) => {
             eprintln!("keel: mount: {e}");

@@ -6,4 +6,4 @@ pub mod fs;
 pub mod fuse;
 pub mod session;
 
-pub use session::{mount, Mounted, MountedHandle, SessionError};
+pub use session::{mount, mount_persistent, Mounted, MountedHandle, SessionError};

@@ -5,7 +5,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::config::{CacheMode, Passthrough, WorkspaceConfig};
+use crate::config::{CacheMode, Passthrough, PersistConfig, WorkspaceConfig};
 use crate::sys;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -26,6 +26,8 @@ pub enum SessionError {
     Flush(String),
     #[error("unmount {path}: {source}")]
     Unmount { path: PathBuf, source: io::Error },
+    #[error("checkpoints: {0}")]
+    Persist(String),
 }
 
 /// A mounted workspace. Dropping it unmounts too, but only `unmount` reports errors.
@@ -34,6 +36,7 @@ pub struct Mounted {
     fs: Arc<WorkspaceFs>,
     session: Option<fuser::BackgroundSession>,
     passthrough: Arc<AtomicBool>,
+    persist: Option<crate::persist::Service>,
     _lock: sys::file::LockFile,
 }
 
@@ -131,7 +134,24 @@ fn prepare_mount_point(p: &Path) -> Result<(), SessionError> {
 }
 
 /// Mounts the workspace described by `cfg` and returns once the kernel has accepted it.
+/// No checkpoints (see `mount_persistent`).
 pub fn mount(cfg: &WorkspaceConfig) -> Result<Mounted, SessionError> {
+    mount_with(cfg, None)
+}
+
+/// Mounts the workspace and starts checkpoints to the `[persist]` remote: periodic, on
+/// request over `<state>/control.sock`, and a final one in `unmount`.
+pub fn mount_persistent(
+    cfg: &WorkspaceConfig,
+    persist: &PersistConfig,
+) -> Result<Mounted, SessionError> {
+    mount_with(cfg, Some(persist))
+}
+
+fn mount_with(
+    cfg: &WorkspaceConfig,
+    persist: Option<&PersistConfig>,
+) -> Result<Mounted, SessionError> {
     let state = &cfg.state_dir;
     check_state_dir(state)?;
     let lock_path = state.join("lock");
@@ -203,13 +223,36 @@ pub fn mount(cfg: &WorkspaceConfig) -> Result<Mounted, SessionError> {
         passthrough = passthrough_on.load(Ordering::Relaxed),
         "workspace mounted"
     );
-    Ok(Mounted {
+    let mut mounted = Mounted {
         mount_point: cfg.mount_point.clone(),
         fs,
         session: Some(session),
         passthrough: passthrough_on,
+        persist: None,
         _lock: lock,
-    })
+    };
+    if let Some(p) = persist {
+        mounted.persist = start_persist(cfg, p, &mounted)?;
+    }
+    Ok(mounted)
+}
+
+/// Starts the checkpoint service; its flush makes every acknowledged write visible in the
+/// store before a checkpoint claims the changes.
+fn start_persist(
+    cfg: &WorkspaceConfig,
+    p: &PersistConfig,
+    m: &Mounted,
+) -> Result<Option<crate::persist::Service>, SessionError> {
+    let fs = m.fs.clone();
+    // Never touch the mount point from inside the daemon here (no syncfs of the mount): a
+    // thread blocked on its own mount keeps a killed keel from ever exiting. Pages still in
+    // the kernel's writeback cache reach the store at their writeback, `keel checkpoint`
+    // syncs the mount from its own process first, and the final checkpoint follows
+    // `Mounted::flush`.
+    let flush: crate::persist::service::FlushFn =
+        Box::new(move || fs.sync_all().map_err(|e| e.to_string()));
+    crate::persist::Service::start(cfg, p, flush).map_err(|e| SessionError::Persist(e.to_string()))
 }
 
 impl Mounted {
@@ -232,12 +275,29 @@ impl Mounted {
         }
     }
 
-    /// Flushes, then unmounts and waits for the FUSE workers to finish.
+    /// The checkpoint service, when checkpoints are on.
+    pub fn persist(&self) -> Option<&crate::persist::Service> {
+        self.persist.as_ref()
+    }
+
+    /// The checkpoint service, e.g. to set the final checkpoint's budget.
+    pub fn persist_mut(&mut self) -> Option<&mut crate::persist::Service> {
+        self.persist.as_mut()
+    }
+
+    /// Flushes (every open handle's dirty data into the store), takes the final checkpoint
+    /// (within `[persist] flush_timeout`), then unmounts and waits for the FUSE workers.
+    /// A checkpoint that could not finish is reported (what did not reach the remote) after
+    /// the unmount; its changes stay pending in the local state.
     pub fn unmount(mut self) -> Result<(), SessionError> {
         let flushed = self.flush();
+        let final_cp = match (&flushed, self.persist.as_mut()) {
+            (Ok(()), Some(p)) => Some(p.finish()),
+            _ => None,
+        };
         let session = self.session.take().expect("session present until unmount");
-        match session.umount_and_join() {
-            Ok(()) => {}
+        let unmounted = match session.umount_and_join() {
+            Ok(()) => Ok(()),
             Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
                 // Something still has files open or its cwd inside. Everything acknowledged
                 // is synced; detach so the mount point is not left dead behind us.
@@ -245,24 +305,33 @@ impl Mounted {
                     mount_point = %self.mount_point.display(),
                     "mount point busy: detaching it; processes still inside lose access"
                 );
-                sys::file::detach_mount(&self.mount_point).map_err(|source| {
-                    SessionError::Unmount {
+                sys::file::detach_mount(&self.mount_point)
+                    .map(|_| ())
+                    .map_err(|source| SessionError::Unmount {
                         path: self.mount_point.clone(),
                         source,
-                    }
-                })?;
+                    })
             }
-            Err(source) => {
-                return Err(SessionError::Unmount {
-                    path: self.mount_point.clone(),
-                    source,
-                })
-            }
+            Err(source) => Err(SessionError::Unmount {
+                path: self.mount_point.clone(),
+                source,
+            }),
+        };
+        let shut = flushed.and_then(|()| {
+            self.fs
+                .shutdown()
+                .map_err(|e| SessionError::Flush(e.to_string()))
+        });
+        if let Some(p) = self.persist.take() {
+            p.close(shut.is_ok() && unmounted.is_ok());
         }
-        flushed?;
-        self.fs
-            .shutdown()
-            .map_err(|e| SessionError::Flush(e.to_string()))?;
+        match final_cp {
+            Some(Ok(r)) => tracing::info!(report = %r, "final checkpoint"),
+            Some(Err(e)) => return Err(SessionError::Persist(e.to_string())),
+            None => {}
+        }
+        unmounted?;
+        shut?;
         tracing::info!(mount_point = %self.mount_point.display(), "workspace unmounted");
         Ok(())
     }

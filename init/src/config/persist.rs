@@ -1,0 +1,140 @@
+//! The `[persist]` table: where checkpoints go (the remote), how often they are taken, how
+//! many snapshots are kept, and the budgets of the final checkpoint at shutdown. Validated
+//! here, used by `persist/`.
+
+use serde::Deserialize;
+use std::path::Path;
+use std::time::Duration;
+
+use super::units::duration_str;
+
+/// When `fsync` returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FsyncMode {
+    /// Once the bytes are durable on the state volume.
+    Local,
+    /// Once a checkpoint holding them reached the remote.
+    Remote,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PersistConfig {
+    /// Object store URL: `file:///path`, `s3://bucket/prefix`, `gs://...`, `az://...`;
+    /// empty = `file://<state_dir>/remote`; `none` = no checkpoints.
+    pub remote: String,
+    /// Checkpoint this often when something changed (`0s` = only on demand and at stop).
+    #[serde(with = "duration_str")]
+    pub interval: Duration,
+    pub fsync: FsyncMode,
+    /// Snapshots kept on the remote (older ones are removed by gc).
+    pub keep: u32,
+    /// Write a full snapshot after this many deltas (compaction).
+    pub compact_every: u32,
+    /// Unreferenced chunks younger than this are kept (an upload may be about to use them).
+    #[serde(with = "duration_str")]
+    pub gc_grace: Duration,
+    /// Run gc after every this many checkpoints (0 = only `keel gc`).
+    pub gc_every: u32,
+    /// Budget of the final checkpoint at shutdown.
+    #[serde(with = "duration_str")]
+    pub flush_timeout: Duration,
+    /// Parallel uploads/downloads.
+    pub concurrency: usize,
+    /// S3-compatible endpoint (MinIO, R2, moto, ...); also `AWS_ENDPOINT_URL`.
+    pub endpoint: Option<String>,
+    /// Region (also `AWS_REGION`).
+    pub region: Option<String>,
+    /// Path-style S3 requests (`http://host/bucket/key`), which most non-AWS servers need.
+    pub path_style: bool,
+    /// Allow plain `http://` endpoints.
+    pub allow_http: bool,
+}
+
+impl Default for PersistConfig {
+    fn default() -> Self {
+        Self {
+            remote: String::new(),
+            interval: Duration::from_secs(30),
+            fsync: FsyncMode::Local,
+            keep: 16,
+            compact_every: 32,
+            gc_grace: Duration::from_secs(15 * 60),
+            gc_every: 16,
+            flush_timeout: Duration::from_secs(2),
+            concurrency: 16,
+            endpoint: None,
+            region: None,
+            path_style: true,
+            allow_http: false,
+        }
+    }
+}
+
+impl PersistConfig {
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        let bad = |k: &str, why: String| Err((format!("persist.{k}"), why));
+        let r = self.remote.as_str();
+        if !(r.is_empty()
+            || r == "none"
+            || ["file://", "s3://", "gs://", "az://", "abfs://", "memory://"]
+                .iter()
+                .any(|p| r.starts_with(p)))
+        {
+            return bad(
+                "remote",
+                format!("`{r}` is not a file://, s3://, gs:// or az:// URL (or \"none\")"),
+            );
+        }
+        if self.keep == 0 {
+            return bad("keep", "must keep at least 1 snapshot".into());
+        }
+        if self.compact_every == 0 {
+            return bad("compact_every", "must be at least 1".into());
+        }
+        if !(1..=256).contains(&self.concurrency) {
+            return bad(
+                "concurrency",
+                format!("{} is not between 1 and 256", self.concurrency),
+            );
+        }
+        Ok(())
+    }
+
+    /// The remote URL in effect for a state dir (`None`: checkpoints are off).
+    pub fn remote_url(&self, state_dir: &Path) -> Option<String> {
+        match self.remote.as_str() {
+            "none" => None,
+            "" => Some(format!("file://{}", state_dir.join("remote").display())),
+            r => Some(r.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Config;
+    use super::*;
+
+    #[test]
+    fn parses_and_validates() {
+        let c = Config::parse(
+            "[persist]\nremote = \"s3://b/p\"\ninterval = \"10s\"\nfsync = \"remote\"\nkeep = 3\n",
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.persist.interval, Duration::from_secs(10));
+        assert_eq!(c.persist.fsync, FsyncMode::Remote);
+        assert_eq!(c.persist.keep, 3);
+        let e = Config::parse("[persist]\nremote = \"ftp://x\"\n", Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("persist.remote"), "{e}");
+        let d = PersistConfig::default();
+        assert_eq!(
+            d.remote_url(Path::new("/s")).as_deref(),
+            Some("file:///s/remote")
+        );
+    }
+}

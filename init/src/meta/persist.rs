@@ -1,0 +1,371 @@
+//! Queries for checkpoints (used by `persist/`): claiming the change set, consistent read
+//! views, per-file chunk maps, bulk reads for full snapshots, restore inserts and
+//! checkpoint bookkeeping. Chunk ids are plain 32-byte arrays here; `chunk::ChunkId` wraps
+//! them outside this module.
+
+use std::collections::HashMap;
+
+use rusqlite::{params, OptionalExtension};
+
+use super::{
+    finish_inode, row_to_inode, storage_code, Inode, InodeNo, Result, Store, Tx, INODE_COLS,
+};
+
+/// One window of a file's chunk map: `None` is an all-zero window (a hole).
+pub type ChunkRow = (u64, Option<[u8; 32]>);
+
+/// An inode's xattrs as (name, value) pairs.
+pub type Xattrs = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// Sizes of the change tracking tables.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChangeCounts {
+    pub inodes: u64,
+    pub windows: u64,
+    pub dirents: u64,
+}
+
+impl ChangeCounts {
+    pub fn is_empty(&self) -> bool {
+        self.inodes == 0 && self.windows == 0 && self.dirents == 0
+    }
+}
+
+fn blob32(v: Option<Vec<u8>>) -> Option<[u8; 32]> {
+    v.and_then(|b| b.try_into().ok())
+}
+
+impl Store {
+    /// Starts a read transaction: every query on it sees one consistent state of the
+    /// database, while other connections keep writing (WAL).
+    pub fn read_view(&self) -> Result<Tx<'_>> {
+        self.conn.execute_batch("BEGIN DEFERRED")?;
+        // The snapshot is taken at the first read.
+        self.conn
+            .query_row("SELECT count(*) FROM meta", [], |_| Ok(()))?;
+        Ok(Tx {
+            conn: &self.conn,
+            open: true,
+        })
+    }
+}
+
+impl Tx<'_> {
+    fn count(&self, sql: &str) -> Result<u64> {
+        Ok(self
+            .conn
+            .prepare_cached(sql)?
+            .query_row([], |r| r.get::<_, i64>(0))? as u64)
+    }
+
+    /// Changes recorded since the last claim (not yet claimed by a checkpoint).
+    pub fn unclaimed_changes(&self) -> Result<ChangeCounts> {
+        Ok(ChangeCounts {
+            inodes: self.count("SELECT count(*) FROM changed")?,
+            windows: self.count("SELECT count(*) FROM dirty_window")?,
+            dirents: self.count("SELECT count(*) FROM changed_dirent")?,
+        })
+    }
+
+    /// Changes claimed by a checkpoint that has not committed (failed or interrupted).
+    pub fn pending_changes(&self) -> Result<ChangeCounts> {
+        Ok(ChangeCounts {
+            inodes: self.count("SELECT count(*) FROM pending_inode")?,
+            windows: self.count("SELECT count(*) FROM pending_window")?,
+            dirents: self.count("SELECT count(*) FROM pending_dirent")?,
+        })
+    }
+
+    /// Moves every recorded change into the pending set of the checkpoint about to run.
+    pub fn claim_changes(&self) -> Result<()> {
+        self.conn.execute_batch(
+            "INSERT OR IGNORE INTO pending_inode SELECT ino FROM changed;
+             DELETE FROM changed;
+             INSERT OR IGNORE INTO pending_window SELECT ino, idx FROM dirty_window;
+             DELETE FROM dirty_window;
+             INSERT OR IGNORE INTO pending_dirent SELECT parent, name FROM changed_dirent;
+             DELETE FROM changed_dirent;",
+        )?;
+        Ok(())
+    }
+
+    /// Forgets the pending set (the checkpoint that claimed it has committed).
+    pub fn clear_pending(&self) -> Result<()> {
+        self.conn.execute_batch(
+            "DELETE FROM pending_inode; DELETE FROM pending_window; DELETE FROM pending_dirent;",
+        )?;
+        Ok(())
+    }
+
+    /// Forgets every recorded change (after a restore wrote the tree).
+    pub fn clear_all_changes(&self) -> Result<()> {
+        self.clear_pending()?;
+        self.conn.execute_batch(
+            "DELETE FROM changed; DELETE FROM dirty_window; DELETE FROM changed_dirent;",
+        )?;
+        Ok(())
+    }
+
+    pub fn pending_inodes(&self) -> Result<Vec<InodeNo>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT ino FROM pending_inode ORDER BY ino")?;
+        let rows = st.query_map([], |r| r.get::<_, i64>(0))?;
+        Ok(rows
+            .map(|r| r.map(|i| InodeNo(i as u64)))
+            .collect::<rusqlite::Result<_>>()?)
+    }
+
+    pub fn pending_windows(&self) -> Result<Vec<(InodeNo, u64)>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT ino, idx FROM pending_window ORDER BY ino, idx")?;
+        let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
+        let mut out = Vec::new();
+        for r in rows {
+            let (i, x) = r?;
+            out.push((InodeNo(i as u64), x as u64));
+        }
+        Ok(out)
+    }
+
+    pub fn pending_dirents(&self) -> Result<Vec<(InodeNo, Vec<u8>)>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT parent, name FROM pending_dirent ORDER BY parent, name")?;
+        let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?)))?;
+        let mut out = Vec::new();
+        for r in rows {
+            let (p, n) = r?;
+            out.push((InodeNo(p as u64), n));
+        }
+        Ok(out)
+    }
+
+    /// Every changed or dirty window, claimed or not: (ino, idx), for backlog reports.
+    pub fn backlog_windows(&self) -> Result<Vec<(InodeNo, u64)>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT ino, idx FROM pending_window UNION SELECT ino, idx FROM dirty_window",
+        )?;
+        let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
+        let mut out = Vec::new();
+        for r in rows {
+            let (i, x) = r?;
+            out.push((InodeNo(i as u64), x as u64));
+        }
+        Ok(out)
+    }
+
+    /// Every inode changed since the last checkpoint, claimed or not.
+    pub fn backlog_inodes(&self) -> Result<Vec<InodeNo>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT ino FROM pending_inode UNION SELECT ino FROM changed")?;
+        let rows = st.query_map([], |r| r.get::<_, i64>(0))?;
+        Ok(rows
+            .map(|r| r.map(|i| InodeNo(i as u64)))
+            .collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Marks windows `0..count` of a file dirty and the inode changed (a body that may have
+    /// been written without the writes being recorded, e.g. before a crash).
+    pub fn mark_whole_file_dirty(&self, ino: InodeNo, count: u64) -> Result<()> {
+        self.mark_dirty_windows(ino, 0..count)?;
+        self.mark_changed(ino)
+    }
+
+    /// The chunk map of a file as of the last checkpoint, in window order.
+    pub fn file_chunks(&self, ino: InodeNo) -> Result<Vec<ChunkRow>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT idx, id FROM file_chunk WHERE ino = ?1 ORDER BY idx")?;
+        let rows = st.query_map([ino.0 as i64], |r| {
+            Ok((
+                r.get::<_, i64>(0)? as u64,
+                blob32(r.get::<_, Option<Vec<u8>>>(1)?),
+            ))
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Every file's chunk map (for full snapshots, fsck and gc).
+    pub fn all_file_chunks(&self) -> Result<HashMap<InodeNo, Vec<ChunkRow>>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT ino, idx, id FROM file_chunk ORDER BY ino, idx")?;
+        let rows = st.query_map([], |r| {
+            Ok((
+                r.get::<_, i64>(0)? as u64,
+                r.get::<_, i64>(1)? as u64,
+                blob32(r.get::<_, Option<Vec<u8>>>(2)?),
+            ))
+        })?;
+        let mut out: HashMap<InodeNo, Vec<ChunkRow>> = HashMap::new();
+        for r in rows {
+            let (ino, idx, id) = r?;
+            out.entry(InodeNo(ino)).or_default().push((idx, id));
+        }
+        Ok(out)
+    }
+
+    /// Sets windows of a file's chunk map.
+    pub fn set_file_chunks(&self, ino: InodeNo, rows: &[ChunkRow]) -> Result<()> {
+        let mut st = self.conn.prepare_cached(
+            "INSERT OR REPLACE INTO file_chunk (ino, idx, id) VALUES (?1, ?2, ?3)",
+        )?;
+        for (idx, id) in rows {
+            st.execute(params![
+                ino.0 as i64,
+                *idx as i64,
+                id.as_ref().map(|b| &b[..])
+            ])?;
+        }
+        Ok(())
+    }
+
+    /// Drops windows `count..` of a file's chunk map (the file got shorter).
+    pub fn truncate_file_chunks(&self, ino: InodeNo, count: u64) -> Result<()> {
+        self.conn
+            .prepare_cached("DELETE FROM file_chunk WHERE ino = ?1 AND idx >= ?2")?
+            .execute(params![ino.0 as i64, count as i64])?;
+        Ok(())
+    }
+
+    /// Drops every chunk map (the chunk size changed: everything is re-hashed).
+    pub fn clear_file_chunks(&self) -> Result<()> {
+        self.conn.execute_batch("DELETE FROM file_chunk")?;
+        Ok(())
+    }
+
+    /// Is a chunk referenced by any file's chunk map (so the remote has it)?
+    pub fn has_chunk(&self, id: &[u8; 32]) -> Result<bool> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT 1 FROM file_chunk WHERE id = ?1 LIMIT 1")?
+            .query_row([&id[..]], |_| Ok(()))
+            .optional()?
+            .is_some())
+    }
+
+    /// Every xattr of every inode, grouped by inode (for full snapshots).
+    pub fn all_xattrs(&self) -> Result<HashMap<InodeNo, Xattrs>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT ino, name, value FROM xattr ORDER BY ino, name")?;
+        let rows = st.query_map([], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, Vec<u8>>(1)?,
+                r.get::<_, Vec<u8>>(2)?,
+            ))
+        })?;
+        let mut out: HashMap<InodeNo, Xattrs> = HashMap::new();
+        for r in rows {
+            let (i, n, v) = r?;
+            out.entry(InodeNo(i as u64)).or_default().push((n, v));
+        }
+        Ok(out)
+    }
+
+    /// Every xattr of one inode, in name order.
+    pub fn xattrs_of(&self, ino: InodeNo) -> Result<Xattrs> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT name, value FROM xattr WHERE ino = ?1 ORDER BY name")?;
+        let rows = st.query_map([ino.0 as i64], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Every inline file's bytes (for full snapshots).
+    pub fn all_inline_data(&self) -> Result<HashMap<InodeNo, Vec<u8>>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT ino, data FROM inline_data")?;
+        let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?)))?;
+        let mut out = HashMap::new();
+        for r in rows {
+            let (i, d) = r?;
+            out.insert(InodeNo(i as u64), d);
+        }
+        Ok(out)
+    }
+
+    /// Every symlink target (for full snapshots).
+    pub fn all_symlinks(&self) -> Result<HashMap<InodeNo, Vec<u8>>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT ino, target FROM symlink")?;
+        let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?)))?;
+        let mut out = HashMap::new();
+        for r in rows {
+            let (i, d) = r?;
+            out.insert(InodeNo(i as u64), d);
+        }
+        Ok(out)
+    }
+
+    /// Inserts or replaces an inode under its own number, without recording a change
+    /// (restore writes a tree that is already on the remote).
+    pub fn put_inode_exact(&self, inode: &Inode) -> Result<()> {
+        let mut st = self.conn.prepare_cached(&format!(
+            "INSERT OR REPLACE INTO inode ({INODE_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"
+        ))?;
+        st.execute(params![
+            inode.ino.0 as i64,
+            inode.kind.mode_bits() | inode.perm,
+            inode.uid,
+            inode.gid,
+            inode.nlink,
+            inode.size as i64,
+            inode.atime.0,
+            inode.mtime.0,
+            inode.ctime.0,
+            inode.rdev,
+            inode.parent.0 as i64,
+            storage_code(inode.storage),
+        ])?;
+        Ok(())
+    }
+
+    /// Every inode, streamed in inode order (for snapshots of large trees).
+    pub fn for_each_inode(&self, mut f: impl FnMut(Inode) -> Result<()>) -> Result<()> {
+        let mut st = self
+            .conn
+            .prepare_cached(&format!("SELECT {INODE_COLS} FROM inode ORDER BY ino"))?;
+        let mut rows = st.query([])?;
+        while let Some(r) = rows.next()? {
+            f(finish_inode(row_to_inode(r)?)?)?;
+        }
+        Ok(())
+    }
+
+    pub fn persist_get(&self, key: &str) -> Result<Option<String>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT value FROM persist_state WHERE key = ?1")?
+            .query_row([key], |r| r.get::<_, String>(0))
+            .optional()?)
+    }
+
+    pub fn persist_set(&self, key: &str, value: &str) -> Result<()> {
+        self.conn
+            .prepare_cached("INSERT OR REPLACE INTO persist_state (key, value) VALUES (?1, ?2)")?
+            .execute(params![key, value])?;
+        Ok(())
+    }
+
+    pub fn persist_remove(&self, key: &str) -> Result<()> {
+        self.conn
+            .prepare_cached("DELETE FROM persist_state WHERE key = ?1")?
+            .execute([key])?;
+        Ok(())
+    }
+
+    /// Sets an inode's link count (fsck repair).
+    pub fn set_nlink(&self, ino: InodeNo, nlink: u32) -> Result<()> {
+        self.conn
+            .prepare_cached("UPDATE inode SET nlink = ?2 WHERE ino = ?1")?
+            .execute(params![ino.0 as i64, nlink])?;
+        self.mark_changed(ino)
+    }
+}

@@ -1,0 +1,380 @@
+//! The persist subcommands: `keel checkpoint`, `keel gc`, `keel fsck`, `keel snapshot
+//! list|restore`. Each talks to the running keel over the control socket when the state
+//! dir is mounted, and otherwise locks the state dir and works on it directly.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::checkpoint::{CheckpointOptions, Persister};
+use super::fsck::{fsck, FsckOptions, Level};
+use super::{control, gc, open_remote, params, restore, Repo};
+use crate::config::Config;
+use crate::sys;
+
+pub const USAGE: &str = "usage:
+  keel checkpoint [--state DIR] [--config FILE] [--full]
+  keel gc [--state DIR] [--config FILE]
+  keel fsck --state DIR [--repair] [--quick] [--no-remote] [--config FILE]
+  keel snapshot list [--state DIR | --remote URL] [--config FILE]
+  keel snapshot restore ID|latest --state DIR [--remote URL] [--config FILE]";
+
+#[derive(Debug, Default)]
+struct Args {
+    state: Option<PathBuf>,
+    config: Option<PathBuf>,
+    remote: Option<String>,
+    flags: Vec<String>,
+    positional: Vec<String>,
+}
+
+fn parse(args: Vec<OsString>) -> Result<Args, String> {
+    let mut out = Args::default();
+    let mut it = args.into_iter().map(|a| a.to_string_lossy().into_owned());
+    while let Some(a) = it.next() {
+        let (flag, inline) = match a.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (a.clone(), None),
+        };
+        let mut value = |name: &str| {
+            inline
+                .clone()
+                .or_else(|| it.next())
+                .ok_or_else(|| format!("{name} needs a value"))
+        };
+        match flag.as_str() {
+            "--state" => out.state = Some(PathBuf::from(value("--state")?)),
+            "--config" => out.config = Some(PathBuf::from(value("--config")?)),
+            "--remote" => out.remote = Some(value("--remote")?),
+            "--full" | "--repair" | "--quick" | "--no-remote" => out.flags.push(flag),
+            "-h" | "--help" => return Err(USAGE.into()),
+            f if f.starts_with('-') => return Err(format!("unknown option `{f}`\n{USAGE}")),
+            _ => out.positional.push(a),
+        }
+    }
+    Ok(out)
+}
+
+fn absolute(p: PathBuf) -> PathBuf {
+    if p.is_absolute() {
+        p
+    } else {
+        std::env::current_dir().map(|d| d.join(&p)).unwrap_or(p)
+    }
+}
+
+fn load(a: &Args) -> Result<Config, String> {
+    let path = a
+        .config
+        .clone()
+        .or_else(|| std::env::var_os("KEEL_CONFIG").map(PathBuf::from));
+    let mut cfg = match path {
+        Some(p) => Config::load(&p).map_err(|e| e.to_string())?,
+        None => Config::default(),
+    };
+    if let Some(s) = &a.state {
+        cfg.workspace.state_dir = absolute(s.clone());
+    }
+    if let Some(r) = &a.remote {
+        cfg.persist.remote = r.clone();
+    }
+    cfg.persist
+        .validate()
+        .map_err(|(k, r)| format!("{k}: {r}"))?;
+    Ok(cfg)
+}
+
+fn repo_of(cfg: &Config) -> Result<Repo, String> {
+    let url = cfg
+        .persist
+        .remote_url(&cfg.workspace.state_dir)
+        .ok_or_else(|| "no remote configured ([persist] remote = \"none\")".to_string())?;
+    open_remote(&url, &cfg.persist).map_err(|e| e.to_string())
+}
+
+/// Locks a state dir that no running keel holds.
+fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> {
+    std::fs::create_dir_all(state).map_err(|e| format!("{}: {e}", state.display()))?;
+    sys::file::try_lock(&state.join("lock"))
+        .map_err(|e| format!("lock {}: {e}", state.display()))?
+        .ok_or_else(|| {
+            format!(
+                "state dir {} is in use by a running keel that does not answer on persist.sock (checkpoints off, or still starting)",
+                state.display()
+            )
+        })
+}
+
+/// Asks the running keel; while the state dir is locked but the socket is not up yet (keel
+/// is starting), retries for a few seconds. `None`: no keel runs there.
+fn ask(state: &Path, cmd: &str) -> Result<Option<String>, String> {
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Some(r) = control::request(state, cmd, Duration::from_secs(3600))? {
+            return Ok(Some(r));
+        }
+        let held = state.join("lock").exists()
+            && sys::file::try_lock(&state.join("lock"))
+                .ok()
+                .flatten()
+                .is_none();
+        if !held || t0.elapsed() > Duration::from_secs(5) {
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn run(what: &str, f: impl FnOnce() -> Result<i32, String>) -> i32 {
+    crate::logging::init();
+    match f() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("keel: {what}: {e}");
+            1
+        }
+    }
+}
+
+pub fn checkpoint_main(args: Vec<OsString>) -> i32 {
+    run("checkpoint", || {
+        let a = parse(args)?;
+        let cfg = load(&a)?;
+        let full = a.flags.iter().any(|f| f == "--full");
+        let state = &cfg.workspace.state_dir;
+        let cmd = if full {
+            "checkpoint full"
+        } else {
+            "checkpoint"
+        };
+        if let Some(mp) = ask(state, "mount-point")? {
+            // Push what the kernel still caches for the mount into keel first; from this
+            // process, so a keel killed meanwhile cannot deadlock on its own mount.
+            if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
+                eprintln!("keel: checkpoint: syncfs {mp}: {e} (checkpointing what keel has)");
+            }
+        }
+        if let Some(r) = control::request(state, cmd, Duration::from_secs(3600))? {
+            println!("{r}");
+            return Ok(0);
+        }
+        // keel run without persist.sock: its HTTP control API may still take the request.
+        let http = state.join(crate::config::control::SOCKET_NAME);
+        if http.exists() {
+            if let Ok((code, body)) = crate::control::client::request(&http, "POST", "/checkpoint")
+            {
+                println!("{}", body.trim());
+                return Ok(if code == 200 { 0 } else { 1 });
+            }
+        }
+        let _lock = lock_offline(state)?;
+        let mut p = Persister::open(state, repo_of(&cfg)?, params(&cfg.workspace, &cfg.persist))
+            .map_err(|e| e.to_string())?;
+        match p.checkpoint(&CheckpointOptions {
+            full,
+            progress: true,
+            ..Default::default()
+        }) {
+            Ok(r) => {
+                println!("{r}");
+                Ok(0)
+            }
+            Err(e) => {
+                let b = p.backlog().map(|b| b.to_string()).unwrap_or_default();
+                Err(format!("{e}; {b}"))
+            }
+        }
+    })
+}
+
+pub fn gc_main(args: Vec<OsString>) -> i32 {
+    run("gc", || {
+        let a = parse(args)?;
+        let cfg = load(&a)?;
+        let state = &cfg.workspace.state_dir;
+        if let Some(r) = ask(state, "gc")? {
+            println!("{r}");
+            return Ok(0);
+        }
+        let _lock = lock_offline(state)?;
+        let mut repo = repo_of(&cfg)?;
+        let store = if state.join("meta.db").exists() {
+            Some(
+                crate::meta::Store::open(
+                    &state.join("meta.db"),
+                    crate::meta::Nanos(super::checkpoint::now_ns()),
+                )
+                .map_err(|e| e.to_string())?,
+            )
+        } else {
+            None
+        };
+        let r = gc::gc(
+            &mut repo,
+            store.as_ref(),
+            cfg.persist.keep,
+            cfg.persist.gc_grace,
+        )
+        .map_err(|e| e.to_string())?;
+        println!("{r}");
+        Ok(0)
+    })
+}
+
+pub fn fsck_main(args: Vec<OsString>) -> i32 {
+    run("fsck", || {
+        let a = parse(args)?;
+        if a.state.is_none() {
+            return Err(format!("--state DIR is required\n{USAGE}"));
+        }
+        let cfg = load(&a)?;
+        let state = &cfg.workspace.state_dir;
+        let _lock = lock_offline(state)?;
+        let remote = if a.flags.iter().any(|f| f == "--no-remote") {
+            None
+        } else {
+            // The remote this state dir checkpointed to, if any.
+            cfg.persist
+                .remote_url(state)
+                .filter(|u| !u.starts_with("file://") || Path::new(&u[7..]).exists())
+                .map(|u| open_remote(&u, &cfg.persist))
+                .transpose()
+                .map_err(|e| e.to_string())?
+        };
+        let opts = FsckOptions {
+            repair: a.flags.iter().any(|f| f == "--repair"),
+            quick: a.flags.iter().any(|f| f == "--quick"),
+            chunk_size: cfg.workspace.chunk_size,
+            remote,
+            progress: true,
+        };
+        let r = fsck(state, &opts).map_err(|e| e.to_string())?;
+        for f in &r.findings {
+            let lvl = match f.level {
+                Level::Error => "error",
+                Level::Warning => "warning",
+                Level::Note => "note",
+            };
+            println!(
+                "{lvl}: {}{}",
+                f.what,
+                if f.repaired { " [repaired]" } else { "" }
+            );
+        }
+        println!(
+            "fsck {}: {} inodes, {} entries, {} bodies, {} windows re-hashed, {} remote chunks verified; {} errors, {} warnings, {} repaired ({:.2}s)",
+            state.display(),
+            r.inodes,
+            r.entries,
+            r.bodies,
+            r.windows_hashed,
+            r.chunks_checked,
+            r.count(Level::Error),
+            r.count(Level::Warning),
+            r.findings.iter().filter(|f| f.repaired).count(),
+            r.elapsed_s
+        );
+        Ok(if r.is_clean() { 0 } else { 1 })
+    })
+}
+
+pub fn snapshot_main(mut args: Vec<OsString>) -> i32 {
+    run("snapshot", || {
+        if args.is_empty() {
+            return Err(USAGE.into());
+        }
+        let sub = args.remove(0).to_string_lossy().into_owned();
+        let a = parse(args)?;
+        let cfg = load(&a)?;
+        match sub.as_str() {
+            "list" => {
+                let repo = repo_of(&cfg)?;
+                let head = repo
+                    .read_head()
+                    .map_err(|e| e.to_string())?
+                    .map(|h| h.0.seq);
+                let snaps = repo.list_snapshots().map_err(|e| e.to_string())?;
+                println!(
+                    "{:>8}  {:<5}  {:>8}  {:>10}  {:>14}  created",
+                    "id", "kind", "parent", "inodes", "file bytes"
+                );
+                for (seq, info) in snaps {
+                    match repo.read_header(seq) {
+                        Ok(h) => println!(
+                            "{:>8}  {:<5}  {:>8}  {:>10}  {:>14}  {}{}",
+                            seq,
+                            if h.is_full() { "full" } else { "delta" },
+                            h.parent
+                                .map(|p| p.to_string())
+                                .unwrap_or_else(|| "-".into()),
+                            h.inodes,
+                            h.file_bytes,
+                            fmt_time(h.created_ns),
+                            if Some(seq) == head { "  (head)" } else { "" }
+                        ),
+                        Err(e) => println!("{seq:>8}  unreadable ({} bytes): {e}", info.size),
+                    }
+                }
+                Ok(0)
+            }
+            "restore" => {
+                let id = a
+                    .positional
+                    .first()
+                    .ok_or_else(|| format!("missing snapshot ID\n{USAGE}"))?;
+                let seq = if id == "latest" || id == "head" {
+                    None
+                } else {
+                    Some(
+                        id.parse::<u64>()
+                            .map_err(|_| format!("`{id}` is not a snapshot id"))?,
+                    )
+                };
+                if a.state.is_none() {
+                    return Err(format!("--state DIR is required\n{USAGE}"));
+                }
+                let state = &cfg.workspace.state_dir;
+                if cfg.persist.remote.is_empty() {
+                    return Err("--remote URL (or [persist] remote) is required: the default remote lives inside the state dir being restored".into());
+                }
+                let _lock = lock_offline(state)?;
+                let mut repo = repo_of(&cfg)?;
+                let r = restore::restore(&mut repo, seq, state, true).map_err(|e| e.to_string())?;
+                println!(
+                    "restored snapshot {} into {}: {} inodes, {} files, {} bytes, {} chunks fetched ({} bytes) in {:.2}s",
+                    r.seq,
+                    state.display(),
+                    r.inodes,
+                    r.files,
+                    r.file_bytes,
+                    r.chunks_fetched,
+                    r.bytes_fetched,
+                    r.elapsed_s
+                );
+                Ok(0)
+            }
+            other => Err(format!("unknown snapshot command `{other}`\n{USAGE}")),
+        }
+    })
+}
+
+fn fmt_time(ns: i64) -> String {
+    let s = ns.div_euclid(1_000_000_000);
+    let (days, rem) = (s.div_euclid(86400), s.rem_euclid(86400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}

@@ -1,0 +1,153 @@
+//! The persist socket `<state>/persist.sock` (next to the HTTP control API's
+//! `control.sock`, which serves `POST /checkpoint` through `CheckpointHandle` under `keel
+//! run`): a running keel answers one-line commands
+//! (`checkpoint`, `checkpoint full`, `gc`, `status`, `mount-point`) with one line, `ok <text>` or
+//! `error <text>`. `keel checkpoint` and `keel gc` use it to reach a mounted workspace.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::service::Cmd;
+
+/// File name of the socket inside the state dir.
+pub const SOCKET_NAME: &str = "persist.sock";
+
+pub struct Server {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+fn answer(cmd: &str, tx: &Sender<Cmd>) -> String {
+    let gone = || "error checkpoint service stopped".to_string();
+    match cmd.trim() {
+        c @ ("checkpoint" | "checkpoint full") => {
+            let (reply, rx) = mpsc::channel();
+            if tx
+                .send(Cmd::Checkpoint {
+                    full: c.ends_with("full"),
+                    reply,
+                })
+                .is_err()
+            {
+                return gone();
+            }
+            match rx.recv() {
+                Ok(Ok(r)) => format!("ok {r}"),
+                Ok(Err(e)) => format!("error {e}"),
+                Err(_) => gone(),
+            }
+        }
+        "gc" => {
+            let (reply, rx) = mpsc::channel();
+            if tx.send(Cmd::Gc { reply }).is_err() {
+                return gone();
+            }
+            match rx.recv() {
+                Ok(Ok(r)) => format!("ok {r}"),
+                Ok(Err(e)) => format!("error {e}"),
+                Err(_) => gone(),
+            }
+        }
+        "status" => {
+            let (reply, rx) = mpsc::channel();
+            if tx.send(Cmd::Status { reply }).is_err() {
+                return gone();
+            }
+            rx.recv()
+                .map(|s| format!("ok {s}"))
+                .unwrap_or_else(|_| gone())
+        }
+        "mount-point" => {
+            let (reply, rx) = mpsc::channel();
+            if tx.send(Cmd::MountPoint { reply }).is_err() {
+                return gone();
+            }
+            rx.recv()
+                .map(|p| format!("ok {}", p.display()))
+                .unwrap_or_else(|_| gone())
+        }
+        other => format!("error unknown command `{other}`"),
+    }
+}
+
+impl Server {
+    pub(crate) fn start(path: &Path, tx: Sender<Cmd>) -> std::io::Result<Server> {
+        // A socket left by a keel that was killed: nobody answers on it.
+        if path.exists() && UnixStream::connect(path).is_err() {
+            std::fs::remove_file(path)?;
+        }
+        let listener = UnixListener::bind(path)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let s2 = stop.clone();
+        let t = std::thread::Builder::new()
+            .name("keel-control".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if s2.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let Ok(mut conn) = conn else { continue };
+                    let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+                    let mut line = String::new();
+                    if BufReader::new(&conn).read_line(&mut line).is_err() {
+                        continue;
+                    }
+                    let out = answer(&line, &tx);
+                    let _ = writeln!(conn, "{}", out.replace('\n', " "));
+                }
+            })?;
+        Ok(Server {
+            path: path.to_path_buf(),
+            stop,
+            thread: std::sync::Mutex::new(Some(t)),
+        })
+    }
+
+    /// Stops accepting commands and removes the socket.
+    pub fn stop(&self) {
+        if self.stop.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // Wake the accept loop.
+        let _ = UnixStream::connect(&self.path);
+        if let Some(t) = self.thread.lock().unwrap().take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Sends a command to the keel running on `state_dir`. `Ok(None)`: nobody is listening.
+pub fn request(state_dir: &Path, cmd: &str, timeout: Duration) -> Result<Option<String>, String> {
+    let path = state_dir.join(SOCKET_NAME);
+    let Ok(mut s) = UnixStream::connect(&path) else {
+        return Ok(None);
+    };
+    s.set_read_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    writeln!(s, "{cmd}").map_err(|e| format!("send to {}: {e}", path.display()))?;
+    let mut line = String::new();
+    BufReader::new(&s)
+        .read_line(&mut line)
+        .map_err(|e| format!("no answer on {}: {e}", path.display()))?;
+    let line = line.trim_end();
+    match line.split_once(' ') {
+        Some(("ok", rest)) => Ok(Some(rest.to_string())),
+        Some(("error", rest)) => Err(rest.to_string()),
+        _ if line == "ok" => Ok(Some(String::new())),
+        _ => Err(format!("unexpected answer `{line}`")),
+    }
+}

@@ -1,0 +1,621 @@
+//! `keel fsck`: checks a state dir that is not mounted, and its remote.
+//!
+//! Local: SQLite's integrity check; every entry names an existing inode of the right kind
+//! in an existing directory; link counts and directory parents agree with the entries;
+//! every directory is reachable from the root; bodies exist with the size the metadata
+//! says; chunk maps fit their files, and (unless `quick`) every window not changed since
+//! the last checkpoint still hashes to its recorded chunk. Remote: the manifest, head and
+//! snapshot chains decode; every chunk the head and the local state reference exists and
+//! (unless `quick`) hashes to its name.
+//!
+//! Findings are errors (damage), warnings (leftovers of operations that were never
+//! acknowledged when keel was killed; harmless, fixed at the next mount or checkpoint) and
+//! notes. `repair` fixes what it can without losing data: it re-links unreachable inodes
+//! under `/lost+found`, corrects link counts and entry kinds, drops entries to missing
+//! inodes and orphan bodies, re-marks unrecorded writes, and re-uploads corrupt remote
+//! chunks from local bytes that still hash to their name.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::checkpoint::now_ns;
+use super::remote::PutMode;
+use super::repo::Repo;
+use crate::chunk::chunker::{window_count, window_range};
+use crate::chunk::{BodyStore, ChunkId};
+use crate::meta::{Inode, InodeNo, Kind, MetaError, Nanos, Storage, Store};
+
+#[derive(Debug, thiserror::Error)]
+pub enum FsckError {
+    #[error("state dir {path}: {reason}")]
+    OpenState { path: PathBuf, reason: String },
+    #[error("state database: {0}")]
+    Meta(#[from] MetaError),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Note,
+    Warning,
+    Error,
+}
+
+#[derive(Debug, Clone)]
+pub struct Finding {
+    pub level: Level,
+    pub what: String,
+    pub repaired: bool,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct FsckReport {
+    pub findings: Vec<Finding>,
+    pub inodes: u64,
+    pub entries: u64,
+    pub bodies: u64,
+    pub windows_hashed: u64,
+    pub chunks_checked: u64,
+    pub elapsed_s: f64,
+}
+
+impl FsckReport {
+    pub fn count(&self, level: Level) -> usize {
+        self.findings
+            .iter()
+            .filter(|f| f.level == level && !f.repaired)
+            .count()
+    }
+
+    /// No unrepaired errors.
+    pub fn is_clean(&self) -> bool {
+        self.count(Level::Error) == 0
+    }
+
+    fn add(&mut self, level: Level, what: String, repaired: bool) {
+        self.findings.push(Finding {
+            level,
+            what,
+            repaired,
+        });
+    }
+}
+
+#[derive(Clone, Default)]
+pub struct FsckOptions {
+    pub repair: bool,
+    /// Skip re-hashing local bodies and downloading remote chunks.
+    pub quick: bool,
+    pub chunk_size: u64,
+    /// The remote to check too.
+    pub remote: Option<Repo>,
+    pub progress: bool,
+}
+
+pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckError> {
+    let t0 = Instant::now();
+    let bad = |reason: String| FsckError::OpenState {
+        path: state_dir.to_path_buf(),
+        reason,
+    };
+    if !state_dir.join("meta.db").exists() {
+        return Err(bad("no meta.db: not a keel state dir".into()));
+    }
+    let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
+    let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| bad(e.to_string()))?;
+    let mut rep = FsckReport::default();
+    for p in store.integrity_check()? {
+        rep.add(Level::Error, format!("sqlite integrity: {p}"), false);
+    }
+    check_tree(&store, &mut rep, opts.repair)?;
+    check_bodies(&store, &bodies, &mut rep, opts)?;
+    if let Some(repo) = &opts.remote {
+        check_remote(&store, &bodies, repo.clone(), &mut rep, opts)?;
+    }
+    rep.elapsed_s = t0.elapsed().as_secs_f64();
+    Ok(rep)
+}
+
+fn check_tree(store: &Store, rep: &mut FsckReport, repair: bool) -> Result<(), FsckError> {
+    let inodes: BTreeMap<InodeNo, Inode> = store
+        .read()
+        .all_inodes()?
+        .into_iter()
+        .map(|i| (i.ino, i))
+        .collect();
+    let dirents = store.read().all_dirents()?;
+    rep.inodes = inodes.len() as u64;
+    rep.entries = dirents.len() as u64;
+    match inodes.get(&InodeNo::ROOT) {
+        Some(r) if r.kind == Kind::Dir => {}
+        _ => rep.add(
+            Level::Error,
+            "the root inode is missing or not a directory".into(),
+            false,
+        ),
+    }
+    let tx = if repair { Some(store.write()?) } else { None };
+    let mut names: HashMap<InodeNo, Vec<InodeNo>> = HashMap::new();
+    let mut subdirs: HashMap<InodeNo, u32> = HashMap::new();
+    let mut children: HashMap<InodeNo, Vec<InodeNo>> = HashMap::new();
+    for (parent, d) in &dirents {
+        let shown = String::from_utf8_lossy(&d.name);
+        match inodes.get(parent) {
+            Some(p) if p.kind == Kind::Dir => {}
+            _ => {
+                rep.add(
+                    Level::Error,
+                    format!(
+                        "entry `{shown}` is in inode {} which is not a directory",
+                        parent.0
+                    ),
+                    false,
+                );
+                continue;
+            }
+        }
+        let Some(target) = inodes.get(&d.ino) else {
+            if let Some(tx) = &tx {
+                tx.unlink(*parent, &d.name)?;
+            }
+            rep.add(
+                Level::Error,
+                format!(
+                    "entry `{shown}` in directory {} names missing inode {}",
+                    parent.0, d.ino.0
+                ),
+                repair,
+            );
+            continue;
+        };
+        if target.kind != d.kind {
+            if let Some(tx) = &tx {
+                tx.relink(*parent, &d.name, d.ino, target.kind)?;
+            }
+            rep.add(
+                Level::Error,
+                format!(
+                    "entry `{shown}` says {:?} but inode {} is {:?}",
+                    d.kind, d.ino.0, target.kind
+                ),
+                repair,
+            );
+        }
+        names.entry(d.ino).or_default().push(*parent);
+        children.entry(*parent).or_default().push(d.ino);
+        if target.kind == Kind::Dir {
+            *subdirs.entry(*parent).or_default() += 1;
+        }
+    }
+    // Reachability from the root.
+    let mut reach: HashSet<InodeNo> = HashSet::new();
+    let mut stack = vec![InodeNo::ROOT];
+    while let Some(d) = stack.pop() {
+        if !reach.insert(d) {
+            continue;
+        }
+        for c in children.get(&d).into_iter().flatten() {
+            stack.push(*c);
+        }
+    }
+    let mut lost = Vec::new();
+    for (ino, i) in &inodes {
+        let links = names.get(ino).map(|v| v.len() as u32).unwrap_or(0);
+        if i.kind == Kind::Dir {
+            if *ino != InodeNo::ROOT {
+                if links == 0 && i.nlink == 0 {
+                    rep.add(
+                        Level::Note,
+                        format!(
+                            "directory {} was removed while in use (cleaned at next mount)",
+                            ino.0
+                        ),
+                        false,
+                    );
+                    continue;
+                }
+                if links != 1 {
+                    rep.add(
+                        Level::Error,
+                        format!("directory {} has {links} entries naming it", ino.0),
+                        false,
+                    );
+                }
+                if let Some(p) = names.get(ino).and_then(|v| v.first()) {
+                    if *p != i.parent {
+                        rep.add(
+                            Level::Error,
+                            format!(
+                                "directory {} has parent {} but lives in {}",
+                                ino.0, i.parent.0, p.0
+                            ),
+                            false,
+                        );
+                    }
+                }
+            }
+            let want = 2 + subdirs.get(ino).copied().unwrap_or(0);
+            if i.nlink != want {
+                if let Some(tx) = &tx {
+                    tx.set_nlink(*ino, want)?;
+                }
+                rep.add(
+                    Level::Error,
+                    format!("directory {} has nlink {} but {want} links", ino.0, i.nlink),
+                    repair,
+                );
+            }
+        } else if links != i.nlink {
+            if links == 0 && i.nlink == 0 {
+                rep.add(
+                    Level::Note,
+                    format!(
+                        "inode {} was unlinked while open (removed at next mount)",
+                        ino.0
+                    ),
+                    false,
+                );
+            } else if links == 0 {
+                lost.push(*ino);
+                rep.add(
+                    Level::Error,
+                    format!(
+                        "inode {} has nlink {} but no entry names it",
+                        ino.0, i.nlink
+                    ),
+                    repair,
+                );
+            } else {
+                if let Some(tx) = &tx {
+                    tx.set_nlink(*ino, links)?;
+                }
+                rep.add(
+                    Level::Error,
+                    format!("inode {} has nlink {} but {links} entries", ino.0, i.nlink),
+                    repair,
+                );
+            }
+        }
+        if i.nlink > 0 && !reach.contains(ino) && names.contains_key(ino) {
+            rep.add(
+                Level::Error,
+                format!("inode {} is not reachable from the root", ino.0),
+                false,
+            );
+        }
+        if i.kind == Kind::Symlink && store.read().symlink_target(*ino)?.is_none() {
+            rep.add(
+                Level::Error,
+                format!("symlink {} has no target", ino.0),
+                false,
+            );
+        }
+    }
+    if let Some(tx) = &tx {
+        if !lost.is_empty() {
+            let lf = match tx.lookup(InodeNo::ROOT, b"lost+found")? {
+                Some(d) => d.ino,
+                None => {
+                    let t = Nanos(now_ns());
+                    let dir = Inode {
+                        ino: InodeNo(0),
+                        kind: Kind::Dir,
+                        perm: 0o700,
+                        uid: 0,
+                        gid: 0,
+                        nlink: 2,
+                        size: 0,
+                        atime: t,
+                        mtime: t,
+                        ctime: t,
+                        rdev: 0,
+                        parent: InodeNo::ROOT,
+                        storage: Storage::Inline,
+                    };
+                    let ino = tx.insert(&dir)?;
+                    tx.link(InodeNo::ROOT, b"lost+found", ino, Kind::Dir)?;
+                    let mut root = tx.get(InodeNo::ROOT)?.expect("root checked");
+                    root.nlink += 1;
+                    tx.update(&root)?;
+                    ino
+                }
+            };
+            for ino in &lost {
+                let i = &inodes[ino];
+                tx.link(lf, format!("#{}", ino.0).as_bytes(), *ino, i.kind)?;
+                tx.set_nlink(*ino, 1)?;
+            }
+        }
+    }
+    if let Some(tx) = tx {
+        tx.commit()?;
+    }
+    Ok(())
+}
+
+fn check_bodies(
+    store: &Store,
+    bodies: &BodyStore,
+    rep: &mut FsckReport,
+    opts: &FsckOptions,
+) -> Result<(), FsckError> {
+    let cs = opts.chunk_size;
+    let r = store.read();
+    let inodes: BTreeMap<InodeNo, Inode> =
+        r.all_inodes()?.into_iter().map(|i| (i.ino, i)).collect();
+    let maps = r.all_file_chunks()?;
+    let dirty: HashSet<(InodeNo, u64)> = r.backlog_windows()?.into_iter().collect();
+    let unclean = r.persist_get("running")?.as_deref() == Some("1");
+    let map_cs: Option<u64> = r.persist_get("chunk_size")?.and_then(|v| v.parse().ok());
+    let ids = bodies.ids().map_err(|e| FsckError::OpenState {
+        path: PathBuf::from("bodies"),
+        reason: e.to_string(),
+    })?;
+    let tx = if opts.repair {
+        Some(store.write()?)
+    } else {
+        None
+    };
+    for id in &ids {
+        let owner = inodes
+            .get(&InodeNo(*id))
+            .filter(|i| i.kind == Kind::File && i.storage == Storage::Body);
+        if owner.is_none() {
+            let removed = opts.repair && bodies.remove(*id).is_ok();
+            rep.add(
+                Level::Note,
+                format!("body file {id:x} belongs to no file"),
+                removed,
+            );
+        }
+    }
+    let present: HashSet<u64> = ids.into_iter().collect();
+    for i in inodes
+        .values()
+        .filter(|i| i.kind == Kind::File && i.storage == Storage::Body)
+    {
+        rep.bodies += 1;
+        let ino = i.ino;
+        if !present.contains(&ino.0) {
+            if i.size > 0 {
+                rep.add(
+                    Level::Error,
+                    format!(
+                        "file {}: body file is missing ({} bytes lost)",
+                        ino.0, i.size
+                    ),
+                    false,
+                );
+            }
+            continue;
+        }
+        let len = bodies
+            .stat(ino.0)
+            .ok()
+            .flatten()
+            .map(|(l, _)| l)
+            .unwrap_or(0);
+        if len > i.size {
+            rep.add(
+                Level::Warning,
+                format!("file {}: body holds {} bytes past its size {} (writes never acknowledged; trimmed at next open)", ino.0, len - i.size, i.size),
+                false,
+            );
+        } else if len < i.size {
+            rep.add(
+                Level::Warning,
+                format!(
+                    "file {}: body is {} bytes shorter than its size {} (reads as zeros)",
+                    ino.0,
+                    i.size - len,
+                    i.size
+                ),
+                false,
+            );
+        }
+        let nwin = window_count(i.size, cs);
+        let Some(map) = maps.get(&ino) else { continue };
+        if map_cs != Some(cs) {
+            continue;
+        }
+        if map.iter().any(|(x, _)| *x >= nwin) {
+            if let Some(tx) = &tx {
+                tx.truncate_file_chunks(ino, nwin)?;
+            }
+            rep.add(
+                Level::Note,
+                format!("file {}: chunk map longer than the file", ino.0),
+                opts.repair,
+            );
+        }
+        if opts.quick {
+            continue;
+        }
+        let f = match std::fs::File::open(bodies.path(ino.0)) {
+            Ok(f) => f,
+            Err(e) => {
+                rep.add(
+                    Level::Error,
+                    format!("file {}: cannot read body: {e}", ino.0),
+                    false,
+                );
+                continue;
+            }
+        };
+        let mut unrecorded = false;
+        for (idx, id) in map.iter().filter(|(x, _)| *x < nwin) {
+            if dirty.contains(&(ino, *idx)) {
+                continue;
+            }
+            let range = window_range(*idx, i.size, cs);
+            let mut buf = vec![0u8; (range.end - range.start) as usize];
+            let mut n = 0;
+            while n < buf.len() {
+                match f.read_at(&mut buf[n..], range.start + n as u64) {
+                    Ok(0) => break,
+                    Ok(k) => n += k,
+                    Err(_) => break,
+                }
+            }
+            rep.windows_hashed += 1;
+            let actual = if crate::chunk::chunker::is_zero(&buf) {
+                None
+            } else {
+                Some(ChunkId::of(&buf).0)
+            };
+            if actual != *id {
+                if unclean {
+                    unrecorded = true;
+                } else {
+                    rep.add(
+                        Level::Error,
+                        format!("file {}: window {idx} no longer matches its checkpointed chunk (local body damaged or written behind keel's back)", ino.0),
+                        false,
+                    );
+                }
+            }
+        }
+        if unrecorded {
+            if let Some(tx) = &tx {
+                tx.mark_whole_file_dirty(ino, nwin)?;
+            }
+            rep.add(
+                Level::Warning,
+                format!("file {}: written after the last checkpoint without a record (keel was killed); re-hashed at the next checkpoint", ino.0),
+                opts.repair,
+            );
+        }
+    }
+    if let Some(tx) = tx {
+        tx.commit()?;
+    }
+    Ok(())
+}
+
+fn check_remote(
+    store: &Store,
+    bodies: &BodyStore,
+    mut repo: Repo,
+    rep: &mut FsckReport,
+    opts: &FsckOptions,
+) -> Result<(), FsckError> {
+    let r = store.read();
+    let local_seq: Option<u64> = r.persist_get("last_seq")?.and_then(|v| v.parse().ok());
+    let remote_id = r.persist_get("remote_id")?;
+    let where_ = repo.describe();
+    match repo.manifest() {
+        Ok(Some(m)) => {
+            if remote_id.is_some() && remote_id.as_deref() != Some(m.id.as_str()) {
+                rep.add(Level::Warning, format!("remote {where_} is not the one this state dir checkpointed to (next checkpoint writes a full snapshot)"), false);
+            }
+        }
+        Ok(None) => {
+            if local_seq.is_some() {
+                rep.add(Level::Error, format!("remote {where_} has no workspace manifest but snapshot {local_seq:?} was checkpointed there"), false);
+            }
+            return Ok(());
+        }
+        Err(e) => {
+            rep.add(Level::Error, format!("remote {where_}: {e}"), false);
+            return Ok(());
+        }
+    }
+    let head = match repo.read_head() {
+        Ok(h) => h.map(|h| h.0.seq),
+        Err(e) => {
+            rep.add(Level::Error, format!("remote head: {e}"), false);
+            return Ok(());
+        }
+    };
+    let mut wanted: BTreeSet<ChunkId> = BTreeSet::new();
+    let seqs: BTreeSet<u64> = head.into_iter().chain(local_seq).collect();
+    for s in seqs {
+        match repo.load_tree(s) {
+            Ok((t, _)) => wanted.extend(t.chunk_ids()),
+            Err(e) => rep.add(Level::Error, format!("snapshot {s}: {e}"), false),
+        }
+    }
+    // Local chunk maps describe the last checkpoint: the remote must hold them too.
+    let maps = r.all_file_chunks()?;
+    let mut local_windows: HashMap<ChunkId, (InodeNo, u64)> = HashMap::new();
+    for (ino, rows) in &maps {
+        for (idx, id) in rows {
+            if let Some(id) = id {
+                wanted.insert(ChunkId(*id));
+                local_windows.entry(ChunkId(*id)).or_insert((*ino, *idx));
+            }
+        }
+    }
+    let stored: HashSet<ChunkId> = match repo.list_chunks() {
+        Ok(v) => v.into_iter().map(|(id, _)| id).collect(),
+        Err(e) => {
+            rep.add(Level::Error, format!("list chunks: {e}"), false);
+            return Ok(());
+        }
+    };
+    let mut bad_ids = Vec::new();
+    for id in &wanted {
+        if !stored.contains(id) {
+            bad_ids.push((
+                *id,
+                format!("chunk {id} is referenced but missing on the remote"),
+            ));
+        }
+    }
+    if !opts.quick {
+        let ids: Vec<ChunkId> = wanted
+            .iter()
+            .filter(|id| stored.contains(id))
+            .copied()
+            .collect();
+        let mut last = Instant::now();
+        for (n, batch) in ids.chunks(64).enumerate() {
+            for (id, res) in batch.iter().zip(repo.get_chunks(batch)) {
+                rep.chunks_checked += 1;
+                if let Err(e) = res {
+                    bad_ids.push((*id, e.to_string()));
+                }
+            }
+            if opts.progress && last.elapsed().as_secs() >= 1 {
+                last = Instant::now();
+                eprintln!(
+                    "keel: fsck: {}/{} remote chunks verified",
+                    (n + 1) * 64,
+                    ids.len()
+                );
+            }
+        }
+    }
+    let inodes: HashMap<InodeNo, Inode> = r.all_inodes()?.into_iter().map(|i| (i.ino, i)).collect();
+    let cs = opts.chunk_size;
+    for (id, why) in bad_ids {
+        let mut repaired = false;
+        if opts.repair {
+            // Re-upload from a local window that still hashes to the id.
+            if let Some((ino, idx)) = local_windows.get(&id) {
+                if let Some(i) = inodes.get(ino) {
+                    let range = window_range(*idx, i.size, cs);
+                    if let Ok(f) = std::fs::File::open(bodies.path(ino.0)) {
+                        let mut buf = vec![0u8; (range.end - range.start) as usize];
+                        if f.read_exact_at(&mut buf, range.start).is_ok() && ChunkId::of(&buf) == id
+                        {
+                            repaired = repo
+                                .remote
+                                .put(&repo.chunk_key(&id), Bytes::from(buf), PutMode::Overwrite)
+                                .is_ok();
+                        }
+                    }
+                }
+            }
+        }
+        let who = local_windows
+            .get(&id)
+            .map(|(ino, idx)| format!(" (window {idx} of file {})", ino.0))
+            .unwrap_or_default();
+        rep.add(Level::Error, format!("{why}{who}"), repaired);
+    }
+    Ok(())
+}

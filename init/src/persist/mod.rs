@@ -1,0 +1,66 @@
+//! Durability beyond the local disk: checkpoints of the workspace to a remote object store
+//! (content-addressed blake3 chunks shared by every snapshot, metadata snapshots as deltas
+//! with periodic compaction, a head pointer), restore of any snapshot into an empty state
+//! dir, garbage collection with snapshot retention, `fsck` of a state dir and its remote, and
+//! the background service (periodic checkpoints, the control socket, the final checkpoint
+//! at shutdown). Depends on `meta` and `chunk`, never on `workspace`.
+
+pub mod checkpoint;
+pub mod cli;
+pub mod control;
+pub mod format;
+pub mod fsck;
+pub mod gc;
+pub mod hydrate;
+pub mod objstore;
+pub mod remote;
+pub mod repo;
+pub mod restore;
+pub mod service;
+
+use std::path::Path;
+use std::sync::Arc;
+
+pub use checkpoint::{
+    Backlog, CheckpointError, CheckpointOptions, CheckpointReport, PersistParams, Persister,
+};
+pub use remote::{Counted, FsRemote, MemRemote, Remote, RemoteError};
+pub use repo::Repo;
+pub use service::{CheckpointHandle, PersistState, Service};
+
+use crate::config::{PersistConfig, WorkspaceConfig};
+
+/// Opens the remote named by `url`: the store and the key prefix of the workspace in it.
+pub fn open_remote(url: &str, cfg: &PersistConfig) -> Result<Repo, RemoteError> {
+    if let Some(path) = url.strip_prefix("file://") {
+        if !path.starts_with('/') {
+            return Err(RemoteError::Open {
+                url: url.into(),
+                reason: "file:// needs an absolute path".into(),
+            });
+        }
+        let r: Arc<dyn Remote> = Arc::new(FsRemote::open(Path::new(path))?);
+        return Ok(Repo::new(r, ""));
+    }
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| RemoteError::Open {
+        url: url.into(),
+        reason: "not a URL".into(),
+    })?;
+    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    let r: Arc<dyn Remote> = Arc::new(objstore::ObjectStoreRemote::open(
+        &format!("{scheme}://{bucket}"),
+        cfg,
+    )?);
+    Ok(Repo::new(r, prefix))
+}
+
+/// Checkpoint parameters from the config.
+pub fn params(ws: &WorkspaceConfig, p: &PersistConfig) -> PersistParams {
+    PersistParams {
+        chunk_size: ws.chunk_size,
+        compact_every: p.compact_every,
+        threads: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(2),
+    }
+}

@@ -1,0 +1,281 @@
+//! The layout of a workspace on its remote, on top of the `Remote` trait:
+//!
+//! ```text
+//! <ws>/keel-workspace.json      manifest: format, id, where the chunks live
+//! <ws>/head                     {"seq": N, ...}: the latest snapshot (conditional writes)
+//! <ws>/snapshots/<seq:016x>     snapshot objects (full or delta, see `format`)
+//! <chunks>/<aa>/<64 hex>        chunk objects, named by blake3, shared by all snapshots
+//! ```
+//!
+//! `<chunks>` is `<ws>/chunks` for a new workspace; the manifest records it so a fork
+//! (issue 5) can point at the chunk store of the workspace it came from.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use super::format::{self, Body, FormatError, Header, Tree};
+use super::remote::{ObjectInfo, PutMode, Remote, RemoteError};
+use crate::chunk::ChunkId;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RepoError {
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error("remote {what} {key}: {reason}")]
+    Parse {
+        what: &'static str,
+        key: String,
+        reason: String,
+    },
+    #[error("chunk {id} is corrupt on the remote (its bytes hash to {actual})")]
+    ChunkCorrupt { id: ChunkId, actual: ChunkId },
+    #[error("the remote has no snapshot yet (no head)")]
+    NoHead,
+}
+
+/// The workspace manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: u32,
+    /// Random id; a local state dir remembers it to notice a remote that was replaced.
+    pub id: String,
+    /// Key prefix of the chunk store.
+    pub chunks: String,
+    pub created_ns: i64,
+}
+
+/// The head pointer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Head {
+    pub seq: u64,
+    pub created_ns: i64,
+    /// Who wrote it (host and pid; the lease of issue 5 will add an epoch).
+    pub writer: String,
+}
+
+/// A workspace on a remote.
+#[derive(Clone)]
+pub struct Repo {
+    pub remote: Arc<dyn Remote>,
+    ws: String,
+    chunks: String,
+}
+
+fn join(a: &str, b: &str) -> String {
+    if a.is_empty() {
+        b.to_string()
+    } else {
+        format!("{a}/{b}")
+    }
+}
+
+impl Repo {
+    /// A workspace under key prefix `ws` (may be empty) of `remote`.
+    pub fn new(remote: Arc<dyn Remote>, ws: &str) -> Repo {
+        let ws = ws.trim_matches('/').to_string();
+        let chunks = join(&ws, "chunks");
+        Repo { remote, ws, chunks }
+    }
+
+    pub fn describe(&self) -> String {
+        self.remote.describe()
+    }
+
+    fn key(&self, rel: &str) -> String {
+        join(&self.ws, rel)
+    }
+
+    pub fn chunk_key(&self, id: &ChunkId) -> String {
+        let h = id.to_hex();
+        format!("{}/{}/{}", self.chunks, &h[..2], h)
+    }
+
+    pub fn chunk_prefix(&self) -> String {
+        format!("{}/", self.chunks)
+    }
+
+    pub fn snapshot_key(&self, seq: u64) -> String {
+        self.key(&format!("snapshots/{seq:016x}"))
+    }
+
+    /// Reads the manifest, creating it (and adopting its chunk location) when absent.
+    pub fn ensure_manifest(&mut self, now_ns: i64) -> Result<Manifest, RepoError> {
+        let key = self.key("keel-workspace.json");
+        match self.remote.get(&key) {
+            Ok(b) => {
+                let m: Manifest = serde_json::from_slice(&b).map_err(|e| RepoError::Parse {
+                    what: "manifest",
+                    key: key.clone(),
+                    reason: e.to_string(),
+                })?;
+                self.chunks = m.chunks.clone();
+                Ok(m)
+            }
+            Err(e) if e.is_not_found() => {
+                let m = Manifest {
+                    format: format::FORMAT,
+                    id: random_id(),
+                    chunks: self.chunks.clone(),
+                    created_ns: now_ns,
+                };
+                let data = serde_json::to_vec_pretty(&m).expect("manifest serialises");
+                match self.remote.put(&key, Bytes::from(data), PutMode::Create) {
+                    Ok(_) => Ok(m),
+                    // Someone else created it first: use theirs.
+                    Err(RemoteError::AlreadyExists { .. }) => self.ensure_manifest(now_ns),
+                    Err(e) => Err(e.into()),
+                }
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Reads the manifest if there is one (without creating it).
+    pub fn manifest(&mut self) -> Result<Option<Manifest>, RepoError> {
+        let key = self.key("keel-workspace.json");
+        match self.remote.get(&key) {
+            Ok(b) => {
+                let m: Manifest = serde_json::from_slice(&b).map_err(|e| RepoError::Parse {
+                    what: "manifest",
+                    key,
+                    reason: e.to_string(),
+                })?;
+                self.chunks = m.chunks.clone();
+                Ok(Some(m))
+            }
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The head and its version (for a conditional update).
+    pub fn read_head(&self) -> Result<Option<(Head, Option<String>)>, RepoError> {
+        let key = self.key("head");
+        let Some(info) = self.remote.head(&key)? else {
+            return Ok(None);
+        };
+        let b = match self.remote.get(&key) {
+            Ok(b) => b,
+            Err(e) if e.is_not_found() => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let h: Head = serde_json::from_slice(&b).map_err(|e| RepoError::Parse {
+            what: "head",
+            key,
+            reason: e.to_string(),
+        })?;
+        Ok(Some((h, info.version)))
+    }
+
+    /// Points the head at a snapshot; `expected` is the version read before (None: the
+    /// head must not exist yet).
+    pub fn write_head(
+        &self,
+        head: &Head,
+        expected: Option<String>,
+    ) -> Result<Option<String>, RepoError> {
+        let key = self.key("head");
+        let data = Bytes::from(serde_json::to_vec(head).expect("head serialises"));
+        let mode = match expected {
+            Some(v) => PutMode::Update(v),
+            None => PutMode::Create,
+        };
+        Ok(self.remote.put(&key, data, mode)?)
+    }
+
+    pub fn put_snapshot(&self, seq: u64, data: Vec<u8>) -> Result<(), RemoteError> {
+        self.remote
+            .put(&self.snapshot_key(seq), Bytes::from(data), PutMode::Create)?;
+        Ok(())
+    }
+
+    pub fn read_snapshot(&self, seq: u64) -> Result<(Header, Body), RepoError> {
+        let key = self.snapshot_key(seq);
+        let b = self.remote.get(&key)?;
+        Ok(format::decode(&key, &b)?)
+    }
+
+    pub fn read_header(&self, seq: u64) -> Result<Header, RepoError> {
+        let key = self.snapshot_key(seq);
+        let b = self.remote.get_range(&key, 0..4096)?;
+        Ok(format::decode_header(&key, &b)?.0)
+    }
+
+    /// Every snapshot object: (seq, info), oldest first.
+    pub fn list_snapshots(&self) -> Result<Vec<(u64, ObjectInfo)>, RepoError> {
+        let prefix = self.key("snapshots/");
+        let mut out = Vec::new();
+        for i in self.remote.list(&prefix)? {
+            if let Ok(seq) = u64::from_str_radix(&i.key[prefix.len()..], 16) {
+                out.push((seq, i));
+            }
+        }
+        out.sort_by_key(|(s, _)| *s);
+        Ok(out)
+    }
+
+    /// Materializes the tree of snapshot `seq` by replaying its chain from the full
+    /// snapshot it builds on. Returns the tree and the headers of the chain.
+    pub fn load_tree(&self, seq: u64) -> Result<(Tree, Vec<Header>), RepoError> {
+        let mut chain = Vec::new();
+        let mut at = Some(seq);
+        while let Some(s) = at {
+            let (h, b) = self.read_snapshot(s)?;
+            at = h.parent;
+            chain.push((h, b));
+        }
+        let mut tree = Tree::default();
+        let mut headers = Vec::new();
+        for (h, b) in chain.into_iter().rev() {
+            tree.apply(&h, b)?;
+            headers.push(h);
+        }
+        Ok((tree, headers))
+    }
+
+    /// Fetches chunks and checks each against its id. Results in input order.
+    pub fn get_chunks(&self, ids: &[ChunkId]) -> Vec<Result<Bytes, RepoError>> {
+        let keys: Vec<String> = ids.iter().map(|id| self.chunk_key(id)).collect();
+        self.remote
+            .get_many(&keys)
+            .into_iter()
+            .zip(ids)
+            .map(|(r, id)| {
+                let b = r?;
+                let actual = ChunkId::of(&b);
+                if actual != *id {
+                    return Err(RepoError::ChunkCorrupt { id: *id, actual });
+                }
+                Ok(b)
+            })
+            .collect()
+    }
+
+    /// Every chunk object: (id, info).
+    pub fn list_chunks(&self) -> Result<Vec<(ChunkId, ObjectInfo)>, RepoError> {
+        let mut out = Vec::new();
+        for i in self.remote.list(&self.chunk_prefix())? {
+            let name = i.key.rsplit('/').next().unwrap_or("");
+            if let Ok(id) = ChunkId::from_hex(name) {
+                out.push((id, i));
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A random 128-bit id in hex (from the time, the pid and the address space layout).
+pub fn random_id() -> String {
+    let t = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let probe = Box::new(0u8);
+    let seed = format!("{t}-{}-{:p}", std::process::id(), &*probe);
+    ChunkId::of(seed.as_bytes()).to_hex()[..32].to_string()
+}

@@ -1,0 +1,435 @@
+//! The checkpoint service of a mounted workspace: one worker thread that owns the
+//! `Persister` and takes a checkpoint every `[persist] interval` when something changed,
+//! on request (control socket, `fsync = "remote"`), and a final one at shutdown within a
+//! deadline; automatic gc every `gc_every` checkpoints. If the final checkpoint cannot
+//! finish, `finish` reports exactly what did not reach the remote; it stays in the local
+//! state (pending) and the next start uploads it first.
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::checkpoint::{backlog, now_ns, Backlog, CheckpointOptions, CheckpointReport, Persister};
+use super::control;
+use super::gc::{gc, GcReport};
+use crate::config::{PersistConfig, WorkspaceConfig};
+use crate::meta::{Nanos, Store};
+
+/// Makes every write the filesystem acknowledged visible in the state database (the
+/// mounted filesystem's `flush`).
+pub type FlushFn = Box<dyn Fn() -> Result<(), String> + Send>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error("open remote {url}: {source}")]
+    OpenRemote {
+        url: String,
+        source: super::RemoteError,
+    },
+    #[error("start checkpoints: {0}")]
+    Start(#[from] super::CheckpointError),
+    #[error("control socket {path}: {source}")]
+    Control {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("spawn worker: {0}")]
+    Spawn(std::io::Error),
+}
+
+/// The final checkpoint did not complete.
+#[derive(Debug, thiserror::Error)]
+#[error("final checkpoint failed ({reason}): {backlog}; they stay in the local state and are uploaded first at the next start")]
+pub struct FinalError {
+    pub reason: String,
+    pub backlog: Backlog,
+}
+
+pub(crate) enum Cmd {
+    Checkpoint {
+        full: bool,
+        reply: Sender<Result<CheckpointReport, String>>,
+    },
+    Gc {
+        reply: Sender<Result<GcReport, String>>,
+    },
+    Status {
+        reply: Sender<String>,
+    },
+    State {
+        reply: Sender<PersistState>,
+    },
+    MountPoint {
+        reply: Sender<PathBuf>,
+    },
+    /// Stop periodic work (the filesystem is about to go away).
+    Pause {
+        reply: Sender<()>,
+    },
+    /// The last checkpoint: pauses periodic work, no flush (the caller just flushed).
+    Final {
+        deadline: Instant,
+        reply: Sender<Result<CheckpointReport, String>>,
+    },
+    /// Exit; `clean`: every write of the filesystem is recorded in the store.
+    Close {
+        clean: bool,
+    },
+}
+
+/// A cloneable handle to the running service, for other threads (the HTTP control API's
+/// `POST /checkpoint`, `/status`, `fsync = "remote"`).
+#[derive(Clone)]
+pub struct CheckpointHandle {
+    tx: Sender<Cmd>,
+}
+
+/// What the service reports for `/status`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PersistState {
+    pub backlog: Backlog,
+    pub last_seq: Option<u64>,
+    /// Wall-clock time of the last checkpoint, in ns since the epoch.
+    pub last_checkpoint_ns: Option<i64>,
+    pub remote: String,
+}
+
+impl CheckpointHandle {
+    /// Flushes the filesystem, takes a checkpoint and waits for it.
+    pub fn checkpoint_now(&self) -> Result<CheckpointReport, String> {
+        let (reply, rx) = mpsc::channel();
+        self.tx
+            .send(Cmd::Checkpoint { full: false, reply })
+            .map_err(|_| "checkpoint service stopped".to_string())?;
+        rx.recv()
+            .map_err(|_| "checkpoint service stopped".to_string())?
+    }
+
+    /// Backlog and last checkpoint (waits for a checkpoint in progress).
+    pub fn state(&self) -> Result<PersistState, String> {
+        let (reply, rx) = mpsc::channel();
+        self.tx
+            .send(Cmd::State { reply })
+            .map_err(|_| "checkpoint service stopped".to_string())?;
+        rx.recv()
+            .map_err(|_| "checkpoint service stopped".to_string())
+    }
+}
+
+pub struct Service {
+    tx: Sender<Cmd>,
+    worker: Option<JoinHandle<()>>,
+    control: Option<control::Server>,
+    state_dir: PathBuf,
+    chunk_size: u64,
+    flush_timeout: Duration,
+}
+
+struct Worker {
+    p: Persister,
+    cfg: PersistConfig,
+    flush: FlushFn,
+    since_gc: u32,
+    paused: bool,
+    mount_point: PathBuf,
+}
+
+impl Worker {
+    fn checkpoint(
+        &mut self,
+        opts: CheckpointOptions,
+        flush: bool,
+    ) -> Result<CheckpointReport, String> {
+        let synced_at = Nanos(now_ns());
+        if flush {
+            (self.flush)()?;
+        }
+        let r = self
+            .p
+            .checkpoint(&CheckpointOptions {
+                synced_at: Some(synced_at),
+                ..opts
+            })
+            .map_err(|e| e.to_string())?;
+        if r.seq.is_some() {
+            self.since_gc += 1;
+            if self.cfg.gc_every > 0 && self.since_gc >= self.cfg.gc_every {
+                self.since_gc = 0;
+                if let Err(e) = self.gc() {
+                    tracing::warn!(error = %e, "automatic gc failed");
+                }
+            }
+        }
+        Ok(r)
+    }
+
+    fn gc(&mut self) -> Result<GcReport, String> {
+        let mut repo = self.p.repo().clone();
+        gc(
+            &mut repo,
+            Some(self.p.store()),
+            self.cfg.keep,
+            self.cfg.gc_grace,
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    fn status(&self) -> String {
+        let b = self
+            .p
+            .backlog()
+            .map(|b| b.to_string())
+            .unwrap_or_else(|e| e.to_string());
+        let r = self.p.store().read();
+        let last = r
+            .persist_get("last_seq")
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| "none".into());
+        let at: Option<i64> = r
+            .persist_get("last_checkpoint_ns")
+            .ok()
+            .flatten()
+            .and_then(|v| v.parse().ok());
+        let age = at
+            .map(|t| format!("{:.1}s ago", (now_ns() - t) as f64 / 1e9))
+            .unwrap_or_else(|| "never".into());
+        format!(
+            "remote {}; last snapshot {last} ({age}); backlog: {b}",
+            self.p.repo().describe()
+        )
+    }
+
+    fn state(&self) -> PersistState {
+        let r = self.p.store().read();
+        let get = |k: &str| r.persist_get(k).ok().flatten();
+        PersistState {
+            backlog: self.p.backlog().unwrap_or_default(),
+            last_seq: get("last_seq").and_then(|v| v.parse().ok()),
+            last_checkpoint_ns: get("last_checkpoint_ns").and_then(|v| v.parse().ok()),
+            remote: self.p.repo().describe(),
+        }
+    }
+
+    fn run(mut self, rx: Receiver<Cmd>, interval: Duration) {
+        // Changes left from the last run (a failed final checkpoint) go first.
+        let mut next = if self.p.has_changes().unwrap_or(false) && !interval.is_zero() {
+            Instant::now()
+        } else {
+            Instant::now() + interval
+        };
+        loop {
+            let wait = if self.paused || interval.is_zero() {
+                Duration::from_secs(3600)
+            } else {
+                next.saturating_duration_since(Instant::now())
+            };
+            match rx.recv_timeout(wait) {
+                Err(RecvTimeoutError::Timeout) => {
+                    if self.paused || interval.is_zero() {
+                        continue;
+                    }
+                    next = Instant::now() + interval;
+                    let changed = (self.flush)().is_ok() && self.p.has_changes().unwrap_or(true);
+                    if changed {
+                        if let Err(e) = self.checkpoint(CheckpointOptions::default(), false) {
+                            tracing::warn!(error = %e, "periodic checkpoint failed; retrying at the next interval");
+                        }
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+                Ok(Cmd::Close { clean }) => {
+                    if clean {
+                        if let Err(e) = self.p.mark_running(false) {
+                            tracing::warn!(error = %e, "could not record the clean stop");
+                        }
+                    }
+                    break;
+                }
+                Ok(Cmd::Checkpoint { full, reply }) => {
+                    let r = self.checkpoint(
+                        CheckpointOptions {
+                            full,
+                            ..Default::default()
+                        },
+                        !self.paused,
+                    );
+                    let _ = reply.send(r);
+                }
+                Ok(Cmd::Gc { reply }) => {
+                    let _ = reply.send(self.gc());
+                }
+                Ok(Cmd::Status { reply }) => {
+                    let _ = reply.send(self.status());
+                }
+                Ok(Cmd::State { reply }) => {
+                    let _ = reply.send(self.state());
+                }
+                Ok(Cmd::MountPoint { reply }) => {
+                    let _ = reply.send(self.mount_point.clone());
+                }
+                Ok(Cmd::Pause { reply }) => {
+                    self.paused = true;
+                    let _ = reply.send(());
+                }
+                Ok(Cmd::Final { deadline, reply }) => {
+                    self.paused = true;
+                    let r = self.checkpoint(
+                        CheckpointOptions {
+                            deadline: Some(deadline),
+                            ..Default::default()
+                        },
+                        false,
+                    );
+                    let _ = reply.send(r);
+                }
+            }
+        }
+    }
+}
+
+impl Service {
+    /// A handle other threads use to ask for checkpoints and read the backlog.
+    pub fn handle(&self) -> CheckpointHandle {
+        CheckpointHandle {
+            tx: self.tx.clone(),
+        }
+    }
+
+    /// How long the final checkpoint at unmount may take (so the init's own deadline can
+    /// still report what did not reach the remote).
+    pub fn set_final_budget(&mut self, budget: Duration) {
+        self.flush_timeout = budget;
+    }
+
+    /// Starts checkpoints for a mounted workspace; `None` when `[persist] remote = "none"`.
+    pub fn start(
+        ws: &WorkspaceConfig,
+        cfg: &PersistConfig,
+        flush: FlushFn,
+    ) -> Result<Option<Service>, ServiceError> {
+        let state = &ws.state_dir;
+        let Some(url) = cfg.remote_url(state) else {
+            return Ok(None);
+        };
+        let repo = super::open_remote(&url, cfg).map_err(|source| ServiceError::OpenRemote {
+            url: url.clone(),
+            source,
+        })?;
+        let mut p = Persister::open(state, repo, super::params(ws, cfg))?;
+        p.mark_running(true)?;
+        let (tx, rx) = mpsc::channel();
+        let worker = Worker {
+            p,
+            cfg: cfg.clone(),
+            flush,
+            since_gc: 0,
+            paused: false,
+            mount_point: ws.mount_point.clone(),
+        };
+        let interval = cfg.interval;
+        let handle = std::thread::Builder::new()
+            .name("keel-checkpoint".into())
+            .spawn(move || worker.run(rx, interval))
+            .map_err(ServiceError::Spawn)?;
+        let sock = state.join(super::control::SOCKET_NAME);
+        let control =
+            control::Server::start(&sock, tx.clone()).map_err(|source| ServiceError::Control {
+                path: sock.clone(),
+                source,
+            })?;
+        tracing::info!(remote = %url, interval_s = interval.as_secs_f64(), "checkpoints enabled");
+        Ok(Some(Service {
+            tx,
+            worker: Some(handle),
+            control: Some(control),
+            state_dir: state.clone(),
+            chunk_size: ws.chunk_size,
+            flush_timeout: cfg.flush_timeout,
+        }))
+    }
+
+    /// Takes a checkpoint now and waits for it (`fsync = "remote"`, `keel checkpoint`).
+    pub fn checkpoint_now(&self) -> Result<CheckpointReport, String> {
+        let (reply, rx) = mpsc::channel();
+        self.tx
+            .send(Cmd::Checkpoint { full: false, reply })
+            .map_err(|_| "checkpoint service stopped".to_string())?;
+        rx.recv()
+            .map_err(|_| "checkpoint service stopped".to_string())?
+    }
+
+    /// Stops periodic checkpoints (before the filesystem is unmounted).
+    pub fn pause(&self) {
+        if let Some(c) = &self.control {
+            c.stop();
+        }
+        let (reply, rx) = mpsc::channel();
+        if self.tx.send(Cmd::Pause { reply }).is_ok() {
+            let _ = rx.recv();
+        }
+    }
+
+    /// The final checkpoint, right after the caller flushed the filesystem, within
+    /// `[persist] flush_timeout`. Periodic checkpoints and the control socket stop.
+    pub fn finish(&mut self) -> Result<CheckpointReport, FinalError> {
+        let deadline = Instant::now() + self.flush_timeout;
+        if let Some(c) = self.control.take() {
+            c.stop();
+        }
+        let (reply, rx) = mpsc::channel();
+        let sent = self.tx.send(Cmd::Final { deadline, reply }).is_ok();
+        // The worker checks the deadline between steps; allow one remote round trip more.
+        let got = if sent {
+            rx.recv_timeout(self.flush_timeout + Duration::from_secs(2))
+                .ok()
+        } else {
+            None
+        };
+        match got {
+            Some(Ok(r)) => Ok(r),
+            other => {
+                let reason = match other {
+                    Some(Err(e)) => e,
+                    _ => format!(
+                        "did not finish within {:.1}s",
+                        self.flush_timeout.as_secs_f64()
+                    ),
+                };
+                let backlog = read_backlog(&self.state_dir, self.chunk_size).unwrap_or_default();
+                Err(FinalError { reason, backlog })
+            }
+        }
+    }
+
+    /// Stops the service. `clean`: the filesystem has stopped and recorded every write, so
+    /// the next start need not look for unrecorded ones.
+    pub fn close(mut self, clean: bool) {
+        self.stop(clean);
+    }
+
+    fn stop(&mut self, clean: bool) {
+        if let Some(c) = self.control.take() {
+            c.stop();
+        }
+        let _ = self.tx.send(Cmd::Close { clean });
+        if let Some(w) = self.worker.take() {
+            // A worker stuck past the final deadline is left behind; the process exits.
+            if clean || w.is_finished() {
+                let _ = w.join();
+            }
+        }
+    }
+}
+
+fn read_backlog(state: &Path, chunk_size: u64) -> Option<Backlog> {
+    let store = Store::open(&state.join("meta.db"), Nanos(now_ns())).ok()?;
+    backlog(&store, chunk_size).ok()
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.stop(false);
+    }
+}
