@@ -71,9 +71,14 @@ fi
 
 # The image's config drops SYS_ADMIN from the main command; fs-bench needs it (tmpfs and bind
 # mounts), so the image's own config.toml is used with drop_capabilities emptied.
-podman run --rm --entrypoint cat "$BENCH_IMAGE" /etc/keel/config.toml >"$TMP/config.toml" ||
-    { echo "run-fs-bench: cannot read /etc/keel/config.toml from $IMAGE" >&2; exit 1; }
-sed -i 's/^drop_capabilities *=.*/drop_capabilities = []/' "$TMP/config.toml"
+CONFIG=()
+if podman run --rm --entrypoint cat "$BENCH_IMAGE" /etc/keel/config.toml >"$TMP/config.toml" \
+    2>/dev/null; then
+    sed -i 's/^drop_capabilities *=.*/drop_capabilities = []/' "$TMP/config.toml"
+    CONFIG=(-v "$TMP/config.toml:/etc/keel/config.toml:ro")
+else
+    echo "run-fs-bench: $IMAGE has no /etc/keel/config.toml (an older image?); using its defaults" >&2
+fi
 
 # The shim run by ci/keelctl.sh as "$KEEL_BIN mount --state STATE MNT": bind /workspace/DIR.
 cat >"$TMP/workspace-shim" <<'EOF'
@@ -99,7 +104,7 @@ export BENCH_DIR=/var/tmp/keel-bench KEEL_BIN=/bench/workspace-shim
 EOF
 chmod 755 "$TMP/inside.sh"
 
-echo "# run-fs-bench: image $IMAGE ($ID), bench image $BENCH_IMAGE; keel = /workspace, ext4 = the container's disk" 
+echo "# run-fs-bench: image $IMAGE ($ID), bench image $BENCH_IMAGE; keel = /workspace, ext4 = the container's disk"
 podman run --rm --device /dev/fuse --cap-add SYS_ADMIN \
     -v "$REPO/script:/repo/script:ro" -v "$REPO/ci:/repo/ci:ro" -v "$TMP:/bench:ro" \
-    "$BENCH_IMAGE" /bench/inside.sh "${FSARGS[@]}"
+    "${CONFIG[@]}" --no-healthcheck "$BENCH_IMAGE" /bench/inside.sh "${FSARGS[@]}"
