@@ -59,8 +59,21 @@ teardown_target() {
     local t=$1 d=$RUN/$1
     case $t in
         keel|keel-wb)
-            "$REPO/ci/keelctl.sh" status "$(keel_state "$t")" "$d" &&
-                "$REPO/ci/keelctl.sh" stop "$(keel_state "$t")" "$d" ;;
+            local st
+            st=$(keel_state "$t")
+            if "$REPO/ci/keelctl.sh" status "$st" "$d"; then
+                "$REPO/ci/keelctl.sh" stop "$st" "$d" && return 0
+            fi
+            # The daemon died (or would not stop): keep its log beside BENCH_DIR, say where,
+            # and detach the dead mount so the run directory can be removed.
+            local keep
+            keep=$BENCH_DIR/$NAME-$t-$(date +%Y%m%dT%H%M%S).log
+            cp "$st.log" "$keep" 2>/dev/null
+            echo "$NAME: keel ($t) was not running at the end (exit status $(cat "$st.rc" 2>/dev/null || echo ?)); log kept in $keep:" >&2
+            tail -n 20 "$keep" >&2 2>/dev/null
+            umount -l "$d" 2>/dev/null
+            FAILED=1
+            ;;
         tmpfs) umount "$d" 2>/dev/null ;;
         juicefs) juicefs umount "$d" >/dev/null 2>&1 || umount -l "$d" 2>/dev/null ;;
     esac
