@@ -105,6 +105,8 @@ EOF
 chmod 755 "$TMP/inside.sh"
 
 echo "# run-fs-bench: image $IMAGE ($ID), bench image $BENCH_IMAGE; keel = /workspace, ext4 = the container's disk"
-podman run --rm --device /dev/fuse --cap-add SYS_ADMIN \
+# --shm-size: fs-bench keeps its sources (64 MiB of random data, a git repo) in /dev/shm,
+# which podman limits to 64 MiB by default.
+podman run --rm --device /dev/fuse --cap-add SYS_ADMIN --shm-size=1g \
     -v "$REPO/script:/repo/script:ro" -v "$REPO/ci:/repo/ci:ro" -v "$TMP:/bench:ro" \
     "${CONFIG[@]}" --no-healthcheck "$BENCH_IMAGE" /bench/inside.sh "${FSARGS[@]}"
