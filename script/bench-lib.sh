@@ -1,4 +1,4 @@
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2034  # KEEL_PID, FAILED, READY are the caller's
 # Shared target setup for script/fio-bench.sh and script/npm-bench.sh (sourced, not run).
 # The same targets as script/fs-bench.sh, set up the same way:
 #   keel      `keel mount` on a fresh state dir under BENCH_DIR, options from KEEL_ARGS

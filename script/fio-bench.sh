@@ -28,7 +28,7 @@ BENCH_DIR=${BENCH_DIR:-$REPO/.bench}
 # shellcheck source=script/bench-lib.sh
 . "$REPO/script/bench-lib.sh"
 
-SHORT=0 REPS=3 OUT= TARGETS=()
+SHORT=0 REPS=3 OUT='' TARGETS=()
 REPS_SET=0
 while [ $# -gt 0 ]; do
     case $1 in
@@ -63,6 +63,7 @@ mkdir -p "$BENCH_DIR"
 RUN=$(mktemp -d "$BENCH_DIR/fio.XXXXXX")
 chmod 755 "$RUN"
 FAILED=0
+# shellcheck disable=SC2317  # (called from the EXIT trap)
 cleanup() {
     local t
     for t in "${READY[@]}"; do teardown_target "$t"; done

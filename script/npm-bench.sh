@@ -25,7 +25,7 @@ BENCH_DIR=${BENCH_DIR:-$REPO/.bench}
 # shellcheck source=script/bench-lib.sh
 . "$REPO/script/bench-lib.sh"
 
-SHORT=0 REPS=3 OUT= TARGETS=() REPS_SET=0
+SHORT=0 REPS=3 OUT='' TARGETS=() REPS_SET=0
 while [ $# -gt 0 ]; do
     case $1 in
         --short) SHORT=1; shift ;;
@@ -48,6 +48,7 @@ RUN=$(mktemp -d "$BENCH_DIR/npm.XXXXXX")
 chmod 755 "$RUN"
 FAILED=0
 READY=()
+# shellcheck disable=SC2317  # (called from the EXIT trap)
 cleanup() {
     local t
     for t in "${READY[@]}"; do teardown_target "$t"; done
@@ -90,6 +91,7 @@ echo "$NAME: resolving and warming the npm cache ($npm_config_cache)" >&2
 if ! (cd "$PROJ" && npm install "${NPM_FLAGS[@]}" >"$RUN/warm.log" 2>&1); then
     if [ "$SHORT" = 1 ]; then
         echo "$NAME: registry unreachable; --short falls back to a locally packed package" >&2
+        # shellcheck disable=SC2015  # any failing step of the chain ends in the error branch
         mkdir -p "$RUN/pkg" && (cd "$RUN/pkg" &&
             printf '{"name":"keel-npm-tiny","version":"1.0.0","main":"index.js"}\n' >package.json &&
             echo 'module.exports = 42;' >index.js && npm pack --silent >/dev/null) &&
