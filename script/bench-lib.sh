@@ -108,6 +108,17 @@ describe_targets() {
     esac
 }
 
+# target_alive TARGET: its filesystem is still the one set up (a keel daemon killed from outside
+# leaves a plain directory behind, whose numbers would silently be ext4's)
+target_alive() {
+    case $1 in
+        keel|keel-wb) "$REPO/ci/keelctl.sh" status "$(keel_state "$1")" "${ROOT[$1]}" ;;
+        tmpfs) [ "$(findmnt -n -o FSTYPE -M "${ROOT[$1]}")" = tmpfs ] ;;
+        juicefs) [ "$(findmnt -n -o FSTYPE -M "${ROOT[$1]}")" = fuse.juicefs ] ;;
+        *) return 0 ;;
+    esac
+}
+
 # vmhwm PID -> peak RSS in KiB (0 if gone)
 vmhwm() { awk '/^VmHWM:/ {print $2; f=1} END {if (!f) print 0}' "/proc/$1/status" 2>/dev/null || echo 0; }
 vmrss() { awk '/^VmRSS:/ {print $2; f=1} END {if (!f) print 0}' "/proc/$1/status" 2>/dev/null || echo 0; }

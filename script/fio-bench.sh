@@ -113,6 +113,7 @@ done
 # run_job JOB TARGET -> prints "MB/s<TAB>IOPS<TAB>mean clat us", or returns 1
 run_job() {
     local j=$1 t=$2 json=$RUN/$1-$2.json
+    target_alive "$t" || { echo "FAILED: $j on $t: its filesystem is gone" >&2; return 1; }
     sync
     case $j in *read) echo 3 >/proc/sys/vm/drop_caches ;; esac
     local ramp=()
@@ -123,6 +124,10 @@ run_job() {
         --output-format=json --output="$json" 2>"$RUN/fio.err"; then
         echo "FAILED: $j on $t:" >&2
         tail -n 5 "$RUN/fio.err" >&2
+        return 1
+    fi
+    if ! target_alive "$t"; then
+        echo "FAILED: $j on $t: its filesystem is gone (daemon stopped or killed)" >&2
         return 1
     fi
     python3 - "$json" "$j" <<'EOF'

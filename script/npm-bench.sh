@@ -142,6 +142,10 @@ run_one() {
         tail -n 5 "$RUN/last.out" >&2
         return 1
     fi
+    if ! target_alive "$t"; then
+        echo "FAILED: npm install on $t: its filesystem is gone (daemon stopped or killed)" >&2
+        return 1
+    fi
     local n
     n=$(find "$d/node_modules" -type f | wc -l)
     if [ "$n" != "$NFILES" ]; then
