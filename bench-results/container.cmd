@@ -1,1 +1,1 @@
-script/run-fs-bench.sh 
+script/run-fs-bench.sh -- --reps 2 
