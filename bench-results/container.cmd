@@ -1,0 +1,1 @@
+script/run-fs-bench.sh -- --reps 2 

@@ -1,0 +1,1 @@
+script/fs-bench.sh --out bench-results/fs.tsv keel ext4 tmpfs juicefs
