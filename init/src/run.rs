@@ -145,6 +145,14 @@ fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Se
     let args = parse_args(args).map_err(RunError::Usage)?;
     let cfg = load_config(args.config)?;
     let booted = boot::boot(&cfg)?;
+    // Before anything creates files in the state dir (control socket, lock).
+    if cfg.init.workspace {
+        match crate::persist::cli::restore_on_start(&cfg) {
+            Ok(Some(what)) => info!("{what}"),
+            Ok(None) => {}
+            Err(e) => return Err(RunError::Workspace(format!("restore from the remote: {e}"))),
+        }
+    }
     // The control API runs on its own threads, which inherit the blocked signal mask.
     let control = crate::control::start(&cfg)?;
     let mut supervisor = Supervisor::new(&cfg, args.command, &booted, signals)?;

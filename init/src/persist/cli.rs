@@ -92,6 +92,31 @@ fn repo_of(cfg: &Config) -> Result<Repo, String> {
     open_remote(&url, &cfg.persist).map_err(|e| e.to_string())
 }
 
+/// At start with an empty state dir and a configured remote that holds a snapshot, restores
+/// the remote's head first: a fresh container with no state volume gets its workspace back.
+/// `Ok(None)`: nothing to do (state present, default remote, or an empty remote).
+pub fn restore_on_start(cfg: &Config) -> Result<Option<String>, String> {
+    let state = &cfg.workspace.state_dir;
+    if cfg.persist.remote.is_empty() || state.join("meta.db").exists() {
+        return Ok(None);
+    }
+    let _lock = lock_offline(state)?;
+    let mut repo = repo_of(cfg)?;
+    match restore::restore(&mut repo, None, state, false) {
+        Ok(r) => Ok(Some(format!(
+            "restored snapshot {} from {}: {} files, {} bytes, {} chunks fetched in {:.2}s",
+            r.seq,
+            repo.describe(),
+            r.files,
+            r.file_bytes,
+            r.chunks_fetched,
+            r.elapsed_s
+        ))),
+        Err(restore::RestoreError::NoSnapshot(_)) => Ok(None),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// Locks a state dir that no running keel holds.
 fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> {
     std::fs::create_dir_all(state).map_err(|e| format!("{}: {e}", state.display()))?;

@@ -320,10 +320,16 @@ pub struct WorkspaceFs {
     opts: FsOptions,
     reserve: Reserve,
     _boot_reserve: Reserve,
+    /// Runs after every successful fsync, with no lock held (`[persist] fsync = "remote"`).
+    fsync_hook: std::sync::OnceLock<FsyncHook>,
     /// Body files to remove, handed to a background thread.
     discard: Mutex<Option<std::sync::mpsc::Sender<u64>>>,
     discarder: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
+
+/// What `fsync` must also do once the local store is durable, e.g. a checkpoint to the
+/// remote. An error fails the fsync (EIO): the data did not get where it was promised.
+pub type FsyncHook = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 /// Space kept free for metadata commits on a full volume.
 const RESERVE_BYTES: u64 = 1 << 20;
@@ -405,6 +411,7 @@ impl WorkspaceFs {
                 next_fh: 1,
             }),
             bodies,
+            fsync_hook: std::sync::OnceLock::new(),
             discard: Mutex::new(Some(discard_tx)),
             discarder: Mutex::new(Some(discarder)),
             reserve: Reserve::open(&state_dir.join("reserve"), RESERVE_BYTES),
@@ -1481,7 +1488,19 @@ impl WorkspaceFs {
         let guard = self.lock();
         let inner: &Inner = &guard;
         inner.store.sync()?;
+        drop(guard);
+        if let Some(hook) = self.fsync_hook.get() {
+            hook().map_err(|e| {
+                tracing::error!(ino = ino.0, error = %e, "fsync: the checkpoint to the remote failed");
+                FsError::Io(io::Error::other(e))
+            })?;
+        }
         Ok(())
+    }
+
+    /// Installs what every fsync must also do (once; later calls are ignored).
+    pub fn set_fsync_hook(&self, hook: FsyncHook) {
+        let _ = self.fsync_hook.set(hook);
     }
 
     pub fn fallocate(&self, ino: InodeNo, offset: u64, len: u64, mode: i32) -> FsResult<()> {

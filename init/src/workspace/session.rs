@@ -252,7 +252,15 @@ fn start_persist(
     // `Mounted::flush`.
     let flush: crate::persist::service::FlushFn =
         Box::new(move || fs.sync_all().map_err(|e| e.to_string()));
-    crate::persist::Service::start(cfg, p, flush).map_err(|e| SessionError::Persist(e.to_string()))
+    let service = crate::persist::Service::start(cfg, p, flush)
+        .map_err(|e| SessionError::Persist(e.to_string()))?;
+    if let Some(svc) = &service {
+        if p.fsync == crate::config::persist::FsyncMode::Remote {
+            let h = svc.handle();
+            m.fs.set_fsync_hook(Box::new(move || h.checkpoint_now().map(|_| ())));
+        }
+    }
+    Ok(service)
 }
 
 impl Mounted {
