@@ -720,6 +720,19 @@ impl Persister {
                             })
                             .clone()
                     };
+                    // A window that is one hole in the body (sparse file) is all zeros:
+                    // no need to read or hash it.
+                    if let Some(f) = &f {
+                        let hole = match crate::sys::file::seek_data_hole(f, job.range.start, true)
+                        {
+                            Ok(data_at) => data_at >= job.range.end,
+                            Err(e) => e.raw_os_error() == Some(libc::ENXIO),
+                        };
+                        if hole {
+                            out.lock().unwrap()[k] = Some((None, None));
+                            continue;
+                        }
+                    }
                     let mut buf = vec![0u8; (job.range.end - job.range.start) as usize];
                     if let Some(f) = f {
                         let mut n = 0;
