@@ -88,6 +88,9 @@ fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
     // Checkpoints are on ([persist] defaults to a file:// remote in the state dir).
     assert!(v["persist"]["dirty_bytes"].is_u64(), "{v}");
 
+    // Something new for this checkpoint (the one keel takes at start may already hold what
+    // the service wrote).
+    std::fs::write(k.path("ws").join("for-the-checkpoint"), b"new bytes").unwrap();
     let r = post(addr, "/checkpoint", None);
     assert_eq!(r.code, 200, "{r:?}");
     let c = r.json();
