@@ -10,7 +10,8 @@ pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 
 use std::path::Path;
 
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::types::Value;
+use rusqlite::{params, params_from_iter, Connection, OptionalExtension};
 
 /// An inode number, stable from create until the inode is gone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -230,6 +231,27 @@ impl Drop for Tx<'_> {
     }
 }
 
+/// `?1, ..., ?12` for the columns of `INODE_COLS`.
+pub(crate) const INODE_PARAMS: &str = "?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12";
+
+/// An inode's values in `INODE_COLS` order; `ino: None` binds NULL (a new number).
+pub(crate) fn inode_row(ino: Option<InodeNo>, inode: &Inode) -> [Value; 12] {
+    [
+        ino.map_or(Value::Null, |i| Value::Integer(i.0 as i64)),
+        Value::Integer(i64::from(inode.kind.mode_bits() | inode.perm)),
+        Value::Integer(i64::from(inode.uid)),
+        Value::Integer(i64::from(inode.gid)),
+        Value::Integer(i64::from(inode.nlink)),
+        Value::Integer(inode.size as i64),
+        Value::Integer(inode.atime.0),
+        Value::Integer(inode.mtime.0),
+        Value::Integer(inode.ctime.0),
+        Value::Integer(i64::from(inode.rdev)),
+        Value::Integer(inode.parent.0 as i64),
+        Value::Integer(storage_code(inode.storage)),
+    ]
+}
+
 const INODE_COLS: &str =
     "ino, mode, uid, gid, nlink, size, atime, mtime, ctime, rdev, parent, storage";
 
@@ -288,47 +310,24 @@ impl Tx<'_> {
 
     /// Inserts a new inode and returns its number (`inode.ino` is ignored).
     pub fn insert(&self, inode: &Inode) -> Result<InodeNo> {
-        let mut st = self.conn.prepare_cached(
-            "INSERT INTO inode (mode, uid, gid, nlink, size, atime, mtime, ctime, rdev, parent, storage)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-        )?;
-        st.execute(params![
-            inode.kind.mode_bits() | inode.perm,
-            inode.uid,
-            inode.gid,
-            inode.nlink,
-            inode.size as i64,
-            inode.atime.0,
-            inode.mtime.0,
-            inode.ctime.0,
-            inode.rdev,
-            inode.parent.0 as i64,
-            storage_code(inode.storage),
-        ])?;
+        // ino NULL: SQLite picks the next number (AUTOINCREMENT: never one used before).
+        self.conn
+            .prepare_cached(&format!(
+                "INSERT INTO inode ({INODE_COLS}) VALUES ({INODE_PARAMS})"
+            ))?
+            .execute(params_from_iter(inode_row(None, inode)))?;
         let ino = InodeNo(self.conn.last_insert_rowid() as u64);
         self.mark_changed(ino)?;
         Ok(ino)
     }
 
     pub fn update(&self, inode: &Inode) -> Result<()> {
-        let mut st = self.conn.prepare_cached(
-            "UPDATE inode SET mode=?2, uid=?3, gid=?4, nlink=?5, size=?6, atime=?7, mtime=?8,
-             ctime=?9, rdev=?10, parent=?11, storage=?12 WHERE ino=?1",
-        )?;
-        st.execute(params![
-            inode.ino.0 as i64,
-            inode.kind.mode_bits() | inode.perm,
-            inode.uid,
-            inode.gid,
-            inode.nlink,
-            inode.size as i64,
-            inode.atime.0,
-            inode.mtime.0,
-            inode.ctime.0,
-            inode.rdev,
-            inode.parent.0 as i64,
-            storage_code(inode.storage),
-        ])?;
+        self.conn
+            .prepare_cached(
+                "UPDATE inode SET mode=?2, uid=?3, gid=?4, nlink=?5, size=?6, atime=?7, mtime=?8,
+                 ctime=?9, rdev=?10, parent=?11, storage=?12 WHERE ino=?1",
+            )?
+            .execute(params_from_iter(inode_row(Some(inode.ino), inode)))?;
         self.mark_changed(inode.ino)
     }
 

@@ -5,10 +5,11 @@
 
 use std::collections::HashMap;
 
-use rusqlite::{params, OptionalExtension};
+use rusqlite::{params, params_from_iter, OptionalExtension};
 
 use super::{
-    finish_inode, row_to_inode, storage_code, Inode, InodeNo, Result, Store, Tx, INODE_COLS,
+    finish_inode, inode_row, row_to_inode, Inode, InodeNo, Result, Store, Tx, INODE_COLS,
+    INODE_PARAMS,
 };
 
 /// One window of a file's chunk map: `None` is an all-zero window (a hole).
@@ -307,23 +308,11 @@ impl Tx<'_> {
     /// Inserts or replaces an inode under its own number, without recording a change
     /// (restore writes a tree that is already on the remote).
     pub fn put_inode_exact(&self, inode: &Inode) -> Result<()> {
-        let mut st = self.conn.prepare_cached(&format!(
-            "INSERT OR REPLACE INTO inode ({INODE_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"
-        ))?;
-        st.execute(params![
-            inode.ino.0 as i64,
-            inode.kind.mode_bits() | inode.perm,
-            inode.uid,
-            inode.gid,
-            inode.nlink,
-            inode.size as i64,
-            inode.atime.0,
-            inode.mtime.0,
-            inode.ctime.0,
-            inode.rdev,
-            inode.parent.0 as i64,
-            storage_code(inode.storage),
-        ])?;
+        self.conn
+            .prepare_cached(&format!(
+                "INSERT OR REPLACE INTO inode ({INODE_COLS}) VALUES ({INODE_PARAMS})"
+            ))?
+            .execute(params_from_iter(inode_row(Some(inode.ino), inode)))?;
         Ok(())
     }
 

@@ -743,7 +743,6 @@ impl WorkspaceFs {
     pub fn getattr(&self, ino: InodeNo) -> FsResult<Attr> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
-        self.sync_from_body(inner, ino)?;
         self.fresh_attr(inner, ino)
     }
 
