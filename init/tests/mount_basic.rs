@@ -53,6 +53,14 @@ fn mount_is_fuse_and_empty() {
 }
 
 #[test]
+fn terminal_ioctls_answer_enotty_like_a_disk_file() {
+    let k = keel_or_skip!();
+    let f = fs::File::create(k.mnt.join("notatty")).unwrap();
+    let e = sys::isatty(&f).expect_err("a workspace file is not a terminal");
+    assert_eq!(e.raw_os_error(), Some(libc::ENOTTY), "{e}");
+}
+
+#[test]
 fn file_read_write_append_truncate() {
     let k = keel_or_skip!();
     let p = k.p("hello.txt");

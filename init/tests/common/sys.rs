@@ -245,3 +245,14 @@ pub fn open_raw(p: &Path, flags: libc::c_int, mode: libc::mode_t) -> io::Result<
     // SAFETY: fd was just returned by open and is owned by nobody else.
     Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }
+
+/// `isatty(fd)`: `Ok(false)` carries the errno the filesystem answered (ENOTTY expected).
+pub fn isatty(f: &impl AsRawFd) -> io::Result<bool> {
+    // SAFETY: isatty only reads the descriptor number, which `f` keeps open.
+    let r = unsafe { libc::isatty(f.as_raw_fd()) };
+    if r == 1 {
+        Ok(true)
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
