@@ -78,8 +78,8 @@ declare -A MED
 for t in "${TARGETS[@]}"; do MED[$t]=$(echo "${SAMPLES[$t]}" | median_us); done
 ratio() { echo "scale=2; $1 / $2" | bc | sed 's/^\./0./'; }
 
-echo "cache-bench: re-read of an unchanged ${MIB} MiB file (new open each time), median of $REPS; keel $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?'); $(nproc) CPUs; load $(cut -d' ' -f1-3 /proc/loadavg)"
-echo
+echo "# cache-bench: re-read of an unchanged ${MIB} MiB file (new open each time), median of $REPS; keel $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?'); $(nproc) CPUs; load $(cut -d' ' -f1-3 /proc/loadavg)"
+
 echo "| target | median ms | × tmpfs | × keel kernel (same passthrough) |"
 echo "|---|---|---|---|"
 for t in "${TARGETS[@]}"; do

@@ -149,7 +149,7 @@ bench() {
 bench full "$FILES" "$MIB"
 
 echo
-echo "remote-bench: S3 = moto_server on 127.0.0.1; keel $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?'); $(nproc) CPUs; medians of $REPS"
+echo "# remote-bench: S3 = moto_server on 127.0.0.1; keel $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?'); $(nproc) CPUs; medians of $REPS"
 echo
 echo "| workspace | files | bytes | start→usable, empty state dir | start→usable, state present | first read of ${BIG_MIB} MiB | re-read | checkpoint after changing 1 file |"
 echo "|---|---|---|---|---|---|---|---|"

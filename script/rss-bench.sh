@@ -58,7 +58,7 @@ for pt in on off; do
     ROWS+=("| passthrough $pt | $((base / 1024)) MiB | $((after_write / 1024)) MiB | $((peak / 1024)) MiB | $(((peak - base) / 512)) |")
 done
 
-echo "rss-bench: keel daemon memory around a ${MIB} MiB write (dd 1 MiB blocks, fsync) and read; keel $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?'); $(nproc) CPUs"
+echo "# rss-bench: keel daemon memory around a ${MIB} MiB write (dd 1 MiB blocks, fsync) and read; keel $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?'); $(nproc) CPUs"
 echo
 echo "| keel | RSS after mount | peak after write | peak after read | growth in 512 KiB chunks |"
 echo "|---|---|---|---|---|"

@@ -1,0 +1,1 @@
+script/rss-bench.sh
