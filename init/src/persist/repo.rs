@@ -86,7 +86,18 @@ impl Repo {
         self.remote.describe()
     }
 
-    fn key(&self, rel: &str) -> String {
+    /// Key prefix of the workspace in its store (may be empty).
+    pub fn ws(&self) -> &str {
+        &self.ws
+    }
+
+    /// Key prefix of the chunk store (the manifest's, once read).
+    pub fn chunks(&self) -> &str {
+        &self.chunks
+    }
+
+    /// Key of `rel` inside the workspace (`head`, `keel-workspace.json`, ...).
+    pub fn key(&self, rel: &str) -> String {
         join(&self.ws, rel)
     }
 
