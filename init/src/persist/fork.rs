@@ -663,3 +663,59 @@ pub fn fork_main(args: Vec<OsString>) -> i32 {
         Ok(0)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    fn at(bucket: Option<&str>, p: &str) -> Loc {
+        Loc {
+            bucket: bucket.map(String::from),
+            parts: norm(p.split('/')),
+        }
+    }
+
+    #[test]
+    fn keys_normalise_and_relate() {
+        assert_eq!(norm_key("a//b/./c/../d/"), "a/b/d");
+        assert_eq!(norm_key("../x/../../y"), "../../y");
+        assert_eq!(join("../origin", "../fork1"), "../fork1");
+        assert_eq!(join("", "forks/x"), "forks/x");
+        assert_eq!(parent("team/origin/chunks"), "team/origin");
+        assert_eq!(parent("chunks"), "");
+        let (o, f) = (at(None, "/r/origin"), at(None, "/r/forks/f1"));
+        assert_eq!(rel(&o, &f), "../forks/f1");
+        assert_eq!(rel(&f, &o), "../../origin");
+        assert_eq!(rel(&o, &o), "");
+        assert_eq!(
+            rel(&at(Some("s3://b"), ""), &at(Some("s3://b"), "a/b")),
+            "a/b"
+        );
+        assert!(within(
+            &at(None, "/r/origin/chunks/x"),
+            &at(None, "/r/origin/chunks")
+        ));
+        assert!(!within(
+            &at(None, "/r/origin/chunksx"),
+            &at(None, "/r/origin/chunks")
+        ));
+        assert!(!within(&at(Some("s3://a"), "x"), &at(Some("s3://b"), "x")));
+    }
+
+    #[test]
+    fn bucket_keys_cannot_climb_out() {
+        let repo = Repo::new(Arc::new(crate::persist::MemRemote::new()), "ws");
+        assert!(loc(&repo, "../../x").is_none());
+        assert_eq!(canon(&repo, "a/../b").as_deref(), Some("b"));
+        let fs = tempfile::tempdir().unwrap();
+        let root = fs.path().join("origin");
+        let repo = Repo::new(Arc::new(crate::persist::FsRemote::open(&root).unwrap()), "");
+        assert_eq!(
+            canon(&repo, "../fork/../origin/chunks").as_deref(),
+            Some("chunks")
+        );
+        assert_eq!(canon(&repo, "../fork").as_deref(), Some("../fork"));
+    }
+}

@@ -8,7 +8,8 @@
 //! ```
 //!
 //! `<chunks>` is `<ws>/chunks` for a new workspace; the manifest records it so a fork
-//! (issue 5) can point at the chunk store of the workspace it came from.
+//! points at the chunk store of the workspace it came from (`fork`, which also keeps the
+//! `<ws>/forks/` records of who shares a store).
 
 use std::sync::Arc;
 use std::time::SystemTime;
