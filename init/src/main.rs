@@ -13,6 +13,8 @@ const USAGE: &str = "usage:
   keel gc [--state DIR]                         remove old snapshots and unreferenced chunks
   keel fsck --state DIR [--repair] [--quick]    check a stopped state dir and its remote
   keel snapshot list|restore ID ...             list snapshots / restore one into an empty dir
+  keel fork --to URL [--from URL] [--seq N]     new workspace from a snapshot, sharing its chunks
+  keel fork --delete URL                        remove a fork (its chunks go at the next gc)
   keel [--config FILE] [--] CMD [ARGS...]       same as `keel run`";
 
 fn main() {
@@ -41,6 +43,10 @@ fn main() {
         Some("snapshot") => {
             args.remove(0);
             keel::persist::cli::snapshot_main(args)
+        }
+        Some("fork") => {
+            args.remove(0);
+            keel::persist::fork::fork_main(args)
         }
         Some("run") => {
             args.remove(0);

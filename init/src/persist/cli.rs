@@ -20,10 +20,10 @@ pub const USAGE: &str = "usage:
   keel snapshot restore ID|latest --state DIR [--remote URL] [--config FILE]";
 
 #[derive(Debug, Default)]
-struct Args {
-    state: Option<PathBuf>,
-    config: Option<PathBuf>,
-    remote: Option<String>,
+pub(super) struct Args {
+    pub(super) state: Option<PathBuf>,
+    pub(super) config: Option<PathBuf>,
+    pub(super) remote: Option<String>,
     flags: Vec<String>,
     positional: Vec<String>,
 }
@@ -63,7 +63,7 @@ fn absolute(p: PathBuf) -> PathBuf {
     }
 }
 
-fn load(a: &Args) -> Result<Config, String> {
+pub(super) fn load(a: &Args) -> Result<Config, String> {
     let path = a
         .config
         .clone()
@@ -150,7 +150,7 @@ fn ask(state: &Path, cmd: &str) -> Result<Option<String>, String> {
     }
 }
 
-fn run(what: &str, f: impl FnOnce() -> Result<i32, String>) -> i32 {
+pub(super) fn run(what: &str, f: impl FnOnce() -> Result<i32, String>) -> i32 {
     crate::logging::init();
     match f() {
         Ok(c) => c,

@@ -6,6 +6,9 @@
 //! kept when any kept snapshot names it, or the local chunk maps do. Anything else older
 //! than the grace window is deleted; younger objects may belong to a checkpoint in
 //! progress and are left for the next run.
+//!
+//! A chunk store shared with forks (see `fork`) also keeps every chunk that any snapshot of
+//! another workspace on it names, and the snapshot a fork in the making is built from.
 
 use std::collections::{BTreeSet, HashSet};
 use std::time::{Duration, SystemTime};
@@ -28,6 +31,8 @@ pub enum GcError {
     },
     #[error("state database: {0}")]
     Meta(#[from] MetaError),
+    #[error("read the other workspaces on the chunk store: {0}")]
+    ReadSharers(RepoError),
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -39,6 +44,10 @@ pub struct GcReport {
     pub bytes_deleted: u64,
     /// Unreferenced objects left alone because they are younger than the grace window.
     pub young_skipped: u64,
+    /// Other workspaces (origin, forks) sharing the chunk store whose references were kept.
+    pub sharing: u64,
+    /// Registered workspaces that were ignored, and why.
+    pub warnings: Vec<String>,
 }
 
 impl std::fmt::Display for GcReport {
@@ -47,7 +56,18 @@ impl std::fmt::Display for GcReport {
             f,
             "kept {} snapshots and {} chunks; deleted {} snapshots and {} chunks ({} bytes); {} young unreferenced objects left for later",
             self.snapshots_kept, self.chunks_kept, self.snapshots_deleted, self.chunks_deleted, self.bytes_deleted, self.young_skipped
-        )
+        )?;
+        if self.sharing > 0 {
+            write!(
+                f,
+                "; chunk store shared with {} other workspaces",
+                self.sharing
+            )?;
+        }
+        for w in &self.warnings {
+            write!(f, "; warning: {w}")?;
+        }
+        Ok(())
     }
 }
 
@@ -60,6 +80,8 @@ pub fn gc(
     grace: Duration,
 ) -> Result<GcReport, GcError> {
     let _ = repo.manifest().map_err(GcError::List)?;
+    // Before any snapshot is deleted: what the others on the chunk store need.
+    let shared = super::fork::shared_refs(repo).map_err(GcError::ReadSharers)?;
     let now = SystemTime::now();
     let old_enough = |t: SystemTime| now.duration_since(t).map(|d| d >= grace).unwrap_or(false);
     let snaps = repo.list_snapshots().map_err(GcError::List)?;
@@ -89,6 +111,7 @@ pub fn gc(
     if let Some(s) = local_seq.filter(|s| present.contains(s)) {
         kept.insert(s);
     }
+    kept.extend(shared.pinned.iter().filter(|s| present.contains(s)));
     // Chain closure, and the chunks every kept snapshot names.
     let mut chunks: HashSet<ChunkId> = HashSet::new();
     let mut todo: Vec<u64> = kept.iter().copied().collect();
@@ -111,8 +134,11 @@ pub fn gc(
         }
     }
 
+    chunks.extend(shared.chunks);
     let mut report = GcReport {
         snapshots_kept: closed.len() as u64,
+        sharing: shared.workspaces,
+        warnings: shared.warnings,
         ..Default::default()
     };
     for (seq, info) in &snaps {

@@ -8,6 +8,7 @@
 pub mod checkpoint;
 pub mod cli;
 pub mod control;
+pub mod fork;
 pub mod format;
 pub mod fsck;
 pub mod gc;

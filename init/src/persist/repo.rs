@@ -8,7 +8,8 @@
 //! ```
 //!
 //! `<chunks>` is `<ws>/chunks` for a new workspace; the manifest records it so a fork
-//! (issue 5) can point at the chunk store of the workspace it came from.
+//! points at the chunk store of the workspace it came from (`fork`, which also keeps the
+//! `<ws>/forks/` records of who shares a store).
 
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -86,7 +87,18 @@ impl Repo {
         self.remote.describe()
     }
 
-    fn key(&self, rel: &str) -> String {
+    /// Key prefix of the workspace in its store (may be empty).
+    pub fn ws(&self) -> &str {
+        &self.ws
+    }
+
+    /// Key prefix of the chunk store (the manifest's, once read).
+    pub fn chunks(&self) -> &str {
+        &self.chunks
+    }
+
+    /// Key of `rel` inside the workspace (`head`, `keel-workspace.json`, ...).
+    pub fn key(&self, rel: &str) -> String {
         join(&self.ws, rel)
     }
 

@@ -1,0 +1,721 @@
+//! Forks: a new workspace made from a snapshot of another one in O(metadata), sharing its
+//! chunk store, and the registry that lets gc of any workspace on a shared chunk store see
+//! every other workspace that uses it.
+//!
+//! ```text
+//! <owner>/chunks/<aa>/<hex>     the chunk store (`<owner>` is the workspace that created it)
+//! <owner>/forks/<fork id>       one record per fork using this store (`ForkRecord`, JSON)
+//! <fork>/keel-workspace.json    manifest whose `chunks` names `<owner>/chunks`
+//! <fork>/snapshots/<seq>        one full snapshot: the source's tree at the forked seq
+//! <fork>/head                   written last
+//! ```
+//!
+//! A fork of a fork points at the same root store and registers there too. Order of a fork:
+//! manifest, registration (durable), snapshot, head; so a concurrent gc either does not
+//! see the fork yet (and the chunks are still named by the source's retained snapshots), or
+//! sees its registration. While a registered fork has no head yet, its record pins the
+//! source snapshot it is being made from. Keys in a record are relative to `<owner>`, so
+//! the same record reads right from every workspace's store root: for `file://` remotes
+//! (one store root per workspace directory) the keys climb out with `..` (forks refer to
+//! their source by relative path and must move together with it); in a bucket they must
+//! stay inside it, which is why a fork must live in the same bucket as its chunks.
+
+use std::collections::{BTreeSet, HashSet};
+use std::ffi::OsString;
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use super::checkpoint::now_ns;
+use super::cli;
+use super::format::{self, body_chunk_ids, Body, DataRec, DirentRec, Header, Tree, TreeData};
+use super::remote::{PutMode, RemoteError};
+use super::repo::{random_id, Head, Manifest, Repo, RepoError};
+use super::{control, open_remote};
+use crate::chunk::ChunkId;
+use crate::sys;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ForkError {
+    #[error("{0} holds no keel workspace (no keel-workspace.json)")]
+    NoWorkspace(String),
+    #[error("{0} has no snapshot yet (no head): checkpoint it first")]
+    NoHead(String),
+    #[error("target {0} already holds a workspace; pick another URL or `keel fork --delete` it")]
+    TargetExists(String),
+    #[error("target {to} is not in the store of the source's chunks ({chunks}): forks share chunks, so they must live in the same bucket")]
+    DifferentStore { to: String, chunks: String },
+    #[error("target {to} overlaps {what} of the source")]
+    Overlap { to: String, what: &'static str },
+    #[error("{0} owns its chunk store (it is not a fork); only forks can be deleted")]
+    NotAFork(String),
+    #[error("read source: {0}")]
+    ReadSource(RepoError),
+    #[error("read source snapshot {seq}: {source}")]
+    LoadSnapshot { seq: u64, source: RepoError },
+    #[error("read target: {0}")]
+    ReadTarget(RepoError),
+    #[error("write manifest: {0}")]
+    WriteManifest(RemoteError),
+    #[error("write fork record {key}: {source}")]
+    Register { key: String, source: RemoteError },
+    #[error("encode snapshot: {0}")]
+    Encode(#[from] format::FormatError),
+    #[error("write snapshot {seq}: {source}")]
+    WriteSnapshot { seq: u64, source: RemoteError },
+    #[error("write head: {0}")]
+    WriteHead(RepoError),
+    #[error("flush remote: {0}")]
+    Flush(RemoteError),
+    #[error("delete {key}: {source}")]
+    Delete { key: String, source: RemoteError },
+}
+
+/// What `<owner>/forks/<id>` says about one fork. Keys relative to `<owner>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkRecord {
+    /// The fork's manifest id (also the record's name).
+    pub id: String,
+    /// Where the fork lives.
+    pub path: String,
+    /// The workspace it was forked from, and the snapshot.
+    pub from: String,
+    pub from_seq: u64,
+    pub created_ns: i64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ForkReport {
+    pub id: String,
+    pub seq: u64,
+    pub inodes: u64,
+    pub file_bytes: u64,
+    /// Distinct chunks the fork's snapshot names (all shared, none copied).
+    pub chunks: u64,
+    /// The chunk store, as a key of the target's store.
+    pub chunk_store: String,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct DeleteReport {
+    pub id: String,
+    pub objects_deleted: u64,
+}
+
+// ------------------------------------------------------------------------------------
+// Keys and locations.
+
+/// Lexically normalised `/`-separated key parts: no empty or `.` parts, `x/..` folded;
+/// leading `..` parts stay.
+fn norm<'a>(parts: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for p in parts {
+        match p {
+            "" | "." => {}
+            ".." if out.last().is_some_and(|l| l != "..") => {
+                out.pop();
+            }
+            p => out.push(p.to_string()),
+        }
+    }
+    out
+}
+
+fn norm_key(k: &str) -> String {
+    norm(k.split('/')).join("/")
+}
+
+fn join(a: &str, b: &str) -> String {
+    norm_key(&format!("{a}/{b}"))
+}
+
+fn parent(k: &str) -> String {
+    match k.rsplit_once('/') {
+        Some((p, _)) => p.to_string(),
+        None => String::new(),
+    }
+}
+
+/// A place in some store, absolute: a filesystem path (`file://`, where each workspace
+/// directory is its own store root) or a key in a named bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Loc {
+    /// `None`: the local filesystem.
+    bucket: Option<String>,
+    parts: Vec<String>,
+}
+
+fn root_of(repo: &Repo) -> Loc {
+    let d = repo.describe();
+    match d.strip_prefix("file://") {
+        Some(p) => {
+            let p = std::fs::canonicalize(p).unwrap_or_else(|_| Path::new(p).to_path_buf());
+            let s = p.to_string_lossy().into_owned();
+            Loc {
+                bucket: None,
+                parts: norm(s.split('/')),
+            }
+        }
+        None => Loc {
+            bucket: Some(d),
+            parts: Vec::new(),
+        },
+    }
+}
+
+/// Where `key` of `repo`'s store is. `None`: a bucket key that climbs out of the bucket.
+fn loc(repo: &Repo, key: &str) -> Option<Loc> {
+    let root = root_of(repo);
+    let mut parts = norm(root.parts.iter().map(String::as_str).chain(key.split('/')));
+    if parts.first().is_some_and(|p| p == "..") {
+        if root.bucket.is_some() {
+            return None;
+        }
+        // `/..` is `/`.
+        parts.retain(|p| p != "..");
+    }
+    Some(Loc {
+        bucket: root.bucket,
+        parts,
+    })
+}
+
+/// `to` relative to `from` (same store).
+fn rel(from: &Loc, to: &Loc) -> String {
+    let common = from
+        .parts
+        .iter()
+        .zip(&to.parts)
+        .take_while(|(a, b)| a == b)
+        .count();
+    let mut out: Vec<&str> = vec![".."; from.parts.len() - common];
+    out.extend(to.parts[common..].iter().map(String::as_str));
+    out.join("/")
+}
+
+/// The key under which `repo` reaches `at`; `None` when `at` is in another store.
+fn key_in(repo: &Repo, at: &Loc) -> Option<String> {
+    let root = root_of(repo);
+    if root.bucket != at.bucket {
+        return None;
+    }
+    Some(rel(&root, at))
+}
+
+/// `inner` is `outer` or below it.
+fn within(inner: &Loc, outer: &Loc) -> bool {
+    inner.bucket == outer.bucket && inner.parts.starts_with(&outer.parts)
+}
+
+/// `key` of `repo`'s store as the key `repo` reaches it by, normalised (`None`: a key
+/// that climbs out of a bucket).
+fn canon(repo: &Repo, key: &str) -> Option<String> {
+    loc(repo, key).and_then(|l| key_in(repo, &l))
+}
+
+// ------------------------------------------------------------------------------------
+// Fork, delete.
+
+/// Creates a fork of `src` (snapshot `seq`, default its head) at `dst`, which must hold no
+/// workspace and live in the same store as the source's chunks. No chunk is copied.
+pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkReport, ForkError> {
+    if src.manifest().map_err(ForkError::ReadSource)?.is_none() {
+        return Err(ForkError::NoWorkspace(describe(src)));
+    }
+    let seq = match seq {
+        Some(s) => s,
+        None => match src.read_head().map_err(ForkError::ReadSource)? {
+            Some((h, _)) => h.seq,
+            None => return Err(ForkError::NoHead(describe(src))),
+        },
+    };
+    let to = describe(dst);
+    // Where things are, as keys of the target's store.
+    let bad_store = || ForkError::DifferentStore {
+        to: to.clone(),
+        chunks: format!("{}/{}", src.describe(), src.chunks()),
+    };
+    let owner_src = parent(src.chunks());
+    let chunks_at = loc(src, src.chunks()).ok_or_else(bad_store)?;
+    let owner_at = loc(src, &owner_src).ok_or_else(bad_store)?;
+    let src_at = loc(src, src.ws()).ok_or_else(bad_store)?;
+    let chunks_key = key_in(dst, &chunks_at).ok_or_else(bad_store)?;
+    let dst_at = loc(dst, dst.ws()).ok_or_else(bad_store)?;
+    if dst_at == src_at {
+        return Err(ForkError::TargetExists(to));
+    }
+    for (what, k) in [
+        ("the chunk store", src.chunks().to_string()),
+        ("the fork records", join(&owner_src, "forks")),
+        ("the snapshots", join(src.ws(), "snapshots")),
+    ] {
+        if loc(src, &k).is_some_and(|l| within(&dst_at, &l)) {
+            return Err(ForkError::Overlap { to, what });
+        }
+    }
+    if dst.manifest().map_err(ForkError::ReadTarget)?.is_some() {
+        return Err(ForkError::TargetExists(to));
+    }
+    let (tree, headers) = src
+        .load_tree(seq)
+        .map_err(|source| ForkError::LoadSnapshot { seq, source })?;
+
+    // 1. The manifest (claims the target).
+    let id = random_id();
+    let m = Manifest {
+        format: format::FORMAT,
+        id: id.clone(),
+        chunks: chunks_key.clone(),
+        created_ns: now_ns(),
+    };
+    let data = serde_json::to_vec_pretty(&m).expect("manifest serialises");
+    match dst.remote.put(
+        &dst.key("keel-workspace.json"),
+        Bytes::from(data),
+        PutMode::Create,
+    ) {
+        Ok(_) => {}
+        Err(RemoteError::AlreadyExists { .. }) => return Err(ForkError::TargetExists(to)),
+        Err(e) => return Err(ForkError::WriteManifest(e)),
+    }
+    let made = (|| -> Result<ForkReport, ForkError> {
+        // 2. The record on the chunk store, durable before anything names the chunks.
+        let rec = ForkRecord {
+            id: id.clone(),
+            path: rel(&owner_at, &dst_at),
+            from: rel(&owner_at, &src_at),
+            from_seq: seq,
+            created_ns: now_ns(),
+        };
+        let key = join(&owner_src, &format!("forks/{id}"));
+        let data = serde_json::to_vec_pretty(&rec).expect("record serialises");
+        src.remote
+            .put(&key, Bytes::from(data), PutMode::Create)
+            .map_err(|source| ForkError::Register { key, source })?;
+        src.remote.flush().map_err(ForkError::Flush)?;
+
+        // 3. One full snapshot of the tree, 4. the head.
+        let last = headers.last().expect("a chain has a snapshot");
+        let header = Header {
+            format: format::FORMAT,
+            seq,
+            parent: None,
+            base: seq,
+            prev: None,
+            created_ns: last.created_ns,
+            chunk_size: tree.chunk_size,
+            inodes: tree.inodes.len() as u64,
+            file_bytes: tree.file_bytes(),
+        };
+        let bytes = format::encode(&header, &full_body(&tree))?;
+        dst.put_snapshot(seq, bytes)
+            .map_err(|source| ForkError::WriteSnapshot { seq, source })?;
+        dst.remote.flush().map_err(ForkError::Flush)?;
+        let head = Head {
+            seq,
+            created_ns: now_ns(),
+            writer: format!("keel fork (pid {})", std::process::id()),
+        };
+        dst.write_head(&head, None).map_err(ForkError::WriteHead)?;
+        dst.remote.flush().map_err(ForkError::Flush)?;
+        Ok(ForkReport {
+            id: id.clone(),
+            seq,
+            inodes: header.inodes,
+            file_bytes: header.file_bytes,
+            chunks: tree.chunk_ids().len() as u64,
+            chunk_store: chunks_key.clone(),
+        })
+    })();
+    if made.is_err() {
+        // Leave no half fork behind: no head was written, so nothing depends on it.
+        let _ = dst.remote.delete(&dst.snapshot_key(seq));
+        let _ = src.remote.delete(&join(&owner_src, &format!("forks/{id}")));
+        let _ = dst.remote.delete(&dst.key("keel-workspace.json"));
+    }
+    made
+}
+
+fn describe(repo: &Repo) -> String {
+    if repo.ws().is_empty() {
+        repo.describe()
+    } else {
+        format!("{}/{}", repo.describe(), repo.ws())
+    }
+}
+
+/// The full snapshot body of a materialized tree.
+fn full_body(tree: &Tree) -> Body {
+    let inodes = tree
+        .inodes
+        .values()
+        .map(|t| {
+            let mut rec = t.rec.clone();
+            rec.data = match &t.data {
+                TreeData::None => DataRec::None,
+                TreeData::Inline(v) => DataRec::Inline(v.clone()),
+                TreeData::Symlink(v) => DataRec::Symlink(v.clone()),
+                TreeData::Chunks(m) => DataRec::Chunks {
+                    complete: true,
+                    patch: m
+                        .iter()
+                        .enumerate()
+                        .map(|(i, id)| (i as u64, id.map(|c| c.0)))
+                        .collect(),
+                },
+            };
+            rec
+        })
+        .collect();
+    let dirents = tree
+        .dirents
+        .iter()
+        .map(|((p, n), (ino, kind))| DirentRec {
+            parent: *p,
+            name: n.clone(),
+            ino: *ino,
+            kind: *kind,
+        })
+        .collect();
+    Body {
+        inodes,
+        dirents,
+        ..Default::default()
+    }
+}
+
+/// Removes a fork: its head, snapshots, lease and manifest, then its record on the chunk
+/// store. Its chunks stay until gc of a workspace that shares the store finds them unused.
+pub fn delete_fork(repo: &mut Repo) -> Result<DeleteReport, ForkError> {
+    let Some(m) = repo.manifest().map_err(ForkError::ReadTarget)? else {
+        return Err(ForkError::NoWorkspace(describe(repo)));
+    };
+    if norm_key(&m.chunks) == join(repo.ws(), "chunks") {
+        return Err(ForkError::NotAFork(describe(repo)));
+    }
+    let mut keys = vec![repo.key("head"), repo.key("lease")];
+    for (_, info) in repo.list_snapshots().map_err(ForkError::ReadTarget)? {
+        keys.push(info.key);
+    }
+    keys.push(repo.key("keel-workspace.json"));
+    keys.push(join(&parent(repo.chunks()), &format!("forks/{}", m.id)));
+    let mut n = 0;
+    for key in keys {
+        if repo
+            .remote
+            .head(&key)
+            .map_err(|source| ForkError::Delete {
+                key: key.clone(),
+                source,
+            })?
+            .is_none()
+        {
+            continue;
+        }
+        repo.remote
+            .delete(&key)
+            .map_err(|source| ForkError::Delete { key, source })?;
+        n += 1;
+    }
+    repo.remote.flush().map_err(ForkError::Flush)?;
+    Ok(DeleteReport {
+        id: m.id,
+        objects_deleted: n,
+    })
+}
+
+// ------------------------------------------------------------------------------------
+// What gc needs to know about the other workspaces on a shared chunk store.
+
+/// The other workspaces using `repo`'s chunk store and what they reference.
+#[derive(Debug, Default)]
+pub struct SharedRefs {
+    /// Snapshots of `repo` that a fork in the making is being built from.
+    pub pinned: BTreeSet<u64>,
+    /// Chunks named by any snapshot of any other workspace on the store.
+    pub chunks: HashSet<ChunkId>,
+    /// How many other workspaces were considered.
+    pub workspaces: u64,
+    pub warnings: Vec<String>,
+}
+
+/// Chunk ids named by snapshot `seq` and the chain it builds on. A snapshot that is gone
+/// was removed by its own gc meanwhile: `Ok(false)`.
+fn chain_chunks(
+    repo: &Repo,
+    seq: u64,
+    out: &mut HashSet<ChunkId>,
+    seen: &mut BTreeSet<u64>,
+) -> Result<bool, RepoError> {
+    let mut at = Some(seq);
+    while let Some(s) = at {
+        if !seen.insert(s) {
+            return Ok(true);
+        }
+        match repo.read_snapshot(s) {
+            Ok((h, b)) => {
+                out.extend(body_chunk_ids(&b));
+                at = h.parent;
+            }
+            Err(RepoError::Remote(e)) if e.is_not_found() => return Ok(false),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// Reads the fork records of `repo`'s chunk store (its manifest must have been read) and
+/// collects what every other workspace on the store references: every snapshot it holds
+/// (a superset of what its own gc keeps), and for a fork still being made, the source
+/// snapshot it is made from.
+pub fn shared_refs(repo: &Repo) -> Result<SharedRefs, RepoError> {
+    let mut out = SharedRefs::default();
+    let files = root_of(repo).bucket.is_none();
+    let unreachable = |k: &str| RepoError::Parse {
+        what: "chunk store key",
+        key: k.to_string(),
+        reason: "climbs out of the bucket".into(),
+    };
+    let chunks = canon(repo, repo.chunks()).ok_or_else(|| unreachable(repo.chunks()))?;
+    let owner = parent(&chunks);
+    let me = canon(repo, repo.ws()).ok_or_else(|| unreachable(repo.ws()))?;
+    let prefix = join(&owner, "forks") + "/";
+    let mut users: Vec<(String, Option<(String, u64)>)> = vec![(owner.clone(), None)];
+    for info in repo.remote.list(&prefix)? {
+        let b = match repo.remote.get(&info.key) {
+            Ok(b) => b,
+            Err(e) if e.is_not_found() => continue,
+            Err(e) => return Err(e.into()),
+        };
+        let rec: ForkRecord = serde_json::from_slice(&b).map_err(|e| RepoError::Parse {
+            what: "fork record",
+            key: info.key.clone(),
+            reason: e.to_string(),
+        })?;
+        match (
+            canon(repo, &join(&owner, &rec.path)),
+            canon(repo, &join(&owner, &rec.from)),
+        ) {
+            (Some(ws), Some(from)) => users.push((ws, Some((from, rec.from_seq)))),
+            _ => out.warnings.push(format!(
+                "fork record {} names a place outside the bucket; ignored",
+                info.key
+            )),
+        }
+    }
+    for (ws, pin) in users {
+        if ws == me {
+            continue;
+        }
+        let mut other = Repo::new(repo.remote.clone(), &ws);
+        let m = match other.manifest() {
+            Ok(Some(m)) => m,
+            Ok(None) => {
+                out.warnings.push(format!(
+                    "workspace `{ws}` is registered on chunk store `{chunks}` but no longer exists (no manifest); ignored"
+                ));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        // A manifest names its chunks from its own store root (for `file://`, its directory).
+        let theirs = if files {
+            join(&ws, &m.chunks)
+        } else {
+            m.chunks.clone()
+        };
+        if canon(repo, &theirs).as_deref() != Some(chunks.as_str()) {
+            if pin.is_some() {
+                out.warnings.push(format!(
+                    "workspace `{ws}` is registered on chunk store `{chunks}` but its manifest names `{}`; ignored",
+                    m.chunks
+                ));
+            }
+            continue;
+        }
+        out.workspaces += 1;
+        let mut seen = BTreeSet::new();
+        match other.read_head()? {
+            Some(_) => {
+                for (seq, _) in other.list_snapshots()? {
+                    chain_chunks(&other, seq, &mut out.chunks, &mut seen)?;
+                }
+            }
+            None => {
+                // Being made (or died while being made): its source snapshot stays.
+                let Some((from, seq)) = pin else { continue };
+                if from == me {
+                    out.pinned.insert(seq);
+                } else {
+                    let src = Repo::new(repo.remote.clone(), &from);
+                    if !chain_chunks(&src, seq, &mut out.chunks, &mut seen)? {
+                        out.warnings.push(format!(
+                            "fork `{ws}` (no head yet) is made from snapshot {seq} of `{from}`, which is gone"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    for w in &out.warnings {
+        tracing::warn!("gc: {w}");
+    }
+    Ok(out)
+}
+
+// ------------------------------------------------------------------------------------
+// `keel fork`.
+
+pub const USAGE: &str = "usage:
+  keel fork --to URL [--from URL] [--seq N] [--state DIR] [--config FILE]
+  keel fork --delete URL [--config FILE]";
+
+#[derive(Default)]
+struct ForkArgs {
+    to: Option<String>,
+    from: Option<String>,
+    seq: Option<u64>,
+    delete: Option<String>,
+    common: cli::Args,
+}
+
+fn parse(args: Vec<OsString>) -> Result<ForkArgs, String> {
+    let mut out = ForkArgs::default();
+    let mut it = args.into_iter().map(|a| a.to_string_lossy().into_owned());
+    while let Some(a) = it.next() {
+        let (flag, inline) = match a.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (a.clone(), None),
+        };
+        let mut value = |name: &str| {
+            inline
+                .clone()
+                .or_else(|| it.next())
+                .ok_or_else(|| format!("{name} needs a value"))
+        };
+        match flag.as_str() {
+            "--to" => out.to = Some(value("--to")?),
+            "--from" => out.from = Some(value("--from")?),
+            "--delete" => out.delete = Some(value("--delete")?),
+            "--seq" => {
+                let v = value("--seq")?;
+                out.seq = Some(
+                    v.parse()
+                        .map_err(|_| format!("--seq: `{v}` is not a snapshot id"))?,
+                );
+            }
+            "--state" => out.common.state = Some(value("--state")?.into()),
+            "--config" => out.common.config = Some(value("--config")?.into()),
+            "-h" | "--help" => return Err(USAGE.into()),
+            f => return Err(format!("unexpected argument `{f}`\n{USAGE}")),
+        }
+    }
+    Ok(out)
+}
+
+pub fn fork_main(args: Vec<OsString>) -> i32 {
+    cli::run("fork", || {
+        let a = parse(args)?;
+        let cfg = cli::load(&a.common)?;
+        if let Some(url) = &a.delete {
+            if a.to.is_some() || a.from.is_some() || a.seq.is_some() {
+                return Err(format!("--delete takes no other fork options\n{USAGE}"));
+            }
+            let mut repo = open_remote(url, &cfg.persist).map_err(|e| e.to_string())?;
+            let r = delete_fork(&mut repo).map_err(|e| e.to_string())?;
+            println!(
+                "deleted fork {url} (workspace id {}): {} objects removed; chunks only it used go at the next gc of a workspace sharing the store",
+                r.id, r.objects_deleted
+            );
+            return Ok(0);
+        }
+        let to =
+            a.to.clone()
+                .ok_or_else(|| format!("--to URL is required\n{USAGE}"))?;
+        let state = &cfg.workspace.state_dir;
+        let configured = cfg.persist.remote_url(state);
+        let from = match &a.from {
+            Some(f) => f.clone(),
+            None => configured.clone().ok_or_else(|| {
+                "no source: pass --from URL or configure [persist] remote".to_string()
+            })?,
+        };
+        // A keel serving the source here checkpoints first, so the fork holds the latest state.
+        if a.seq.is_none() && configured.as_deref() == Some(from.as_str()) {
+            if let Some(mp) = control::request(state, "mount-point", Duration::from_secs(10))? {
+                if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
+                    eprintln!("keel: fork: syncfs {mp}: {e} (checkpointing what keel has)");
+                }
+            }
+            if let Some(r) = control::request(state, "checkpoint", Duration::from_secs(3600))? {
+                eprintln!("keel: fork: checkpointed the running workspace first: {r}");
+            }
+        }
+        let mut src = open_remote(&from, &cfg.persist).map_err(|e| e.to_string())?;
+        let mut dst = open_remote(&to, &cfg.persist).map_err(|e| e.to_string())?;
+        let r = fork(&mut src, &mut dst, a.seq).map_err(|e| e.to_string())?;
+        println!(
+            "forked snapshot {} of {from} into {to} (workspace id {}): {} inodes, {} bytes of file data, {} chunks shared through `{}` (none copied)",
+            r.seq, r.id, r.inodes, r.file_bytes, r.chunks, r.chunk_store
+        );
+        Ok(0)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    fn at(bucket: Option<&str>, p: &str) -> Loc {
+        Loc {
+            bucket: bucket.map(String::from),
+            parts: norm(p.split('/')),
+        }
+    }
+
+    #[test]
+    fn keys_normalise_and_relate() {
+        assert_eq!(norm_key("a//b/./c/../d/"), "a/b/d");
+        assert_eq!(norm_key("../x/../../y"), "../../y");
+        assert_eq!(join("../origin", "../fork1"), "../fork1");
+        assert_eq!(join("", "forks/x"), "forks/x");
+        assert_eq!(parent("team/origin/chunks"), "team/origin");
+        assert_eq!(parent("chunks"), "");
+        let (o, f) = (at(None, "/r/origin"), at(None, "/r/forks/f1"));
+        assert_eq!(rel(&o, &f), "../forks/f1");
+        assert_eq!(rel(&f, &o), "../../origin");
+        assert_eq!(rel(&o, &o), "");
+        assert_eq!(
+            rel(&at(Some("s3://b"), ""), &at(Some("s3://b"), "a/b")),
+            "a/b"
+        );
+        assert!(within(
+            &at(None, "/r/origin/chunks/x"),
+            &at(None, "/r/origin/chunks")
+        ));
+        assert!(!within(
+            &at(None, "/r/origin/chunksx"),
+            &at(None, "/r/origin/chunks")
+        ));
+        assert!(!within(&at(Some("s3://a"), "x"), &at(Some("s3://b"), "x")));
+    }
+
+    #[test]
+    fn bucket_keys_cannot_climb_out() {
+        let repo = Repo::new(Arc::new(crate::persist::MemRemote::new()), "ws");
+        assert!(loc(&repo, "../../x").is_none());
+        assert_eq!(canon(&repo, "a/../b").as_deref(), Some("b"));
+        let fs = tempfile::tempdir().unwrap();
+        let root = fs.path().join("origin");
+        let repo = Repo::new(Arc::new(crate::persist::FsRemote::open(&root).unwrap()), "");
+        assert_eq!(
+            canon(&repo, "../fork/../origin/chunks").as_deref(),
+            Some("chunks")
+        );
+        assert_eq!(canon(&repo, "../fork").as_deref(), Some("../fork"));
+    }
+}

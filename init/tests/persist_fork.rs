@@ -1,0 +1,478 @@
+//! Forks: `fork` makes a workspace from another's head without copying chunks; both sides
+//! then diverge and each restores to exactly its own tree; gc of the origin keeps what the
+//! fork (and a fork of the fork) needs and deletes what nobody needs; gc of a fork leaves
+//! the origin's chunks alone; the refusals say what is wrong. Over `file://` URLs (one
+//! store root per workspace directory) and over real S3 (moto), plus the `keel fork` CLI.
+
+mod persist_util;
+mod s3_util;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixListener;
+use std::path::Path;
+use std::process::{Command, Output};
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel::chunk::ChunkId;
+use keel::config::PersistConfig;
+use keel::persist::fork::{delete_fork, fork};
+use keel::persist::fsck::{fsck, FsckOptions};
+use keel::persist::{gc, open_remote, restore, CheckpointOptions, Counted, Persister, Repo};
+use persist_util::*;
+
+fn open(url: &str, cfg: &PersistConfig) -> (Repo, Arc<Counted>) {
+    let r = open_remote(url, cfg).unwrap_or_else(|e| panic!("open {url}: {e}"));
+    let c = Arc::new(Counted::new(r.remote.clone()));
+    let mut repo = Repo::new(c.clone(), r.ws());
+    repo.manifest().unwrap();
+    (repo, c)
+}
+
+/// Restores the head of `url` into a fresh dir: (dir, dump).
+fn restore_dump(url: &str, cfg: &PersistConfig) -> (tempfile::TempDir, BTreeMap<String, String>) {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut repo, _) = open(url, cfg);
+    restore::restore(&mut repo, None, dir.path(), false)
+        .unwrap_or_else(|e| panic!("restore {url}: {e}"));
+    let fs = open_fs(dir.path());
+    let d = dump(&fs);
+    drop(fs);
+    (dir, d)
+}
+
+fn fsck_clean(dir: &Path, url: &str, cfg: &PersistConfig) {
+    let (repo, _) = open(url, cfg);
+    let r = fsck(
+        dir,
+        &FsckOptions {
+            chunk_size: CHUNK,
+            remote: Some(repo),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let f: Vec<_> = r.findings.iter().map(|f| &f.what).collect();
+    assert!(r.is_clean(), "fsck of {url}: {f:?}");
+    assert!(r.chunks_checked > 0, "fsck checked no remote chunk");
+}
+
+fn window_ids(data: &[u8]) -> Vec<ChunkId> {
+    data.chunks(CHUNK as usize).map(ChunkId::of).collect()
+}
+
+fn present(repo: &Repo, ids: &[ChunkId]) -> usize {
+    ids.iter()
+        .filter(|id| repo.remote.head(&repo.chunk_key(id)).unwrap().is_some())
+        .count()
+}
+
+fn chunk_count(repo: &Repo) -> usize {
+    repo.list_chunks().unwrap().len()
+}
+
+fn gc_now(repo: &Repo, p: &Persister) -> gc::GcReport {
+    let mut r = repo.clone();
+    gc::gc(&mut r, Some(p.store()), 1, Duration::ZERO).expect("gc")
+}
+
+fn scenario(url: impl Fn(&str) -> String, cfg: &PersistConfig) {
+    let (o_url, f_url, g_url) = (url("origin"), url("fork"), url("fork2"));
+    let (origin, oc) = open(&o_url, cfg);
+
+    // The origin: a rich tree plus files the later steps follow by chunk id.
+    let a = tempfile::tempdir().unwrap();
+    let fs_a = open_fs(a.path());
+    build_rich_tree(&fs_a);
+    let keep = noise(7, 4 * CHUNK as usize);
+    let doomed = noise(8, 3 * CHUNK as usize);
+    write_file(&fs_a, "keep.bin", &keep);
+    write_file(&fs_a, "doomed.bin", &doomed);
+    let mut pa = Persister::open(a.path(), origin.clone(), params()).unwrap();
+    checkpoint(&mut pa);
+    let at_fork = dump(&fs_a);
+
+    // Fork: four small objects, no chunk.
+    let (mut fork_repo, fc) = open(&f_url, cfg);
+    let chunks_before = chunk_count(&origin);
+    let (o0, f0) = (oc.counts(), fc.counts());
+    let r = fork(&mut origin.clone(), &mut fork_repo, None).expect("fork");
+    let puts = oc.counts().since(&o0).puts + fc.counts().since(&f0).puts;
+    assert_eq!(r.seq, 1);
+    assert_eq!(puts, 4, "manifest, fork record, snapshot, head");
+    assert_eq!(chunk_count(&origin), chunks_before, "fork copied chunks");
+    assert_eq!(r.chunks as usize, chunks_before, "{r:?}");
+    fork_repo.manifest().unwrap();
+    assert_eq!(fork_repo.list_chunks().unwrap().len(), chunks_before);
+
+    // The fork restores to the origin's tree; it lists its snapshot.
+    let b = tempfile::tempdir().unwrap();
+    restore::restore(&mut fork_repo.clone(), None, b.path(), false).expect("restore fork");
+    let fs_b = open_fs(b.path());
+    assert_eq!(dump(&fs_b), at_fork);
+    let snaps = fork_repo.list_snapshots().unwrap();
+    assert_eq!(snaps.len(), 1);
+    assert!(fork_repo.read_header(1).unwrap().is_full());
+
+    // Diverge. Origin: new file, rewrite a window, delete a file the fork keeps.
+    let a_only = noise(11, 2 * CHUNK as usize);
+    write_file(&fs_a, "a_only", &a_only);
+    write_at(&fs_a, resolve(&fs_a, "keep.bin"), 0, &noise(12, 100));
+    fs_a.unlink(keel::meta::InodeNo::ROOT, b"doomed.bin")
+        .unwrap();
+    checkpoint(&mut pa);
+    // Fork: a new file and a changed small one; only the new windows are uploaded.
+    let mut pb = Persister::open(b.path(), fork_repo.clone(), params()).unwrap();
+    let b_only = noise(21, 2 * CHUNK as usize);
+    write_file(&fs_b, "b_only", &b_only);
+    write_file(&fs_b, "d/small", b"the fork says hi");
+    let rb = checkpoint(&mut pb);
+    assert!(!rb.full, "{rb}");
+    assert_eq!(rb.chunks_uploaded, 2, "{rb}");
+    let (dump_a, dump_b) = (dump(&fs_a), dump(&fs_b));
+    assert_ne!(dump_a, dump_b);
+    assert_eq!(restore_dump(&o_url, cfg).1, dump_a);
+    assert_eq!(restore_dump(&f_url, cfg).1, dump_b);
+
+    // Garbage on the origin: a file written, checkpointed, removed, compacted away.
+    let tmp = noise(31, 2 * CHUNK as usize);
+    write_file(&fs_a, "tmp.bin", &tmp);
+    checkpoint(&mut pa);
+    fs_a.unlink(keel::meta::InodeNo::ROOT, b"tmp.bin").unwrap();
+    pa.checkpoint(&CheckpointOptions {
+        full: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let dump_a = dump(&fs_a);
+    assert_eq!(present(&origin, &window_ids(&tmp)), 2);
+
+    // gc of the origin: drops its old snapshots and the garbage, keeps what the fork uses.
+    let g = gc_now(&origin, &pa);
+    assert_eq!(g.sharing, 1, "{g}");
+    assert!(g.warnings.is_empty(), "{g}");
+    assert!(g.snapshots_deleted >= 3, "{g}");
+    assert!(g.chunks_deleted >= 2, "{g}");
+    assert_eq!(present(&origin, &window_ids(&tmp)), 0, "garbage kept");
+    assert_eq!(
+        present(&origin, &window_ids(&doomed)),
+        3,
+        "fork's chunks deleted"
+    );
+    assert_eq!(
+        present(&origin, &window_ids(&keep)),
+        4,
+        "fork's old window deleted"
+    );
+    let (fb, d) = restore_dump(&f_url, cfg);
+    assert_eq!(d, dump_b);
+    fsck_clean(fb.path(), &f_url, cfg);
+
+    // gc of the fork: the origin's own chunks stay.
+    let g = gc_now(&fork_repo, &pb);
+    assert_eq!(g.sharing, 1, "{g}");
+    assert_eq!(
+        present(&origin, &window_ids(&a_only)),
+        2,
+        "origin's chunks deleted"
+    );
+    let (fa, d) = restore_dump(&o_url, cfg);
+    assert_eq!(d, dump_a);
+    fsck_clean(fa.path(), &o_url, cfg);
+
+    // A fork of the fork shares the root store and registers there.
+    let (mut fork2, _) = open(&g_url, cfg);
+    let r2 = fork(&mut fork_repo.clone(), &mut fork2, None).expect("fork of a fork");
+    assert_eq!(r2.seq, 2);
+    fork2.manifest().unwrap();
+    assert_eq!(fork2.list_chunks().unwrap().len(), chunk_count(&origin));
+    assert_eq!(restore_dump(&g_url, cfg).1, dump_b);
+    let g = gc_now(&origin, &pa);
+    assert_eq!(g.sharing, 2, "{g}");
+
+    // Delete the middle fork: fork2 still holds b_only, so gc keeps it.
+    delete_fork(&mut fork_repo.clone()).expect("delete fork");
+    let g = gc_now(&origin, &pa);
+    assert_eq!(g.sharing, 1, "{g}");
+    assert!(g.warnings.is_empty(), "{g}");
+    assert_eq!(present(&origin, &window_ids(&b_only)), 2);
+    let (fg, d) = restore_dump(&g_url, cfg);
+    assert_eq!(d, dump_b);
+    fsck_clean(fg.path(), &g_url, cfg);
+    assert!(restore::restore(
+        &mut open(&f_url, cfg).0,
+        None,
+        tempfile::tempdir().unwrap().path(),
+        false
+    )
+    .is_err());
+
+    // A registered fork whose manifest vanished is ignored with a warning; what only it
+    // used goes.
+    fork2
+        .remote
+        .delete(&fork2.key("keel-workspace.json"))
+        .unwrap();
+    let g = gc_now(&origin, &pa);
+    assert_eq!(g.sharing, 0, "{g}");
+    assert_eq!(g.warnings.len(), 1, "{g}");
+    assert!(g.warnings[0].contains("no longer exists"), "{g}");
+    assert_eq!(present(&origin, &window_ids(&b_only)), 0);
+    assert_eq!(restore_dump(&o_url, cfg).1, dump_a);
+
+    // Refusals.
+    let (mut again, _) = open(&o_url, cfg);
+    let e = fork(&mut again, &mut open(&url("fork3"), cfg).0, Some(1)).unwrap_err();
+    assert!(e.to_string().contains("read source snapshot 1"), "{e}");
+    let (mut f3, _) = open(&url("fork3"), cfg);
+    fork(&mut again, &mut f3, None).expect("fork3");
+    let e = fork(&mut again, &mut open(&url("fork3"), cfg).0, None).unwrap_err();
+    assert!(e.to_string().contains("already holds a workspace"), "{e}");
+    let e = fork(&mut again, &mut open(&o_url, cfg).0, None).unwrap_err();
+    assert!(e.to_string().contains("already holds a workspace"), "{e}");
+    let (mut empty, _) = open(&url("empty"), cfg);
+    let e = fork(&mut empty, &mut open(&url("x"), cfg).0, None).unwrap_err();
+    assert!(e.to_string().contains("holds no keel workspace"), "{e}");
+    empty.ensure_manifest(1).unwrap();
+    let e = fork(&mut empty, &mut open(&url("x"), cfg).0, None).unwrap_err();
+    assert!(e.to_string().contains("no head"), "{e}");
+    let e = delete_fork(&mut again).unwrap_err();
+    assert!(e.to_string().contains("not a fork"), "{e}");
+    drop(fs_a);
+    drop(fs_b);
+}
+
+#[test]
+fn fork_file_urls() {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path().to_path_buf();
+    let cfg = PersistConfig::default();
+    scenario(|n| format!("file://{}/{n}", r.display()), &cfg);
+    // Forks reach the chunk store of their origin by a relative path.
+    let m = std::fs::read_to_string(r.join("fork3/keel-workspace.json")).unwrap();
+    assert!(m.contains("\"../origin/chunks\""), "{m}");
+    // A bucket is another store.
+    let (mut o, _) = open(&format!("file://{}/origin", r.display()), &cfg);
+    let mut s3 = open_remote("s3://keel/fork", &cfg).unwrap();
+    let e = fork(&mut o, &mut s3, None).unwrap_err().to_string();
+    assert!(e.contains("same bucket"), "{e}");
+}
+
+#[test]
+fn fork_s3() {
+    let Some((_moto, port)) = s3_util::start_moto() else {
+        return;
+    };
+    let cfg = s3_util::s3_config(port);
+    scenario(
+        |n| match n {
+            "origin" => "s3://keel/team/origin".into(),
+            n => format!("s3://keel/forks-of-origin/{n}"),
+        },
+        &cfg,
+    );
+    let (f3, _) = open("s3://keel/forks-of-origin/fork3", &cfg);
+    assert_eq!(f3.chunks(), "team/origin/chunks");
+    let (mut o, _) = open("s3://keel/team/origin", &cfg);
+    let mut other = open_remote("s3://elsewhere/fork", &cfg).unwrap();
+    let e = fork(&mut o, &mut other, None).unwrap_err().to_string();
+    assert!(e.contains("same bucket"), "{e}");
+}
+
+/// A fork in the making (record written, no head yet) pins the source snapshot it is made
+/// from against the source's gc.
+#[test]
+fn pending_fork_pins_its_source_snapshot() {
+    let root = tempfile::tempdir().unwrap();
+    let cfg = PersistConfig::default();
+    let url = format!("file://{}/origin", root.path().display());
+    let (origin, _) = open(&url, &cfg);
+    let a = tempfile::tempdir().unwrap();
+    let fs = open_fs(a.path());
+    let first = noise(3, 2 * CHUNK as usize);
+    write_file(&fs, "f", &first);
+    let mut p = Persister::open(a.path(), origin.clone(), params()).unwrap();
+    checkpoint(&mut p);
+    // The fork's first two steps, by hand: manifest and record.
+    let pending = root.path().join("pending");
+    std::fs::create_dir_all(&pending).unwrap();
+    std::fs::write(
+        pending.join("keel-workspace.json"),
+        r#"{"format":1,"id":"p1","chunks":"../origin/chunks","created_ns":1}"#,
+    )
+    .unwrap();
+    std::fs::create_dir_all(root.path().join("origin/forks")).unwrap();
+    std::fs::write(
+        root.path().join("origin/forks/p1"),
+        r#"{"id":"p1","path":"../pending","from":"","from_seq":1,"created_ns":1}"#,
+    )
+    .unwrap();
+    for i in 0..3u64 {
+        write_file(&fs, "f", &noise(100 + i, 100));
+        p.checkpoint(&CheckpointOptions {
+            full: true,
+            ..Default::default()
+        })
+        .unwrap();
+    }
+    let g = gc_now(&origin, &p);
+    let left: Vec<u64> = origin
+        .list_snapshots()
+        .unwrap()
+        .iter()
+        .map(|s| s.0)
+        .collect();
+    assert_eq!(left, vec![1, 4], "{g}");
+    assert_eq!(present(&origin, &window_ids(&first)), 2, "{g}");
+    // Once the pending fork is gone, its pin goes too.
+    std::fs::remove_file(pending.join("keel-workspace.json")).unwrap();
+    let g = gc_now(&origin, &p);
+    assert_eq!(g.warnings.len(), 1, "{g}");
+    let left: Vec<u64> = origin
+        .list_snapshots()
+        .unwrap()
+        .iter()
+        .map(|s| s.0)
+        .collect();
+    assert_eq!(left, vec![4], "{g}");
+    assert_eq!(present(&origin, &window_ids(&first)), 0, "{g}");
+    drop(fs);
+}
+
+fn keel(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "status {:?}\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// The CLI: a keel "serving" the origin (a persist socket in its state dir) is asked for a
+/// checkpoint first; list, restore, fsck and gc work on the fork; refusals are one line.
+#[test]
+fn fork_cli() {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let o_url = format!("file://{}/origin", r.display());
+    let f_url = format!("file://{}/fork", r.display());
+    let cfg_path = r.join("config.toml");
+    std::fs::write(
+        &cfg_path,
+        format!("[persist]\nremote = \"{o_url}\"\nkeep = 1\ngc_grace = \"0s\"\n"),
+    )
+    .unwrap();
+    let cfg_s = cfg_path.to_str().unwrap();
+    let a = r.join("a");
+    std::fs::create_dir_all(&a).unwrap();
+    let fs = open_fs(&a);
+    build_rich_tree(&fs);
+    let (origin, _) = open(&o_url, &PersistConfig::default());
+    let mut p = Persister::open(&a, origin, params()).unwrap();
+    checkpoint(&mut p);
+
+    // Something the running keel has not checkpointed yet; its socket checkpoints on request.
+    write_file(&fs, "late", b"written after the last checkpoint");
+    let listener = UnixListener::bind(a.join("persist.sock")).unwrap();
+    let server = std::thread::spawn(move || {
+        let mut asked = Vec::new();
+        for _ in 0..2 {
+            let (mut c, _) = listener.accept().unwrap();
+            let mut line = String::new();
+            BufReader::new(&c).read_line(&mut line).unwrap();
+            let line = line.trim().to_string();
+            let reply = match line.as_str() {
+                "mount-point" => "ok /".to_string(),
+                "checkpoint" => format!("ok {}", checkpoint(&mut p)),
+                _ => "error unexpected".to_string(),
+            };
+            writeln!(c, "{reply}").unwrap();
+            asked.push(line);
+        }
+        (asked, p)
+    });
+    let a_s = a.to_str().unwrap();
+    let o = keel(&["fork", "--config", cfg_s, "--state", a_s, "--to", &f_url]);
+    assert!(o.status.success(), "{}", text(&o));
+    let (asked, p) = server.join().unwrap();
+    std::fs::remove_file(a.join("persist.sock")).unwrap();
+    assert_eq!(asked, vec!["mount-point", "checkpoint"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("forked snapshot 2 of"), "{}", text(&o));
+    assert!(out.contains("none copied"), "{}", text(&o));
+    let at_fork = dump(&fs);
+
+    // Refusals: one line each, exit 1.
+    let o = keel(&["fork", "--config", cfg_s, "--state", a_s, "--to", &f_url]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("already holds a workspace"), "{}", text(&o));
+    assert_eq!(err.trim_end().lines().count(), 1, "{}", text(&o));
+    let nowhere = format!("file://{}/nothing", r.display());
+    let o = keel(&["fork", "--from", &nowhere, "--to", &format!("{f_url}2")]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("holds no keel workspace"),
+        "{}",
+        text(&o)
+    );
+    let o = keel(&["fork", "--from", &o_url, "--to", "s3://keel/f"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("must live in the same bucket"),
+        "{}",
+        text(&o)
+    );
+    let o = keel(&["fork", "--delete", &o_url]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("not a fork"),
+        "{}",
+        text(&o)
+    );
+
+    // snapshot list / restore / fsck on the fork.
+    let b = r.join("b");
+    let b_s = b.to_str().unwrap();
+    let o = keel(&["snapshot", "list", "--state", b_s, "--remote", &f_url]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("full") && out.contains("(head)"), "{out}");
+    let o = keel(&[
+        "snapshot", "restore", "latest", "--state", b_s, "--remote", &f_url,
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let fs_b = open_fs(&b);
+    assert_eq!(dump(&fs_b), at_fork);
+    drop(fs_b);
+    let o = keel(&["fsck", "--state", b_s, "--remote", &f_url]);
+    assert!(o.status.success(), "{}", text(&o));
+
+    // gc of the origin sees the fork; deleting the fork works.
+    drop(p);
+    let o = keel(&["gc", "--config", cfg_s, "--state", a_s]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("shared with 1 other"),
+        "{}",
+        text(&o)
+    );
+    let o = keel(&["fork", "--delete", &f_url]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(!r.join("fork/keel-workspace.json").exists());
+    assert!(std::fs::read_dir(r.join("origin/forks"))
+        .unwrap()
+        .next()
+        .is_none());
+    drop(fs);
+}
