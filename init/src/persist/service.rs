@@ -586,3 +586,20 @@ impl Drop for Service {
         self.stop(false);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_checkpoints_retry_sooner_than_the_interval_then_back_off() {
+        let i = Duration::from_secs(30);
+        let d: Vec<u64> = (1..=7).map(|n| retry_delay(n, i).as_secs()).collect();
+        assert_eq!(d, [1, 2, 4, 8, 16, 30, 30]);
+        assert_eq!(retry_delay(1000, i), i);
+        assert_eq!(
+            retry_delay(3, Duration::from_millis(500)),
+            Duration::from_millis(500)
+        );
+    }
+}
