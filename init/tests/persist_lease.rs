@@ -8,6 +8,7 @@
 //! Every test uses the same distinctive secret key (set once for the whole binary), so any
 //! string a test sees can be checked for it.
 
+mod common;
 mod persist_util;
 mod s3_util;
 
@@ -391,4 +392,105 @@ fn service_state_reports_failures_and_the_lost_lease() {
     let fin = svc.finish().unwrap_err().to_string();
     assert!(fin.contains("lease lost"), "{fin}");
     svc.close(true);
+}
+
+/// `status` over the persist socket of a running `keel mount` (up shortly after the mount).
+fn persist_status(state: &Path) -> String {
+    let t0 = Instant::now();
+    loop {
+        if let Some(s) =
+            keel::persist::control::request(state, "status", Duration::from_secs(30)).unwrap()
+        {
+            return s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "keel never answered on persist.sock"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Through the real binary: a second `keel mount` on the same S3 prefix exits non-zero with
+/// the holder named and nothing mounted; once the first stops (and releases) it mounts.
+#[test]
+fn keel_mount_twice_on_one_prefix() {
+    use common::{
+        fuse_available, is_fuse_mount, lazy_unmount, spawn_mount, wait_timeout, MountOutcome,
+    };
+
+    if !fuse_available() {
+        return;
+    }
+    let Some((_moto, port)) = start_moto() else {
+        return;
+    };
+    creds();
+    let tmp = tempfile::tempdir().unwrap();
+    let conf = tmp.path().join("config.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "[persist]\nremote = \"s3://keel/bin\"\nendpoint = \"http://127.0.0.1:{port}\"\nregion = \"us-east-1\"\nallow_http = true\nlease_ttl = \"10s\"\n"
+        ),
+    )
+    .unwrap();
+    let args = vec!["--config".to_string(), conf.display().to_string()];
+    let log = tmp.path().join("keel.log");
+    let (s1, m1) = (tmp.path().join("s1"), tmp.path().join("m1"));
+    let (s2, m2) = (tmp.path().join("s2"), tmp.path().join("m2"));
+    let MountOutcome::Mounted(mut first) = spawn_mount(&s1, &m1, &args, &log) else {
+        panic!(
+            "first mount failed:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+    };
+    std::fs::write(m1.join("hello"), b"from the first writer").unwrap();
+    let status = persist_status(&s1);
+    assert!(
+        status.contains("lease: held by holder") && status.contains("epoch 1"),
+        "{status}"
+    );
+    no_secret("status", &status);
+
+    match spawn_mount(&s2, &m2, &args, &log) {
+        MountOutcome::Exited { status, stderr } => {
+            assert!(!status.success(), "{status}");
+            assert!(stderr.contains("in use by another writer"), "{stderr}");
+            assert!(
+                stderr.contains("epoch 1") && stderr.contains("--takeover"),
+                "{stderr}"
+            );
+            no_secret("stderr", &stderr);
+            assert!(!is_fuse_mount(&m2), "refused mount left something mounted");
+        }
+        MountOutcome::Mounted(mut c) => {
+            let _ = c.kill();
+            let _ = c.wait();
+            lazy_unmount(&m2);
+            lazy_unmount(&m1);
+            panic!("second writer mounted");
+        }
+    }
+
+    // SIGTERM: final checkpoint, release; the second writer gets the lease at once.
+    common::sys::kill(first.id(), libc::SIGTERM);
+    let st = wait_timeout(&mut first, Duration::from_secs(60));
+    lazy_unmount(&m1);
+    assert!(st.is_some_and(|s| s.success()), "first keel stop: {st:?}");
+    let MountOutcome::Mounted(mut second) = spawn_mount(&s2, &m2, &args, &log) else {
+        panic!(
+            "second mount after release failed:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+    };
+    let status = persist_status(&s2);
+    assert!(
+        status.contains("lease: held") && status.contains("epoch 2"),
+        "{status}"
+    );
+    common::sys::kill(second.id(), libc::SIGTERM);
+    let st = wait_timeout(&mut second, Duration::from_secs(60));
+    lazy_unmount(&m2);
+    assert!(st.is_some_and(|s| s.success()), "second keel stop: {st:?}");
 }
