@@ -4,7 +4,8 @@
 use std::ffi::OsString;
 
 const USAGE: &str = "usage:
-  keel run [--config FILE] [--] CMD [ARGS...]   run as the container's init (PID 1)
+  keel run [--config FILE] [--takeover[=wait|force]] [--] CMD [ARGS...]
+                                                run as the container's init (PID 1)
   keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none] [--passthrough auto|on|off]
              [--threads N] [--config FILE] ...       (keel mount --help for all options)
                                                 mount the workspace in the foreground

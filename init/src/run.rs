@@ -22,7 +22,7 @@ pub const EXIT_SETUP: i32 = 1;
 /// Why `keel run` stopped before supervising anything.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error("{0} (usage: keel run [--config FILE] [--] CMD [ARGS...])")]
+    #[error("{0} (usage: keel run [--config FILE] [--takeover[=wait|force]] [--] CMD [ARGS...])")]
     Usage(String),
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
@@ -34,6 +34,8 @@ pub enum RunError {
     Workspace(String),
     #[error(transparent)]
     Control(#[from] crate::control::ControlError),
+    #[error(transparent)]
+    Lease(#[from] crate::persist::lease::LeaseError),
 }
 
 impl RunError {
@@ -50,13 +52,16 @@ impl RunError {
 #[derive(Debug, PartialEq, Eq)]
 pub struct Args {
     pub config: Option<PathBuf>,
+    /// `--takeover[=refuse|wait|force]` (bare: force), over `[persist] takeover`.
+    pub takeover: Option<crate::config::Takeover>,
     pub command: Vec<OsString>,
 }
 
-/// `[--config FILE | --config=FILE] [--] CMD ARGS...`; option parsing stops at the first
-/// non-option.
+/// `[--config FILE | --config=FILE] [--takeover[=wait|force]] [--] CMD ARGS...`; option
+/// parsing stops at the first non-option.
 pub fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
     let mut config = None;
+    let mut takeover = None;
     let mut it = args.into_iter();
     let mut command = Vec::new();
     while let Some(a) = it.next() {
@@ -67,6 +72,10 @@ pub fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
             config = Some(PathBuf::from(it.next().ok_or("--config needs a FILE")?));
         } else if let Some(v) = s.strip_prefix("--config=") {
             config = Some(PathBuf::from(v));
+        } else if s == "--takeover" {
+            takeover = Some(crate::config::Takeover::Force);
+        } else if let Some(v) = s.strip_prefix("--takeover=") {
+            takeover = Some(v.parse().map_err(|e| format!("--takeover: {e}"))?);
         } else if s.starts_with('-') && s.len() > 1 {
             return Err(format!("unknown option `{s}`"));
         } else {
@@ -75,7 +84,11 @@ pub fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
         }
     }
     command.extend(it);
-    Ok(Args { config, command })
+    Ok(Args {
+        config,
+        takeover,
+        command,
+    })
 }
 
 /// `--config`, else `KEEL_CONFIG`, else /etc/keel/config.toml if it exists, else defaults.
@@ -143,10 +156,20 @@ type Setup = (
 /// Everything before supervision, in order; on error nothing has been started or mounted.
 fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Setup, RunError> {
     let args = parse_args(args).map_err(RunError::Usage)?;
-    let cfg = load_config(args.config)?;
+    let mut cfg = load_config(args.config)?;
+    if let Some(t) = args.takeover {
+        cfg.persist.takeover = t;
+    }
     let booted = boot::boot(&cfg)?;
+    // The single-writer lease before anything reads or writes the remote; released if the
+    // start fails from here on.
+    let mut lease = crate::persist::lease::ReleaseOnDrop::new(None);
     // Before anything creates files in the state dir (control socket, lock).
     if cfg.init.workspace {
+        lease = crate::persist::lease::ReleaseOnDrop::new(crate::persist::acquire_lease(
+            &cfg.workspace.state_dir,
+            &cfg.persist,
+        )?);
         match crate::persist::cli::restore_on_start(&cfg) {
             Ok(Some(what)) => info!("{what}"),
             Ok(None) => {}
@@ -158,41 +181,61 @@ fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Se
     let mut supervisor = Supervisor::new(&cfg, args.command, &booted, signals)?;
     supervisor.set_status(control.status().clone());
     control.status().mounting(&cfg);
-    let mounted = mount_workspace(&cfg)?;
+    let mounted = mount_workspace(&cfg, &mut lease)?;
     if let Some(m) = &mounted {
         give_fresh_workspace_to_user(&cfg, m.mount_point());
         if let Some(p) = m.persist() {
-            publish_checkpoints(control.status(), p.handle());
+            publish_checkpoints(control.status(), p);
         }
     }
     control.status().mounted(&cfg, mounted.as_ref());
     Ok((cfg, booted, supervisor, mounted, control))
 }
 
-/// `POST /checkpoint` takes a real checkpoint to the remote, and `/status` shows the backlog.
-fn publish_checkpoints(
-    status: &crate::control::StatusHandle,
-    h: crate::persist::service::CheckpointHandle,
-) {
-    let publish = {
+/// `POST /checkpoint` takes a real checkpoint to the remote, and `/status` shows the backlog,
+/// the failures and the lease, updated after every checkpoint attempt and lease renewal.
+fn publish_checkpoints(status: &crate::control::StatusHandle, svc: &crate::persist::Service) {
+    let observer: crate::persist::service::StateObserver = {
         let status = status.clone();
-        move |h: &crate::persist::service::CheckpointHandle| {
-            if let Ok(st) = h.state() {
-                status.update_persist(|p| {
-                    p.dirty_bytes = Some(st.backlog.bytes);
-                    p.dirty_files = Some(st.backlog.files);
-                    p.remote_backlog_bytes = Some(st.backlog.bytes);
-                    p.last_checkpoint = st.last_checkpoint_ns.map(|ns| {
-                        std::time::UNIX_EPOCH + std::time::Duration::from_nanos(ns.max(0) as u64)
-                    });
+        std::sync::Arc::new(move |st: &crate::persist::PersistState| {
+            status.update_persist(|p| {
+                p.dirty_bytes = Some(st.backlog.bytes);
+                p.dirty_files = Some(st.backlog.files);
+                p.backlog_inodes = Some(st.backlog.inodes);
+                p.remote_backlog_bytes = Some(st.backlog.bytes);
+                p.last_checkpoint = st.last_checkpoint_ns.map(|ns| {
+                    std::time::UNIX_EPOCH + std::time::Duration::from_nanos(ns.max(0) as u64)
                 });
-            }
-        }
+                p.consecutive_failures = Some(st.consecutive_failures);
+                p.last_error = st.last_error.clone();
+                p.lease = Some(match &st.lease {
+                    None => crate::control::status::LeaseStatus {
+                        held: false,
+                        state: "disabled".into(),
+                        holder: None,
+                        epoch: None,
+                        expires: None,
+                        error: None,
+                    },
+                    Some(l) => crate::control::status::LeaseStatus {
+                        held: l.state == crate::persist::lease::LeaseState::Held,
+                        state: l.state.as_str().into(),
+                        holder: Some(l.holder.clone()),
+                        epoch: Some(l.epoch),
+                        expires: Some(
+                            std::time::UNIX_EPOCH
+                                + std::time::Duration::from_nanos(l.expires_ns.max(0) as u64),
+                        ),
+                        error: l.error.clone(),
+                    },
+                });
+            });
+        })
     };
-    publish(&h);
+    svc.set_observer(observer);
+    let h = svc.handle();
     status.set_checkpoint(Box::new(move || {
         let r = h.checkpoint_now()?;
-        publish(&h);
         Ok(crate::control::CheckpointReport {
             done: r.to_string(),
             remote: true,
@@ -234,11 +277,19 @@ fn give_fresh_workspace_to_user(cfg: &Config, mount_point: &std::path::Path) {
 }
 
 /// Checks the prerequisites and mounts the workspace; `None` when disabled or a plain dir.
-fn mount_workspace(cfg: &Config) -> Result<Option<crate::workspace::Mounted>, RunError> {
+/// The lease (taken by `setup`) goes to the checkpoint service.
+fn mount_workspace(
+    cfg: &Config,
+    lease: &mut crate::persist::lease::ReleaseOnDrop,
+) -> Result<Option<crate::workspace::Mounted>, RunError> {
     match boot::check_workspace(cfg)? {
         WorkspacePlan::Disabled | WorkspacePlan::PlainDir(_) => Ok(None),
         WorkspacePlan::Fuse => {
-            match crate::workspace::mount_persistent(&cfg.workspace, &cfg.persist) {
+            match crate::workspace::session::mount_persistent_leased(
+                &cfg.workspace,
+                &cfg.persist,
+                lease.take(),
+            ) {
                 Ok(mut m) => {
                     if let Some(p) = m.persist_mut() {
                         // Leave a quarter of the flush budget to report what did not get out.
@@ -284,6 +335,11 @@ mod tests {
             (Some(PathBuf::from("/y")), a(&["ls", "-l"]))
         );
         assert!(parse_args(a(&["--bogus", "ls"])).is_err());
+        let p = parse_args(a(&["--takeover", "ls"])).unwrap();
+        assert_eq!(p.takeover, Some(crate::config::Takeover::Force));
+        let p = parse_args(a(&["--takeover=wait", "ls"])).unwrap();
+        assert_eq!(p.takeover, Some(crate::config::Takeover::Wait));
+        assert!(parse_args(a(&["--takeover=steal", "ls"])).is_err());
         assert!(parse_args(a(&["--config"])).is_err());
     }
 }

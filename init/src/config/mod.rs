@@ -12,7 +12,7 @@ pub mod workspace;
 
 pub use control::ControlConfig;
 pub use init::{ForwardTo, InitConfig, Rlimit};
-pub use persist::{FsyncMode, PersistConfig};
+pub use persist::{FsyncMode, PersistConfig, Takeover};
 pub use service::{Probe, Readiness, Restart, ServiceConfig};
 pub use shutdown::ShutdownConfig;
 pub use workspace::{CacheMode, FuseUnavailable, Passthrough, WorkspaceConfig};

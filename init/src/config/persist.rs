@@ -18,6 +18,31 @@ pub enum FsyncMode {
     Remote,
 }
 
+/// What a starting writer does when another live writer holds the workspace's lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Takeover {
+    /// Fail the start, naming the holder.
+    #[default]
+    Refuse,
+    /// Wait until the holder's lease runs out (at most its expiry plus one ttl), then take it.
+    Wait,
+    /// Take it at once; the old holder stops checkpointing at its next renewal.
+    Force,
+}
+
+impl std::str::FromStr for Takeover {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "refuse" => Ok(Takeover::Refuse),
+            "wait" => Ok(Takeover::Wait),
+            "force" => Ok(Takeover::Force),
+            other => Err(format!("`{other}` is not one of refuse, wait, force")),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PersistConfig {
@@ -50,6 +75,12 @@ pub struct PersistConfig {
     pub path_style: bool,
     /// Allow plain `http://` endpoints.
     pub allow_http: bool,
+    /// Single-writer lease on the remote: how long it lasts unless renewed (renewed every
+    /// third of it). `0s` turns the lease off.
+    #[serde(with = "duration_str")]
+    pub lease_ttl: Duration,
+    /// What to do when another live writer holds the lease.
+    pub takeover: Takeover,
 }
 
 impl Default for PersistConfig {
@@ -68,6 +99,8 @@ impl Default for PersistConfig {
             region: None,
             path_style: true,
             allow_http: false,
+            lease_ttl: Duration::from_secs(30),
+            takeover: Takeover::Refuse,
         }
     }
 }
@@ -99,7 +132,23 @@ impl PersistConfig {
                 format!("{} is not between 1 and 256", self.concurrency),
             );
         }
+        if !self.lease_ttl.is_zero() && self.lease_ttl < Duration::from_secs(1) {
+            return bad(
+                "lease_ttl",
+                format!(
+                    "{:?} is too short: use at least 1s, or 0s to turn the lease off",
+                    self.lease_ttl
+                ),
+            );
+        }
         Ok(())
+    }
+
+    /// Whether checkpoints are fenced by the single-writer lease: on for every configured
+    /// remote unless `lease_ttl = "0s"`; off for the default remote inside the state dir
+    /// (only this state dir can write it, and its lock already admits one keel).
+    pub fn lease_enabled(&self) -> bool {
+        !self.lease_ttl.is_zero() && !self.remote.is_empty() && self.remote != "none"
     }
 
     /// The remote URL in effect for a state dir (`None`: checkpoints are off).
@@ -136,5 +185,36 @@ mod tests {
             d.remote_url(Path::new("/s")).as_deref(),
             Some("file:///s/remote")
         );
+        assert!(
+            !d.lease_enabled(),
+            "no lease for the remote inside the state dir"
+        );
+        assert_eq!(d.takeover, Takeover::Refuse);
+    }
+
+    #[test]
+    fn lease_keys() {
+        let c = Config::parse(
+            "[persist]\nremote = \"s3://b/p\"\nlease_ttl = \"10s\"\ntakeover = \"wait\"\n",
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.persist.lease_ttl, Duration::from_secs(10));
+        assert_eq!(c.persist.takeover, Takeover::Wait);
+        assert!(c.persist.lease_enabled());
+        let c = Config::parse(
+            "[persist]\nremote = \"s3://b/p\"\nlease_ttl = \"0s\"\n",
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert!(!c.persist.lease_enabled());
+        for bad in ["lease_ttl = \"100ms\"", "takeover = \"steal\""] {
+            let e = Config::parse(&format!("[persist]\n{bad}\n"), Path::new("x.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(bad.split(' ').next().unwrap()), "{e}");
+        }
+        assert_eq!("force".parse::<Takeover>(), Ok(Takeover::Force));
+        assert!("x".parse::<Takeover>().is_err());
     }
 }

@@ -43,6 +43,11 @@ pub struct PersistStatus {
     /// Bytes and chunks committed locally but not yet on the remote.
     pub remote_backlog_bytes: Option<u64>,
     pub remote_backlog_chunks: Option<u64>,
+    /// Changed inodes not on the remote yet.
+    pub backlog_inodes: Option<u64>,
+    /// Checkpoints that failed in a row, and why the last one did (no credentials).
+    pub consecutive_failures: Option<u32>,
+    pub last_error: Option<String>,
     /// The single-writer lease on the remote.
     pub lease: Option<LeaseStatus>,
 }
@@ -52,10 +57,16 @@ pub struct PersistStatus {
 pub struct LeaseStatus {
     /// This keel holds the lease.
     pub held: bool,
-    /// Who holds it (an instance id, not a secret).
+    /// `held`, `lost`, `released` or `disabled`.
+    pub state: String,
+    /// Who holds it (an instance id, host and pid, not a secret).
     pub holder: Option<String>,
+    /// Grows by one at every change of holder.
+    pub epoch: Option<u64>,
     /// When it runs out unless renewed.
     pub expires: Option<SystemTime>,
+    /// Why it was lost.
+    pub error: Option<String>,
 }
 
 /// Where the workspace is in its life.
@@ -423,10 +434,24 @@ impl StatusHandle {
                 last_checkpoint_unix: s.persist.last_checkpoint.map(unix_secs),
                 remote_backlog_bytes: s.persist.remote_backlog_bytes,
                 remote_backlog_chunks: s.persist.remote_backlog_chunks,
+                last_checkpoint_age_seconds: s.persist.last_checkpoint.map(|t| {
+                    round3(
+                        SystemTime::now()
+                            .duration_since(t)
+                            .unwrap_or(Duration::ZERO)
+                            .as_secs_f64(),
+                    )
+                }),
+                backlog_inodes: s.persist.backlog_inodes,
+                consecutive_failures: s.persist.consecutive_failures,
+                last_error: s.persist.last_error.clone(),
                 lease: s.persist.lease.as_ref().map(|l| LeaseReport {
                     held: l.held,
+                    state: l.state.clone(),
                     holder: l.holder.clone(),
+                    epoch: l.epoch,
                     expires: l.expires.map(rfc3339),
+                    error: l.error.clone(),
                 }),
             },
         }
@@ -573,14 +598,22 @@ pub struct PersistReport {
     pub last_checkpoint_unix: Option<f64>,
     pub remote_backlog_bytes: Option<u64>,
     pub remote_backlog_chunks: Option<u64>,
+    /// Seconds since the last checkpoint committed.
+    pub last_checkpoint_age_seconds: Option<f64>,
+    pub backlog_inodes: Option<u64>,
+    pub consecutive_failures: Option<u32>,
+    pub last_error: Option<String>,
     pub lease: Option<LeaseReport>,
 }
 
 #[derive(Debug, Serialize)]
 pub struct LeaseReport {
     pub held: bool,
+    pub state: String,
     pub holder: Option<String>,
+    pub epoch: Option<u64>,
     pub expires: Option<String>,
+    pub error: Option<String>,
 }
 
 #[cfg(test)]
@@ -667,8 +700,11 @@ mod tests {
             p.last_checkpoint = Some(t);
             p.lease = Some(LeaseStatus {
                 held: true,
+                state: "held".into(),
                 holder: Some("host-1".into()),
+                epoch: Some(3),
                 expires: None,
+                error: None,
             });
         });
         let v: serde_json::Value = serde_json::from_str(&h.status_json()).unwrap();
@@ -676,6 +712,14 @@ mod tests {
         assert_eq!(v["persist"]["last_checkpoint"], "2023-11-14T22:13:20.250Z");
         assert_eq!(v["persist"]["last_checkpoint_unix"], 1_700_000_000.25);
         assert_eq!(v["persist"]["lease"]["holder"], "host-1");
+        assert_eq!(v["persist"]["lease"]["state"], "held");
+        assert_eq!(v["persist"]["lease"]["epoch"], 3);
+        assert!(
+            v["persist"]["last_checkpoint_age_seconds"]
+                .as_f64()
+                .unwrap()
+                > 0.0
+        );
         assert!(v["persist"]["dirty_files"].is_null());
     }
 

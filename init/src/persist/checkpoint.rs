@@ -24,6 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 
 use super::format::{self, Body, DataRec, DirentRec, Header, InodeRec};
+use super::lease::LeaseHandle;
 use super::remote::RemoteError;
 use super::repo::{Head, Repo, RepoError};
 use crate::chunk::chunker::{is_zero, window_count, window_range};
@@ -54,6 +55,8 @@ pub enum CheckpointError {
     Encode(#[from] format::FormatError),
     #[error("deadline passed after {done} of {total} chunk windows")]
     Deadline { done: usize, total: usize },
+    #[error("{0}")]
+    Lease(#[from] super::lease::LeaseError),
 }
 
 /// What one checkpoint did.
@@ -157,6 +160,8 @@ pub struct Persister {
     pub(crate) repo: Repo,
     pub(crate) params: PersistParams,
     recovered: bool,
+    /// The single-writer lease that fences every head write (`None`: no lease).
+    lease: Option<LeaseHandle>,
 }
 
 /// A hashed window: its id and bytes (`None` for an all-zero window).
@@ -207,7 +212,18 @@ impl Persister {
             repo,
             params,
             recovered: false,
+            lease: None,
         })
+    }
+
+    /// Fences every later checkpoint with `lease`: none starts unless it is held, and the
+    /// head is written only after the remote confirmed it is still ours.
+    pub fn set_lease(&mut self, lease: Option<LeaseHandle>) {
+        self.lease = lease;
+    }
+
+    pub fn lease(&self) -> Option<&LeaseHandle> {
+        self.lease.as_ref()
     }
 
     pub fn repo(&self) -> &Repo {
@@ -311,6 +327,11 @@ impl Persister {
         opts: &CheckpointOptions,
     ) -> Result<CheckpointReport, CheckpointError> {
         let t0 = Instant::now();
+        if let Some(l) = &self.lease {
+            l.check()?;
+        }
+        // No remote request of this checkpoint (retries included) outlives its deadline.
+        let _deadline = super::retry::deadline_scope(opts.deadline);
         self.recover_unrecorded_writes()?;
         let synced_at = opts.synced_at.unwrap_or(Nanos(now_ns()));
         let cs = self.params.chunk_size;
@@ -365,6 +386,9 @@ impl Persister {
             });
         }
         let head = self.repo.read_head().map_err(CheckpointError::ReadHead)?;
+        if let (Some(l), Some((h, _))) = (&self.lease, &head) {
+            l.check_head_epoch(h.epoch)?;
+        }
 
         // 2. A consistent view of what changed.
         let mut body = Body::default();
@@ -591,11 +615,16 @@ impl Persister {
             .flush()
             .map_err(CheckpointError::FlushRemote)?;
 
-        // 5. Advance the head.
+        // 5. Advance the head, fenced by the lease.
+        let epoch = match &self.lease {
+            Some(l) => l.check_remote()?,
+            None => 0,
+        };
         let new_head = Head {
             seq,
             created_ns: now_ns(),
             writer: writer_name(),
+            epoch,
         };
         self.repo
             .write_head(&new_head, head.and_then(|h| h.1).or(None))

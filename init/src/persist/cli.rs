@@ -13,7 +13,7 @@ use crate::config::Config;
 use crate::sys;
 
 pub const USAGE: &str = "usage:
-  keel checkpoint [--state DIR] [--config FILE] [--full]
+  keel checkpoint [--state DIR] [--config FILE] [--full] [--takeover[=wait|force]]
   keel gc [--state DIR] [--config FILE]
   keel fsck --state DIR [--repair] [--quick] [--no-remote] [--config FILE]
   keel snapshot list [--state DIR | --remote URL] [--config FILE]
@@ -24,6 +24,7 @@ pub(super) struct Args {
     pub(super) state: Option<PathBuf>,
     pub(super) config: Option<PathBuf>,
     pub(super) remote: Option<String>,
+    takeover: Option<crate::config::Takeover>,
     flags: Vec<String>,
     positional: Vec<String>,
 }
@@ -43,6 +44,12 @@ fn parse(args: Vec<OsString>) -> Result<Args, String> {
                 .ok_or_else(|| format!("{name} needs a value"))
         };
         match flag.as_str() {
+            "--takeover" => {
+                out.takeover = Some(match &inline {
+                    None => crate::config::Takeover::Force,
+                    Some(v) => v.parse().map_err(|e| format!("--takeover: {e}"))?,
+                })
+            }
             "--state" => out.state = Some(PathBuf::from(value("--state")?)),
             "--config" => out.config = Some(PathBuf::from(value("--config")?)),
             "--remote" => out.remote = Some(value("--remote")?),
@@ -77,6 +84,9 @@ pub(super) fn load(a: &Args) -> Result<Config, String> {
     }
     if let Some(r) = &a.remote {
         cfg.persist.remote = r.clone();
+    }
+    if let Some(t) = a.takeover {
+        cfg.persist.takeover = t;
     }
     cfg.persist
         .validate()
@@ -195,6 +205,14 @@ pub fn checkpoint_main(args: Vec<OsString>) -> i32 {
         let _lock = lock_offline(state)?;
         let mut p = Persister::open(state, repo_of(&cfg)?, params(&cfg.workspace, &cfg.persist))
             .map_err(|e| e.to_string())?;
+        // The head moves: only as the workspace's one writer.
+        let mut lease = super::acquire_lease(state, &cfg.persist).map_err(|e| e.to_string())?;
+        if let Some(l) = lease.as_mut() {
+            l.start_renewal()
+                .map_err(|e| format!("start lease renewal: {e}"))?;
+            p.set_lease(Some(l.handle()));
+        }
+        let _lease = super::lease::ReleaseOnDrop::new(lease);
         match p.checkpoint(&CheckpointOptions {
             full,
             progress: true,
@@ -383,7 +401,7 @@ pub fn snapshot_main(mut args: Vec<OsString>) -> i32 {
     })
 }
 
-fn fmt_time(ns: i64) -> String {
+pub(crate) fn fmt_time(ns: i64) -> String {
     let s = ns.div_euclid(1_000_000_000);
     let (days, rem) = (s.div_euclid(86400), s.rem_euclid(86400));
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).

@@ -317,6 +317,8 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
             seq,
             created_ns: now_ns(),
             writer: format!("keel fork (pid {})", std::process::id()),
+            // A fresh workspace: its first writer takes the lease at epoch 1.
+            epoch: 0,
         };
         dst.write_head(&head, None).map_err(ForkError::WriteHead)?;
         dst.remote.flush().map_err(ForkError::Flush)?;

@@ -3,7 +3,9 @@
 //! with periodic compaction, a head pointer), restore of any snapshot into an empty state
 //! dir, garbage collection with snapshot retention, `fsck` of a state dir and its remote, and
 //! the background service (periodic checkpoints, the control socket, the final checkpoint
-//! at shutdown). Depends on `meta` and `chunk`, never on `workspace`.
+//! at shutdown), and the single-writer lease that fences every head write; remote requests
+//! retry temporary failures within the caller's deadline. Depends on `meta` and `chunk`,
+//! never on `workspace`.
 
 pub mod checkpoint;
 pub mod cli;
@@ -13,10 +15,12 @@ pub mod format;
 pub mod fsck;
 pub mod gc;
 pub mod hydrate;
+pub mod lease;
 pub mod objstore;
 pub mod remote;
 pub mod repo;
 pub mod restore;
+pub mod retry;
 pub mod service;
 
 use std::path::Path;
@@ -53,6 +57,29 @@ pub fn open_remote(url: &str, cfg: &PersistConfig) -> Result<Repo, RemoteError> 
         cfg,
     )?);
     Ok(Repo::new(r, prefix))
+}
+
+/// Takes the single-writer lease of the workspace's remote (with its own connection, so
+/// renewals never queue behind a checkpoint's uploads). `Ok(None)` when the lease is off
+/// (`lease_ttl = "0s"`, no remote, or the default remote inside the state dir).
+pub fn acquire_lease(
+    state_dir: &Path,
+    cfg: &PersistConfig,
+) -> Result<Option<lease::Lease>, lease::LeaseError> {
+    if !cfg.lease_enabled() {
+        return Ok(None);
+    }
+    let Some(url) = cfg.remote_url(state_dir) else {
+        return Ok(None);
+    };
+    let repo = open_remote(&url, cfg).map_err(|source| lease::LeaseError::Open { url, source })?;
+    lease::Lease::acquire(
+        repo.remote.clone(),
+        &repo.lease_key(),
+        cfg.lease_ttl,
+        cfg.takeover,
+    )
+    .map(Some)
 }
 
 /// Checkpoint parameters from the config.

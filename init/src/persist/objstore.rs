@@ -3,11 +3,13 @@
 //! runtime lives inside; `put_many_absent`/`get_many` run up to `concurrency` requests at
 //! once. Credentials come from the standard environment variables (`AWS_ACCESS_KEY_ID`,
 //! `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, `GOOGLE_SERVICE_ACCOUNT`, `AZURE_*`) and
-//! never appear in `describe`.
+//! never appear in `describe` or in error strings. Every request that fails for a
+//! temporary reason is retried here (`retrying`), within the deadline of the calling
+//! thread's work (`retry::deadline_scope`).
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
@@ -15,6 +17,7 @@ use object_store::path::Path as OsPath;
 use object_store::{ObjectStore, PutOptions, PutPayload, UpdateVersion};
 
 use super::remote::{ObjectInfo, PutMode, Remote, RemoteError, RemoteResult};
+use super::retry::{current_deadline, redact, RetryPolicy};
 use crate::config::PersistConfig;
 
 pub struct ObjectStoreRemote {
@@ -24,20 +27,19 @@ pub struct ObjectStoreRemote {
     url: String,
     rt: tokio::runtime::Runtime,
     concurrency: usize,
+    retry: RetryPolicy,
 }
 
+/// Maps an `object_store` error onto `RemoteError`: temporary (network errors, timeouts,
+/// 5xx, 408, 429 and throttling) or permanent (other 4xx: credentials, permissions,
+/// validation; a missing bucket). The reason is redacted (no credentials, no signed URLs).
 fn classify(op: &'static str, key: &str, e: object_store::Error) -> RemoteError {
     use object_store::Error as E;
+    let key = key.to_string();
     match e {
-        E::NotFound { .. } => RemoteError::NotFound {
-            key: key.to_string(),
-        },
-        E::AlreadyExists { .. } => RemoteError::AlreadyExists {
-            key: key.to_string(),
-        },
-        E::Precondition { .. } | E::NotModified { .. } => RemoteError::Precondition {
-            key: key.to_string(),
-        },
+        E::NotFound { .. } => RemoteError::NotFound { key },
+        E::AlreadyExists { .. } => RemoteError::AlreadyExists { key },
+        E::Precondition { .. } | E::NotModified { .. } => RemoteError::Precondition { key },
         E::NotSupported { .. }
         | E::NotImplemented
         | E::InvalidPath { .. }
@@ -45,15 +47,119 @@ fn classify(op: &'static str, key: &str, e: object_store::Error) -> RemoteError 
         | E::Unauthenticated { .. }
         | E::UnknownConfigurationKey { .. } => RemoteError::Permanent {
             op,
-            key: key.to_string(),
-            reason: e.to_string(),
+            key,
+            reason: redact(&e.to_string()),
         },
-        // Network errors and 5xx arrive as Generic after object_store's own retries.
-        other => RemoteError::Temporary {
-            op,
-            key: key.to_string(),
-            reason: other.to_string(),
-        },
+        other => {
+            let text = chain_text(&other);
+            let reason = redact(&text);
+            if is_temporary_text(&text) {
+                RemoteError::Temporary { op, key, reason }
+            } else {
+                RemoteError::Permanent { op, key, reason }
+            }
+        }
+    }
+}
+
+/// An error and its sources, `: `-separated (each source only when it adds something).
+fn chain_text(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut at = e.source();
+    while let Some(s) = at {
+        let t = s.to_string();
+        if !text.contains(&t) {
+            text.push_str(": ");
+            text.push_str(&t);
+        }
+        at = s.source();
+    }
+    text
+}
+
+/// Whether an error that `object_store` did not type (it arrives as `Generic`) may go away
+/// by itself: judged by the HTTP status it names, else by the S3/Azure/GCS error code in
+/// the body; without either it is a transport error (refused, reset, timed out): temporary.
+fn is_temporary_text(text: &str) -> bool {
+    if let Some(i) = text.find("status code: ") {
+        let digits: String = text[i + 13..].chars().take(3).collect();
+        if let Ok(code) = digits.parse::<u16>() {
+            return code >= 500 || code == 408 || code == 429;
+        }
+    }
+    const PERMANENT: &[&str] = &[
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "NoSuchBucket",
+        "InvalidBucketName",
+        "AuthorizationHeaderMalformed",
+        "InvalidArgument",
+        "InvalidRequest",
+        "AuthenticationFailed",
+        "AuthorizationFailure",
+        "ContainerNotFound",
+        "Bad Request",
+        "Forbidden",
+        "Unauthorized",
+    ];
+    !PERMANENT.iter().any(|p| text.contains(p))
+}
+
+/// Runs one remote request, retrying temporary failures with `policy` (backoff with full
+/// jitter), never past `deadline`: a request still running at the deadline is abandoned.
+async fn retrying<T, F, Fut>(
+    policy: RetryPolicy,
+    deadline: Option<Instant>,
+    op: &'static str,
+    key: &str,
+    mut attempt: F,
+) -> RemoteResult<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = RemoteResult<T>>,
+{
+    let mut retry = 0u32;
+    loop {
+        let r = match deadline {
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                match tokio::time::timeout(left, attempt()).await {
+                    Ok(r) => r,
+                    Err(_) => Err(RemoteError::Temporary {
+                        op,
+                        key: key.to_string(),
+                        reason: "deadline passed while the request was in flight".into(),
+                    }),
+                }
+            }
+            None => attempt().await,
+        };
+        match r {
+            Err(e) if e.is_temporary() => {
+                let sleep = policy.backoff(retry);
+                let late = deadline.is_some_and(|d| Instant::now() + sleep >= d);
+                if retry + 1 >= policy.attempts || late {
+                    return Err(match e {
+                        RemoteError::Temporary { op, key, reason } => RemoteError::Temporary {
+                            op,
+                            key,
+                            reason: format!(
+                                "{reason} (gave up after {} tr{}{})",
+                                retry + 1,
+                                if retry == 0 { "y" } else { "ies" },
+                                if late { ", deadline" } else { "" }
+                            ),
+                        },
+                        e => e,
+                    });
+                }
+                tracing::debug!(op, key, error = %e, retry, "temporary remote error; retrying");
+                tokio::time::sleep(sleep).await;
+                retry += 1;
+            }
+            r => return r,
+        }
     }
 }
 
@@ -75,8 +181,9 @@ impl ObjectStoreRemote {
             .with_timeout(Duration::from_secs(30))
             .with_connect_timeout(Duration::from_secs(5))
             .with_allow_http(cfg.allow_http);
+        // Retries happen in `retrying`, which knows the deadline of the work at hand.
         let retry = object_store::RetryConfig {
-            max_retries: 4,
+            max_retries: 0,
             retry_timeout: Duration::from_secs(60),
             ..Default::default()
         };
@@ -129,6 +236,7 @@ impl ObjectStoreRemote {
             url: format!("{scheme}://{bucket}/{}", prefix.trim_matches('/')),
             rt,
             concurrency: cfg.concurrency.max(1),
+            retry: RetryPolicy::default(),
         })
     }
 
@@ -195,44 +303,78 @@ impl Remote for ObjectStoreRemote {
 
     fn get(&self, key: &str) -> RemoteResult<Bytes> {
         let p = self.path(key);
-        self.rt.block_on(async {
-            let r = self
-                .store
-                .get(&p)
-                .await
-                .map_err(|e| classify("get", key, e))?;
-            r.bytes().await.map_err(|e| classify("get", key, e))
-        })
+        let store = self.store.as_ref();
+        self.rt.block_on(retrying(
+            self.retry,
+            current_deadline(),
+            "get",
+            key,
+            || async {
+                let r = store.get(&p).await.map_err(|e| classify("get", key, e))?;
+                r.bytes().await.map_err(|e| classify("get", key, e))
+            },
+        ))
     }
 
     fn get_range(&self, key: &str, range: Range<u64>) -> RemoteResult<Bytes> {
         let p = self.path(key);
-        self.rt
-            .block_on(self.store.get_range(&p, range))
-            .map_err(|e| classify("get", key, e))
+        let store = self.store.as_ref();
+        self.rt.block_on(retrying(
+            self.retry,
+            current_deadline(),
+            "get",
+            key,
+            || async {
+                store
+                    .get_range(&p, range.clone())
+                    .await
+                    .map_err(|e| classify("get", key, e))
+            },
+        ))
     }
 
     fn head(&self, key: &str) -> RemoteResult<Option<ObjectInfo>> {
         let p = self.path(key);
-        match self.rt.block_on(self.store.head(&p)) {
-            Ok(m) => Ok(Some(self.info(&m))),
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(classify("head", key, e)),
-        }
+        let store = self.store.as_ref();
+        self.rt.block_on(retrying(
+            self.retry,
+            current_deadline(),
+            "head",
+            key,
+            || async {
+                match store.head(&p).await {
+                    Ok(m) => Ok(Some(self.info(&m))),
+                    Err(object_store::Error::NotFound { .. }) => Ok(None),
+                    Err(e) => Err(classify("head", key, e)),
+                }
+            },
+        ))
     }
 
     fn put(&self, key: &str, data: Bytes, mode: PutMode) -> RemoteResult<Option<String>> {
         let p = self.path(key);
+        let store = self.store.as_ref();
         self.rt
-            .block_on(Self::put_async(self.store.as_ref(), &p, key, data, mode))
+            .block_on(retrying(self.retry, current_deadline(), "put", key, || {
+                Self::put_async(store, &p, key, data.clone(), mode.clone())
+            }))
     }
 
     fn delete(&self, key: &str) -> RemoteResult<()> {
         let p = self.path(key);
-        match self.rt.block_on(self.store.delete(&p)) {
-            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(classify("delete", key, e)),
-        }
+        let store = self.store.as_ref();
+        self.rt.block_on(retrying(
+            self.retry,
+            current_deadline(),
+            "delete",
+            key,
+            || async {
+                match store.delete(&p).await {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+                    Err(e) => Err(classify("delete", key, e)),
+                }
+            },
+        ))
     }
 
     fn list(&self, prefix: &str) -> RemoteResult<Vec<ObjectInfo>> {
@@ -246,10 +388,20 @@ impl Remote for ObjectStoreRemote {
         } else {
             Some(self.path(dir))
         };
-        let metas: Vec<object_store::ObjectMeta> = self
-            .rt
-            .block_on(self.store.list(p.as_ref()).try_collect())
-            .map_err(|e| classify("list", prefix, e))?;
+        let store = self.store.as_ref();
+        let metas: Vec<object_store::ObjectMeta> = self.rt.block_on(retrying(
+            self.retry,
+            current_deadline(),
+            "list",
+            prefix,
+            || async {
+                store
+                    .list(p.as_ref())
+                    .try_collect()
+                    .await
+                    .map_err(|e| classify("list", prefix, e))
+            },
+        ))?;
         let mut out: Vec<ObjectInfo> = metas
             .iter()
             .map(|m| self.info(m))
@@ -261,10 +413,14 @@ impl Remote for ObjectStoreRemote {
 
     fn put_many_absent(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
         let store = self.store.as_ref();
+        let (policy, deadline) = (self.retry, current_deadline());
         let jobs = items.into_iter().map(|(k, d)| {
             let p = self.path(&k);
             async move {
-                match Self::put_async(store, &p, &k, d, PutMode::Create).await {
+                let put = retrying(policy, deadline, "put", &k, || {
+                    Self::put_async(store, &p, &k, d.clone(), PutMode::Create)
+                });
+                match put.await {
                     Ok(_) => Ok(true),
                     Err(RemoteError::AlreadyExists { .. })
                     | Err(RemoteError::Precondition { .. }) => Ok(false),
@@ -282,11 +438,15 @@ impl Remote for ObjectStoreRemote {
 
     fn get_many(&self, keys: &[String]) -> Vec<RemoteResult<Bytes>> {
         let store = self.store.as_ref();
+        let (policy, deadline) = (self.retry, current_deadline());
         let jobs = keys.iter().map(|k| {
             let p = self.path(k);
             async move {
-                let r = store.get(&p).await.map_err(|e| classify("get", k, e))?;
-                r.bytes().await.map_err(|e| classify("get", k, e))
+                retrying(policy, deadline, "get", k, || async {
+                    let r = store.get(&p).await.map_err(|e| classify("get", k, e))?;
+                    r.bytes().await.map_err(|e| classify("get", k, e))
+                })
+                .await
             }
         });
         self.rt.block_on(
@@ -294,5 +454,104 @@ impl Remote for ObjectStoreRemote {
                 .buffered(self.concurrency)
                 .collect(),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classifies_generic_errors_by_status_and_code() {
+        for t in [
+            "Error performing PUT http://h/k in 1ms - Server returned non-2xx status code: 503 Service Unavailable: ",
+            "Error performing PUT http://h/k in 1ms - Server returned non-2xx status code: 429 Too Many Requests: ",
+            "Error performing GET http://h/k in 1ms - Server returned non-2xx status code: 500 Internal Server Error: ",
+            "Error performing GET http://h/k in 30s - HTTP error: error sending request: operation timed out",
+            "Error performing GET http://h/k in 1ms - HTTP error: error sending request: connection refused",
+            "Server returned error response: <Error><Code>SlowDown</Code></Error>",
+        ] {
+            assert!(is_temporary_text(t), "{t}");
+        }
+        for t in [
+            "Error performing PUT http://h/k in 1ms - Server returned non-2xx status code: 400 Bad Request: ",
+            "Server returned error response: <Error><Code>InvalidAccessKeyId</Code></Error>",
+            "Server returned error response: <Error><Code>NoSuchBucket</Code></Error>",
+        ] {
+            assert!(!is_temporary_text(t), "{t}");
+        }
+    }
+
+    #[test]
+    fn retries_temporary_errors_until_they_pass_and_never_past_the_deadline() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let policy = RetryPolicy {
+            attempts: 5,
+            base: Duration::from_millis(1),
+            cap: Duration::from_millis(5),
+        };
+        let temp = || RemoteError::Temporary {
+            op: "put",
+            key: "k".into(),
+            reason: "connection reset".into(),
+        };
+        // Two failures, then success.
+        let mut n = 0;
+        let r = rt.block_on(retrying(policy, None, "put", "k", || {
+            n += 1;
+            let fail = n <= 2;
+            async move {
+                if fail {
+                    Err(temp())
+                } else {
+                    Ok(n)
+                }
+            }
+        }));
+        assert_eq!(r.unwrap(), 3);
+        // Always failing: exactly `attempts` tries, then the error says so.
+        let mut n = 0;
+        let r: RemoteResult<()> = rt.block_on(retrying(policy, None, "put", "k", || {
+            n += 1;
+            async { Err(temp()) }
+        }));
+        assert_eq!(n, 5);
+        assert!(r.unwrap_err().to_string().contains("gave up after 5 tries"));
+        // Permanent errors are not retried.
+        let mut n = 0;
+        let r: RemoteResult<()> = rt.block_on(retrying(policy, None, "put", "k", || {
+            n += 1;
+            async {
+                Err(RemoteError::Permanent {
+                    op: "put",
+                    key: "k".into(),
+                    reason: "403".into(),
+                })
+            }
+        }));
+        assert!(r.is_err());
+        assert_eq!(n, 1);
+        // A request hanging past the deadline is abandoned at the deadline.
+        let t0 = Instant::now();
+        let slow = RetryPolicy {
+            attempts: 100,
+            base: Duration::from_millis(50),
+            cap: Duration::from_millis(50),
+        };
+        let r: RemoteResult<()> = rt.block_on(retrying(
+            slow,
+            Some(t0 + Duration::from_millis(300)),
+            "get",
+            "k",
+            || async {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                Ok(())
+            },
+        ));
+        assert!(r.unwrap_err().to_string().contains("deadline"));
+        assert!(t0.elapsed() < Duration::from_secs(5));
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! <ws>/keel-workspace.json      manifest: format, id, where the chunks live
-//! <ws>/head                     {"seq": N, ...}: the latest snapshot (conditional writes)
+//! <ws>/head                     {"seq": N, "epoch": E, ...}: the latest snapshot (conditional writes)
+//! <ws>/lease                    the single-writer lease (see `lease`)
 //! <ws>/snapshots/<seq:016x>     snapshot objects (full or delta, see `format`)
 //! <chunks>/<aa>/<64 hex>        chunk objects, named by blake3, shared by all snapshots
 //! ```
@@ -55,8 +56,11 @@ pub struct Manifest {
 pub struct Head {
     pub seq: u64,
     pub created_ns: i64,
-    /// Who wrote it (host and pid; the lease of issue 5 will add an epoch).
+    /// Who wrote it (host and pid).
     pub writer: String,
+    /// Lease epoch of the writer (0: written without a lease).
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 /// A workspace on a remote.
@@ -109,6 +113,11 @@ impl Repo {
 
     pub fn chunk_prefix(&self) -> String {
         format!("{}/", self.chunks)
+    }
+
+    /// The single-writer lease object (see `lease`).
+    pub fn lease_key(&self) -> String {
+        self.key("lease")
     }
 
     pub fn snapshot_key(&self, seq: u64) -> String {

@@ -3,16 +3,20 @@
 //! on request (control socket, `fsync = "remote"`), and a final one at shutdown within a
 //! deadline; automatic gc every `gc_every` checkpoints. If the final checkpoint cannot
 //! finish, `finish` reports exactly what did not reach the remote; it stays in the local
-//! state (pending) and the next start uploads it first.
+//! state (pending) and the next start uploads it first. A failed periodic checkpoint is
+//! retried sooner than the interval (1 s, doubling, capped at the interval). With a lease,
+//! the service owns it: renewed in the background, released when the service closes.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::checkpoint::{backlog, now_ns, Backlog, CheckpointOptions, CheckpointReport, Persister};
 use super::control;
 use super::gc::{gc, GcReport};
+use super::lease::{Lease, LeaseInfo, LeaseState};
 use crate::config::{PersistConfig, WorkspaceConfig};
 use crate::meta::{Nanos, Store};
 
@@ -93,6 +97,47 @@ pub struct PersistState {
     /// Wall-clock time of the last checkpoint, in ns since the epoch.
     pub last_checkpoint_ns: Option<i64>,
     pub remote: String,
+    /// Checkpoints that failed in a row since the last one that worked.
+    pub consecutive_failures: u32,
+    /// Why the last checkpoint failed (no credentials), until one works again.
+    pub last_error: Option<String>,
+    /// The single-writer lease; `None` when there is none (disabled).
+    pub lease: Option<LeaseInfo>,
+}
+
+/// Told the new state after every checkpoint attempt and every lease renewal.
+pub type StateObserver = Arc<dyn Fn(&PersistState) + Send + Sync>;
+
+/// The last published state and who wants to hear about changes.
+#[derive(Default)]
+struct Published {
+    state: Mutex<PersistState>,
+    observer: Mutex<Option<StateObserver>>,
+}
+
+impl Published {
+    fn update(&self, f: impl FnOnce(&mut PersistState)) {
+        let snapshot = {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            f(&mut s);
+            s.clone()
+        };
+        let obs = self
+            .observer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(o) = obs {
+            o(&snapshot);
+        }
+    }
+}
+
+/// The delay before retrying after `failures` failed periodic checkpoints in a row: 1 s,
+/// doubling, never more than `interval`.
+pub fn retry_delay(failures: u32, interval: Duration) -> Duration {
+    let d = Duration::from_secs(1).saturating_mul(1u32 << failures.saturating_sub(1).min(16));
+    d.min(interval)
 }
 
 impl CheckpointHandle {
@@ -124,6 +169,8 @@ pub struct Service {
     state_dir: PathBuf,
     chunk_size: u64,
     flush_timeout: Duration,
+    lease: Option<Lease>,
+    published: Arc<Published>,
 }
 
 struct Worker {
@@ -133,10 +180,44 @@ struct Worker {
     since_gc: u32,
     paused: bool,
     mount_point: PathBuf,
+    failures: u32,
+    last_error: Option<String>,
+    published: Arc<Published>,
 }
 
 impl Worker {
     fn checkpoint(
+        &mut self,
+        opts: CheckpointOptions,
+        flush: bool,
+    ) -> Result<CheckpointReport, String> {
+        let r = self.checkpoint_once(opts, flush);
+        match &r {
+            Ok(_) => {
+                self.failures = 0;
+                self.last_error = None;
+            }
+            Err(e) => {
+                self.failures += 1;
+                self.last_error = Some(e.clone());
+            }
+        }
+        self.publish();
+        r
+    }
+
+    fn publish(&self) {
+        let s = self.state();
+        self.published.update(|p| *p = s);
+    }
+
+    fn lease_lost(&self) -> bool {
+        self.p
+            .lease()
+            .is_some_and(|l| l.info().state != LeaseState::Held)
+    }
+
+    fn checkpoint_once(
         &mut self,
         opts: CheckpointOptions,
         flush: bool,
@@ -195,8 +276,22 @@ impl Worker {
         let age = at
             .map(|t| format!("{:.1}s ago", (now_ns() - t) as f64 / 1e9))
             .unwrap_or_else(|| "never".into());
+        let lease = match self.p.lease().map(|l| l.info()) {
+            None => "lease: disabled".to_string(),
+            Some(i) => format!(
+                "lease: {} by {} epoch {}{}",
+                i.state.as_str(),
+                i.holder,
+                i.epoch,
+                i.error.map(|e| format!(" ({e})")).unwrap_or_default()
+            ),
+        };
+        let failures = match &self.last_error {
+            Some(e) => format!("; {} failed in a row, last error: {e}", self.failures),
+            None => String::new(),
+        };
         format!(
-            "remote {}; last snapshot {last} ({age}); backlog: {b}",
+            "remote {}; last snapshot {last} ({age}); backlog: {b}; {lease}{failures}",
             self.p.repo().describe()
         )
     }
@@ -209,6 +304,9 @@ impl Worker {
             last_seq: get("last_seq").and_then(|v| v.parse().ok()),
             last_checkpoint_ns: get("last_checkpoint_ns").and_then(|v| v.parse().ok()),
             remote: self.p.repo().describe(),
+            consecutive_failures: self.failures,
+            last_error: self.last_error.clone(),
+            lease: self.p.lease().map(|l| l.info()),
         }
     }
 
@@ -231,10 +329,23 @@ impl Worker {
                         continue;
                     }
                     next = Instant::now() + interval;
+                    // Without the lease there is nothing to try until keel restarts.
+                    if self.lease_lost() {
+                        continue;
+                    }
                     let changed = (self.flush)().is_ok() && self.p.has_changes().unwrap_or(true);
                     if changed {
                         if let Err(e) = self.checkpoint(CheckpointOptions::default(), false) {
-                            tracing::warn!(error = %e, "periodic checkpoint failed; retrying at the next interval");
+                            if !self.lease_lost() {
+                                let d = retry_delay(self.failures, interval);
+                                next = Instant::now() + d;
+                                tracing::warn!(
+                                    error = %e,
+                                    failures = self.failures,
+                                    "periodic checkpoint failed; retrying in {:.0}s",
+                                    d.as_secs_f64()
+                                );
+                            }
                         }
                     }
                 }
@@ -303,11 +414,35 @@ impl Service {
         self.flush_timeout = budget;
     }
 
+    /// Calls `f` with the new state after every checkpoint attempt and lease renewal (for
+    /// `/status`), once right away.
+    pub fn set_observer(&self, f: StateObserver) {
+        *self
+            .published
+            .observer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(f);
+        self.published.update(|_| {});
+    }
+
+    /// The state as of the last checkpoint attempt or lease renewal (does not wait for a
+    /// checkpoint in progress).
+    pub fn published_state(&self) -> PersistState {
+        self.published
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// Starts checkpoints for a mounted workspace; `None` when `[persist] remote = "none"`.
+    /// `lease`, when given, fences every checkpoint; the service renews it and releases it
+    /// when it closes.
     pub fn start(
         ws: &WorkspaceConfig,
         cfg: &PersistConfig,
         flush: FlushFn,
+        mut lease: Option<Lease>,
     ) -> Result<Option<Service>, ServiceError> {
         let state = &ws.state_dir;
         let Some(url) = cfg.remote_url(state) else {
@@ -319,6 +454,13 @@ impl Service {
         })?;
         let mut p = Persister::open(state, repo, super::params(ws, cfg))?;
         p.mark_running(true)?;
+        let published = Arc::new(Published::default());
+        if let Some(l) = lease.as_mut() {
+            p.set_lease(Some(l.handle()));
+            let pb = published.clone();
+            l.set_observer(Box::new(move |info| pb.update(|s| s.lease = Some(info))));
+            l.start_renewal().map_err(ServiceError::Spawn)?;
+        }
         let (tx, rx) = mpsc::channel();
         let worker = Worker {
             p,
@@ -327,7 +469,11 @@ impl Service {
             since_gc: 0,
             paused: false,
             mount_point: ws.mount_point.clone(),
+            failures: 0,
+            last_error: None,
+            published: published.clone(),
         };
+        worker.publish();
         let interval = cfg.interval;
         let handle = std::thread::Builder::new()
             .name("keel-checkpoint".into())
@@ -347,6 +493,8 @@ impl Service {
             state_dir: state.clone(),
             chunk_size: ws.chunk_size,
             flush_timeout: cfg.flush_timeout,
+            lease,
+            published,
         }))
     }
 
@@ -403,10 +551,15 @@ impl Service {
         }
     }
 
-    /// Stops the service. `clean`: the filesystem has stopped and recorded every write, so
-    /// the next start need not look for unrecorded ones.
+    /// Stops the service and releases the lease. `clean`: the filesystem has stopped and
+    /// recorded every write, so the next start need not look for unrecorded ones.
     pub fn close(mut self, clean: bool) {
         self.stop(clean);
+        if let Some(l) = self.lease.take() {
+            if let Err(e) = l.release() {
+                tracing::warn!(error = %e, "could not release the workspace lease; the next writer waits for it to expire");
+            }
+        }
     }
 
     fn stop(&mut self, clean: bool) {
@@ -431,5 +584,22 @@ fn read_backlog(state: &Path, chunk_size: u64) -> Option<Backlog> {
 impl Drop for Service {
     fn drop(&mut self) {
         self.stop(false);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_checkpoints_retry_sooner_than_the_interval_then_back_off() {
+        let i = Duration::from_secs(30);
+        let d: Vec<u64> = (1..=7).map(|n| retry_delay(n, i).as_secs()).collect();
+        assert_eq!(d, [1, 2, 4, 8, 16, 30, 30]);
+        assert_eq!(retry_delay(1000, i), i);
+        assert_eq!(
+            retry_delay(3, Duration::from_millis(500)),
+            Duration::from_millis(500)
+        );
     }
 }

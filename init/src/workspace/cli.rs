@@ -11,7 +11,8 @@ use std::time::Duration;
 
 const USAGE: &str = "usage: keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none]
        [--passthrough auto|on|off] [--writeback-cache on|off] [--threads N]
-       [--attr-timeout D] [--entry-timeout D] [--negative-timeout D] [--config FILE]";
+       [--attr-timeout D] [--entry-timeout D] [--negative-timeout D] [--config FILE]
+       [--takeover[=wait|force]]";
 
 /// Parsed `keel mount` arguments.
 #[derive(Debug, Default, PartialEq)]
@@ -26,6 +27,8 @@ pub struct MountArgs {
     pub negative_timeout: Option<Duration>,
     pub threads: Option<usize>,
     pub config: Option<PathBuf>,
+    /// Over `[persist] takeover`; a bare `--takeover` is `force`.
+    pub takeover: Option<crate::config::Takeover>,
 }
 
 pub fn parse(args: Vec<OsString>) -> Result<MountArgs, String> {
@@ -44,6 +47,12 @@ pub fn parse(args: Vec<OsString>) -> Result<MountArgs, String> {
             }
         };
         match flag.as_str() {
+            "--takeover" => {
+                out.takeover = Some(match &inline {
+                    None => crate::config::Takeover::Force,
+                    Some(v) => v.parse().map_err(|e| format!("--takeover: {e}"))?,
+                })
+            }
             "--state" => out.state = Some(PathBuf::from(value("--state")?)),
             "--cache" => out.cache = Some(value("--cache")?.to_string_lossy().into_owned()),
             "--passthrough" => {
@@ -124,6 +133,9 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
         },
         None => Config::default(),
     };
+    if let Some(t) = a.takeover {
+        cfg.persist.takeover = t;
+    }
     let ws = &mut cfg.workspace;
     if let Some(s) = a.state {
         ws.state_dir = absolute(s);
@@ -229,5 +241,11 @@ mod tests {
         assert!(parse(args(&["--bogus"])).is_err());
         assert!(parse(args(&["/a", "/b"])).is_err());
         assert!(parse(args(&["--state"])).is_err());
+        let a = parse(args(&["/m", "--takeover"])).unwrap();
+        assert_eq!(a.takeover, Some(crate::config::Takeover::Force));
+        let a = parse(args(&["--takeover=wait", "/m"])).unwrap();
+        assert_eq!(a.takeover, Some(crate::config::Takeover::Wait));
+        assert_eq!(a.mount_point, Some(PathBuf::from("/m")));
+        assert!(parse(args(&["--takeover=x", "/m"])).is_err());
     }
 }

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::config::{CacheMode, Passthrough, PersistConfig, WorkspaceConfig};
+use crate::persist::lease::ReleaseOnDrop;
 use crate::sys;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -28,6 +29,8 @@ pub enum SessionError {
     Unmount { path: PathBuf, source: io::Error },
     #[error("checkpoints: {0}")]
     Persist(String),
+    #[error("{0}")]
+    Lease(crate::persist::lease::LeaseError),
 }
 
 /// A mounted workspace. Dropping it unmounts too, but only `unmount` reports errors.
@@ -140,17 +143,33 @@ pub fn mount(cfg: &WorkspaceConfig) -> Result<Mounted, SessionError> {
 }
 
 /// Mounts the workspace and starts checkpoints to the `[persist]` remote: periodic, on
-/// request over `<state>/control.sock`, and a final one in `unmount`.
+/// request over `<state>/control.sock`, and a final one in `unmount`. Takes the remote's
+/// single-writer lease first (when on): a refused lease fails here with nothing mounted.
 pub fn mount_persistent(
     cfg: &WorkspaceConfig,
     persist: &PersistConfig,
 ) -> Result<Mounted, SessionError> {
-    mount_with(cfg, Some(persist))
+    mount_with(cfg, Some((persist, None)))
 }
+
+/// `mount_persistent` with a lease the caller already took (`keel run` takes it before
+/// restoring from the remote); `None` when the lease is off.
+pub fn mount_persistent_leased(
+    cfg: &WorkspaceConfig,
+    persist: &PersistConfig,
+    lease: Option<crate::persist::lease::Lease>,
+) -> Result<Mounted, SessionError> {
+    mount_with(cfg, Some((persist, Some(lease))))
+}
+
+type PersistPlan<'a> = (
+    &'a PersistConfig,
+    Option<Option<crate::persist::lease::Lease>>,
+);
 
 fn mount_with(
     cfg: &WorkspaceConfig,
-    persist: Option<&PersistConfig>,
+    persist: Option<PersistPlan<'_>>,
 ) -> Result<Mounted, SessionError> {
     let state = &cfg.state_dir;
     check_state_dir(state)?;
@@ -164,6 +183,17 @@ fn mount_with(
             path: state.clone(),
             lock: lock_path.clone(),
         })?;
+    // The lease before anything is mounted: a second writer stops here.
+    let persist = match persist {
+        Some((p, Some(lease))) => Some((p, ReleaseOnDrop::new(lease))),
+        Some((p, None)) => Some((
+            p,
+            ReleaseOnDrop::new(
+                crate::persist::acquire_lease(state, p).map_err(SessionError::Lease)?,
+            ),
+        )),
+        None => None,
+    };
     let passthrough_on = Arc::new(AtomicBool::new(false));
     let fs = WorkspaceFs::new(
         state,
@@ -231,8 +261,8 @@ fn mount_with(
         persist: None,
         _lock: lock,
     };
-    if let Some(p) = persist {
-        mounted.persist = start_persist(cfg, p, &mounted)?;
+    if let Some((p, mut lease)) = persist {
+        mounted.persist = start_persist(cfg, p, &mounted, lease.take())?;
     }
     Ok(mounted)
 }
@@ -243,6 +273,7 @@ fn start_persist(
     cfg: &WorkspaceConfig,
     p: &PersistConfig,
     m: &Mounted,
+    lease: Option<crate::persist::lease::Lease>,
 ) -> Result<Option<crate::persist::Service>, SessionError> {
     let fs = m.fs.clone();
     // Never touch the mount point from inside the daemon here (no syncfs of the mount): a
@@ -252,7 +283,7 @@ fn start_persist(
     // `Mounted::flush`.
     let flush: crate::persist::service::FlushFn =
         Box::new(move || fs.sync_all().map_err(|e| e.to_string()));
-    let service = crate::persist::Service::start(cfg, p, flush)
+    let service = crate::persist::Service::start(cfg, p, flush, lease)
         .map_err(|e| SessionError::Persist(e.to_string()))?;
     if let Some(svc) = &service {
         if p.fsync == crate::config::persist::FsyncMode::Remote {

@@ -78,3 +78,127 @@ pub fn s3_config(port: u16) -> PersistConfig {
         ..Default::default()
     }
 }
+
+/// A TCP proxy between keel and the endpoint that a test can cut (every open connection
+/// dropped, new ones accepted and closed at once) and restore: a remote that goes away in
+/// the middle of a checkpoint and comes back, while moto keeps its data.
+pub struct Proxy {
+    port: u16,
+    state: std::sync::Arc<ProxyState>,
+}
+
+#[derive(Default)]
+struct ProxyState {
+    cut: std::sync::atomic::AtomicBool,
+    stop: std::sync::atomic::AtomicBool,
+    conns: std::sync::Mutex<Vec<std::net::TcpStream>>,
+    bytes_up: std::sync::atomic::AtomicU64,
+    refused: std::sync::atomic::AtomicU64,
+}
+
+fn pump(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    count: Option<std::sync::Arc<ProxyState>>,
+) {
+    use std::io::{Read, Write};
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+                if let Some(s) = &count {
+                    s.bytes_up
+                        .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
+    }
+    let _ = from.shutdown(std::net::Shutdown::Both);
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+impl Proxy {
+    /// Listens on a free 127.0.0.1 port and forwards to `127.0.0.1:upstream`.
+    pub fn start(upstream: u16) -> Proxy {
+        use std::sync::atomic::Ordering::Relaxed;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let state = std::sync::Arc::new(ProxyState::default());
+        let st = state.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if st.stop.load(Relaxed) {
+                    break;
+                }
+                let Ok(client) = conn else { continue };
+                if st.cut.load(Relaxed) {
+                    st.refused.fetch_add(1, Relaxed);
+                    let _ = client.shutdown(std::net::Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", upstream)) else {
+                    continue;
+                };
+                {
+                    let mut c = st.conns.lock().unwrap();
+                    c.push(client.try_clone().unwrap());
+                    c.push(server.try_clone().unwrap());
+                }
+                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let count = st.clone();
+                std::thread::spawn(move || pump(client, server, Some(count)));
+                std::thread::spawn(move || pump(s2, c2, None));
+            }
+        });
+        Proxy { port, state }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Drops every connection and refuses new ones until `restore`.
+    pub fn cut(&self) {
+        self.state
+            .cut
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        for c in self.state.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    pub fn restore(&self) {
+        self.state
+            .cut
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Bytes sent from keel towards the endpoint so far.
+    pub fn bytes_up(&self) -> u64 {
+        self.state
+            .bytes_up
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Connections turned away while cut.
+    pub fn refused(&self) -> u64 {
+        self.state
+            .refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.state
+            .stop
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.cut();
+        // Wake the accept loop so it sees `stop`.
+        let _ = std::net::TcpStream::connect(("127.0.0.1", self.port));
+    }
+}

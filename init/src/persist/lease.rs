@@ -1,0 +1,724 @@
+//! The single-writer lease of a workspace: the object `<ws>/lease` (JSON: holder id, host,
+//! pid, epoch, acquired/expires wall-clock ns, ttl, released) written only with conditional
+//! PUTs. Acquiring creates it (If-None-Match) or replaces an expired or released one
+//! (If-Match, epoch + 1); a live lease of another holder is refused, waited out or taken
+//! over by force (`[persist] takeover`). A background thread renews it every ttl/3 with
+//! If-Match on the version it last wrote; a refused renewal, another holder or epoch, or a
+//! lease that ran out before a renewal got through means the lease is lost: checkpoints
+//! stop (`LeaseHandle::check`), the local workspace keeps working. A clean shutdown
+//! releases it so the next writer need not wait.
+//!
+//! Expiry is judged twice: by other writers from the wall-clock `expires_ns` in the object
+//! (hosts' clocks must roughly agree), and by the holder itself from its monotonic clock,
+//! counting from when the renewal was sent, minus a safety margin of ttl/5.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use super::checkpoint::now_ns;
+use super::remote::{PutMode, Remote, RemoteError};
+use super::repo::random_id;
+use super::retry::deadline_scope;
+use crate::config::Takeover;
+
+/// The lease object as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRecord {
+    /// Random per process.
+    pub holder: String,
+    pub host: String,
+    pub pid: u32,
+    /// Grows by one at every change of holder; every head the holder writes carries it.
+    pub epoch: u64,
+    pub acquired_ns: i64,
+    pub expires_ns: i64,
+    pub ttl_ms: u64,
+    /// Given up on a clean shutdown: free to take at once.
+    #[serde(default)]
+    pub released: bool,
+}
+
+impl LeaseRecord {
+    /// `holder 1a2b3c4d (host h, pid 7)`.
+    pub fn who(&self) -> String {
+        format!(
+            "holder {} (host {}, pid {})",
+            self.holder, self.host, self.pid
+        )
+    }
+
+    fn live(&self, now: i64) -> bool {
+        !self.released && self.expires_ns > now
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    #[error("workspace {remote} is in use by another writer: lease {who}, epoch {epoch}, expires {expires} (in {in_s} s); to take it over start with --takeover=wait (wait for it to expire) or --takeover=force (or [persist] takeover)")]
+    Held {
+        remote: String,
+        who: String,
+        epoch: u64,
+        expires: String,
+        in_s: u64,
+    },
+    #[error("workspace {remote}: lease {who} (epoch {epoch}) was still renewed after waiting {waited_s} s for it to expire; use --takeover=force to take it over")]
+    StillHeld {
+        remote: String,
+        who: String,
+        epoch: u64,
+        waited_s: u64,
+    },
+    #[error("open remote {url}: {source}")]
+    Open { url: String, source: RemoteError },
+    #[error("read lease {key}: {source}")]
+    Read { key: String, source: RemoteError },
+    #[error("lease {key} is unreadable ({reason}); remove it to start over")]
+    Parse { key: String, reason: String },
+    #[error("write lease {key}: {source}")]
+    Write { key: String, source: RemoteError },
+    #[error("lease lost: {0}; checkpoints are stopped (the local workspace keeps working); restart keel to take the lease again")]
+    Lost(String),
+}
+
+/// Where the lease stands, for `/status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseState {
+    Held,
+    Lost,
+    Released,
+}
+
+impl LeaseState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeaseState::Held => "held",
+            LeaseState::Lost => "lost",
+            LeaseState::Released => "released",
+        }
+    }
+}
+
+/// A copy of the lease's state (no credentials).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseInfo {
+    pub state: LeaseState,
+    /// Our holder id, host and pid.
+    pub holder: String,
+    pub epoch: u64,
+    /// Wall-clock expiry of the last renewal that got through.
+    pub expires_ns: i64,
+    /// Why it was lost.
+    pub error: Option<String>,
+}
+
+/// Called with the new state after every renewal and when the lease is lost.
+pub type LeaseObserver = Box<dyn Fn(LeaseInfo) + Send + Sync>;
+
+struct St {
+    record: LeaseRecord,
+    version: Option<String>,
+    /// Our own clock's idea of when the lease runs out.
+    valid_until: Instant,
+    state: LeaseState,
+    error: Option<String>,
+    stop: bool,
+}
+
+struct Shared {
+    remote: Arc<dyn Remote>,
+    key: String,
+    ttl: Duration,
+    st: Mutex<St>,
+    wake: Condvar,
+    observer: Mutex<Option<LeaseObserver>>,
+}
+
+fn lock(m: &Mutex<St>) -> MutexGuard<'_, St> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    fn margin(&self) -> Duration {
+        self.ttl / 5
+    }
+
+    fn info(&self) -> LeaseInfo {
+        let st = lock(&self.st);
+        LeaseInfo {
+            state: st.state,
+            holder: st.record.who(),
+            epoch: st.record.epoch,
+            expires_ns: st.record.expires_ns,
+            error: st.error.clone(),
+        }
+    }
+
+    fn notify(&self) {
+        let info = self.info();
+        if let Some(f) = self
+            .observer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            f(info);
+        }
+    }
+
+    /// Marks the lease lost (once: the first reason wins) and says so loudly.
+    fn lose(&self, why: String) {
+        {
+            let mut st = lock(&self.st);
+            if st.state != LeaseState::Held {
+                return;
+            }
+            st.state = LeaseState::Lost;
+            st.error = Some(why.clone());
+        }
+        tracing::error!(lease = %self.key, "LEASE LOST: {why}; checkpoints to the remote are stopped, the local workspace keeps working");
+        self.wake.notify_all();
+        self.notify();
+    }
+
+    /// The lease object and its version; `None` when absent.
+    fn read(&self) -> Result<Option<(LeaseRecord, Option<String>)>, LeaseError> {
+        read_record(self.remote.as_ref(), &self.key)
+    }
+
+    /// Is the object on the remote still the one we wrote (a renewal whose reply was lost
+    /// counts)? `Err(why)` names who holds it instead.
+    fn still_ours(&self) -> Result<Option<String>, String> {
+        let (holder, epoch) = {
+            let st = lock(&self.st);
+            (st.record.holder.clone(), st.record.epoch)
+        };
+        match self.read() {
+            Ok(Some((r, v))) if r.holder == holder && r.epoch == epoch && !r.released => Ok(v),
+            Ok(Some((r, _))) if r.epoch > epoch || r.holder != holder => Err(format!(
+                "the workspace was taken over by {} with epoch {} (ours was {epoch})",
+                r.who(),
+                r.epoch
+            )),
+            Ok(Some(_)) => Err("our lease was marked released".into()),
+            Ok(None) => Err("the lease object was deleted from the remote".into()),
+            Err(e) => Err(format!("cannot read the lease: {e}")),
+        }
+    }
+
+    /// One renewal. `Ok(false)`: a temporary failure, try again soon.
+    fn renew(&self) -> Result<bool, String> {
+        let (mut record, version, valid_until) = {
+            let st = lock(&self.st);
+            if st.state != LeaseState::Held {
+                return Err(st.error.clone().unwrap_or_else(|| "not held".into()));
+            }
+            (st.record.clone(), st.version.clone(), st.valid_until)
+        };
+        let sent = Instant::now();
+        record.expires_ns = now_ns() + self.ttl.as_nanos() as i64;
+        let data = Bytes::from(serde_json::to_vec(&record).expect("lease serialises"));
+        let mode = match version {
+            Some(v) => PutMode::Update(v),
+            None => PutMode::Overwrite,
+        };
+        let r = {
+            // No retry may run past the point where we could no longer prove we hold it.
+            let _d = deadline_scope(Some(valid_until));
+            self.remote.put(&self.key, data, mode)
+        };
+        match r {
+            Ok(v) => {
+                let v = match v {
+                    Some(v) => Some(v),
+                    None => self.read().ok().flatten().and_then(|(_, v)| v),
+                };
+                let mut st = lock(&self.st);
+                if st.state == LeaseState::Held {
+                    st.record = record;
+                    st.version = v;
+                    st.valid_until = sent + self.ttl;
+                }
+                drop(st);
+                self.notify();
+                Ok(true)
+            }
+            Err(RemoteError::Precondition { .. }) | Err(RemoteError::NotFound { .. }) => {
+                // Our previous write may have landed with its reply lost: look.
+                match self.still_ours() {
+                    Ok(v) => {
+                        lock(&self.st).version = v;
+                        Ok(false)
+                    }
+                    Err(why) => Err(why),
+                }
+            }
+            Err(e) => {
+                tracing::warn!(lease = %self.key, error = %e, "lease renewal failed; retrying");
+                if Instant::now() + self.margin() >= valid_until {
+                    return Err(format!(
+                        "could not renew the lease before it expired (last error: {e})"
+                    ));
+                }
+                Ok(false)
+            }
+        }
+    }
+
+    fn renew_loop(self: Arc<Self>) {
+        let every = self.ttl / 3;
+        let soon = (self.ttl / 10).min(Duration::from_secs(1));
+        let mut next = Instant::now() + every;
+        loop {
+            {
+                let mut st = lock(&self.st);
+                loop {
+                    if st.stop || st.state != LeaseState::Held {
+                        return;
+                    }
+                    let now = Instant::now();
+                    if now >= next {
+                        break;
+                    }
+                    st = self
+                        .wake
+                        .wait_timeout(st, next - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+            match self.renew() {
+                Ok(true) => next = Instant::now() + every,
+                Ok(false) => next = Instant::now() + soon,
+                Err(why) => {
+                    self.lose(why);
+                    return;
+                }
+            }
+            // Out of time without a renewal: we can no longer prove we hold it.
+            let valid_until = lock(&self.st).valid_until;
+            if Instant::now() + self.margin() >= valid_until {
+                self.lose("the lease expired before a renewal got through".into());
+                return;
+            }
+        }
+    }
+}
+
+fn read_record(
+    remote: &dyn Remote,
+    key: &str,
+) -> Result<Option<(LeaseRecord, Option<String>)>, LeaseError> {
+    let read = |source| LeaseError::Read {
+        key: key.to_string(),
+        source,
+    };
+    let Some(info) = remote.head(key).map_err(read)? else {
+        return Ok(None);
+    };
+    let b = match remote.get(key) {
+        Ok(b) => b,
+        Err(e) if e.is_not_found() => return Ok(None),
+        Err(e) => return Err(read(e)),
+    };
+    let r: LeaseRecord = serde_json::from_slice(&b).map_err(|e| LeaseError::Parse {
+        key: key.to_string(),
+        reason: e.to_string(),
+    })?;
+    Ok(Some((r, info.version)))
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// A held lease. Renewed in the background once `start_renewal` ran; `release` gives it
+/// up. Dropping it only stops renewing (as a crash would): the lease runs out after ttl.
+pub struct Lease {
+    shared: Arc<Shared>,
+    renewer: Option<JoinHandle<()>>,
+}
+
+/// What checkpoints use to check that the lease is still held. Cheap to clone.
+#[derive(Clone)]
+pub struct LeaseHandle(Arc<Shared>);
+
+impl Lease {
+    /// Takes the lease `<ws>/lease` (`key`) on `remote` for `ttl`, or fails with who holds
+    /// it. `takeover` says what to do about a live lease of another holder.
+    pub fn acquire(
+        remote: Arc<dyn Remote>,
+        key: &str,
+        ttl: Duration,
+        takeover: Takeover,
+    ) -> Result<Lease, LeaseError> {
+        let mut wait_until: Option<i64> = None;
+        let t0 = Instant::now();
+        loop {
+            let now = now_ns();
+            let current = read_record(remote.as_ref(), key)?;
+            let (epoch, mode) = match &current {
+                None => (1, PutMode::Create),
+                Some((r, v)) => {
+                    let version = v.clone().ok_or_else(|| LeaseError::Read {
+                        key: key.to_string(),
+                        source: RemoteError::Permanent {
+                            op: "head",
+                            key: key.to_string(),
+                            reason: "the store gives no object versions (ETags)".into(),
+                        },
+                    })?;
+                    if r.live(now) {
+                        match takeover {
+                            Takeover::Refuse => {
+                                return Err(LeaseError::Held {
+                                    remote: remote.describe(),
+                                    who: r.who(),
+                                    epoch: r.epoch,
+                                    expires: super::cli::fmt_time(r.expires_ns),
+                                    in_s: ((r.expires_ns - now).max(0) as u64)
+                                        .div_ceil(1_000_000_000),
+                                })
+                            }
+                            Takeover::Wait => {
+                                let limit = *wait_until.get_or_insert(
+                                    r.expires_ns + (r.ttl_ms as i64) * 1_000_000,
+                                );
+                                if now >= limit {
+                                    return Err(LeaseError::StillHeld {
+                                        remote: remote.describe(),
+                                        who: r.who(),
+                                        epoch: r.epoch,
+                                        waited_s: t0.elapsed().as_secs(),
+                                    });
+                                }
+                                let left = Duration::from_nanos(
+                                    (r.expires_ns - now).max(0) as u64 + 50_000_000,
+                                );
+                                tracing::info!(
+                                    "workspace lease held by {} (epoch {}): waiting {:.1}s for it to expire",
+                                    r.who(),
+                                    r.epoch,
+                                    left.as_secs_f64()
+                                );
+                                std::thread::sleep(left.min(Duration::from_secs(1)));
+                                continue;
+                            }
+                            Takeover::Force => tracing::warn!(
+                                "taking the workspace lease over from {} (epoch {}), which has not expired",
+                                r.who(),
+                                r.epoch
+                            ),
+                        }
+                    }
+                    (r.epoch + 1, PutMode::Update(version))
+                }
+            };
+            let record = LeaseRecord {
+                holder: random_id()[..16].to_string(),
+                host: host_name(),
+                pid: std::process::id(),
+                epoch,
+                acquired_ns: now,
+                expires_ns: now + ttl.as_nanos() as i64,
+                ttl_ms: ttl.as_millis() as u64,
+                released: false,
+            };
+            let sent = Instant::now();
+            let data = Bytes::from(serde_json::to_vec(&record).expect("lease serialises"));
+            match remote.put(key, data, mode) {
+                Ok(v) => {
+                    let version = match v {
+                        Some(v) => Some(v),
+                        None => read_record(remote.as_ref(), key)?.and_then(|(_, v)| v),
+                    };
+                    if let Some((old, _)) = &current {
+                        if old.live(now) {
+                            tracing::warn!("took over the workspace lease from {}", old.who());
+                        }
+                    }
+                    tracing::info!(
+                        lease = key,
+                        epoch,
+                        ttl_s = ttl.as_secs_f64(),
+                        "workspace lease acquired"
+                    );
+                    let shared = Arc::new(Shared {
+                        remote,
+                        key: key.to_string(),
+                        ttl,
+                        st: Mutex::new(St {
+                            record,
+                            version,
+                            valid_until: sent + ttl,
+                            state: LeaseState::Held,
+                            error: None,
+                            stop: false,
+                        }),
+                        wake: Condvar::new(),
+                        observer: Mutex::new(None),
+                    });
+                    return Ok(Lease {
+                        shared,
+                        renewer: None,
+                    });
+                }
+                // Someone else wrote it between our read and our write: look again.
+                Err(RemoteError::AlreadyExists { .. }) | Err(RemoteError::Precondition { .. }) => {
+                    continue
+                }
+                Err(source) => {
+                    return Err(LeaseError::Write {
+                        key: key.to_string(),
+                        source,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Starts renewing every ttl/3 on a background thread.
+    pub fn start_renewal(&mut self) -> std::io::Result<()> {
+        if self.renewer.is_none() {
+            let s = self.shared.clone();
+            self.renewer = Some(
+                std::thread::Builder::new()
+                    .name("keel-lease".into())
+                    .spawn(move || s.renew_loop())?,
+            );
+        }
+        Ok(())
+    }
+
+    pub fn handle(&self) -> LeaseHandle {
+        LeaseHandle(self.shared.clone())
+    }
+
+    pub fn info(&self) -> LeaseInfo {
+        self.shared.info()
+    }
+
+    /// Called with the new state after every renewal and when the lease is lost.
+    pub fn set_observer(&self, f: LeaseObserver) {
+        *self
+            .shared
+            .observer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(f);
+    }
+
+    fn stop_renewal(&mut self) {
+        lock(&self.shared.st).stop = true;
+        self.shared.wake.notify_all();
+        if let Some(t) = self.renewer.take() {
+            let _ = t.join();
+        }
+    }
+
+    /// Gives the lease up (clean shutdown): marks the object released with a conditional
+    /// write, so the next writer takes it at once. A lost lease is left alone.
+    pub fn release(mut self) -> Result<(), LeaseError> {
+        self.stop_renewal();
+        let (mut record, version) = {
+            let mut st = lock(&self.shared.st);
+            if st.state != LeaseState::Held {
+                return Ok(());
+            }
+            st.state = LeaseState::Released;
+            (st.record.clone(), st.version.clone())
+        };
+        record.released = true;
+        record.expires_ns = now_ns();
+        let data = Bytes::from(serde_json::to_vec(&record).expect("lease serialises"));
+        let mode = match version {
+            Some(v) => PutMode::Update(v),
+            None => PutMode::Overwrite,
+        };
+        let r = self.shared.remote.put(&self.shared.key, data, mode);
+        self.shared.notify();
+        match r {
+            Ok(_) => {
+                tracing::info!(lease = %self.shared.key, epoch = record.epoch, "workspace lease released");
+                Ok(())
+            }
+            // Someone took it meanwhile: nothing of ours to release.
+            Err(RemoteError::Precondition { .. }) => Ok(()),
+            Err(source) => Err(LeaseError::Write {
+                key: self.shared.key.clone(),
+                source,
+            }),
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.stop_renewal();
+    }
+}
+
+/// Holds a lease through a start-up that may still fail: releases it when dropped unless
+/// `take` handed it on (a start that failed is a clean stop: the next writer need not wait).
+pub struct ReleaseOnDrop(Option<Lease>);
+
+impl ReleaseOnDrop {
+    pub fn new(lease: Option<Lease>) -> Self {
+        ReleaseOnDrop(lease)
+    }
+
+    pub fn take(&mut self) -> Option<Lease> {
+        self.0.take()
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        if let Some(l) = self.0.take() {
+            if let Err(e) = l.release() {
+                tracing::warn!(error = %e, "could not release the workspace lease");
+            }
+        }
+    }
+}
+
+impl LeaseHandle {
+    /// Our epoch, if the lease is held by our own clock (with the safety margin).
+    pub fn check(&self) -> Result<u64, LeaseError> {
+        let s = &self.0;
+        let (state, epoch, valid_until, error) = {
+            let st = lock(&s.st);
+            (st.state, st.record.epoch, st.valid_until, st.error.clone())
+        };
+        match state {
+            LeaseState::Held if Instant::now() + s.margin() < valid_until => Ok(epoch),
+            LeaseState::Held => {
+                let why = "the lease ran out: no renewal got through in time".to_string();
+                s.lose(why.clone());
+                Err(LeaseError::Lost(why))
+            }
+            LeaseState::Lost => Err(LeaseError::Lost(error.unwrap_or_default())),
+            LeaseState::Released => Err(LeaseError::Lost("it was released".into())),
+        }
+    }
+
+    /// `check`, then asks the remote whether the lease object is still ours (the fence
+    /// before every head write: a writer that took over is noticed even before our next
+    /// renewal). A remote that cannot be asked fails the check too.
+    pub fn check_remote(&self) -> Result<u64, LeaseError> {
+        let epoch = self.check()?;
+        match self.0.still_ours() {
+            Ok(_) => Ok(epoch),
+            Err(why) if why.starts_with("cannot read") => Err(LeaseError::Lost(why)),
+            Err(why) => {
+                self.0.lose(why.clone());
+                Err(LeaseError::Lost(why))
+            }
+        }
+    }
+
+    /// A head written by a later epoch than ours means someone else holds the workspace.
+    pub fn check_head_epoch(&self, head_epoch: u64) -> Result<(), LeaseError> {
+        let ours = lock(&self.0.st).record.epoch;
+        if head_epoch > ours {
+            let why = format!("the remote head was written by epoch {head_epoch} (ours is {ours})");
+            self.0.lose(why.clone());
+            return Err(LeaseError::Lost(why));
+        }
+        Ok(())
+    }
+
+    pub fn info(&self) -> LeaseInfo {
+        self.0.info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::persist::MemRemote;
+
+    const KEY: &str = "ws/lease";
+
+    fn take(r: &Arc<MemRemote>, ttl_ms: u64, t: Takeover) -> Result<Lease, LeaseError> {
+        Lease::acquire(r.clone(), KEY, Duration::from_millis(ttl_ms), t)
+    }
+
+    #[test]
+    fn second_writer_is_refused_until_release() {
+        let r = Arc::new(MemRemote::new());
+        let a = take(&r, 30_000, Takeover::Refuse).unwrap();
+        assert_eq!(a.info().epoch, 1);
+        let e = take(&r, 30_000, Takeover::Refuse)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains(&a.info().holder), "{e}");
+        assert!(e.contains("epoch 1") && e.contains("--takeover"), "{e}");
+        assert!(!e.contains('\n'), "one line: {e}");
+        a.release().unwrap();
+        let b = take(&r, 30_000, Takeover::Refuse).unwrap();
+        assert_eq!(b.info().epoch, 2);
+        assert_eq!(b.handle().check().unwrap(), 2);
+    }
+
+    #[test]
+    fn renewal_keeps_it_and_force_takeover_loses_it() {
+        let r = Arc::new(MemRemote::new());
+        let mut a = take(&r, 1500, Takeover::Refuse).unwrap();
+        a.start_renewal().unwrap();
+        std::thread::sleep(Duration::from_millis(2500));
+        assert_eq!(a.handle().check().unwrap(), 1, "renewed past its first ttl");
+        // Still live: refused.
+        assert!(take(&r, 1500, Takeover::Refuse).is_err());
+        let b = take(&r, 1500, Takeover::Force).unwrap();
+        assert_eq!(b.info().epoch, 2);
+        // The remote fence notices at once, before any renewal.
+        let e = a.handle().check_remote().unwrap_err().to_string();
+        assert!(e.contains("lease lost") && e.contains("epoch 2"), "{e}");
+        assert_eq!(a.info().state, LeaseState::Lost);
+        assert!(a.handle().check().is_err());
+    }
+
+    #[test]
+    fn renewal_failing_until_expiry_loses_it() {
+        let r = Arc::new(MemRemote::new());
+        let mut a = take(&r, 1200, Takeover::Refuse).unwrap();
+        a.start_renewal().unwrap();
+        r.fail_after(Some(0));
+        let t0 = Instant::now();
+        while a.info().state == LeaseState::Held {
+            assert!(t0.elapsed() < Duration::from_secs(5), "never lost");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(t0.elapsed() <= Duration::from_millis(1300));
+        assert!(a.handle().check().is_err());
+        r.fail_after(None);
+    }
+
+    #[test]
+    fn wait_takes_an_abandoned_lease_after_it_expires() {
+        let r = Arc::new(MemRemote::new());
+        let a = take(&r, 1000, Takeover::Refuse).unwrap();
+        drop(a); // killed: never released
+        assert!(take(&r, 1000, Takeover::Refuse).is_err());
+        let t0 = Instant::now();
+        let b = take(&r, 1000, Takeover::Wait).unwrap();
+        assert!(t0.elapsed() >= Duration::from_millis(500));
+        assert_eq!(b.info().epoch, 2);
+    }
+
+    #[test]
+    fn head_epoch_fence() {
+        let r = Arc::new(MemRemote::new());
+        let a = take(&r, 30_000, Takeover::Refuse).unwrap();
+        a.handle().check_head_epoch(1).unwrap();
+        assert!(a.handle().check_head_epoch(2).is_err());
+        assert_eq!(a.info().state, LeaseState::Lost);
+    }
+}

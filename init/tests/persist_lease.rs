@@ -1,0 +1,496 @@
+//! The single-writer lease and remote resilience against a real S3 endpoint (moto_server):
+//! a second writer is refused with the holder named and gets the lease once the first
+//! releases; an abandoned lease is refused while live, waited out with `wait`, taken at once
+//! with `force` (and the old holder's next checkpoint fails with "lease lost" without
+//! moving the head); a remote cut in the middle of a large checkpoint is retried until it
+//! is back, with nothing lost; and no credential ever shows up in an error or status.
+//!
+//! Every test uses the same distinctive secret key (set once for the whole binary), so any
+//! string a test sees can be checked for it.
+
+mod common;
+mod persist_util;
+mod s3_util;
+
+use std::path::Path;
+use std::sync::{Arc, Once};
+use std::time::{Duration, Instant};
+
+use keel::config::{PersistConfig, Takeover, WorkspaceConfig};
+use keel::persist::lease::LeaseState;
+use keel::persist::{acquire_lease, open_remote, restore, CheckpointOptions, Persister, Service};
+use persist_util::*;
+use s3_util::{start_moto, Proxy};
+
+const SECRET: &str = "KeelTestSecretKey0123456789abcdefXYZ";
+const KEY_ID: &str = "KEELTESTACCESSKEYID42";
+
+fn creds() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        std::env::set_var("AWS_ACCESS_KEY_ID", KEY_ID);
+        std::env::set_var("AWS_SECRET_ACCESS_KEY", SECRET);
+    });
+}
+
+fn cfg(port: u16, prefix: &str, ttl: Duration, takeover: Takeover) -> PersistConfig {
+    creds();
+    PersistConfig {
+        remote: format!("s3://keel/{prefix}"),
+        endpoint: Some(format!("http://127.0.0.1:{port}")),
+        region: Some("us-east-1".into()),
+        allow_http: true,
+        lease_ttl: ttl,
+        takeover,
+        ..Default::default()
+    }
+}
+
+fn no_secret(what: &str, text: &str) {
+    assert!(
+        !text.contains(SECRET) && !text.contains(KEY_ID),
+        "{what} leaks a credential: {text}"
+    );
+}
+
+fn head_seq(c: &PersistConfig) -> Option<(u64, u64)> {
+    let repo = open_remote(&c.remote, c).unwrap();
+    repo.read_head().unwrap().map(|(h, _)| (h.seq, h.epoch))
+}
+
+#[test]
+fn second_writer_is_refused_with_the_holder_named_until_the_first_releases() {
+    let Some((_moto, port)) = start_moto() else {
+        return;
+    };
+    let c = cfg(port, "two", Duration::from_secs(30), Takeover::Refuse);
+    let dir = tempfile::tempdir().unwrap();
+    let first = acquire_lease(dir.path(), &c)
+        .unwrap()
+        .expect("lease on for s3");
+    let info = first.info();
+    assert_eq!((info.state, info.epoch), (LeaseState::Held, 1));
+
+    let e = acquire_lease(dir.path(), &c)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains(&info.holder), "holder named: {e}");
+    assert!(e.contains("epoch 1"), "{e}");
+    assert!(e.contains("in 30 s") || e.contains("in 29 s"), "{e}");
+    assert!(
+        e.contains("--takeover=wait") && e.contains("--takeover=force"),
+        "{e}"
+    );
+    assert!(!e.contains('\n'), "one line: {e}");
+    no_secret("refusal", &e);
+
+    first.release().unwrap();
+    let second = acquire_lease(dir.path(), &c).unwrap().unwrap();
+    assert_eq!(second.info().epoch, 2);
+    assert_ne!(second.info().holder, info.holder);
+    second.release().unwrap();
+}
+
+#[test]
+fn abandoned_lease_refuse_wait_force_and_the_old_holder_is_fenced() {
+    let Some((_moto, port)) = start_moto() else {
+        return;
+    };
+    let ttl = Duration::from_secs(2);
+    let c = cfg(port, "expiry", ttl, Takeover::Refuse);
+    let dir = tempfile::tempdir().unwrap();
+
+    // Killed without releasing: the lease stays live until it expires.
+    let dead = acquire_lease(dir.path(), &c).unwrap().unwrap();
+    let t_dead = Instant::now();
+    drop(dead);
+    let e = acquire_lease(dir.path(), &c)
+        .err()
+        .expect("refused while live");
+    assert!(e.to_string().contains("epoch 1"), "{e}");
+    let waited = acquire_lease(
+        dir.path(),
+        &PersistConfig {
+            takeover: Takeover::Wait,
+            ..c.clone()
+        },
+    )
+    .unwrap()
+    .unwrap();
+    assert!(
+        t_dead.elapsed() >= ttl - Duration::from_millis(200),
+        "wait returned before the lease expired ({:?})",
+        t_dead.elapsed()
+    );
+    assert_eq!(waited.info().epoch, 2);
+
+    // The live holder checkpoints; a forced takeover fences it.
+    let fs = open_fs(dir.path());
+    write_file(&fs, "a.txt", b"first holder");
+    let mut old = waited;
+    old.start_renewal().unwrap();
+    let repo = open_remote(&c.remote, &c).unwrap();
+    let mut p = Persister::open(dir.path(), repo, params()).unwrap();
+    p.set_lease(Some(old.handle()));
+    let r = p.checkpoint(&CheckpointOptions::default()).unwrap();
+    assert_eq!(head_seq(&c), Some((r.seq.unwrap(), 2)));
+
+    let forced = acquire_lease(
+        dir.path(),
+        &PersistConfig {
+            takeover: Takeover::Force,
+            ..c.clone()
+        },
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(forced.info().epoch, 3);
+    write_file(&fs, "b.txt", b"written after the takeover");
+    let e = p
+        .checkpoint(&CheckpointOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("lease lost") && e.contains("epoch 3"), "{e}");
+    assert_eq!(head_seq(&c), Some((r.seq.unwrap(), 2)), "head did not move");
+    assert_eq!(old.info().state, LeaseState::Lost);
+    // Refused from now on, without asking the remote again.
+    let e = p.checkpoint(&CheckpointOptions::default()).unwrap_err();
+    assert!(e.to_string().contains("lease lost"), "{e}");
+    // The new holder's checkpoint builds on the head and carries its epoch.
+    let dir2 = tempfile::tempdir().unwrap();
+    let mut r2 = open_remote(&c.remote, &c).unwrap();
+    restore::restore(&mut r2, None, dir2.path(), false).unwrap();
+    let fs2 = open_fs(dir2.path());
+    write_file(&fs2, "c.txt", b"new holder");
+    drop(fs2);
+    let mut p2 = Persister::open(dir2.path(), r2, params()).unwrap();
+    p2.set_lease(Some(forced.handle()));
+    let r = p2.checkpoint(&CheckpointOptions::default()).unwrap();
+    assert_eq!(head_seq(&c), Some((r.seq.unwrap(), 3)));
+    forced.release().unwrap();
+}
+
+fn service_cfg(state: &Path) -> WorkspaceConfig {
+    WorkspaceConfig {
+        state_dir: state.to_path_buf(),
+        mount_point: state.join("mnt"),
+        chunk_size: CHUNK,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn remote_cut_mid_checkpoint_is_retried_and_nothing_is_lost() {
+    let Some((_moto, port)) = start_moto() else {
+        return;
+    };
+    let proxy = Proxy::start(port);
+    let c = PersistConfig {
+        interval: Duration::from_secs(1),
+        ..cfg(
+            proxy.port(),
+            "outage",
+            Duration::from_secs(15),
+            Takeover::Refuse,
+        )
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    build_rich_tree(&fs);
+    mkdir(&fs, "big");
+    for i in 0..24u64 {
+        write_file(&fs, &format!("big/f{i}"), &noise(i, 1 << 20));
+    }
+    let lease = acquire_lease(dir.path(), &c).unwrap();
+    let svc = Service::start(&service_cfg(dir.path()), &c, Box::new(|| Ok(())), lease)
+        .unwrap()
+        .unwrap();
+    // The first checkpoint starts at once (nothing was ever uploaded): cut it mid-upload.
+    let t0 = Instant::now();
+    while proxy.bytes_up() < 4 << 20 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "upload never started"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    proxy.cut();
+    let mut errors = Vec::new();
+    let cut_at = Instant::now();
+    while cut_at.elapsed() < Duration::from_secs(4) {
+        let st = svc.published_state();
+        assert!(
+            st.last_seq.is_none(),
+            "checkpoint finished through a cut remote"
+        );
+        errors.extend(st.last_error);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        proxy.refused() > 0,
+        "keel did not try the remote while it was cut"
+    );
+    proxy.restore();
+    let t1 = Instant::now();
+    let st = loop {
+        let st = svc.published_state();
+        errors.extend(st.last_error.clone());
+        if st.last_seq.is_some() && st.backlog.files == 0 {
+            break st;
+        }
+        assert!(
+            t1.elapsed() < Duration::from_secs(180),
+            "never recovered: {st:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(st.consecutive_failures, 0, "{st:?}");
+    assert_eq!(st.last_error, None);
+    assert_eq!(st.lease.as_ref().unwrap().state, LeaseState::Held, "{st:?}");
+    for e in &errors {
+        no_secret("checkpoint error", e);
+    }
+    no_secret("state", &format!("{st:?}"));
+    println!(
+        "outage: {} connections refused while cut, {} errors seen, recovered {:.1}s after restore",
+        proxy.refused(),
+        errors.len(),
+        t1.elapsed().as_secs_f64()
+    );
+    let mut svc = svc;
+    svc.finish().unwrap();
+    svc.close(true);
+
+    // Everything reached the remote: a fresh restore (straight to moto) is identical.
+    let target = tempfile::tempdir().unwrap();
+    let direct = cfg(port, "outage", Duration::ZERO, Takeover::Refuse);
+    let mut repo = open_remote(&direct.remote, &direct).unwrap();
+    restore::restore(&mut repo, None, target.path(), false).unwrap();
+    assert_eq!(dump(&open_fs(target.path())), dump(&fs));
+    // Released at close: the next writer gets it at once.
+    let next = acquire_lease(dir.path(), &direct_with_lease(&direct))
+        .unwrap()
+        .unwrap();
+    assert_eq!(next.info().epoch, 2);
+}
+
+fn direct_with_lease(c: &PersistConfig) -> PersistConfig {
+    PersistConfig {
+        lease_ttl: Duration::from_secs(30),
+        ..c.clone()
+    }
+}
+
+#[test]
+fn errors_are_classified_and_never_carry_credentials() {
+    let Some((_moto, port)) = start_moto() else {
+        return;
+    };
+    // Nothing listening: temporary, retried until the deadline, then reported.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let c = cfg(closed, "nowhere", Duration::from_secs(30), Takeover::Refuse);
+    let repo = open_remote(&c.remote, &c).unwrap();
+    let t0 = Instant::now();
+    let e = {
+        let _d = keel::persist::retry::deadline_scope(Some(t0 + Duration::from_secs(2)));
+        repo.remote
+            .put(
+                "k",
+                bytes::Bytes::from_static(b"x"),
+                keel::persist::remote::PutMode::Overwrite,
+            )
+            .unwrap_err()
+    };
+    assert!(e.is_temporary(), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "deadline ignored");
+    no_secret("connection error", &e.to_string());
+    no_secret("connection error (debug)", &format!("{e:?}"));
+    let le = acquire_lease(Path::new("/nonexistent"), &c).err().unwrap();
+    no_secret("lease error", &le.to_string());
+
+    // A bucket that does not exist: permanent, not retried.
+    let c = PersistConfig {
+        remote: "s3://no-such-bucket/x".into(),
+        ..cfg(port, "", Duration::from_secs(30), Takeover::Refuse)
+    };
+    let repo = open_remote(&c.remote, &c).unwrap();
+    let e = repo
+        .remote
+        .put(
+            "k",
+            bytes::Bytes::from_static(b"x"),
+            keel::persist::remote::PutMode::Overwrite,
+        )
+        .unwrap_err();
+    assert!(!e.is_temporary(), "{e}");
+    no_secret("missing bucket", &e.to_string());
+}
+
+#[test]
+fn service_state_reports_failures_and_the_lost_lease() {
+    let Some((_moto, port)) = start_moto() else {
+        return;
+    };
+    let c = PersistConfig {
+        interval: Duration::ZERO,
+        ..cfg(port, "svc", Duration::from_secs(3), Takeover::Refuse)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    write_file(&fs, "x", b"x");
+    let lease = acquire_lease(dir.path(), &c).unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let svc = Service::start(&service_cfg(dir.path()), &c, Box::new(|| Ok(())), lease)
+        .unwrap()
+        .unwrap();
+    let s2 = seen.clone();
+    svc.set_observer(Arc::new(move |st| s2.lock().unwrap().push(st.clone())));
+    svc.checkpoint_now().unwrap();
+    let held = svc.published_state();
+    assert_eq!(held.lease.as_ref().unwrap().state, LeaseState::Held);
+    assert!(held.last_seq.is_some());
+
+    let _thief = acquire_lease(
+        dir.path(),
+        &PersistConfig {
+            takeover: Takeover::Force,
+            ..c.clone()
+        },
+    )
+    .unwrap()
+    .unwrap();
+    // The renewal (every ttl/3) notices by itself, without a checkpoint.
+    let t0 = Instant::now();
+    while svc.published_state().lease.unwrap().state != LeaseState::Lost {
+        assert!(t0.elapsed() < Duration::from_secs(5), "loss never noticed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let lost = svc.published_state().lease.unwrap();
+    assert!(
+        lost.error.as_deref().unwrap().contains("epoch 2"),
+        "{lost:?}"
+    );
+    write_file(&fs, "y", b"y");
+    let e = svc.checkpoint_now().unwrap_err();
+    assert!(e.contains("lease lost"), "{e}");
+    let st = svc.published_state();
+    assert_eq!(st.consecutive_failures, 1);
+    assert!(st.last_error.unwrap().contains("lease lost"));
+    assert!(
+        seen.lock()
+            .unwrap()
+            .iter()
+            .any(|s| s.lease.as_ref().unwrap().state == LeaseState::Lost),
+        "observer told"
+    );
+    let mut svc = svc;
+    let fin = svc.finish().unwrap_err().to_string();
+    assert!(fin.contains("lease lost"), "{fin}");
+    svc.close(true);
+}
+
+/// `status` over the persist socket of a running `keel mount` (up shortly after the mount).
+fn persist_status(state: &Path) -> String {
+    let t0 = Instant::now();
+    loop {
+        if let Some(s) =
+            keel::persist::control::request(state, "status", Duration::from_secs(30)).unwrap()
+        {
+            return s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "keel never answered on persist.sock"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Through the real binary: a second `keel mount` on the same S3 prefix exits non-zero with
+/// the holder named and nothing mounted; once the first stops (and releases) it mounts.
+#[test]
+fn keel_mount_twice_on_one_prefix() {
+    use common::{
+        fuse_available, is_fuse_mount, lazy_unmount, spawn_mount, wait_timeout, MountOutcome,
+    };
+
+    if !fuse_available() {
+        return;
+    }
+    let Some((_moto, port)) = start_moto() else {
+        return;
+    };
+    creds();
+    let tmp = tempfile::tempdir().unwrap();
+    let conf = tmp.path().join("config.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "[persist]\nremote = \"s3://keel/bin\"\nendpoint = \"http://127.0.0.1:{port}\"\nregion = \"us-east-1\"\nallow_http = true\nlease_ttl = \"10s\"\n"
+        ),
+    )
+    .unwrap();
+    let args = vec!["--config".to_string(), conf.display().to_string()];
+    let log = tmp.path().join("keel.log");
+    let (s1, m1) = (tmp.path().join("s1"), tmp.path().join("m1"));
+    let (s2, m2) = (tmp.path().join("s2"), tmp.path().join("m2"));
+    let MountOutcome::Mounted(mut first) = spawn_mount(&s1, &m1, &args, &log) else {
+        panic!(
+            "first mount failed:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+    };
+    std::fs::write(m1.join("hello"), b"from the first writer").unwrap();
+    let status = persist_status(&s1);
+    assert!(
+        status.contains("lease: held by holder") && status.contains("epoch 1"),
+        "{status}"
+    );
+    no_secret("status", &status);
+
+    match spawn_mount(&s2, &m2, &args, &log) {
+        MountOutcome::Exited { status, stderr } => {
+            assert!(!status.success(), "{status}");
+            assert!(stderr.contains("in use by another writer"), "{stderr}");
+            assert!(
+                stderr.contains("epoch 1") && stderr.contains("--takeover"),
+                "{stderr}"
+            );
+            no_secret("stderr", &stderr);
+            assert!(!is_fuse_mount(&m2), "refused mount left something mounted");
+        }
+        MountOutcome::Mounted(mut c) => {
+            let _ = c.kill();
+            let _ = c.wait();
+            lazy_unmount(&m2);
+            lazy_unmount(&m1);
+            panic!("second writer mounted");
+        }
+    }
+
+    // SIGTERM: final checkpoint, release; the second writer gets the lease at once.
+    common::sys::kill(first.id(), libc::SIGTERM);
+    let st = wait_timeout(&mut first, Duration::from_secs(60));
+    lazy_unmount(&m1);
+    assert!(st.is_some_and(|s| s.success()), "first keel stop: {st:?}");
+    let MountOutcome::Mounted(mut second) = spawn_mount(&s2, &m2, &args, &log) else {
+        panic!(
+            "second mount after release failed:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+    };
+    let status = persist_status(&s2);
+    assert!(
+        status.contains("lease: held") && status.contains("epoch 2"),
+        "{status}"
+    );
+    common::sys::kill(second.id(), libc::SIGTERM);
+    let st = wait_timeout(&mut second, Duration::from_secs(60));
+    lazy_unmount(&m2);
+    assert!(st.is_some_and(|s| s.success()), "second keel stop: {st:?}");
+}
