@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # fs-bench: the filesystem benchmark of issue 2, run against several targets in the same run.
 #
-#   script/fs-bench.sh [--short] [--reps N] [--out FILE] [TARGET...]
+#   script/fs-bench.sh [--short] [--reps N] [--only REGEX] [--out FILE] [TARGET...]
 #
 # TARGETs (default: keel ext4 tmpfs, plus juicefs when the `juicefs` binary is installed):
 #   keel     a `keel mount` started here on a fresh state dir under BENCH_DIR (same disk as ext4)
@@ -18,6 +18,7 @@
 # ratios keel/ext4, keel/tmpfs, keel/juicefs. --out FILE also writes the raw samples (TSV).
 #
 # --short: 1 repetition, no warm-up, small sizes: only checks that the script works (CI).
+# --only REGEX: run only the scenarios whose name matches (grep -E), e.g. 'create|rm|git'.
 # Environment: BENCH_DIR (default REPO/.bench), KEEL_BIN, KEEL_ARGS (extra `keel mount` options).
 # Needs root (mounts, drop_caches), git, npm, python3.
 set -uo pipefail
@@ -28,13 +29,14 @@ export KEEL_BIN
 BENCH_DIR=${BENCH_DIR:-$REPO/.bench}
 KEEL_ARGS=${KEEL_ARGS:-}
 
-SHORT=0 REPS=3 OUT='' TARGETS=()
+SHORT=0 REPS=3 OUT='' ONLY='' TARGETS=()
 while [ $# -gt 0 ]; do
     case $1 in
         --short) SHORT=1; shift ;;
         --reps) REPS=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        --only) ONLY=$2; shift 2 ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
         -*) echo "fs-bench: unknown option $1" >&2; exit 2 ;;
         *) TARGETS+=("$1"); shift ;;
     esac
@@ -159,6 +161,12 @@ SCENARIOS=(
     "npm init + tiny install||npm init -y >/dev/null && npm install --offline --silent \"\$TARBALL\" >/dev/null"
 )
 export N MB TREE GITN SRC TARBALL
+if [ -n "$ONLY" ]; then
+    for i in "${!SCENARIOS[@]}"; do
+        grep -qE -- "$ONLY" <<<"${SCENARIOS[$i]%%|*}" || unset 'SCENARIOS[i]'
+    done
+    [ ${#SCENARIOS[@]} -gt 0 ] || { echo "fs-bench: no scenario matches --only $ONLY" >&2; exit 2; }
+fi
 
 drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 

@@ -552,8 +552,21 @@ fn apply_real(fs: &WorkspaceFs, op: &Op) -> Result<(), FsError> {
     }
 }
 
+/// `assert_eq!` that returns the difference as an error instead of panicking.
+macro_rules! check_eq {
+    ($a:expr, $b:expr $(,)?) => {
+        check_eq!($a, $b, "values differ")
+    };
+    ($a:expr, $b:expr, $($msg:tt)+) => {{
+        let (a, b) = (&$a, &$b);
+        if a != b {
+            return Err(format!("{}: left {:?}, right {:?}", format!($($msg)+), a, b));
+        }
+    }};
+}
+
 /// Compares the whole tree with the model.
-fn compare(fs: &WorkspaceFs, m: &Model) {
+fn tree_matches(fs: &WorkspaceFs, m: &Model) -> Result<(), String> {
     let mut seen_ids: BTreeMap<usize, InodeNo> = BTreeMap::new();
     let mut stack = vec![(String::new(), InodeNo::ROOT)];
     let mut real_paths = Vec::new();
@@ -581,37 +594,37 @@ fn compare(fs: &WorkspaceFs, m: &Model) {
             let attr = fs.getattr(e.ino).unwrap().inode;
             match m.paths.get(&p) {
                 Some(MNode::Dir) => {
-                    assert_eq!(attr.kind, Kind::Dir, "{p}");
-                    assert_eq!(attr.perm, m.dir_modes[&p], "mode of {p}");
+                    check_eq!(attr.kind, Kind::Dir, "{p}");
+                    check_eq!(attr.perm, m.dir_modes[&p], "mode of {p}");
                     let want: Vec<u8> = m
                         .dir_xattrs
                         .get(&p)
                         .map(|x| x.keys().flat_map(|k| k.bytes().chain([0])).collect())
                         .unwrap_or_default();
-                    assert_eq!(fs.listxattr(e.ino).unwrap(), want, "xattrs of {p}");
+                    check_eq!(fs.listxattr(e.ino).unwrap(), want, "xattrs of {p}");
                     subdirs += 1;
                     stack.push((p, e.ino));
                 }
                 Some(MNode::File { id }) => {
-                    assert_eq!(attr.kind, Kind::File, "{p}");
+                    check_eq!(attr.kind, Kind::File, "{p}");
                     if let Some(prev) = seen_ids.insert(*id, e.ino) {
-                        assert_eq!(prev, e.ino, "hard links of {p} must share an inode");
+                        check_eq!(prev, e.ino, "hard links of {p} must share an inode");
                     }
                     let (data, mode, xattrs) = &m.files[*id];
-                    assert_eq!(attr.size as usize, data.len(), "size of {p}");
-                    assert_eq!(&read_all(fs, e.ino), data, "bytes of {p}");
-                    assert_eq!(attr.perm, *mode, "mode of {p}");
-                    assert_eq!(attr.nlink as usize, m.nlink(*id), "nlink of {p}");
+                    check_eq!(attr.size as usize, data.len(), "size of {p}");
+                    check_eq!(&read_all(fs, e.ino), data, "bytes of {p}");
+                    check_eq!(attr.perm, *mode, "mode of {p}");
+                    check_eq!(attr.nlink as usize, m.nlink(*id), "nlink of {p}");
                     let want: Vec<u8> = xattrs.keys().flat_map(|k| k.bytes().chain([0])).collect();
-                    assert_eq!(fs.listxattr(e.ino).unwrap(), want, "xattrs of {p}");
+                    check_eq!(fs.listxattr(e.ino).unwrap(), want, "xattrs of {p}");
                     for (k, v) in xattrs {
-                        assert_eq!(&fs.getxattr(e.ino, k.as_bytes()).unwrap(), v);
+                        check_eq!(&fs.getxattr(e.ino, k.as_bytes()).unwrap(), v);
                     }
                 }
-                None => panic!("{p} exists but the model has no such path"),
+                None => return Err(format!("{p} exists but the model has no such path")),
             }
         }
-        assert_eq!(
+        check_eq!(
             fs.getattr(ino).unwrap().inode.nlink,
             2 + subdirs,
             "nlink of directory `{path}`"
@@ -619,13 +632,25 @@ fn compare(fs: &WorkspaceFs, m: &Model) {
     }
     real_paths.sort();
     let want: Vec<String> = m.paths.keys().cloned().collect();
-    assert_eq!(real_paths, want);
+    check_eq!(real_paths, want);
+    Ok(())
+}
+
+/// Compares the whole tree with the model; panics at the first difference.
+fn compare(fs: &WorkspaceFs, m: &Model) {
+    if let Err(e) = tree_matches(fs, m) {
+        panic!("{e}");
+    }
 }
 
 fn run_model(ops: &[Op]) {
     let dir = tempfile::tempdir().unwrap();
     let mut fs = open_fs(dir.path());
     let mut m = Model::default();
+    // Model states since the last point where everything was durable (an fsync, a clean
+    // remount): a crash may lose the newest operations since then, whole and in order, so
+    // after an unclean remount the tree must equal one of them.
+    let mut since_durable = vec![m.clone()];
     for (i, op) in ops.iter().enumerate() {
         let mut next = m.clone();
         let want_ok = apply_model(&mut next, op);
@@ -638,12 +663,32 @@ fn run_model(ops: &[Op]) {
         if want_ok {
             m = next;
         }
+        since_durable.push(m.clone());
+        if matches!(op, Op::Fsync(_)) && want_ok {
+            since_durable = vec![m.clone()];
+        }
         if let Op::Remount { clean } = op {
             if *clean {
                 fs.shutdown().unwrap();
             }
             drop(fs);
             fs = open_fs(dir.path());
+            if !*clean {
+                let survived = since_durable
+                    .iter()
+                    .rev()
+                    .find(|c| tree_matches(&fs, c).is_ok())
+                    .cloned();
+                match survived {
+                    Some(c) => m = c,
+                    None => panic!(
+                        "step {i}: after a crash the tree is no state since the last durable \
+                         point; against the newest: {}",
+                        tree_matches(&fs, &m).unwrap_err()
+                    ),
+                }
+            }
+            since_durable = vec![m.clone()];
         }
         compare(&fs, &m);
     }

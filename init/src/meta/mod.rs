@@ -2,13 +2,23 @@
 //! one SQLite database (WAL, `synchronous=NORMAL`). One short transaction per mutating
 //! operation; `sync` makes everything committed so far durable. Nothing outside this module
 //! touches rusqlite. This module imports no sibling module.
+//!
+//! Group commit (the filesystem's connection only, see [`Store::enable_group_commit`]): one
+//! write transaction stays open across many operations, each of which is a SAVEPOINT inside
+//! it, so an operation is wholly in or wholly out, and a crash loses at most a suffix of the
+//! operations since the last commit. The owner commits the group when it is due (age, count,
+//! or a writer on another connection of this process waiting for the lock); `sync`,
+//! `checkpoint` and `read_view` commit it first.
 
 mod persist;
 mod schema;
 
 pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 
+use std::cell::Cell;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use rusqlite::types::Value;
 use rusqlite::{params, params_from_iter, Connection, OptionalExtension};
@@ -132,6 +142,48 @@ pub type Result<T> = std::result::Result<T, MetaError>;
 /// mutex).
 pub struct Store {
     conn: Connection,
+    group: Option<Group>,
+}
+
+/// Writers on connections without group commit that are waiting to start a transaction, in
+/// this process: a grouping store commits its open group as soon as it sees one, and stops
+/// grouping until they are through.
+static WRITERS_WAITING: AtomicUsize = AtomicUsize::new(0);
+
+struct WaitingWriter;
+
+impl WaitingWriter {
+    fn new() -> WaitingWriter {
+        WRITERS_WAITING.fetch_add(1, Ordering::SeqCst);
+        WaitingWriter
+    }
+}
+
+impl Drop for WaitingWriter {
+    fn drop(&mut self) {
+        WRITERS_WAITING.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// State of group commit on a store that uses it.
+struct Group {
+    /// When the open group began (`None`: no group open).
+    since: Cell<Option<Instant>>,
+    /// Operations released into the open group.
+    ops: Cell<u32>,
+    /// An open group was found rolled back by SQLite after an error (not yet reported).
+    lost: Cell<bool>,
+    /// Called whenever a new group begins (the owner arms its commit timer).
+    on_open: Box<dyn Fn() + Send>,
+    /// One transaction per operation for now (e.g. the volume is nearly full).
+    paused: Cell<bool>,
+}
+
+/// When a group commit is due.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupLimits {
+    pub max_age: Duration,
+    pub max_ops: u32,
 }
 
 impl Store {
@@ -149,7 +201,88 @@ impl Store {
         } else {
             schema::create(&conn, now)?;
         }
-        Ok(Store { conn })
+        Ok(Store { conn, group: None })
+    }
+
+    /// Turns on group commit for this connection (the filesystem's; never for a connection
+    /// that only checkpoints or reads). `on_open` runs each time a new group begins.
+    pub fn enable_group_commit(&mut self, on_open: Box<dyn Fn() + Send>) {
+        self.group = Some(Group {
+            since: Cell::new(None),
+            ops: Cell::new(0),
+            lost: Cell::new(false),
+            on_open,
+            paused: Cell::new(false),
+        });
+    }
+
+    /// Pauses group commit (each operation commits on its own, so a failing commit fails
+    /// that operation alone) or resumes it. Takes effect at the next group.
+    pub fn pause_group_commit(&self, paused: bool) {
+        if let Some(g) = &self.group {
+            g.paused.set(paused);
+        }
+    }
+
+    /// Whether a group is open (uncommitted operations may be in it).
+    pub fn group_open(&self) -> bool {
+        self.group.as_ref().is_some_and(|g| g.since.get().is_some())
+    }
+
+    /// Whether the open group should be committed now.
+    pub fn group_due(&self, limits: GroupLimits) -> bool {
+        let Some(g) = &self.group else {
+            return false;
+        };
+        let Some(since) = g.since.get() else {
+            return false;
+        };
+        g.ops.get() >= limits.max_ops
+            || since.elapsed() >= limits.max_age
+            || WRITERS_WAITING.load(Ordering::SeqCst) > 0
+    }
+
+    /// How long until the open group reaches `max_age` (`None`: no group open).
+    pub fn group_due_in(&self, max_age: Duration) -> Option<Duration> {
+        let since = self.group.as_ref()?.since.get()?;
+        Some(max_age.saturating_sub(since.elapsed()))
+    }
+
+    /// True once after SQLite rolled back an open group because of an error (a full disk):
+    /// every operation of that group is gone, so the owner must forget what it assumed
+    /// committed.
+    pub fn take_group_lost(&self) -> bool {
+        self.group.as_ref().is_some_and(|g| g.lost.replace(false))
+    }
+
+    /// Commits the open group, if any. On failure the group stays open when SQLite kept the
+    /// transaction (retry later), or is reported lost (`take_group_lost`).
+    pub fn commit_group(&self) -> Result<()> {
+        let Some(g) = &self.group else {
+            return Ok(());
+        };
+        if g.since.get().is_none() {
+            return Ok(());
+        }
+        match self.conn.execute_batch("COMMIT") {
+            Ok(()) => {
+                g.since.set(None);
+                g.ops.set(0);
+                Ok(())
+            }
+            Err(e) => {
+                self.note_if_lost();
+                Err(e.into())
+            }
+        }
+    }
+
+    /// After an error inside a group: if SQLite rolled the whole transaction back, the group
+    /// is gone.
+    fn note_if_lost(&self) {
+        if let Some(g) = &self.group {
+            group_gone(&self.conn, g);
+        }
     }
 
     /// A read-only view (each statement in its own implicit transaction).
@@ -157,23 +290,60 @@ impl Store {
         Tx {
             conn: &self.conn,
             open: false,
+            group: None,
         }
     }
 
-    /// Starts a write transaction; it rolls back unless `commit` is called.
+    /// Starts a write transaction; it rolls back unless `commit` is called. With group
+    /// commit on, it is a savepoint in the open group (which it begins when none is open).
     pub fn write(&self) -> Result<Tx<'_>> {
+        if let Some(g) = &self.group {
+            let open = g.since.get().is_some();
+            if open || (!g.paused.get() && WRITERS_WAITING.load(Ordering::SeqCst) == 0) {
+                if !open {
+                    self.conn.execute_batch("BEGIN IMMEDIATE")?;
+                    g.since.set(Some(Instant::now()));
+                    g.ops.set(0);
+                    (g.on_open)();
+                }
+                if let Err(e) = self.conn.execute_batch("SAVEPOINT op") {
+                    self.note_if_lost();
+                    return Err(e.into());
+                }
+                return Ok(Tx {
+                    conn: &self.conn,
+                    open: true,
+                    group: Some(g),
+                });
+            }
+            // Paused, or another connection wants the lock: one transaction per operation.
+            return self.write_plain();
+        }
+        let _waiting = WaitingWriter::new();
+        self.write_plain()
+    }
+
+    /// A transaction of its own, never part of a group.
+    fn write_plain(&self) -> Result<Tx<'_>> {
         self.conn.execute_batch("BEGIN IMMEDIATE")?;
         Ok(Tx {
             conn: &self.conn,
             open: true,
+            group: None,
         })
     }
 
-    /// Makes every committed transaction durable (fsync of the WAL).
+    /// Makes every committed transaction durable (fsync of the WAL), committing the open
+    /// group first.
     pub fn sync(&self) -> Result<()> {
+        self.commit_group()?;
         self.conn.execute_batch("PRAGMA synchronous=FULL")?;
         let r = (|| -> Result<()> {
-            let tx = self.write()?;
+            let tx = if self.group.is_some() {
+                self.write_plain()?
+            } else {
+                self.write()?
+            };
             tx.conn
                 .prepare_cached("UPDATE meta SET value = value + 1 WHERE key = 'syncs'")?
                 .execute([])?;
@@ -185,6 +355,7 @@ impl Store {
 
     /// Checkpoints the WAL into the main database file and truncates it (clean shutdown).
     pub fn checkpoint(&self) -> Result<()> {
+        self.commit_group()?;
         self.conn
             .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
         Ok(())
@@ -217,17 +388,39 @@ fn classify_open_error(path: &str, e: rusqlite::Error) -> MetaError {
     }
 }
 
-/// A transaction (or, from `Store::read`, plain autocommit reads).
+/// A transaction (or, from `Store::read`, plain autocommit reads; or, with group commit, one
+/// operation's savepoint in the open group).
 pub struct Tx<'a> {
     conn: &'a Connection,
     open: bool,
+    group: Option<&'a Group>,
 }
 
 impl Drop for Tx<'_> {
     fn drop(&mut self) {
         if self.open {
-            let _ = self.conn.execute_batch("ROLLBACK");
+            if let Some(g) = self.group {
+                if self
+                    .conn
+                    .execute_batch("ROLLBACK TO op; RELEASE op")
+                    .is_err()
+                    || self.conn.is_autocommit()
+                {
+                    group_gone(self.conn, g);
+                }
+            } else {
+                let _ = self.conn.execute_batch("ROLLBACK");
+            }
         }
+    }
+}
+
+/// Records that SQLite rolled back the open group (after an error).
+fn group_gone(conn: &Connection, g: &Group) {
+    if g.since.get().is_some() && conn.is_autocommit() {
+        g.since.set(None);
+        g.ops.set(0);
+        g.lost.set(true);
     }
 }
 
@@ -292,6 +485,15 @@ fn finish_inode((ino, mode, mut inode): (u64, u32, Inode)) -> Result<Inode> {
 
 impl Tx<'_> {
     pub fn commit(mut self) -> Result<()> {
+        if let Some(g) = self.group {
+            // The operation joins the group; it is committed with it.
+            if let Err(e) = self.conn.execute_batch("RELEASE op") {
+                return Err(e.into()); // Drop rolls the savepoint back.
+            }
+            self.open = false;
+            g.ops.set(g.ops.get() + 1);
+            return Ok(());
+        }
         self.open = false;
         if let Err(e) = self.conn.execute_batch("COMMIT") {
             let _ = self.conn.execute_batch("ROLLBACK");
@@ -644,6 +846,54 @@ mod tests {
         let got = s.read().get(ino).unwrap().unwrap();
         assert_eq!(got.perm, 0o644);
         assert_eq!(s.read().xattr(ino, b"user.x").unwrap().unwrap(), b"1");
+    }
+
+    #[test]
+    fn group_commit_keeps_whole_operations_and_loses_only_the_open_group() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("meta.db");
+        let opened = std::sync::Arc::new(AtomicUsize::new(0));
+        let mut s = Store::open(&p, Nanos(5)).unwrap();
+        let o = opened.clone();
+        s.enable_group_commit(Box::new(move || {
+            o.fetch_add(1, Ordering::SeqCst);
+        }));
+        let limits = GroupLimits {
+            max_age: Duration::from_secs(3600),
+            max_ops: 2,
+        };
+        let add = |name: &[u8], keep: bool| {
+            let tx = s.write().unwrap();
+            let ino = tx.insert(&file(0o600)).unwrap();
+            tx.link(InodeNo::ROOT, name, ino, Kind::File).unwrap();
+            if keep {
+                tx.commit().unwrap();
+            }
+        };
+        add(b"a", true);
+        add(b"failed", false); // rolled back alone
+        assert!(s.group_open());
+        assert!(!s.group_due(limits));
+        add(b"b", true);
+        assert!(s.group_due(limits), "two operations reach max_ops");
+        // The connection sees its own uncommitted group; another one does not.
+        assert!(s.read().lookup(InodeNo::ROOT, b"b").unwrap().is_some());
+        assert!(s.read().lookup(InodeNo::ROOT, b"failed").unwrap().is_none());
+        let other = Store::open(&p, Nanos(6)).unwrap();
+        assert!(other.read().lookup(InodeNo::ROOT, b"a").unwrap().is_none());
+        s.commit_group().unwrap();
+        assert!(!s.group_open());
+        assert!(other.read().lookup(InodeNo::ROOT, b"a").unwrap().is_some());
+        assert!(other.read().lookup(InodeNo::ROOT, b"b").unwrap().is_some());
+        // A new group is never committed: dropping the connection (a crash) loses it whole.
+        add(b"c", true);
+        add(b"d", true);
+        assert_eq!(opened.load(Ordering::SeqCst), 2);
+        drop(s);
+        let r = other.read();
+        assert!(r.lookup(InodeNo::ROOT, b"c").unwrap().is_none());
+        assert!(r.lookup(InodeNo::ROOT, b"d").unwrap().is_none());
+        assert!(r.lookup(InodeNo::ROOT, b"a").unwrap().is_some());
     }
 
     #[test]

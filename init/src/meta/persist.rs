@@ -40,6 +40,7 @@ impl Store {
     /// Starts a read transaction: every query on it sees one consistent state of the
     /// database, while other connections keep writing (WAL).
     pub fn read_view(&self) -> Result<Tx<'_>> {
+        self.commit_group()?;
         self.conn.execute_batch("BEGIN DEFERRED")?;
         // The snapshot is taken at the first read.
         self.conn
@@ -47,6 +48,7 @@ impl Store {
         Ok(Tx {
             conn: &self.conn,
             open: true,
+            group: None,
         })
     }
 }

@@ -5,20 +5,31 @@
 //!
 //! Concurrency: one mutex guards the metadata store and the table of in-use inodes; reads and
 //! writes of body files run outside it on a shared file handle.
+//!
+//! Group commit: metadata operations join one open SQLite transaction (each its own
+//! savepoint, so each is wholly in or out) that is committed when it is 20 ms old or holds
+//! 256 operations (checked as each operation lets go of the lock, and by a timer thread when
+//! the filesystem goes idle), when the checkpoint service needs the write lock, and before
+//! every fsync, sync and shutdown. A crash loses at most the operations of the open group,
+//! newest first, never part of one; body files of deleted inodes are removed only once the
+//! deletion is committed.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::chunk::reserve::Reserve;
 use crate::chunk::BodyStore;
 use crate::config::CacheMode;
-use crate::meta::{Dirent, Inode, InodeNo, Kind, MetaError, Nanos, Storage, Store, Tx};
+use crate::meta::{
+    Dirent, GroupLimits, Inode, InodeNo, Kind, MetaError, Nanos, Storage, Store, Tx,
+};
 use crate::sys;
 
 /// Longest name of a directory entry, in bytes.
@@ -259,6 +270,165 @@ struct Inner {
     nodes: HashMap<InodeNo, Node>,
     handles: HashMap<u64, Handle>,
     next_fh: u64,
+    /// Body files to remove, handed to a background thread (`None` after shutdown).
+    discard: Option<Sender<u64>>,
+    /// Bodies of inodes deleted in the open group: removed once it commits.
+    discard_after_commit: Vec<u64>,
+    bodies: BodyStore,
+    /// Inodes known to have no xattrs at all: the kernel asks for `security.capability`
+    /// before every write(2), and the answer is then free.
+    no_xattrs: HashSet<InodeNo>,
+    /// When the free space of the state volume was last looked at (group commit pauses
+    /// while it is low).
+    space_checked: Option<std::time::Instant>,
+}
+
+/// Below this much free space on the state volume every operation commits on its own, so
+/// that a full disk fails the one operation (which may then use the reserve), never a
+/// group of acknowledged ones.
+const LOW_SPACE: u64 = 256 << 20;
+
+/// When the open metadata group is committed.
+const GROUP: GroupLimits = GroupLimits {
+    max_age: Duration::from_millis(20),
+    max_ops: 256,
+};
+
+impl Inner {
+    /// Commits the open group; then its deleted inodes' bodies can go.
+    fn commit_group(&mut self, chunk_size: u64) -> Result<(), MetaError> {
+        let r = self.store.commit_group();
+        self.recover_if_lost(chunk_size);
+        self.discard_committed();
+        r
+    }
+
+    /// Commits the open group, then makes everything committed durable.
+    fn sync(&mut self, chunk_size: u64) -> Result<(), MetaError> {
+        self.commit_group(chunk_size)?;
+        self.store.sync()
+    }
+
+    /// Sends the bodies of deleted inodes to the discard thread once no group holds their
+    /// deletion any more.
+    fn discard_committed(&mut self) {
+        if !self.store.group_open() {
+            for id in std::mem::take(&mut self.discard_after_commit) {
+                self.discard_now(id);
+            }
+        }
+    }
+
+    fn discard_now(&self, id: u64) {
+        let sent = self
+            .discard
+            .as_ref()
+            .map(|s| s.send(id).is_ok())
+            .unwrap_or(false);
+        if !sent {
+            if let Err(e) = self.bodies.remove(id) {
+                tracing::warn!(ino = id, error = %e, "cannot remove a body file");
+            }
+        }
+    }
+
+    /// After SQLite rolled back an open group (a full disk at commit): what memory took as
+    /// committed is not. Open files are written again in full at their next flush; deleted
+    /// inodes keep their bodies.
+    fn recover_if_lost(&mut self, chunk_size: u64) {
+        if !self.store.take_group_lost() {
+            return;
+        }
+        tracing::error!("a metadata commit failed: operations since the last commit are lost");
+        self.discard_after_commit.clear();
+        self.no_xattrs.clear();
+        for of in self.nodes.values_mut().filter_map(|n| n.open.as_mut()) {
+            let size = of.inode.size;
+            of.touch(0, size, chunk_size);
+        }
+    }
+}
+
+/// The lock on `Inner`; letting go of it commits the open group when that is due.
+struct Guard<'a> {
+    fs: &'a WorkspaceFs,
+    g: MutexGuard<'a, Inner>,
+}
+
+impl std::ops::Deref for Guard<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.g
+    }
+}
+
+impl std::ops::DerefMut for Guard<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.g
+    }
+}
+
+impl Drop for Guard<'_> {
+    fn drop(&mut self) {
+        let chunk = self.fs.opts.chunk_size;
+        let inner: &mut Inner = &mut self.g;
+        if inner.store.group_due(GROUP) {
+            if let Err(e) = inner.commit_group(chunk) {
+                if inner.store.group_open() && self.fs.reserve.release() {
+                    tracing::warn!(error = %e, "state volume is full: using the metadata reserve");
+                    if let Err(e) = inner.commit_group(chunk) {
+                        tracing::error!(error = %e, "cannot commit metadata");
+                    }
+                } else {
+                    tracing::error!(error = %e, "cannot commit metadata");
+                }
+            }
+        }
+        inner.recover_if_lost(chunk);
+        inner.discard_committed();
+        if !inner.store.group_open()
+            && inner
+                .space_checked
+                .is_none_or(|t| t.elapsed() >= GROUP.max_age)
+        {
+            inner.space_checked = Some(std::time::Instant::now());
+            let low = sys::file::statvfs(&self.fs.state_dir)
+                .map(|s| s.blocks_avail.saturating_mul(s.fragment_size) < LOW_SPACE)
+                .unwrap_or(true);
+            inner.store.pause_group_commit(low);
+        }
+    }
+}
+
+/// Commits the open group once it is due when no operation comes along to do it. Parked
+/// while no group is open; woken by the store when one begins.
+fn committer(inner: Weak<Mutex<Inner>>, stop: Arc<AtomicBool>, chunk_size: u64) {
+    loop {
+        std::thread::park();
+        loop {
+            if stop.load(Ordering::SeqCst) {
+                return;
+            }
+            let Some(inner) = inner.upgrade() else {
+                return;
+            };
+            let wait = {
+                let mut g = inner.lock().unwrap_or_else(|p| p.into_inner());
+                match g.store.group_due_in(GROUP.max_age) {
+                    None => break,
+                    Some(d) if !d.is_zero() => d,
+                    Some(_) => {
+                        if let Err(e) = g.commit_group(chunk_size) {
+                            tracing::warn!(error = %e, "cannot commit metadata; retrying");
+                        }
+                        GROUP.max_age
+                    }
+                }
+            };
+            drop(inner);
+            std::thread::park_timeout(wait);
+        }
+    }
 }
 
 /// One metadata transaction. In-memory copies of open files are only updated once it
@@ -314,7 +484,7 @@ impl<'a> std::ops::Deref for Batch<'a> {
 
 /// The workspace filesystem over one state directory.
 pub struct WorkspaceFs {
-    inner: Mutex<Inner>,
+    inner: Arc<Mutex<Inner>>,
     bodies: BodyStore,
     state_dir: PathBuf,
     opts: FsOptions,
@@ -322,14 +492,26 @@ pub struct WorkspaceFs {
     _boot_reserve: Reserve,
     /// Runs after every successful fsync, with no lock held (`[persist] fsync = "remote"`).
     fsync_hook: std::sync::OnceLock<FsyncHook>,
-    /// Body files to remove, handed to a background thread.
-    discard: Mutex<Option<std::sync::mpsc::Sender<u64>>>,
     discarder: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The group commit timer thread, and what tells it to end.
+    committer: std::thread::Thread,
+    committer_stop: Arc<AtomicBool>,
+}
+
+impl Drop for WorkspaceFs {
+    /// Without `shutdown` this is a crash: the open group is not committed.
+    fn drop(&mut self) {
+        self.committer_stop.store(true, Ordering::SeqCst);
+        self.committer.unpark();
+    }
 }
 
 /// What `fsync` must also do once the local store is durable, e.g. a checkpoint to the
 /// remote. An error fails the fsync (EIO): the data did not get where it was promised.
 pub type FsyncHook = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// Most inodes remembered as having no xattrs (the set starts over when full).
+const NO_XATTRS_MAX: usize = 1 << 20;
 
 /// Space kept free for metadata commits on a full volume.
 const RESERVE_BYTES: u64 = 1 << 20;
@@ -403,17 +585,41 @@ impl WorkspaceFs {
                     }
                 }
             })?;
+        let inner = Arc::new(Mutex::new(Inner {
+            store,
+            nodes: HashMap::new(),
+            handles: HashMap::new(),
+            next_fh: 1,
+            discard: Some(discard_tx),
+            discard_after_commit: Vec::new(),
+            bodies: bodies.clone(),
+            no_xattrs: HashSet::new(),
+            space_checked: None,
+        }));
+        let committer_stop = Arc::new(AtomicBool::new(false));
+        let (weak, stop, chunk) = (
+            Arc::downgrade(&inner),
+            committer_stop.clone(),
+            opts.chunk_size,
+        );
+        let committer = std::thread::Builder::new()
+            .name("keel-commit".into())
+            .spawn(move || committer(weak, stop, chunk))?
+            .thread()
+            .clone();
+        let waker = committer.clone();
+        inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .store
+            .enable_group_commit(Box::new(move || waker.unpark()));
         Ok(WorkspaceFs {
-            inner: Mutex::new(Inner {
-                store,
-                nodes: HashMap::new(),
-                handles: HashMap::new(),
-                next_fh: 1,
-            }),
+            inner,
             bodies,
             fsync_hook: std::sync::OnceLock::new(),
-            discard: Mutex::new(Some(discard_tx)),
             discarder: Mutex::new(Some(discarder)),
+            committer,
+            committer_stop,
             reserve: Reserve::open(&state_dir.join("reserve"), RESERVE_BYTES),
             _boot_reserve: boot_reserve,
             state_dir: state_dir.to_path_buf(),
@@ -438,8 +644,11 @@ impl WorkspaceFs {
         r
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> Guard<'_> {
+        Guard {
+            fs: self,
+            g: self.inner.lock().unwrap_or_else(|p| p.into_inner()),
+        }
     }
 
     // ----- inode helpers (called with the lock held) -----
@@ -550,23 +759,18 @@ impl WorkspaceFs {
         tx.commit(&mut inner.nodes)?;
         inner.nodes.remove(&ino);
         if had_body {
-            self.discard_body(ino);
+            Self::discard_body(inner, ino);
         }
         Ok(())
     }
 
-    /// Removes a body file off the request path (its inode is already gone from the store;
-    /// inode numbers are never reused, so no new body can take its name meanwhile).
-    fn discard_body(&self, ino: InodeNo) {
-        let sender = self.discard.lock().unwrap_or_else(|p| p.into_inner());
-        let sent = sender
-            .as_ref()
-            .map(|s| s.send(ino.0).is_ok())
-            .unwrap_or(false);
-        if !sent {
-            if let Err(e) = self.bodies.remove(ino.0) {
-                tracing::warn!(ino = ino.0, error = %e, "cannot remove a body file");
-            }
+    /// Removes a body file off the request path once its inode's deletion is committed
+    /// (inode numbers are never reused, so no new body can take its name meanwhile).
+    fn discard_body(inner: &mut Inner, ino: InodeNo) {
+        if inner.store.group_open() {
+            inner.discard_after_commit.push(ino.0);
+        } else {
+            inner.discard_now(ino.0);
         }
     }
 
@@ -984,7 +1188,7 @@ impl WorkspaceFs {
                 n.open = None;
             }
             if child.storage == Storage::Body {
-                self.discard_body(child.ino);
+                Self::discard_body(inner, child.ino);
             }
         }
         Ok(())
@@ -1484,9 +1688,8 @@ impl WorkspaceFs {
             self.bodies.sync_entry(ino.0)?;
         }
         self.flush(ino)?;
-        let guard = self.lock();
-        let inner: &Inner = &guard;
-        inner.store.sync()?;
+        let mut guard = self.lock();
+        guard.sync(self.opts.chunk_size)?;
         drop(guard);
         if let Some(hook) = self.fsync_hook.get() {
             hook().map_err(|e| {
@@ -1705,7 +1908,7 @@ impl WorkspaceFs {
     }
 
     pub fn fsyncdir(&self) -> FsResult<()> {
-        self.lock().store.sync()?;
+        self.lock().sync(self.opts.chunk_size)?;
         Ok(())
     }
 
@@ -1748,6 +1951,7 @@ impl WorkspaceFs {
         tx.set_xattr(ino, name, value)?;
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
+        inner.no_xattrs.remove(&ino);
         Ok(())
     }
 
@@ -1755,10 +1959,19 @@ impl WorkspaceFs {
         if name.len() > XATTR_NAME_MAX {
             return Err(FsError::Range);
         }
-        let guard = self.lock();
-        let inner: &Inner = &guard;
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
         Self::load(inner, ino)?;
+        if inner.no_xattrs.contains(&ino) {
+            return Err(FsError::NoAttr);
+        }
         let v = inner.store.read().xattr(ino, name)?;
+        if v.is_none() && inner.store.read().xattr_names(ino)?.is_empty() {
+            if inner.no_xattrs.len() >= NO_XATTRS_MAX {
+                inner.no_xattrs.clear();
+            }
+            inner.no_xattrs.insert(ino);
+        }
         v.ok_or(FsError::NoAttr)
     }
 
@@ -1851,7 +2064,7 @@ impl WorkspaceFs {
             tx.commit(&mut inner.nodes)?;
         }
         sys::file::syncfs(&self.state_dir)?;
-        inner.store.sync()?;
+        inner.sync(self.opts.chunk_size)?;
         Ok(())
     }
 
@@ -1859,10 +2072,7 @@ impl WorkspaceFs {
     pub fn shutdown(&self) -> FsResult<()> {
         self.sync_all()?;
         // Finish removing discarded bodies before the state dir is handed on.
-        self.discard
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        self.lock().discard.take();
         if let Some(t) = self
             .discarder
             .lock()
@@ -1871,7 +2081,9 @@ impl WorkspaceFs {
         {
             let _ = t.join();
         }
-        self.lock().store.checkpoint()?;
+        let mut guard = self.lock();
+        guard.commit_group(self.opts.chunk_size)?;
+        guard.store.checkpoint()?;
         Ok(())
     }
 }
