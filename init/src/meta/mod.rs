@@ -3,9 +3,11 @@
 //! operation; `sync` makes everything committed so far durable. Nothing outside this module
 //! touches rusqlite. This module imports no sibling module.
 
+mod lazy;
 mod persist;
 mod schema;
 
+pub use lazy::MissingRow;
 pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 
 use std::path::Path;
@@ -149,6 +151,7 @@ impl Store {
         } else {
             schema::create(&conn, now)?;
         }
+        lazy::ensure_schema(&conn)?;
         Ok(Store { conn })
     }
 
