@@ -185,21 +185,40 @@ fn on_demand(inner: Arc<dyn Remote>) {
     // A random read: exactly its window.
     assert_eq!(read(&fs, a, 3 * CHUNK, CHUNK), win(&a_bytes(), 3));
     assert_eq!(l.remote.n() - g0, 1, "random read of one window");
-    assert_eq!(read(&fs, a, 3 * CHUNK + 10, 100), &win(&a_bytes(), 3)[10..110]);
-    assert_eq!(l.remote.n() - g0, 1, "a fetched window is not fetched again");
+    assert_eq!(
+        read(&fs, a, 3 * CHUNK + 10, 100),
+        &win(&a_bytes(), 3)[10..110]
+    );
+    assert_eq!(
+        l.remote.n() - g0,
+        1,
+        "a fetched window is not fetched again"
+    );
 
     // A sequential reader: its window plus READAHEAD more, then nothing until it reaches
     // the first window not fetched yet.
     let g1 = l.remote.n();
     assert_eq!(read(&fs, b, 0, CHUNK), win(&b_bytes(), 0));
-    assert_eq!(l.remote.n() - g1, 1 + READAHEAD, "sequential read + readahead");
+    assert_eq!(
+        l.remote.n() - g1,
+        1 + READAHEAD,
+        "sequential read + readahead"
+    );
     for i in 1..=READAHEAD {
         assert_eq!(read(&fs, b, i * CHUNK, CHUNK), win(&b_bytes(), i));
     }
-    assert_eq!(l.remote.n() - g1, 1 + READAHEAD, "readahead windows were fetched");
+    assert_eq!(
+        l.remote.n() - g1,
+        1 + READAHEAD,
+        "readahead windows were fetched"
+    );
     assert_eq!(read(&fs, b, 5 * CHUNK, CHUNK), win(&b_bytes(), 5));
     // Windows 6 and 7 are all that is left of b.
-    assert_eq!(l.remote.n() - g1, 8, "each window of b fetched exactly once");
+    assert_eq!(
+        l.remote.n() - g1,
+        8,
+        "each window of b fetched exactly once"
+    );
 
     // One small write: fetches its window first, and the checkpoint after it uploads only
     // that window (everything else keeps its chunk id, fetched or not).
@@ -283,7 +302,10 @@ fn checkpoint_after_a_crash_never_hashes_unfetched_windows() {
     assert_eq!(r.windows_hashed, windows - missing, "{r}");
     assert_eq!(r.chunks_uploaded, 0, "{r}");
     let (_d, eager) = eager_dump(l.remote.clone());
-    assert_eq!(eager, l.want, "a checkpoint after a crash changed file data");
+    assert_eq!(
+        eager, l.want,
+        "a checkpoint after a crash changed file data"
+    );
 }
 
 /// Collects what `tracing` logs on this thread.
@@ -372,7 +394,11 @@ fn crash_between_body_write_and_record_refetches() {
     for i in 0..10 {
         assert!(win(&got, i).iter().any(|b| *b != 0), "window {i} is zeros");
     }
-    assert_eq!(l.remote.n() - g, 9, "the recorded window is not fetched again");
+    assert_eq!(
+        l.remote.n() - g,
+        9,
+        "the recorded window is not fetched again"
+    );
 }
 
 #[test]
@@ -400,7 +426,11 @@ fn truncate_overwrite_and_seek_respect_unfetched_windows() {
     let got = read_all(&fs, a).unwrap();
     assert_eq!(&got[..cut as usize], &a_bytes()[..cut as usize]);
     assert!(got[cut as usize..].iter().all(|b| *b == 0));
-    assert_eq!(l.remote.n() - g, 3, "windows 0 and 1 fetched, none past the cut");
+    assert_eq!(
+        l.remote.n() - g,
+        3,
+        "windows 0 and 1 fetched, none past the cut"
+    );
 
     // A write over a whole window needs no fetch; the window stays present after reopen.
     let g = l.remote.n();
@@ -416,5 +446,9 @@ fn truncate_overwrite_and_seek_respect_unfetched_windows() {
     let mut want = b_bytes();
     want[3 * CHUNK as usize..4 * CHUNK as usize].copy_from_slice(&fill);
     assert_eq!(read_all(&fs, b).unwrap(), want);
-    assert_eq!(l.remote.n() - g, 7, "the overwritten window was fetched after all");
+    assert_eq!(
+        l.remote.n() - g,
+        7,
+        "the overwritten window was fetched after all"
+    );
 }

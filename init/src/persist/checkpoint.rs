@@ -487,11 +487,9 @@ impl Persister {
         // change to it fetches it first. Never hash its sparse zeros.
         if !missing.is_empty() {
             jobs.retain(|j| {
-                let id = missing.get(&j.ino).and_then(|m| {
-                    m.binary_search_by_key(&j.idx, |r| r.0)
-                        .ok()
-                        .map(|k| m[k].1)
-                });
+                let id = missing
+                    .get(&j.ino)
+                    .and_then(|m| m.binary_search_by_key(&j.idx, |r| r.0).ok().map(|k| m[k].1));
                 match id {
                     Some(id) => {
                         hashed.entry(j.ino).or_default().push((j.idx, Some(id)));

@@ -157,7 +157,14 @@ fn restore_inner(
     };
     let wanted = create_bodies(&tree, &bodies, &mut report)?;
     if mode == RestoreMode::Eager {
-        fetch_bodies(repo, tree.chunk_size, &wanted, &bodies, &mut report, progress)?;
+        fetch_bodies(
+            repo,
+            tree.chunk_size,
+            &wanted,
+            &bodies,
+            &mut report,
+            progress,
+        )?;
     }
     sys::file::syncfs(state_dir).map_err(|e| bad(format!("sync bodies: {e}")))?;
 

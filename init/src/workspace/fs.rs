@@ -401,7 +401,9 @@ impl WorkspaceFs {
         }
         let lazy = lazy::Lazy::new(store.any_missing_windows()?);
         if lazy_active_check(&store, opts.chunk_size)? {
-            tracing::info!("lazily restored state dir: file data is fetched from the remote on first use");
+            tracing::info!(
+                "lazily restored state dir: file data is fetched from the remote on first use"
+            );
         }
         let (discard_tx, discard_rx) = std::sync::mpsc::channel::<u64>();
         let reaper = bodies.clone();

@@ -37,8 +37,8 @@ pub struct Mounted {
     session: Option<fuser::BackgroundSession>,
     passthrough: Arc<AtomicBool>,
     persist: Option<crate::persist::Service>,
-    /// Background fetch of lazily restored windows: stop flag and thread.
-    prefetch: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    /// Background fetch of lazily restored windows.
+    prefetch: Option<Prefetch>,
     _lock: sys::file::LockFile,
 }
 
@@ -249,7 +249,7 @@ fn start_lazy(
     cfg: &WorkspaceConfig,
     p: &PersistConfig,
     fs: &Arc<WorkspaceFs>,
-) -> Result<Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>, SessionError> {
+) -> Result<Option<Prefetch>, SessionError> {
     if !fs.lazy_active() {
         return Ok(None);
     }
@@ -277,7 +277,10 @@ fn start_lazy(
     Ok(Some((stop, t)))
 }
 
-fn stop_prefetch(p: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>) {
+/// The prefetch thread and its stop flag.
+type Prefetch = (Arc<AtomicBool>, std::thread::JoinHandle<()>);
+
+fn stop_prefetch(p: Option<Prefetch>) {
     if let Some((stop, t)) = p {
         stop.store(true, Ordering::Relaxed);
         let _ = t.join();

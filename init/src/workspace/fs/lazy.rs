@@ -114,7 +114,7 @@ impl WorkspaceFs {
         ino: InodeNo,
         size: u64,
     ) -> FsResult<&'m mut FileWindows> {
-        if !files.contains_key(&ino) {
+        if let std::collections::hash_map::Entry::Vacant(v) = files.entry(ino) {
             let rows = inner.store.read().missing_windows(ino)?;
             let count = window_count(size, self.opts.chunk_size);
             if rows.iter().any(|(i, _)| *i >= count) {
@@ -127,13 +127,10 @@ impl WorkspaceFs {
                 .filter(|(i, _)| *i < count)
                 .map(|(i, id)| (i, ChunkId(id)))
                 .collect();
-            files.insert(
-                ino,
-                FileWindows {
-                    missing,
-                    ..Default::default()
-                },
-            );
+            v.insert(FileWindows {
+                missing,
+                ..Default::default()
+            });
         }
         Ok(files.get_mut(&ino).expect("inserted"))
     }
@@ -236,8 +233,7 @@ impl WorkspaceFs {
                 .map(|id| {
                     Err(FetchError::Remote {
                         id: *id,
-                        reason: "no remote is configured to fetch lazily restored data from"
-                            .into(),
+                        reason: "no remote is configured to fetch lazily restored data from".into(),
                     })
                 })
                 .collect(),
@@ -443,9 +439,6 @@ impl WorkspaceFs {
     }
 
     fn missing_in(&self, ino: InodeNo) -> Option<u64> {
-        self.lazy
-            .lock()
-            .get(&ino)
-            .map(|f| f.missing.len() as u64)
+        self.lazy.lock().get(&ino).map(|f| f.missing.len() as u64)
     }
 }
