@@ -452,3 +452,40 @@ fn truncate_overwrite_and_seek_respect_unfetched_windows() {
         "the overwritten window was fetched after all"
     );
 }
+
+#[test]
+fn fsck_does_not_call_unfetched_windows_corrupt() {
+    use keel::persist::fsck::{fsck, FsckOptions, Level};
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = l.open();
+    let a = resolve(&fs, "lz/a");
+    assert_eq!(read(&fs, a, 4 * CHUNK, 10), &win(&a_bytes(), 4)[..10]);
+    fs.shutdown().unwrap();
+    drop(fs);
+    let opts = FsckOptions {
+        repair: false,
+        quick: false,
+        chunk_size: CHUNK,
+        remote: Some(Repo::new(l.remote.clone(), "ws")),
+        progress: false,
+    };
+    let rep = fsck(l.dst.path(), &opts).unwrap();
+    let bad: Vec<_> = rep
+        .findings
+        .iter()
+        .filter(|f| f.level != Level::Note)
+        .collect();
+    assert!(bad.is_empty(), "{bad:?}");
+    // It did look at the fetched windows.
+    assert!(rep.windows_hashed >= 1, "{rep:?}");
+    // A fetched window damaged behind keel's back is still found.
+    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join("bodies")).unwrap();
+    use std::os::unix::fs::FileExt;
+    bodies
+        .open_rw(a.0)
+        .unwrap()
+        .write_all_at(b"damage", 4 * CHUNK)
+        .unwrap();
+    let rep = fsck(l.dst.path(), &opts).unwrap();
+    assert_eq!(rep.count(Level::Error), 1, "{:?}", rep.findings);
+}
