@@ -7,6 +7,8 @@ pub mod body;
 pub mod chunker;
 pub mod id;
 pub mod reserve;
+pub mod source;
 
 pub use body::{BodyError, BodyStore};
 pub use id::ChunkId;
+pub use source::{ChunkSource, FetchError};

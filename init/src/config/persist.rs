@@ -43,6 +43,16 @@ impl std::str::FromStr for Takeover {
     }
 }
 
+/// How a start with an empty state dir restores the remote's head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RestoreMode {
+    /// Metadata first; file data fetched on first read (mount in well under a second).
+    Lazy,
+    /// Every chunk fetched before the workspace is mounted.
+    Eager,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PersistConfig {
@@ -67,6 +77,10 @@ pub struct PersistConfig {
     pub flush_timeout: Duration,
     /// Parallel uploads/downloads.
     pub concurrency: usize,
+    /// Restore at start into an empty state dir: `lazy` or `eager`.
+    pub restore: RestoreMode,
+    /// After a lazy restore, fetch every remaining window in the background.
+    pub prefetch: bool,
     /// S3-compatible endpoint (MinIO, R2, moto, ...); also `AWS_ENDPOINT_URL`.
     pub endpoint: Option<String>,
     /// Region (also `AWS_REGION`).
@@ -95,6 +109,8 @@ impl Default for PersistConfig {
             gc_every: 16,
             flush_timeout: Duration::from_secs(2),
             concurrency: 16,
+            restore: RestoreMode::Lazy,
+            prefetch: false,
             endpoint: None,
             region: None,
             path_style: true,
@@ -176,6 +192,19 @@ mod tests {
         assert_eq!(c.persist.interval, Duration::from_secs(10));
         assert_eq!(c.persist.fsync, FsyncMode::Remote);
         assert_eq!(c.persist.keep, 3);
+        assert_eq!(c.persist.restore, RestoreMode::Lazy);
+        assert!(!c.persist.prefetch);
+        let c = Config::parse(
+            "[persist]\nrestore = \"eager\"\nprefetch = true\n",
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.persist.restore, RestoreMode::Eager);
+        assert!(c.persist.prefetch);
+        let e = Config::parse("[persist]\nrestore = \"later\"\n", Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("later"), "{e}");
         let e = Config::parse("[persist]\nremote = \"ftp://x\"\n", Path::new("x.toml"))
             .unwrap_err()
             .to_string();

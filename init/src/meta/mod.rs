@@ -10,9 +10,11 @@
 //! or a writer on another connection of this process waiting for the lock); `sync`,
 //! `checkpoint` and `read_view` commit it first.
 
+mod lazy;
 mod persist;
 mod schema;
 
+pub use lazy::MissingRow;
 pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 
 use std::cell::Cell;
@@ -201,6 +203,7 @@ impl Store {
         } else {
             schema::create(&conn, now)?;
         }
+        lazy::ensure_schema(&conn)?;
         Ok(Store { conn, group: None })
     }
 

@@ -53,6 +53,8 @@ pub enum CheckpointError {
     FlushRemote(RemoteError),
     #[error("encode snapshot: {0}")]
     Encode(#[from] format::FormatError),
+    #[error("{windows} windows of lazily restored files are not fetched yet and cannot be carried over ({why}); read those files (or set [persist] prefetch = true) before checkpointing")]
+    LazyIncomplete { windows: u64, why: &'static str },
     #[error("deadline passed after {done} of {total} chunk windows")]
     Deadline { done: usize, total: usize },
     #[error("{0}")]
@@ -363,6 +365,17 @@ impl Persister {
                 kv_u64(&r, "base_seq")?,
             )
         };
+        let missing = self.store.read().all_missing_windows()?;
+        if !missing.is_empty() && (old_cs != Some(cs) || !trusted) {
+            return Err(CheckpointError::LazyIncomplete {
+                windows: missing.values().map(|v| v.len() as u64).sum(),
+                why: if old_cs != Some(cs) {
+                    "the chunk size changed"
+                } else {
+                    "the remote is not the one they were restored from"
+                },
+            });
+        }
         if old_cs.is_some_and(|c| c != cs) || (!trusted && last_seq.is_some()) {
             // Windows changed size, or this remote is not the one the chunk maps were
             // uploaded to (a new remote, a restored state dir, a wiped bucket): every chunk
@@ -494,6 +507,22 @@ impl Persister {
 
         // 3. Hash the windows, upload what the remote lacks.
         let mut hashed: HashMap<InodeNo, Vec<ChunkRow>> = HashMap::new();
+        // A window not fetched yet (lazy restore) holds its chunk by definition: every
+        // change to it fetches it first. Never hash its sparse zeros.
+        if !missing.is_empty() {
+            jobs.retain(|j| {
+                let id = missing
+                    .get(&j.ino)
+                    .and_then(|m| m.binary_search_by_key(&j.idx, |r| r.0).ok().map(|k| m[k].1));
+                match id {
+                    Some(id) => {
+                        hashed.entry(j.ino).or_default().push((j.idx, Some(id)));
+                        false
+                    }
+                    None => true,
+                }
+            });
+        }
         let mut report = CheckpointReport {
             full,
             inodes: body.inodes.len() as u64,

@@ -112,18 +112,44 @@ pub fn restore_on_start(cfg: &Config) -> Result<Option<String>, String> {
     }
     let _lock = lock_offline(state)?;
     let mut repo = repo_of(cfg)?;
-    match restore::restore(&mut repo, None, state, false) {
+    let mode = restore_mode(cfg, &mut repo);
+    match restore::restore_with(&mut repo, None, state, false, mode) {
         Ok(r) => Ok(Some(format!(
-            "restored snapshot {} from {}: {} files, {} bytes, {} chunks fetched in {:.2}s",
+            "restored snapshot {} from {} ({}): {} files, {} bytes, {} chunks fetched, {} windows left to fetch on first use, in {:.2}s",
             r.seq,
             repo.describe(),
+            if mode == restore::RestoreMode::Lazy { "lazy" } else { "eager" },
             r.files,
             r.file_bytes,
             r.chunks_fetched,
+            r.windows_missing,
             r.elapsed_s
         ))),
         Err(restore::RestoreError::NoSnapshot(_)) => Ok(None),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The configured restore mode; lazy needs the snapshot's window size to be the configured
+/// one (the filesystem fetches by window), else the restore is eager.
+fn restore_mode(cfg: &Config, repo: &mut Repo) -> restore::RestoreMode {
+    if cfg.persist.restore == crate::config::persist::RestoreMode::Eager {
+        return restore::RestoreMode::Eager;
+    }
+    let cs = restore::resolve_seq(repo, None)
+        .ok()
+        .and_then(|seq| repo.read_header(seq).ok())
+        .map(|h| h.chunk_size);
+    match cs {
+        Some(cs) if cs != cfg.workspace.chunk_size => {
+            tracing::warn!(
+                snapshot_chunk_size = cs,
+                chunk_size = cfg.workspace.chunk_size,
+                "the snapshot was cut into other windows than [workspace] chunk_size: restoring eagerly"
+            );
+            restore::RestoreMode::Eager
+        }
+        _ => restore::RestoreMode::Lazy,
     }
 }
 

@@ -348,6 +348,12 @@ fn check_bodies(
         r.all_inodes()?.into_iter().map(|i| (i.ino, i)).collect();
     let maps = r.all_file_chunks()?;
     let dirty: HashSet<(InodeNo, u64)> = r.backlog_windows()?.into_iter().collect();
+    // Windows of a lazy restore not fetched yet are holes by design, not damage.
+    let missing: HashSet<(InodeNo, u64)> = r
+        .all_missing_windows()?
+        .into_iter()
+        .flat_map(|(ino, rows)| rows.into_iter().map(move |(idx, _)| (ino, idx)))
+        .collect();
     let unclean = r.persist_get("running")?.as_deref() == Some("1");
     let map_cs: Option<u64> = r.persist_get("chunk_size")?.and_then(|v| v.parse().ok());
     let ids = bodies.ids().map_err(|e| FsckError::OpenState {
@@ -447,7 +453,7 @@ fn check_bodies(
         };
         let mut unrecorded = false;
         for (idx, id) in map.iter().filter(|(x, _)| *x < nwin) {
-            if dirty.contains(&(ino, *idx)) {
+            if dirty.contains(&(ino, *idx)) || missing.contains(&(ino, *idx)) {
                 continue;
             }
             let range = window_range(*idx, i.size, cs);

@@ -2,7 +2,8 @@
 //! builds on. Given a file's chunk map (the `file_chunk` table, written by checkpoints and
 //! by restore), `Hydrator` fetches the chunk of a window from the remote, checks it against
 //! its blake3 id, and writes it into the body at the window's offset. A mismatch is an error
-//! naming the chunk (the read path answers EIO), never wrong bytes.
+//! naming the chunk (the read path answers EIO), never wrong bytes. `RemoteChunks` is the
+//! `chunk::ChunkSource` the mounted filesystem fetches lazily restored windows through.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -14,7 +15,7 @@ use bytes::Bytes;
 use super::checkpoint::now_ns;
 use super::repo::{Repo, RepoError};
 use crate::chunk::chunker::window_range;
-use crate::chunk::ChunkId;
+use crate::chunk::{ChunkId, ChunkSource, FetchError};
 use crate::meta::{InodeNo, MetaError, Nanos, Store};
 
 #[derive(Debug, thiserror::Error)]
@@ -135,5 +136,36 @@ impl Hydrator {
             n += len as u64;
         }
         Ok(n)
+    }
+}
+
+/// The remote as the filesystem's source of not-yet-fetched windows (lazy restore): chunks
+/// come through `Repo::get_chunks` (parallel `get_many`, each checked against its id).
+pub struct RemoteChunks {
+    repo: Repo,
+}
+
+impl RemoteChunks {
+    pub fn new(repo: Repo) -> RemoteChunks {
+        RemoteChunks { repo }
+    }
+}
+
+impl ChunkSource for RemoteChunks {
+    fn fetch(&self, ids: &[ChunkId]) -> Vec<Result<Bytes, FetchError>> {
+        self.repo
+            .get_chunks(ids)
+            .into_iter()
+            .zip(ids)
+            .map(|(r, id)| {
+                r.map_err(|e| match e {
+                    RepoError::ChunkCorrupt { id, actual } => FetchError::Corrupt { id, actual },
+                    e => FetchError::Remote {
+                        id: *id,
+                        reason: e.to_string(),
+                    },
+                })
+            })
+            .collect()
     }
 }

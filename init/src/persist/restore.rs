@@ -3,6 +3,10 @@
 //! xattrs, symlinks, special files and bytes. Every chunk is checked against its blake3
 //! id before its bytes are written; a mismatch fails the restore naming the chunk and the
 //! file. Bodies are made durable before the metadata that references them commits.
+//!
+//! Lazy mode (`[persist] restore = "lazy"`) writes only the metadata: every body is created
+//! sparse at its final size and each of its stored windows is listed as missing with its
+//! chunk id; the mounted filesystem fetches them on first use. Time is O(metadata).
 
 use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
@@ -49,7 +53,18 @@ pub struct RestoreReport {
     pub file_bytes: u64,
     pub chunks_fetched: u64,
     pub bytes_fetched: u64,
+    /// Windows left to fetch on first use (lazy mode).
+    pub windows_missing: u64,
     pub elapsed_s: f64,
+}
+
+/// Whether restore fetches file data now or leaves it for first use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestoreMode {
+    /// Fetch every chunk before the restore returns.
+    Eager,
+    /// Metadata only; windows are fetched when first used.
+    Lazy,
 }
 
 /// Fetch this many chunks per round trip batch.
@@ -75,7 +90,18 @@ pub fn restore(
     state_dir: &Path,
     progress: bool,
 ) -> Result<RestoreReport, RestoreError> {
-    let r = restore_inner(repo, seq, state_dir, progress);
+    restore_with(repo, seq, state_dir, progress, RestoreMode::Eager)
+}
+
+/// `restore` in the given mode.
+pub fn restore_with(
+    repo: &mut Repo,
+    seq: Option<u64>,
+    state_dir: &Path,
+    progress: bool,
+    mode: RestoreMode,
+) -> Result<RestoreReport, RestoreError> {
+    let r = restore_inner(repo, seq, state_dir, progress, mode);
     if r.is_err() && !matches!(r, Err(RestoreError::StateDir { .. })) {
         // Leave the state dir empty again.
         let _ = std::fs::remove_dir_all(state_dir.join("bodies"));
@@ -91,6 +117,7 @@ fn restore_inner(
     seq: Option<u64>,
     state_dir: &Path,
     progress: bool,
+    mode: RestoreMode,
 ) -> Result<RestoreReport, RestoreError> {
     let t0 = Instant::now();
     let bad = |reason: String| RestoreError::StateDir {
@@ -128,7 +155,17 @@ fn restore_inner(
         inodes: tree.inodes.len() as u64,
         ..Default::default()
     };
-    write_bodies(repo, &tree, &bodies, &mut report, progress)?;
+    let wanted = create_bodies(&tree, &bodies, &mut report)?;
+    if mode == RestoreMode::Eager {
+        fetch_bodies(
+            repo,
+            tree.chunk_size,
+            &wanted,
+            &bodies,
+            &mut report,
+            progress,
+        )?;
+    }
     sys::file::syncfs(state_dir).map_err(|e| bad(format!("sync bodies: {e}")))?;
 
     let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
@@ -173,6 +210,15 @@ fn restore_inner(
                     .map(|(i, id)| (i as u64, id.map(|c| c.0)))
                     .collect();
                 tx.set_file_chunks(inode.ino, &rows)?;
+                if mode == RestoreMode::Lazy {
+                    let missing: Vec<_> = m
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, id)| id.map(|c| (i as u64, c.0)))
+                        .collect();
+                    tx.add_missing_windows(inode.ino, &missing)?;
+                    report.windows_missing += missing.len() as u64;
+                }
             }
             TreeData::None => {}
         }
@@ -206,16 +252,13 @@ fn restore_inner(
     Ok(report)
 }
 
-fn write_bodies(
-    repo: &Repo,
+/// Creates every body at its full size (sparse: all-zero windows stay holes); returns
+/// (ino, idx, id) for every stored window.
+fn create_bodies(
     tree: &Tree,
     bodies: &BodyStore,
     report: &mut RestoreReport,
-    progress: bool,
-) -> Result<(), RestoreError> {
-    let cs = tree.chunk_size;
-    // (ino, idx, id) for every stored window; files are created at their full size first
-    // (all-zero windows stay holes).
+) -> Result<Vec<(u64, u64, ChunkId)>, RestoreError> {
     let mut wanted: Vec<(u64, u64, ChunkId)> = Vec::new();
     for t in tree.inodes.values() {
         if let TreeData::Chunks(m) = &t.data {
@@ -239,6 +282,17 @@ fn write_bodies(
             }
         }
     }
+    Ok(wanted)
+}
+
+fn fetch_bodies(
+    repo: &Repo,
+    cs: u64,
+    wanted: &[(u64, u64, ChunkId)],
+    bodies: &BodyStore,
+    report: &mut RestoreReport,
+    progress: bool,
+) -> Result<(), RestoreError> {
     let mut last = Instant::now();
     let mut open: HashMap<u64, std::fs::File> = HashMap::new();
     for (n, batch) in wanted.chunks(FETCH_BATCH).enumerate() {

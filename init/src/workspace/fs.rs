@@ -32,6 +32,8 @@ use crate::meta::{
 };
 use crate::sys;
 
+mod lazy;
+
 /// Longest name of a directory entry, in bytes.
 pub const NAME_MAX: usize = 255;
 /// Longest symlink target, in bytes.
@@ -87,6 +89,8 @@ pub enum FsError {
     Io(#[from] io::Error),
     #[error("metadata: {0}")]
     Meta(#[from] MetaError),
+    #[error("lazy restore: {0}")]
+    Fetch(String),
 }
 
 impl FsError {
@@ -112,6 +116,7 @@ impl FsError {
             FsError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
             FsError::Meta(e) if e.is_full() => libc::ENOSPC,
             FsError::Meta(_) => libc::EIO,
+            FsError::Fetch(_) => libc::EIO,
         }
     }
 }
@@ -493,6 +498,8 @@ pub struct WorkspaceFs {
     /// Runs after every successful fsync, with no lock held (`[persist] fsync = "remote"`).
     fsync_hook: std::sync::OnceLock<FsyncHook>,
     discarder: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Windows of lazily restored bodies not fetched yet.
+    lazy: lazy::Lazy,
     /// The group commit timer thread, and what tells it to end.
     committer: std::thread::Thread,
     committer_stop: Arc<AtomicBool>,
@@ -574,6 +581,12 @@ impl WorkspaceFs {
                 "removed files that were unlinked while open"
             );
         }
+        let lazy = lazy::Lazy::new(store.any_missing_windows()?);
+        if lazy_active_check(&store, opts.chunk_size)? {
+            tracing::info!(
+                "lazily restored state dir: file data is fetched from the remote on first use"
+            );
+        }
         let (discard_tx, discard_rx) = std::sync::mpsc::channel::<u64>();
         let reaper = bodies.clone();
         let discarder = std::thread::Builder::new()
@@ -620,6 +633,7 @@ impl WorkspaceFs {
             discarder: Mutex::new(Some(discarder)),
             committer,
             committer_stop,
+            lazy,
             reserve: Reserve::open(&state_dir.join("reserve"), RESERVE_BYTES),
             _boot_reserve: boot_reserve,
             state_dir: state_dir.to_path_buf(),
@@ -955,6 +969,9 @@ impl WorkspaceFs {
     }
 
     fn setattr_once(&self, ino: InodeNo, set: &SetAttr) -> FsResult<Attr> {
+        if let Some(size) = set.size {
+            self.lazy_prepare_truncate(ino, size)?;
+        }
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
@@ -962,6 +979,7 @@ impl WorkspaceFs {
         if let Some(size) = set.size {
             // Loads the bytes; refuses directories (EISDIR) and special files (EINVAL).
             self.ensure_open(inner, ino)?;
+            self.lazy_drop_from(inner, ino, size)?;
             let of = inner
                 .nodes
                 .get_mut(&ino)
@@ -1463,6 +1481,7 @@ impl WorkspaceFs {
         self.ensure_open(inner, ino)?;
         if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
             self.sync_from_body(inner, ino)?;
+            self.lazy_drop_from(inner, ino, 0)?;
             let t = now();
             let of = self.file_of(inner, ino)?;
             if of.inode.size != 0 {
@@ -1473,7 +1492,11 @@ impl WorkspaceFs {
             of.dirty = true;
             Self::rebase(inner, ino)?;
         }
-        let passthrough = self.opts.passthrough.load(Ordering::Relaxed);
+        // The kernel would read the sparse body directly: a file with windows still to
+        // fetch is served through keel until it is complete.
+        let size = Self::load(inner, ino)?.size;
+        let passthrough = self.opts.passthrough.load(Ordering::Relaxed)
+            && !self.lazy_incomplete(inner, ino, size)?;
         let node = inner.nodes.get_mut(&ino).expect("loaded");
         let mut backing = None;
         // The kernel refuses to mix cached and passthrough handles on one inode.
@@ -1545,6 +1568,12 @@ impl WorkspaceFs {
 
     pub fn read(&self, ino: InodeNo, offset: u64, size: u32, buf: &mut Vec<u8>) -> FsResult<()> {
         buf.clear();
+        self.lazy_fetch(
+            ino,
+            offset,
+            offset.saturating_add(u64::from(size)),
+            lazy::READAHEAD_WINDOWS,
+        )?;
         let body = {
             let mut guard = self.lock();
             let inner: &mut Inner = &mut guard;
@@ -1584,6 +1613,7 @@ impl WorkspaceFs {
             .checked_add(data.len() as u64)
             .filter(|e| *e <= i64::MAX as u64)
             .ok_or(FsError::Io(io::Error::from_raw_os_error(libc::EFBIG)))?;
+        let claim = self.lazy_prepare_write(ino, offset, end)?;
         let f = {
             let mut guard = self.lock();
             let inner: &mut Inner = &mut guard;
@@ -1609,6 +1639,7 @@ impl WorkspaceFs {
             }
         };
         f.write_all_at(data, offset)?;
+        self.lazy_finish_write(claim, &f)?;
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         if let Some(of) = inner.nodes.get_mut(&ino).and_then(|n| n.open.as_mut()) {
@@ -1719,6 +1750,9 @@ impl WorkspaceFs {
             .checked_add(len)
             .filter(|e| *e <= i64::MAX as u64)
             .ok_or(FsError::Io(io::Error::from_raw_os_error(libc::EFBIG)))?;
+        if mode & (PUNCH | ZERO) != 0 {
+            self.lazy_fetch(ino, offset, end, 0)?;
+        }
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         let of = self.file_of(inner, ino)?;
@@ -1771,11 +1805,16 @@ impl WorkspaceFs {
     pub fn seek(&self, ino: InodeNo, offset: u64, data: bool) -> FsResult<u64> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
-        let of = self.file_of(inner, ino)?;
-        let size = of.inode.size;
+        let size = self.file_of(inner, ino)?.inode.size;
         if offset >= size {
             return Err(FsError::NoData);
         }
+        // Windows still to fetch are holes in the body but data in the file: report no
+        // holes until the file is complete (allowed: holes are optional).
+        if self.lazy_incomplete(inner, ino, size)? {
+            return Ok(if data { offset } else { size });
+        }
+        let of = self.file_of(inner, ino)?;
         match &of.data {
             Data::Inline(_) => Ok(if data { offset } else { size }),
             Data::Body(f) => match sys::file::seek_data_hole(f, offset, data) {
@@ -2097,4 +2136,23 @@ fn zero_fill(f: &File, from: u64, to: u64) -> io::Result<()> {
         off += n as u64;
     }
     Ok(())
+}
+
+/// A state dir with windows left to fetch must keep the window size they were restored
+/// with. Returns whether there are any.
+fn lazy_active_check(store: &Store, chunk_size: u64) -> FsResult<bool> {
+    if !store.any_missing_windows()? {
+        return Ok(false);
+    }
+    let restored: Option<u64> = store
+        .read()
+        .persist_get("chunk_size")?
+        .and_then(|v| v.parse().ok());
+    match restored {
+        Some(cs) if cs != chunk_size => Err(FsError::Io(io::Error::other(format!(
+            "this state dir was restored lazily with {cs}-byte chunks and still has data to fetch; \
+             [workspace] chunk_size is {chunk_size}: set it back to {cs} until every file was read"
+        )))),
+        _ => Ok(true),
+    }
 }

@@ -40,6 +40,8 @@ pub struct Mounted {
     session: Option<fuser::BackgroundSession>,
     passthrough: Arc<AtomicBool>,
     persist: Option<crate::persist::Service>,
+    /// Background fetch of lazily restored windows.
+    prefetch: Option<Prefetch>,
     _lock: sys::file::LockFile,
 }
 
@@ -259,12 +261,60 @@ fn mount_with(
         session: Some(session),
         passthrough: passthrough_on,
         persist: None,
+        prefetch: None,
         _lock: lock,
     };
     if let Some((p, mut lease)) = persist {
+        mounted.prefetch = start_lazy(cfg, p, &mounted.fs)?;
         mounted.persist = start_persist(cfg, p, &mounted, lease.take())?;
+    } else if mounted.fs.lazy_active() {
+        tracing::warn!("this state dir was restored lazily but no remote is configured: reads of data not fetched yet fail with EIO");
     }
     Ok(mounted)
+}
+
+/// A lazily restored state dir: wires the remote in as the source of windows not fetched
+/// yet, and with `[persist] prefetch` starts fetching all of them in the background.
+fn start_lazy(
+    cfg: &WorkspaceConfig,
+    p: &PersistConfig,
+    fs: &Arc<WorkspaceFs>,
+) -> Result<Option<Prefetch>, SessionError> {
+    if !fs.lazy_active() {
+        return Ok(None);
+    }
+    let Some(url) = p.remote_url(&cfg.state_dir) else {
+        tracing::warn!("this state dir was restored lazily but [persist] remote = \"none\": reads of data not fetched yet fail with EIO");
+        return Ok(None);
+    };
+    let mut repo = crate::persist::open_remote(&url, p)
+        .map_err(|e| SessionError::Persist(format!("open remote for lazy restore: {e}")))?;
+    // Where the chunks live (a fork's manifest may point elsewhere).
+    repo.manifest()
+        .map_err(|e| SessionError::Persist(format!("read remote manifest: {e}")))?;
+    fs.set_chunk_source(Arc::new(crate::persist::hydrate::RemoteChunks::new(repo)));
+    if !p.prefetch {
+        return Ok(None);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let (fs2, stop2, batch) = (fs.clone(), stop.clone(), p.concurrency);
+    let t = std::thread::Builder::new()
+        .name("keel-prefetch".into())
+        .spawn(move || {
+            fs2.prefetch_all(&stop2, batch);
+        })
+        .map_err(|e| SessionError::Persist(format!("start prefetch: {e}")))?;
+    Ok(Some((stop, t)))
+}
+
+/// The prefetch thread and its stop flag.
+type Prefetch = (Arc<AtomicBool>, std::thread::JoinHandle<()>);
+
+fn stop_prefetch(p: Option<Prefetch>) {
+    if let Some((stop, t)) = p {
+        stop.store(true, Ordering::Relaxed);
+        let _ = t.join();
+    }
 }
 
 /// Starts the checkpoint service; its flush makes every acknowledged write visible in the
@@ -329,6 +379,7 @@ impl Mounted {
     /// A checkpoint that could not finish is reported (what did not reach the remote) after
     /// the unmount; its changes stay pending in the local state.
     pub fn unmount(mut self) -> Result<(), SessionError> {
+        stop_prefetch(self.prefetch.take());
         let flushed = self.flush();
         let final_cp = match (&flushed, self.persist.as_mut()) {
             (Ok(()), Some(p)) => Some(p.finish()),
@@ -378,6 +429,7 @@ impl Mounted {
 
 impl Drop for Mounted {
     fn drop(&mut self) {
+        stop_prefetch(self.prefetch.take());
         if let Some(s) = self.session.take() {
             let _ = self.fs.sync_all();
             let _ = s.umount_and_join();

@@ -1,0 +1,491 @@
+//! Lazy restore without a kernel (`WorkspaceFs` called directly): a lazy restore fetches no
+//! chunk; a read fetches exactly the windows it touches (plus the designed readahead for
+//! sequential readers); reading everything gives the original tree; checkpoints after a
+//! lazy restore upload only what changed and never hash an unfetched window's sparse zeros
+//! (also after a crash); a corrupt chunk fails the read with EIO naming it; a crash between
+//! the body write and its record refetches instead of showing zeros; truncates and whole
+//! window overwrites respect unfetched windows. Over `MemRemote` and over real S3 (moto).
+
+mod persist_util;
+mod s3_util;
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use keel::chunk::ChunkId;
+use keel::meta::InodeNo;
+use keel::persist::hydrate::RemoteChunks;
+use keel::persist::remote::{ObjectInfo, PutMode, RemoteResult};
+use keel::persist::restore::{restore, restore_with, RestoreMode};
+use keel::persist::{MemRemote, Remote, Repo};
+use keel::workspace::fs::{SetAttr, WorkspaceFs};
+use persist_util::*;
+
+/// Designed readahead: a sequential read fetches this many windows after its own.
+const READAHEAD: u64 = 4;
+
+/// Counts GETs of chunk objects (keys under `/chunks/`), single and batched.
+struct ChunkGets {
+    inner: Arc<dyn Remote>,
+    gets: AtomicU64,
+}
+
+impl ChunkGets {
+    fn new(inner: Arc<dyn Remote>) -> Arc<ChunkGets> {
+        Arc::new(ChunkGets {
+            inner,
+            gets: AtomicU64::new(0),
+        })
+    }
+    fn n(&self) -> u64 {
+        self.gets.load(Ordering::SeqCst)
+    }
+    fn note(&self, key: &str) {
+        if key.contains("/chunks/") {
+            self.gets.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Remote for ChunkGets {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn get(&self, key: &str) -> RemoteResult<Bytes> {
+        self.note(key);
+        self.inner.get(key)
+    }
+    fn get_range(&self, key: &str, range: Range<u64>) -> RemoteResult<Bytes> {
+        self.note(key);
+        self.inner.get_range(key, range)
+    }
+    fn head(&self, key: &str) -> RemoteResult<Option<ObjectInfo>> {
+        self.inner.head(key)
+    }
+    fn put(&self, key: &str, data: Bytes, mode: PutMode) -> RemoteResult<Option<String>> {
+        self.inner.put(key, data, mode)
+    }
+    fn delete(&self, key: &str) -> RemoteResult<()> {
+        self.inner.delete(key)
+    }
+    fn list(&self, prefix: &str) -> RemoteResult<Vec<ObjectInfo>> {
+        self.inner.list(prefix)
+    }
+    fn flush(&self) -> RemoteResult<()> {
+        self.inner.flush()
+    }
+    fn put_many_absent(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
+        self.inner.put_many_absent(items)
+    }
+    fn get_many(&self, keys: &[String]) -> Vec<RemoteResult<Bytes>> {
+        for k in keys {
+            self.note(k);
+        }
+        self.inner.get_many(keys)
+    }
+}
+
+fn a_bytes() -> Vec<u8> {
+    noise(11, 10 * CHUNK as usize)
+}
+fn b_bytes() -> Vec<u8> {
+    noise(12, 7 * CHUNK as usize + 1234)
+}
+
+/// The rich tree plus multi-window files: `lz/a` (10 windows), `lz/b` (8, the last
+/// short), `lz/c` (sparse: data in windows 3 and 9 only).
+fn build(fs: &WorkspaceFs) {
+    build_rich_tree(fs);
+    mkdir(fs, "lz");
+    write_file(fs, "lz/a", &a_bytes());
+    write_file(fs, "lz/b", &b_bytes());
+    let c = write_file(fs, "lz/c", b"");
+    write_at(fs, c, 3 * CHUNK + 5, b"xyz");
+    write_at(fs, c, 9 * CHUNK, b"tail");
+}
+
+struct Lazy {
+    _src: tempfile::TempDir,
+    dst: tempfile::TempDir,
+    remote: Arc<ChunkGets>,
+    /// The source tree as checkpointed.
+    want: BTreeMap<String, String>,
+    /// Windows the lazy restore left to fetch.
+    missing: u64,
+}
+
+impl Lazy {
+    fn new(inner: Arc<dyn Remote>) -> Lazy {
+        let remote = ChunkGets::new(Arc::new(keel::persist::Counted::new(inner)));
+        let src = tempfile::tempdir().unwrap();
+        let fs = open_fs(src.path());
+        build(&fs);
+        let want = dump(&fs);
+        fs.shutdown().unwrap();
+        drop(fs);
+        let mut p = persister(src.path(), remote.clone());
+        checkpoint(&mut p);
+        drop(p);
+        let dst = tempfile::tempdir().unwrap();
+        let before = remote.n();
+        let mut repo = Repo::new(remote.clone(), "ws");
+        let r = restore_with(&mut repo, None, dst.path(), false, RestoreMode::Lazy).unwrap();
+        assert_eq!(remote.n(), before, "a lazy restore fetched chunks");
+        assert_eq!(r.chunks_fetched, 0);
+        assert!(r.windows_missing > 20, "{r:?}");
+        Lazy {
+            _src: src,
+            dst,
+            remote,
+            want,
+            missing: r.windows_missing,
+        }
+    }
+
+    fn open(&self) -> WorkspaceFs {
+        let fs = open_fs(self.dst.path());
+        let mut repo = Repo::new(self.remote.clone(), "ws");
+        repo.manifest().unwrap();
+        fs.set_chunk_source(Arc::new(RemoteChunks::new(repo)));
+        fs
+    }
+}
+
+fn read(fs: &WorkspaceFs, ino: InodeNo, off: u64, len: u64) -> Vec<u8> {
+    let mut buf = Vec::new();
+    fs.read(ino, off, len as u32, &mut buf).unwrap();
+    buf
+}
+
+fn win(v: &[u8], idx: u64) -> &[u8] {
+    let s = (idx * CHUNK) as usize;
+    &v[s..(s + CHUNK as usize).min(v.len())]
+}
+
+/// Restores the head eagerly elsewhere and dumps it.
+fn eager_dump(remote: Arc<dyn Remote>) -> (tempfile::TempDir, BTreeMap<String, String>) {
+    let dir = tempfile::tempdir().unwrap();
+    restore(&mut Repo::new(remote, "ws"), None, dir.path(), false).unwrap();
+    let fs = open_fs(dir.path());
+    let d = dump(&fs);
+    drop(fs);
+    (dir, d)
+}
+
+fn on_demand(inner: Arc<dyn Remote>) {
+    let l = Lazy::new(inner);
+    let fs = l.open();
+    let g0 = l.remote.n();
+    let a = resolve(&fs, "lz/a");
+    let b = resolve(&fs, "lz/b");
+
+    // A random read: exactly its window.
+    assert_eq!(read(&fs, a, 3 * CHUNK, CHUNK), win(&a_bytes(), 3));
+    assert_eq!(l.remote.n() - g0, 1, "random read of one window");
+    assert_eq!(
+        read(&fs, a, 3 * CHUNK + 10, 100),
+        &win(&a_bytes(), 3)[10..110]
+    );
+    assert_eq!(
+        l.remote.n() - g0,
+        1,
+        "a fetched window is not fetched again"
+    );
+
+    // A sequential reader: its window plus READAHEAD more, then nothing until it reaches
+    // the first window not fetched yet.
+    let g1 = l.remote.n();
+    assert_eq!(read(&fs, b, 0, CHUNK), win(&b_bytes(), 0));
+    assert_eq!(
+        l.remote.n() - g1,
+        1 + READAHEAD,
+        "sequential read + readahead"
+    );
+    for i in 1..=READAHEAD {
+        assert_eq!(read(&fs, b, i * CHUNK, CHUNK), win(&b_bytes(), i));
+    }
+    assert_eq!(
+        l.remote.n() - g1,
+        1 + READAHEAD,
+        "readahead windows were fetched"
+    );
+    assert_eq!(read(&fs, b, 5 * CHUNK, CHUNK), win(&b_bytes(), 5));
+    // Windows 6 and 7 are all that is left of b.
+    assert_eq!(
+        l.remote.n() - g1,
+        8,
+        "each window of b fetched exactly once"
+    );
+
+    // One small write: fetches its window first, and the checkpoint after it uploads only
+    // that window (everything else keeps its chunk id, fetched or not).
+    let g2 = l.remote.n();
+    write_at(&fs, a, 7 * CHUNK + 10, b"patch");
+    assert_eq!(l.remote.n() - g2, 1, "a partial write fetches its window");
+    let mut want_a = a_bytes();
+    want_a[(7 * CHUNK + 10) as usize..(7 * CHUNK + 15) as usize].copy_from_slice(b"patch");
+    fs.sync_all().unwrap();
+    let mut p = persister(l.dst.path(), l.remote.clone());
+    let r = checkpoint(&mut p);
+    assert_eq!(r.windows_hashed, 1, "{r}");
+    assert_eq!(r.chunks_uploaded, 1, "{r}");
+    assert_eq!(r.chunk_bytes_uploaded, CHUNK, "{r}");
+    drop(p);
+
+    // Reading everything: the original tree (with the patch), each chunk fetched once.
+    let got = dump(&fs);
+    assert_eq!(fs.missing_windows().unwrap(), 0);
+    assert_eq!(
+        l.remote.n() - g0,
+        l.missing,
+        "every stored window fetched exactly once"
+    );
+    assert_eq!(read_all(&fs, a).unwrap(), want_a);
+    let strip = |d: &BTreeMap<String, String>| {
+        let mut d = d.clone();
+        d.remove("/lz/a");
+        d.remove("/lz");
+        d
+    };
+    assert_eq!(strip(&got), strip(&l.want), "lazily restored tree differs");
+    assert!(got["/lz/a"].contains(&format!("size={}", want_a.len())));
+
+    // The snapshot taken while most windows were unfetched restores to the same bytes.
+    drop(fs);
+    let (_d, eager) = eager_dump(l.remote.clone());
+    assert_eq!(eager["/lz/a"], got["/lz/a"]);
+    assert_eq!(strip(&eager), strip(&l.want));
+}
+
+#[test]
+fn lazy_restore_fetches_on_demand_mem() {
+    on_demand(Arc::new(MemRemote::new()));
+}
+
+#[test]
+fn lazy_restore_fetches_on_demand_s3() {
+    let Some((_moto, port)) = s3_util::start_moto() else {
+        return;
+    };
+    let cfg = s3_util::s3_config(port);
+    let repo = keel::persist::open_remote("s3://keel", &cfg).unwrap();
+    on_demand(repo.remote.clone());
+}
+
+#[test]
+fn checkpoint_after_a_crash_never_hashes_unfetched_windows() {
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    let mut p = persister(l.dst.path(), l.remote.clone());
+    // Mounted, then killed: every body looks modified since the last clean point.
+    p.mark_running(true).unwrap();
+    let fs = l.open();
+    let a = resolve(&fs, "lz/a");
+    assert_eq!(read(&fs, a, 0, CHUNK), win(&a_bytes(), 0));
+    let missing = fs.missing_windows().unwrap();
+    assert_eq!(missing, l.missing - 1 - READAHEAD);
+    drop(fs);
+    drop(p);
+
+    let mut p = persister(l.dst.path(), l.remote.clone());
+    let r = checkpoint(&mut p);
+    // Every window of every body was suspect; the unfetched ones kept their ids.
+    let fs = open_fs(l.dst.path());
+    let mut windows = 0;
+    for path in ["d/e/big", "sparse", "lz/a", "lz/b", "lz/c"] {
+        let size = fs.getattr(resolve(&fs, path)).unwrap().inode.size;
+        windows += size.div_ceil(CHUNK);
+    }
+    drop(fs);
+    assert_eq!(r.windows_hashed, windows - missing, "{r}");
+    assert_eq!(r.chunks_uploaded, 0, "{r}");
+    let (_d, eager) = eager_dump(l.remote.clone());
+    assert_eq!(
+        eager, l.want,
+        "a checkpoint after a crash changed file data"
+    );
+}
+
+/// Collects what `tracing` logs on this thread.
+#[derive(Clone, Default)]
+struct LogBuf(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogBuf {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogBuf {
+    type Writer = LogBuf;
+    fn make_writer(&'a self) -> LogBuf {
+        self.clone()
+    }
+}
+
+#[test]
+fn corrupt_chunk_fails_the_read_with_eio_naming_it() {
+    let mem = Arc::new(MemRemote::new());
+    let l = Lazy::new(mem.clone());
+    let bad = ChunkId::of(win(&a_bytes(), 2));
+    let key = Repo::new(mem.clone(), "ws").chunk_key(&bad);
+    assert!(mem.keys().contains(&key));
+    mem.tamper(&key, |v| {
+        let junk = noise(99, v.len());
+        v.copy_from_slice(&junk)
+    });
+    let fs = l.open();
+    let a = resolve(&fs, "lz/a");
+    let b = resolve(&fs, "lz/b");
+    let log = LogBuf::default();
+    let sub = tracing_subscriber::fmt()
+        .with_writer(log.clone())
+        .with_ansi(false)
+        .finish();
+    tracing::subscriber::with_default(sub, || {
+        let mut buf = Vec::new();
+        for _ in 0..2 {
+            let e = fs.read(a, 2 * CHUNK + 7, 100, &mut buf).unwrap_err();
+            assert_eq!(e.errno(), libc::EIO, "{e}");
+            assert!(e.to_string().contains(&bad.to_hex()), "{e}");
+        }
+        // Other windows and files read fine.
+        assert_eq!(read(&fs, a, CHUNK, CHUNK), win(&a_bytes(), 1));
+        assert_eq!(read_all(&fs, b).unwrap(), b_bytes());
+    });
+    let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+    let lines: Vec<&str> = text.lines().filter(|l| l.contains(&bad.to_hex())).collect();
+    assert_eq!(lines.len(), 2, "one line per failed read:\n{text}");
+    assert!(
+        lines[0].contains("window 2") && lines[0].contains("corrupt"),
+        "{}",
+        lines[0]
+    );
+    assert!(fs.missing_windows().unwrap() > 0);
+}
+
+#[test]
+fn crash_between_body_write_and_record_refetches() {
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = l.open();
+    let a = resolve(&fs, "lz/a");
+    // Recorded: window 5 (a random read: no readahead).
+    assert_eq!(read(&fs, a, 5 * CHUNK, 10), &win(&a_bytes(), 5)[..10]);
+    // Written into the body but never recorded (killed in between): window 1 holds junk.
+    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join("bodies")).unwrap();
+    let f = bodies.open_rw(a.0).unwrap();
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(&vec![0xAA; CHUNK as usize / 2], CHUNK)
+        .unwrap();
+    drop(f);
+    // No clean close.
+    drop(fs);
+
+    let fs = l.open();
+    let g = l.remote.n();
+    let got = read_all(&fs, a).unwrap();
+    assert_eq!(got, a_bytes(), "wrong bytes after a crash");
+    for i in 0..10 {
+        assert!(win(&got, i).iter().any(|b| *b != 0), "window {i} is zeros");
+    }
+    assert_eq!(
+        l.remote.n() - g,
+        9,
+        "the recorded window is not fetched again"
+    );
+}
+
+#[test]
+fn truncate_overwrite_and_seek_respect_unfetched_windows() {
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = l.open();
+    let a = resolve(&fs, "lz/a");
+    let b = resolve(&fs, "lz/b");
+    let g = l.remote.n();
+
+    // SEEK_HOLE sees no holes while windows are missing.
+    assert_eq!(fs.seek(b, 0, false).unwrap(), b_bytes().len() as u64);
+    assert_eq!(fs.seek(b, 100, true).unwrap(), 100);
+
+    // Shrink into window 2 (fetched first, its head kept), then grow again: the windows
+    // past the cut are gone (zeros), not fetched.
+    let cut = 2 * CHUNK + 100;
+    let set = |size| SetAttr {
+        size: Some(size),
+        ..Default::default()
+    };
+    fs.setattr(a, &set(cut)).unwrap();
+    assert_eq!(l.remote.n() - g, 1, "truncate fetches the window it cuts");
+    fs.setattr(a, &set(10 * CHUNK)).unwrap();
+    let got = read_all(&fs, a).unwrap();
+    assert_eq!(&got[..cut as usize], &a_bytes()[..cut as usize]);
+    assert!(got[cut as usize..].iter().all(|b| *b == 0));
+    assert_eq!(
+        l.remote.n() - g,
+        3,
+        "windows 0 and 1 fetched, none past the cut"
+    );
+
+    // A write over a whole window needs no fetch; the window stays present after reopen.
+    let g = l.remote.n();
+    let fill = vec![0x55u8; CHUNK as usize];
+    write_at(&fs, b, 3 * CHUNK, &fill);
+    assert_eq!(l.remote.n() - g, 0, "a whole-window overwrite fetched");
+    assert_eq!(read(&fs, b, 3 * CHUNK, CHUNK), fill);
+    assert_eq!(l.remote.n() - g, 0);
+    fs.sync_all().unwrap();
+    drop(fs);
+    let fs = l.open();
+    let b = resolve(&fs, "lz/b");
+    let mut want = b_bytes();
+    want[3 * CHUNK as usize..4 * CHUNK as usize].copy_from_slice(&fill);
+    assert_eq!(read_all(&fs, b).unwrap(), want);
+    assert_eq!(
+        l.remote.n() - g,
+        7,
+        "the overwritten window was fetched after all"
+    );
+}
+
+#[test]
+fn fsck_does_not_call_unfetched_windows_corrupt() {
+    use keel::persist::fsck::{fsck, FsckOptions, Level};
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = l.open();
+    let a = resolve(&fs, "lz/a");
+    assert_eq!(read(&fs, a, 4 * CHUNK, 10), &win(&a_bytes(), 4)[..10]);
+    fs.shutdown().unwrap();
+    drop(fs);
+    let opts = FsckOptions {
+        repair: false,
+        quick: false,
+        chunk_size: CHUNK,
+        remote: Some(Repo::new(l.remote.clone(), "ws")),
+        progress: false,
+    };
+    let rep = fsck(l.dst.path(), &opts).unwrap();
+    let bad: Vec<_> = rep
+        .findings
+        .iter()
+        .filter(|f| f.level != Level::Note)
+        .collect();
+    assert!(bad.is_empty(), "{bad:?}");
+    // It did look at the fetched windows.
+    assert!(rep.windows_hashed >= 1, "{rep:?}");
+    // A fetched window damaged behind keel's back is still found.
+    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join("bodies")).unwrap();
+    use std::os::unix::fs::FileExt;
+    bodies
+        .open_rw(a.0)
+        .unwrap()
+        .write_all_at(b"damage", 4 * CHUNK)
+        .unwrap();
+    let rep = fsck(l.dst.path(), &opts).unwrap();
+    assert_eq!(rep.count(Level::Error), 1, "{:?}", rep.findings);
+}
