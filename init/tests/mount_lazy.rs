@@ -43,10 +43,24 @@ fn source(remote_dir: &Path, src: &Path) -> BTreeMap<&'static str, Vec<u8>> {
     files
 }
 
+/// Unfetched windows as committed to the state dir. The mounted keel groups its metadata
+/// commits (at most 20 ms apart), so read until two reads 100 ms apart agree.
 fn missing_windows(state: &Path) -> u64 {
-    let s = Store::open(&state.join("meta.db"), Nanos(0)).unwrap();
-    let n = s.read().missing_window_count().unwrap();
-    n
+    let read = || {
+        let s = Store::open(&state.join("meta.db"), Nanos(0)).unwrap();
+        let n = s.read().missing_window_count().unwrap();
+        n
+    };
+    let t0 = std::time::Instant::now();
+    let mut last = read();
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let now = read();
+        if now == last || t0.elapsed() > std::time::Duration::from_secs(10) {
+            return now;
+        }
+        last = now;
+    }
 }
 
 /// A lazily restored state dir under `tmp`, and the config that mounts it.
