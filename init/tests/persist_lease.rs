@@ -163,6 +163,9 @@ fn abandoned_lease_refuse_wait_force_and_the_old_holder_is_fenced() {
     restore::restore(&mut r2, None, dir2.path(), false).unwrap();
     let fs2 = open_fs(dir2.path());
     write_file(&fs2, "c.txt", b"new holder");
+    // A clean close: dropping the filesystem alone would be a crash, losing the open
+    // metadata group.
+    fs2.shutdown().unwrap();
     drop(fs2);
     let mut p2 = Persister::open(dir2.path(), r2, params()).unwrap();
     p2.set_lease(Some(forced.handle()));
