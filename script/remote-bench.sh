@@ -138,7 +138,7 @@ bench() {
     done
     # change one file, checkpoint, read what was uploaded
     local out
-    out=$(krun "$name" sh -c 'echo one more line >>"$MNT/d004/f00420" && "'"$KEEL_BIN"'" checkpoint --config "$CFG"')
+    out=$(krun "$name" sh -c 'echo one more line >>"$MNT/d000/f00042" && "'"$KEEL_BIN"'" checkpoint --config "$CFG"')
     local up
     up=$(echo "$out" | sed -n 's/.* \([0-9]*\) chunks \/ \([0-9]*\) bytes uploaded, snapshot \([0-9]*\) bytes.*/\1 chunks, \2 B + \3 B snapshot/p')
     [ -n "$up" ] || up="? ($out)"
