@@ -169,6 +169,7 @@ fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Se
         lease = crate::persist::lease::ReleaseOnDrop::new(crate::persist::acquire_lease(
             &cfg.workspace.state_dir,
             &cfg.persist,
+            false,
         )?);
         match crate::persist::cli::restore_on_start(&cfg) {
             Ok(Some(what)) => info!("{what}"),

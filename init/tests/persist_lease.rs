@@ -65,13 +65,14 @@ fn second_writer_is_refused_with_the_holder_named_until_the_first_releases() {
     };
     let c = cfg(port, "two", Duration::from_secs(30), Takeover::Refuse);
     let dir = tempfile::tempdir().unwrap();
-    let first = acquire_lease(dir.path(), &c)
+    let first = acquire_lease(dir.path(), &c, false)
         .unwrap()
         .expect("lease on for s3");
     let info = first.info();
     assert_eq!((info.state, info.epoch), (LeaseState::Held, 1));
 
-    let e = acquire_lease(dir.path(), &c)
+    let other = tempfile::tempdir().unwrap();
+    let e = acquire_lease(other.path(), &c, false)
         .err()
         .expect("refused")
         .to_string();
@@ -86,7 +87,7 @@ fn second_writer_is_refused_with_the_holder_named_until_the_first_releases() {
     no_secret("refusal", &e);
 
     first.release().unwrap();
-    let second = acquire_lease(dir.path(), &c).unwrap().unwrap();
+    let second = acquire_lease(other.path(), &c, false).unwrap().unwrap();
     assert_eq!(second.info().epoch, 2);
     assert_ne!(second.info().holder, info.holder);
     second.release().unwrap();
@@ -102,10 +103,11 @@ fn abandoned_lease_refuse_wait_force_and_the_old_holder_is_fenced() {
     let dir = tempfile::tempdir().unwrap();
 
     // Killed without releasing: the lease stays live until it expires.
-    let dead = acquire_lease(dir.path(), &c).unwrap().unwrap();
+    let dead_dir = tempfile::tempdir().unwrap();
+    let dead = acquire_lease(dead_dir.path(), &c, false).unwrap().unwrap();
     let t_dead = Instant::now();
     drop(dead);
-    let e = acquire_lease(dir.path(), &c)
+    let e = acquire_lease(dir.path(), &c, false)
         .err()
         .expect("refused while live");
     assert!(e.to_string().contains("epoch 1"), "{e}");
@@ -115,6 +117,7 @@ fn abandoned_lease_refuse_wait_force_and_the_old_holder_is_fenced() {
             takeover: Takeover::Wait,
             ..c.clone()
         },
+        false,
     )
     .unwrap()
     .unwrap();
@@ -136,12 +139,14 @@ fn abandoned_lease_refuse_wait_force_and_the_old_holder_is_fenced() {
     let r = p.checkpoint(&CheckpointOptions::default()).unwrap();
     assert_eq!(head_seq(&c), Some((r.seq.unwrap(), 2)));
 
+    let thief_dir = tempfile::tempdir().unwrap();
     let forced = acquire_lease(
-        dir.path(),
+        thief_dir.path(),
         &PersistConfig {
             takeover: Takeover::Force,
             ..c.clone()
         },
+        false,
     )
     .unwrap()
     .unwrap();
@@ -205,7 +210,7 @@ fn remote_cut_mid_checkpoint_is_retried_and_nothing_is_lost() {
     for i in 0..24u64 {
         write_file(&fs, &format!("big/f{i}"), &noise(i, 1 << 20));
     }
-    let lease = acquire_lease(dir.path(), &c).unwrap();
+    let lease = acquire_lease(dir.path(), &c, false).unwrap();
     let svc = Service::start(&service_cfg(dir.path()), &c, Box::new(|| Ok(())), lease)
         .unwrap()
         .unwrap();
@@ -272,7 +277,7 @@ fn remote_cut_mid_checkpoint_is_retried_and_nothing_is_lost() {
     restore::restore(&mut repo, None, target.path(), false).unwrap();
     assert_eq!(dump(&open_fs(target.path())), dump(&fs));
     // Released at close: the next writer gets it at once.
-    let next = acquire_lease(dir.path(), &direct_with_lease(&direct))
+    let next = acquire_lease(dir.path(), &direct_with_lease(&direct), false)
         .unwrap()
         .unwrap();
     assert_eq!(next.info().epoch, 2);
@@ -313,7 +318,9 @@ fn errors_are_classified_and_never_carry_credentials() {
     assert!(t0.elapsed() < Duration::from_secs(10), "deadline ignored");
     no_secret("connection error", &e.to_string());
     no_secret("connection error (debug)", &format!("{e:?}"));
-    let le = acquire_lease(Path::new("/nonexistent"), &c).err().unwrap();
+    let le = acquire_lease(Path::new("/nonexistent"), &c, false)
+        .err()
+        .unwrap();
     no_secret("lease error", &le.to_string());
 
     // A bucket that does not exist: permanent, not retried.
@@ -346,7 +353,7 @@ fn service_state_reports_failures_and_the_lost_lease() {
     let dir = tempfile::tempdir().unwrap();
     let fs = open_fs(dir.path());
     write_file(&fs, "x", b"x");
-    let lease = acquire_lease(dir.path(), &c).unwrap();
+    let lease = acquire_lease(dir.path(), &c, false).unwrap();
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let svc = Service::start(&service_cfg(dir.path()), &c, Box::new(|| Ok(())), lease)
         .unwrap()
@@ -358,12 +365,14 @@ fn service_state_reports_failures_and_the_lost_lease() {
     assert_eq!(held.lease.as_ref().unwrap().state, LeaseState::Held);
     assert!(held.last_seq.is_some());
 
+    let thief_dir = tempfile::tempdir().unwrap();
     let _thief = acquire_lease(
-        dir.path(),
+        thief_dir.path(),
         &PersistConfig {
             takeover: Takeover::Force,
             ..c.clone()
         },
+        false,
     )
     .unwrap()
     .unwrap();
@@ -490,6 +499,36 @@ fn keel_mount_twice_on_one_prefix() {
     let status = persist_status(&s2);
     assert!(
         status.contains("lease: held") && status.contains("epoch 2"),
+        "{status}"
+    );
+
+    // Killed: the lease stays live. Another state dir is still refused, but a keel restarted
+    // on the same state dir takes its own lease back at once (no takeover, no waiting).
+    common::sys::kill(second.id(), libc::SIGKILL);
+    let _ = wait_timeout(&mut second, Duration::from_secs(30));
+    lazy_unmount(&m2);
+    let (s3, m3) = (tmp.path().join("s3"), tmp.path().join("m3"));
+    match spawn_mount(&s3, &m3, &args, &log) {
+        MountOutcome::Exited { status, stderr } => {
+            assert!(!status.success(), "{status}");
+            assert!(stderr.contains("epoch 2"), "{stderr}");
+        }
+        MountOutcome::Mounted(mut c) => {
+            let _ = c.kill();
+            let _ = c.wait();
+            lazy_unmount(&m3);
+            panic!("a third state dir mounted while the killed keel's lease was live");
+        }
+    }
+    let MountOutcome::Mounted(mut second) = spawn_mount(&s2, &m2, &args, &log) else {
+        panic!(
+            "restart on the killed keel's state dir failed:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+    };
+    let status = persist_status(&s2);
+    assert!(
+        status.contains("lease: held") && status.contains("epoch 3"),
         "{status}"
     );
     common::sys::kill(second.id(), libc::SIGTERM);

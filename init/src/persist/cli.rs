@@ -232,7 +232,8 @@ pub fn checkpoint_main(args: Vec<OsString>) -> i32 {
         let mut p = Persister::open(state, repo_of(&cfg)?, params(&cfg.workspace, &cfg.persist))
             .map_err(|e| e.to_string())?;
         // The head moves: only as the workspace's one writer.
-        let mut lease = super::acquire_lease(state, &cfg.persist).map_err(|e| e.to_string())?;
+        let mut lease =
+            super::acquire_lease(state, &cfg.persist, true).map_err(|e| e.to_string())?;
         if let Some(l) = lease.as_mut() {
             l.start_renewal()
                 .map_err(|e| format!("start lease renewal: {e}"))?;

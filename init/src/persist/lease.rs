@@ -352,11 +352,15 @@ pub struct LeaseHandle(Arc<Shared>);
 impl Lease {
     /// Takes the lease `<ws>/lease` (`key`) on `remote` for `ttl`, or fails with who holds
     /// it. `takeover` says what to do about a live lease of another holder.
+    /// `reclaim`: the holder id of a previous keel on this same state dir that is known to
+    /// be gone (it stopped without releasing, e.g. killed): its live lease is taken at once,
+    /// whatever `takeover` says.
     pub fn acquire(
         remote: Arc<dyn Remote>,
         key: &str,
         ttl: Duration,
         takeover: Takeover,
+        reclaim: Option<&str>,
     ) -> Result<Lease, LeaseError> {
         let mut wait_until: Option<i64> = None;
         let t0 = Instant::now();
@@ -374,7 +378,13 @@ impl Lease {
                             reason: "the store gives no object versions (ETags)".into(),
                         },
                     })?;
-                    if r.live(now) {
+                    if r.live(now) && reclaim == Some(r.holder.as_str()) {
+                        tracing::info!(
+                            "reclaiming the workspace lease this state dir's previous keel held ({}, epoch {}): it stopped without releasing it",
+                            r.who(),
+                            r.epoch
+                        );
+                    } else if r.live(now) {
                         match takeover {
                             Takeover::Refuse => {
                                 return Err(LeaseError::Held {
@@ -502,6 +512,11 @@ impl Lease {
 
     pub fn info(&self) -> LeaseInfo {
         self.shared.info()
+    }
+
+    /// Our random holder id, as written in the lease object.
+    pub fn holder_id(&self) -> String {
+        lock(&self.shared.st).record.holder.clone()
     }
 
     /// Called with the new state after every renewal and when the lease is lost.
@@ -646,7 +661,7 @@ mod tests {
     const KEY: &str = "ws/lease";
 
     fn take(r: &Arc<MemRemote>, ttl_ms: u64, t: Takeover) -> Result<Lease, LeaseError> {
-        Lease::acquire(r.clone(), KEY, Duration::from_millis(ttl_ms), t)
+        Lease::acquire(r.clone(), KEY, Duration::from_millis(ttl_ms), t, None)
     }
 
     #[test]
@@ -665,6 +680,32 @@ mod tests {
         let b = take(&r, 30_000, Takeover::Refuse).unwrap();
         assert_eq!(b.info().epoch, 2);
         assert_eq!(b.handle().check().unwrap(), 2);
+    }
+
+    #[test]
+    fn a_crashed_holder_is_reclaimed_only_by_its_own_id() {
+        let r = Arc::new(MemRemote::new());
+        let a = take(&r, 30_000, Takeover::Refuse).unwrap();
+        let id = a.holder_id();
+        drop(a); // killed: never released, still live
+        let other = Lease::acquire(
+            r.clone(),
+            KEY,
+            Duration::from_secs(30),
+            Takeover::Refuse,
+            Some("not-the-holder"),
+        );
+        assert!(matches!(other, Err(LeaseError::Held { .. })));
+        let b = Lease::acquire(
+            r.clone(),
+            KEY,
+            Duration::from_secs(30),
+            Takeover::Refuse,
+            Some(&id),
+        )
+        .unwrap();
+        assert_eq!(b.info().epoch, 2, "a reclaim is a new epoch");
+        assert_ne!(b.holder_id(), id);
     }
 
     #[test]

@@ -59,12 +59,21 @@ pub fn open_remote(url: &str, cfg: &PersistConfig) -> Result<Repo, RemoteError> 
     Ok(Repo::new(r, prefix))
 }
 
+/// The file in the state dir that remembers the holder id of the lease its keel took, so a
+/// keel restarted on the same state dir after a crash takes its own lease back at once.
+pub const LEASE_HOLDER_FILE: &str = "lease.holder";
+
 /// Takes the single-writer lease of the workspace's remote (with its own connection, so
 /// renewals never queue behind a checkpoint's uploads). `Ok(None)` when the lease is off
 /// (`lease_ttl = "0s"`, no remote, or the default remote inside the state dir).
+///
+/// A live lease whose holder is the one this state dir recorded is reclaimed without a
+/// takeover when no keel runs on the state dir: `state_locked` says the caller holds the
+/// state dir's lock; otherwise the lock must be free.
 pub fn acquire_lease(
     state_dir: &Path,
     cfg: &PersistConfig,
+    state_locked: bool,
 ) -> Result<Option<lease::Lease>, lease::LeaseError> {
     if !cfg.lease_enabled() {
         return Ok(None);
@@ -73,13 +82,31 @@ pub fn acquire_lease(
         return Ok(None);
     };
     let repo = open_remote(&url, cfg).map_err(|source| lease::LeaseError::Open { url, source })?;
-    lease::Lease::acquire(
+    let reclaim = previous_holder(state_dir, state_locked);
+    let l = lease::Lease::acquire(
         repo.remote.clone(),
         &repo.lease_key(),
         cfg.lease_ttl,
         cfg.takeover,
-    )
-    .map(Some)
+        reclaim.as_deref(),
+    )?;
+    let holder = l.holder_id();
+    let written = std::fs::create_dir_all(state_dir)
+        .and_then(|()| std::fs::write(state_dir.join(LEASE_HOLDER_FILE), holder.as_bytes()));
+    if let Err(e) = written {
+        tracing::warn!(error = %e, "cannot record the lease holder in the state dir; after a crash the next start waits for the lease to expire");
+    }
+    Ok(Some(l))
+}
+
+/// The holder id recorded in `state_dir`, if no other keel can be running on it.
+fn previous_holder(state_dir: &Path, state_locked: bool) -> Option<String> {
+    let id = std::fs::read_to_string(state_dir.join(LEASE_HOLDER_FILE)).ok()?;
+    if !state_locked {
+        // Free now (dropped at once): whoever recorded the id is gone.
+        crate::sys::file::try_lock(&state_dir.join("lock")).ok()??;
+    }
+    Some(id.trim().to_string())
 }
 
 /// Checkpoint parameters from the config.

@@ -130,7 +130,7 @@ fn restore_inner(
         .flatten()
     {
         let n = e.file_name().to_string_lossy().into_owned();
-        if !["lock", "lost+found", ".keep"].contains(&n.as_str()) {
+        if !["lock", "lost+found", ".keep", super::LEASE_HOLDER_FILE].contains(&n.as_str()) {
             return Err(bad(format!(
                 "not empty (holds `{n}`); restore only into an empty state dir"
             )));

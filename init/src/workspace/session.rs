@@ -191,7 +191,7 @@ fn mount_with(
         Some((p, None)) => Some((
             p,
             ReleaseOnDrop::new(
-                crate::persist::acquire_lease(state, p).map_err(SessionError::Lease)?,
+                crate::persist::acquire_lease(state, p, true).map_err(SessionError::Lease)?,
             ),
         )),
         None => None,
