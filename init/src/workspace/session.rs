@@ -87,6 +87,7 @@ const HARMLESS: &[&str] = &[
     "reserve",
     "reserve.boot",
     "control.sock",
+    crate::persist::LEASE_HOLDER_FILE,
 ];
 
 fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
