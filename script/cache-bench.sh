@@ -8,7 +8,7 @@
 # per variant: cache auto / kernel / none, each with passthrough on (the default on this kernel)
 # and off (reads through keel and the FUSE page cache). In each, a file of --mib MiB (default
 # 64) of random bytes is written, closed and synced; then it is opened and read to the end
-# (`cat`) --reps times (default 9) after one untimed read; the median ms per target is printed
+# (`cat`) --reps times (default 31) after one untimed read; the median ms per target is printed
 # with its ratio to tmpfs and to keel's `kernel` mode with the same passthrough setting.
 # Every re-read is a new open(2), which is what `auto` must keep cheap. Needs root, /dev/fuse.
 set -uo pipefail
@@ -17,7 +17,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 KEEL_BIN=${KEEL_BIN:-$REPO/target/release/keel}
 export KEEL_BIN
 BENCH_DIR=${BENCH_DIR:-$REPO/.bench}
-SHORT=0 REPS=9 MIB=64
+SHORT=0 REPS=31 MIB=64
 while [ $# -gt 0 ]; do
     case $1 in
         --short) SHORT=1 ;;

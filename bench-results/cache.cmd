@@ -1,0 +1,1 @@
+script/cache-bench.sh
