@@ -139,8 +139,9 @@ pub struct PersistParams {
     pub threads: usize,
 }
 
-/// Bytes of windows hashed per batch (bounds memory while uploading).
-const BATCH_BYTES: u64 = 64 << 20;
+/// Bytes of windows hashed per batch (bounds memory while uploading: keel's peak RSS during
+/// a checkpoint is about this plus the snapshot's trees).
+const BATCH_BYTES: u64 = 32 << 20;
 /// Deltas may add up to the size of the last full snapshot (at least this) before the next
 /// checkpoint compacts them into a full one.
 const COMPACT_FLOOR: u64 = 256 << 10;

@@ -202,6 +202,9 @@ impl Worker {
                 self.last_error = Some(e.clone());
             }
         }
+        // A checkpoint's batches and snapshot trees are large and short-lived; without this
+        // glibc keeps that memory in its arenas and keel's RSS stays at the peak.
+        crate::sys::mem::release_free_heap();
         self.publish();
         r
     }
