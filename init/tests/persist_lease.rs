@@ -501,6 +501,11 @@ fn keel_mount_twice_on_one_prefix() {
         status.contains("lease: held") && status.contains("epoch 2"),
         "{status}"
     );
+    // Its empty state dir was restored from the remote before mounting.
+    assert_eq!(
+        std::fs::read(m2.join("hello")).unwrap(),
+        b"from the first writer"
+    );
 
     // Killed: the lease stays live. Another state dir is still refused, but a keel restarted
     // on the same state dir takes its own lease back at once (no takeover, no waiting).

@@ -185,7 +185,7 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
             return 1;
         }
     };
-    let mounted = match crate::workspace::mount_persistent(ws, &cfg.persist) {
+    let mounted = match mount(&cfg) {
         Ok(m) => m,
         Err(e) => {
             eprintln!("keel: mount: {e}");
@@ -203,6 +203,27 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
             1
         }
     }
+}
+
+/// Mounts like `keel run` does: an empty state dir with a configured remote that holds a
+/// snapshot gets it back first (lazily by default), under the lease, so a fresh state dir
+/// never starts empty and checkpoints an empty tree over the workspace.
+fn mount(cfg: &Config) -> Result<crate::workspace::Mounted, String> {
+    let state = &cfg.workspace.state_dir;
+    if cfg.persist.remote.is_empty() || state.join("meta.db").exists() {
+        return crate::workspace::mount_persistent(&cfg.workspace, &cfg.persist)
+            .map_err(|e| e.to_string());
+    }
+    let mut lease = crate::persist::lease::ReleaseOnDrop::new(
+        crate::persist::acquire_lease(state, &cfg.persist, false).map_err(|e| e.to_string())?,
+    );
+    match crate::persist::cli::restore_on_start(cfg) {
+        Ok(Some(what)) => tracing::info!("{what}"),
+        Ok(None) => {}
+        Err(e) => return Err(format!("restore from the remote: {e}")),
+    }
+    crate::workspace::session::mount_persistent_leased(&cfg.workspace, &cfg.persist, lease.take())
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
