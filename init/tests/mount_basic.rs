@@ -411,6 +411,61 @@ fn chmod_chown_utimens() {
     assert_ne!(mtime_ns(&p), SENTINEL_NS, "O_TRUNC updates mtime");
 }
 
+/// Write, truncate, O_TRUNC and chown drop setuid (and setgid when the group may execute)
+/// exactly as the host filesystem does: keel does it itself (FUSE_HANDLE_KILLPRIV_V2), so
+/// the same steps run as an unprivileged user on keel and on the host, and must agree.
+#[test]
+fn writes_by_other_users_drop_setuid_like_the_host() {
+    let k = keel_or_skip!();
+    let host = k.scratch().join("host");
+    fs::create_dir(&host).unwrap();
+    // The user must reach both directories.
+    for d in [k.scratch(), host.as_path(), k.mnt.as_path()] {
+        fs::set_permissions(d, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    // (file mode, command run as uid/gid 1000, or as root when `root`)
+    let cases: [(u32, &str, bool); 7] = [
+        (0o6775, "printf x >> f", false),
+        (0o2765, "printf x >> f", false),
+        (0o6775, "printf x >> f", true),
+        (0o6775, "truncate -s 1 f", false),
+        (0o4755, ": > f", false),
+        (0o6775, "dd if=/dev/zero of=f bs=4k count=1 conv=notrunc status=none", false),
+        (0o4775, "cat f > /dev/null", false),
+    ];
+    let outcome = |dir: &Path, mode: u32, cmd: &str, root: bool| -> u32 {
+        let f = dir.join("f");
+        let _ = fs::remove_file(&f);
+        fs::write(&f, b"0123456789").unwrap();
+        std::os::unix::fs::chown(&f, Some(1000), Some(1000)).unwrap();
+        fs::set_permissions(&f, fs::Permissions::from_mode(mode)).unwrap();
+        let mut c = std::process::Command::new("sh");
+        c.arg("-c").arg(cmd).current_dir(dir);
+        if !root {
+            use std::os::unix::process::CommandExt;
+            c.uid(1000).gid(1000);
+        }
+        let st = c.status().unwrap();
+        assert!(st.success(), "`{cmd}` failed in {}", dir.display());
+        fs::metadata(&f).unwrap().mode() & 0o7777
+    };
+    for (mode, cmd, root) in cases {
+        let want = outcome(&host, mode, cmd, root);
+        let got = outcome(&k.mnt, mode, cmd, root);
+        assert_eq!(
+            format!("{got:o}"),
+            format!("{want:o}"),
+            "mode {mode:o} after `{cmd}` (root: {root}): keel vs host"
+        );
+    }
+    // chown by root drops setuid too (and the setgid of a group-executable file).
+    let f = k.p("g");
+    fs::write(&f, b"x").unwrap();
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o6755)).unwrap();
+    std::os::unix::fs::chown(&f, Some(7), None).unwrap();
+    assert_eq!(fs::metadata(&f).unwrap().mode() & 0o7777, 0o755);
+}
+
 #[test]
 fn open_unlinked_file_stays_usable_until_close() {
     let k = keel_or_skip!();

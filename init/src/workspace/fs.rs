@@ -155,6 +155,8 @@ pub struct SetAttr {
     pub atime: Option<SetTime>,
     pub mtime: Option<SetTime>,
     pub ctime: Option<Nanos>,
+    /// Drop setuid/setgid and `security.capability` first (see [`WorkspaceFs::kill_privs`]).
+    pub kill_privs: bool,
 }
 
 /// How the kernel should cache an opened file.
@@ -519,6 +521,8 @@ pub type FsyncHook = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 /// Most inodes remembered as having no xattrs (the set starts over when full).
 const NO_XATTRS_MAX: usize = 1 << 20;
+/// The xattr the kernel probes before writes and that `kill_privs` drops.
+const CAPABILITY_XATTR: &[u8] = b"security.capability";
 
 /// Space kept free for metadata commits on a full volume.
 const RESERVE_BYTES: u64 = 1 << 20;
@@ -975,6 +979,9 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
+        if set.kill_privs {
+            Self::kill_privs_locked(inner, ino)?;
+        }
         let t = now();
         if let Some(size) = set.size {
             // Loads the bytes; refuses directories (EISDIR) and special files (EINVAL).
@@ -1494,13 +1501,19 @@ impl WorkspaceFs {
         }
         // The kernel would read the sparse body directly: a file with windows still to
         // fetch is served through keel until it is complete.
-        let size = Self::load(inner, ino)?.size;
+        let inode = Self::load(inner, ino)?;
+        // A kernel write through a passthrough handle never reaches keel, so nothing would
+        // drop setuid/setgid: writers of such files go through keel (unless passthrough
+        // handles are open already: the kernel refuses to mix the two).
+        let privileged = inode.perm & (libc::S_ISUID | libc::S_ISGID) as u32 != 0
+            && flags & libc::O_ACCMODE != libc::O_RDONLY;
         let passthrough = self.opts.passthrough.load(Ordering::Relaxed)
-            && !self.lazy_incomplete(inner, ino, size)?;
+            && !self.lazy_incomplete(inner, ino, inode.size)?;
         let node = inner.nodes.get_mut(&ino).expect("loaded");
         let mut backing = None;
         // The kernel refuses to mix cached and passthrough handles on one inode.
-        if passthrough && !fresh && node.opens == node.pt_opens {
+        if passthrough && !fresh && node.opens == node.pt_opens && !(privileged && node.opens == 0)
+        {
             let of = node.open.as_mut().expect("loaded");
             if flags & libc::O_ACCMODE != libc::O_RDONLY {
                 self.to_body(of)?;
@@ -2001,8 +2014,14 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         Self::load(inner, ino)?;
+        Self::xattr_cached(inner, ino, name)?.ok_or(FsError::NoAttr)
+    }
+
+    /// One xattr's value; remembers inodes that have none at all, so the kernel's
+    /// `security.capability` probes cost no SQLite query.
+    fn xattr_cached(inner: &mut Inner, ino: InodeNo, name: &[u8]) -> FsResult<Option<Vec<u8>>> {
         if inner.no_xattrs.contains(&ino) {
-            return Err(FsError::NoAttr);
+            return Ok(None);
         }
         let v = inner.store.read().xattr(ino, name)?;
         if v.is_none() && inner.store.read().xattr_names(ino)?.is_empty() {
@@ -2011,7 +2030,43 @@ impl WorkspaceFs {
             }
             inner.no_xattrs.insert(ino);
         }
-        v.ok_or(FsError::NoAttr)
+        Ok(v)
+    }
+
+    /// Drops what a write, truncate or chown by an unprivileged caller must drop from a
+    /// regular file: the setuid bit, the setgid bit when the group may execute (without it,
+    /// setgid marks mandatory locking and stays), and `security.capability`. With
+    /// FUSE_HANDLE_KILLPRIV_V2 the kernel leaves this to the filesystem and, in return, stops
+    /// asking for `security.capability` before every write.
+    pub fn kill_privs(&self, ino: InodeNo) -> FsResult<()> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        self.sync_from_body(inner, ino)?;
+        Self::kill_privs_locked(inner, ino)
+    }
+
+    fn kill_privs_locked(inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        let mut inode = Self::load(inner, ino)?;
+        if inode.kind != Kind::File {
+            return Ok(());
+        }
+        let mut perm = inode.perm & !(libc::S_ISUID as u32);
+        if perm & libc::S_IXGRP as u32 != 0 {
+            perm &= !(libc::S_ISGID as u32);
+        }
+        let cap = Self::xattr_cached(inner, ino, CAPABILITY_XATTR)?.is_some();
+        if perm == inode.perm && !cap {
+            return Ok(());
+        }
+        inode.perm = perm;
+        inode.ctime = now();
+        let mut tx = Batch::new(&inner.store)?;
+        if cap {
+            tx.remove_xattr(ino, CAPABILITY_XATTR)?;
+        }
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)?;
+        Ok(())
     }
 
     /// All xattr names, each followed by a NUL byte.

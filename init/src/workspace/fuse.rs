@@ -45,6 +45,8 @@ pub struct FuseAdapter {
     features: KernelFeatures,
     /// Backing files registered with the kernel, per inode, with their handle count.
     backing: Mutex<HashMap<u64, (BackingId, u32)>>,
+    /// FUSE_HANDLE_KILLPRIV_V2 is on: keel drops setuid/setgid itself (see `kill_privs`).
+    killpriv: bool,
 }
 
 impl FuseAdapter {
@@ -54,6 +56,7 @@ impl FuseAdapter {
             timeouts,
             features,
             backing: Mutex::new(HashMap::new()),
+            killpriv: false,
         }
     }
 
@@ -159,8 +162,19 @@ fn caller(req: &Request) -> Caller {
     }
 }
 
+/// What FUSE_HANDLE_KILLPRIV_V2 leaves to keel on a setattr. fuser drops the kernel's
+/// FATTR_KILL_SUIDGID, so it is inferred from the same rule: always on chown of a non-directory
+/// (`kill_privs` ignores directories), on truncate only for a caller without CAP_FSETID, which
+/// for keel's users means a non-root one.
+fn kill_on_setattr(req: &Request, uid: Option<u32>, gid: Option<u32>, size: Option<u64>) -> bool {
+    uid.is_some() || gid.is_some() || (size.is_some() && req.uid() != 0)
+}
+
+/// FOPEN_NOFLUSH: close(2) sends no FLUSH, one round trip less per file. `release` saves
+/// what FLUSH would have, and the kernel ignores the flag (and flushes its dirty pages) when
+/// the writeback cache is on.
 fn fopen_flags(info: &OpenInfo) -> FopenFlags {
-    let mut f = FopenFlags::empty();
+    let mut f = FopenFlags::FOPEN_NOFLUSH;
     if info.keep_cache {
         f |= FopenFlags::FOPEN_KEEP_CACHE;
     }
@@ -207,7 +221,10 @@ impl Filesystem for FuseAdapter {
             | InitFlags::FUSE_CACHE_SYMLINKS
             | InitFlags::FUSE_ASYNC_DIO
             | InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP
-            | InitFlags::FUSE_ATOMIC_O_TRUNC;
+            | InitFlags::FUSE_ATOMIC_O_TRUNC
+            // keel drops setuid/setgid itself; the kernel then stops sending a GETXATTR of
+            // security.capability before every write (it marks checked inodes S_NOSEC).
+            | InitFlags::FUSE_HANDLE_KILLPRIV_V2;
         let mut passthrough = false;
         if let Some(required) = self.features.passthrough {
             if config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH)
@@ -231,6 +248,8 @@ impl Filesystem for FuseAdapter {
         for flag in wanted.iter() {
             if config.add_capabilities(flag).is_err() {
                 tracing::debug!(?flag, "kernel does not offer this FUSE capability");
+            } else if flag == InitFlags::FUSE_HANDLE_KILLPRIV_V2 {
+                self.killpriv = true;
             }
         }
         let _ = config.set_max_write(1 << 20);
@@ -288,7 +307,7 @@ impl Filesystem for FuseAdapter {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         i: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -312,6 +331,7 @@ impl Filesystem for FuseAdapter {
             atime: atime.map(set_time),
             mtime: mtime.map(set_time),
             ctime: ctime.map(nanos),
+            kill_privs: self.killpriv && kill_on_setattr(req, uid, gid, size),
         };
         match self.fs.setattr(ino(i), &set) {
             Ok(a) => reply.attr(&self.timeouts.attr, &file_attr(&a)),
@@ -414,7 +434,14 @@ impl Filesystem for FuseAdapter {
         self.entry(reply, r);
     }
 
-    fn open(&self, _req: &Request, i: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, i: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        // fuser drops FUSE_OPEN_KILL_SUIDGID; the kernel sets it for an O_TRUNC open by a
+        // caller without CAP_FSETID, which for keel's users means a non-root one.
+        if self.killpriv && flags.0 & libc::O_TRUNC != 0 && req.uid() != 0 {
+            if let Err(e) = self.fs.kill_privs(ino(i)) {
+                return reply.error(errno(&e));
+            }
+        }
         match self.fs.open(ino(i), flags.0) {
             Ok((fh, info)) => match &info.backing {
                 None => reply.opened(FileHandle(fh), fopen_flags(&info)),
@@ -465,11 +492,16 @@ impl Filesystem for FuseAdapter {
         _fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
+            if let Err(e) = self.fs.kill_privs(ino(i)) {
+                return reply.error(errno(&e));
+            }
+        }
         match self.fs.write(ino(i), offset, data) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(&e)),
