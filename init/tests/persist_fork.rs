@@ -512,6 +512,34 @@ fn a_checkpoint_reusing_an_old_unreferenced_chunk_survives_a_sharing_gc() {
     drop(fs);
 }
 
+/// gc looks at an object's age again right before deleting it: a chunk refreshed by a
+/// checkpoint after gc listed the store stays.
+#[test]
+fn gc_spares_a_chunk_refreshed_after_it_listed_the_store() {
+    let root = tempfile::tempdir().unwrap();
+    let cfg = PersistConfig::default();
+    let o_url = format!("file://{}/origin", root.path().display());
+    let (origin, _) = open(&o_url, &cfg);
+    let a = tempfile::tempdir().unwrap();
+    let fs = open_fs(a.path());
+    write_file(&fs, "f", &noise(50, CHUNK as usize));
+    let mut p = Persister::open(a.path(), origin.clone(), params()).unwrap();
+    checkpoint(&mut p);
+    let data = noise(51, 2 * CHUNK as usize);
+    let keys = stale_chunks(&origin, &data);
+    let hooked = Hooked::new(origin.remote.clone());
+    let mut g = Repo::new(hooked.clone(), origin.ws());
+    let (o, k) = (origin.clone(), keys[0].clone());
+    hooked.arm("head", &keys[0], move || {
+        set_age(&o, &[k], SystemTime::now());
+    });
+    let r = gc::gc(&mut g, Some(p.store()), 1, GRACE).unwrap();
+    assert!(hooked.fired(), "{r}");
+    assert_eq!((r.chunks_deleted, r.young_skipped), (1, 1), "{r}");
+    assert_eq!(present(&origin, &window_ids(&data)), 1, "{r}");
+    drop(fs);
+}
+
 fn keel(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_keel"))
         .args(args)
