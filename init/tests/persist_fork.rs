@@ -512,6 +512,70 @@ fn a_checkpoint_reusing_an_old_unreferenced_chunk_survives_a_sharing_gc() {
     drop(fs);
 }
 
+/// The chunks of a file unlinked while still open stay in its local chunk map, but no
+/// snapshot after the unlink names them: a checkpoint reusing them refreshes them too.
+#[test]
+fn chunks_only_an_open_unlinked_file_maps_are_refreshed_when_reused() {
+    let root = tempfile::tempdir().unwrap();
+    let cfg = PersistConfig::default();
+    let o_url = format!("file://{}/origin", root.path().display());
+    let f_url = format!("file://{}/fork", root.path().display());
+    let plain = open_remote(&o_url, &cfg).unwrap();
+    let hooked = Hooked::new(plain.remote.clone());
+    let mut origin = Repo::new(hooked.clone(), plain.ws());
+    origin.manifest().unwrap();
+    let a = tempfile::tempdir().unwrap();
+    let fs = open_fs(a.path());
+    write_file(&fs, "first", &noise(60, CHUNK as usize));
+    let mut p = Persister::open(a.path(), origin.clone(), params()).unwrap();
+    checkpoint(&mut p);
+    let (mut fork_repo, _) = open(&f_url, &cfg);
+    fork(&mut origin.clone(), &mut fork_repo, None).expect("fork");
+    // A file checkpointed, then unlinked while open; compacted away on the origin.
+    let data = noise(61, 2 * CHUNK as usize);
+    let ino = write_file(&fs, "doomed", &data);
+    checkpoint(&mut p);
+    let (fh, _) = fs.open(ino, libc::O_RDONLY).unwrap();
+    fs.unlink(keel::meta::InodeNo::ROOT, b"doomed").unwrap();
+    p.checkpoint(&CheckpointOptions {
+        full: true,
+        ..Default::default()
+    })
+    .unwrap();
+    gc_now(&origin, &p);
+    let keys: Vec<String> = window_ids(&data)
+        .iter()
+        .map(|id| origin.chunk_key(id))
+        .collect();
+    assert_eq!(
+        present(&origin, &window_ids(&data)),
+        2,
+        "the open file's map keeps them"
+    );
+    set_age(
+        &origin,
+        &keys,
+        SystemTime::now() - Duration::from_secs(7200),
+    );
+    // The same bytes again, with the fork's gc at the worst moment.
+    let report = Arc::new(Mutex::new(None));
+    let (r, mut g) = (report.clone(), fork_repo.clone());
+    hooked.arm("put", "snapshots/", move || {
+        *r.lock().unwrap() = Some(gc::gc(&mut g, None, 1, GRACE).expect("fork gc"));
+    });
+    write_file(&fs, "again", &data);
+    let c = checkpoint(&mut p);
+    assert!(hooked.fired());
+    let g = report.lock().unwrap().take().unwrap();
+    let (dir, got) = restore_dump(&o_url, &cfg);
+    assert_eq!(got, dump(&fs));
+    fsck_clean(dir.path(), &o_url, &cfg);
+    assert_eq!(g.chunks_deleted, 0, "{g}");
+    assert_eq!(c.chunks_refreshed, 2, "{c}");
+    fs.release(fh).unwrap();
+    drop(fs);
+}
+
 /// gc looks at an object's age again right before deleting it: a chunk refreshed by a
 /// checkpoint after gc listed the store stays.
 #[test]
