@@ -9,17 +9,23 @@ mod s3_util;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
+use std::ops::Range;
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::process::{Command, Output};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
 
 use keel::chunk::ChunkId;
 use keel::config::PersistConfig;
 use keel::persist::fork::{delete_fork, fork};
 use keel::persist::fsck::{fsck, FsckOptions};
-use keel::persist::{gc, open_remote, restore, CheckpointOptions, Counted, Persister, Repo};
+use keel::persist::remote::{ObjectInfo, PutMode, RemoteResult};
+use keel::persist::{
+    gc, open_remote, restore, CheckpointOptions, Counted, Persister, Remote, Repo,
+};
 use persist_util::*;
 
 fn open(url: &str, cfg: &PersistConfig) -> (Repo, Arc<Counted>) {
@@ -337,6 +343,264 @@ fn pending_fork_pins_its_source_snapshot() {
         .collect();
     assert_eq!(left, vec![4], "{g}");
     assert_eq!(present(&origin, &window_ids(&first)), 0, "{g}");
+    drop(fs);
+}
+
+/// A remote that runs a hook once, just before the first `op` ("put" or "head") on a key
+/// containing `at`: another process acting at the worst moment.
+type Hook = (&'static str, String, Box<dyn FnOnce() + Send>);
+
+struct Hooked {
+    inner: Arc<dyn Remote>,
+    hook: Mutex<Option<Hook>>,
+}
+
+impl Hooked {
+    fn new(inner: Arc<dyn Remote>) -> Arc<Hooked> {
+        Arc::new(Hooked {
+            inner,
+            hook: Mutex::new(None),
+        })
+    }
+    fn arm(&self, op: &'static str, at: &str, f: impl FnOnce() + Send + 'static) {
+        *self.hook.lock().unwrap() = Some((op, at.to_string(), Box::new(f)));
+    }
+    fn fire(&self, op: &str, key: &str) {
+        let mut h = self.hook.lock().unwrap();
+        if h.as_ref()
+            .is_some_and(|(o, at, _)| *o == op && key.contains(at.as_str()))
+        {
+            let (_, _, f) = h.take().unwrap();
+            drop(h);
+            f();
+        }
+    }
+    fn fired(&self) -> bool {
+        self.hook.lock().unwrap().is_none()
+    }
+}
+
+impl Remote for Hooked {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn get(&self, key: &str) -> RemoteResult<Bytes> {
+        self.inner.get(key)
+    }
+    fn get_range(&self, key: &str, range: Range<u64>) -> RemoteResult<Bytes> {
+        self.inner.get_range(key, range)
+    }
+    fn head(&self, key: &str) -> RemoteResult<Option<ObjectInfo>> {
+        self.fire("head", key);
+        self.inner.head(key)
+    }
+    fn put(&self, key: &str, data: Bytes, mode: PutMode) -> RemoteResult<Option<String>> {
+        self.fire("put", key);
+        self.inner.put(key, data, mode)
+    }
+    fn delete(&self, key: &str) -> RemoteResult<()> {
+        self.inner.delete(key)
+    }
+    fn list(&self, prefix: &str) -> RemoteResult<Vec<ObjectInfo>> {
+        self.inner.list(prefix)
+    }
+    fn flush(&self) -> RemoteResult<()> {
+        self.inner.flush()
+    }
+    fn put_many_absent(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
+        self.inner.put_many_absent(items)
+    }
+    fn put_many_fresh(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
+        self.inner.put_many_fresh(items)
+    }
+    fn get_many(&self, keys: &[String]) -> Vec<RemoteResult<Bytes>> {
+        self.inner.get_many(keys)
+    }
+}
+
+/// Gives the objects `keys` of `repo`'s store (a `file://` one) this modification time.
+fn set_age(repo: &Repo, keys: &[String], t: SystemTime) {
+    let root = repo.describe();
+    let root = Path::new(root.strip_prefix("file://").unwrap());
+    for k in keys {
+        std::fs::File::options()
+            .write(true)
+            .open(root.join(k))
+            .and_then(|f| f.set_modified(t))
+            .unwrap_or_else(|e| panic!("set mtime of {k}: {e}"));
+    }
+}
+
+/// Places `data`'s windows in `repo`'s chunk store as chunks no snapshot names (dropped by
+/// every snapshot, or left by a checkpoint that died), two hours old. Their keys.
+fn stale_chunks(repo: &Repo, data: &[u8]) -> Vec<String> {
+    let keys: Vec<String> = window_ids(data)
+        .iter()
+        .map(|id| repo.chunk_key(id))
+        .collect();
+    for (k, w) in keys.iter().zip(data.chunks(CHUNK as usize)) {
+        repo.remote
+            .put(k, Bytes::copy_from_slice(w), PutMode::Create)
+            .unwrap();
+    }
+    set_age(repo, &keys, SystemTime::now() - Duration::from_secs(7200));
+    keys
+}
+
+const GRACE: Duration = Duration::from_secs(3600);
+
+/// A checkpoint that finds a chunk already in the store but unreferenced and old (so past
+/// gc's grace window) refreshes it: a gc of a workspace sharing the store, running between
+/// the chunk uploads and the new head, leaves it alone, and the new snapshot restores.
+#[test]
+fn a_checkpoint_reusing_an_old_unreferenced_chunk_survives_a_sharing_gc() {
+    let root = tempfile::tempdir().unwrap();
+    let cfg = PersistConfig::default();
+    let o_url = format!("file://{}/origin", root.path().display());
+    let f_url = format!("file://{}/fork", root.path().display());
+    let plain = open_remote(&o_url, &cfg).unwrap();
+    let hooked = Hooked::new(plain.remote.clone());
+    let mut origin = Repo::new(hooked.clone(), plain.ws());
+    origin.manifest().unwrap();
+    let a = tempfile::tempdir().unwrap();
+    let fs = open_fs(a.path());
+    write_file(&fs, "first", &noise(40, 2 * CHUNK as usize));
+    let mut p = Persister::open(a.path(), origin.clone(), params()).unwrap();
+    checkpoint(&mut p);
+    let (mut fork_repo, _) = open(&f_url, &cfg);
+    fork(&mut origin.clone(), &mut fork_repo, None).expect("fork");
+
+    let data = noise(41, 2 * CHUNK as usize);
+    let keys = stale_chunks(&origin, &data);
+    // The fork's gc runs after the chunks are checked and before the snapshot is written.
+    let report = Arc::new(Mutex::new(None));
+    let (r, mut g) = (report.clone(), fork_repo.clone());
+    hooked.arm("put", "snapshots/", move || {
+        *r.lock().unwrap() = Some(gc::gc(&mut g, None, 1, GRACE).expect("fork gc"));
+    });
+    write_file(&fs, "again", &data);
+    let c = checkpoint(&mut p);
+    assert!(hooked.fired());
+    let g = report.lock().unwrap().take().unwrap();
+    let (dir, got) = restore_dump(&o_url, &cfg);
+    assert_eq!(got, dump(&fs));
+    fsck_clean(dir.path(), &o_url, &cfg);
+    assert_eq!(present(&origin, &window_ids(&data)), 2, "{g}");
+    assert_eq!((g.chunks_deleted, g.young_skipped), (0, 2), "{g}");
+    assert_eq!((c.chunks_uploaded, c.chunks_refreshed), (0, 2), "{c}");
+
+    // Chunks the last snapshot names are not refreshed: that snapshot protects them.
+    set_age(
+        &origin,
+        &keys,
+        SystemTime::now() - Duration::from_secs(7200),
+    );
+    write_file(&fs, "third", &data);
+    let c = checkpoint(&mut p);
+    assert_eq!((c.chunks_uploaded, c.chunks_refreshed), (0, 0), "{c}");
+    // Nothing pins them for good: once nothing names them, gc takes them.
+    fs.unlink(keel::meta::InodeNo::ROOT, b"again").unwrap();
+    fs.unlink(keel::meta::InodeNo::ROOT, b"third").unwrap();
+    p.checkpoint(&CheckpointOptions {
+        full: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let g = gc_now(&origin, &p);
+    assert!(g.chunks_deleted >= 2, "{g}");
+    assert_eq!(present(&origin, &window_ids(&data)), 0, "{g}");
+    drop(fs);
+}
+
+/// The chunks of a file unlinked while still open stay in its local chunk map, but no
+/// snapshot after the unlink names them: a checkpoint reusing them refreshes them too.
+#[test]
+fn chunks_only_an_open_unlinked_file_maps_are_refreshed_when_reused() {
+    let root = tempfile::tempdir().unwrap();
+    let cfg = PersistConfig::default();
+    let o_url = format!("file://{}/origin", root.path().display());
+    let f_url = format!("file://{}/fork", root.path().display());
+    let plain = open_remote(&o_url, &cfg).unwrap();
+    let hooked = Hooked::new(plain.remote.clone());
+    let mut origin = Repo::new(hooked.clone(), plain.ws());
+    origin.manifest().unwrap();
+    let a = tempfile::tempdir().unwrap();
+    let fs = open_fs(a.path());
+    write_file(&fs, "first", &noise(60, CHUNK as usize));
+    let mut p = Persister::open(a.path(), origin.clone(), params()).unwrap();
+    checkpoint(&mut p);
+    let (mut fork_repo, _) = open(&f_url, &cfg);
+    fork(&mut origin.clone(), &mut fork_repo, None).expect("fork");
+    // A file checkpointed, then unlinked while open; compacted away on the origin.
+    let data = noise(61, 2 * CHUNK as usize);
+    let ino = write_file(&fs, "doomed", &data);
+    checkpoint(&mut p);
+    let (fh, _) = fs.open(ino, libc::O_RDONLY).unwrap();
+    fs.unlink(keel::meta::InodeNo::ROOT, b"doomed").unwrap();
+    p.checkpoint(&CheckpointOptions {
+        full: true,
+        ..Default::default()
+    })
+    .unwrap();
+    gc_now(&origin, &p);
+    let keys: Vec<String> = window_ids(&data)
+        .iter()
+        .map(|id| origin.chunk_key(id))
+        .collect();
+    assert_eq!(
+        present(&origin, &window_ids(&data)),
+        2,
+        "the open file's map keeps them"
+    );
+    set_age(
+        &origin,
+        &keys,
+        SystemTime::now() - Duration::from_secs(7200),
+    );
+    // The same bytes again, with the fork's gc at the worst moment.
+    let report = Arc::new(Mutex::new(None));
+    let (r, mut g) = (report.clone(), fork_repo.clone());
+    hooked.arm("put", "snapshots/", move || {
+        *r.lock().unwrap() = Some(gc::gc(&mut g, None, 1, GRACE).expect("fork gc"));
+    });
+    write_file(&fs, "again", &data);
+    let c = checkpoint(&mut p);
+    assert!(hooked.fired());
+    let g = report.lock().unwrap().take().unwrap();
+    let (dir, got) = restore_dump(&o_url, &cfg);
+    assert_eq!(got, dump(&fs));
+    fsck_clean(dir.path(), &o_url, &cfg);
+    assert_eq!(g.chunks_deleted, 0, "{g}");
+    assert_eq!(c.chunks_refreshed, 2, "{c}");
+    fs.release(fh).unwrap();
+    drop(fs);
+}
+
+/// gc looks at an object's age again right before deleting it: a chunk refreshed by a
+/// checkpoint after gc listed the store stays.
+#[test]
+fn gc_spares_a_chunk_refreshed_after_it_listed_the_store() {
+    let root = tempfile::tempdir().unwrap();
+    let cfg = PersistConfig::default();
+    let o_url = format!("file://{}/origin", root.path().display());
+    let (origin, _) = open(&o_url, &cfg);
+    let a = tempfile::tempdir().unwrap();
+    let fs = open_fs(a.path());
+    write_file(&fs, "f", &noise(50, CHUNK as usize));
+    let mut p = Persister::open(a.path(), origin.clone(), params()).unwrap();
+    checkpoint(&mut p);
+    let data = noise(51, 2 * CHUNK as usize);
+    let keys = stale_chunks(&origin, &data);
+    let hooked = Hooked::new(origin.remote.clone());
+    let mut g = Repo::new(hooked.clone(), origin.ws());
+    let (o, k) = (origin.clone(), keys[0].clone());
+    hooked.arm("head", &keys[0], move || {
+        set_age(&o, &[k], SystemTime::now());
+    });
+    let r = gc::gc(&mut g, Some(p.store()), 1, GRACE).unwrap();
+    assert!(hooked.fired(), "{r}");
+    assert_eq!((r.chunks_deleted, r.young_skipped), (1, 1), "{r}");
+    assert_eq!(present(&origin, &window_ids(&data)), 1, "{r}");
     drop(fs);
 }
 

@@ -240,11 +240,16 @@ impl Tx<'_> {
         Ok(())
     }
 
-    /// Is a chunk referenced by any file's chunk map (so the remote has it)?
+    /// Is a chunk referenced by the chunk map of a file that is still linked, so that the
+    /// last snapshot names it and the remote keeps it? (An unlinked file still open keeps
+    /// its map, but the last snapshot need not name it any more.)
     pub fn has_chunk(&self, id: &[u8; 32]) -> Result<bool> {
         Ok(self
             .conn
-            .prepare_cached("SELECT 1 FROM file_chunk WHERE id = ?1 LIMIT 1")?
+            .prepare_cached(
+                "SELECT 1 FROM file_chunk c JOIN inode i ON i.ino = c.ino
+                 WHERE c.id = ?1 AND i.nlink > 0 LIMIT 1",
+            )?
             .query_row([&id[..]], |_| Ok(()))
             .optional()?
             .is_some())

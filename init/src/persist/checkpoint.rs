@@ -72,6 +72,9 @@ pub struct CheckpointReport {
     pub bytes_hashed: u64,
     pub chunks_uploaded: u64,
     pub chunk_bytes_uploaded: u64,
+    /// Chunks the remote already had but the last checkpoint's chunk maps did not name:
+    /// rewritten or touched (fresh age) so that no gc deletes them meanwhile.
+    pub chunks_refreshed: u64,
     pub snapshot_bytes: u64,
     pub elapsed: Duration,
 }
@@ -82,13 +85,17 @@ impl std::fmt::Display for CheckpointReport {
             None => write!(f, "nothing changed since the last checkpoint"),
             Some(s) => write!(
                 f,
-                "snapshot {s} ({}): {} inodes changed, {} windows / {} bytes hashed, {} chunks / {} bytes uploaded, snapshot {} bytes, {:.3}s",
+                "snapshot {s} ({}): {} inodes changed, {} windows / {} bytes hashed, {} chunks / {} bytes uploaded{}, snapshot {} bytes, {:.3}s",
                 if self.full { "full" } else { "delta" },
                 self.inodes,
                 self.windows_hashed,
                 self.bytes_hashed,
                 self.chunks_uploaded,
                 self.chunk_bytes_uploaded,
+                match self.chunks_refreshed {
+                    0 => String::new(),
+                    n => format!(" ({n} already there, refreshed)"),
+                },
                 self.snapshot_bytes,
                 self.elapsed.as_secs_f64()
             ),
@@ -552,6 +559,11 @@ impl Persister {
                     .entry(job.ino)
                     .or_default()
                     .push((job.idx, id.map(|c| c.0)));
+                // A chunk the local chunk maps name is in the last snapshot, which keeps it
+                // on the remote. Any other may be there already but unreferenced (every
+                // snapshot dropped it, on this workspace or on one sharing the store) and
+                // old: a gc anywhere on the store may delete it before the head names it
+                // again, unless it looks young, so it is refreshed, not skipped.
                 if let (Some(id), Some(data)) = (id, data) {
                     if seen.insert(id) && !(trusted && self.store.read().has_chunk(&id.0)?) {
                         upload.push((self.repo.chunk_key(&id), data));
@@ -563,12 +575,14 @@ impl Persister {
                 let written = self
                     .repo
                     .remote
-                    .put_many_absent(upload)
+                    .put_many_fresh(upload)
                     .map_err(CheckpointError::UploadChunks)?;
                 for (w, n) in written.iter().zip(sizes) {
                     if *w {
                         report.chunks_uploaded += 1;
                         report.chunk_bytes_uploaded += n;
+                    } else {
+                        report.chunks_refreshed += 1;
                     }
                 }
             }

@@ -29,36 +29,87 @@ pub(super) struct Args {
     positional: Vec<String>,
 }
 
-fn parse(args: Vec<OsString>) -> Result<Args, String> {
-    let mut out = Args::default();
+/// One argument of a persist subcommand, as `each_flag` hands it over: `--flag value`,
+/// `--flag=value`, a bare flag or a positional argument.
+pub(super) struct Flag<'a> {
+    /// The flag (`--state` of `--state=x`), or the whole argument when it has no `=value`.
+    pub(super) name: &'a str,
+    /// The argument as given.
+    pub(super) arg: &'a str,
+    /// The `=value` part, if any.
+    pub(super) inline: Option<&'a str>,
+    rest: &'a mut dyn Iterator<Item = String>,
+}
+
+impl Flag<'_> {
+    /// The flag's value: its `=value`, else the next argument.
+    pub(super) fn value(&mut self) -> Result<String, String> {
+        match self.inline {
+            Some(v) => Ok(v.to_string()),
+            None => self
+                .rest
+                .next()
+                .ok_or_else(|| format!("{} needs a value", self.name)),
+        }
+    }
+}
+
+/// The flag loop of every persist subcommand: calls `each` once per argument, in order
+/// (a flag's value taken with `Flag::value` is not handed over again).
+pub(super) fn each_flag(
+    args: Vec<OsString>,
+    mut each: impl FnMut(&mut Flag<'_>) -> Result<(), String>,
+) -> Result<(), String> {
     let mut it = args.into_iter().map(|a| a.to_string_lossy().into_owned());
     while let Some(a) = it.next() {
-        let (flag, inline) = match a.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (a.clone(), None),
+        let (name, inline) = match a.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f, Some(v)),
+            _ => (a.as_str(), None),
         };
-        let mut value = |name: &str| {
-            inline
-                .clone()
-                .or_else(|| it.next())
-                .ok_or_else(|| format!("{name} needs a value"))
-        };
-        match flag.as_str() {
+        each(&mut Flag {
+            name,
+            arg: &a,
+            inline,
+            rest: &mut it,
+        })?;
+    }
+    Ok(())
+}
+
+impl Args {
+    /// `--state DIR` and `--config FILE`, which every subcommand takes. `Ok(false)`: `f` is
+    /// neither.
+    pub(super) fn common_flag(&mut self, f: &mut Flag<'_>) -> Result<bool, String> {
+        match f.name {
+            "--state" => self.state = Some(PathBuf::from(f.value()?)),
+            "--config" => self.config = Some(PathBuf::from(f.value()?)),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
+fn parse(args: Vec<OsString>) -> Result<Args, String> {
+    let mut out = Args::default();
+    each_flag(args, |f| {
+        if out.common_flag(f)? {
+            return Ok(());
+        }
+        match f.name {
             "--takeover" => {
-                out.takeover = Some(match &inline {
+                out.takeover = Some(match f.inline {
                     None => crate::config::Takeover::Force,
                     Some(v) => v.parse().map_err(|e| format!("--takeover: {e}"))?,
                 })
             }
-            "--state" => out.state = Some(PathBuf::from(value("--state")?)),
-            "--config" => out.config = Some(PathBuf::from(value("--config")?)),
-            "--remote" => out.remote = Some(value("--remote")?),
-            "--full" | "--repair" | "--quick" | "--no-remote" => out.flags.push(flag),
+            "--remote" => out.remote = Some(f.value()?),
+            "--full" | "--repair" | "--quick" | "--no-remote" => out.flags.push(f.name.to_string()),
             "-h" | "--help" => return Err(USAGE.into()),
-            f if f.starts_with('-') => return Err(format!("unknown option `{f}`\n{USAGE}")),
-            _ => out.positional.push(a),
+            n if n.starts_with('-') => return Err(format!("unknown option `{n}`\n{USAGE}")),
+            _ => out.positional.push(f.arg.to_string()),
         }
-    }
+        Ok(())
+    })?;
     Ok(out)
 }
 
@@ -447,4 +498,46 @@ pub(crate) fn fmt_time(ns: i64) -> String {
         rem % 3600 / 60,
         rem % 60
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<OsString> {
+        a.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn parses_flags_values_and_positionals() {
+        let a = parse(args(&[
+            "--state=/s",
+            "--config",
+            "c.toml",
+            "--remote",
+            "file:///r",
+            "--full",
+            "--takeover=wait",
+            "7",
+        ]))
+        .unwrap();
+        assert_eq!(a.state.as_deref(), Some(Path::new("/s")));
+        assert_eq!(a.config.as_deref(), Some(Path::new("c.toml")));
+        assert_eq!(a.remote.as_deref(), Some("file:///r"));
+        assert_eq!(a.flags, ["--full"]);
+        assert_eq!(a.takeover, Some(crate::config::Takeover::Wait));
+        assert_eq!(a.positional, ["7"]);
+        assert_eq!(
+            parse(args(&["--takeover"])).unwrap().takeover,
+            Some(crate::config::Takeover::Force)
+        );
+        assert_eq!(
+            parse(args(&["--state"])).unwrap_err(),
+            "--state needs a value"
+        );
+        assert!(parse(args(&["--bogus=1"]))
+            .unwrap_err()
+            .starts_with("unknown option `--bogus`\nusage:"));
+        assert_eq!(parse(args(&["--help"])).unwrap_err(), USAGE);
+    }
 }

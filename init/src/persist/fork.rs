@@ -585,35 +585,26 @@ struct ForkArgs {
 
 fn parse(args: Vec<OsString>) -> Result<ForkArgs, String> {
     let mut out = ForkArgs::default();
-    let mut it = args.into_iter().map(|a| a.to_string_lossy().into_owned());
-    while let Some(a) = it.next() {
-        let (flag, inline) = match a.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (a.clone(), None),
-        };
-        let mut value = |name: &str| {
-            inline
-                .clone()
-                .or_else(|| it.next())
-                .ok_or_else(|| format!("{name} needs a value"))
-        };
-        match flag.as_str() {
-            "--to" => out.to = Some(value("--to")?),
-            "--from" => out.from = Some(value("--from")?),
-            "--delete" => out.delete = Some(value("--delete")?),
+    cli::each_flag(args, |f| {
+        if out.common.common_flag(f)? {
+            return Ok(());
+        }
+        match f.name {
+            "--to" => out.to = Some(f.value()?),
+            "--from" => out.from = Some(f.value()?),
+            "--delete" => out.delete = Some(f.value()?),
             "--seq" => {
-                let v = value("--seq")?;
+                let v = f.value()?;
                 out.seq = Some(
                     v.parse()
                         .map_err(|_| format!("--seq: `{v}` is not a snapshot id"))?,
                 );
             }
-            "--state" => out.common.state = Some(value("--state")?.into()),
-            "--config" => out.common.config = Some(value("--config")?.into()),
             "-h" | "--help" => return Err(USAGE.into()),
-            f => return Err(format!("unexpected argument `{f}`\n{USAGE}")),
+            n => return Err(format!("unexpected argument `{n}`\n{USAGE}")),
         }
-    }
+        Ok(())
+    })?;
     Ok(out)
 }
 
@@ -677,6 +668,42 @@ mod tests {
             bucket: bucket.map(String::from),
             parts: norm(p.split('/')),
         }
+    }
+
+    #[test]
+    fn parses_fork_flags() {
+        let args = |a: &[&str]| a.iter().map(OsString::from).collect::<Vec<_>>();
+        let a = parse(args(&[
+            "--to=file:///x",
+            "--seq",
+            "3",
+            "--from",
+            "file:///src",
+            "--state=/s",
+            "--config",
+            "c.toml",
+        ]))
+        .unwrap();
+        assert_eq!(a.to.as_deref(), Some("file:///x"));
+        assert_eq!(a.from.as_deref(), Some("file:///src"));
+        assert_eq!(a.seq, Some(3));
+        assert_eq!(a.common.state.as_deref(), Some(Path::new("/s")));
+        assert_eq!(a.common.config.as_deref(), Some(Path::new("c.toml")));
+        let a = parse(args(&["--delete", "file:///f"])).unwrap();
+        assert_eq!(a.delete.as_deref(), Some("file:///f"));
+        assert_eq!(
+            parse(args(&["--seq=x"])).err().unwrap(),
+            "--seq: `x` is not a snapshot id"
+        );
+        assert_eq!(parse(args(&["--to"])).err().unwrap(), "--to needs a value");
+        for bad in ["--full", "--remote=r", "extra"] {
+            let name = bad.split('=').next().unwrap();
+            assert_eq!(
+                parse(args(&[bad])).err().unwrap(),
+                format!("unexpected argument `{name}`\n{USAGE}")
+            );
+        }
+        assert_eq!(parse(args(&["-h"])).err().unwrap(), USAGE);
     }
 
     #[test]

@@ -5,7 +5,10 @@
 //! full snapshot), and the snapshot the local state was last checkpointed as. A chunk is
 //! kept when any kept snapshot names it, or the local chunk maps do. Anything else older
 //! than the grace window is deleted; younger objects may belong to a checkpoint in
-//! progress and are left for the next run.
+//! progress and are left for the next run. Age is the object's modification time, looked
+//! at again just before each delete: a checkpoint that names an unreferenced chunk the
+//! store already holds refreshes it (`Remote::put_many_fresh`) rather than skipping it,
+//! so it counts as young until that checkpoint's snapshot protects it.
 //!
 //! A chunk store shared with forks (see `fork`) also keeps every chunk that any snapshot of
 //! another workspace on it names, and the snapshot a fork in the making is built from.
@@ -14,6 +17,7 @@ use std::collections::{BTreeSet, HashSet};
 use std::time::{Duration, SystemTime};
 
 use super::format::body_chunk_ids;
+use super::remote::ObjectInfo;
 use super::repo::{Repo, RepoError};
 use crate::chunk::ChunkId;
 use crate::meta::{MetaError, Store};
@@ -26,6 +30,11 @@ pub enum GcError {
     ReadSnapshot { seq: u64, source: RepoError },
     #[error("delete {key}: {source}")]
     Delete {
+        key: String,
+        source: super::remote::RemoteError,
+    },
+    #[error("look at {key} again before deleting it: {source}")]
+    Recheck {
         key: String,
         source: super::remote::RemoteError,
     },
@@ -142,39 +151,74 @@ pub fn gc(
         ..Default::default()
     };
     for (seq, info) in &snaps {
-        if closed.contains(seq) {
-            continue;
+        if sweep(repo, info, closed.contains(seq), &old_enough, &mut report)? == Fate::Deleted {
+            report.snapshots_deleted += 1;
         }
-        if !old_enough(info.modified) {
-            report.young_skipped += 1;
-            continue;
-        }
-        repo.remote
-            .delete(&info.key)
-            .map_err(|source| GcError::Delete {
-                key: info.key.clone(),
-                source,
-            })?;
-        report.snapshots_deleted += 1;
     }
     for (id, info) in repo.list_chunks().map_err(GcError::List)? {
-        if chunks.contains(&id) {
-            report.chunks_kept += 1;
-            continue;
+        match sweep(repo, &info, chunks.contains(&id), &old_enough, &mut report)? {
+            Fate::Referenced => report.chunks_kept += 1,
+            Fate::Deleted => {
+                report.chunks_deleted += 1;
+                report.bytes_deleted += info.size;
+            }
+            Fate::Young | Fate::Gone => {}
         }
-        if !old_enough(info.modified) {
-            report.young_skipped += 1;
-            continue;
-        }
-        repo.remote
-            .delete(&info.key)
-            .map_err(|source| GcError::Delete {
-                key: info.key.clone(),
-                source,
-            })?;
-        report.chunks_deleted += 1;
-        report.bytes_deleted += info.size;
     }
     tracing::info!(report = %report, "gc");
     Ok(report)
+}
+
+/// What `sweep` did with one listed object.
+#[derive(Debug, PartialEq, Eq)]
+enum Fate {
+    Referenced,
+    /// Unreferenced but younger than the grace window (counted in `young_skipped`).
+    Young,
+    /// Unreferenced and already gone when looked at again.
+    Gone,
+    Deleted,
+}
+
+/// Deletes a listed object that nothing kept references once it is older than the grace
+/// window. Its age is looked at again right before the delete: a checkpoint that names an
+/// existing unreferenced chunk again refreshes its age before writing the snapshot, maybe
+/// after this gc listed it. (What remains is a refresh landing between that last look and
+/// the delete; the chunk store has no conditional delete to close it.)
+fn sweep(
+    repo: &Repo,
+    info: &ObjectInfo,
+    referenced: bool,
+    old_enough: &impl Fn(SystemTime) -> bool,
+    report: &mut GcReport,
+) -> Result<Fate, GcError> {
+    if referenced {
+        return Ok(Fate::Referenced);
+    }
+    if !old_enough(info.modified) {
+        report.young_skipped += 1;
+        return Ok(Fate::Young);
+    }
+    let again = repo
+        .remote
+        .head(&info.key)
+        .map_err(|source| GcError::Recheck {
+            key: info.key.clone(),
+            source,
+        })?;
+    match again {
+        None => return Ok(Fate::Gone),
+        Some(now) if !old_enough(now.modified) => {
+            report.young_skipped += 1;
+            return Ok(Fate::Young);
+        }
+        Some(_) => {}
+    }
+    repo.remote
+        .delete(&info.key)
+        .map_err(|source| GcError::Delete {
+            key: info.key.clone(),
+            source,
+        })?;
+    Ok(Fate::Deleted)
 }

@@ -436,6 +436,38 @@ impl Remote for ObjectStoreRemote {
         r.into_iter().collect()
     }
 
+    fn put_many_fresh(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
+        // No portable way to touch an object (S3 refuses a copy onto itself that changes
+        // nothing): one that exists is written again, which gives it a new Last-Modified.
+        let store = self.store.as_ref();
+        let (policy, deadline) = (self.retry, current_deadline());
+        let jobs = items.into_iter().map(|(k, d)| {
+            let p = self.path(&k);
+            async move {
+                let put = |mode: PutMode| {
+                    let (p, k, d) = (&p, &k, &d);
+                    retrying(policy, deadline, "put", k, move || {
+                        Self::put_async(store, p, k, d.clone(), mode.clone())
+                    })
+                };
+                match put(PutMode::Create).await {
+                    Ok(_) => Ok(true),
+                    Err(RemoteError::AlreadyExists { .. })
+                    | Err(RemoteError::Precondition { .. }) => {
+                        put(PutMode::Overwrite).await.map(|_| false)
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        });
+        let r: Vec<RemoteResult<bool>> = self.rt.block_on(
+            futures::stream::iter(jobs)
+                .buffered(self.concurrency)
+                .collect(),
+        );
+        r.into_iter().collect()
+    }
+
     fn get_many(&self, keys: &[String]) -> Vec<RemoteResult<Bytes>> {
         let store = self.store.as_ref();
         let (policy, deadline) = (self.retry, current_deadline());
@@ -460,6 +492,21 @@ impl Remote for ObjectStoreRemote {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn put_many_fresh_rewrites_what_exists_and_put_many_absent_does_not() {
+        let r = ObjectStoreRemote::open("memory://b/p", &PersistConfig::default()).unwrap();
+        let item = || vec![("k".to_string(), Bytes::from_static(b"chunk"))];
+        assert_eq!(r.put_many_fresh(item()).unwrap(), [true]);
+        let t1 = r.head("k").unwrap().unwrap().modified;
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(r.put_many_absent(item()).unwrap(), [false]);
+        assert_eq!(r.head("k").unwrap().unwrap().modified, t1);
+        assert_eq!(r.put_many_fresh(item()).unwrap(), [false]);
+        let t2 = r.head("k").unwrap().unwrap().modified;
+        assert!(t2 > t1, "{t1:?} {t2:?}");
+        assert_eq!(r.get("k").unwrap(), Bytes::from_static(b"chunk"));
+    }
 
     #[test]
     fn classifies_generic_errors_by_status_and_code() {

@@ -130,6 +130,25 @@ pub trait Remote: Send + Sync {
         }
         Ok(out)
     }
+    /// Like `put_many_absent`, but an object that is already there gets a fresh
+    /// modification time (it is written again, or touched where the store can do that):
+    /// gc deletes unreferenced objects by age, and an old unreferenced chunk that a
+    /// checkpoint is about to name again must not look old while that checkpoint runs.
+    /// Returns, in input order, whether each was absent (written for the first time).
+    fn put_many_fresh(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
+        let mut out = Vec::with_capacity(items.len());
+        for (k, d) in items {
+            match self.put(&k, d.clone(), PutMode::Create) {
+                Ok(_) => out.push(true),
+                Err(RemoteError::AlreadyExists { .. }) => {
+                    self.put(&k, d, PutMode::Overwrite)?;
+                    out.push(false);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
     /// Fetches several objects; results in input order.
     fn get_many(&self, keys: &[String]) -> Vec<RemoteResult<Bytes>> {
         keys.iter().map(|k| self.get(k)).collect()
@@ -331,6 +350,26 @@ impl Remote for FsRemote {
                     out.push(true);
                 }
             }
+        }
+        Ok(out)
+    }
+    fn put_many_fresh(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
+        // An object that is there (right size) is touched rather than rewritten; one that a
+        // gc deleted meanwhile is written again.
+        let mut out = Vec::with_capacity(items.len());
+        for (k, d) in items {
+            let touched = match self.head(&k)? {
+                Some(i) if i.size == d.len() as u64 => std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(self.path(&k))
+                    .and_then(|f| f.set_modified(SystemTime::now()))
+                    .is_ok(),
+                _ => false,
+            };
+            if !touched {
+                self.put(&k, d, PutMode::Overwrite)?;
+            }
+            out.push(!touched);
         }
         Ok(out)
     }
@@ -601,6 +640,19 @@ impl Remote for Counted {
     fn put_many_absent(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
         let sizes: Vec<u64> = items.iter().map(|(_, d)| d.len() as u64).collect();
         let written = self.inner.put_many_absent(items)?;
+        for (w, n) in written.iter().zip(sizes) {
+            if *w {
+                Self::add(&self.c.puts, 1);
+                Self::add(&self.c.bytes_put, n);
+            }
+        }
+        Ok(written)
+    }
+
+    fn put_many_fresh(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
+        // Counted like `put_many_absent`: refreshing an object that exists is not.
+        let sizes: Vec<u64> = items.iter().map(|(_, d)| d.len() as u64).collect();
+        let written = self.inner.put_many_fresh(items)?;
         for (w, n) in written.iter().zip(sizes) {
             if *w {
                 Self::add(&self.c.puts, 1);
