@@ -430,7 +430,11 @@ fn writes_by_other_users_drop_setuid_like_the_host() {
         (0o6775, "printf x >> f", true),
         (0o6775, "truncate -s 1 f", false),
         (0o4755, ": > f", false),
-        (0o6775, "dd if=/dev/zero of=f bs=4k count=1 conv=notrunc status=none", false),
+        (
+            0o6775,
+            "dd if=/dev/zero of=f bs=4k count=1 conv=notrunc status=none",
+            false,
+        ),
         (0o4775, "cat f > /dev/null", false),
     ];
     let outcome = |dir: &Path, mode: u32, cmd: &str, root: bool| -> u32 {

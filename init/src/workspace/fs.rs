@@ -1505,7 +1505,7 @@ impl WorkspaceFs {
         // A kernel write through a passthrough handle never reaches keel, so nothing would
         // drop setuid/setgid: writers of such files go through keel (unless passthrough
         // handles are open already: the kernel refuses to mix the two).
-        let privileged = inode.perm & (libc::S_ISUID | libc::S_ISGID) as u32 != 0
+        let privileged = inode.perm & (libc::S_ISUID | libc::S_ISGID) != 0
             && flags & libc::O_ACCMODE != libc::O_RDONLY;
         let passthrough = self.opts.passthrough.load(Ordering::Relaxed)
             && !self.lazy_incomplete(inner, ino, inode.size)?;
@@ -2050,9 +2050,9 @@ impl WorkspaceFs {
         if inode.kind != Kind::File {
             return Ok(());
         }
-        let mut perm = inode.perm & !(libc::S_ISUID as u32);
-        if perm & libc::S_IXGRP as u32 != 0 {
-            perm &= !(libc::S_ISGID as u32);
+        let mut perm = inode.perm & !libc::S_ISUID;
+        if perm & libc::S_IXGRP != 0 {
+            perm &= !libc::S_ISGID;
         }
         let cap = Self::xattr_cached(inner, ino, CAPABILITY_XATTR)?.is_some();
         if perm == inode.perm && !cap {
