@@ -354,6 +354,8 @@ fn check_bodies(
         .into_iter()
         .flat_map(|(ino, rows)| rows.into_iter().map(move |(idx, _)| (ino, idx)))
         .collect();
+    // A lazily restored file gets its body on first use.
+    let lazy_files: HashSet<InodeNo> = missing.iter().map(|(ino, _)| *ino).collect();
     let unclean = r.persist_get("running")?.as_deref() == Some("1");
     let map_cs: Option<u64> = r.persist_get("chunk_size")?.and_then(|v| v.parse().ok());
     let ids = bodies.ids().map_err(|e| FsckError::OpenState {
@@ -385,6 +387,9 @@ fn check_bodies(
     {
         rep.bodies += 1;
         let ino = i.ino;
+        if !present.contains(&ino.0) && lazy_files.contains(&ino) {
+            continue;
+        }
         if !present.contains(&ino.0) {
             if i.size > 0 {
                 rep.add(

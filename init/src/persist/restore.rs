@@ -4,9 +4,10 @@
 //! id before its bytes are written; a mismatch fails the restore naming the chunk and the
 //! file. Bodies are made durable before the metadata that references them commits.
 //!
-//! Lazy mode (`[persist] restore = "lazy"`) writes only the metadata: every body is created
-//! sparse at its final size and each of its stored windows is listed as missing with its
-//! chunk id; the mounted filesystem fetches them on first use. Time is O(metadata).
+//! Lazy mode (`[persist] restore = "lazy"`) writes only the metadata: each stored window is
+//! listed as missing with its chunk id, and a file that has any gets no body until the
+//! mounted filesystem first opens or fetches it (only all-zero files get their sparse body
+//! here). Time is O(metadata), not O(files) file creations.
 
 use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
@@ -155,7 +156,7 @@ fn restore_inner(
         inodes: tree.inodes.len() as u64,
         ..Default::default()
     };
-    let wanted = create_bodies(&tree, &bodies, &mut report)?;
+    let wanted = create_bodies(&tree, &bodies, &mut report, mode)?;
     if mode == RestoreMode::Eager {
         fetch_bodies(
             repo,
@@ -252,16 +253,29 @@ fn restore_inner(
     Ok(report)
 }
 
-/// Creates every body at its full size (sparse: all-zero windows stay holes); returns
-/// (ino, idx, id) for every stored window.
+/// Creates the bodies at their full size (sparse: all-zero windows stay holes); returns
+/// (ino, idx, id) for every stored window. Lazy mode creates only the bodies with no stored
+/// window: the filesystem creates the others when it first needs them.
 fn create_bodies(
     tree: &Tree,
     bodies: &BodyStore,
     report: &mut RestoreReport,
+    mode: RestoreMode,
 ) -> Result<Vec<(u64, u64, ChunkId)>, RestoreError> {
     let mut wanted: Vec<(u64, u64, ChunkId)> = Vec::new();
     for t in tree.inodes.values() {
         if let TreeData::Chunks(m) = &t.data {
+            report.files += 1;
+            report.file_bytes += t.rec.size;
+            let stored = m.iter().any(Option::is_some);
+            for (i, id) in m.iter().enumerate() {
+                if let Some(id) = id {
+                    wanted.push((t.rec.ino, i as u64, *id));
+                }
+            }
+            if stored && mode == RestoreMode::Lazy {
+                continue;
+            }
             let f = bodies
                 .open_rw(t.rec.ino)
                 .map_err(|source| RestoreError::WriteBody {
@@ -273,13 +287,6 @@ fn create_bodies(
                     ino: t.rec.ino,
                     source,
                 })?;
-            report.files += 1;
-            report.file_bytes += t.rec.size;
-            for (i, id) in m.iter().enumerate() {
-                if let Some(id) = id {
-                    wanted.push((t.rec.ino, i as u64, *id));
-                }
-            }
         }
     }
     Ok(wanted)

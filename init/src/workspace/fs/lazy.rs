@@ -1,5 +1,6 @@
 //! Lazily restored bodies: which chunk windows of which files are not fetched yet, and
-//! fetching them on demand. A lazy restore leaves every body sparse and lists its windows
+//! fetching them on demand. A lazy restore creates no body for a file with stored windows
+//! (the first open or fetch creates it, sparse at the file's size) and lists its windows
 //! in the store's `missing_window` table; this module owns the in-memory copy of that
 //! list (loaded per file on first use) and every path that must see real bytes first:
 //! reads (with readahead for sequential readers), partial writes, truncates, fallocate,
@@ -7,7 +8,8 @@
 //!
 //! A fetch marks its windows in flight (other users of those windows wait), does the
 //! network I/O with no lock held, writes the verified bytes into the body, makes the body
-//! durable (one `fdatasync` per request), and only then removes the windows' rows. A crash
+//! durable (one `fdatasync` per request, plus its directory entry on a file's first fetch),
+//! and only then removes the windows' rows. A crash
 //! anywhere in between leaves the rows in place, so the window is fetched again: a read
 //! never sees the sparse zeros of a window that has data.
 
@@ -34,6 +36,9 @@ pub(super) struct FileWindows {
     inflight: BTreeSet<u64>,
     /// Where the last read ended (sequential readers get readahead).
     next_off: u64,
+    /// The body's directory entry was made durable (once per file and mount: the body may
+    /// have been created since the restore).
+    entry_durable: bool,
 }
 
 #[derive(Default)]
@@ -135,14 +140,20 @@ impl WorkspaceFs {
         Ok(files.get_mut(&ino).expect("inserted"))
     }
 
-    /// The body of a file for fetched bytes: the open file's handle, or a fresh one.
+    /// The body of a file for fetched bytes: the open file's handle, or the body file,
+    /// created sparse at the file's size if the restore left it out.
     fn lazy_body(&self, inner: &Inner, ino: InodeNo) -> FsResult<Arc<File>> {
         if let Some(of) = inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
             if let Data::Body(f) = &of.data {
                 return Ok(f.clone());
             }
         }
-        Ok(Arc::new(self.bodies.open_rw(ino.0)?))
+        let size = Self::load(inner, ino)?.size;
+        let f = self.bodies.open_rw(ino.0)?;
+        if f.metadata()?.len() < size {
+            f.set_len(size)?;
+        }
+        Ok(Arc::new(f))
     }
 
     /// Does this file still have windows to fetch? (Called with the lock held.)
@@ -273,8 +284,15 @@ impl WorkspaceFs {
             }
         }
         if !written.is_empty() {
-            // Durable bytes before the record that says they are there.
+            // Durable bytes (and the body's name) before the record that says they are there.
             body.sync_data()?;
+            let named = self.lazy.lock().get(&ino).is_some_and(|f| f.entry_durable);
+            if !named {
+                self.bodies.sync_entry(ino.0)?;
+                if let Some(f) = self.lazy.lock().get_mut(&ino) {
+                    f.entry_durable = true;
+                }
+            }
             self.lazy_record(ino, &written);
         }
         drop(claim);
