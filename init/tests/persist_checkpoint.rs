@@ -77,6 +77,16 @@ fn one_changed_file_of_10000_uploads_o1_bytes() {
         "one window cost {} bytes: {r}",
         inc.bytes_put
     );
+
+    // The same 4 KiB back to what they were (a branch switched back): the window's chunk is
+    // on the remote already; a store no other workspace shares needs no upload at all.
+    write_at(&fs, ino, 70_000, &noise(7, 200_000)[70_000..74_096]);
+    let c3 = remote.counts();
+    let r = checkpoint(&mut p);
+    let inc = remote.counts().since(&c3);
+    assert_eq!(r.windows_hashed, 1, "{r}");
+    assert_eq!((r.chunks_uploaded, r.chunks_refreshed), (0, 0), "{r}");
+    assert!(inc.bytes_put < 2_000, "a reverted window cost {inc:?}: {r}");
     assert_eq!(restore_dump(remote.clone()), dump(&fs));
 }
 

@@ -540,6 +540,8 @@ impl Persister {
         let total = jobs.len();
         let mut done = 0usize;
         let mut last_progress = Instant::now();
+        // Whether reused chunks need a fresh age (asked once, at the first upload).
+        let mut shared: Option<bool> = None;
         while done < total {
             if opts.deadline.is_some_and(|d| Instant::now() > d) {
                 return Err(CheckpointError::Deadline { done, total });
@@ -562,8 +564,9 @@ impl Persister {
                 // A chunk the local chunk maps name is in the last snapshot, which keeps it
                 // on the remote. Any other may be there already but unreferenced (every
                 // snapshot dropped it, on this workspace or on one sharing the store) and
-                // old: a gc anywhere on the store may delete it before the head names it
-                // again, unless it looks young, so it is refreshed, not skipped.
+                // old: on a shared store, the gc of another workspace may delete it before
+                // the head names it again, so it is refreshed, not skipped. (This
+                // workspace's own gc runs under its lease, never during a checkpoint.)
                 if let (Some(id), Some(data)) = (id, data) {
                     if seen.insert(id) && !(trusted && self.store.read().has_chunk(&id.0)?) {
                         upload.push((self.repo.chunk_key(&id), data));
@@ -572,16 +575,25 @@ impl Persister {
             }
             if !upload.is_empty() {
                 let sizes: Vec<u64> = upload.iter().map(|(_, d)| d.len() as u64).collect();
-                let written = self
-                    .repo
-                    .remote
-                    .put_many_fresh(upload)
-                    .map_err(CheckpointError::UploadChunks)?;
+                let fresh = match shared {
+                    Some(s) => s,
+                    None => *shared.insert(
+                        super::fork::store_is_shared(&self.repo)
+                            .map_err(CheckpointError::Manifest)?,
+                    ),
+                };
+                let remote = &self.repo.remote;
+                let written = if fresh {
+                    remote.put_many_fresh(upload)
+                } else {
+                    remote.put_many_absent(upload)
+                }
+                .map_err(CheckpointError::UploadChunks)?;
                 for (w, n) in written.iter().zip(sizes) {
                     if *w {
                         report.chunks_uploaded += 1;
                         report.chunk_bytes_uploaded += n;
-                    } else {
+                    } else if fresh {
                         report.chunks_refreshed += 1;
                     }
                 }

@@ -468,13 +468,8 @@ fn chain_chunks(
     Ok(true)
 }
 
-/// Reads the fork records of `repo`'s chunk store (its manifest must have been read) and
-/// collects what every other workspace on the store references: every snapshot it holds
-/// (a superset of what its own gc keeps), and for a fork still being made, the source
-/// snapshot it is made from.
-pub fn shared_refs(repo: &Repo) -> Result<SharedRefs, RepoError> {
-    let mut out = SharedRefs::default();
-    let files = root_of(repo).bucket.is_none();
+/// `repo`'s chunk store, the workspace that owns it, and `repo` itself, as canonical keys.
+fn store_keys(repo: &Repo) -> Result<(String, String, String), RepoError> {
     let unreachable = |k: &str| RepoError::Parse {
         what: "chunk store key",
         key: k.to_string(),
@@ -483,6 +478,28 @@ pub fn shared_refs(repo: &Repo) -> Result<SharedRefs, RepoError> {
     let chunks = canon(repo, repo.chunks()).ok_or_else(|| unreachable(repo.chunks()))?;
     let owner = parent(&chunks);
     let me = canon(repo, repo.ws()).ok_or_else(|| unreachable(repo.ws()))?;
+    Ok((chunks, owner, me))
+}
+
+/// Whether another workspace may run a gc on `repo`'s chunk store: `repo` is a fork (its
+/// chunks live under another workspace), or its store has fork records. One LIST at most.
+/// (Its manifest must have been read.)
+pub fn store_is_shared(repo: &Repo) -> Result<bool, RepoError> {
+    let (_, owner, me) = store_keys(repo)?;
+    if owner != me {
+        return Ok(true);
+    }
+    Ok(!repo.remote.list(&(join(&owner, "forks") + "/"))?.is_empty())
+}
+
+/// Reads the fork records of `repo`'s chunk store (its manifest must have been read) and
+/// collects what every other workspace on the store references: every snapshot it holds
+/// (a superset of what its own gc keeps), and for a fork still being made, the source
+/// snapshot it is made from.
+pub fn shared_refs(repo: &Repo) -> Result<SharedRefs, RepoError> {
+    let mut out = SharedRefs::default();
+    let files = root_of(repo).bucket.is_none();
+    let (chunks, owner, me) = store_keys(repo)?;
     let prefix = join(&owner, "forks") + "/";
     let mut users: Vec<(String, Option<(String, u64)>)> = vec![(owner.clone(), None)];
     for info in repo.remote.list(&prefix)? {
