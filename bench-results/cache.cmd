@@ -1,1 +1,1 @@
-script/cache-bench.sh
+script/cache-bench.sh 

@@ -1,1 +1,1 @@
-script/fs-bench.sh --out bench-results/fs.tsv keel ext4 tmpfs juicefs
+script/fs-bench.sh --out /work/main/bench-results/fs.tsv keel ext4 tmpfs juicefs 

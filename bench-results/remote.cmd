@@ -1,1 +1,1 @@
-script/remote-bench.sh
+script/remote-bench.sh 

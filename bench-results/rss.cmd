@@ -1,1 +1,1 @@
-script/rss-bench.sh
+script/rss-bench.sh 
