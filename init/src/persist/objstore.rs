@@ -164,6 +164,46 @@ where
 }
 
 impl ObjectStoreRemote {
+    /// Creates each object if absent, `concurrency` at a time; one that exists is left alone,
+    /// or with `rewrite` written again (a fresh Last-Modified). Returns, in input order,
+    /// whether each was absent.
+    fn put_many_create(
+        &self,
+        items: Vec<(String, Bytes)>,
+        rewrite: bool,
+    ) -> RemoteResult<Vec<bool>> {
+        let store = self.store.as_ref();
+        let (policy, deadline) = (self.retry, current_deadline());
+        let jobs = items.into_iter().map(|(k, d)| {
+            let p = self.path(&k);
+            async move {
+                let put = |mode: PutMode| {
+                    let (p, k, d) = (&p, &k, &d);
+                    retrying(policy, deadline, "put", k, move || {
+                        Self::put_async(store, p, k, d.clone(), mode.clone())
+                    })
+                };
+                match put(PutMode::Create).await {
+                    Ok(_) => Ok(true),
+                    Err(RemoteError::AlreadyExists { .. })
+                    | Err(RemoteError::Precondition { .. }) => {
+                        if rewrite {
+                            put(PutMode::Overwrite).await?;
+                        }
+                        Ok(false)
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        });
+        let r: Vec<RemoteResult<bool>> = self.rt.block_on(
+            futures::stream::iter(jobs)
+                .buffered(self.concurrency)
+                .collect(),
+        );
+        r.into_iter().collect()
+    }
+
     /// Opens `s3://bucket/prefix`, `gs://bucket/prefix` or `az://container/prefix`.
     pub fn open(url: &str, cfg: &PersistConfig) -> RemoteResult<ObjectStoreRemote> {
         let bad = |reason: String| RemoteError::Open {
@@ -412,60 +452,13 @@ impl Remote for ObjectStoreRemote {
     }
 
     fn put_many_absent(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
-        let store = self.store.as_ref();
-        let (policy, deadline) = (self.retry, current_deadline());
-        let jobs = items.into_iter().map(|(k, d)| {
-            let p = self.path(&k);
-            async move {
-                let put = retrying(policy, deadline, "put", &k, || {
-                    Self::put_async(store, &p, &k, d.clone(), PutMode::Create)
-                });
-                match put.await {
-                    Ok(_) => Ok(true),
-                    Err(RemoteError::AlreadyExists { .. })
-                    | Err(RemoteError::Precondition { .. }) => Ok(false),
-                    Err(e) => Err(e),
-                }
-            }
-        });
-        let r: Vec<RemoteResult<bool>> = self.rt.block_on(
-            futures::stream::iter(jobs)
-                .buffered(self.concurrency)
-                .collect(),
-        );
-        r.into_iter().collect()
+        self.put_many_create(items, false)
     }
 
     fn put_many_fresh(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
         // No portable way to touch an object (S3 refuses a copy onto itself that changes
         // nothing): one that exists is written again, which gives it a new Last-Modified.
-        let store = self.store.as_ref();
-        let (policy, deadline) = (self.retry, current_deadline());
-        let jobs = items.into_iter().map(|(k, d)| {
-            let p = self.path(&k);
-            async move {
-                let put = |mode: PutMode| {
-                    let (p, k, d) = (&p, &k, &d);
-                    retrying(policy, deadline, "put", k, move || {
-                        Self::put_async(store, p, k, d.clone(), mode.clone())
-                    })
-                };
-                match put(PutMode::Create).await {
-                    Ok(_) => Ok(true),
-                    Err(RemoteError::AlreadyExists { .. })
-                    | Err(RemoteError::Precondition { .. }) => {
-                        put(PutMode::Overwrite).await.map(|_| false)
-                    }
-                    Err(e) => Err(e),
-                }
-            }
-        });
-        let r: Vec<RemoteResult<bool>> = self.rt.block_on(
-            futures::stream::iter(jobs)
-                .buffered(self.concurrency)
-                .collect(),
-        );
-        r.into_iter().collect()
+        self.put_many_create(items, true)
     }
 
     fn get_many(&self, keys: &[String]) -> Vec<RemoteResult<Bytes>> {

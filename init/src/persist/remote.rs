@@ -589,6 +589,23 @@ impl Counted {
     fn add(a: &AtomicU64, n: u64) {
         a.fetch_add(n, Ordering::Relaxed);
     }
+
+    /// Runs a batched put and counts the objects it wrote for the first time.
+    fn count_written(
+        &self,
+        items: Vec<(String, Bytes)>,
+        put: impl FnOnce(Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>>,
+    ) -> RemoteResult<Vec<bool>> {
+        let sizes: Vec<u64> = items.iter().map(|(_, d)| d.len() as u64).collect();
+        let written = put(items)?;
+        for (w, n) in written.iter().zip(sizes) {
+            if *w {
+                Self::add(&self.c.puts, 1);
+                Self::add(&self.c.bytes_put, n);
+            }
+        }
+        Ok(written)
+    }
 }
 
 impl Remote for Counted {
@@ -638,28 +655,12 @@ impl Remote for Counted {
     }
 
     fn put_many_absent(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
-        let sizes: Vec<u64> = items.iter().map(|(_, d)| d.len() as u64).collect();
-        let written = self.inner.put_many_absent(items)?;
-        for (w, n) in written.iter().zip(sizes) {
-            if *w {
-                Self::add(&self.c.puts, 1);
-                Self::add(&self.c.bytes_put, n);
-            }
-        }
-        Ok(written)
+        self.count_written(items, |i| self.inner.put_many_absent(i))
     }
 
     fn put_many_fresh(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
         // Counted like `put_many_absent`: refreshing an object that exists is not.
-        let sizes: Vec<u64> = items.iter().map(|(_, d)| d.len() as u64).collect();
-        let written = self.inner.put_many_fresh(items)?;
-        for (w, n) in written.iter().zip(sizes) {
-            if *w {
-                Self::add(&self.c.puts, 1);
-                Self::add(&self.c.bytes_put, n);
-            }
-        }
-        Ok(written)
+        self.count_written(items, |i| self.inner.put_many_fresh(i))
     }
 
     fn get_many(&self, keys: &[String]) -> Vec<RemoteResult<Bytes>> {
