@@ -166,16 +166,11 @@ fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Se
     let mut lease = crate::persist::lease::ReleaseOnDrop::new(None);
     // Before anything creates files in the state dir (control socket, lock).
     if cfg.init.workspace {
-        lease = crate::persist::lease::ReleaseOnDrop::new(crate::persist::acquire_lease(
-            &cfg.workspace.state_dir,
-            &cfg.persist,
-            false,
-        )?);
-        match crate::persist::cli::restore_on_start(&cfg) {
-            Ok(Some(what)) => info!("{what}"),
-            Ok(None) => {}
-            Err(e) => return Err(RunError::Workspace(format!("restore from the remote: {e}"))),
-        }
+        use crate::persist::cli::{lease_and_restore, StartError};
+        lease = lease_and_restore(&cfg).map_err(|e| match e {
+            StartError::Lease(l) => RunError::Lease(l),
+            e @ StartError::Restore(_) => RunError::Workspace(e.to_string()),
+        })?;
     }
     // The control API runs on its own threads, which inherit the blocked signal mask.
     let control = crate::control::start(&cfg)?;

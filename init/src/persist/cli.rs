@@ -153,12 +153,44 @@ fn repo_of(cfg: &Config) -> Result<Repo, String> {
     open_remote(&url, &cfg.persist).map_err(|e| e.to_string())
 }
 
+/// A remote is configured and the state dir has no workspace yet: `restore_on_start` asks
+/// the remote for a snapshot.
+pub fn restore_wanted(cfg: &Config) -> bool {
+    !cfg.persist.remote.is_empty() && !cfg.workspace.state_dir.join("meta.db").exists()
+}
+
+/// Why `lease_and_restore` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Lease(#[from] super::lease::LeaseError),
+    #[error("restore from the remote: {0}")]
+    Restore(String),
+}
+
+/// What `keel run` and `keel mount` do before mounting: take the single-writer lease before
+/// anything reads or writes the remote, then give an empty state dir the remote's latest
+/// snapshot (`restore_on_start`). The lease is released on drop unless taken out of it.
+pub fn lease_and_restore(cfg: &Config) -> Result<super::lease::ReleaseOnDrop, StartError> {
+    let lease = super::lease::ReleaseOnDrop::new(super::acquire_lease(
+        &cfg.workspace.state_dir,
+        &cfg.persist,
+        false,
+    )?);
+    match restore_on_start(cfg) {
+        Ok(Some(what)) => tracing::info!("{what}"),
+        Ok(None) => {}
+        Err(e) => return Err(StartError::Restore(e)),
+    }
+    Ok(lease)
+}
+
 /// At start with an empty state dir and a configured remote that holds a snapshot, restores
 /// the remote's head first: a fresh container with no state volume gets its workspace back.
 /// `Ok(None)`: nothing to do (state present, default remote, or an empty remote).
 pub fn restore_on_start(cfg: &Config) -> Result<Option<String>, String> {
     let state = &cfg.workspace.state_dir;
-    if cfg.persist.remote.is_empty() || state.join("meta.db").exists() {
+    if !restore_wanted(cfg) {
         return Ok(None);
     }
     let _lock = lock_offline(state)?;

@@ -209,19 +209,11 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
 /// snapshot gets it back first (lazily by default), under the lease, so a fresh state dir
 /// never starts empty and checkpoints an empty tree over the workspace.
 fn mount(cfg: &Config) -> Result<crate::workspace::Mounted, String> {
-    let state = &cfg.workspace.state_dir;
-    if cfg.persist.remote.is_empty() || state.join("meta.db").exists() {
+    if !crate::persist::cli::restore_wanted(cfg) {
         return crate::workspace::mount_persistent(&cfg.workspace, &cfg.persist)
             .map_err(|e| e.to_string());
     }
-    let mut lease = crate::persist::lease::ReleaseOnDrop::new(
-        crate::persist::acquire_lease(state, &cfg.persist, false).map_err(|e| e.to_string())?,
-    );
-    match crate::persist::cli::restore_on_start(cfg) {
-        Ok(Some(what)) => tracing::info!("{what}"),
-        Ok(None) => {}
-        Err(e) => return Err(format!("restore from the remote: {e}")),
-    }
+    let mut lease = crate::persist::cli::lease_and_restore(cfg).map_err(|e| e.to_string())?;
     crate::workspace::session::mount_persistent_leased(&cfg.workspace, &cfg.persist, lease.take())
         .map_err(|e| e.to_string())
 }
