@@ -9,7 +9,6 @@ mod s3_util;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
-use std::ops::Range;
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -22,7 +21,7 @@ use keel::chunk::ChunkId;
 use keel::config::PersistConfig;
 use keel::persist::fork::{delete_fork, fork};
 use keel::persist::fsck::{fsck, FsckOptions};
-use keel::persist::remote::{ObjectInfo, PutMode, RemoteResult};
+use keel::persist::remote::PutMode;
 use keel::persist::{
     gc, open_remote, restore, CheckpointOptions, Counted, Persister, Remote, Repo,
 };
@@ -346,27 +345,19 @@ fn pending_fork_pins_its_source_snapshot() {
     drop(fs);
 }
 
-/// A remote that runs a hook once, just before the first `op` ("put" or "head") on a key
-/// containing `at`: another process acting at the worst moment.
-type Hook = (&'static str, String, Box<dyn FnOnce() + Send>);
+/// A hook run once, just before the first `op` ("put" or "head") on a key containing `at`
+/// through the `Tap` that `hooked` makes: another process acting at the worst moment.
+type HookFn = (&'static str, String, Box<dyn FnOnce() + Send>);
 
-struct Hooked {
-    inner: Arc<dyn Remote>,
-    hook: Mutex<Option<Hook>>,
-}
+#[derive(Default)]
+struct Hook(Mutex<Option<HookFn>>);
 
-impl Hooked {
-    fn new(inner: Arc<dyn Remote>) -> Arc<Hooked> {
-        Arc::new(Hooked {
-            inner,
-            hook: Mutex::new(None),
-        })
-    }
+impl Hook {
     fn arm(&self, op: &'static str, at: &str, f: impl FnOnce() + Send + 'static) {
-        *self.hook.lock().unwrap() = Some((op, at.to_string(), Box::new(f)));
+        *self.0.lock().unwrap() = Some((op, at.to_string(), Box::new(f)));
     }
     fn fire(&self, op: &str, key: &str) {
-        let mut h = self.hook.lock().unwrap();
+        let mut h = self.0.lock().unwrap();
         if h.as_ref()
             .is_some_and(|(o, at, _)| *o == op && key.contains(at.as_str()))
         {
@@ -376,46 +367,15 @@ impl Hooked {
         }
     }
     fn fired(&self) -> bool {
-        self.hook.lock().unwrap().is_none()
+        self.0.lock().unwrap().is_none()
     }
 }
 
-impl Remote for Hooked {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn get(&self, key: &str) -> RemoteResult<Bytes> {
-        self.inner.get(key)
-    }
-    fn get_range(&self, key: &str, range: Range<u64>) -> RemoteResult<Bytes> {
-        self.inner.get_range(key, range)
-    }
-    fn head(&self, key: &str) -> RemoteResult<Option<ObjectInfo>> {
-        self.fire("head", key);
-        self.inner.head(key)
-    }
-    fn put(&self, key: &str, data: Bytes, mode: PutMode) -> RemoteResult<Option<String>> {
-        self.fire("put", key);
-        self.inner.put(key, data, mode)
-    }
-    fn delete(&self, key: &str) -> RemoteResult<()> {
-        self.inner.delete(key)
-    }
-    fn list(&self, prefix: &str) -> RemoteResult<Vec<ObjectInfo>> {
-        self.inner.list(prefix)
-    }
-    fn flush(&self) -> RemoteResult<()> {
-        self.inner.flush()
-    }
-    fn put_many_absent(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
-        self.inner.put_many_absent(items)
-    }
-    fn put_many_fresh(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
-        self.inner.put_many_fresh(items)
-    }
-    fn get_many(&self, keys: &[String]) -> Vec<RemoteResult<Bytes>> {
-        self.inner.get_many(keys)
-    }
+/// `inner` behind a `Tap` that runs the returned hook.
+fn hooked(inner: Arc<dyn Remote>) -> (Arc<Tap>, Arc<Hook>) {
+    let hook = Arc::new(Hook::default());
+    let h = hook.clone();
+    (Tap::new(inner, move |op, key| h.fire(op, key)), hook)
 }
 
 /// Gives the objects `keys` of `repo`'s store (a `file://` one) this modification time.
@@ -449,39 +409,89 @@ fn stale_chunks(repo: &Repo, data: &[u8]) -> Vec<String> {
 
 const GRACE: Duration = Duration::from_secs(3600);
 
-/// A checkpoint that finds a chunk already in the store but unreferenced and old (so past
-/// gc's grace window) refreshes it: a gc of a workspace sharing the store, running between
-/// the chunk uploads and the new head, leaves it alone, and the new snapshot restores.
-#[test]
-fn a_checkpoint_reusing_an_old_unreferenced_chunk_survives_a_sharing_gc() {
+/// An origin workspace at `<root>/origin`, seen through a `hooked` tap, with one file
+/// `first` checkpointed, and a fork of it at `<root>/fork`.
+struct Forked {
+    root: tempfile::TempDir,
+    cfg: PersistConfig,
+    o_url: String,
+    hook: Arc<Hook>,
+    origin: Repo,
+    fork_repo: Repo,
+    /// The origin's state dir.
+    dir: tempfile::TempDir,
+    fs: keel::workspace::fs::WorkspaceFs,
+    p: Persister,
+}
+
+fn origin_and_fork(first: &[u8]) -> Forked {
     let root = tempfile::tempdir().unwrap();
     let cfg = PersistConfig::default();
     let o_url = format!("file://{}/origin", root.path().display());
     let f_url = format!("file://{}/fork", root.path().display());
     let plain = open_remote(&o_url, &cfg).unwrap();
-    let hooked = Hooked::new(plain.remote.clone());
-    let mut origin = Repo::new(hooked.clone(), plain.ws());
+    let (tapped, hook) = hooked(plain.remote.clone());
+    let mut origin = Repo::new(tapped, plain.ws());
     origin.manifest().unwrap();
-    let a = tempfile::tempdir().unwrap();
-    let fs = open_fs(a.path());
-    write_file(&fs, "first", &noise(40, 2 * CHUNK as usize));
-    let mut p = Persister::open(a.path(), origin.clone(), params()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    write_file(&fs, "first", first);
+    let mut p = Persister::open(dir.path(), origin.clone(), params()).unwrap();
     checkpoint(&mut p);
     let (mut fork_repo, _) = open(&f_url, &cfg);
     fork(&mut origin.clone(), &mut fork_repo, None).expect("fork");
+    Forked {
+        root,
+        cfg,
+        o_url,
+        hook,
+        origin,
+        fork_repo,
+        dir,
+        fs,
+        p,
+    }
+}
+
+/// Checkpoints with the fork's gc run after the chunks are checked and before the snapshot
+/// is written: (the checkpoint's report, the gc's).
+fn checkpoint_racing_gc(
+    p: &mut Persister,
+    hook: &Hook,
+    fork_repo: &Repo,
+) -> (keel::persist::CheckpointReport, gc::GcReport) {
+    let report = Arc::new(Mutex::new(None));
+    let (r, mut g) = (report.clone(), fork_repo.clone());
+    hook.arm("put", "snapshots/", move || {
+        *r.lock().unwrap() = Some(gc::gc(&mut g, None, 1, GRACE).expect("fork gc"));
+    });
+    let c = checkpoint(p);
+    assert!(hook.fired());
+    let g = report.lock().unwrap().take().unwrap();
+    (c, g)
+}
+
+/// A checkpoint that finds a chunk already in the store but unreferenced and old (so past
+/// gc's grace window) refreshes it: a gc of a workspace sharing the store, running between
+/// the chunk uploads and the new head, leaves it alone, and the new snapshot restores.
+#[test]
+fn a_checkpoint_reusing_an_old_unreferenced_chunk_survives_a_sharing_gc() {
+    let Forked {
+        root: _root,
+        cfg,
+        o_url,
+        hook,
+        origin,
+        fork_repo,
+        dir: _dir,
+        fs,
+        mut p,
+    } = origin_and_fork(&noise(40, 2 * CHUNK as usize));
 
     let data = noise(41, 2 * CHUNK as usize);
     let keys = stale_chunks(&origin, &data);
-    // The fork's gc runs after the chunks are checked and before the snapshot is written.
-    let report = Arc::new(Mutex::new(None));
-    let (r, mut g) = (report.clone(), fork_repo.clone());
-    hooked.arm("put", "snapshots/", move || {
-        *r.lock().unwrap() = Some(gc::gc(&mut g, None, 1, GRACE).expect("fork gc"));
-    });
     write_file(&fs, "again", &data);
-    let c = checkpoint(&mut p);
-    assert!(hooked.fired());
-    let g = report.lock().unwrap().take().unwrap();
+    let (c, g) = checkpoint_racing_gc(&mut p, &hook, &fork_repo);
     let (dir, got) = restore_dump(&o_url, &cfg);
     assert_eq!(got, dump(&fs));
     fsck_clean(dir.path(), &o_url, &cfg);
@@ -516,21 +526,17 @@ fn a_checkpoint_reusing_an_old_unreferenced_chunk_survives_a_sharing_gc() {
 /// snapshot after the unlink names them: a checkpoint reusing them refreshes them too.
 #[test]
 fn chunks_only_an_open_unlinked_file_maps_are_refreshed_when_reused() {
-    let root = tempfile::tempdir().unwrap();
-    let cfg = PersistConfig::default();
-    let o_url = format!("file://{}/origin", root.path().display());
-    let f_url = format!("file://{}/fork", root.path().display());
-    let plain = open_remote(&o_url, &cfg).unwrap();
-    let hooked = Hooked::new(plain.remote.clone());
-    let mut origin = Repo::new(hooked.clone(), plain.ws());
-    origin.manifest().unwrap();
-    let a = tempfile::tempdir().unwrap();
-    let fs = open_fs(a.path());
-    write_file(&fs, "first", &noise(60, CHUNK as usize));
-    let mut p = Persister::open(a.path(), origin.clone(), params()).unwrap();
-    checkpoint(&mut p);
-    let (mut fork_repo, _) = open(&f_url, &cfg);
-    fork(&mut origin.clone(), &mut fork_repo, None).expect("fork");
+    let Forked {
+        root: _root,
+        cfg,
+        o_url,
+        hook,
+        origin,
+        fork_repo,
+        dir: _dir,
+        fs,
+        mut p,
+    } = origin_and_fork(&noise(60, CHUNK as usize));
     // A file checkpointed, then unlinked while open; compacted away on the origin.
     let data = noise(61, 2 * CHUNK as usize);
     let ino = write_file(&fs, "doomed", &data);
@@ -558,15 +564,8 @@ fn chunks_only_an_open_unlinked_file_maps_are_refreshed_when_reused() {
         SystemTime::now() - Duration::from_secs(7200),
     );
     // The same bytes again, with the fork's gc at the worst moment.
-    let report = Arc::new(Mutex::new(None));
-    let (r, mut g) = (report.clone(), fork_repo.clone());
-    hooked.arm("put", "snapshots/", move || {
-        *r.lock().unwrap() = Some(gc::gc(&mut g, None, 1, GRACE).expect("fork gc"));
-    });
     write_file(&fs, "again", &data);
-    let c = checkpoint(&mut p);
-    assert!(hooked.fired());
-    let g = report.lock().unwrap().take().unwrap();
+    let (c, g) = checkpoint_racing_gc(&mut p, &hook, &fork_repo);
     let (dir, got) = restore_dump(&o_url, &cfg);
     assert_eq!(got, dump(&fs));
     fsck_clean(dir.path(), &o_url, &cfg);
@@ -591,14 +590,14 @@ fn gc_spares_a_chunk_refreshed_after_it_listed_the_store() {
     checkpoint(&mut p);
     let data = noise(51, 2 * CHUNK as usize);
     let keys = stale_chunks(&origin, &data);
-    let hooked = Hooked::new(origin.remote.clone());
-    let mut g = Repo::new(hooked.clone(), origin.ws());
+    let (tapped, hook) = hooked(origin.remote.clone());
+    let mut g = Repo::new(tapped, origin.ws());
     let (o, k) = (origin.clone(), keys[0].clone());
-    hooked.arm("head", &keys[0], move || {
+    hook.arm("head", &keys[0], move || {
         set_age(&o, &[k], SystemTime::now());
     });
     let r = gc::gc(&mut g, Some(p.store()), 1, GRACE).unwrap();
-    assert!(hooked.fired(), "{r}");
+    assert!(hook.fired(), "{r}");
     assert_eq!((r.chunks_deleted, r.young_skipped), (1, 1), "{r}");
     assert_eq!(present(&origin, &window_ids(&data)), 1, "{r}");
     drop(fs);

@@ -10,15 +10,12 @@ mod persist_util;
 mod s3_util;
 
 use std::collections::BTreeMap;
-use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use bytes::Bytes;
 use keel::chunk::ChunkId;
 use keel::meta::InodeNo;
 use keel::persist::hydrate::RemoteChunks;
-use keel::persist::remote::{ObjectInfo, PutMode, RemoteResult};
 use keel::persist::restore::{restore, restore_with, RestoreMode};
 use keel::persist::{MemRemote, Remote, Repo};
 use keel::workspace::fs::{SetAttr, WorkspaceFs};
@@ -27,65 +24,16 @@ use persist_util::*;
 /// Designed readahead: a sequential read fetches this many windows after its own.
 const READAHEAD: u64 = 4;
 
-/// Counts GETs of chunk objects (keys under `/chunks/`), single and batched.
-struct ChunkGets {
-    inner: Arc<dyn Remote>,
-    gets: AtomicU64,
-}
-
-impl ChunkGets {
-    fn new(inner: Arc<dyn Remote>) -> Arc<ChunkGets> {
-        Arc::new(ChunkGets {
-            inner,
-            gets: AtomicU64::new(0),
-        })
-    }
-    fn n(&self) -> u64 {
-        self.gets.load(Ordering::SeqCst)
-    }
-    fn note(&self, key: &str) {
-        if key.contains("/chunks/") {
-            self.gets.fetch_add(1, Ordering::SeqCst);
+/// A remote that counts GETs of chunk objects (keys under `/chunks/`), single and batched.
+fn chunk_gets(inner: Arc<dyn Remote>) -> (Arc<Tap>, Arc<AtomicU64>) {
+    let gets = Arc::new(AtomicU64::new(0));
+    let g = gets.clone();
+    let tap = Tap::new(inner, move |op, key| {
+        if matches!(op, "get" | "get_range" | "get_many") && key.contains("/chunks/") {
+            g.fetch_add(1, Ordering::SeqCst);
         }
-    }
-}
-
-impl Remote for ChunkGets {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn get(&self, key: &str) -> RemoteResult<Bytes> {
-        self.note(key);
-        self.inner.get(key)
-    }
-    fn get_range(&self, key: &str, range: Range<u64>) -> RemoteResult<Bytes> {
-        self.note(key);
-        self.inner.get_range(key, range)
-    }
-    fn head(&self, key: &str) -> RemoteResult<Option<ObjectInfo>> {
-        self.inner.head(key)
-    }
-    fn put(&self, key: &str, data: Bytes, mode: PutMode) -> RemoteResult<Option<String>> {
-        self.inner.put(key, data, mode)
-    }
-    fn delete(&self, key: &str) -> RemoteResult<()> {
-        self.inner.delete(key)
-    }
-    fn list(&self, prefix: &str) -> RemoteResult<Vec<ObjectInfo>> {
-        self.inner.list(prefix)
-    }
-    fn flush(&self) -> RemoteResult<()> {
-        self.inner.flush()
-    }
-    fn put_many_absent(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
-        self.inner.put_many_absent(items)
-    }
-    fn get_many(&self, keys: &[String]) -> Vec<RemoteResult<Bytes>> {
-        for k in keys {
-            self.note(k);
-        }
-        self.inner.get_many(keys)
-    }
+    });
+    (tap, gets)
 }
 
 fn a_bytes() -> Vec<u8> {
@@ -110,7 +58,9 @@ fn build(fs: &WorkspaceFs) {
 struct Lazy {
     _src: tempfile::TempDir,
     dst: tempfile::TempDir,
-    remote: Arc<ChunkGets>,
+    remote: Arc<Tap>,
+    /// Chunk GETs through `remote` so far.
+    gets: Arc<AtomicU64>,
     /// The source tree as checkpointed.
     want: BTreeMap<String, String>,
     /// Windows the lazy restore left to fetch.
@@ -118,8 +68,13 @@ struct Lazy {
 }
 
 impl Lazy {
+    /// Chunk GETs so far.
+    fn n(&self) -> u64 {
+        self.gets.load(Ordering::SeqCst)
+    }
+
     fn new(inner: Arc<dyn Remote>) -> Lazy {
-        let remote = ChunkGets::new(Arc::new(keel::persist::Counted::new(inner)));
+        let (remote, gets) = chunk_gets(Arc::new(keel::persist::Counted::new(inner)));
         let src = tempfile::tempdir().unwrap();
         let fs = open_fs(src.path());
         build(&fs);
@@ -130,16 +85,21 @@ impl Lazy {
         checkpoint(&mut p);
         drop(p);
         let dst = tempfile::tempdir().unwrap();
-        let before = remote.n();
+        let before = gets.load(Ordering::SeqCst);
         let mut repo = Repo::new(remote.clone(), "ws");
         let r = restore_with(&mut repo, None, dst.path(), false, RestoreMode::Lazy).unwrap();
-        assert_eq!(remote.n(), before, "a lazy restore fetched chunks");
+        assert_eq!(
+            gets.load(Ordering::SeqCst),
+            before,
+            "a lazy restore fetched chunks"
+        );
         assert_eq!(r.chunks_fetched, 0);
         assert!(r.windows_missing > 20, "{r:?}");
         Lazy {
             _src: src,
             dst,
             remote,
+            gets,
             want,
             missing: r.windows_missing,
         }
@@ -182,7 +142,7 @@ fn eager_dump(remote: Arc<dyn Remote>) -> (tempfile::TempDir, BTreeMap<String, S
 fn on_demand(inner: Arc<dyn Remote>) {
     let l = Lazy::new(inner);
     let fs = l.open();
-    let g0 = l.remote.n();
+    let g0 = l.n();
     let a = resolve(&fs, "lz/a");
     let b = resolve(&fs, "lz/b");
     // The restore created no body for files with stored windows: start time does not grow
@@ -201,7 +161,7 @@ fn on_demand(inner: Arc<dyn Remote>) {
 
     // A random read: exactly its window.
     assert_eq!(read(&fs, a, 3 * CHUNK, CHUNK), win(&a_bytes(), 3));
-    assert_eq!(l.remote.n() - g0, 1, "random read of one window");
+    assert_eq!(l.n() - g0, 1, "random read of one window");
     let (len, _) = bodies
         .stat(a.0)
         .unwrap()
@@ -211,42 +171,26 @@ fn on_demand(inner: Arc<dyn Remote>) {
         read(&fs, a, 3 * CHUNK + 10, 100),
         &win(&a_bytes(), 3)[10..110]
     );
-    assert_eq!(
-        l.remote.n() - g0,
-        1,
-        "a fetched window is not fetched again"
-    );
+    assert_eq!(l.n() - g0, 1, "a fetched window is not fetched again");
 
     // A sequential reader: its window plus READAHEAD more, then nothing until it reaches
     // the first window not fetched yet.
-    let g1 = l.remote.n();
+    let g1 = l.n();
     assert_eq!(read(&fs, b, 0, CHUNK), win(&b_bytes(), 0));
-    assert_eq!(
-        l.remote.n() - g1,
-        1 + READAHEAD,
-        "sequential read + readahead"
-    );
+    assert_eq!(l.n() - g1, 1 + READAHEAD, "sequential read + readahead");
     for i in 1..=READAHEAD {
         assert_eq!(read(&fs, b, i * CHUNK, CHUNK), win(&b_bytes(), i));
     }
-    assert_eq!(
-        l.remote.n() - g1,
-        1 + READAHEAD,
-        "readahead windows were fetched"
-    );
+    assert_eq!(l.n() - g1, 1 + READAHEAD, "readahead windows were fetched");
     assert_eq!(read(&fs, b, 5 * CHUNK, CHUNK), win(&b_bytes(), 5));
     // Windows 6 and 7 are all that is left of b.
-    assert_eq!(
-        l.remote.n() - g1,
-        8,
-        "each window of b fetched exactly once"
-    );
+    assert_eq!(l.n() - g1, 8, "each window of b fetched exactly once");
 
     // One small write: fetches its window first, and the checkpoint after it uploads only
     // that window (everything else keeps its chunk id, fetched or not).
-    let g2 = l.remote.n();
+    let g2 = l.n();
     write_at(&fs, a, 7 * CHUNK + 10, b"patch");
-    assert_eq!(l.remote.n() - g2, 1, "a partial write fetches its window");
+    assert_eq!(l.n() - g2, 1, "a partial write fetches its window");
     let mut want_a = a_bytes();
     want_a[(7 * CHUNK + 10) as usize..(7 * CHUNK + 15) as usize].copy_from_slice(b"patch");
     fs.sync_all().unwrap();
@@ -261,7 +205,7 @@ fn on_demand(inner: Arc<dyn Remote>) {
     let got = dump(&fs);
     assert_eq!(fs.missing_windows().unwrap(), 0);
     assert_eq!(
-        l.remote.n() - g0,
+        l.n() - g0,
         l.missing,
         "every stored window fetched exactly once"
     );
@@ -419,17 +363,13 @@ fn crash_between_body_write_and_record_refetches() {
     drop(fs);
 
     let fs = l.open();
-    let g = l.remote.n();
+    let g = l.n();
     let got = read_all(&fs, a).unwrap();
     assert_eq!(got, a_bytes(), "wrong bytes after a crash");
     for i in 0..10 {
         assert!(win(&got, i).iter().any(|b| *b != 0), "window {i} is zeros");
     }
-    assert_eq!(
-        l.remote.n() - g,
-        9,
-        "the recorded window is not fetched again"
-    );
+    assert_eq!(l.n() - g, 9, "the recorded window is not fetched again");
 }
 
 #[test]
@@ -438,7 +378,7 @@ fn truncate_overwrite_and_seek_respect_unfetched_windows() {
     let fs = l.open();
     let a = resolve(&fs, "lz/a");
     let b = resolve(&fs, "lz/b");
-    let g = l.remote.n();
+    let g = l.n();
 
     // SEEK_HOLE sees no holes while windows are missing.
     assert_eq!(fs.seek(b, 0, false).unwrap(), b_bytes().len() as u64);
@@ -452,24 +392,20 @@ fn truncate_overwrite_and_seek_respect_unfetched_windows() {
         ..Default::default()
     };
     fs.setattr(a, &set(cut)).unwrap();
-    assert_eq!(l.remote.n() - g, 1, "truncate fetches the window it cuts");
+    assert_eq!(l.n() - g, 1, "truncate fetches the window it cuts");
     fs.setattr(a, &set(10 * CHUNK)).unwrap();
     let got = read_all(&fs, a).unwrap();
     assert_eq!(&got[..cut as usize], &a_bytes()[..cut as usize]);
     assert!(got[cut as usize..].iter().all(|b| *b == 0));
-    assert_eq!(
-        l.remote.n() - g,
-        3,
-        "windows 0 and 1 fetched, none past the cut"
-    );
+    assert_eq!(l.n() - g, 3, "windows 0 and 1 fetched, none past the cut");
 
     // A write over a whole window needs no fetch; the window stays present after reopen.
-    let g = l.remote.n();
+    let g = l.n();
     let fill = vec![0x55u8; CHUNK as usize];
     write_at(&fs, b, 3 * CHUNK, &fill);
-    assert_eq!(l.remote.n() - g, 0, "a whole-window overwrite fetched");
+    assert_eq!(l.n() - g, 0, "a whole-window overwrite fetched");
     assert_eq!(read(&fs, b, 3 * CHUNK, CHUNK), fill);
-    assert_eq!(l.remote.n() - g, 0);
+    assert_eq!(l.n() - g, 0);
     fs.sync_all().unwrap();
     drop(fs);
     let fs = l.open();
@@ -477,11 +413,7 @@ fn truncate_overwrite_and_seek_respect_unfetched_windows() {
     let mut want = b_bytes();
     want[3 * CHUNK as usize..4 * CHUNK as usize].copy_from_slice(&fill);
     assert_eq!(read_all(&fs, b).unwrap(), want);
-    assert_eq!(
-        l.remote.n() - g,
-        7,
-        "the overwritten window was fetched after all"
-    );
+    assert_eq!(l.n() - g, 7, "the overwritten window was fetched after all");
 }
 
 #[test]

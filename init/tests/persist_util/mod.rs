@@ -4,11 +4,15 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
+use bytes::Bytes;
+
 use keel::config::CacheMode;
 use keel::meta::{InodeNo, Kind};
+use keel::persist::remote::{ObjectInfo, PutMode, RemoteResult};
 use keel::persist::{
     CheckpointOptions, CheckpointReport, Counted, PersistParams, Persister, Remote, Repo,
 };
@@ -240,4 +244,80 @@ pub fn build_rich_tree(fs: &WorkspaceFs) {
     )
     .unwrap();
     write_file(fs, "empty", b"");
+}
+
+/// A remote that shows `on(op, key)` every keyed request before passing it on, batches key
+/// by key (`op`: "get", "get_range", "head", "put", "delete", "get_many",
+/// "put_many_absent", "put_many_fresh"): tests count requests with it, or act at a chosen
+/// moment.
+pub struct Tap {
+    inner: Arc<dyn Remote>,
+    on: Box<OnRequest>,
+}
+
+/// What a `Tap` calls with (op, key).
+type OnRequest = dyn Fn(&str, &str) + Send + Sync;
+
+impl Tap {
+    pub fn new(
+        inner: Arc<dyn Remote>,
+        on: impl Fn(&str, &str) + Send + Sync + 'static,
+    ) -> Arc<Tap> {
+        Arc::new(Tap {
+            inner,
+            on: Box::new(on),
+        })
+    }
+
+    fn each(&self, op: &str, items: &[(String, Bytes)]) {
+        for (k, _) in items {
+            (self.on)(op, k);
+        }
+    }
+}
+
+impl Remote for Tap {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn get(&self, key: &str) -> RemoteResult<Bytes> {
+        (self.on)("get", key);
+        self.inner.get(key)
+    }
+    fn get_range(&self, key: &str, range: Range<u64>) -> RemoteResult<Bytes> {
+        (self.on)("get_range", key);
+        self.inner.get_range(key, range)
+    }
+    fn head(&self, key: &str) -> RemoteResult<Option<ObjectInfo>> {
+        (self.on)("head", key);
+        self.inner.head(key)
+    }
+    fn put(&self, key: &str, data: Bytes, mode: PutMode) -> RemoteResult<Option<String>> {
+        (self.on)("put", key);
+        self.inner.put(key, data, mode)
+    }
+    fn delete(&self, key: &str) -> RemoteResult<()> {
+        (self.on)("delete", key);
+        self.inner.delete(key)
+    }
+    fn list(&self, prefix: &str) -> RemoteResult<Vec<ObjectInfo>> {
+        self.inner.list(prefix)
+    }
+    fn flush(&self) -> RemoteResult<()> {
+        self.inner.flush()
+    }
+    fn put_many_absent(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
+        self.each("put_many_absent", &items);
+        self.inner.put_many_absent(items)
+    }
+    fn put_many_fresh(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
+        self.each("put_many_fresh", &items);
+        self.inner.put_many_fresh(items)
+    }
+    fn get_many(&self, keys: &[String]) -> Vec<RemoteResult<Bytes>> {
+        for k in keys {
+            (self.on)("get_many", k);
+        }
+        self.inner.get_many(keys)
+    }
 }
