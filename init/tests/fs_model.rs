@@ -1,5 +1,5 @@
 //! `WorkspaceFs` without a kernel: direct tests of POSIX semantics, and a proptest reference
-//! model (create / write at offset / truncate / rename / link / unlink / mkdir / rmdir /
+//! model (create / write at offset / copy_file_range / truncate / rename / link / unlink / mkdir / rmdir /
 //! chmod / xattr / fsync / remount) compared against an in-memory model after every step.
 
 use std::collections::BTreeMap;
@@ -276,6 +276,8 @@ impl Model {
 enum Op {
     Create(String),
     Write(String, u64, Vec<u8>),
+    /// copy_file_range(src, off_in, dst, off_out, len)
+    Copy(String, u64, String, u64, u64),
     Truncate(String, u64),
     Mkdir(String),
     Rmdir(String),
@@ -286,7 +288,9 @@ enum Op {
     SetXattr(String, String, Vec<u8>),
     RemoveXattr(String, String),
     Fsync(String),
-    Remount { clean: bool },
+    Remount {
+        clean: bool,
+    },
 }
 
 fn path_strategy() -> impl Strategy<Value = String> {
@@ -299,6 +303,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => path_strategy().prop_map(Op::Create),
         4 => (path_strategy(), 0u64..400, data).prop_map(|(p, o, d)| Op::Write(p, o, d)),
+        2 => (path_strategy(), 0u64..400, path_strategy(), 0u64..400, 0u64..300)
+            .prop_map(|(a, ia, b, ib, n)| Op::Copy(a, ia, b, ib, n)),
         2 => (path_strategy(), 0u64..500).prop_map(|(p, s)| Op::Truncate(p, s)),
         3 => path_strategy().prop_map(Op::Mkdir),
         1 => path_strategy().prop_map(Op::Rmdir),
@@ -340,6 +346,26 @@ fn apply_model(m: &mut Model, op: &Op) -> bool {
                         f.resize(end, 0);
                     }
                     f[*off as usize..end].copy_from_slice(d);
+                }
+                true
+            }
+            _ => false,
+        },
+        Op::Copy(a, ia, b, ib, n) => match (m.paths.get(a), m.paths.get(b)) {
+            (Some(MNode::File { id: src }), Some(MNode::File { id: dst })) => {
+                let (src, dst, ia, ib) = (*src, *dst, *ia as usize, *ib as usize);
+                let from = m.files[src].0.get(ia..).unwrap_or_default();
+                let bytes = from[..from.len().min(*n as usize)].to_vec();
+                // The kernel refuses overlapping ranges within one file (EINVAL).
+                if src == dst && ia < ib + *n as usize && ib < ia + *n as usize {
+                    return false;
+                }
+                let f = &mut m.files[dst].0;
+                if !bytes.is_empty() {
+                    if f.len() < ib + bytes.len() {
+                        f.resize(ib + bytes.len(), 0);
+                    }
+                    f[ib..ib + bytes.len()].copy_from_slice(&bytes);
                 }
                 true
             }
@@ -488,6 +514,27 @@ fn apply_real(fs: &WorkspaceFs, op: &Op) -> Result<(), FsError> {
                 return Err(FsError::IsDir);
             }
             write_file(fs, ino, *off, data);
+            Ok(())
+        }
+        Op::Copy(a, ia, b, ib, n) => {
+            let (src, dst) = (resolve(fs, a)?, resolve(fs, b)?);
+            for ino in [src, dst] {
+                if fs.getattr(ino)?.inode.kind != Kind::File {
+                    return Err(FsError::IsDir);
+                }
+            }
+            // What the kernel checks before asking the filesystem.
+            if src == dst && ia < &(ib + n) && ib < &(ia + n) {
+                return Err(FsError::Invalid);
+            }
+            let (fi, _) = fs.open(src, libc::O_RDONLY)?;
+            let (fo, _) = fs.open(dst, libc::O_WRONLY)?;
+            let size = fs.getattr(src)?.inode.size;
+            let want = size.saturating_sub(*ia).min(*n);
+            let got = fs.copy_file_range(src, *ia, dst, *ib, *n);
+            fs.release(fi)?;
+            fs.release(fo)?;
+            assert_eq!(got?, want, "copy_file_range copied a short count");
             Ok(())
         }
         Op::Truncate(p, s) => {
@@ -724,5 +771,31 @@ fn regression_link_then_unlink_then_remount() {
         Op::Unlink("a".into()),
         Op::Remount { clean: true },
         Op::Truncate("b".into(), 200),
+    ]);
+}
+
+#[test]
+fn copy_file_range_between_inline_and_body_files() {
+    let bytes = |n: usize, seed: u8| -> Vec<u8> { (0..n).map(|i| seed ^ i as u8).collect() };
+    run_model(&[
+        Op::Create("a".into()),
+        Op::Write("a".into(), 0, bytes(200, 1)),
+        Op::Create("b".into()),
+        Op::Write("b".into(), 0, bytes(10, 2)),
+        Op::Create("c".into()),
+        Op::Write("c".into(), 0, bytes(20, 3)),
+        // body -> inline file that outgrows inline_max: copied between bodies
+        Op::Copy("a".into(), 5, "b".into(), 3, 150),
+        // body -> body, extending the target
+        Op::Copy("b".into(), 0, "a".into(), 300, 40),
+        // inline -> inline, and inline -> body: through a buffer
+        Op::Copy("c".into(), 0, "c".into(), 25, 10),
+        Op::Copy("c".into(), 2, "b".into(), 1, 10),
+        // within one body; overlapping ranges are refused
+        Op::Copy("a".into(), 0, "a".into(), 250, 50),
+        Op::Copy("a".into(), 10, "a".into(), 20, 50),
+        // past the source's end: nothing
+        Op::Copy("c".into(), 500, "a".into(), 0, 10),
+        Op::Remount { clean: false },
     ]);
 }

@@ -424,7 +424,7 @@ fn writes_by_other_users_drop_setuid_like_the_host() {
         fs::set_permissions(d, fs::Permissions::from_mode(0o755)).unwrap();
     }
     // (file mode, command run as uid/gid 1000, or as root when `root`)
-    let cases: [(u32, &str, bool); 7] = [
+    let cases: [(u32, &str, bool); 8] = [
         (0o6775, "printf x >> f", false),
         (0o2765, "printf x >> f", false),
         (0o6775, "printf x >> f", true),
@@ -436,6 +436,11 @@ fn writes_by_other_users_drop_setuid_like_the_host() {
             false,
         ),
         (0o4775, "cat f > /dev/null", false),
+        (
+            0o6775,
+            "python3 -c 'import os; os.copy_file_range(os.open(\"f\", os.O_RDONLY), os.open(\"f\", os.O_WRONLY), 4, 0, 10)'",
+            false,
+        ),
     ];
     let outcome = |dir: &Path, mode: u32, cmd: &str, root: bool| -> u32 {
         let f = dir.join("f");

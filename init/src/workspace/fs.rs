@@ -257,6 +257,63 @@ struct BodyStamp {
     ctime: Nanos,
 }
 
+/// The end of a write of `len` bytes at `offset`, or EFBIG past the largest file size.
+fn write_end(offset: u64, len: u64) -> FsResult<u64> {
+    offset
+        .checked_add(len)
+        .filter(|e| *e <= i64::MAX as u64)
+        .ok_or(FsError::Io(io::Error::from_raw_os_error(libc::EFBIG)))
+}
+
+/// Copies bytes `[off_in, off_in + len)` of body `src` to `off_out` in body `dst`, inside
+/// the kernel where it can (`copy_file_range(2)`), else through a buffer. Past the end of
+/// `src` (a body shorter than its file) the bytes are zeros, as `read` serves them.
+fn copy_body_range(src: &File, off_in: u64, dst: &File, off_out: u64, len: u64) -> io::Result<()> {
+    const PIECE: u64 = 1 << 20;
+    let mut done = 0u64;
+    let mut in_kernel = true;
+    let mut buf = Vec::new();
+    while done < len {
+        let (at_in, at_out) = (off_in + done, off_out + done);
+        let n = if in_kernel {
+            let want = (len - done).min(1 << 30) as usize;
+            match sys::file::copy_range(src, at_in, dst, at_out, want) {
+                Ok(n) => n as u64,
+                Err(e) if copy_unsupported(&e) => {
+                    in_kernel = false;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            buf.resize((len - done).min(PIECE) as usize, 0);
+            let n = src.read_at(&mut buf, at_in)?;
+            dst.write_all_at(&buf[..n], at_out)?;
+            n as u64
+        };
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    let zeros = vec![0u8; (len - done).min(PIECE) as usize];
+    while done < len {
+        let n = (len - done).min(PIECE) as usize;
+        dst.write_all_at(&zeros[..n], off_out + done)?;
+        done += n as u64;
+    }
+    Ok(())
+}
+
+/// `copy_file_range(2)` cannot copy between these two files (another filesystem, or one
+/// that does not support it): copy through a buffer instead.
+fn copy_unsupported(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS)
+    )
+}
+
 fn body_stamp(f: &File) -> io::Result<BodyStamp> {
     use std::os::unix::fs::MetadataExt;
     let m = f.metadata()?;
@@ -1622,37 +1679,62 @@ impl WorkspaceFs {
         if data.is_empty() {
             return Ok(0);
         }
-        let end = offset
-            .checked_add(data.len() as u64)
-            .filter(|e| *e <= i64::MAX as u64)
-            .ok_or(FsError::Io(io::Error::from_raw_os_error(libc::EFBIG)))?;
+        let end = write_end(offset, data.len() as u64)?;
         let claim = self.lazy_prepare_write(ino, offset, end)?;
-        let f = {
-            let mut guard = self.lock();
-            let inner: &mut Inner = &mut guard;
-            let inline_max = self.opts.inline_max;
-            let of = self.file_of(inner, ino)?;
-            if end > inline_max {
-                self.to_body(of)?;
-            }
-            let t = now();
-            match &mut of.data {
-                Data::Inline(v) => {
+        if let Some(f) = self.write_target(ino, offset, end, Some(data))? {
+            f.write_all_at(data, offset)?;
+            self.finish_write(ino, claim, &f, offset, end)?;
+        }
+        Ok(data.len() as u32)
+    }
+
+    /// Under the lock, before bytes `[offset, end)` are written: moves a file that outgrows
+    /// `inline_max` to a body and returns the body, to be written without the lock. An
+    /// inline file gets `data` right here and `None` comes back (also without `data`, when
+    /// the caller must then write through `write`).
+    fn write_target(
+        &self,
+        ino: InodeNo,
+        offset: u64,
+        end: u64,
+        data: Option<&[u8]>,
+    ) -> FsResult<Option<Arc<File>>> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let inline_max = self.opts.inline_max;
+        let of = self.file_of(inner, ino)?;
+        if end > inline_max {
+            self.to_body(of)?;
+        }
+        match &mut of.data {
+            Data::Body(f) => Ok(Some(f.clone())),
+            Data::Inline(v) => {
+                if let Some(data) = data {
                     if (v.len() as u64) < end {
                         v.resize(end as usize, 0);
                     }
                     v[offset as usize..end as usize].copy_from_slice(data);
+                    let t = now();
                     of.inode.size = of.inode.size.max(end);
                     of.inode.mtime = t;
                     of.inode.ctime = t;
                     of.touch(offset, end, self.opts.chunk_size);
-                    return Ok(data.len() as u32);
                 }
-                Data::Body(f) => f.clone(),
+                Ok(None)
             }
-        };
-        f.write_all_at(data, offset)?;
-        self.lazy_finish_write(claim, &f)?;
+        }
+    }
+
+    /// After bytes `[offset, end)` went into body `f` without the lock: records them.
+    fn finish_write(
+        &self,
+        ino: InodeNo,
+        claim: Option<lazy::Claim<'_>>,
+        f: &File,
+        offset: u64,
+        end: u64,
+    ) -> FsResult<()> {
+        self.lazy_finish_write(claim, f)?;
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         if let Some(of) = inner.nodes.get_mut(&ino).and_then(|n| n.open.as_mut()) {
@@ -1662,8 +1744,7 @@ impl WorkspaceFs {
             of.inode.ctime = t;
             of.touch(offset, end, self.opts.chunk_size);
         }
-        Self::rebase(inner, ino)?;
-        Ok(data.len() as u32)
+        Self::rebase(inner, ino)
     }
 
     /// Commits a file's pending attributes (on close of a descriptor).
@@ -1861,6 +1942,9 @@ impl WorkspaceFs {
             return Ok(0);
         }
         let len = len.min(src_size - off_in);
+        if let Some(n) = self.copy_bodies(ino_in, off_in, ino_out, off_out, len)? {
+            return Ok(n);
+        }
         let mut buf = Vec::new();
         let mut done = 0u64;
         while done < len {
@@ -1873,6 +1957,39 @@ impl WorkspaceFs {
             done += buf.len() as u64;
         }
         Ok(done)
+    }
+
+    /// Copies `len` bytes between two files that have bodies without the bytes leaving the
+    /// kernel (`copy_file_range(2)` between the body files). `None` when either file is
+    /// inline: the caller copies through a buffer.
+    fn copy_bodies(
+        &self,
+        ino_in: InodeNo,
+        off_in: u64,
+        ino_out: InodeNo,
+        off_out: u64,
+        len: u64,
+    ) -> FsResult<Option<u64>> {
+        let end = write_end(off_out, len)?;
+        if end <= self.opts.inline_max {
+            return Ok(None);
+        }
+        self.lazy_fetch(ino_in, off_in, off_in.saturating_add(len), 0)?;
+        let src = {
+            let mut guard = self.lock();
+            let inner: &mut Inner = &mut guard;
+            match &self.file_of(inner, ino_in)?.data {
+                Data::Body(f) => f.clone(),
+                Data::Inline(_) => return Ok(None),
+            }
+        };
+        let claim = self.lazy_prepare_write(ino_out, off_out, end)?;
+        let Some(dst) = self.write_target(ino_out, off_out, end, None)? else {
+            return Ok(None);
+        };
+        copy_body_range(&src, off_in, &dst, off_out, len)?;
+        self.finish_write(ino_out, claim, &dst, off_out, end)?;
+        Ok(Some(len))
     }
 
     // ----- directories -----
@@ -2209,5 +2326,49 @@ fn lazy_active_check(store: &Store, chunk_size: u64) -> FsResult<bool> {
              [workspace] chunk_size is {chunk_size}: set it back to {cs} until every file was read"
         )))),
         _ => Ok(true),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_with(dir: &Path, name: &str, bytes: &[u8]) -> File {
+        let f = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.join(name))
+            .unwrap();
+        f.write_all_at(bytes, 0).unwrap();
+        f
+    }
+
+    fn contents(f: &File) -> Vec<u8> {
+        let mut v = vec![0u8; f.metadata().unwrap().len() as usize];
+        f.read_exact_at(&mut v, 0).unwrap();
+        v
+    }
+
+    #[test]
+    fn body_copy_lands_at_the_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let src = file_with(dir.path(), "src", &data);
+        let dst = file_with(dir.path(), "dst", b"0123456789");
+        copy_body_range(&src, 5, &dst, 4, data.len() as u64 - 5).unwrap();
+        let mut want = b"0123".to_vec();
+        want.extend_from_slice(&data[5..]);
+        assert!(contents(&dst) == want, "copied bytes differ");
+    }
+
+    #[test]
+    fn body_copy_past_a_short_source_writes_zeros() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = file_with(dir.path(), "src", b"abc");
+        let dst = file_with(dir.path(), "dst", &[7u8; 10]);
+        copy_body_range(&src, 1, &dst, 2, 6).unwrap();
+        assert_eq!(contents(&dst), b"\x07\x07bc\0\0\0\0\x07\x07");
     }
 }

@@ -765,7 +765,7 @@ impl Filesystem for FuseAdapter {
 
     fn copy_file_range(
         &self,
-        _req: &Request,
+        req: &Request,
         ino_in: INodeNo,
         _fh_in: FileHandle,
         offset_in: u64,
@@ -777,6 +777,12 @@ impl Filesystem for FuseAdapter {
         reply: ReplyWrite,
     ) {
         let len = len.min(u64::from(u32::MAX) & !0xfff);
+        // As for a write: the kernel leaves dropping setuid/setgid to keel.
+        if self.killpriv && req.uid() != 0 {
+            if let Err(e) = self.fs.kill_privs(ino(ino_out)) {
+                return reply.error(errno(&e));
+            }
+        }
         match self
             .fs
             .copy_file_range(ino(ino_in), offset_in, ino(ino_out), offset_out, len)
