@@ -1590,6 +1590,14 @@ impl WorkspaceFs {
         if pt {
             info.keep_cache = false;
             info.direct_io = false;
+        } else if fresh
+            && self.opts.passthrough.load(Ordering::Relaxed)
+            && flags & libc::O_ACCMODE == libc::O_WRONLY
+        {
+            // A new file written through keel: the kernel hands keel the caller's pages
+            // instead of copying them into its page cache first, which nobody reads from a
+            // write-only handle (later opens read the body through passthrough).
+            info.direct_io = true;
         }
         info.backing = backing;
         let fh = Self::new_handle(
