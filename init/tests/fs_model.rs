@@ -83,6 +83,40 @@ fn create_write_read_across_inline_and_body() {
     assert_eq!(fs.getattr(ino).unwrap().inode.size, 300);
 }
 
+/// With passthrough, a new file is written through keel: write-only handles skip the kernel's
+/// page cache (direct I/O), read-write ones keep it, and the next open is passed through.
+#[test]
+fn new_files_with_passthrough_open_modes() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = opts();
+    o.passthrough
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let fs = WorkspaceFs::new(dir.path(), o).expect("open workspace");
+    let (a, fh, info) = fs
+        .create(ROOT, InodeNo::ROOT, b"w", 0o644, libc::O_WRONLY)
+        .unwrap();
+    assert!(
+        info.direct_io && info.backing.is_none(),
+        "write-only create"
+    );
+    fs.write(a.inode.ino, 0, &[1u8; 300]).unwrap();
+    fs.release(fh).unwrap();
+    let (_, fh2, info) = fs
+        .create(ROOT, InodeNo::ROOT, b"rw", 0o644, libc::O_RDWR)
+        .unwrap();
+    assert!(
+        !info.direct_io && info.backing.is_none(),
+        "read-write create"
+    );
+    fs.release(fh2).unwrap();
+    let (fh, info) = fs.open(a.inode.ino, libc::O_RDONLY).unwrap();
+    assert!(
+        info.backing.is_some() && !info.direct_io,
+        "later open of a body"
+    );
+    fs.release(fh).unwrap();
+}
+
 #[test]
 fn unlinked_open_file_stays_readable_until_release() {
     let dir = tempfile::tempdir().unwrap();
