@@ -207,6 +207,16 @@ impl Store {
         Ok(Store { conn, group: None })
     }
 
+    /// Caps this connection's SQLite page cache at `kib` KiB (the schema default is 32 MiB,
+    /// sized for the filesystem's connection). A connection that reads the database once
+    /// per pass, like the checkpointer's, gains little from more: its pages stay in the
+    /// kernel's page cache anyway.
+    pub fn limit_cache(&self, kib: u32) -> Result<()> {
+        self.conn
+            .execute_batch(&format!("PRAGMA cache_size=-{kib}"))?;
+        Ok(())
+    }
+
     /// Turns on group commit for this connection (the filesystem's; never for a connection
     /// that only checkpoints or reads). `on_open` runs each time a new group begins.
     pub fn enable_group_commit(&mut self, on_open: Box<dyn Fn() + Send>) {

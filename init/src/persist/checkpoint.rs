@@ -149,6 +149,9 @@ pub struct PersistParams {
 /// Bytes of windows hashed per batch (bounds memory while uploading: keel's peak RSS during
 /// a checkpoint is about this plus the snapshot's trees).
 const BATCH_BYTES: u64 = 32 << 20;
+/// SQLite page cache of the checkpointer's connection, KiB: it walks the changes once per
+/// checkpoint, so a large cache only holds memory between checkpoints.
+const CHECKPOINT_CACHE_KIB: u32 = 4096;
 /// Deltas may add up to the size of the last full snapshot (at least this) before the next
 /// checkpoint compacts them into a full one.
 const COMPACT_FLOOR: u64 = 256 << 10;
@@ -215,6 +218,7 @@ impl Persister {
             ));
         }
         let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
+        store.limit_cache(CHECKPOINT_CACHE_KIB)?;
         let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| bad(e.to_string()))?;
         Ok(Persister {
             store,
