@@ -9,6 +9,7 @@ use keel::config::CacheMode;
 use keel::meta::{InodeNo, Kind, Storage};
 use keel::workspace::fs::{Caller, FsError, FsOptions, SetAttr, WorkspaceFs};
 use proptest::prelude::*;
+use std::os::unix::fs::FileExt;
 
 const ROOT: Caller = Caller { uid: 0, gid: 0 };
 
@@ -83,38 +84,114 @@ fn create_write_read_across_inline_and_body() {
     assert_eq!(fs.getattr(ino).unwrap().inode.size, 300);
 }
 
-/// With passthrough, a new file is written through keel: write-only handles skip the kernel's
-/// page cache (direct I/O), read-write ones keep it, and the next open is passed through.
+/// With passthrough, a new write-only file (what `cp` and `echo >` create) takes a body from
+/// the pool and is passed through at once: the kernel writes the body. At its last close it
+/// goes back inline if it stayed small, and its body returns to the pool once that is
+/// committed; a large one keeps its body. A new read-write file starts inline, through keel.
 #[test]
 fn new_files_with_passthrough_open_modes() {
+    let dir = tempfile::tempdir().unwrap();
+    let inline_max = opts().inline_max as usize;
+    let open = || {
+        let o = opts();
+        o.passthrough
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        WorkspaceFs::new(dir.path(), o).expect("open workspace")
+    };
+    let pooled = || {
+        std::fs::read_dir(dir.path().join("bodies/pool"))
+            .unwrap()
+            .count()
+    };
+    fn created(fs: &WorkspaceFs, name: &[u8], bytes: &[u8]) -> InodeNo {
+        let (a, fh, info) = fs
+            .create(ROOT, InodeNo::ROOT, name, 0o644, libc::O_WRONLY)
+            .unwrap();
+        let body = info.backing.expect("a write-only create is passed through");
+        assert!(!info.direct_io && !info.keep_cache);
+        // What the kernel does with a passthrough handle: write the body itself.
+        body.write_all_at(bytes, 0).unwrap();
+        fs.flush(a.inode.ino).unwrap();
+        fs.release(fh).unwrap();
+        a.inode.ino
+    }
+
+    let fs = open();
+    let small = created(&fs, b"small", &[1u8; 30]);
+    let a = fs.getattr(small).unwrap().inode;
+    assert_eq!(
+        (a.storage, a.size),
+        (Storage::Inline, 30),
+        "small: back inline"
+    );
+    assert_eq!(read_all(&fs, small), vec![1u8; 30]);
+    fs.shutdown().unwrap();
+    drop(fs);
+    assert_eq!(pooled(), 1, "its body went back to the pool");
+
+    let fs = open();
+    let big = created(&fs, b"big", &vec![2u8; inline_max + 1]);
+    assert_eq!(pooled(), 0, "the pooled file became this body");
+    let a = fs.getattr(big).unwrap().inode;
+    assert_eq!(
+        (a.storage, a.size as usize),
+        (Storage::Body, inline_max + 1)
+    );
+    let (fh, info) = fs.open(big, libc::O_RDONLY).unwrap();
+    assert!(
+        info.backing.is_some(),
+        "a later open of a body is passed through"
+    );
+    fs.release(fh).unwrap();
+
+    // An inline file opened for writing takes a body to be passed through, and goes back
+    // inline when it stays small.
+    let again = created(&fs, b"again", &[3u8; 10]);
+    let (fh, info) = fs.open(again, libc::O_WRONLY | libc::O_TRUNC).unwrap();
+    assert!(info.backing.is_some());
+    info.backing.unwrap().write_all_at(b"xyz", 0).unwrap();
+    fs.release(fh).unwrap();
+    assert_eq!(fs.getattr(again).unwrap().inode.storage, Storage::Inline);
+    fs.shutdown().unwrap();
+    drop(fs);
+    let fs = WorkspaceFs::new(dir.path(), opts()).expect("reopen workspace");
+    assert_eq!(read_all(&fs, small), vec![1u8; 30]);
+    assert_eq!(read_all(&fs, big), vec![2u8; inline_max + 1]);
+    assert_eq!(read_all(&fs, again), b"xyz");
+
+    let (_, fh, info) = fs
+        .create(ROOT, InodeNo::ROOT, b"rw", 0o644, libc::O_RDWR)
+        .unwrap();
+    assert!(
+        info.backing.is_none() && !info.direct_io,
+        "read-write create"
+    );
+    fs.release(fh).unwrap();
+}
+
+/// A file created write-only and unlinked while open is deleted with its body at its last
+/// close, not moved inline.
+#[test]
+fn new_write_only_file_unlinked_while_open() {
     let dir = tempfile::tempdir().unwrap();
     let o = opts();
     o.passthrough
         .store(true, std::sync::atomic::Ordering::Relaxed);
     let fs = WorkspaceFs::new(dir.path(), o).expect("open workspace");
     let (a, fh, info) = fs
-        .create(ROOT, InodeNo::ROOT, b"w", 0o644, libc::O_WRONLY)
+        .create(ROOT, InodeNo::ROOT, b"gone", 0o644, libc::O_WRONLY)
         .unwrap();
-    assert!(
-        info.direct_io && info.backing.is_none(),
-        "write-only create"
-    );
-    fs.write(a.inode.ino, 0, &[1u8; 300]).unwrap();
+    info.backing.unwrap().write_all_at(b"bytes", 0).unwrap();
+    fs.unlink(InodeNo::ROOT, b"gone").unwrap();
     fs.release(fh).unwrap();
-    let (_, fh2, info) = fs
-        .create(ROOT, InodeNo::ROOT, b"rw", 0o644, libc::O_RDWR)
-        .unwrap();
-    assert!(
-        !info.direct_io && info.backing.is_none(),
-        "read-write create"
-    );
-    fs.release(fh2).unwrap();
-    let (fh, info) = fs.open(a.inode.ino, libc::O_RDONLY).unwrap();
-    assert!(
-        info.backing.is_some() && !info.direct_io,
-        "later open of a body"
-    );
-    fs.release(fh).unwrap();
+    fs.forget(a.inode.ino, 1);
+    assert!(matches!(fs.getattr(a.inode.ino), Err(FsError::NotFound)));
+    fs.sync_all().unwrap();
+    drop(fs);
+    let bodies: Vec<_> = (0..=255u32)
+        .flat_map(|s| std::fs::read_dir(dir.path().join(format!("bodies/{s:02x}"))).unwrap())
+        .collect();
+    assert!(bodies.is_empty(), "no body left behind: {bodies:?}");
 }
 
 #[test]

@@ -1017,3 +1017,42 @@ fn fallocate_updates_mtime() {
         );
     }
 }
+
+/// Files created write-only (`fs::write`, `cp`, `echo >`) are passed through to a body from
+/// the start; the small ones go back inline at close and their bodies to the pool, so only
+/// the large files keep a body. Contents are right before and after a remount.
+#[test]
+fn files_created_write_only_keep_a_body_only_when_large() {
+    let mut k = keel_or_skip!("--passthrough", "on");
+    let small: Vec<Vec<u8>> = (0..40).map(|i| pattern(100 + i * 50, i as u64)).collect();
+    for (i, d) in small.iter().enumerate() {
+        fs::write(k.p(&format!("s{i}")), d).unwrap();
+    }
+    let big = pattern((1 << 20) + 3, 99);
+    fs::write(k.p("big"), &big).unwrap();
+    fs::copy(k.p("big"), k.p("big2")).unwrap();
+    let mut f = OpenOptions::new().append(true).open(k.p("s0")).unwrap();
+    f.write_all(b"appended").unwrap();
+    drop(f);
+    let mut s0 = small[0].clone();
+    s0.extend_from_slice(b"appended");
+    let check = |k: &common::Keel| {
+        assert_eq!(fs::read(k.p("s0")).unwrap(), s0);
+        for (i, d) in small.iter().enumerate().skip(1) {
+            assert_eq!(&fs::read(k.p(&format!("s{i}"))).unwrap(), d, "s{i}");
+        }
+        assert_eq!(fs::read(k.p("big")).unwrap(), big);
+        assert_eq!(fs::read(k.p("big2")).unwrap(), big);
+    };
+    check(&k);
+    k.stop();
+    let bodies: Vec<String> = (0..=255u32)
+        .flat_map(|s| fs::read_dir(k.state.join(format!("bodies/{s:02x}"))).unwrap())
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(bodies.len(), 2, "only big and big2 keep a body: {bodies:?}");
+    let pooled = fs::read_dir(k.state.join("bodies/pool")).unwrap().count();
+    assert!(pooled >= 1, "the small files' bodies wait in the pool");
+    k.start_again();
+    check(&k);
+}

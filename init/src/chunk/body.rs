@@ -1,10 +1,15 @@
 //! The body store: a directory of sparse files, one per file id, sharded by the low byte
-//! of the id so no directory grows past a few thousand entries.
+//! of the id so no directory grows past a few thousand entries; and the pool of emptied body
+//! files the workspace reuses instead of creating and removing files.
 
+use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+use crate::sys;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BodyError {
@@ -99,5 +104,352 @@ impl BodyStore {
         }
         out.sort_unstable();
         Ok(out)
+    }
+}
+
+/// Most emptied body files the pool keeps; past this, bodies are removed.
+pub const POOL_MAX: usize = 4096;
+
+/// Emptied body files kept for reuse in `<bodies>/pool`, named by a counter. Taking one is a
+/// rename where a new body would allocate an inode, and giving one back is a truncate and a
+/// rename where removing it would free one. That matters on ext4 without a journal: each
+/// inode allocation scans past every inode of its group freed in the last few seconds, so a
+/// workload that deletes and creates files (builds, tests, package installs) paid more for
+/// each new body the more it had just deleted.
+///
+/// Only the filesystem's own pool may take and give back (one `keel mount` per state dir).
+#[derive(Debug)]
+pub struct BodyPool {
+    store: BodyStore,
+    dir: PathBuf,
+    max: usize,
+    state: Mutex<PoolState>,
+    /// Signalled when `recycle_released` is done with a body.
+    recycled: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct PoolState {
+    free: Vec<u64>,
+    next: u64,
+    /// Bodies of files that went back inline, kept at their names until the metadata that
+    /// says so is committed (`release_held`); `create` takes such a body back first.
+    held: HashSet<u64>,
+    /// Held bodies whose change is committed, waiting for `recycle_released`.
+    released: HashSet<u64>,
+    /// The released body `recycle_released` is moving to the pool right now.
+    recycling: Option<u64>,
+    /// `create` calls waiting for that body.
+    waiting: usize,
+}
+
+impl BodyPool {
+    /// Opens the pool of `store`, creating its directory; files a previous run left in it
+    /// are reused.
+    pub fn open(store: &BodyStore) -> Result<BodyPool, BodyError> {
+        Self::open_with_max(store, POOL_MAX)
+    }
+
+    fn open_with_max(store: &BodyStore, max: usize) -> Result<BodyPool, BodyError> {
+        let dir = store.root.join("pool");
+        let create_err = |source| BodyError::CreateDir {
+            path: dir.clone(),
+            source,
+        };
+        std::fs::create_dir_all(&dir).map_err(create_err)?;
+        let mut free = Vec::new();
+        for e in std::fs::read_dir(&dir).map_err(create_err)? {
+            let e = e.map_err(create_err)?;
+            let n = e.file_name().to_str().and_then(|s| s.parse::<u64>().ok());
+            // Pooled files are empty: a crash may have kept a truncate off the disk.
+            let emptied = || {
+                let f = OpenOptions::new().write(true).open(e.path())?;
+                if f.metadata()?.len() != 0 {
+                    f.set_len(0)?;
+                }
+                io::Result::Ok(())
+            };
+            match n {
+                Some(n) if free.len() < max && emptied().is_ok() => free.push(n),
+                _ => {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        let next = free.iter().max().map_or(0, |m| m + 1);
+        Ok(BodyPool {
+            store: store.clone(),
+            dir,
+            max,
+            state: Mutex::new(PoolState {
+                free,
+                next,
+                ..PoolState::default()
+            }),
+            recycled: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn slot(&self, n: u64) -> PathBuf {
+        self.dir.join(n.to_string())
+    }
+
+    /// Pooled files ready for reuse.
+    pub fn len(&self) -> usize {
+        self.lock().free.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// An empty body for `id`: its own held or stale body if it has one, else a pooled file,
+    /// else a new file.
+    pub fn create(&self, id: u64) -> io::Result<File> {
+        let pooled = {
+            let mut st = self.lock();
+            while st.recycling == Some(id) {
+                st.waiting += 1;
+                st = self.recycled.wait(st).unwrap_or_else(|p| p.into_inner());
+                st.waiting -= 1;
+            }
+            // Its own body, not recycled yet.
+            let own = st.held.remove(&id) | st.released.remove(&id);
+            if own {
+                None
+            } else {
+                st.free.pop()
+            }
+        };
+        if let Some(n) = pooled {
+            match sys::file::rename_noreplace(&self.slot(n), &self.store.path(id)) {
+                // Pooled files are empty (`open`, `recycle`).
+                Ok(()) => return self.store.open_rw(id),
+                // Gone from the pool directory: a new file it is.
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                // A stale body holds the name (EEXIST), or the rename failed: keep the
+                // pooled file and open what is there.
+                Err(_) => self.lock().free.push(n),
+            }
+        }
+        let f = self.store.open_rw(id)?;
+        // A stale or own body. Truncating an empty file is not free on ext4: it makes the
+        // next close flush the file.
+        if f.metadata()?.len() != 0 {
+            f.set_len(0)?;
+        }
+        Ok(f)
+    }
+
+    /// Keeps the body of `id` at its name until `release_held` (its file went back inline).
+    pub fn hold(&self, id: u64) {
+        self.lock().held.insert(id);
+    }
+
+    /// The metadata that made the held bodies' files inline is committed: they may go to
+    /// the pool (`recycle_released`). Returns whether there are any.
+    pub fn release_held(&self) -> bool {
+        let mut st = self.lock();
+        let held = std::mem::take(&mut st.held);
+        st.released.extend(held);
+        !st.released.is_empty()
+    }
+
+    /// Gives the released bodies to the pool, off the request path. `create` waits for a
+    /// body being recycled, so it either takes its body back before or finds it gone after.
+    pub fn recycle_released(&self) {
+        loop {
+            let (id, slot) = {
+                let mut st = self.lock();
+                let Some(&id) = st.released.iter().next() else {
+                    return;
+                };
+                st.released.remove(&id);
+                st.recycling = Some(id);
+                (id, self.reserve_slot(&mut st))
+            };
+            let r = self.empty_into(id, slot);
+            let mut st = self.lock();
+            st.recycling = None;
+            match r {
+                Ok(true) => st.free.extend(slot),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(id, error = %e, "cannot recycle a body file"),
+            }
+            if st.waiting > 0 {
+                self.recycled.notify_all();
+            }
+        }
+    }
+
+    /// Forgets the held bodies without touching them: the commit that made their files
+    /// inline was lost, so the bodies are what the store still points at.
+    pub fn keep_held(&self) {
+        self.lock().held.clear();
+    }
+
+    /// Empties the body of a deleted file into the pool, or removes it when the pool is
+    /// full. A missing body is not an error.
+    pub fn recycle(&self, id: u64) -> io::Result<()> {
+        let slot = self.reserve_slot(&mut self.lock());
+        if self.empty_into(id, slot)? {
+            self.lock().free.extend(slot);
+        }
+        Ok(())
+    }
+
+    /// A pool slot for one more file, or `None` when the pool is full.
+    fn reserve_slot(&self, st: &mut PoolState) -> Option<u64> {
+        (st.free.len() < self.max).then(|| {
+            st.next += 1;
+            st.next - 1
+        })
+    }
+
+    /// Moves the body of `id`, emptied, to pool slot `slot` (or removes it without a slot).
+    /// Returns whether the slot now holds a file.
+    fn empty_into(&self, id: u64, slot: Option<u64>) -> io::Result<bool> {
+        let Some(n) = slot else {
+            return self.store.remove(id).map(|()| false);
+        };
+        let path = self.store.path(id);
+        match OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+        {
+            // Emptied before it is closed: ext4 flushes a file truncated to zero at its
+            // close, which costs nothing now that it has no data left.
+            Ok(f) => {
+                if f.metadata()?.len() != 0 {
+                    f.set_len(0)?;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(e),
+        }
+        match std::fs::rename(&path, self.slot(n)) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{FileExt, MetadataExt};
+
+    fn setup(max: usize) -> (tempfile::TempDir, BodyStore, BodyPool) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BodyStore::open(&dir.path().join("bodies")).unwrap();
+        let pool = BodyPool::open_with_max(&store, max).unwrap();
+        (dir, store, pool)
+    }
+
+    fn body_with(pool: &BodyPool, id: u64, bytes: &[u8]) -> u64 {
+        let f = pool.create(id).unwrap();
+        f.write_all_at(bytes, 0).unwrap();
+        f.metadata().unwrap().ino()
+    }
+
+    #[test]
+    fn a_recycled_body_is_emptied_and_becomes_the_next_new_body() {
+        let (_d, store, pool) = setup(8);
+        let inode = body_with(&pool, 1, b"old bytes");
+        pool.recycle(1).unwrap();
+        assert!(store.stat(1).unwrap().is_none(), "moved out of its name");
+        assert_eq!(pool.len(), 1);
+        let f = pool.create(2).unwrap();
+        let m = f.metadata().unwrap();
+        assert_eq!((m.ino(), m.len()), (inode, 0), "same file, emptied");
+        assert!(pool.is_empty());
+        assert_eq!(store.ids().unwrap(), vec![2], "the pool is not a body");
+    }
+
+    #[test]
+    fn a_held_body_keeps_its_name_until_recycled_and_can_be_taken_back() {
+        let (_d, store, pool) = setup(8);
+        let inode = body_with(&pool, 5, b"abc");
+        pool.hold(5);
+        assert_eq!(store.stat(5).unwrap().map(|s| s.0), Some(3));
+        // The file needs a body again before the commit: it gets its own, emptied.
+        let f = pool.create(5).unwrap();
+        assert_eq!(
+            (f.metadata().unwrap().ino(), f.metadata().unwrap().len()),
+            (inode, 0)
+        );
+        assert!(!pool.release_held(), "taken back, so nothing to recycle");
+        pool.recycle_released();
+        assert!(store.stat(5).unwrap().is_some());
+        pool.hold(5);
+        assert!(pool.release_held());
+        // Taken back between the commit and the recycling: stays too.
+        let f = pool.create(5).unwrap();
+        f.write_all_at(b"live", 0).unwrap();
+        pool.recycle_released();
+        assert_eq!(store.stat(5).unwrap().map(|s| s.0), Some(4));
+        pool.hold(5);
+        pool.release_held();
+        pool.recycle_released();
+        assert!(store.stat(5).unwrap().is_none());
+        assert_eq!(pool.len(), 1);
+    }
+
+    #[test]
+    fn kept_bodies_stay_where_the_store_points() {
+        let (_d, store, pool) = setup(8);
+        body_with(&pool, 7, b"still mine");
+        pool.hold(7);
+        pool.keep_held();
+        assert!(!pool.release_held());
+        pool.recycle_released();
+        assert_eq!(store.stat(7).unwrap().map(|s| s.0), Some(10));
+    }
+
+    #[test]
+    fn a_full_pool_removes_and_a_missing_body_is_no_error() {
+        let (_d, store, pool) = setup(1);
+        body_with(&pool, 1, b"a");
+        body_with(&pool, 2, b"b");
+        pool.recycle(1).unwrap();
+        pool.recycle(2).unwrap();
+        assert_eq!(pool.len(), 1);
+        assert!(store.ids().unwrap().is_empty());
+        pool.recycle(3).unwrap();
+        assert_eq!(pool.len(), 1);
+    }
+
+    #[test]
+    fn the_pool_outlives_the_process_and_stale_bytes_are_dropped() {
+        let (d, store, pool) = setup(8);
+        body_with(&pool, 1, b"x");
+        pool.recycle(1).unwrap();
+        drop(pool);
+        // A crash may leave bytes in a pooled file: opening the pool empties it.
+        let slot = d.path().join("bodies/pool/0");
+        std::fs::write(&slot, b"left over").unwrap();
+        let pool = BodyPool::open_with_max(&store, 8).unwrap();
+        assert_eq!(std::fs::metadata(&slot).unwrap().len(), 0);
+        assert_eq!(pool.len(), 1);
+        let f = pool.create(9).unwrap();
+        assert_eq!(f.metadata().unwrap().len(), 0);
+        assert!(!slot.exists());
+    }
+
+    #[test]
+    fn a_stale_body_under_the_name_is_reused_and_the_pooled_file_kept() {
+        let (_d, store, pool) = setup(8);
+        body_with(&pool, 1, b"x");
+        pool.recycle(1).unwrap();
+        std::fs::write(store.path(4), b"stale").unwrap();
+        let f = pool.create(4).unwrap();
+        assert_eq!(f.metadata().unwrap().len(), 0);
+        assert_eq!(pool.len(), 1);
     }
 }

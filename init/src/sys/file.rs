@@ -1,5 +1,5 @@
 //! File and filesystem syscalls the workspace needs beyond std: fallocate, SEEK_DATA/HOLE,
-//! statvfs, flock, copy_file_range. Thin safe wrappers over `nix`.
+//! statvfs, flock, copy_file_range, rename without replacing. Thin safe wrappers over `nix`.
 
 use std::fs::File;
 use std::io;
@@ -87,6 +87,20 @@ pub fn copy_range(
     let mut d_o = dst_off as i64;
     nix::fcntl::copy_file_range(src.as_fd(), Some(&mut so), dst.as_fd(), Some(&mut d_o), len)
         .map_err(io_err)
+}
+
+/// `renameat2(2)` with RENAME_NOREPLACE: moves `from` to `to` unless `to` exists
+/// (then `EEXIST`, and nothing moves).
+pub fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
+    let cwd = nix::fcntl::AT_FDCWD;
+    nix::fcntl::renameat2(
+        cwd,
+        from,
+        cwd,
+        to,
+        nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+    )
+    .map_err(io_err)
 }
 
 /// `syncfs(2)`: writes out every dirty page of the filesystem holding `path`.

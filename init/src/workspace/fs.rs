@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::chunk::reserve::Reserve;
-use crate::chunk::BodyStore;
+use crate::chunk::{BodyPool, BodyStore};
 use crate::config::CacheMode;
 use crate::meta::{
     Dirent, GroupLimits, Inode, InodeNo, Kind, MetaError, Nanos, Storage, Store, Tx,
@@ -248,6 +248,9 @@ struct Node {
     /// (size, mtime, ctime) of the body when we last looked: a change means the kernel wrote
     /// through a passthrough handle.
     pt_base: Option<BodyStamp>,
+    /// The file took a body only to be passed through (it was inline when opened for
+    /// writing, see `open_as`): at its last close it goes back inline if it stayed small.
+    pt_body: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -334,17 +337,24 @@ struct Inner {
     nodes: HashMap<InodeNo, Node>,
     handles: HashMap<u64, Handle>,
     next_fh: u64,
-    /// Body files to remove, handed to a background thread (`None` after shutdown).
+    /// Bodies of deleted inodes, handed to a background thread (`None` after shutdown).
     discard: Option<Sender<u64>>,
     /// Bodies of inodes deleted in the open group: removed once it commits.
     discard_after_commit: Vec<u64>,
-    bodies: BodyStore,
+    pool: Arc<BodyPool>,
     /// Inodes known to have no xattrs at all: the kernel asks for `security.capability`
     /// before every write(2), and the answer is then free.
     no_xattrs: HashSet<InodeNo>,
     /// When the free space of the state volume was last looked at (group commit pauses
     /// while it is low).
     space_checked: Option<std::time::Instant>,
+}
+
+/// The body of a deleted inode goes to the pool (or away when the pool is full).
+fn discard_body(pool: &BodyPool, id: u64) {
+    if let Err(e) = pool.recycle(id) {
+        tracing::warn!(ino = id, error = %e, "cannot remove a body file");
+    }
 }
 
 /// Below this much free space on the state volume every operation commits on its own, so
@@ -373,13 +383,15 @@ impl Inner {
         self.store.sync()
     }
 
-    /// Sends the bodies of deleted inodes to the discard thread once no group holds their
-    /// deletion any more.
+    /// Once no group holds their changes any more: sends the bodies of deleted inodes to
+    /// the discard thread, and lets the bodies of files that went back inline go to the
+    /// pool (the committer thread moves them, `BodyPool::recycle_released`).
     fn discard_committed(&mut self) {
         if !self.store.group_open() {
             for id in std::mem::take(&mut self.discard_after_commit) {
                 self.discard_now(id);
             }
+            self.pool.release_held();
         }
     }
 
@@ -390,9 +402,7 @@ impl Inner {
             .map(|s| s.send(id).is_ok())
             .unwrap_or(false);
         if !sent {
-            if let Err(e) = self.bodies.remove(id) {
-                tracing::warn!(ino = id, error = %e, "cannot remove a body file");
-            }
+            discard_body(&self.pool, id);
         }
     }
 
@@ -405,6 +415,7 @@ impl Inner {
         }
         tracing::error!("a metadata commit failed: operations since the last commit are lost");
         self.discard_after_commit.clear();
+        self.pool.keep_held();
         self.no_xattrs.clear();
         for of in self.nodes.values_mut().filter_map(|n| n.open.as_mut()) {
             let size = of.inode.size;
@@ -476,20 +487,26 @@ fn committer(inner: Weak<Mutex<Inner>>, stop: Arc<AtomicBool>, chunk_size: u64) 
             let Some(inner) = inner.upgrade() else {
                 return;
             };
-            let wait = {
+            let (wait, pool) = {
                 let mut g = inner.lock().unwrap_or_else(|p| p.into_inner());
-                match g.store.group_due_in(GROUP.max_age) {
-                    None => break,
-                    Some(d) if !d.is_zero() => d,
+                let wait = match g.store.group_due_in(GROUP.max_age) {
+                    None => None,
+                    Some(d) if !d.is_zero() => Some(d),
                     Some(_) => {
                         if let Err(e) = g.commit_group(chunk_size) {
                             tracing::warn!(error = %e, "cannot commit metadata; retrying");
                         }
-                        GROUP.max_age
+                        Some(GROUP.max_age)
                     }
-                }
+                };
+                (wait, g.pool.clone())
             };
             drop(inner);
+            // Off the request path, with no lock held: this thread is awake anyway.
+            pool.recycle_released();
+            let Some(wait) = wait else {
+                break;
+            };
             std::thread::park_timeout(wait);
         }
     }
@@ -550,6 +567,7 @@ impl<'a> std::ops::Deref for Batch<'a> {
 pub struct WorkspaceFs {
     inner: Arc<Mutex<Inner>>,
     bodies: BodyStore,
+    pool: Arc<BodyPool>,
     state_dir: PathBuf,
     opts: FsOptions,
     reserve: Reserve,
@@ -627,6 +645,9 @@ impl WorkspaceFs {
         let boot_reserve = Reserve::open(&boot_reserve, RESERVE_BYTES);
         let bodies = BodyStore::open(&state_dir.join("bodies"))
             .map_err(|e| FsError::Io(io::Error::other(e.to_string())))?;
+        let pool = Arc::new(
+            BodyPool::open(&bodies).map_err(|e| FsError::Io(io::Error::other(e.to_string())))?,
+        );
         let orphans = store.read().orphans()?;
         if !orphans.is_empty() {
             let tx = store.write()?;
@@ -649,14 +670,12 @@ impl WorkspaceFs {
             );
         }
         let (discard_tx, discard_rx) = std::sync::mpsc::channel::<u64>();
-        let reaper = bodies.clone();
+        let reaper = pool.clone();
         let discarder = std::thread::Builder::new()
             .name("keel-discard".into())
             .spawn(move || {
                 for id in discard_rx {
-                    if let Err(e) = reaper.remove(id) {
-                        tracing::warn!(id, error = %e, "cannot remove a body file");
-                    }
+                    discard_body(&reaper, id);
                 }
             })?;
         let inner = Arc::new(Mutex::new(Inner {
@@ -666,7 +685,7 @@ impl WorkspaceFs {
             next_fh: 1,
             discard: Some(discard_tx),
             discard_after_commit: Vec::new(),
-            bodies: bodies.clone(),
+            pool: pool.clone(),
             no_xattrs: HashSet::new(),
             space_checked: None,
         }));
@@ -690,6 +709,7 @@ impl WorkspaceFs {
         Ok(WorkspaceFs {
             inner,
             bodies,
+            pool,
             fsync_hook: std::sync::OnceLock::new(),
             discarder: Mutex::new(Some(discarder)),
             committer,
@@ -927,6 +947,7 @@ impl WorkspaceFs {
         if node.opens > 0 {
             return Ok(());
         }
+        self.back_inline(node)?;
         if node.open.as_ref().is_some_and(|of| of.dirty) {
             let inode = node.open.as_ref().map(|of| of.inode.clone());
             if let Some(inode) = inode {
@@ -950,13 +971,50 @@ impl WorkspaceFs {
         Ok(())
     }
 
+    /// A file that took a body only to be passed through (see `open_as`) and stayed small
+    /// goes back inline once nobody has it open: small files live in the store. Its body goes
+    /// back to the pool once that change is committed.
+    fn back_inline(&self, node: &mut Node) -> FsResult<()> {
+        if !std::mem::take(&mut node.pt_body) {
+            return Ok(());
+        }
+        let Some(of) = node.open.as_mut() else {
+            return Ok(());
+        };
+        let Data::Body(f) = &of.data else {
+            return Ok(());
+        };
+        // An unlinked file is about to be deleted with its body.
+        if of.inode.size > self.opts.inline_max || of.inode.nlink == 0 {
+            return Ok(());
+        }
+        let mut bytes = vec![0u8; of.inode.size as usize];
+        let mut done = 0;
+        while done < bytes.len() {
+            match f.read_at(&mut bytes[done..], done as u64)? {
+                // A body shorter than its file reads as zeros.
+                0 => break,
+                n => done += n,
+            }
+        }
+        of.data = Data::Inline(bytes);
+        of.inode.storage = Storage::Inline;
+        of.dirty = true;
+        // No page of it is in the kernel's cache: the passthrough open dropped them (it
+        // keeps no cache), and no cached open could join a passthrough one since.
+        self.pool.hold(of.inode.ino.0);
+        Ok(())
+    }
+
     /// Moves an inline file's bytes into a fresh body file.
     fn to_body(&self, of: &mut OpenFile) -> FsResult<()> {
         if let Data::Inline(bytes) = &of.data {
-            let f = self.bodies.open_rw(of.inode.ino.0)?;
-            f.set_len(0)?;
+            let f = self.pool.create(of.inode.ino.0)?;
             f.write_all_at(bytes, 0)?;
-            f.set_len(of.inode.size)?;
+            // Only to grow it: ext4 flushes a file at close once it was truncated to zero.
+            if of.inode.size > bytes.len() as u64 {
+                f.set_len(of.inode.size)?;
+            }
             of.data = Data::Body(Arc::new(f));
             of.inode.storage = Storage::Body;
             of.dirty = true;
@@ -1536,9 +1594,13 @@ impl WorkspaceFs {
         self.open_as(ino, flags, false)
     }
 
-    /// `fresh`: the file was just created. It starts inline with a handle through keel, so
-    /// small files never cost a body file; it moves to a body once it outgrows `inline_max`,
-    /// and later opens hand its I/O to the kernel.
+    /// `fresh`: the file was just created. Opened read-write, it starts inline with a handle
+    /// through keel (databases read back what they write, through the page cache), so small
+    /// files never cost a body file; it moves to a body once it outgrows `inline_max`, and
+    /// later opens hand its I/O to the kernel. Opened write-only (what `cp`, `echo >` and
+    /// package managers do), it takes a body from the pool and passthrough at once, so its
+    /// bytes go straight to the body. Any inline file that takes a body to be passed through
+    /// goes back inline at its last close if it stayed small (`back_inline`).
     fn open_as(&self, ino: InodeNo, flags: i32, fresh: bool) -> FsResult<(u64, OpenInfo)> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
@@ -1568,12 +1630,17 @@ impl WorkspaceFs {
             && !self.lazy_incomplete(inner, ino, inode.size)?;
         let node = inner.nodes.get_mut(&ino).expect("loaded");
         let mut backing = None;
+        let write_only = flags & libc::O_ACCMODE == libc::O_WRONLY;
         // The kernel refuses to mix cached and passthrough handles on one inode.
-        if passthrough && !fresh && node.opens == node.pt_opens && !(privileged && node.opens == 0)
+        if passthrough
+            && (!fresh || write_only)
+            && node.opens == node.pt_opens
+            && !(privileged && node.opens == 0)
         {
             let of = node.open.as_mut().expect("loaded");
-            if flags & libc::O_ACCMODE != libc::O_RDONLY {
+            if flags & libc::O_ACCMODE != libc::O_RDONLY && matches!(of.data, Data::Inline(_)) {
                 self.to_body(of)?;
+                node.pt_body = true;
             }
             if let Data::Body(f) = &of.data {
                 if node.pt_base.is_none() {
@@ -1583,20 +1650,17 @@ impl WorkspaceFs {
                 node.pt_opens += 1;
             }
         }
+        let pt = backing.is_some();
         node.opens += 1;
         let inode = node.open.as_ref().expect("loaded").inode.clone();
-        let mut info = self.open_info(inner.nodes.get(&ino).expect("loaded"), &inode, flags);
-        let pt = backing.is_some();
+        let mut info = self.open_info(node, &inode, flags);
         if pt {
             info.keep_cache = false;
             info.direct_io = false;
-        } else if fresh
-            && self.opts.passthrough.load(Ordering::Relaxed)
-            && flags & libc::O_ACCMODE == libc::O_WRONLY
-        {
-            // A new file written through keel: the kernel hands keel the caller's pages
-            // instead of copying them into its page cache first, which nobody reads from a
-            // write-only handle (later opens read the body through passthrough).
+        } else if fresh && self.opts.passthrough.load(Ordering::Relaxed) && write_only {
+            // A new write-only file kept from passthrough (setuid): the kernel hands keel the
+            // caller's pages instead of copying them into its page cache, which nobody reads
+            // from a write-only handle.
             info.direct_io = true;
         }
         info.backing = backing;
@@ -2303,6 +2367,9 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         guard.commit_group(self.opts.chunk_size)?;
         guard.store.checkpoint()?;
+        drop(guard);
+        // Bodies of files that went back inline, too.
+        self.pool.recycle_released();
         Ok(())
     }
 }
