@@ -145,7 +145,7 @@ struct PoolState {
 
 impl BodyPool {
     /// Opens the pool of `store`, creating its directory; files a previous run left in it
-    /// are reused.
+    /// are reused (`create` empties one that a crash left with bytes).
     pub fn open(store: &BodyStore) -> Result<BodyPool, BodyError> {
         Self::open_with_max(store, POOL_MAX)
     }
@@ -160,17 +160,8 @@ impl BodyPool {
         let mut free = Vec::new();
         for e in std::fs::read_dir(&dir).map_err(create_err)? {
             let e = e.map_err(create_err)?;
-            let n = e.file_name().to_str().and_then(|s| s.parse::<u64>().ok());
-            // Pooled files are empty: a crash may have kept a truncate off the disk.
-            let emptied = || {
-                let f = OpenOptions::new().write(true).open(e.path())?;
-                if f.metadata()?.len() != 0 {
-                    f.set_len(0)?;
-                }
-                io::Result::Ok(())
-            };
-            match n {
-                Some(n) if free.len() < max && emptied().is_ok() => free.push(n),
+            match e.file_name().to_str().and_then(|s| s.parse::<u64>().ok()) {
+                Some(n) if free.len() < max => free.push(n),
                 _ => {
                     let _ = std::fs::remove_file(e.path());
                 }
@@ -227,8 +218,7 @@ impl BodyPool {
         };
         if let Some(n) = pooled {
             match sys::file::rename_noreplace(&self.slot(n), &self.store.path(id)) {
-                // Pooled files are empty (`open`, `recycle`).
-                Ok(()) => return self.store.open_rw(id),
+                Ok(()) => {}
                 // Gone from the pool directory: a new file it is.
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                 // A stale body holds the name (EEXIST), or the rename failed: keep the
@@ -237,8 +227,8 @@ impl BodyPool {
             }
         }
         let f = self.store.open_rw(id)?;
-        // A stale or own body. Truncating an empty file is not free on ext4: it makes the
-        // next close flush the file.
+        // A stale or own body, or a pooled one whose truncate a crash kept off the disk.
+        // Truncating an empty file is not free on ext4: it makes the next close flush it.
         if f.metadata()?.len() != 0 {
             f.set_len(0)?;
         }
@@ -431,11 +421,10 @@ mod tests {
         body_with(&pool, 1, b"x");
         pool.recycle(1).unwrap();
         drop(pool);
-        // A crash may leave bytes in a pooled file: opening the pool empties it.
+        // A crash may leave bytes in a pooled file: the create that takes it empties it.
         let slot = d.path().join("bodies/pool/0");
         std::fs::write(&slot, b"left over").unwrap();
         let pool = BodyPool::open_with_max(&store, 8).unwrap();
-        assert_eq!(std::fs::metadata(&slot).unwrap().len(), 0);
         assert_eq!(pool.len(), 1);
         let f = pool.create(9).unwrap();
         assert_eq!(f.metadata().unwrap().len(), 0);
