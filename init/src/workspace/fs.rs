@@ -947,7 +947,7 @@ impl WorkspaceFs {
         if node.opens > 0 {
             return Ok(());
         }
-        self.back_inline(node)?;
+        let inlined = self.back_inline(node)?;
         if node.open.as_ref().is_some_and(|of| of.dirty) {
             let inode = node.open.as_ref().map(|of| of.inode.clone());
             if let Some(inode) = inode {
@@ -955,6 +955,10 @@ impl WorkspaceFs {
                 tx.save(&inner.nodes, &inode)?;
                 tx.commit(&mut inner.nodes)?;
             }
+        }
+        // Only once the store says inline may the body go (after its group commits).
+        if inlined {
+            self.pool.hold(ino.0);
         }
         let node = inner.nodes.get_mut(&ino).expect("node present");
         if let Some(of) = node.open.take() {
@@ -972,21 +976,21 @@ impl WorkspaceFs {
     }
 
     /// A file that took a body only to be passed through (see `open_as`) and stayed small
-    /// goes back inline once nobody has it open: small files live in the store. Its body goes
-    /// back to the pool once that change is committed.
-    fn back_inline(&self, node: &mut Node) -> FsResult<()> {
+    /// goes back inline once nobody has it open: small files live in the store. Returns
+    /// whether it did; its body may go back to the pool once that is saved and committed.
+    fn back_inline(&self, node: &mut Node) -> FsResult<bool> {
         if !std::mem::take(&mut node.pt_body) {
-            return Ok(());
+            return Ok(false);
         }
         let Some(of) = node.open.as_mut() else {
-            return Ok(());
+            return Ok(false);
         };
         let Data::Body(f) = &of.data else {
-            return Ok(());
+            return Ok(false);
         };
         // An unlinked file is about to be deleted with its body.
         if of.inode.size > self.opts.inline_max || of.inode.nlink == 0 {
-            return Ok(());
+            return Ok(false);
         }
         let mut bytes = vec![0u8; of.inode.size as usize];
         let mut done = 0;
@@ -1002,8 +1006,7 @@ impl WorkspaceFs {
         of.dirty = true;
         // No page of it is in the kernel's cache: the passthrough open dropped them (it
         // keeps no cache), and no cached open could join a passthrough one since.
-        self.pool.hold(of.inode.ino.0);
-        Ok(())
+        Ok(true)
     }
 
     /// Moves an inline file's bytes into a fresh body file.
