@@ -317,6 +317,19 @@ fn copy_unsupported(e: &io::Error) -> bool {
     )
 }
 
+/// Fills `buf` (zeroed by the caller) from body `f` at `offset`. A body shorter than its
+/// file reads as zeros (sparse tail): those bytes of `buf` stay as they are.
+fn read_body(f: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], offset + done as u64)? {
+            0 => break,
+            n => done += n,
+        }
+    }
+    Ok(())
+}
+
 fn body_stamp(f: &File) -> io::Result<BodyStamp> {
     use std::os::unix::fs::MetadataExt;
     let m = f.metadata()?;
@@ -993,14 +1006,7 @@ impl WorkspaceFs {
             return Ok(false);
         }
         let mut bytes = vec![0u8; of.inode.size as usize];
-        let mut done = 0;
-        while done < bytes.len() {
-            match f.read_at(&mut bytes[done..], done as u64)? {
-                // A body shorter than its file reads as zeros.
-                0 => break,
-                n => done += n,
-            }
-        }
+        read_body(f, &mut bytes, 0)?;
         of.data = Data::Inline(bytes);
         of.inode.storage = Storage::Inline;
         of.dirty = true;
@@ -1738,15 +1744,7 @@ impl WorkspaceFs {
         };
         let (f, n) = body;
         buf.resize(n, 0);
-        let mut done = 0;
-        while done < n {
-            let r = f.read_at(&mut buf[done..], offset + done as u64)?;
-            if r == 0 {
-                // A body shorter than the recorded size reads as zeros (sparse tail).
-                break;
-            }
-            done += r;
-        }
+        read_body(&f, buf, offset)?;
         Ok(())
     }
 
