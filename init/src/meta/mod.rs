@@ -17,9 +17,11 @@ mod schema;
 pub use lazy::MissingRow;
 pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rusqlite::types::Value;
@@ -145,6 +147,68 @@ pub type Result<T> = std::result::Result<T, MetaError>;
 pub struct Store {
     conn: Connection,
     group: Option<Group>,
+    dirs: Arc<DirCache>,
+}
+
+/// Directory inodes as this store's connection sees them (its open group included), for
+/// reading without the lock that serialises the store: `getattr` of a directory is the
+/// request that follows every create, unlink and rename in it (the kernel refetches the
+/// directory's attributes for the next permission check). Filled by the store's owner
+/// with what it read, and brought up to date by every transaction of this connection when
+/// it commits; emptied when SQLite rolls an open group back.
+#[derive(Default)]
+pub struct DirCache {
+    map: Mutex<HashMap<InodeNo, Inode>>,
+}
+
+/// Entries kept at most (the cache starts over when full).
+const DIR_CACHE_MAX: usize = 1 << 16;
+
+impl DirCache {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<InodeNo, Inode>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn get(&self, ino: InodeNo) -> Option<Inode> {
+        self.map().get(&ino).cloned()
+    }
+
+    /// Remembers a directory as read from the store. The caller must hold what serialises
+    /// the store, so no transaction commits between its read and this call.
+    pub fn put(&self, inode: &Inode) {
+        if inode.kind != Kind::Dir {
+            return;
+        }
+        let mut m = self.map();
+        if m.len() >= DIR_CACHE_MAX {
+            m.clear();
+        }
+        m.insert(inode.ino, inode.clone());
+    }
+
+    fn apply(&self, changes: Vec<(InodeNo, Option<Inode>)>) {
+        if changes.is_empty() {
+            return;
+        }
+        let mut m = self.map();
+        for (ino, now) in changes {
+            match now {
+                // Only entries already cached are refreshed: `put` decides what is kept.
+                Some(inode) => {
+                    if let Some(e) = m.get_mut(&ino) {
+                        *e = inode;
+                    }
+                }
+                None => {
+                    m.remove(&ino);
+                }
+            }
+        }
+    }
+
+    fn clear(&self) {
+        self.map().clear();
+    }
 }
 
 /// Writers on connections without group commit that are waiting to start a transaction, in
@@ -204,7 +268,11 @@ impl Store {
             schema::create(&conn, now)?;
         }
         lazy::ensure_schema(&conn)?;
-        Ok(Store { conn, group: None })
+        Ok(Store {
+            conn,
+            group: None,
+            dirs: Arc::default(),
+        })
     }
 
     /// Caps this connection's SQLite page cache at `kib` KiB (the schema default is 32 MiB,
@@ -215,6 +283,11 @@ impl Store {
         self.conn
             .execute_batch(&format!("PRAGMA cache_size=-{kib}"))?;
         Ok(())
+    }
+
+    /// The directory inodes readable without this store (see [`DirCache`]).
+    pub fn dir_cache(&self) -> &Arc<DirCache> {
+        &self.dirs
     }
 
     /// Turns on group commit for this connection (the filesystem's; never for a connection
@@ -294,7 +367,7 @@ impl Store {
     /// is gone.
     fn note_if_lost(&self) {
         if let Some(g) = &self.group {
-            group_gone(&self.conn, g);
+            group_gone(&self.conn, g, &self.dirs);
         }
     }
 
@@ -304,6 +377,8 @@ impl Store {
             conn: &self.conn,
             open: false,
             group: None,
+            dirs: &self.dirs,
+            changes: RefCell::default(),
         }
     }
 
@@ -327,6 +402,8 @@ impl Store {
                     conn: &self.conn,
                     open: true,
                     group: Some(g),
+                    dirs: &self.dirs,
+                    changes: RefCell::default(),
                 });
             }
             // Paused, or another connection wants the lock: one transaction per operation.
@@ -343,6 +420,8 @@ impl Store {
             conn: &self.conn,
             open: true,
             group: None,
+            dirs: &self.dirs,
+            changes: RefCell::default(),
         })
     }
 
@@ -407,6 +486,10 @@ pub struct Tx<'a> {
     conn: &'a Connection,
     open: bool,
     group: Option<&'a Group>,
+    dirs: &'a DirCache,
+    /// Inodes written by this transaction, for `dirs` once it commits (`None`: deleted, or
+    /// not a directory).
+    changes: RefCell<Vec<(InodeNo, Option<Inode>)>>,
 }
 
 impl Drop for Tx<'_> {
@@ -419,7 +502,7 @@ impl Drop for Tx<'_> {
                     .is_err()
                     || self.conn.is_autocommit()
                 {
-                    group_gone(self.conn, g);
+                    group_gone(self.conn, g, self.dirs);
                 }
             } else {
                 let _ = self.conn.execute_batch("ROLLBACK");
@@ -428,12 +511,14 @@ impl Drop for Tx<'_> {
     }
 }
 
-/// Records that SQLite rolled back the open group (after an error).
-fn group_gone(conn: &Connection, g: &Group) {
+/// Records that SQLite rolled back the open group (after an error): what the directory
+/// cache learnt from its operations is gone too.
+fn group_gone(conn: &Connection, g: &Group, dirs: &DirCache) {
     if g.since.get().is_some() && conn.is_autocommit() {
         g.since.set(None);
         g.ops.set(0);
         g.lost.set(true);
+        dirs.clear();
     }
 }
 
@@ -505,6 +590,7 @@ impl Tx<'_> {
             }
             self.open = false;
             g.ops.set(g.ops.get() + 1);
+            self.dirs.apply(self.changes.take());
             return Ok(());
         }
         self.open = false;
@@ -512,7 +598,16 @@ impl Tx<'_> {
             let _ = self.conn.execute_batch("ROLLBACK");
             return Err(e.into());
         }
+        self.dirs.apply(self.changes.take());
         Ok(())
+    }
+
+    /// Notes an inode this transaction wrote, for the directory cache.
+    fn wrote(&self, ino: InodeNo, now: Option<&Inode>) {
+        let now = now
+            .filter(|i| i.kind == Kind::Dir)
+            .map(|i| Inode { ino, ..i.clone() });
+        self.changes.borrow_mut().push((ino, now));
     }
 
     pub fn get(&self, ino: InodeNo) -> Result<Option<Inode>> {
@@ -543,6 +638,7 @@ impl Tx<'_> {
                  ctime=?9, rdev=?10, parent=?11, storage=?12 WHERE ino=?1",
             )?
             .execute(params_from_iter(inode_row(Some(inode.ino), inode)))?;
+        self.wrote(inode.ino, Some(inode));
         self.mark_changed(inode.ino)
     }
 
@@ -580,6 +676,7 @@ impl Tx<'_> {
         ] {
             self.conn.prepare_cached(sql)?.execute([ino.0 as i64])?;
         }
+        self.wrote(ino, None);
         self.mark_changed(ino)
     }
 
@@ -907,6 +1004,70 @@ mod tests {
         assert!(r.lookup(InodeNo::ROOT, b"c").unwrap().is_none());
         assert!(r.lookup(InodeNo::ROOT, b"d").unwrap().is_none());
         assert!(r.lookup(InodeNo::ROOT, b"a").unwrap().is_some());
+    }
+
+    #[test]
+    fn dir_cache_follows_committed_writes_of_its_connection_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = Store::open(&dir.path().join("meta.db"), Nanos(5)).unwrap();
+        s.enable_group_commit(Box::new(|| {}));
+        let cache = s.dir_cache().clone();
+        let root = s.read().get(InodeNo::ROOT).unwrap().unwrap();
+        assert!(cache.get(InodeNo::ROOT).is_none(), "filled only by its owner");
+        cache.put(&root);
+        assert_eq!(cache.get(InodeNo::ROOT), Some(root.clone()));
+        // Files are never kept: their attributes depend on more than the row.
+        let tx = s.write().unwrap();
+        let f = tx.insert(&file(0o600)).unwrap();
+        tx.commit().unwrap();
+        cache.put(&s.read().get(f).unwrap().unwrap());
+        assert!(cache.get(f).is_none());
+
+        let with_mtime = |m: i64| Inode {
+            mtime: Nanos(m),
+            ..root.clone()
+        };
+        // A committed operation (inside the open group) refreshes the entry...
+        let tx = s.write().unwrap();
+        tx.update(&with_mtime(100)).unwrap();
+        assert_eq!(cache.get(InodeNo::ROOT).unwrap().mtime, root.mtime, "not before commit");
+        tx.commit().unwrap();
+        assert_eq!(cache.get(InodeNo::ROOT).unwrap().mtime, Nanos(100));
+        // ...a rolled-back one does not.
+        let tx = s.write().unwrap();
+        tx.update(&with_mtime(200)).unwrap();
+        drop(tx);
+        assert_eq!(cache.get(InodeNo::ROOT).unwrap().mtime, Nanos(100));
+        assert_eq!(s.read().get(InodeNo::ROOT).unwrap().unwrap().mtime, Nanos(100));
+
+        // A deleted directory is forgotten.
+        let tx = s.write().unwrap();
+        let d = tx
+            .insert(&Inode {
+                kind: Kind::Dir,
+                nlink: 2,
+                ..file(0o755)
+            })
+            .unwrap();
+        tx.commit().unwrap();
+        cache.put(&s.read().get(d).unwrap().unwrap());
+        assert!(cache.get(d).is_some());
+        let tx = s.write().unwrap();
+        tx.delete(d).unwrap();
+        tx.commit().unwrap();
+        assert!(cache.get(d).is_none());
+
+        // SQLite rolling the open group back takes what the cache learnt from it along.
+        s.commit_group().unwrap();
+        let tx = s.write().unwrap();
+        tx.update(&with_mtime(300)).unwrap();
+        tx.commit().unwrap();
+        assert_eq!(cache.get(InodeNo::ROOT).unwrap().mtime, Nanos(300));
+        s.conn.execute_batch("ROLLBACK").unwrap();
+        s.note_if_lost();
+        assert!(s.take_group_lost());
+        assert!(cache.get(InodeNo::ROOT).is_none());
+        assert_eq!(s.read().get(InodeNo::ROOT).unwrap().unwrap().mtime, Nanos(100));
     }
 
     #[test]

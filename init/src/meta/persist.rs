@@ -49,6 +49,8 @@ impl Store {
             conn: &self.conn,
             open: true,
             group: None,
+            dirs: &self.dirs,
+            changes: std::cell::RefCell::default(),
         })
     }
 }
@@ -320,6 +322,7 @@ impl Tx<'_> {
                 "INSERT OR REPLACE INTO inode ({INODE_COLS}) VALUES ({INODE_PARAMS})"
             ))?
             .execute(params_from_iter(inode_row(Some(inode.ino), inode)))?;
+        self.wrote(inode.ino, Some(inode));
         Ok(())
     }
 
@@ -362,6 +365,7 @@ impl Tx<'_> {
         self.conn
             .prepare_cached("UPDATE inode SET nlink = ?2 WHERE ino = ?1")?
             .execute(params![ino.0 as i64, nlink])?;
+        self.wrote(ino, None);
         self.mark_changed(ino)
     }
 }

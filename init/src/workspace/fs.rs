@@ -28,7 +28,7 @@ use crate::chunk::reserve::Reserve;
 use crate::chunk::{BodyPool, BodyStore};
 use crate::config::CacheMode;
 use crate::meta::{
-    Dirent, GroupLimits, Inode, InodeNo, Kind, MetaError, Nanos, Storage, Store, Tx,
+    DirCache, Dirent, GroupLimits, Inode, InodeNo, Kind, MetaError, Nanos, Storage, Store, Tx,
 };
 use crate::sys;
 
@@ -579,6 +579,8 @@ impl<'a> std::ops::Deref for Batch<'a> {
 /// The workspace filesystem over one state directory.
 pub struct WorkspaceFs {
     inner: Arc<Mutex<Inner>>,
+    /// The store's directory inodes, read without `inner` (see `meta::DirCache`).
+    dirs: Arc<DirCache>,
     bodies: BodyStore,
     pool: Arc<BodyPool>,
     state_dir: PathBuf,
@@ -682,6 +684,7 @@ impl WorkspaceFs {
                 "lazily restored state dir: file data is fetched from the remote on first use"
             );
         }
+        let dirs = store.dir_cache().clone();
         let (discard_tx, discard_rx) = std::sync::mpsc::channel::<u64>();
         let reaper = pool.clone();
         let discarder = std::thread::Builder::new()
@@ -721,6 +724,7 @@ impl WorkspaceFs {
             .enable_group_commit(Box::new(move || waker.unpark()));
         Ok(WorkspaceFs {
             inner,
+            dirs,
             bodies,
             pool,
             fsync_hook: std::sync::OnceLock::new(),
@@ -1087,9 +1091,15 @@ impl WorkspaceFs {
     }
 
     pub fn getattr(&self, ino: InodeNo) -> FsResult<Attr> {
+        // A directory's attributes are a function of its row alone: no lock needed.
+        if let Some(inode) = self.dirs.get(ino) {
+            return self.attr(inode, None);
+        }
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
-        self.fresh_attr(inner, ino)
+        let a = self.fresh_attr(inner, ino)?;
+        self.dirs.put(&a.inode);
+        Ok(a)
     }
 
     pub fn setattr(&self, ino: InodeNo, set: &SetAttr) -> FsResult<Attr> {
