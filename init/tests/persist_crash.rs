@@ -458,6 +458,90 @@ fn enospc_on_a_tiny_state_volume_keeps_fsck_clean() {
     );
 }
 
+/// The default remote (`file://<state>/remote`) is on the state volume and holds history
+/// only: a checkpoint that would not leave a tenth of the volume free is skipped with an
+/// error that says so, and the workspace keeps the room it needs. Without this, a copy of
+/// a large file per checkpoint filled the volume and the workspace's own writes failed.
+#[test]
+fn checkpoints_to_a_remote_on_the_state_volume_leave_the_workspace_room() {
+    if !can_mount() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let vol = dir.path().join("vol");
+    fs::create_dir_all(&vol).unwrap();
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
+        .arg(&vol)
+        .status()
+        .unwrap();
+    assert!(ok.success(), "mount tmpfs");
+    struct Umount(PathBuf);
+    impl Drop for Umount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _u = Umount(vol.clone());
+    let config = dir.path().join("config.toml");
+    // No remote named: the default one, under the state dir on the 64 MiB volume.
+    fs::write(
+        &config,
+        "[persist]\ninterval = \"0s\"\nflush_timeout = \"20s\"\n",
+    )
+    .unwrap();
+    let rig = Rig {
+        state: vol.join("state"),
+        mnt: dir.path().join("mnt"),
+        config,
+        _dir: tempfile::tempdir().unwrap(),
+    };
+    let m = rig.mount();
+    let mut rng = Rng(0x5eed_cafe);
+    fs::write(rig.mnt.join("small"), rng.bytes(1 << 20)).unwrap();
+    let (ok, out) = rig.keel(&["checkpoint"]);
+    assert!(ok && out.contains("snapshot"), "a small checkpoint: {out}");
+
+    // A second copy of 36 MiB (incompressible) would leave less than 6.4 MiB free.
+    fs::write(rig.mnt.join("big"), rng.bytes(36 << 20)).unwrap();
+    let (ok, out) = rig.keel(&["checkpoint"]);
+    assert!(
+        !ok && out.contains("checkpoint skipped") && out.contains("state volume"),
+        "a checkpoint that would fill the state volume: ok={ok} {out}"
+    );
+    // The workspace still has its room.
+    let mut f = File::create(rig.mnt.join("more")).unwrap();
+    f.write_all(&rng.bytes(8 << 20)).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+
+    // Once the big file is gone, checkpoints fit again (its body leaves the volume
+    // shortly after the unlink).
+    fs::remove_file(rig.mnt.join("big")).unwrap();
+    let t0 = Instant::now();
+    loop {
+        let (ok, out) = rig.keel(&["checkpoint"]);
+        if ok {
+            assert!(out.contains("snapshot"), "{out}");
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "checkpoint after freeing the space: {out}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let mut child = m.take();
+    Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(child.wait().unwrap().success(), "keel stops cleanly");
+    let (ok, out) = rig.keel(&["fsck"]);
+    assert!(ok && !out.contains("error:"), "fsck: {out}");
+}
+
 /// `keel checkpoint`, `keel snapshot list` and `keel gc` against a mounted workspace over its
 /// socket; then SIGTERM while a process still holds a file open with written, unflushed
 /// data: the final checkpoint carries it, and a restore of the remote shows it.

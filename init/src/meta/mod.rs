@@ -1013,7 +1013,10 @@ mod tests {
         s.enable_group_commit(Box::new(|| {}));
         let cache = s.dir_cache().clone();
         let root = s.read().get(InodeNo::ROOT).unwrap().unwrap();
-        assert!(cache.get(InodeNo::ROOT).is_none(), "filled only by its owner");
+        assert!(
+            cache.get(InodeNo::ROOT).is_none(),
+            "filled only by its owner"
+        );
         cache.put(&root);
         assert_eq!(cache.get(InodeNo::ROOT), Some(root.clone()));
         // Files are never kept: their attributes depend on more than the row.
@@ -1030,7 +1033,11 @@ mod tests {
         // A committed operation (inside the open group) refreshes the entry...
         let tx = s.write().unwrap();
         tx.update(&with_mtime(100)).unwrap();
-        assert_eq!(cache.get(InodeNo::ROOT).unwrap().mtime, root.mtime, "not before commit");
+        assert_eq!(
+            cache.get(InodeNo::ROOT).unwrap().mtime,
+            root.mtime,
+            "not before commit"
+        );
         tx.commit().unwrap();
         assert_eq!(cache.get(InodeNo::ROOT).unwrap().mtime, Nanos(100));
         // ...a rolled-back one does not.
@@ -1038,7 +1045,10 @@ mod tests {
         tx.update(&with_mtime(200)).unwrap();
         drop(tx);
         assert_eq!(cache.get(InodeNo::ROOT).unwrap().mtime, Nanos(100));
-        assert_eq!(s.read().get(InodeNo::ROOT).unwrap().unwrap().mtime, Nanos(100));
+        assert_eq!(
+            s.read().get(InodeNo::ROOT).unwrap().unwrap().mtime,
+            Nanos(100)
+        );
 
         // A deleted directory is forgotten.
         let tx = s.write().unwrap();
@@ -1067,7 +1077,10 @@ mod tests {
         s.note_if_lost();
         assert!(s.take_group_lost());
         assert!(cache.get(InodeNo::ROOT).is_none());
-        assert_eq!(s.read().get(InodeNo::ROOT).unwrap().unwrap().mtime, Nanos(100));
+        assert_eq!(
+            s.read().get(InodeNo::ROOT).unwrap().unwrap().mtime,
+            Nanos(100)
+        );
     }
 
     #[test]

@@ -183,6 +183,50 @@ struct Worker {
     failures: u32,
     last_error: Option<String>,
     published: Arc<Published>,
+    /// The remote's directory when it is a `file://` remote on the state volume (see
+    /// `make_room`).
+    same_volume: Option<PathBuf>,
+}
+
+/// What a checkpoint to a remote on the state volume leaves free at least: a tenth of the
+/// volume, at most 2 GiB. That remote holds history only (the workspace itself is on the
+/// volume), and its checkpoints must not take the space the workspace needs.
+pub fn space_floor(volume_bytes: u64) -> u64 {
+    (volume_bytes / 10).min(2 << 30)
+}
+
+/// Chunk bytes a checkpoint may always upload to a remote on the state volume while four
+/// times as much is free: the history of a workspace that fills its volume by itself keeps
+/// its metadata changes.
+const SMALL_CHECKPOINT: u64 = 1 << 20;
+
+/// Whether a checkpoint of at most `need` bytes fits on a volume with `avail` bytes free,
+/// leaving `floor` free; if not, why.
+pub fn space_verdict(avail: u64, floor: u64, need: u64) -> Result<(), String> {
+    if avail.checked_sub(need).is_some_and(|left| left >= floor)
+        || (need <= SMALL_CHECKPOINT && avail >= 4 * SMALL_CHECKPOINT)
+    {
+        return Ok(());
+    }
+    Err(format!(
+        "checkpoint skipped: the remote is on the state volume, which has {} free; this checkpoint needs up to {} and {} must stay free for the workspace (the workspace is safe on the volume; checkpoints resume once there is room, or lower [persist] keep / use another remote)",
+        mib(avail),
+        mib(need),
+        mib(floor)
+    ))
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+/// The remote's directory when `url` is a `file://` remote on the same filesystem as the
+/// state dir.
+fn on_state_volume(url: &str, state: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let root = PathBuf::from(url.strip_prefix("file://")?);
+    let dev = |p: &Path| std::fs::metadata(p).ok().map(|m| m.dev());
+    (dev(&root)? == dev(state)?).then_some(root)
 }
 
 impl Worker {
@@ -229,6 +273,9 @@ impl Worker {
         if flush {
             (self.flush)()?;
         }
+        if let Some(root) = self.same_volume.clone() {
+            self.make_room(&root)?;
+        }
         let r = self
             .p
             .checkpoint(&CheckpointOptions {
@@ -249,14 +296,44 @@ impl Worker {
     }
 
     fn gc(&mut self) -> Result<GcReport, String> {
+        self.gc_keeping(self.cfg.keep)
+    }
+
+    fn gc_keeping(&mut self, keep: u32) -> Result<GcReport, String> {
         let mut repo = self.p.repo().clone();
-        gc(
-            &mut repo,
-            Some(self.p.store()),
-            self.cfg.keep,
-            self.cfg.gc_grace,
-        )
-        .map_err(|e| e.to_string())
+        gc(&mut repo, Some(self.p.store()), keep, self.cfg.gc_grace).map_err(|e| e.to_string())
+    }
+
+    /// Before a checkpoint to a remote on the state volume: when it might not leave
+    /// `space_floor` free, older history goes first (gc keeping one snapshot, still within
+    /// the grace window), and if that is not enough the checkpoint is skipped with an error.
+    /// Once paused (the workspace is being stopped and takes no more writes) the floor is
+    /// not kept: the checkpoint is skipped only when it cannot fit at all, rather than
+    /// leaving half its chunks on a full volume.
+    fn make_room(&mut self, root: &Path) -> Result<(), String> {
+        let need = self.p.backlog().map_err(|e| e.to_string())?.bytes;
+        let stopping = self.paused;
+        let verdict = || -> Result<(), String> {
+            let s = crate::sys::file::statvfs(root)
+                .map_err(|e| format!("free space of {}: {e}", root.display()))?;
+            let unit = s.fragment_size.max(1);
+            let floor = if stopping {
+                0
+            } else {
+                space_floor(s.blocks.saturating_mul(unit))
+            };
+            space_verdict(s.blocks_avail.saturating_mul(unit), floor, need)
+        };
+        if verdict().is_ok() {
+            return Ok(());
+        }
+        match self.gc_keeping(1) {
+            Ok(r) => {
+                tracing::warn!(report = %r, "state volume low on space: gc kept only the newest snapshot")
+            }
+            Err(e) => tracing::warn!(error = %e, "state volume low on space: gc failed"),
+        }
+        verdict()
     }
 
     fn status(&self) -> String {
@@ -457,6 +534,7 @@ impl Service {
         })?;
         let mut p = Persister::open(state, repo, super::params(ws, cfg))?;
         p.mark_running(true)?;
+        let same_volume = on_state_volume(&url, state);
         let published = Arc::new(Published::default());
         if let Some(l) = lease.as_mut() {
             p.set_lease(Some(l.handle()));
@@ -475,6 +553,7 @@ impl Service {
             failures: 0,
             last_error: None,
             published: published.clone(),
+            same_volume,
         };
         worker.publish();
         let interval = cfg.interval;
@@ -604,5 +683,36 @@ mod tests {
             retry_delay(3, Duration::from_millis(500)),
             Duration::from_millis(500)
         );
+    }
+
+    #[test]
+    fn a_checkpoint_to_the_state_volume_leaves_a_tenth_of_it_free_at_most_2_gib() {
+        const M: u64 = 1 << 20;
+        assert_eq!(space_floor(100 * M), 10 * M);
+        assert_eq!(space_floor(1 << 40), 2 << 30);
+        let floor = space_floor(100 * M);
+        assert!(space_verdict(50 * M, floor, 40 * M).is_ok());
+        assert!(space_verdict(50 * M, floor, 41 * M).is_err());
+        let e = space_verdict(20 * M, floor, 36 * M).unwrap_err();
+        assert!(e.contains("20.0 MiB free") && e.contains("36.0 MiB"), "{e}");
+        // Small ones go through on a volume the workspace itself fills, down to 4 MiB free.
+        assert!(space_verdict(5 * M, floor, M).is_ok());
+        assert!(space_verdict(5 * M, floor, 2 * M).is_err());
+        assert!(space_verdict(3 * M, floor, 0).is_err());
+        // At stop (no floor) only what cannot fit at all is skipped.
+        assert!(space_verdict(M, 0, M / 2).is_ok());
+        assert!(space_verdict(M, 0, 2 * M).is_err());
+    }
+
+    #[test]
+    fn only_a_file_remote_on_the_state_volume_is_guarded() {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        std::fs::create_dir_all(state.join("remote")).unwrap();
+        let url = format!("file://{}", state.join("remote").display());
+        assert_eq!(on_state_volume(&url, &state), Some(state.join("remote")));
+        assert_eq!(on_state_volume("s3://bucket/prefix", &state), None);
+        // /proc is another filesystem.
+        assert_eq!(on_state_volume("file:///proc", &state), None);
     }
 }
