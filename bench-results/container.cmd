@@ -1,1 +1,1 @@
-script/run-fs-bench.sh -- --reps 2 
+script/run-fs-bench.sh --build 

@@ -1,1 +1,1 @@
-script/fio-bench.sh --out /work/wt-bench/bench-results/fio-wb.tsv keel keel-wb ext4 
+script/fio-bench.sh --out /work/main/bench-results/fio-wb.tsv keel keel-wb ext4 
