@@ -54,8 +54,8 @@ fn mounted(mp: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// A running `keel mount`, killed if the test panics.
-struct Mount(Option<Child>);
+/// A running `keel mount`, killed and its mount point detached if the test panics.
+struct Mount(Option<Child>, PathBuf);
 
 impl Mount {
     fn take(mut self) -> Child {
@@ -68,6 +68,9 @@ impl Drop for Mount {
         if let Some(mut c) = self.0.take() {
             let _ = c.kill();
             let _ = c.wait();
+            // A killed FUSE daemon leaves its mount behind ("transport endpoint is not
+            // connected") for every later test run to trip over.
+            detach(&self.1);
         }
     }
 }
@@ -111,7 +114,7 @@ impl Rig {
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
-        let m = Mount(Some(child));
+        let m = Mount(Some(child), self.mnt.clone());
         let t0 = Instant::now();
         while !mounted(&self.mnt) {
             assert!(
