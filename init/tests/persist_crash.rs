@@ -144,6 +144,43 @@ impl Rig {
     }
 }
 
+/// A tmpfs state volume, lazily unmounted when dropped.
+struct TmpfsVolume(PathBuf);
+
+impl Drop for TmpfsVolume {
+    fn drop(&mut self) {
+        detach(&self.0);
+    }
+}
+
+/// A rig whose state dir is on a fresh tmpfs of `size` (`24m`) in a scratch dir; `config`
+/// writes its config.toml, given the scratch dir. Bind all three: they drop in reverse
+/// (the rig's mount first, then the volume, then the scratch dir).
+fn rig_on_tmpfs(
+    size: &str,
+    config: impl FnOnce(&Path) -> String,
+) -> (tempfile::TempDir, TmpfsVolume, Rig) {
+    let dir = tempfile::tempdir().unwrap();
+    let vol = dir.path().join("vol");
+    fs::create_dir_all(&vol).unwrap();
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+        .arg(&vol)
+        .status()
+        .unwrap();
+    assert!(ok.success(), "mount tmpfs");
+    let guard = TmpfsVolume(vol.clone());
+    let path = dir.path().join("config.toml");
+    fs::write(&path, config(dir.path())).unwrap();
+    let rig = Rig {
+        state: vol.join("state"),
+        mnt: dir.path().join("mnt"),
+        config: path,
+        _dir: tempfile::tempdir().unwrap(),
+    };
+    (dir, guard, rig)
+}
+
 fn detach(mp: &Path) {
     let _ = Command::new("umount").arg("-l").arg(mp).status();
 }
@@ -379,38 +416,13 @@ fn enospc_on_a_tiny_state_volume_keeps_fsck_clean() {
     if !can_mount() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let vol = dir.path().join("vol");
-    fs::create_dir_all(&vol).unwrap();
-    let ok = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=24m", "tmpfs"])
-        .arg(&vol)
-        .status()
-        .unwrap();
-    assert!(ok.success(), "mount tmpfs");
-    struct Umount(PathBuf);
-    impl Drop for Umount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-        }
-    }
-    let _u = Umount(vol.clone());
-    let config = dir.path().join("config.toml");
     // The remote lives outside the small volume.
-    fs::write(
-        &config,
+    let (_dir, _vol, rig) = rig_on_tmpfs("24m", |dir| {
         format!(
             "[persist]\ninterval = \"0s\"\nremote = \"file://{}\"\n",
-            dir.path().join("remote").display()
-        ),
-    )
-    .unwrap();
-    let rig = Rig {
-        state: vol.join("state"),
-        mnt: dir.path().join("mnt"),
-        config,
-        _dir: tempfile::tempdir().unwrap(),
-    };
+            dir.join("remote").display()
+        )
+    });
     let m = rig.mount();
     let mut got_enospc = false;
     let mut written = 0u64;
@@ -470,35 +482,10 @@ fn checkpoints_to_a_remote_on_the_state_volume_leave_the_workspace_room() {
     if !can_mount() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let vol = dir.path().join("vol");
-    fs::create_dir_all(&vol).unwrap();
-    let ok = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
-        .arg(&vol)
-        .status()
-        .unwrap();
-    assert!(ok.success(), "mount tmpfs");
-    struct Umount(PathBuf);
-    impl Drop for Umount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-        }
-    }
-    let _u = Umount(vol.clone());
-    let config = dir.path().join("config.toml");
     // No remote named: the default one, under the state dir on the 64 MiB volume.
-    fs::write(
-        &config,
-        "[persist]\ninterval = \"0s\"\nflush_timeout = \"20s\"\n",
-    )
-    .unwrap();
-    let rig = Rig {
-        state: vol.join("state"),
-        mnt: dir.path().join("mnt"),
-        config,
-        _dir: tempfile::tempdir().unwrap(),
-    };
+    let (_dir, _vol, rig) = rig_on_tmpfs("64m", |_| {
+        "[persist]\ninterval = \"0s\"\nflush_timeout = \"20s\"\n".into()
+    });
     let m = rig.mount();
     let mut rng = Rng(0x5eed_cafe);
     fs::write(rig.mnt.join("small"), rng.bytes(1 << 20)).unwrap();
