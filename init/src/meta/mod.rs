@@ -602,11 +602,16 @@ impl Tx<'_> {
         Ok(())
     }
 
-    /// Notes an inode this transaction wrote, for the directory cache.
+    /// Notes an inode this transaction wrote, for the directory cache: a directory's new
+    /// row, or `None` when the inode was deleted or its kind is unknown. A file written with
+    /// its row is never cached (and inode numbers are never reused), so it is skipped: file
+    /// writes are the hot path and take no cache lock.
     fn wrote(&self, ino: InodeNo, now: Option<&Inode>) {
-        let now = now
-            .filter(|i| i.kind == Kind::Dir)
-            .map(|i| Inode { ino, ..i.clone() });
+        let now = match now {
+            Some(i) if i.kind != Kind::Dir => return,
+            Some(i) => Some(Inode { ino, ..i.clone() }),
+            None => None,
+        };
         self.changes.borrow_mut().push((ino, now));
     }
 

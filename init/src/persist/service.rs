@@ -191,7 +191,7 @@ struct Worker {
 /// What a checkpoint to a remote on the state volume leaves free at least: a tenth of the
 /// volume, at most 2 GiB. That remote holds history only (the workspace itself is on the
 /// volume), and its checkpoints must not take the space the workspace needs.
-pub fn space_floor(volume_bytes: u64) -> u64 {
+fn space_floor(volume_bytes: u64) -> u64 {
     (volume_bytes / 10).min(2 << 30)
 }
 
@@ -202,7 +202,7 @@ const SMALL_CHECKPOINT: u64 = 1 << 20;
 
 /// Whether a checkpoint of at most `need` bytes fits on a volume with `avail` bytes free,
 /// leaving `floor` free; if not, why.
-pub fn space_verdict(avail: u64, floor: u64, need: u64) -> Result<(), String> {
+fn space_verdict(avail: u64, floor: u64, need: u64) -> Result<(), String> {
     if avail.checked_sub(need).is_some_and(|left| left >= floor)
         || (need <= SMALL_CHECKPOINT && avail >= 4 * SMALL_CHECKPOINT)
     {
