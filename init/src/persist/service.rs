@@ -415,7 +415,11 @@ impl Worker {
                     }
                     let changed = (self.flush)().is_ok() && self.p.has_changes().unwrap_or(true);
                     if changed {
-                        if let Err(e) = self.checkpoint(CheckpointOptions::default(), false) {
+                        let opts = CheckpointOptions {
+                            background: true,
+                            ..Default::default()
+                        };
+                        if let Err(e) = self.checkpoint(opts, false) {
                             if !self.lease_lost() {
                                 let d = retry_delay(self.failures, interval);
                                 next = Instant::now() + d;
