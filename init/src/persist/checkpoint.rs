@@ -136,11 +136,6 @@ pub struct CheckpointOptions {
     pub synced_at: Option<Nanos>,
     /// Print progress lines on stderr for long checkpoints.
     pub progress: bool,
-    /// Read the bodies in the idle I/O class: a periodic checkpoint yields the disk to the
-    /// workspace. Not for a checkpoint someone waits for (`keel checkpoint`, the final one).
-    /// Only threads that hold no lock the workspace needs take it, so a starved read never
-    /// stalls a request.
-    pub background: bool,
 }
 
 /// Tunables that come from the config.
@@ -561,7 +556,7 @@ impl Persister {
                 bytes += jobs[end].range.end - jobs[end].range.start;
                 end += 1;
             }
-            let results = self.hash_batch(&jobs[done..end], opts.background)?;
+            let results = self.hash_batch(&jobs[done..end])?;
             let mut upload: Vec<(String, Bytes)> = Vec::new();
             for (job, (id, data)) in jobs[done..end].iter().zip(results) {
                 report.windows_hashed += 1;
@@ -791,75 +786,69 @@ impl Persister {
 
     /// Reads and hashes windows on several threads: (id, bytes) per job; `None` id for an
     /// all-zero window (no bytes kept).
-    fn hash_batch(&self, jobs: &[Job], background: bool) -> Result<Vec<Hashed>, CheckpointError> {
+    fn hash_batch(&self, jobs: &[Job]) -> Result<Vec<Hashed>, CheckpointError> {
         let next = AtomicUsize::new(0);
         let out: Mutex<Vec<Option<Hashed>>> = Mutex::new(vec![None; jobs.len()]);
         let err: Mutex<Option<CheckpointError>> = Mutex::new(None);
         let files: Mutex<HashMap<InodeNo, Option<Arc<File>>>> = Mutex::new(HashMap::new());
         let threads = self.params.threads.clamp(1, 16).min(jobs.len().max(1));
         let bodies = &self.bodies;
-        // Each thread: the idle I/O class first if asked, then jobs until none are left.
-        let work = || {
-            if background {
-                if let Err(e) = crate::sys::ioprio::set_idle_io() {
-                    tracing::debug!(error = %e, "cannot lower the checkpoint's I/O priority");
-                }
-            }
-            loop {
-                let k = next.fetch_add(1, Ordering::Relaxed);
-                if k >= jobs.len() {
-                    break;
-                }
-                let job = &jobs[k];
-                let f = {
-                    let mut m = files.lock().unwrap();
-                    m.entry(job.ino)
-                        .or_insert_with(|| File::open(bodies.path(job.ino.0)).ok().map(Arc::new))
-                        .clone()
-                };
-                // A window that is one hole in the body (sparse file) is all zeros:
-                // no need to read or hash it.
-                if let Some(f) = &f {
-                    let hole = match crate::sys::file::seek_data_hole(f, job.range.start, true) {
-                        Ok(data_at) => data_at >= job.range.end,
-                        Err(e) => e.raw_os_error() == Some(libc::ENXIO),
-                    };
-                    if hole {
-                        out.lock().unwrap()[k] = Some((None, None));
-                        continue;
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    if k >= jobs.len() {
+                        break;
                     }
-                }
-                let mut buf = vec![0u8; (job.range.end - job.range.start) as usize];
-                if let Some(f) = f {
-                    let mut n = 0;
-                    while n < buf.len() {
-                        match f.read_at(&mut buf[n..], job.range.start + n as u64) {
-                            // Shorter body: the rest reads as zeros (sparse tail).
-                            Ok(0) => break,
-                            Ok(r) => n += r,
-                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                            Err(source) => {
-                                *err.lock().unwrap() = Some(CheckpointError::ReadBody {
-                                    ino: job.ino.0,
-                                    source,
-                                });
-                                return;
+                    let job = &jobs[k];
+                    let f = {
+                        let mut m = files.lock().unwrap();
+                        m.entry(job.ino)
+                            .or_insert_with(|| {
+                                File::open(bodies.path(job.ino.0)).ok().map(Arc::new)
+                            })
+                            .clone()
+                    };
+                    // A window that is one hole in the body (sparse file) is all zeros:
+                    // no need to read or hash it.
+                    if let Some(f) = &f {
+                        let hole = match crate::sys::file::seek_data_hole(f, job.range.start, true)
+                        {
+                            Ok(data_at) => data_at >= job.range.end,
+                            Err(e) => e.raw_os_error() == Some(libc::ENXIO),
+                        };
+                        if hole {
+                            out.lock().unwrap()[k] = Some((None, None));
+                            continue;
+                        }
+                    }
+                    let mut buf = vec![0u8; (job.range.end - job.range.start) as usize];
+                    if let Some(f) = f {
+                        let mut n = 0;
+                        while n < buf.len() {
+                            match f.read_at(&mut buf[n..], job.range.start + n as u64) {
+                                // Shorter body: the rest reads as zeros (sparse tail).
+                                Ok(0) => break,
+                                Ok(r) => n += r,
+                                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                                Err(source) => {
+                                    *err.lock().unwrap() = Some(CheckpointError::ReadBody {
+                                        ino: job.ino.0,
+                                        source,
+                                    });
+                                    return;
+                                }
                             }
                         }
                     }
-                }
-                let r = if is_zero(&buf) {
-                    (None, None)
-                } else {
-                    let id = ChunkId::of(&buf);
-                    (Some(id), Some(Bytes::from(buf)))
-                };
-                out.lock().unwrap()[k] = Some(r);
-            }
-        };
-        std::thread::scope(|s| {
-            for _ in 0..threads {
-                s.spawn(work);
+                    let r = if is_zero(&buf) {
+                        (None, None)
+                    } else {
+                        let id = ChunkId::of(&buf);
+                        (Some(id), Some(Bytes::from(buf)))
+                    };
+                    out.lock().unwrap()[k] = Some(r);
+                });
             }
         });
         if let Some(e) = err.into_inner().unwrap() {

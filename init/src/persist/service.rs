@@ -415,11 +415,7 @@ impl Worker {
                     }
                     let changed = (self.flush)().is_ok() && self.p.has_changes().unwrap_or(true);
                     if changed {
-                        let opts = CheckpointOptions {
-                            background: true,
-                            ..Default::default()
-                        };
-                        if let Err(e) = self.checkpoint(opts, false) {
+                        if let Err(e) = self.checkpoint(CheckpointOptions::default(), false) {
                             if !self.lease_lost() {
                                 let d = retry_delay(self.failures, interval);
                                 next = Instant::now() + d;

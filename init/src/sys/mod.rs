@@ -4,7 +4,6 @@
 pub mod caps;
 pub mod fgsig;
 pub mod file;
-pub mod ioprio;
 pub mod mem;
 pub mod mount;
 pub mod process;
