@@ -12,7 +12,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -60,6 +60,17 @@ struct Mount(Option<Child>, PathBuf);
 impl Mount {
     fn take(mut self) -> Child {
         self.0.take().expect("running")
+    }
+
+    /// Stops keel the way the platform does (SIGTERM) and waits for it to exit.
+    fn stop(self) -> ExitStatus {
+        let mut child = self.take();
+        Command::new("kill")
+            .arg("-TERM")
+            .arg(child.id().to_string())
+            .status()
+            .unwrap();
+        child.wait().unwrap()
     }
 }
 
@@ -357,7 +368,7 @@ fn kill9_crash_loop_keeps_fsynced_files_and_fsck_clean() {
         assert!(!out.contains("error:"), "iteration {it}:\n{out}");
     }
     // Clean stop: the final checkpoint carries everything to the remote.
-    let mut child = rig.mount().take();
+    let m = rig.mount();
     verified += verify(&rig.mnt, &model.lock().unwrap(), iterations);
     let mut local: BTreeMap<String, Vec<u8>> = BTreeMap::new();
     for name in model.lock().unwrap().keys() {
@@ -365,13 +376,7 @@ fn kill9_crash_loop_keeps_fsynced_files_and_fsck_clean() {
             local.insert(name.clone(), b);
         }
     }
-    let pid = child.id() as i32;
-    Command::new("kill")
-        .arg("-TERM")
-        .arg(pid.to_string())
-        .status()
-        .unwrap();
-    let st = child.wait().unwrap();
+    let st = m.stop();
     assert!(st.success(), "clean stop failed: {st}");
     let (ok, out) = rig.keel(&["fsck"]);
     assert!(ok, "{out}");
@@ -395,17 +400,12 @@ fn kill9_crash_loop_keeps_fsynced_files_and_fsck_clean() {
         config: rig.config.clone(),
         _dir: tempfile::tempdir().unwrap(),
     };
-    let mut child = rig2.mount().take();
+    let m = rig2.mount();
     for (name, want) in &local {
         let got = fs::read(rig2.mnt.join(name)).unwrap();
         assert!(got == *want, "{name} differs in the restored workspace");
     }
-    Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status()
-        .unwrap();
-    assert!(child.wait().unwrap().success());
+    assert!(m.stop().success());
     println!("crash loop: {iterations} kills, {verified} fsync-acknowledged files verified, {} files restored", local.len());
 }
 
@@ -455,13 +455,7 @@ fn enospc_on_a_tiny_state_volume_keeps_fsck_clean() {
     for i in 0..4 {
         let _ = fs::remove_file(rig.mnt.join(format!("f{i}")));
     }
-    let mut child = m.take();
-    Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status()
-        .unwrap();
-    let st = child.wait().unwrap();
+    let st = m.stop();
     let (ok, out) = rig.keel(&["fsck"]);
     assert!(
         ok && !out.contains("error:"),
@@ -521,13 +515,7 @@ fn checkpoints_to_a_remote_on_the_state_volume_leave_the_workspace_room() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    let mut child = m.take();
-    Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status()
-        .unwrap();
-    assert!(child.wait().unwrap().success(), "keel stops cleanly");
+    assert!(m.stop().success(), "keel stops cleanly");
     let (ok, out) = rig.keel(&["fsck"]);
     assert!(ok && !out.contains("error:"), "fsck: {out}");
 }
@@ -559,13 +547,7 @@ fn cli_over_socket_and_sigterm_with_open_files() {
     let mut open = File::create(rig.mnt.join("d/open")).unwrap();
     open.write_all(b"written but never flushed by the writer")
         .unwrap();
-    let mut child = m.take();
-    Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status()
-        .unwrap();
-    let st = child.wait().unwrap();
+    let st = m.stop();
     drop(open);
     detach(&rig.mnt);
     // The writer kept the mount busy, but the final checkpoint ran before the unmount.
@@ -596,13 +578,7 @@ fn cli_over_socket_and_sigterm_with_open_files() {
         "keel exit {st}"
     );
     assert_eq!(fs::read(rig2.mnt.join("d/a")).unwrap(), vec![7u8; 3 << 20]);
-    let mut c2 = m2.take();
-    Command::new("kill")
-        .arg("-TERM")
-        .arg(c2.id().to_string())
-        .status()
-        .unwrap();
-    assert!(c2.wait().unwrap().success());
+    assert!(m2.stop().success());
     // The restored state dir checkpointed to its own (new) remote: complete there too.
     let (ok, out) = rig2.keel(&["fsck"]);
     assert!(ok && out.contains(" 0 errors"), "{out}");
