@@ -5,8 +5,7 @@ use tracing_subscriber::EnvFilter;
 
 /// Installs the global subscriber once; later calls are no-ops.
 pub fn init() {
-    let filter =
-        EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| EnvFilter::new("info,fuser=off"));
+    let filter = EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     let json = std::env::var("KEEL_LOG_FORMAT")
         .map(|v| v == "json")
         .unwrap_or(false);

@@ -85,6 +85,11 @@ fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
     assert_eq!(v["mount"]["mount_point"], k.path("ws").to_str().unwrap());
     assert_eq!(v["mount"]["cache"], "auto");
     assert!(v["mount"]["passthrough"].is_boolean(), "{v}");
+    // `[workspace] io_uring = "auto"`: the rings whenever the host enabled them.
+    let uring = std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
+        .is_ok_and(|s| s.trim() == "Y");
+    let want = if uring { "io_uring" } else { "classic" };
+    assert_eq!(v["mount"]["transport"], want, "{v}");
     // Checkpoints are on ([persist] defaults to a file:// remote in the state dir).
     assert!(v["persist"]["dirty_bytes"].is_u64(), "{v}");
 

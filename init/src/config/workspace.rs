@@ -41,26 +41,29 @@ impl CacheMode {
     }
 }
 
-/// Whether to hand file I/O to the kernel via FUSE passthrough.
+/// A kernel feature to use when offered (`auto`), to insist on (`on`), or to leave off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Passthrough {
+pub enum Switch {
     Auto,
     On,
     Off,
 }
 
-impl std::str::FromStr for Passthrough {
+impl std::str::FromStr for Switch {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "auto" => Ok(Self::Auto),
             "on" => Ok(Self::On),
             "off" => Ok(Self::Off),
-            _ => Err(format!("passthrough `{s}` is not one of auto, on, off")),
+            _ => Err(format!("`{s}` is not one of auto, on, off")),
         }
     }
 }
+
+/// Whether to hand file I/O to the kernel via FUSE passthrough.
+pub type Passthrough = Switch;
 
 /// What to do when FUSE cannot be mounted (no `/dev/fuse`, no CAP_SYS_ADMIN).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -89,6 +92,9 @@ pub struct WorkspaceConfig {
     /// Kernel writeback cache (batches small writes; not used together with passthrough).
     pub writeback_cache: bool,
     pub passthrough: Passthrough,
+    /// FUSE over io_uring: requests served on the CPU that made them (`auto`: when the
+    /// kernel offers it, i.e. the host set `/sys/module/fuse/parameters/enable_uring`).
+    pub io_uring: Switch,
     /// Files up to this size are stored inline in the metadata database.
     #[serde(with = "size_str")]
     pub inline_max: u64,
@@ -110,6 +116,7 @@ impl Default for WorkspaceConfig {
             negative_timeout: Duration::from_secs(60),
             writeback_cache: true,
             passthrough: Passthrough::Auto,
+            io_uring: Switch::Auto,
             inline_max: 4096,
             chunk_size: 512 * 1024,
             on_fuse_unavailable: FuseUnavailable::Fail,

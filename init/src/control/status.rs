@@ -371,7 +371,10 @@ impl StatusHandle {
     /// A consistent copy of everything, for `/status` and `/metrics`.
     pub fn report(&self) -> Report {
         let health = self.health();
-        let passthrough = lock(&self.0.workspace).as_ref().map(|w| w.passthrough());
+        let (passthrough, transport) = match lock(&self.0.workspace).as_ref() {
+            Some(w) => (Some(w.passthrough()), Some(w.transport().as_str())),
+            None => (None, None),
+        };
         let s = lock(&self.0.state);
         let uptime = self.0.started.elapsed();
         Report {
@@ -397,11 +400,8 @@ impl StatusHandle {
                 mounted: s.mount.is_mounted(),
                 mount_point: self.0.mount_point.clone(),
                 cache: self.0.cache,
-                passthrough: if s.mount.is_mounted() {
-                    passthrough
-                } else {
-                    None
-                },
+                passthrough: passthrough.filter(|_| s.mount.is_mounted()),
+                transport: transport.filter(|_| s.mount.is_mounted()),
             },
             services: s
                 .services
@@ -570,6 +570,8 @@ pub struct MountReport {
     pub cache: &'static str,
     /// FUSE passthrough negotiated with the kernel; null when not mounted.
     pub passthrough: Option<bool>,
+    /// How requests reach keel: "io_uring" or "classic" (`/dev/fuse`); null when not mounted.
+    pub transport: Option<&'static str>,
 }
 
 #[derive(Debug, Serialize)]

@@ -4,8 +4,10 @@
 pub mod caps;
 pub mod fgsig;
 pub mod file;
+pub mod fusedev;
 pub mod mem;
 pub mod mount;
 pub mod process;
 pub mod signal;
 pub mod socket;
+pub mod uring;

@@ -5,12 +5,12 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 use crate::config::units::parse_duration;
-use crate::config::Config;
+use crate::config::{Config, Switch};
 use crate::sys::fgsig::StopSignals;
 use std::time::Duration;
 
 const USAGE: &str = "usage: keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none]
-       [--passthrough auto|on|off] [--writeback-cache on|off] [--threads N]
+       [--passthrough auto|on|off] [--io-uring auto|on|off] [--writeback-cache on|off] [--threads N]
        [--attr-timeout D] [--entry-timeout D] [--negative-timeout D] [--config FILE]
        [--takeover[=wait|force]]";
 
@@ -20,7 +20,8 @@ pub struct MountArgs {
     pub state: Option<PathBuf>,
     pub mount_point: Option<PathBuf>,
     pub cache: Option<String>,
-    pub passthrough: Option<String>,
+    pub passthrough: Option<Switch>,
+    pub io_uring: Option<Switch>,
     pub writeback_cache: Option<bool>,
     pub attr_timeout: Option<Duration>,
     pub entry_timeout: Option<Duration>,
@@ -55,8 +56,14 @@ pub fn parse(args: Vec<OsString>) -> Result<MountArgs, String> {
             }
             "--state" => out.state = Some(PathBuf::from(value("--state")?)),
             "--cache" => out.cache = Some(value("--cache")?.to_string_lossy().into_owned()),
-            "--passthrough" => {
-                out.passthrough = Some(value("--passthrough")?.to_string_lossy().into_owned())
+            "--passthrough" | "--io-uring" => {
+                let v = value(&flag)?.to_string_lossy().into_owned();
+                let v = Some(v.parse().map_err(|e| format!("{flag}: {e}"))?);
+                if flag == "--passthrough" {
+                    out.passthrough = v;
+                } else {
+                    out.io_uring = v;
+                }
             }
             "--threads" => {
                 let v = value("--threads")?;
@@ -156,15 +163,8 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
             }
         }
     }
-    if let Some(p) = a.passthrough {
-        match p.parse() {
-            Ok(p) => ws.passthrough = p,
-            Err(e) => {
-                eprintln!("keel: mount: --passthrough: {e}");
-                return 2;
-            }
-        }
-    }
+    ws.passthrough = a.passthrough.unwrap_or(ws.passthrough);
+    ws.io_uring = a.io_uring.unwrap_or(ws.io_uring);
     if let Some(w) = a.writeback_cache {
         ws.writeback_cache = w;
     }
@@ -238,6 +238,9 @@ mod tests {
             "--attr-timeout",
             "2s",
             "--writeback-cache=off",
+            "--io-uring=off",
+            "--passthrough",
+            "on",
         ]))
         .unwrap();
         assert_eq!(a.attr_timeout, Some(Duration::from_secs(2)));
@@ -246,6 +249,8 @@ mod tests {
         assert_eq!(a.mount_point, Some(PathBuf::from("/m")));
         assert_eq!(a.cache.as_deref(), Some("kernel"));
         assert_eq!(a.threads, Some(4));
+        assert_eq!(a.io_uring, Some(Switch::Off));
+        assert_eq!(a.passthrough, Some(Switch::On));
     }
 
     #[test]
@@ -254,6 +259,8 @@ mod tests {
         assert!(parse(args(&["--bogus"])).is_err());
         assert!(parse(args(&["/a", "/b"])).is_err());
         assert!(parse(args(&["--state"])).is_err());
+        let e = parse(args(&["--io-uring", "yes", "/m"])).unwrap_err();
+        assert_eq!(e, "--io-uring: `yes` is not one of auto, on, off");
         let a = parse(args(&["/m", "--takeover"])).unwrap();
         assert_eq!(a.takeover, Some(crate::config::Takeover::Force));
         let a = parse(args(&["--takeover=wait", "/m"])).unwrap();

@@ -1,9 +1,12 @@
-//! The durable FUSE workspace: POSIX semantics in `fs` (no fuser types), the thin kernel
-//! adapter in `fuse`, and mounting/unmounting in `session`.
+//! The durable FUSE workspace: POSIX semantics in `fs` (no protocol types), the FUSE wire
+//! format in `proto`, the thin adapter from requests to `fs` in `fuse`, the transports
+//! (`/dev/fuse`, io_uring) in `serve`, and mounting/unmounting in `session`.
 
 pub mod cli;
 pub mod fs;
 pub mod fuse;
+pub mod proto;
+pub mod serve;
 pub mod session;
 
 pub use session::{mount, mount_persistent, Mounted, MountedHandle, SessionError};

@@ -5,13 +5,14 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::config::{CacheMode, Passthrough, PersistConfig, WorkspaceConfig};
+use crate::config::{CacheMode, Passthrough, PersistConfig, Switch, WorkspaceConfig};
 use crate::persist::lease::ReleaseOnDrop;
 use crate::sys;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::fs::{FsOptions, WorkspaceFs};
 use super::fuse::{FuseAdapter, KernelFeatures, Timeouts};
+use super::serve::{ServeOptions, Transport};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -37,8 +38,9 @@ pub enum SessionError {
 pub struct Mounted {
     mount_point: PathBuf,
     fs: Arc<WorkspaceFs>,
-    session: Option<fuser::BackgroundSession>,
+    session: Option<super::serve::Session>,
     passthrough: Arc<AtomicBool>,
+    transport: Transport,
     persist: Option<crate::persist::Service>,
     /// Background fetch of lazily restored windows.
     prefetch: Option<Prefetch>,
@@ -53,6 +55,7 @@ pub struct MountedHandle {
     mount_point: PathBuf,
     fs: Arc<WorkspaceFs>,
     passthrough: Arc<AtomicBool>,
+    transport: Transport,
 }
 
 impl MountedHandle {
@@ -68,6 +71,11 @@ impl MountedHandle {
     /// FUSE passthrough was negotiated with the kernel.
     pub fn passthrough(&self) -> bool {
         self.passthrough.load(Ordering::Relaxed)
+    }
+
+    /// How the kernel's requests reach keel (FUSE over io_uring or /dev/fuse).
+    pub fn transport(&self) -> Transport {
+        self.transport
     }
 }
 
@@ -214,8 +222,14 @@ fn mount_with(
     let fs = Arc::new(fs);
     prepare_mount_point(&cfg.mount_point)?;
 
+    let mount_err = |source: io::Error| SessionError::Mount {
+        path: cfg.mount_point.clone(),
+        source,
+    };
+    let dev = Arc::new(sys::fusedev::FuseDev::open().map_err(mount_err)?);
     let adapter = FuseAdapter::new(
         fs.clone(),
+        dev.clone(),
         Timeouts {
             attr: cfg.attr_timeout,
             entry: cfg.entry_timeout,
@@ -229,31 +243,32 @@ fn mount_with(
                 Passthrough::On => Some(true),
             },
             passthrough_on: passthrough_on.clone(),
+            io_uring: cfg.io_uring != Switch::Off,
         },
     );
-    let mut fc = fuser::Config::default();
-    fc.mount_options = vec![
-        fuser::MountOption::FSName("keel".into()),
-        fuser::MountOption::Subtype("keel".into()),
-        fuser::MountOption::DefaultPermissions,
-        fuser::MountOption::Dev,
-        fuser::MountOption::Suid,
-    ];
-    fc.acl = fuser::SessionACL::All;
-    fc.n_threads = Some(cfg.effective_threads());
-    fc.clone_fd = true;
-    let session = fuser::Session::new(adapter, &cfg.mount_point, &fc)
-        .and_then(|s| s.spawn())
-        .map_err(|source| SessionError::Mount {
+    let opts = ServeOptions {
+        threads: cfg.effective_threads(),
+        ring_threads: 1,
+    };
+    let session = super::serve::start(dev, adapter, &cfg.mount_point, opts).map_err(mount_err)?;
+    let transport = session.transport();
+    if cfg.io_uring == Switch::On && transport != Transport::IoUring {
+        drop(session);
+        return Err(SessionError::Mount {
             path: cfg.mount_point.clone(),
-            source,
-        })?;
+            source: io::Error::other(
+                "[workspace] io_uring = \"on\" but the kernel does not offer FUSE over io_uring \
+                 (as root on the host: echo Y > /sys/module/fuse/parameters/enable_uring)",
+            ),
+        });
+    }
     tracing::info!(
         mount_point = %cfg.mount_point.display(),
         state = %state.display(),
         cache = cfg.cache.as_str(),
         threads = cfg.effective_threads(),
         passthrough = passthrough_on.load(Ordering::Relaxed),
+        transport = transport.as_str(),
         "workspace mounted"
     );
     let mut mounted = Mounted {
@@ -261,6 +276,7 @@ fn mount_with(
         fs,
         session: Some(session),
         passthrough: passthrough_on,
+        transport,
         persist: None,
         prefetch: None,
         _lock: lock,
@@ -362,6 +378,7 @@ impl Mounted {
             mount_point: self.mount_point.clone(),
             fs: self.fs.clone(),
             passthrough: self.passthrough.clone(),
+            transport: self.transport,
         }
     }
 
@@ -387,7 +404,7 @@ impl Mounted {
             _ => None,
         };
         let session = self.session.take().expect("session present until unmount");
-        let unmounted = match session.umount_and_join() {
+        let unmounted = match session.unmount() {
             Ok(()) => Ok(()),
             Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
                 // Something still has files open or its cwd inside. Everything acknowledged
@@ -433,7 +450,7 @@ impl Drop for Mounted {
         stop_prefetch(self.prefetch.take());
         if let Some(s) = self.session.take() {
             let _ = self.fs.sync_all();
-            let _ = s.umount_and_join();
+            drop(s);
         }
     }
 }

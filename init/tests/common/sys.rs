@@ -256,3 +256,18 @@ pub fn isatty(f: &impl AsRawFd) -> io::Result<bool> {
         Err(io::Error::last_os_error())
     }
 }
+
+/// Pins the calling thread to one CPU (to make a request from a chosen CPU's queue).
+pub fn pin_to_cpu(cpu: usize) -> io::Result<()> {
+    // SAFETY: cpu_set_t is plain data; zeroed is an empty set, CPU_SET writes inside it, and
+    // sched_setaffinity only reads the set for the calling thread (pid 0).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        check(libc::sched_setaffinity(
+            0,
+            std::mem::size_of::<libc::cpu_set_t>(),
+            &set,
+        ))
+    }
+}
