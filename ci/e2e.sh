@@ -19,7 +19,7 @@ set +e   # lib.sh is errexit-friendly; the cases check every status themselves
 CASES=(exit_code default_cmd pid1_reaps tty_session script_run workspace_is_fuse
        persist_across_stop stop_waits_for_trap stop_kills_at_grace missing_cap missing_fuse bad_config profiles_load
        nonroot_cannot_umount nonroot_can_write health_after_mount remote_checkpoint_restore
-       remote_restore)
+       remote_restore transport)
 
 if [ "${1:-}" = --list ]; then printf '%s\n' "${CASES[@]}"; exit 0; fi
 selected=("$@")
@@ -196,6 +196,26 @@ case_workspace_is_fuse() {
         || fail "cwd and /workspace are on different devices"
     grep -qx hello "$out" || fail "write+read through /workspace failed"
     [ -z "$CASE_ERR" ] || show "$out" "mounts"
+}
+
+# The container runtime's default seccomp profile blocks io_uring_setup: keel notices before
+# it promises the kernel any rings and serves over /dev/fuse. Unconfined, on a host that
+# enabled FUSE over io_uring, it serves through the rings.
+case_transport() {
+    local out="$tmp/transport.out" want
+    run_c "$out" "${keel_flags[@]}" "$image" sh -c 'echo x > /workspace/t && cat /workspace/t' \
+        || fail "container failed ($?)"
+    grep -q 'transport="classic"' "$out.err" || fail "default seccomp: transport is not classic"
+    grep -qx x "$out" || fail "default seccomp: write+read failed"
+    [ -z "$CASE_ERR" ] || show "$out" "default seccomp"
+    want=classic
+    [ "$(cat /sys/module/fuse/parameters/enable_uring 2>/dev/null)" = Y ] && want=io_uring
+    run_c "$out" "${keel_flags[@]}" --security-opt seccomp=unconfined "$image" \
+        sh -c 'mkdir /workspace/d && for i in $(seq 50); do echo $i > /workspace/d/$i; done;
+               cat /workspace/d/50' || fail "unconfined container failed ($?)"
+    grep -q "transport=\"$want\"" "$out.err" || fail "seccomp=unconfined: transport is not $want"
+    grep -qx 50 "$out" || fail "seccomp=unconfined: write+read failed"
+    [ -z "$CASE_ERR" ] || show "$out" "seccomp=unconfined"
 }
 
 # Files written in one container (one of them still open for writing) survive `podman stop`

@@ -86,15 +86,15 @@ fn with_len(e: squeue::Entry128, len: u32) -> squeue::Entry128 {
 
 impl FuseQueue {
     /// Creates the ring for queue `qid` with `depth` entries of `header_len` + `payload_len`
-    /// bytes, registers them all with the connection of `dev`, and arms the stop eventfd.
-    /// Nothing is submitted until the first [`FuseQueue::wait`].
+    /// bytes. Nothing is registered with the connection yet (see [`FuseQueue::register`]):
+    /// this step fails where io_uring is not allowed (container seccomp profiles block
+    /// `io_uring_setup`), before the kernel is told that keel will serve rings.
     pub fn new(
         dev: &FuseDev,
         qid: u16,
         depth: usize,
         header_len: usize,
         payload_len: usize,
-        stop: &EventFd,
     ) -> io::Result<FuseQueue> {
         let n = depth as u32 + 1;
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
@@ -126,17 +126,38 @@ impl FuseQueue {
                 iov,
                 commit_id: 0,
                 last_cmd: CMD_REGISTER,
-                state: State::Kernel,
+                state: State::Done,
             });
         }
-        for i in 0..depth {
-            q.push_cmd(i)?;
+        Ok(q)
+    }
+
+    /// Registers every entry with the connection (after its INIT was answered with
+    /// FUSE_OVER_IO_URING) and arms the stop eventfd. An entry the kernel refuses at once
+    /// fails this call.
+    pub fn register(&mut self, stop: &EventFd) -> io::Result<()> {
+        for i in 0..self.entries.len() {
+            self.push_cmd(i)?;
         }
         let poll = opcode::PollAdd::new(types::Fd(stop.raw_fd()), libc::POLLIN as u32)
             .build()
             .user_data(STOP);
-        q.push(poll.into())?;
-        Ok(q)
+        self.push(poll.into())?;
+        self.ring.submit()?;
+        // A refused REGISTER completes during the submit. Accepted ones stay pending, or
+        // complete at once with a request that was waiting for the rings: those are kept for
+        // the first `wait`.
+        self.completions.clear();
+        self.completions
+            .extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+        let refused = self
+            .completions
+            .iter()
+            .find(|&&(ud, res)| ud != STOP && res < 0 && res != -libc::EAGAIN);
+        match refused {
+            Some(&(_, res)) => Err(io::Error::from_raw_os_error(-res)),
+            None => Ok(()),
+        }
     }
 
     fn push(&mut self, e: squeue::Entry128) -> io::Result<()> {
@@ -175,16 +196,18 @@ impl FuseQueue {
     /// completions meant. A completion of EAGAIN/EINTR re-queues its command.
     pub fn wait(&mut self, events: &mut Vec<Event>) -> io::Result<()> {
         events.clear();
-        loop {
-            match self.ring.submit_and_wait(1) {
-                Ok(_) => break,
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) => return Err(e),
+        // Completions `register` collected come first.
+        if self.completions.is_empty() {
+            loop {
+                match self.ring.submit_and_wait(1) {
+                    Ok(_) => break,
+                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                    Err(e) => return Err(e),
+                }
             }
+            self.completions
+                .extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
         }
-        self.completions.clear();
-        self.completions
-            .extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
         for k in 0..self.completions.len() {
             let (ud, res) = self.completions[k];
             if ud == STOP {
@@ -202,6 +225,7 @@ impl FuseQueue {
                 events.push(Event::Request(i));
             }
         }
+        self.completions.clear();
         Ok(())
     }
 

@@ -31,8 +31,6 @@ pub struct KernelFeatures {
     pub passthrough: Option<bool>,
     /// Set here when the kernel accepted passthrough; read by `WorkspaceFs`.
     pub passthrough_on: Arc<AtomicBool>,
-    /// Ask for FUSE over io_uring (when the kernel offers it).
-    pub io_uring: bool,
 }
 
 /// The largest WRITE (and READ) keel accepts in one request.
@@ -40,7 +38,8 @@ pub const MAX_WRITE: u32 = 1 << 20;
 
 pub struct FuseAdapter {
     fs: Arc<WorkspaceFs>,
-    dev: Arc<FuseDev>,
+    /// The connection, for registering backing files (replaced if the mount is redone).
+    dev: Mutex<Arc<FuseDev>>,
     timeouts: Timeouts,
     features: KernelFeatures,
     /// Backing files registered with the kernel, per inode, with their handle count.
@@ -58,7 +57,7 @@ impl FuseAdapter {
     ) -> Self {
         FuseAdapter {
             fs,
-            dev,
+            dev: Mutex::new(dev),
             timeouts,
             features,
             backing: Mutex::new(HashMap::new()),
@@ -70,6 +69,11 @@ impl FuseAdapter {
         self.backing.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Serves a new connection (the mount was redone on `dev`).
+    pub fn set_dev(&self, dev: Arc<FuseDev>) {
+        *self.dev.lock().unwrap_or_else(|p| p.into_inner()) = dev;
+    }
+
     fn killpriv(&self) -> bool {
         self.killpriv.load(Ordering::Relaxed)
     }
@@ -77,8 +81,9 @@ impl FuseAdapter {
     /// Registers (or reuses) the backing file of a passthrough handle; on failure releases
     /// the handle and answers EIO.
     fn backing_id(&self, ino: u64, fh: u64, file: &std::fs::File) -> Result<i32, ()> {
+        let dev = self.dev.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let mut map = self.backing();
-        match acquire_backing(&mut map, ino, file, |f| self.dev.backing_open(f)) {
+        match acquire_backing(&mut map, ino, file, |f| dev.backing_open(f)) {
             Ok(id) => Ok(id.id()),
             Err(e) => {
                 drop(map);
@@ -242,8 +247,9 @@ impl FuseAdapter {
         }
     }
 
-    /// Chooses the connection's features from what the kernel offers.
-    pub fn init(&self, i: &InitIn) -> Negotiated {
+    /// Chooses the connection's features from what the kernel offers; `io_uring`: keel has
+    /// its rings ready and asks to be served through them.
+    pub fn init(&self, i: &InitIn, io_uring: bool) -> Negotiated {
         let offered = i.flags;
         let mut wanted = init_flags::ASYNC_READ
             | init_flags::BIG_WRITES
@@ -278,7 +284,7 @@ impl FuseAdapter {
         if self.features.writeback_cache && !passthrough {
             wanted |= init_flags::WRITEBACK_CACHE;
         }
-        if self.features.io_uring {
+        if io_uring {
             wanted |= init_flags::OVER_IO_URING;
         }
         let flags = wanted & offered;
@@ -298,13 +304,6 @@ impl FuseAdapter {
                 max_stack_depth: if passthrough { 1 } else { 0 },
             },
             io_uring: flags & init_flags::OVER_IO_URING != 0,
-        }
-    }
-
-    /// The last request of a connection (or the session ending): sync the store.
-    pub fn destroy(&self) {
-        if let Err(e) = self.fs.shutdown() {
-            tracing::error!(error = %e, "final sync of the workspace failed");
         }
     }
 

@@ -40,6 +40,8 @@ pub struct ServeOptions {
     pub threads: usize,
     /// Ring threads per CPU queue when it is.
     pub ring_threads: usize,
+    /// Use FUSE over io_uring when the kernel offers it.
+    pub io_uring: bool,
 }
 
 /// A mounted, served FUSE connection.
@@ -66,28 +68,78 @@ const READ_BUF_LEN: usize = MAX_WRITE as usize + 4096;
 
 /// Mounts `dev` on `mount_point`, answers INIT through `adapter` and starts the workers.
 /// `adapter` must have been built on `dev`. On any failure nothing stays mounted.
+///
+/// Once INIT has promised rings, the kernel holds every request until all queues are
+/// registered, so the rings are built before INIT is answered (where io_uring is not allowed
+/// that fails, and INIT goes out without it), and a registration the kernel then refuses
+/// unmounts and mounts again over `/dev/fuse` alone.
 pub fn start(
     dev: Arc<FuseDev>,
     adapter: FuseAdapter,
     mount_point: &Path,
     opts: ServeOptions,
 ) -> io::Result<Session> {
-    fusedev::mount_fuse(&dev, mount_point, "keel")?;
     let adapter = Arc::new(adapter);
-    let unmount_on_err = |e: io::Error| {
-        let _ = fusedev::unmount(mount_point);
-        e
-    };
-    let negotiated = handshake(&dev, &adapter).map_err(unmount_on_err)?;
-    let stop = Arc::new(EventFd::new().map_err(unmount_on_err)?);
+    match start_once(&dev, &adapter, mount_point, opts) {
+        Err(Retry::Classic(e)) => {
+            tracing::warn!(error = %e, "FUSE over io_uring was refused; mounting again over /dev/fuse");
+            let dev = Arc::new(FuseDev::open()?);
+            adapter.set_dev(dev.clone());
+            let opts = ServeOptions {
+                io_uring: false,
+                ..opts
+            };
+            start_once(&dev, &adapter, mount_point, opts).map_err(Retry::into_io)
+        }
+        r => r.map_err(Retry::into_io),
+    }
+}
+
+/// Why one mount attempt failed.
+enum Retry {
+    /// The rings were refused after INIT: try again without them.
+    Classic(io::Error),
+    Fatal(io::Error),
+}
+
+impl Retry {
+    fn into_io(self) -> io::Error {
+        match self {
+            Retry::Classic(e) | Retry::Fatal(e) => e,
+        }
+    }
+}
+
+fn start_once(
+    dev: &Arc<FuseDev>,
+    adapter: &Arc<FuseAdapter>,
+    mount_point: &Path,
+    opts: ServeOptions,
+) -> Result<Session, Retry> {
+    fusedev::mount_fuse(dev, mount_point, "keel").map_err(Retry::Fatal)?;
     let mut s = Session {
         mount_point: mount_point.to_path_buf(),
-        adapter,
+        adapter: adapter.clone(),
         workers: Vec::new(),
-        stop,
+        stop: Arc::new(EventFd::new().map_err(Retry::Fatal)?),
         transport: Transport::Classic,
         unmounted: false,
     };
+    // From here on, dropping `s` unmounts.
+    let (unique, init) = read_init(dev).map_err(Retry::Fatal)?;
+    let rings = if opts.io_uring && init.flags & proto::init_flags::OVER_IO_URING != 0 {
+        match Rings::build(dev, &s, opts.ring_threads.max(1)) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::info!(error = %e, "FUSE over io_uring is offered but cannot be used here; serving over /dev/fuse");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let negotiated =
+        answer_init(dev, adapter, unique, &init, rings.is_some()).map_err(Retry::Fatal)?;
     let classic = if negotiated.io_uring {
         1
     } else {
@@ -109,51 +161,54 @@ pub fn start(
         let t = std::thread::Builder::new()
             .name(format!("keel-fuse-{n}"))
             .spawn(move || classic_worker(&d, &a))
-            .map_err(unmount_on_err)?;
+            .map_err(Retry::Fatal)?;
         s.workers.push(t);
     }
-    if negotiated.io_uring {
-        match start_rings(&dev, &s, &negotiated, opts.ring_threads.max(1)) {
-            Ok(rings) => {
-                s.workers.extend(rings);
-                s.transport = Transport::IoUring;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "FUSE over io_uring did not start; serving over /dev/fuse");
-                // The kernel waits for every queue before it uses the rings, so one failed
-                // queue leaves all requests on /dev/fuse: serve them with more threads.
-                for n in 1..opts.threads.max(1) {
-                    let Ok(d) = dev.clone_dev() else { break };
-                    let (d, a) = (Arc::new(d), s.adapter.clone());
-                    if let Ok(t) = std::thread::Builder::new()
-                        .name(format!("keel-fuse-{n}"))
-                        .spawn(move || classic_worker(&d, &a))
-                    {
-                        s.workers.push(t);
-                    }
-                }
+    if let Some(rings) = rings {
+        if !negotiated.io_uring {
+            rings.cancel(&s);
+        } else {
+            match rings.register(&mut s) {
+                Ok(()) => s.transport = Transport::IoUring,
+                Err(e) => return Err(Retry::Classic(e)),
             }
         }
     }
     Ok(s)
 }
 
-/// Reads the kernel's INIT from the new connection and answers it.
-fn handshake(dev: &FuseDev, adapter: &FuseAdapter) -> io::Result<Negotiated> {
-    let mut buf = vec![0u8; READ_BUF_LEN];
+/// Reads the kernel's INIT from a new connection: its `unique` and its arguments.
+fn read_init(dev: &FuseDev) -> io::Result<(u64, proto::InitIn)> {
+    // The kernel refuses reads into less than FUSE_MIN_READ_BUFFER (8 KiB).
+    let mut buf = vec![0u8; 8192];
     let n = dev.read_request(&mut buf)?;
     let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
     let msg = proto::split_message(&buf[..n]).map_err(|e| bad(format!("FUSE INIT: {e}")))?;
-    let h = msg.header;
     let init = match msg.parse() {
         Ok(Op::Init(i)) => i,
-        Ok(_) => return Err(bad(format!("FUSE: opcode {} before INIT", h.opcode))),
+        Ok(_) => {
+            return Err(bad(format!(
+                "FUSE: opcode {} before INIT",
+                msg.header.opcode
+            )))
+        }
         Err(e) => return Err(bad(format!("FUSE INIT: {e}"))),
     };
+    Ok((msg.header.unique, init))
+}
+
+/// Answers INIT, with FUSE_OVER_IO_URING when `rings` are ready.
+fn answer_init(
+    dev: &FuseDev,
+    adapter: &FuseAdapter,
+    unique: u64,
+    init: &proto::InitIn,
+    rings: bool,
+) -> io::Result<Negotiated> {
     let mut reply = Reply::default();
     if init.major != proto::KERNEL_VERSION || init.minor < 31 {
         reply.err(libc::EPROTO);
-        send(dev, h.unique, &reply)?;
+        send(dev, unique, &reply)?;
         return Err(io::Error::new(
             io::ErrorKind::Unsupported,
             format!(
@@ -162,9 +217,9 @@ fn handshake(dev: &FuseDev, adapter: &FuseAdapter) -> io::Result<Negotiated> {
             ),
         ));
     }
-    let negotiated = adapter.init(&init);
+    let negotiated = adapter.init(init, rings);
     reply.init(&negotiated.out);
-    send(dev, h.unique, &reply)?;
+    send(dev, unique, &reply)?;
     Ok(negotiated)
 }
 
@@ -221,59 +276,117 @@ fn handle(adapter: &FuseAdapter, msg: &proto::Message<'_>, reply: &mut Reply) {
     }
 }
 
-/// Starts `per_queue` ring threads for every CPU queue and waits until each has registered
-/// its entries (or failed).
-fn start_rings(
-    dev: &Arc<FuseDev>,
-    s: &Session,
-    n: &Negotiated,
-    per_queue: usize,
-) -> io::Result<Vec<JoinHandle<()>>> {
-    let queues = fusedev::possible_cpus()?;
-    let qid_max = u16::try_from(queues).map_err(|_| io::Error::other("too many CPUs"))?;
-    // The kernel refuses entries smaller than the largest request it may send.
-    let payload = (n.out.max_write as usize)
-        .max(usize::from(n.out.max_pages) * 4096)
-        .max(8192);
-    let (tx, rx) = mpsc::channel::<io::Result<()>>();
-    let mut threads = Vec::new();
-    for qid in 0..qid_max {
-        for k in 0..per_queue {
-            let (dev, adapter, stop, tx) =
-                (dev.clone(), s.adapter.clone(), s.stop.clone(), tx.clone());
-            let t = std::thread::Builder::new()
-                .name(format!("keel-ring-{qid}.{k}"))
-                .spawn(move || {
-                    if let Err(e) = fusedev::pin_to_cpu(usize::from(qid)) {
-                        tracing::debug!(qid, error = %e, "could not pin ring thread");
-                    }
-                    let q = FuseQueue::new(&dev, qid, 1, proto::URING_HEADER_LEN, payload, &stop);
-                    match q {
-                        Ok(q) => {
-                            let _ = tx.send(Ok(()));
+/// The ring threads of a connection between building their rings and serving them.
+struct Rings {
+    threads: Vec<JoinHandle<()>>,
+    /// Each thread waits here for the word to register (`true`) or to give up.
+    go: Vec<mpsc::Sender<bool>>,
+    /// Each thread's registration result.
+    registered: mpsc::Receiver<io::Result<()>>,
+}
+
+impl Rings {
+    /// Starts `per_queue` threads for every CPU queue, each pinned to its CPU, and waits
+    /// until each has built its ring (or failed).
+    fn build(dev: &Arc<FuseDev>, s: &Session, per_queue: usize) -> io::Result<Rings> {
+        let queues = fusedev::possible_cpus()?;
+        let queues = u16::try_from(queues).map_err(|_| io::Error::other("too many CPUs"))?;
+        // The kernel refuses entries smaller than the largest request it may send.
+        // KEEL_TEST_RING_PAYLOAD (tests only) makes them too small, to exercise that refusal.
+        let payload = std::env::var("KEEL_TEST_RING_PAYLOAD")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or((MAX_WRITE as usize).max(8192));
+        let (built_tx, built) = mpsc::channel::<io::Result<()>>();
+        let (reg_tx, registered) = mpsc::channel::<io::Result<()>>();
+        let mut rings = Rings {
+            threads: Vec::new(),
+            go: Vec::new(),
+            registered,
+        };
+        for qid in 0..queues {
+            for k in 0..per_queue {
+                let (dev, adapter, stop) = (dev.clone(), s.adapter.clone(), s.stop.clone());
+                let (built_tx, reg_tx) = (built_tx.clone(), reg_tx.clone());
+                let (go_tx, go) = mpsc::channel::<bool>();
+                let t = std::thread::Builder::new()
+                    .name(format!("keel-ring-{qid}.{k}"))
+                    .spawn(move || {
+                        if let Err(e) = fusedev::pin_to_cpu(usize::from(qid)) {
+                            tracing::debug!(qid, error = %e, "could not pin ring thread");
+                        }
+                        let q = FuseQueue::new(&dev, qid, 1, proto::URING_HEADER_LEN, payload);
+                        let mut q = match q {
+                            Ok(q) => q,
+                            Err(e) => return drop(built_tx.send(Err(e))),
+                        };
+                        let _ = built_tx.send(Ok(()));
+                        if go.recv() != Ok(true) {
+                            return;
+                        }
+                        let r = q.register(&stop);
+                        let ok = r.is_ok();
+                        let _ = reg_tx.send(r);
+                        if ok {
                             ring_worker(q, &adapter);
                         }
-                        Err(e) => {
-                            let _ = tx.send(Err(e));
-                        }
+                    });
+                match t {
+                    Ok(t) => {
+                        rings.threads.push(t);
+                        rings.go.push(go_tx);
                     }
-                })?;
-            threads.push(t);
+                    Err(e) => {
+                        rings.go.clear();
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        drop(built_tx);
+        let mut first_err = None;
+        for r in built.iter().take(rings.threads.len()) {
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            None => Ok(rings),
+            Some(e) => {
+                // Dropping `go` tells every thread to give up.
+                rings.go.clear();
+                Err(e)
+            }
         }
     }
-    drop(tx);
-    let mut first_err = None;
-    for r in rx.iter().take(threads.len()) {
-        if let Err(e) = r {
-            first_err.get_or_insert(e);
+
+    /// Not used after all: the threads exit without registering.
+    fn cancel(self, _s: &Session) {
+        drop(self.go);
+        for t in self.threads {
+            let _ = t.join();
         }
     }
-    match first_err {
-        None => Ok(threads),
-        Some(e) => {
-            // The others stay registered but idle; release them.
-            let _ = s.stop.signal();
-            Err(e)
+
+    /// Registers every ring with the connection; the threads then serve (and join `s`).
+    fn register(self, s: &mut Session) -> io::Result<()> {
+        for g in &self.go {
+            let _ = g.send(true);
+        }
+        let n = self.threads.len();
+        s.workers.extend(self.threads);
+        let mut first_err = None;
+        for r in self.registered.iter().take(n) {
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            None => Ok(()),
+            Some(e) => {
+                let _ = s.stop.signal();
+                Err(e)
+            }
         }
     }
 }
@@ -340,7 +453,7 @@ impl Session {
     }
 
     /// Unmounts and waits for the workers. Fails (EBUSY) while the mount is in use; the
-    /// workers then keep serving.
+    /// workers then keep serving. Syncing the store is the caller's (`Mounted::unmount`).
     pub fn unmount(mut self) -> io::Result<()> {
         self.unmount_inner()
     }
@@ -353,7 +466,6 @@ impl Session {
         for t in self.workers.drain(..) {
             let _ = t.join();
         }
-        self.adapter.destroy();
         Ok(())
     }
 }

@@ -243,12 +243,12 @@ fn mount_with(
                 Passthrough::On => Some(true),
             },
             passthrough_on: passthrough_on.clone(),
-            io_uring: cfg.io_uring != Switch::Off,
         },
     );
     let opts = ServeOptions {
         threads: cfg.effective_threads(),
         ring_threads: 1,
+        io_uring: cfg.io_uring != Switch::Off,
     };
     let session = super::serve::start(dev, adapter, &cfg.mount_point, opts).map_err(mount_err)?;
     let transport = session.transport();
@@ -450,7 +450,9 @@ impl Drop for Mounted {
         stop_prefetch(self.prefetch.take());
         if let Some(s) = self.session.take() {
             let _ = self.fs.sync_all();
-            drop(s);
+            if s.unmount().is_ok() {
+                let _ = self.fs.shutdown();
+            }
         }
     }
 }
