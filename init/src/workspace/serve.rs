@@ -166,7 +166,7 @@ fn start_once(
     }
     if let Some(rings) = rings {
         if !negotiated.io_uring {
-            rings.cancel(&s);
+            rings.cancel();
         } else {
             match rings.register(&mut s) {
                 Ok(()) => s.transport = Transport::IoUring,
@@ -361,7 +361,7 @@ impl Rings {
     }
 
     /// Not used after all: the threads exit without registering.
-    fn cancel(self, _s: &Session) {
+    fn cancel(self) {
         drop(self.go);
         for t in self.threads {
             let _ = t.join();
