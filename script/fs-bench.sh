@@ -216,6 +216,8 @@ TARGETS=("${READY[@]}")
         echo "# $t: ${ROOT[$t]} ($(findmnt -n -o FSTYPE -T "${ROOT[$t]}"))"
     done
     [ -z "$KEEL_ARGS" ] || echo "# keel mount options: $KEEL_ARGS"
+    [ ! -f "$RUN/keel-state.log" ] ||
+        echo "# keel FUSE $(grep -o 'transport="[a-z_]*"' "$RUN/keel-state.log" | head -n1) (enable_uring=$(cat /sys/module/fuse/parameters/enable_uring 2>/dev/null))"
 } >"$RUN/header"
 cat "$RUN/header"
 echo
