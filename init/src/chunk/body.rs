@@ -141,6 +141,17 @@ struct PoolState {
     recycling: Option<u64>,
     /// `create` calls waiting for that body.
     waiting: usize,
+    /// Slots taken but given back without a name, to be emptied (`recycle_released`).
+    returned: Vec<u64>,
+}
+
+/// A body handed out by [`BodyPool::take`].
+#[derive(Debug)]
+pub enum Fresh {
+    /// Already at the file's name.
+    Named(File),
+    /// Still under this pool slot's name.
+    Slot(u64, File),
 }
 
 impl BodyPool {
@@ -240,6 +251,59 @@ impl BodyPool {
         self.lock().held.insert(id);
     }
 
+    /// An empty body for `id` that need not be at its name yet: a pooled file under its
+    /// slot name ([`Fresh::Slot`]; [`BodyPool::name_slot`] moves it to `id` once the store
+    /// is about to say the file has a body, [`BodyPool::give_back`] returns it unrenamed
+    /// if the file goes back inline), or, when `id` has a held body of its own or the pool
+    /// is empty, what [`BodyPool::create`] gives.
+    pub fn take(&self, id: u64) -> io::Result<Fresh> {
+        let slot = {
+            let mut st = self.lock();
+            let own =
+                st.held.contains(&id) || st.released.contains(&id) || st.recycling == Some(id);
+            if own {
+                None
+            } else {
+                st.free.pop()
+            }
+        };
+        if let Some(n) = slot {
+            match OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(self.slot(n))
+            {
+                Ok(f) => {
+                    // A crash may have left bytes in it (see `create`).
+                    if f.metadata()?.len() != 0 {
+                        f.set_len(0)?;
+                    }
+                    return Ok(Fresh::Slot(n, f));
+                }
+                // Gone from the pool directory: a new body it is.
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    self.lock().free.push(n);
+                    return Err(e);
+                }
+            }
+        }
+        self.create(id).map(Fresh::Named)
+    }
+
+    /// Moves a taken slot to the name of `id`. Whatever is at that name is stale (the store
+    /// never said `id` had a body): it is replaced.
+    pub fn name_slot(&self, slot: u64, id: u64) -> io::Result<()> {
+        std::fs::rename(self.slot(slot), self.store.path(id))
+    }
+
+    /// Returns a taken slot that was never named: emptied off the request path
+    /// (`recycle_released`), then free again.
+    pub fn give_back(&self, slot: u64) {
+        self.lock().returned.push(slot);
+    }
+
     /// The metadata that made the held bodies' files inline is committed: they may go to
     /// the pool (`recycle_released`). Returns whether there are any.
     pub fn release_held(&self) -> bool {
@@ -251,7 +315,25 @@ impl BodyPool {
 
     /// Gives the released bodies to the pool, off the request path. `create` waits for a
     /// body being recycled, so it either takes its body back before or finds it gone after.
+    /// Slots given back unrenamed are emptied here too.
     pub fn recycle_released(&self) {
+        let returned = std::mem::take(&mut self.lock().returned);
+        for n in returned {
+            let emptied = OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(self.slot(n))
+                .and_then(|f| {
+                    if f.metadata()?.len() != 0 {
+                        f.set_len(0)?;
+                    }
+                    Ok(())
+                });
+            match emptied {
+                Ok(()) => self.lock().free.push(n),
+                Err(e) => tracing::warn!(slot = n, error = %e, "cannot empty a pooled body"),
+            }
+        }
         loop {
             let (id, slot) = {
                 let mut st = self.lock();

@@ -9,6 +9,6 @@ pub mod id;
 pub mod reserve;
 pub mod source;
 
-pub use body::{BodyError, BodyPool, BodyStore};
+pub use body::{BodyError, BodyPool, BodyStore, Fresh};
 pub use id::ChunkId;
 pub use source::{ChunkSource, FetchError};

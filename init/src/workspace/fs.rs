@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::chunk::reserve::Reserve;
-use crate::chunk::{BodyPool, BodyStore};
+use crate::chunk::{BodyPool, BodyStore, Fresh};
 use crate::config::CacheMode;
 use crate::meta::{
     DirCache, Dirent, GroupLimits, Inode, InodeNo, Kind, MetaError, Nanos, Storage, Store, Tx,
@@ -222,9 +222,43 @@ struct OpenFile {
     dirty: bool,
     /// Chunk windows written since the store last recorded them.
     windows: BTreeSet<u64>,
+    /// The body is a pooled file still under its pool slot's name: the store does not know
+    /// it yet. It moves to the file's name when the store is first told the file has a body
+    /// (`Batch::save`, and first thing in `fsync`), or goes back to the pool unrenamed if the
+    /// file goes back inline first (`back_inline`) or is deleted (`purge`). A small file
+    /// created write-only (`echo >`, `cp` of a small file) so costs no rename at all.
+    provisional: std::cell::Cell<Option<Provisional>>,
+}
+
+/// A taken pool slot (see `OpenFile::provisional`).
+struct Provisional {
+    slot: u64,
+    pool: Arc<BodyPool>,
 }
 
 impl OpenFile {
+    /// Moves a provisional body to the file's name (see `provisional`).
+    fn name_body(&self) -> io::Result<()> {
+        if let Some(p) = self.provisional.take() {
+            if let Err(e) = p.pool.name_slot(p.slot, self.inode.ino.0) {
+                self.provisional.set(Some(p));
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives a provisional body back to the pool; true when there was one.
+    fn drop_provisional(&self) -> bool {
+        match self.provisional.take() {
+            Some(p) => {
+                p.pool.give_back(p.slot);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Notes that bytes `[from, to)` changed, for checkpoints.
     fn touch(&mut self, from: u64, to: u64, chunk_size: u64) {
         let first = from / chunk_size;
@@ -542,6 +576,11 @@ impl<'a> Batch<'a> {
 
     /// Writes an inode (and, for an open file, its inline bytes and dirty windows).
     fn save(&mut self, nodes: &HashMap<InodeNo, Node>, inode: &Inode) -> FsResult<()> {
+        if let Some(of) = nodes.get(&inode.ino).and_then(|n| n.open.as_ref()) {
+            if inode.storage == Storage::Body {
+                of.name_body()?;
+            }
+        }
         self.tx.update(inode)?;
         if let Some(of) = nodes.get(&inode.ino).and_then(|n| n.open.as_ref()) {
             if let Data::Inline(bytes) = &of.data {
@@ -863,9 +902,16 @@ impl WorkspaceFs {
 
     /// Deletes an inode that has no links and nobody using it.
     fn purge(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
-        let had_body = Self::load(inner, ino)
-            .map(|i| i.storage == Storage::Body)
-            .unwrap_or(true);
+        // A body still under its pool name goes back there; nothing is at the file's name.
+        let provisional = inner
+            .nodes
+            .get(&ino)
+            .and_then(|n| n.open.as_ref())
+            .is_some_and(|of| of.drop_provisional());
+        let had_body = !provisional
+            && Self::load(inner, ino)
+                .map(|i| i.storage == Storage::Body)
+                .unwrap_or(true);
         let tx = Batch::new(&inner.store)?;
         tx.delete(ino)?;
         tx.commit(&mut inner.nodes)?;
@@ -952,6 +998,7 @@ impl WorkspaceFs {
             data,
             dirty: false,
             windows: BTreeSet::new(),
+            provisional: std::cell::Cell::new(None),
         });
         Ok(())
     }
@@ -1016,13 +1063,23 @@ impl WorkspaceFs {
         of.dirty = true;
         // No page of it is in the kernel's cache: the passthrough open dropped them (it
         // keeps no cache), and no cached open could join a passthrough one since.
-        Ok(true)
+        // A body that never got the file's name goes straight back to the pool.
+        Ok(!of.drop_provisional())
     }
 
     /// Moves an inline file's bytes into a fresh body file.
     fn to_body(&self, of: &mut OpenFile) -> FsResult<()> {
         if let Data::Inline(bytes) = &of.data {
-            let f = self.pool.create(of.inode.ino.0)?;
+            let f = match self.pool.take(of.inode.ino.0)? {
+                Fresh::Named(f) => f,
+                Fresh::Slot(slot, f) => {
+                    of.provisional.set(Some(Provisional {
+                        slot,
+                        pool: self.pool.clone(),
+                    }));
+                    f
+                }
+            };
             f.write_all_at(bytes, 0)?;
             // Only to grow it: ext4 flushes a file at close once it was truncated to zero.
             if of.inode.size > bytes.len() as u64 {
@@ -1880,10 +1937,16 @@ impl WorkspaceFs {
             let guard = self.lock();
             let inner: &Inner = &guard;
             match inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
-                Some(OpenFile {
-                    data: Data::Body(f),
-                    ..
-                }) => Some(f.clone()),
+                Some(
+                    of @ OpenFile {
+                        data: Data::Body(f),
+                        ..
+                    },
+                ) => {
+                    // The body must be at its name before that name is made durable.
+                    of.name_body()?;
+                    Some(f.clone())
+                }
                 _ => None,
             }
         };
