@@ -25,6 +25,11 @@ fn refused_rings_fall_back_to_dev_fuse() {
     }
     std::env::set_var("KEEL_TEST_RING_PAYLOAD", "4096");
     let mut k = keel_or_skip!();
+    // keel logs its transport after the kernel already shows the mount: wait for the line.
+    let deadline = std::time::Instant::now() + common::READY_TIMEOUT;
+    while !k.log_text().contains("workspace mounted") && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     let log = k.log_text();
     assert!(log.contains("mounting again over /dev/fuse"), "{log}");
     assert!(log.contains("transport=\"classic\""), "{log}");

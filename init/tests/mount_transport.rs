@@ -101,10 +101,23 @@ fn workload(root: &Path) {
     assert_eq!(&five[1..4], b"xyz");
 }
 
-fn transport_of(log: &str) -> Option<&str> {
+fn transport_in(log: &str) -> Option<String> {
     let l = log.lines().find(|l| l.contains("workspace mounted"))?;
     let t = l.split("transport=").nth(1)?;
-    Some(t.trim_matches('"').split(['"', ' ']).next().unwrap_or(""))
+    Some(t.trim_matches('"').split(['"', ' ']).next()?.to_string())
+}
+
+/// The transport keel's log names. The kernel shows the mount before keel has answered INIT
+/// and registered its rings, and keel logs the line after that: wait for it (bounded).
+fn transport_of(k: &common::Keel) -> Option<String> {
+    let deadline = std::time::Instant::now() + common::READY_TIMEOUT;
+    loop {
+        let t = transport_in(&k.log_text());
+        if t.is_some() || std::time::Instant::now() > deadline {
+            return t;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 #[test]
@@ -114,7 +127,7 @@ fn io_uring_serves_every_request_kind_from_every_cpu() {
     }
     let mut k = keel_or_skip!("--io-uring", "on");
     assert_eq!(
-        transport_of(&k.log_text()),
+        transport_of(&k).as_deref(),
         Some("io_uring"),
         "{}",
         k.log_text()
@@ -123,7 +136,7 @@ fn io_uring_serves_every_request_kind_from_every_cpu() {
     let before = common::snapshot(&k.mnt, false);
     // A clean stop ends every ring entry and unmounts; the tree survives a remount.
     k.remount();
-    assert_eq!(transport_of(&k.log_text()), Some("io_uring"));
+    assert_eq!(transport_of(&k).as_deref(), Some("io_uring"));
     common::assert_same_tree(&before, &common::snapshot(&k.mnt, false), "after remount");
 }
 
@@ -131,7 +144,7 @@ fn io_uring_serves_every_request_kind_from_every_cpu() {
 fn classic_dev_fuse_serves_the_same_workload() {
     let mut k = keel_or_skip!("--io-uring", "off");
     assert_eq!(
-        transport_of(&k.log_text()),
+        transport_of(&k).as_deref(),
         Some("classic"),
         "{}",
         k.log_text()
@@ -154,5 +167,5 @@ fn killed_with_rings_registered_then_remounted() {
     fs::File::open(k.p("a")).unwrap().sync_all().unwrap();
     k.crash_remount();
     assert_eq!(fs::read(k.p("a")).unwrap(), b"one");
-    assert_eq!(transport_of(&k.log_text()), Some("io_uring"));
+    assert_eq!(transport_of(&k).as_deref(), Some("io_uring"));
 }
