@@ -12,7 +12,7 @@ use super::fs::{Attr, Caller, FsError, OpenInfo, SetAttr, SetTime, WorkspaceFs};
 use super::proto::{
     fopen, init_flags, AttrOut, EntryOut, InHeader, InitIn, InitOut, Op, Reply, StatfsOut, TimeIn,
 };
-use crate::meta::{InodeNo as Ino, Kind, Nanos};
+use crate::meta::{InodeNo as Ino, Nanos};
 use crate::sys::fusedev::{BackingId, FuseDev};
 
 /// Kernel cache lifetimes.
@@ -143,18 +143,6 @@ fn join_time(secs: i64, nsec: u32) -> Nanos {
     )
 }
 
-fn type_bits(k: Kind) -> u32 {
-    match k {
-        Kind::File => libc::S_IFREG,
-        Kind::Dir => libc::S_IFDIR,
-        Kind::Symlink => libc::S_IFLNK,
-        Kind::Fifo => libc::S_IFIFO,
-        Kind::Socket => libc::S_IFSOCK,
-        Kind::CharDev => libc::S_IFCHR,
-        Kind::BlockDev => libc::S_IFBLK,
-    }
-}
-
 fn attr_out(a: &Attr) -> AttrOut {
     let i = &a.inode;
     AttrOut {
@@ -164,7 +152,7 @@ fn attr_out(a: &Attr) -> AttrOut {
         atime: split_time(i.atime),
         mtime: split_time(i.mtime),
         ctime: split_time(i.ctime),
-        mode: type_bits(i.kind) | (i.perm & 0o7777),
+        mode: i.kind.mode_bits() | (i.perm & 0o7777),
         nlink: i.nlink,
         uid: i.uid,
         gid: i.gid,
@@ -448,7 +436,7 @@ impl FuseAdapter {
             Op::Readdir { fh, offset, size } => {
                 let mut d = r.dir(size);
                 let res = fs.readdir(fh, offset, |e, next| {
-                    d.add(e.ino.0, next, type_bits(e.kind), &e.name)
+                    d.add(e.ino.0, next, e.kind.mode_bits(), &e.name)
                 });
                 if let Err(e) = res {
                     r.err(errno(&e));
