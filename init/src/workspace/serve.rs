@@ -170,7 +170,18 @@ fn start_once(
         } else {
             match rings.register(&mut s) {
                 Ok(()) => s.transport = Transport::IoUring,
-                Err(e) => return Err(Retry::Classic(e)),
+                Err(e) => {
+                    // This connection can never serve: the kernel holds its requests for
+                    // rings that will not all register. Get it off the mount point even if
+                    // something already waits on it, so the next mount's stat of the
+                    // mount point does not wait too.
+                    if fusedev::unmount(mount_point).is_err() {
+                        let _ = crate::sys::file::detach_mount(mount_point);
+                    }
+                    s.unmounted = true;
+                    let _ = s.stop.signal();
+                    return Err(Retry::Classic(e));
+                }
             }
         }
     }
