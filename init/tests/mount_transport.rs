@@ -1,6 +1,7 @@
 //! The two ways FUSE requests reach keel, each under the same real workload: FUSE over
 //! io_uring (per-CPU queues served on their CPU) and the classic `/dev/fuse` loop. The log
-//! line "workspace mounted ... transport=..." says which one a mount uses.
+//! line "workspace mounted ... transport=..." says which one a mount uses. Either notices
+//! the end of its connection: unmounted from outside or aborted, `keel mount` saves and exits.
 //!
 //! io_uring needs the host to have set `/sys/module/fuse/parameters/enable_uring` to Y
 //! (`script/test` does, as root). Without it the io_uring test skips, or fails when `CI` is
@@ -168,4 +169,87 @@ fn killed_with_rings_registered_then_remounted() {
     k.crash_remount();
     assert_eq!(fs::read(k.p("a")).unwrap(), b"one");
     assert_eq!(transport_of(&k).as_deref(), Some("io_uring"));
+}
+
+/// The fusectl directory of the connection serving `mnt` (fusectl mounted if it is not).
+fn fusectl_dir(mnt: &Path) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let root = Path::new("/sys/fs/fuse/connections");
+    if fs::read_dir(root).map_or(true, |mut d| d.next().is_none()) {
+        let _ = std::process::Command::new("mount")
+            .args(["-t", "fusectl", "fusectl"])
+            .arg(root)
+            .status();
+    }
+    // The directory is named for the kernel's dev_t of the mount: major 0, so its minor.
+    let dev = fs::metadata(mnt).ok()?.dev();
+    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+    let dir = root.join(minor.to_string());
+    dir.join("abort").exists().then_some(dir)
+}
+
+/// Something outside ended the mount while a file was written and closed but never synced:
+/// keel exits 0 on its own, says why, and the next mount has the file.
+fn ends_cleanly_when_the_connection_ends(io_uring: &str, end: impl FnOnce(&Path)) {
+    let mut k = keel_or_skip!("--io-uring", io_uring);
+    let _ = transport_of(&k);
+    let data = pattern(300_000, 11);
+    fs::write(k.p("a"), &data).unwrap();
+    fs::write(k.p("small"), b"tiny").unwrap();
+    end(&k.mnt);
+    let st = k.wait_exit();
+    let log = k.log_text();
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "keel did not exit 0 after its connection ended ({st:?}); log:\n{log}"
+    );
+    assert!(log.contains("unmounted from outside"), "{log}");
+    assert!(!common::is_fuse_mount(&k.mnt), "mount left behind:\n{log}");
+    k.start_again();
+    assert!(
+        fs::read(k.p("a")).unwrap() == data,
+        "a differs after remount"
+    );
+    assert_eq!(fs::read(k.p("small")).unwrap(), b"tiny");
+}
+
+fn umount(mnt: &Path) {
+    let st = std::process::Command::new("umount")
+        .arg(mnt)
+        .status()
+        .unwrap();
+    assert!(st.success(), "umount {} failed", mnt.display());
+}
+
+fn abort(mnt: &Path) {
+    let dir = fusectl_dir(mnt);
+    if dir.is_none() && std::env::var_os("CI").is_some() {
+        panic!(
+            "CI is set but fusectl has no abort file for {}",
+            mnt.display()
+        );
+    }
+    let Some(dir) = dir else {
+        eprintln!("skipping the abort: no fusectl here");
+        return umount(mnt);
+    };
+    fs::write(dir.join("abort"), b"1").unwrap();
+}
+
+#[test]
+fn umount_from_outside_ends_keel_mount_classic() {
+    ends_cleanly_when_the_connection_ends("off", umount);
+}
+
+#[test]
+fn umount_from_outside_ends_keel_mount_io_uring() {
+    if !common::fuse_available() || !uring_enabled() {
+        return;
+    }
+    ends_cleanly_when_the_connection_ends("on", umount);
+}
+
+#[test]
+fn aborted_connection_ends_keel_mount_and_is_unmounted() {
+    ends_cleanly_when_the_connection_ends("auto", abort);
 }

@@ -211,6 +211,12 @@ impl EventFd {
     }
 }
 
+impl AsFd for EventFd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use crate::config::units::parse_duration;
 use crate::config::{Config, Switch};
-use crate::sys::fgsig::StopSignals;
+use crate::sys::fgsig::{Stop, StopSignals};
 use std::time::Duration;
 
 const USAGE: &str = "usage: keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none]
@@ -192,8 +192,12 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
             return 1;
         }
     };
-    match signals.wait() {
-        Ok(sig) => tracing::info!(signal = sig, "stopping"),
+    match signals.wait_or(mounted.ended().fd()) {
+        Ok(Stop::Signal(sig)) => tracing::info!(signal = sig, "stopping"),
+        Ok(Stop::Ended) => tracing::warn!(
+            mount_point = %mounted.mount_point().display(),
+            "the workspace was unmounted from outside (or its connection aborted); saving and stopping"
+        ),
         Err(e) => tracing::warn!(error = %e, "waiting for signals failed; unmounting"),
     }
     match mounted.unmount() {

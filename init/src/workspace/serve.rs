@@ -6,7 +6,9 @@
 //! rings are ready (and everything, when io_uring is off).
 
 use std::io::{self, IoSlice};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
@@ -50,8 +52,44 @@ pub struct Session {
     adapter: Arc<FuseAdapter>,
     workers: Vec<JoinHandle<()>>,
     stop: Arc<EventFd>,
+    ended: Arc<Ended>,
+    /// The mount's device number, to recognise it at the unmount.
+    dev: Option<u64>,
     transport: Transport,
     unmounted: bool,
+}
+
+/// Set by the workers when the kernel ends the connection (ENODEV): an unmount, keel's own
+/// or from outside (`umount`, `fusermount -u`), or an abort through `/sys/fs/fuse`.
+#[derive(Debug)]
+pub struct Ended {
+    gone: AtomicBool,
+    fd: EventFd,
+}
+
+impl Ended {
+    fn new() -> io::Result<Ended> {
+        Ok(Ended {
+            gone: AtomicBool::new(false),
+            fd: EventFd::new()?,
+        })
+    }
+
+    fn set(&self) {
+        if !self.gone.swap(true, Ordering::SeqCst) {
+            let _ = self.fd.signal();
+        }
+    }
+
+    /// The connection is gone.
+    pub fn is_set(&self) -> bool {
+        self.gone.load(Ordering::SeqCst)
+    }
+
+    /// Readable once the connection is gone.
+    pub fn fd(&self) -> &EventFd {
+        &self.fd
+    }
 }
 
 impl std::fmt::Debug for Session {
@@ -122,6 +160,8 @@ fn start_once(
         adapter: adapter.clone(),
         workers: Vec::new(),
         stop: Arc::new(EventFd::new().map_err(Retry::Fatal)?),
+        ended: Arc::new(Ended::new().map_err(Retry::Fatal)?),
+        dev: None,
         transport: Transport::Classic,
         unmounted: false,
     };
@@ -158,9 +198,10 @@ fn start_once(
             }
         };
         let a = s.adapter.clone();
+        let ended = s.ended.clone();
         let t = std::thread::Builder::new()
             .name(format!("keel-fuse-{n}"))
-            .spawn(move || classic_worker(&d, &a))
+            .spawn(move || classic_worker(&d, &a, &ended))
             .map_err(Retry::Fatal)?;
         s.workers.push(t);
     }
@@ -185,6 +226,7 @@ fn start_once(
             }
         }
     }
+    s.dev = std::fs::metadata(mount_point).ok().map(|m| m.dev());
     Ok(s)
 }
 
@@ -241,13 +283,15 @@ fn send(dev: &FuseDev, unique: u64, r: &Reply) -> io::Result<()> {
 }
 
 /// The classic loop: read a request, run it, write the reply; until the unmount (ENODEV).
-fn classic_worker(dev: &FuseDev, adapter: &FuseAdapter) {
+/// With rings, one of these still serves what the kernel sends outside them (FORGET,
+/// INTERRUPT), so it sees the end of the connection in either transport.
+fn classic_worker(dev: &FuseDev, adapter: &FuseAdapter, ended: &Ended) {
     let mut buf = vec![0u8; READ_BUF_LEN];
     let mut reply = Reply::default();
     loop {
         let n = match dev.read_request(&mut buf) {
             Ok(n) => n,
-            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return,
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return ended.set(),
             Err(e) => {
                 tracing::error!(error = %e, "reading from /dev/fuse failed; worker stops");
                 return;
@@ -269,7 +313,7 @@ fn classic_worker(dev: &FuseDev, adapter: &FuseAdapter) {
             Ok(()) => {}
             // The request was interrupted and is gone.
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return,
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return ended.set(),
             Err(e) => tracing::warn!(error = %e, "writing a FUSE reply failed"),
         }
     }
@@ -463,14 +507,22 @@ impl Session {
         self.transport
     }
 
+    /// Set when the kernel ends the connection.
+    pub fn ended(&self) -> Arc<Ended> {
+        self.ended.clone()
+    }
+
     /// Unmounts and waits for the workers. Fails (EBUSY) while the mount is in use; the
     /// workers then keep serving. Syncing the store is the caller's (`Mounted::unmount`).
+    /// A mount already unmounted from outside only has its workers joined.
     pub fn unmount(mut self) -> io::Result<()> {
         self.unmount_inner()
     }
 
     fn unmount_inner(&mut self) -> io::Result<()> {
-        fusedev::unmount(&self.mount_point)?;
+        if !self.unmounted_from_outside() {
+            fusedev::unmount(&self.mount_point)?;
+        }
         self.unmounted = true;
         // The connection is gone; wake any ring thread the kernel has not ended yet.
         let _ = self.stop.signal();
@@ -478,6 +530,17 @@ impl Session {
             let _ = t.join();
         }
         Ok(())
+    }
+}
+
+impl Session {
+    /// The kernel ended the connection and the mount point no longer shows this mount (an
+    /// aborted connection still mounted fails the stat with ENOTCONN and is unmounted as
+    /// usual; whatever was mounted there since is left alone).
+    fn unmounted_from_outside(&self) -> bool {
+        self.ended.is_set()
+            && std::fs::metadata(&self.mount_point)
+                .is_ok_and(|m| self.dev.is_some_and(|d| d != m.dev()))
     }
 }
 

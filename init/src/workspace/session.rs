@@ -372,6 +372,14 @@ impl Mounted {
         flush(&self.mount_point, &self.fs)
     }
 
+    /// Set when the kernel ended the connection: unmounted from outside, or aborted.
+    pub fn ended(&self) -> Arc<super::serve::Ended> {
+        self.session
+            .as_ref()
+            .expect("session present until unmount")
+            .ended()
+    }
+
     /// A handle other threads can flush through.
     pub fn handle(&self) -> MountedHandle {
         MountedHandle {
@@ -398,7 +406,15 @@ impl Mounted {
     /// the unmount; its changes stay pending in the local state.
     pub fn unmount(mut self) -> Result<(), SessionError> {
         stop_prefetch(self.prefetch.take());
-        let flushed = self.flush();
+        let flushed = if self.ended().is_set() {
+            // The kernel wrote its dirty pages back before it ended the connection; the
+            // mount point is no longer this mount.
+            self.fs
+                .sync_all()
+                .map_err(|e| SessionError::Flush(e.to_string()))
+        } else {
+            self.flush()
+        };
         let final_cp = match (&flushed, self.persist.as_mut()) {
             (Ok(()), Some(p)) => Some(p.finish()),
             _ => None,

@@ -295,7 +295,14 @@ impl Keel {
         self.mount();
     }
 
-    /// Mounts again after `stop`/`kill9`.
+    /// Waits (at most `STOP_TIMEOUT`) for keel to exit on its own; None if it had to be
+    /// killed.
+    pub fn wait_exit(&mut self) -> Option<ExitStatus> {
+        let mut child = self.child.take().expect("keel running");
+        wait_timeout(&mut child, STOP_TIMEOUT)
+    }
+
+    /// Mounts again after `stop`/`kill9`/`wait_exit`.
     pub fn start_again(&mut self) {
         self.mount();
     }
