@@ -268,6 +268,9 @@ impl Store {
             schema::create(&conn, now)?;
         }
         lazy::ensure_schema(&conn)?;
+        // Room for every statement keel prepares (about 60; rusqlite's default keeps 16, so
+        // the per-operation ones were evicted and parsed again all the time).
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         Ok(Store {
             conn,
             group: None,
@@ -394,7 +397,7 @@ impl Store {
                     g.ops.set(0);
                     (g.on_open)();
                 }
-                if let Err(e) = self.conn.execute_batch("SAVEPOINT op") {
+                if let Err(e) = run_cached(&self.conn, "SAVEPOINT op") {
                     self.note_if_lost();
                     return Err(e.into());
                 }
@@ -575,6 +578,15 @@ fn row_to_inode(r: &rusqlite::Row<'_>) -> rusqlite::Result<(u64, u32, Inode)> {
     ))
 }
 
+/// Prepared statements kept per connection.
+const STATEMENT_CACHE: usize = 128;
+
+/// A statement run on every operation (the group's savepoints): prepared once, not parsed
+/// each time as `execute_batch` would.
+fn run_cached(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
+    conn.prepare_cached(sql)?.execute([]).map(|_| ())
+}
+
 fn finish_inode((ino, mode, mut inode): (u64, u32, Inode)) -> Result<Inode> {
     inode.kind = Kind::from_mode(mode)
         .ok_or_else(|| MetaError::Corrupt(ino, format!("bad mode {mode:o}")))?;
@@ -585,7 +597,7 @@ impl Tx<'_> {
     pub fn commit(mut self) -> Result<()> {
         if let Some(g) = self.group {
             // The operation joins the group; it is committed with it.
-            if let Err(e) = self.conn.execute_batch("RELEASE op") {
+            if let Err(e) = run_cached(self.conn, "RELEASE op") {
                 return Err(e.into()); // Drop rolls the savepoint back.
             }
             self.open = false;
