@@ -90,6 +90,14 @@ fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
         .is_ok_and(|s| s.trim() == "Y");
     let want = if uring { "io_uring" } else { "classic" };
     assert_eq!(v["mount"]["transport"], want, "{v}");
+    // The ring threads' scheduling class: "idle" or "normal" (it follows the CPU load);
+    // none over /dev/fuse.
+    if uring {
+        let class = v["mount"]["ring_class"].as_str().unwrap_or_default();
+        assert!(["idle", "normal"].contains(&class), "{v}");
+    } else {
+        assert!(v["mount"]["ring_class"].is_null(), "{v}");
+    }
     // Checkpoints are on ([persist] defaults to a file:// remote in the state dir).
     assert!(v["persist"]["dirty_bytes"].is_u64(), "{v}");
 

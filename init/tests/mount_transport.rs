@@ -253,3 +253,95 @@ fn umount_from_outside_ends_keel_mount_io_uring() {
 fn aborted_connection_ends_keel_mount_and_is_unmounted() {
     ends_cleanly_when_the_connection_ends("auto", abort);
 }
+
+/// Scheduling policies (`SCHED_*`) of keel's ring threads, read from /proc.
+fn ring_policies(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for t in fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let comm = fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        let ring = comm
+            .trim()
+            .strip_prefix("keel-ring-")
+            .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()));
+        if !ring {
+            continue;
+        }
+        let stat = fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        // Field 41 is the policy; fields after the `(comm)` start at 3.
+        let after = stat.rsplit(')').next().unwrap_or_default();
+        if let Some(p) = after.split_whitespace().nth(41 - 3) {
+            out.push(p.parse().unwrap());
+        }
+    }
+    out
+}
+
+/// Waits (bounded) until every ring thread of `k` has `policy`; false if they never did.
+fn ring_threads_reach(k: &common::Keel, policy: u32, within: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let p = ring_policies(k.pid());
+        if !p.is_empty() && p.iter().all(|&x| x == policy) {
+            return true;
+        }
+        if std::time::Instant::now() > deadline {
+            eprintln!("ring thread policies: {p:?}");
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// `ring_sched = "auto"`: the ring threads are in the idle class while the CPUs have idle
+/// time (so the scheduler keeps a process on the CPU that serves its requests), go to the
+/// normal class while every CPU is busy, and come back once the load is gone. `normal`
+/// keeps them in the normal class on an idle machine.
+#[test]
+fn ring_threads_leave_the_idle_class_while_the_cpus_are_busy() {
+    if !common::fuse_available() || !uring_enabled() {
+        return;
+    }
+    let secs = std::time::Duration::from_secs;
+    let k = keel_or_skip!("--io-uring", "on");
+    assert_eq!(transport_of(&k).as_deref(), Some("io_uring"));
+    // Other tests of this binary may load the CPUs for a while: generous bounds.
+    assert!(
+        ring_threads_reach(&k, libc::SCHED_IDLE as u32, secs(30)),
+        "idle CPUs, but the ring threads are not in the idle class"
+    );
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let hogs: Vec<_> = (0..cpus() + 1)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    let went_normal = ring_threads_reach(&k, libc::SCHED_OTHER as u32, secs(10));
+    // The workspace keeps serving while they switch.
+    fs::write(k.p("busy"), b"served").unwrap();
+    assert_eq!(fs::read(k.p("busy")).unwrap(), b"served");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for h in hogs {
+        h.join().unwrap();
+    }
+    assert!(
+        went_normal,
+        "every CPU busy, but the ring threads stayed idle-class"
+    );
+    assert!(
+        ring_threads_reach(&k, libc::SCHED_IDLE as u32, secs(30)),
+        "the load is gone, but the ring threads did not go back to the idle class"
+    );
+
+    let k = keel_or_skip!("--io-uring", "on", "--ring-sched", "normal");
+    assert_eq!(transport_of(&k).as_deref(), Some("io_uring"));
+    assert!(ring_threads_reach(&k, libc::SCHED_OTHER as u32, secs(5)));
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    assert!(ring_policies(k.pid())
+        .iter()
+        .all(|&p| p == libc::SCHED_OTHER as u32));
+}

@@ -65,6 +65,31 @@ impl std::str::FromStr for Switch {
 /// Whether to hand file I/O to the kernel via FUSE passthrough.
 pub type Passthrough = Switch;
 
+/// The scheduling class of the FUSE-over-io_uring ring threads (see `workspace::sched`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RingSched {
+    /// The idle class while the CPUs keel may use have idle time, the normal class while
+    /// they are busy.
+    Auto,
+    /// Always the idle class.
+    Idle,
+    /// Always the normal class.
+    Normal,
+}
+
+impl std::str::FromStr for RingSched {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "idle" => Ok(Self::Idle),
+            "normal" => Ok(Self::Normal),
+            _ => Err(format!("`{s}` is not one of auto, idle, normal")),
+        }
+    }
+}
+
 /// What to do when FUSE cannot be mounted (no `/dev/fuse`, no CAP_SYS_ADMIN).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -95,6 +120,8 @@ pub struct WorkspaceConfig {
     /// FUSE over io_uring: requests served on the CPU that made them (`auto`: when the
     /// kernel offers it, i.e. the host set `/sys/module/fuse/parameters/enable_uring`).
     pub io_uring: Switch,
+    /// Scheduling class of the io_uring ring threads.
+    pub ring_sched: RingSched,
     /// Files up to this size are stored inline in the metadata database.
     #[serde(with = "size_str")]
     pub inline_max: u64,
@@ -117,6 +144,7 @@ impl Default for WorkspaceConfig {
             writeback_cache: true,
             passthrough: Passthrough::Auto,
             io_uring: Switch::Auto,
+            ring_sched: RingSched::Auto,
             inline_max: 4096,
             chunk_size: 512 * 1024,
             on_fuse_unavailable: FuseUnavailable::Fail,

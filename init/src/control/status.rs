@@ -371,9 +371,13 @@ impl StatusHandle {
     /// A consistent copy of everything, for `/status` and `/metrics`.
     pub fn report(&self) -> Report {
         let health = self.health();
-        let (passthrough, transport) = match lock(&self.0.workspace).as_ref() {
-            Some(w) => (Some(w.passthrough()), Some(w.transport().as_str())),
-            None => (None, None),
+        let (passthrough, transport, ring_class) = match lock(&self.0.workspace).as_ref() {
+            Some(w) => (
+                Some(w.passthrough()),
+                Some(w.transport().as_str()),
+                w.ring_class(),
+            ),
+            None => (None, None, None),
         };
         let s = lock(&self.0.state);
         let uptime = self.0.started.elapsed();
@@ -402,6 +406,7 @@ impl StatusHandle {
                 cache: self.0.cache,
                 passthrough: passthrough.filter(|_| s.mount.is_mounted()),
                 transport: transport.filter(|_| s.mount.is_mounted()),
+                ring_class: ring_class.filter(|_| s.mount.is_mounted()),
             },
             services: s
                 .services
@@ -572,6 +577,9 @@ pub struct MountReport {
     pub passthrough: Option<bool>,
     /// How requests reach keel: "io_uring" or "classic" (`/dev/fuse`); null when not mounted.
     pub transport: Option<&'static str>,
+    /// The io_uring ring threads' scheduling class now: "idle" or "normal"; null over
+    /// `/dev/fuse` or when not mounted.
+    pub ring_class: Option<&'static str>,
 }
 
 #[derive(Debug, Serialize)]

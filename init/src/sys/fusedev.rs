@@ -209,6 +209,19 @@ impl EventFd {
             .map(|_| ())
             .map_err(io_err)
     }
+
+    /// Waits up to `timeout` (at most 65 s) for a signal; true once signalled. The counter
+    /// is left as it is, so every waiter sees the signal.
+    pub fn wait_timeout(&self, timeout: std::time::Duration) -> io::Result<bool> {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+        let mut fds = [PollFd::new(self.fd.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::from(ms)) {
+            Ok(n) => Ok(n > 0),
+            Err(nix::errno::Errno::EINTR) => Ok(false),
+            Err(e) => Err(io_err(e)),
+        }
+    }
 }
 
 impl AsFd for EventFd {

@@ -8,6 +8,7 @@ pub mod fusedev;
 pub mod mem;
 pub mod mount;
 pub mod process;
+pub mod sched;
 pub mod signal;
 pub mod socket;
 pub mod uring;

@@ -10,7 +10,8 @@ use crate::sys::fgsig::{Stop, StopSignals};
 use std::time::Duration;
 
 const USAGE: &str = "usage: keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none]
-       [--passthrough auto|on|off] [--io-uring auto|on|off] [--writeback-cache on|off] [--threads N]
+       [--passthrough auto|on|off] [--io-uring auto|on|off] [--ring-sched auto|idle|normal]
+       [--writeback-cache on|off] [--threads N]
        [--attr-timeout D] [--entry-timeout D] [--negative-timeout D] [--config FILE]
        [--takeover[=wait|force]]";
 
@@ -22,6 +23,7 @@ pub struct MountArgs {
     pub cache: Option<String>,
     pub passthrough: Option<Switch>,
     pub io_uring: Option<Switch>,
+    pub ring_sched: Option<crate::config::RingSched>,
     pub writeback_cache: Option<bool>,
     pub attr_timeout: Option<Duration>,
     pub entry_timeout: Option<Duration>,
@@ -64,6 +66,10 @@ pub fn parse(args: Vec<OsString>) -> Result<MountArgs, String> {
                 } else {
                     out.io_uring = v;
                 }
+            }
+            "--ring-sched" => {
+                let v = value(&flag)?.to_string_lossy().into_owned();
+                out.ring_sched = Some(v.parse().map_err(|e| format!("{flag}: {e}"))?);
             }
             "--threads" => {
                 let v = value("--threads")?;
@@ -165,6 +171,7 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
     }
     ws.passthrough = a.passthrough.unwrap_or(ws.passthrough);
     ws.io_uring = a.io_uring.unwrap_or(ws.io_uring);
+    ws.ring_sched = a.ring_sched.unwrap_or(ws.ring_sched);
     if let Some(w) = a.writeback_cache {
         ws.writeback_cache = w;
     }
@@ -245,8 +252,11 @@ mod tests {
             "--io-uring=off",
             "--passthrough",
             "on",
+            "--ring-sched",
+            "normal",
         ]))
         .unwrap();
+        assert_eq!(a.ring_sched, Some(crate::config::RingSched::Normal));
         assert_eq!(a.attr_timeout, Some(Duration::from_secs(2)));
         assert_eq!(a.writeback_cache, Some(false));
         assert_eq!(a.state, Some(PathBuf::from("/s")));
@@ -265,6 +275,8 @@ mod tests {
         assert!(parse(args(&["--state"])).is_err());
         let e = parse(args(&["--io-uring", "yes", "/m"])).unwrap_err();
         assert_eq!(e, "--io-uring: `yes` is not one of auto, on, off");
+        let e = parse(args(&["--ring-sched=low", "/m"])).unwrap_err();
+        assert_eq!(e, "--ring-sched: `low` is not one of auto, idle, normal");
         let a = parse(args(&["/m", "--takeover"])).unwrap();
         assert_eq!(a.takeover, Some(crate::config::Takeover::Force));
         let a = parse(args(&["--takeover=wait", "/m"])).unwrap();

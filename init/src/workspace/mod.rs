@@ -1,11 +1,13 @@
 //! The durable FUSE workspace: POSIX semantics in `fs` (no protocol types), the FUSE wire
 //! format in `proto`, the thin adapter from requests to `fs` in `fuse`, the transports
-//! (`/dev/fuse`, io_uring) in `serve`, and mounting/unmounting in `session`.
+//! (`/dev/fuse`, io_uring) in `serve`, the ring threads' scheduling class in `sched`, and
+//! mounting/unmounting in `session`.
 
 pub mod cli;
 pub mod fs;
 pub mod fuse;
 pub mod proto;
+pub mod sched;
 pub mod serve;
 pub mod session;
 

@@ -14,6 +14,8 @@ use std::thread::JoinHandle;
 
 use super::fuse::{FuseAdapter, Negotiated, MAX_WRITE};
 use super::proto::{self, Op, Reply};
+use super::sched::RingClass;
+use crate::config::RingSched;
 use crate::sys::fusedev::{self, EventFd, FuseDev};
 use crate::sys::uring::{Event, FuseQueue};
 
@@ -44,6 +46,8 @@ pub struct ServeOptions {
     pub ring_threads: usize,
     /// Use FUSE over io_uring when the kernel offers it.
     pub io_uring: bool,
+    /// Scheduling class of the ring threads.
+    pub ring_sched: RingSched,
 }
 
 /// A mounted, served FUSE connection.
@@ -56,6 +60,8 @@ pub struct Session {
     /// The mount's device number, to recognise it at the unmount.
     dev: Option<u64>,
     transport: Transport,
+    /// The ring threads' scheduling class (io_uring only).
+    ring_class: Option<Arc<RingClass>>,
     unmounted: bool,
 }
 
@@ -163,12 +169,13 @@ fn start_once(
         ended: Arc::new(Ended::new().map_err(Retry::Fatal)?),
         dev: None,
         transport: Transport::Classic,
+        ring_class: None,
         unmounted: false,
     };
     // From here on, dropping `s` unmounts.
     let (unique, init) = read_init(dev).map_err(Retry::Fatal)?;
     let rings = if opts.io_uring && init.flags & proto::init_flags::OVER_IO_URING != 0 {
-        match Rings::build(dev, &s, opts.ring_threads.max(1)) {
+        match Rings::build(dev, &s, opts.ring_threads.max(1), opts.ring_sched) {
             Ok(r) => Some(r),
             Err(e) => {
                 tracing::info!(error = %e, "FUSE over io_uring is offered but cannot be used here; serving over /dev/fuse");
@@ -338,12 +345,20 @@ struct Rings {
     go: Vec<mpsc::Sender<bool>>,
     /// Each thread's registration result.
     registered: mpsc::Receiver<io::Result<()>>,
+    class: Arc<RingClass>,
+    /// `ring_sched` as it turned out (`auto` may have fallen back to `normal`).
+    sched: RingSched,
 }
 
 impl Rings {
     /// Starts `per_queue` threads for every CPU queue, each pinned to its CPU, and waits
     /// until each has built its ring (or failed).
-    fn build(dev: &Arc<FuseDev>, s: &Session, per_queue: usize) -> io::Result<Rings> {
+    fn build(
+        dev: &Arc<FuseDev>,
+        s: &Session,
+        per_queue: usize,
+        sched: RingSched,
+    ) -> io::Result<Rings> {
         let queues = fusedev::possible_cpus()?;
         let queues = u16::try_from(queues).map_err(|_| io::Error::other("too many CPUs"))?;
         // The kernel refuses entries smaller than the largest request it may send.
@@ -354,14 +369,18 @@ impl Rings {
             .unwrap_or((MAX_WRITE as usize).max(8192));
         let (built_tx, built) = mpsc::channel::<io::Result<()>>();
         let (reg_tx, registered) = mpsc::channel::<io::Result<()>>();
+        let (class, sched) = RingClass::new(sched);
         let mut rings = Rings {
             threads: Vec::new(),
             go: Vec::new(),
             registered,
+            class,
+            sched,
         };
         for qid in 0..queues {
             for k in 0..per_queue {
                 let (dev, adapter, stop) = (dev.clone(), s.adapter.clone(), s.stop.clone());
+                let class = rings.class.clone();
                 let (built_tx, reg_tx) = (built_tx.clone(), reg_tx.clone());
                 let (go_tx, go) = mpsc::channel::<bool>();
                 let t = std::thread::Builder::new()
@@ -383,6 +402,7 @@ impl Rings {
                         let ok = r.is_ok();
                         let _ = reg_tx.send(r);
                         if ok {
+                            let _member = class.enlist();
                             ring_worker(q, &adapter);
                         }
                     });
@@ -423,7 +443,8 @@ impl Rings {
         }
     }
 
-    /// Registers every ring with the connection; the threads then serve (and join `s`).
+    /// Registers every ring with the connection; the threads then serve (and join `s`),
+    /// with the governor of their scheduling class.
     fn register(self, s: &mut Session) -> io::Result<()> {
         for g in &self.go {
             let _ = g.send(true);
@@ -436,13 +457,19 @@ impl Rings {
                 first_err.get_or_insert(e);
             }
         }
-        match first_err {
-            None => Ok(()),
-            Some(e) => {
-                let _ = s.stop.signal();
-                Err(e)
+        if let Some(e) = first_err {
+            let _ = s.stop.signal();
+            return Err(e);
+        }
+        match self.class.govern(self.sched, s.stop.clone()) {
+            Ok(g) => s.workers.extend(g),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the ring scheduling governor; ring threads stay in the normal class");
+                self.class.set(false);
             }
         }
+        s.ring_class = Some(self.class);
+        Ok(())
     }
 }
 
@@ -505,6 +532,11 @@ fn ring_worker(mut q: FuseQueue, adapter: &FuseAdapter) {
 impl Session {
     pub fn transport(&self) -> Transport {
         self.transport
+    }
+
+    /// The ring threads' scheduling class (None over `/dev/fuse`).
+    pub fn ring_class(&self) -> Option<Arc<RingClass>> {
+        self.ring_class.clone()
     }
 
     /// Set when the kernel ends the connection.

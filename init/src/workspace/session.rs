@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::fs::{FsOptions, WorkspaceFs};
 use super::fuse::{FuseAdapter, KernelFeatures, Timeouts};
+use super::sched::RingClass;
 use super::serve::{ServeOptions, Transport};
 
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +42,7 @@ pub struct Mounted {
     session: Option<super::serve::Session>,
     passthrough: Arc<AtomicBool>,
     transport: Transport,
+    ring_class: Option<Arc<RingClass>>,
     persist: Option<crate::persist::Service>,
     /// Background fetch of lazily restored windows.
     prefetch: Option<Prefetch>,
@@ -56,6 +58,7 @@ pub struct MountedHandle {
     fs: Arc<WorkspaceFs>,
     passthrough: Arc<AtomicBool>,
     transport: Transport,
+    ring_class: Option<Arc<RingClass>>,
 }
 
 impl MountedHandle {
@@ -76,6 +79,13 @@ impl MountedHandle {
     /// How the kernel's requests reach keel (FUSE over io_uring or /dev/fuse).
     pub fn transport(&self) -> Transport {
         self.transport
+    }
+
+    /// The scheduling class the ring threads are in now: "idle" or "normal" (None over
+    /// `/dev/fuse`).
+    pub fn ring_class(&self) -> Option<&'static str> {
+        let c = self.ring_class.as_ref()?;
+        Some(if c.is_idle() { "idle" } else { "normal" })
     }
 }
 
@@ -249,9 +259,11 @@ fn mount_with(
         threads: cfg.effective_threads(),
         ring_threads: 1,
         io_uring: cfg.io_uring != Switch::Off,
+        ring_sched: cfg.ring_sched,
     };
     let session = super::serve::start(dev, adapter, &cfg.mount_point, opts).map_err(mount_err)?;
     let transport = session.transport();
+    let ring_class = session.ring_class();
     if cfg.io_uring == Switch::On && transport != Transport::IoUring {
         drop(session);
         return Err(SessionError::Mount {
@@ -269,6 +281,7 @@ fn mount_with(
         threads = cfg.effective_threads(),
         passthrough = passthrough_on.load(Ordering::Relaxed),
         transport = transport.as_str(),
+        ring_idle_class = ring_class.as_ref().map(|c| c.is_idle()),
         "workspace mounted"
     );
     let mut mounted = Mounted {
@@ -277,6 +290,7 @@ fn mount_with(
         session: Some(session),
         passthrough: passthrough_on,
         transport,
+        ring_class,
         persist: None,
         prefetch: None,
         _lock: lock,
@@ -387,6 +401,7 @@ impl Mounted {
             fs: self.fs.clone(),
             passthrough: self.passthrough.clone(),
             transport: self.transport,
+            ring_class: self.ring_class.clone(),
         }
     }
 
