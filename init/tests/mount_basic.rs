@@ -1056,3 +1056,43 @@ fn files_created_write_only_keep_a_body_only_when_large() {
     k.start_again();
     check(&k);
 }
+
+/// Body files named in `state/bodies/*/` (not the pool).
+fn named_bodies(state: &Path) -> usize {
+    (0..=255u32)
+        .filter_map(|s| fs::read_dir(state.join(format!("bodies/{s:02x}"))).ok())
+        .map(|d| d.count())
+        .sum()
+}
+
+/// Deleting files frees their bodies while the workspace stays mounted, once the kernel
+/// forgets the inodes (FORGETs of many unlinks arrive together, see serve::FORGET_BATCH),
+/// and a file still open keeps its body until it is closed.
+#[test]
+fn deleted_files_free_their_bodies_while_mounted() {
+    let k = keel_or_skip!();
+    let data = pattern(64 << 10, 5);
+    for i in 0..30 {
+        let mut f = fs::File::create(k.p(&format!("f{i}"))).unwrap();
+        f.write_all(&data).unwrap();
+        f.sync_all().unwrap();
+    }
+    assert_eq!(named_bodies(&k.state), 30);
+    let held = fs::File::open(k.p("f0")).unwrap();
+    for i in 0..30 {
+        fs::remove_file(k.p(&format!("f{i}"))).unwrap();
+    }
+    let wait_for = |n: usize| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while named_bodies(&k.state) != n && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        named_bodies(&k.state)
+    };
+    assert_eq!(wait_for(1), 1, "29 bodies freed, the open file's kept");
+    let mut back = Vec::new();
+    (&held).read_to_end(&mut back).unwrap();
+    assert_eq!(back, data, "an unlinked file still reads while open");
+    drop(held);
+    assert_eq!(wait_for(0), 0, "the last body goes once the file is closed");
+}

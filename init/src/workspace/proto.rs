@@ -624,6 +624,11 @@ pub fn wants_reply(opcode: u32) -> bool {
     )
 }
 
+/// FORGET or BATCH_FORGET: the kernel dropping inode references.
+pub fn is_forget(opcode: u32) -> bool {
+    matches!(opcode, opcode::FORGET | opcode::BATCH_FORGET)
+}
+
 /// `struct fuse_attr`, ready to encode.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct AttrOut {
