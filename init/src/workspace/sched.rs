@@ -124,7 +124,8 @@ impl RingClass {
             idle: self.is_idle(),
             calm: 0,
         };
-        let mut last = read_cpu_time(cpus);
+        let mut stat = ProcStat::open();
+        let mut last = stat.cpu_time(cpus);
         loop {
             match stop.wait_timeout(SAMPLE) {
                 Ok(false) => {}
@@ -134,7 +135,7 @@ impl RingClass {
                     return self.set(false);
                 }
             }
-            let now = read_cpu_time(cpus);
+            let now = stat.cpu_time(cpus);
             let Some(frac) = last.zip(now).and_then(|(a, b)| b.idle_since(a)) else {
                 if now.is_none() {
                     tracing::info!(
@@ -205,8 +206,33 @@ impl CpuTime {
     }
 }
 
-fn read_cpu_time(cpus: &[usize]) -> Option<CpuTime> {
-    parse_cpu_time(&std::fs::read_to_string("/proc/stat").ok()?, cpus)
+/// `/proc/stat`, kept open and read again from the start for every sample.
+struct ProcStat {
+    file: Option<std::fs::File>,
+    buf: Vec<u8>,
+}
+
+impl ProcStat {
+    fn open() -> ProcStat {
+        ProcStat {
+            file: std::fs::File::open("/proc/stat").ok(),
+            buf: vec![0; 16 << 10],
+        }
+    }
+
+    fn cpu_time(&mut self, cpus: &[usize]) -> Option<CpuTime> {
+        use std::os::unix::fs::FileExt;
+        let f = self.file.as_ref()?;
+        loop {
+            let n = f.read_at(&mut self.buf, 0).ok()?;
+            if n < self.buf.len() {
+                return parse_cpu_time(std::str::from_utf8(&self.buf[..n]).ok()?, cpus);
+            }
+            // Did not fit (many CPUs): read it whole next time round.
+            let more = self.buf.len() * 2;
+            self.buf.resize(more, 0);
+        }
+    }
 }
 
 /// Sums the `cpuN` lines of `/proc/stat` for the CPUs in `cpus`: idle time is idle plus
@@ -267,6 +293,20 @@ ctxt 999
         );
         assert_eq!(parse_cpu_time(STAT, &[5]), None);
         assert_eq!(parse_cpu_time("garbage\n", &[0]), None);
+    }
+
+    #[test]
+    fn reads_this_machines_cpus_again_and_again() {
+        let cpus = sched::allowed_cpus().unwrap();
+        let mut stat = ProcStat::open();
+        stat.buf.truncate(64); // forces the growing path
+        let a = stat.cpu_time(&cpus).unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+        let b = stat.cpu_time(&cpus).unwrap();
+        assert!(
+            a.total > 0 && b.total >= a.total && b.idle >= a.idle,
+            "{a:?} {b:?}"
+        );
     }
 
     #[test]
