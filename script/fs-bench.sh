@@ -217,7 +217,7 @@ TARGETS=("${READY[@]}")
     done
     [ -z "$KEEL_ARGS" ] || echo "# keel mount options: $KEEL_ARGS"
     [ ! -f "$RUN/keel-state.log" ] ||
-        echo "# keel FUSE $(grep -o 'transport="[a-z_]*"' "$RUN/keel-state.log" | head -n1) (enable_uring=$(cat /sys/module/fuse/parameters/enable_uring 2>/dev/null))"
+        echo "# keel FUSE $(grep -o 'transport="[a-z_]*"' "$RUN/keel-state.log" | head -n1) (enable_uring=$(cat /sys/module/fuse/parameters/enable_uring 2>/dev/null))$(grep -o ' ring_idle_class=[a-z]*' "$RUN/keel-state.log" | head -n1)"
 } >"$RUN/header"
 cat "$RUN/header"
 echo
