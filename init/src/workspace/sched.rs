@@ -31,6 +31,8 @@ const CALM_SAMPLES: u32 = 3;
 /// The ring threads of one connection and the class they are in.
 #[derive(Debug)]
 pub struct RingClass {
+    /// `ring_sched` as it turned out (`auto` may have fallen back to `normal`).
+    mode: RingSched,
     idle: AtomicBool,
     /// Thread ids of the ring threads serving now.
     tids: Mutex<Vec<i32>>,
@@ -53,7 +55,7 @@ impl RingClass {
     /// The class for `mode`, and for `auto` the governor's first decision (idle). `auto`
     /// falls back to `normal` for good where a thread could not leave the idle class again
     /// (that needs CAP_SYS_NICE, which container runtimes do not grant by default).
-    pub fn new(mode: RingSched) -> (Arc<RingClass>, RingSched) {
+    pub fn new(mode: RingSched) -> Arc<RingClass> {
         let mode = match mode {
             RingSched::Auto if !can_leave_idle_class() => {
                 tracing::info!("ring threads stay in the normal scheduling class: leaving SCHED_IDLE needs CAP_SYS_NICE");
@@ -61,11 +63,11 @@ impl RingClass {
             }
             m => m,
         };
-        let class = RingClass {
+        Arc::new(RingClass {
+            mode,
             idle: AtomicBool::new(mode != RingSched::Normal),
             tids: Mutex::new(Vec::new()),
-        };
-        (Arc::new(class), mode)
+        })
     }
 
     fn tids(&self) -> std::sync::MutexGuard<'_, Vec<i32>> {
@@ -90,6 +92,7 @@ impl RingClass {
         self.idle.load(Ordering::Relaxed)
     }
 
+    /// Moves every ring thread to the idle class, or back to the normal one.
     pub fn set(&self, idle: bool) {
         let tids = self.tids();
         self.idle.store(idle, Ordering::Relaxed);
@@ -103,12 +106,8 @@ impl RingClass {
 
     /// Starts the governor of `auto` (nothing for the fixed modes); it stops when `stop`
     /// is signalled.
-    pub fn govern(
-        self: &Arc<Self>,
-        mode: RingSched,
-        stop: Arc<EventFd>,
-    ) -> io::Result<Option<JoinHandle<()>>> {
-        if mode != RingSched::Auto {
+    pub fn govern(self: &Arc<Self>, stop: Arc<EventFd>) -> io::Result<Option<JoinHandle<()>>> {
+        if self.mode != RingSched::Auto {
             return Ok(None);
         }
         let cpus = sched::allowed_cpus()?;
@@ -344,8 +343,8 @@ ctxt 999
 
     #[test]
     fn a_thread_can_join_and_leave_the_idle_class() {
-        let (class, mode) = RingClass::new(RingSched::Idle);
-        assert_eq!(mode, RingSched::Idle);
+        let class = RingClass::new(RingSched::Idle);
+        assert_eq!(class.mode, RingSched::Idle);
         std::thread::scope(|s| {
             s.spawn(|| {
                 let e = class.enlist();

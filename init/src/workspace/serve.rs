@@ -364,8 +364,6 @@ struct Rings {
     /// Each thread's registration result.
     registered: mpsc::Receiver<io::Result<()>>,
     class: Arc<RingClass>,
-    /// `ring_sched` as it turned out (`auto` may have fallen back to `normal`).
-    sched: RingSched,
 }
 
 impl Rings {
@@ -387,13 +385,11 @@ impl Rings {
             .unwrap_or((MAX_WRITE as usize).max(8192));
         let (built_tx, built) = mpsc::channel::<io::Result<()>>();
         let (reg_tx, registered) = mpsc::channel::<io::Result<()>>();
-        let (class, sched) = RingClass::new(sched);
         let mut rings = Rings {
             threads: Vec::new(),
             go: Vec::new(),
             registered,
-            class,
-            sched,
+            class: RingClass::new(sched),
         };
         for qid in 0..queues {
             for k in 0..per_queue {
@@ -479,7 +475,7 @@ impl Rings {
             let _ = s.stop.signal();
             return Err(e);
         }
-        match self.class.govern(self.sched, s.stop.clone()) {
+        match self.class.govern(s.stop.clone()) {
             Ok(g) => s.workers.extend(g),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot start the ring scheduling governor; ring threads stay in the normal class");
