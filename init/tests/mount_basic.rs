@@ -1083,11 +1083,9 @@ fn deleted_files_free_their_bodies_while_mounted() {
         fs::remove_file(k.p(&format!("f{i}"))).unwrap();
     }
     let wait_for = |n: usize| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while named_bodies(&k.state) != n && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        named_bodies(&k.state)
+        let within = std::time::Duration::from_secs(10);
+        common::poll_for(within, || (named_bodies(&k.state) == n).then_some(n))
+            .unwrap_or_else(|| named_bodies(&k.state))
     };
     assert_eq!(wait_for(1), 1, "29 bodies freed, the open file's kept");
     let mut back = Vec::new();

@@ -108,22 +108,10 @@ fn transport_in(log: &str) -> Option<String> {
     Some(t.trim_matches('"').split(['"', ' ']).next()?.to_string())
 }
 
-/// Polls `f` every 20 ms until it gives something or `within` has passed.
-fn poll_for<T>(within: std::time::Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let deadline = std::time::Instant::now() + within;
-    loop {
-        let t = f();
-        if t.is_some() || std::time::Instant::now() > deadline {
-            return t;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-}
-
 /// The transport keel's log names. The kernel shows the mount before keel has answered INIT
 /// and registered its rings, and keel logs the line after that: wait for it (bounded).
 fn transport_of(k: &common::Keel) -> Option<String> {
-    poll_for(common::READY_TIMEOUT, || transport_in(&k.log_text()))
+    common::poll_for(common::READY_TIMEOUT, || transport_in(&k.log_text()))
 }
 
 #[test]
@@ -283,7 +271,7 @@ fn ring_policies(pid: u32) -> Vec<u32> {
 
 /// Waits (bounded) until every ring thread of `k` has `policy`; false if they never did.
 fn ring_threads_reach(k: &common::Keel, policy: u32, within: std::time::Duration) -> bool {
-    let reached = poll_for(within, || {
+    let reached = common::poll_for(within, || {
         let p = ring_policies(k.pid());
         (!p.is_empty() && p.iter().all(|&x| x == policy)).then_some(())
     });

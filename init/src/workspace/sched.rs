@@ -227,7 +227,7 @@ impl ProcStat {
             if n < self.buf.len() {
                 return parse_cpu_time(std::str::from_utf8(&self.buf[..n]).ok()?, cpus);
             }
-            // Did not fit (many CPUs): read it whole next time round.
+            // Did not fit (many CPUs): grow the buffer and read it again.
             let more = self.buf.len() * 2;
             self.buf.resize(more, 0);
         }

@@ -160,6 +160,18 @@ fn read_from(log: &Path, offset: u64) -> String {
     s
 }
 
+/// Polls `f` every 20 ms until it gives something or `within` has passed.
+pub fn poll_for<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + within;
+    loop {
+        let t = f();
+        if t.is_some() || Instant::now() > deadline {
+            return t;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits for `child` to exit, SIGKILLing it after `timeout`. Returns None if it had to be killed.
 pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
     let deadline = Instant::now() + timeout;
