@@ -525,10 +525,17 @@ fn group_gone(conn: &Connection, g: &Group, dirs: &DirCache) {
     }
 }
 
-/// `?1, ..., ?12` for the columns of `INODE_COLS`.
-pub(crate) const INODE_PARAMS: &str = "?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12";
+/// `?1, ..., ?12` for the columns of `inode_cols!`. Macros rather than constants, so that
+/// statements are `concat!`ed at compile time: `prepare_cached` runs on every operation, and
+/// a `format!` there allocated and formatted its key each time.
+macro_rules! inode_params {
+    () => {
+        "?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12"
+    };
+}
+pub(crate) use inode_params;
 
-/// An inode's values in `INODE_COLS` order; `ino: None` binds NULL (a new number).
+/// An inode's values in `inode_cols!` order; `ino: None` binds NULL (a new number).
 pub(crate) fn inode_row(ino: Option<InodeNo>, inode: &Inode) -> [Value; 12] {
     [
         ino.map_or(Value::Null, |i| Value::Integer(i.0 as i64)),
@@ -546,8 +553,12 @@ pub(crate) fn inode_row(ino: Option<InodeNo>, inode: &Inode) -> [Value; 12] {
     ]
 }
 
-const INODE_COLS: &str =
-    "ino, mode, uid, gid, nlink, size, atime, mtime, ctime, rdev, parent, storage";
+macro_rules! inode_cols {
+    () => {
+        "ino, mode, uid, gid, nlink, size, atime, mtime, ctime, rdev, parent, storage"
+    };
+}
+pub(crate) use inode_cols;
 
 fn row_to_inode(r: &rusqlite::Row<'_>) -> rusqlite::Result<(u64, u32, Inode)> {
     let ino: i64 = r.get(0)?;
@@ -628,9 +639,11 @@ impl Tx<'_> {
     }
 
     pub fn get(&self, ino: InodeNo) -> Result<Option<Inode>> {
-        let mut st = self
-            .conn
-            .prepare_cached(&format!("SELECT {INODE_COLS} FROM inode WHERE ino = ?1"))?;
+        let mut st = self.conn.prepare_cached(concat!(
+            "SELECT ",
+            inode_cols!(),
+            " FROM inode WHERE ino = ?1"
+        ))?;
         let row = st.query_row([ino.0 as i64], row_to_inode).optional()?;
         row.map(finish_inode).transpose()
     }
@@ -639,8 +652,12 @@ impl Tx<'_> {
     pub fn insert(&self, inode: &Inode) -> Result<InodeNo> {
         // ino NULL: SQLite picks the next number (AUTOINCREMENT: never one used before).
         self.conn
-            .prepare_cached(&format!(
-                "INSERT INTO inode ({INODE_COLS}) VALUES ({INODE_PARAMS})"
+            .prepare_cached(concat!(
+                "INSERT INTO inode (",
+                inode_cols!(),
+                ") VALUES (",
+                inode_params!(),
+                ")"
             ))?
             .execute(params_from_iter(inode_row(None, inode)))?;
         let ino = InodeNo(self.conn.last_insert_rowid() as u64);
@@ -857,9 +874,11 @@ impl Tx<'_> {
 
     /// Inodes with no remaining links (left over when keel stopped while files were open).
     pub fn orphans(&self) -> Result<Vec<Inode>> {
-        let mut st = self
-            .conn
-            .prepare_cached(&format!("SELECT {INODE_COLS} FROM inode WHERE nlink = 0"))?;
+        let mut st = self.conn.prepare_cached(concat!(
+            "SELECT ",
+            inode_cols!(),
+            " FROM inode WHERE nlink = 0"
+        ))?;
         let rows = st.query_map([], row_to_inode)?;
         let mut out = Vec::new();
         for r in rows {
@@ -878,9 +897,11 @@ impl Tx<'_> {
 
     /// Every inode (for fsck and tests).
     pub fn all_inodes(&self) -> Result<Vec<Inode>> {
-        let mut st = self
-            .conn
-            .prepare_cached(&format!("SELECT {INODE_COLS} FROM inode ORDER BY ino"))?;
+        let mut st = self.conn.prepare_cached(concat!(
+            "SELECT ",
+            inode_cols!(),
+            " FROM inode ORDER BY ino"
+        ))?;
         let rows = st.query_map([], row_to_inode)?;
         let mut out = Vec::new();
         for r in rows {

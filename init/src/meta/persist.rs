@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use rusqlite::{params, params_from_iter, OptionalExtension};
 
 use super::{
-    finish_inode, inode_row, row_to_inode, Inode, InodeNo, Result, Store, Tx, INODE_COLS,
-    INODE_PARAMS,
+    finish_inode, inode_cols, inode_params, inode_row, row_to_inode, Inode, InodeNo, Result, Store,
+    Tx,
 };
 
 /// One window of a file's chunk map: `None` is an all-zero window (a hole).
@@ -318,8 +318,12 @@ impl Tx<'_> {
     /// (restore writes a tree that is already on the remote).
     pub fn put_inode_exact(&self, inode: &Inode) -> Result<()> {
         self.conn
-            .prepare_cached(&format!(
-                "INSERT OR REPLACE INTO inode ({INODE_COLS}) VALUES ({INODE_PARAMS})"
+            .prepare_cached(concat!(
+                "INSERT OR REPLACE INTO inode (",
+                inode_cols!(),
+                ") VALUES (",
+                inode_params!(),
+                ")"
             ))?
             .execute(params_from_iter(inode_row(Some(inode.ino), inode)))?;
         self.wrote(inode.ino, Some(inode));
@@ -328,9 +332,11 @@ impl Tx<'_> {
 
     /// Every inode, streamed in inode order (for snapshots of large trees).
     pub fn for_each_inode(&self, mut f: impl FnMut(Inode) -> Result<()>) -> Result<()> {
-        let mut st = self
-            .conn
-            .prepare_cached(&format!("SELECT {INODE_COLS} FROM inode ORDER BY ino"))?;
+        let mut st = self.conn.prepare_cached(concat!(
+            "SELECT ",
+            inode_cols!(),
+            " FROM inode ORDER BY ino"
+        ))?;
         let mut rows = st.query([])?;
         while let Some(r) = rows.next()? {
             f(finish_inode(row_to_inode(r)?)?)?;

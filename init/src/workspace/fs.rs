@@ -811,11 +811,19 @@ impl WorkspaceFs {
         inner.store.read().get(ino)?.ok_or(FsError::NotFound)
     }
 
+    /// A directory's inode: from the directory cache (kept current by every commit of the
+    /// store), else from the store, and then cached. Every lookup, create and unlink starts
+    /// with its parent; reading that row from SQLite each time was most of a lookup's cost.
     fn load_dir(inner: &Inner, ino: InodeNo) -> FsResult<Inode> {
+        let dirs = inner.store.dir_cache();
+        if let Some(i) = dirs.get(ino) {
+            return Ok(i);
+        }
         let i = Self::load(inner, ino)?;
         if i.kind != Kind::Dir {
             return Err(FsError::NotDir);
         }
+        dirs.put(&i);
         Ok(i)
     }
 
