@@ -218,6 +218,64 @@ fn unlinked_open_file_stays_readable_until_release() {
     assert!(matches!(fs.getattr(ino), Err(FsError::NotFound)));
 }
 
+/// Descriptors this process holds on body files under `dir`.
+fn body_fds(dir: &Path) -> usize {
+    let bodies = dir.join("bodies");
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|t| t.starts_with(&bodies) && !t.starts_with(bodies.join("pool")))
+        .count()
+}
+
+#[test]
+fn closed_files_stay_loaded_within_a_bound_and_never_past_their_unlink() {
+    use keel::workspace::fs::LINGER_MAX;
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let n = LINGER_MAX + 20;
+    let mut inos = Vec::new();
+    for i in 0..n {
+        let name = format!("f{i}");
+        let (a, fh, _) = fs
+            .create(ROOT, InodeNo::ROOT, name.as_bytes(), 0o644, libc::O_RDWR)
+            .unwrap();
+        fs.write(a.inode.ino, 0, &[i as u8; 1000]).unwrap();
+        fs.release(fh).unwrap();
+        inos.push(a.inode.ino);
+    }
+    // The kernel still holds each file's lookup: the last closed stay loaded, a bounded few.
+    let held = body_fds(dir.path());
+    assert!(
+        (1..=LINGER_MAX).contains(&held),
+        "{held} bodies held open after {n} closes"
+    );
+    // A loaded file reopens with its bytes, the earliest (dropped) one too.
+    for &i in [0, n - 1].iter() {
+        assert_eq!(read_all(&fs, inos[i]), vec![i as u8; 1000]);
+    }
+    // Unlinked, a closed file lets go of its body at once.
+    let last = *inos.last().unwrap();
+    fs.unlink(InodeNo::ROOT, format!("f{}", n - 1).as_bytes())
+        .unwrap();
+    assert!(matches!(fs.getattr(last), Err(FsError::NotFound)));
+    fs.sync_all().unwrap();
+    assert_eq!(
+        body_fds(dir.path()),
+        held - 1,
+        "the unlinked body is closed"
+    );
+    let at_name = dir
+        .path()
+        .join(format!("bodies/{:02x}/{:x}", last.0 & 0xff, last.0));
+    assert!(!at_name.exists(), "the unlinked body is gone from its name");
+    // Forgotten, the others are dropped too.
+    for &ino in &inos[..n - 1] {
+        fs.forget(ino, 1);
+    }
+    assert_eq!(body_fds(dir.path()), 0);
+}
+
 #[test]
 fn rename_rules() {
     let dir = tempfile::tempdir().unwrap();

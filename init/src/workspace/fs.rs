@@ -14,7 +14,7 @@
 //! newest first, never part of one; body files of deleted inodes are removed only once the
 //! deletion is committed.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -248,6 +248,15 @@ impl OpenFile {
         Ok(())
     }
 
+    /// Whether the file may stay loaded after its last close (see `WorkspaceFs::linger`):
+    /// it still has a name, and its body is under that name, not a pool slot.
+    fn may_linger(&self) -> bool {
+        let p = self.provisional.take();
+        let named = p.is_none();
+        self.provisional.set(p);
+        named && self.inode.nlink > 0 && !self.dirty
+    }
+
     /// Gives a provisional body back to the pool; true when there was one.
     fn drop_provisional(&self) -> bool {
         match self.provisional.take() {
@@ -392,6 +401,8 @@ struct Inner {
     /// Inodes known to have no xattrs at all: the kernel asks for `security.capability`
     /// before every write(2), and the answer is then free.
     no_xattrs: HashSet<InodeNo>,
+    /// Closed files kept loaded, longest-closed first (see `WorkspaceFs::linger`).
+    lingering: VecDeque<InodeNo>,
     /// When the free space of the state volume was last looked at (group commit pauses
     /// while it is low).
     space_checked: Option<std::time::Instant>,
@@ -408,6 +419,9 @@ fn discard_body(pool: &BodyPool, id: u64) {
 /// that a full disk fails the one operation (which may then use the reserve), never a
 /// group of acknowledged ones.
 const LOW_SPACE: u64 = 256 << 20;
+
+/// Closed files kept loaded at most (see `WorkspaceFs::linger`): each may hold a body open.
+pub const LINGER_MAX: usize = 64;
 
 /// When the open metadata group is committed.
 const GROUP: GroupLimits = GroupLimits {
@@ -742,6 +756,7 @@ impl WorkspaceFs {
             discard_after_commit: Vec::new(),
             pool: pool.clone(),
             no_xattrs: HashSet::new(),
+            lingering: VecDeque::new(),
             space_checked: None,
         }));
         let committer_stop = Arc::new(AtomicBool::new(false));
@@ -1033,9 +1048,15 @@ impl WorkspaceFs {
             self.pool.hold(ino.0);
         }
         let node = inner.nodes.get_mut(&ino).expect("node present");
-        if let Some(of) = node.open.take() {
+        if let Some(of) = &node.open {
             node.cache_stamp = Some((of.inode.mtime, of.inode.size));
         }
+        if node.lookups > 0 && node.open.as_ref().is_some_and(OpenFile::may_linger) {
+            self.linger(inner, ino);
+        } else {
+            node.open = None;
+        }
+        let node = inner.nodes.get_mut(&ino).expect("node present");
         if node.lookups == 0 {
             let inode = inner.store.read().get(ino)?;
             inner.nodes.remove(&ino);
@@ -1043,6 +1064,51 @@ impl WorkspaceFs {
             if inode.is_some_and(|i| i.nlink == 0) {
                 self.purge(inner, ino)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Keeps a closed file loaded (its row, its open body) for the next open, getattr or
+    /// lookup: `cat >> log`, a compiler or `git add` open the same files again and again,
+    /// and loading one costs a row read, an `openat` and a `statx`. At most `LINGER_MAX`
+    /// files linger; the longest-closed one is written back (if anything is pending) and
+    /// dropped to make room. Unlink and forget drop a lingering file like a closed one.
+    fn linger(&self, inner: &mut Inner, ino: InodeNo) {
+        if let Some(i) = inner.lingering.iter().position(|&x| x == ino) {
+            inner.lingering.remove(i);
+        }
+        inner.lingering.push_back(ino);
+        while inner.lingering.len() > LINGER_MAX {
+            let Some(old) = inner.lingering.pop_front() else {
+                break;
+            };
+            if let Err(e) = self.unload(inner, old) {
+                tracing::warn!(ino = old.0, error = %e, "cannot write back a closed file");
+            }
+        }
+    }
+
+    /// Drops the loaded bytes of a closed file, first saving what is pending (only after
+    /// a lost group commit, see `recover_if_lost`, does a closed file have any).
+    fn unload(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        let Some(node) = inner.nodes.get_mut(&ino) else {
+            return Ok(());
+        };
+        if node.opens > 0 {
+            return Ok(());
+        }
+        if let Some(inode) = node
+            .open
+            .as_ref()
+            .filter(|of| of.dirty)
+            .map(|of| of.inode.clone())
+        {
+            let mut tx = Batch::new(&inner.store)?;
+            tx.save(&inner.nodes, &inode)?;
+            tx.commit(&mut inner.nodes)?;
+        }
+        if let Some(node) = inner.nodes.get_mut(&ino) {
+            node.open = None;
         }
         Ok(())
     }
