@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use keel::chunk::body::POOL_FILL;
 use keel::config::CacheMode;
 use keel::meta::{InodeNo, Kind, Storage};
 use keel::workspace::fs::{Caller, FsError, FsOptions, SetAttr, WorkspaceFs};
@@ -116,7 +117,18 @@ fn new_files_with_passthrough_open_modes() {
         a.inode.ino
     }
 
+    // The pool fills itself at mount, off the request path; wait for it, so the counts
+    // below are exact.
+    let filled = |want: usize| {
+        let t0 = std::time::Instant::now();
+        while pooled() != want && t0.elapsed() < std::time::Duration::from_secs(20) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(pooled(), want, "the pool holds {want} files");
+    };
+
     let fs = open();
+    filled(POOL_FILL);
     let small = created(&fs, b"small", &[1u8; 30]);
     let a = fs.getattr(small).unwrap().inode;
     assert_eq!(
@@ -127,11 +139,12 @@ fn new_files_with_passthrough_open_modes() {
     assert_eq!(read_all(&fs, small), vec![1u8; 30]);
     fs.shutdown().unwrap();
     drop(fs);
-    assert_eq!(pooled(), 1, "its body went back to the pool");
+    assert_eq!(pooled(), POOL_FILL, "its body went back to the pool");
 
+    // Well above the low mark: the filler stays asleep.
     let fs = open();
     let big = created(&fs, b"big", &vec![2u8; inline_max + 1]);
-    assert_eq!(pooled(), 0, "the pooled file became this body");
+    assert_eq!(pooled(), POOL_FILL - 1, "a pooled file became this body");
     let a = fs.getattr(big).unwrap().inode;
     assert_eq!(
         (a.storage, a.size as usize),
@@ -194,30 +207,6 @@ fn new_write_only_file_unlinked_while_open() {
     assert!(bodies.is_empty(), "no body left behind: {bodies:?}");
 }
 
-#[test]
-fn unlinked_open_file_stays_readable_until_release() {
-    let dir = tempfile::tempdir().unwrap();
-    let fs = open_fs(dir.path());
-    let (a, fh, _) = fs
-        .create(ROOT, InodeNo::ROOT, b"f", 0o644, libc::O_RDWR)
-        .unwrap();
-    let ino = a.inode.ino;
-    fs.write(ino, 0, &[1u8; 1000]).unwrap();
-    fs.unlink(InodeNo::ROOT, b"f").unwrap();
-    assert!(matches!(
-        fs.lookup(InodeNo::ROOT, b"f"),
-        Err(FsError::NotFound)
-    ));
-    let mut buf = Vec::new();
-    fs.read(ino, 0, 1000, &mut buf).unwrap();
-    assert_eq!(buf, vec![1u8; 1000]);
-    assert_eq!(fs.getattr(ino).unwrap().inode.nlink, 0);
-    fs.release(fh).unwrap();
-    // The kernel still holds one lookup from create; forgetting it frees the inode.
-    fs.forget(ino, 1);
-    assert!(matches!(fs.getattr(ino), Err(FsError::NotFound)));
-}
-
 /// Descriptors this process holds on body files under `dir`.
 fn body_fds(dir: &Path) -> usize {
     let bodies = dir.join("bodies");
@@ -274,6 +263,30 @@ fn closed_files_stay_loaded_within_a_bound_and_never_past_their_unlink() {
         fs.forget(ino, 1);
     }
     assert_eq!(body_fds(dir.path()), 0);
+}
+
+#[test]
+fn unlinked_open_file_stays_readable_until_release() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let (a, fh, _) = fs
+        .create(ROOT, InodeNo::ROOT, b"f", 0o644, libc::O_RDWR)
+        .unwrap();
+    let ino = a.inode.ino;
+    fs.write(ino, 0, &[1u8; 1000]).unwrap();
+    fs.unlink(InodeNo::ROOT, b"f").unwrap();
+    assert!(matches!(
+        fs.lookup(InodeNo::ROOT, b"f"),
+        Err(FsError::NotFound)
+    ));
+    let mut buf = Vec::new();
+    fs.read(ino, 0, 1000, &mut buf).unwrap();
+    assert_eq!(buf, vec![1u8; 1000]);
+    assert_eq!(fs.getattr(ino).unwrap().inode.nlink, 0);
+    fs.release(fh).unwrap();
+    // The kernel still holds one lookup from create; forgetting it frees the inode.
+    fs.forget(ino, 1);
+    assert!(matches!(fs.getattr(ino), Err(FsError::NotFound)));
 }
 
 #[test]

@@ -110,6 +110,12 @@ impl BodyStore {
 /// Most emptied body files the pool keeps; past this, bodies are removed.
 pub const POOL_MAX: usize = 4096;
 
+/// Below this many free files the pool asks its filler (`BodyPool::run_filler`) for more.
+pub const POOL_LOW: usize = 64;
+
+/// How many free files the filler makes the pool hold.
+pub const POOL_FILL: usize = 256;
+
 /// Emptied body files kept for reuse in `<bodies>/pool`, named by a counter. Taking one is a
 /// rename where a new body would allocate an inode, and giving one back is a truncate and a
 /// rename where removing it would free one. That matters on ext4 without a journal: each
@@ -126,6 +132,8 @@ pub struct BodyPool {
     state: Mutex<PoolState>,
     /// Signalled when `recycle_released` is done with a body.
     recycled: Condvar,
+    /// Signalled when the pool runs low, or the filler is to stop.
+    filler: Condvar,
 }
 
 #[derive(Debug, Default)]
@@ -143,6 +151,10 @@ struct PoolState {
     waiting: usize,
     /// Slots taken but given back without a name, to be emptied (`recycle_released`).
     returned: Vec<u64>,
+    /// The pool ran low and the filler has not caught up yet.
+    fill_asked: bool,
+    /// The filler is to stop.
+    fill_stop: bool,
 }
 
 /// A body handed out by [`BodyPool::take`].
@@ -189,6 +201,7 @@ impl BodyPool {
                 ..PoolState::default()
             }),
             recycled: Condvar::new(),
+            filler: Condvar::new(),
         })
     }
 
@@ -224,7 +237,9 @@ impl BodyPool {
             if own {
                 None
             } else {
-                st.free.pop()
+                let n = st.free.pop();
+                self.ask_fill(&mut st);
+                n
             }
         };
         if let Some(n) = pooled {
@@ -264,7 +279,9 @@ impl BodyPool {
             if own {
                 None
             } else {
-                st.free.pop()
+                let n = st.free.pop();
+                self.ask_fill(&mut st);
+                n
             }
         };
         if let Some(n) = slot {
@@ -372,6 +389,73 @@ impl BodyPool {
             self.lock().free.extend(slot);
         }
         Ok(())
+    }
+
+    /// Wakes the filler when the pool runs low (once until it has filled it).
+    fn ask_fill(&self, st: &mut PoolState) {
+        if st.free.len() < POOL_LOW.min(self.max) && !st.fill_asked {
+            st.fill_asked = true;
+            self.filler.notify_one();
+        }
+    }
+
+    /// The filler: until `stop_filler`, waits for the pool to run low and then creates
+    /// empty files in it up to `POOL_FILL`. A new body costs ext4 an inode allocation,
+    /// which without a journal scans past every inode freed in the last seconds
+    /// (`recently_deleted`: ~250 µs a file after a `rm -rf` here, against a rename or an
+    /// open for a pooled one), so new files are made here, off the request path, and
+    /// `take` finds one ready. Run it on a thread of its own, at a low priority.
+    pub fn run_filler(&self) {
+        let mut st = self.lock();
+        loop {
+            while !st.fill_asked && !st.fill_stop {
+                st = self.filler.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+            if st.fill_stop {
+                return;
+            }
+            drop(st);
+            if let Err(e) = self.fill(POOL_FILL) {
+                tracing::warn!(error = %e, "cannot add empty files to the body pool");
+            }
+            st = self.lock();
+            st.fill_asked = false;
+        }
+    }
+
+    /// Asks the filler to top the pool up if it is low (as taking a file does).
+    pub fn request_fill(&self) {
+        self.ask_fill(&mut self.lock());
+    }
+
+    /// Ends `run_filler` (after the file it is making, if any).
+    pub fn stop_filler(&self) {
+        self.lock().fill_stop = true;
+        self.filler.notify_all();
+    }
+
+    /// Creates empty files in the pool until it holds `want` free ones (at most its
+    /// maximum) or the filler is stopped; returns how many it made.
+    pub fn fill(&self, want: usize) -> io::Result<usize> {
+        let mut made = 0;
+        loop {
+            let n = {
+                let mut st = self.lock();
+                if st.fill_stop || st.free.len() >= want.min(self.max) {
+                    return Ok(made);
+                }
+                st.next += 1;
+                st.next - 1
+            };
+            OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(self.slot(n))?;
+            self.lock().free.push(n);
+            made += 1;
+        }
     }
 
     /// A pool slot for one more file, or `None` when the pool is full.
@@ -482,6 +566,48 @@ mod tests {
         assert!(!pool.release_held());
         pool.recycle_released();
         assert_eq!(store.stat(7).unwrap().map(|s| s.0), Some(10));
+    }
+
+    #[test]
+    fn fill_makes_empty_slots_up_to_the_pool_maximum() {
+        let (dir, _store, pool) = setup(8);
+        assert_eq!(pool.fill(5).unwrap(), 5);
+        assert_eq!(pool.len(), 5);
+        assert_eq!(pool.fill(100).unwrap(), 3, "never past the maximum");
+        let files: Vec<_> = std::fs::read_dir(dir.path().join("bodies/pool"))
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .collect();
+        assert_eq!(files, vec![0; 8], "eight empty files in the pool directory");
+        // A taken slot is one of them, and reopening the pool adopts the rest.
+        assert!(matches!(pool.take(1).unwrap(), Fresh::Slot(..)));
+        drop(pool);
+        let store = BodyStore::open(&dir.path().join("bodies")).unwrap();
+        assert_eq!(BodyPool::open_with_max(&store, 8).unwrap().len(), 8);
+    }
+
+    #[test]
+    fn the_filler_tops_up_a_low_pool_until_stopped() {
+        let (_dir, _store, pool) = setup(POOL_MAX);
+        let pool = std::sync::Arc::new(pool);
+        let filling = pool.clone();
+        let filler = std::thread::spawn(move || filling.run_filler());
+        // Taking from an empty pool makes a new body and asks for more.
+        assert!(matches!(pool.take(1).unwrap(), Fresh::Named(_)));
+        let t0 = std::time::Instant::now();
+        while pool.len() < POOL_FILL && t0.elapsed() < std::time::Duration::from_secs(20) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(pool.len(), POOL_FILL);
+        // Above the low mark a take asks for nothing; the filler stays asleep.
+        for id in 2..(2 + (POOL_FILL - POOL_LOW) as u64) {
+            assert!(matches!(pool.take(id).unwrap(), Fresh::Slot(..)));
+        }
+        assert_eq!(pool.len(), POOL_LOW);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(pool.len(), POOL_LOW);
+        pool.stop_filler();
+        filler.join().unwrap();
     }
 
     #[test]

@@ -28,6 +28,17 @@ pub fn set_idle_class(tid: i32, idle: bool) -> io::Result<()> {
     Ok(())
 }
 
+/// Sets the nice value of thread `tid` (0: the calling thread). Raising it (a lower
+/// priority) needs no privilege.
+pub fn set_nice(tid: i32, nice: i32) -> io::Result<()> {
+    // SAFETY: setpriority takes plain integers and touches no memory of ours.
+    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Whether thread `tid` (0: the calling thread) is in the idle scheduling class.
 pub fn is_idle_class(tid: i32) -> io::Result<bool> {
     // SAFETY: sched_getscheduler takes a thread id and returns a policy or -1; no pointers.

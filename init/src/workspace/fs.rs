@@ -643,6 +643,8 @@ pub struct WorkspaceFs {
     /// Runs after every successful fsync, with no lock held (`[persist] fsync = "remote"`).
     fsync_hook: std::sync::OnceLock<FsyncHook>,
     discarder: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Keeps the body pool stocked with empty files (`BodyPool::run_filler`).
+    filler: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Windows of lazily restored bodies not fetched yet.
     lazy: lazy::Lazy,
     /// The group commit timer thread, and what tells it to end.
@@ -655,6 +657,7 @@ impl Drop for WorkspaceFs {
     fn drop(&mut self) {
         self.committer_stop.store(true, Ordering::SeqCst);
         self.committer.unpark();
+        self.pool.stop_filler();
     }
 }
 
@@ -747,6 +750,17 @@ impl WorkspaceFs {
                     discard_body(&reaper, id);
                 }
             })?;
+        let filling = pool.clone();
+        let filler = std::thread::Builder::new()
+            .name("keel-pool-fill".into())
+            .spawn(move || {
+                // New body files are for later: only spare CPU time goes to them.
+                if let Err(e) = sys::sched::set_nice(0, 19) {
+                    tracing::debug!(error = %e, "cannot lower the pool filler's priority");
+                }
+                filling.run_filler();
+            })?;
+        pool.request_fill();
         let inner = Arc::new(Mutex::new(Inner {
             store,
             nodes: HashMap::new(),
@@ -783,6 +797,7 @@ impl WorkspaceFs {
             pool,
             fsync_hook: std::sync::OnceLock::new(),
             discarder: Mutex::new(Some(discarder)),
+            filler: Mutex::new(Some(filler)),
             committer,
             committer_stop,
             lazy,
@@ -2503,6 +2518,10 @@ impl WorkspaceFs {
     pub fn shutdown(&self) -> FsResult<()> {
         self.sync_all()?;
         // Finish removing discarded bodies before the state dir is handed on.
+        self.pool.stop_filler();
+        if let Some(t) = self.filler.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
         self.lock().discard.take();
         if let Some(t) = self
             .discarder
