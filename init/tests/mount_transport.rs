@@ -326,6 +326,30 @@ fn ring_threads_leave_the_idle_class_while_the_cpus_are_busy() {
         "the load is gone, but the ring threads did not go back to the idle class"
     );
 
+    // Programs started in quick succession (a shell loop) count as busy too, while the
+    // CPUs keep most of their idle time: one at a time, with a pause after each.
+    stop.store(false, std::sync::atomic::Ordering::Relaxed);
+    let spawner = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = std::process::Command::new("true").status();
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        })
+    };
+    let went_normal = ring_threads_reach(&k, libc::SCHED_OTHER as u32, secs(10));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    spawner.join().unwrap();
+    assert!(
+        went_normal,
+        "hundreds of processes a second, but the ring threads stayed idle-class"
+    );
+    assert!(
+        ring_threads_reach(&k, libc::SCHED_IDLE as u32, secs(30)),
+        "the spawning stopped, but the ring threads did not go back to the idle class"
+    );
+
     let k = keel_or_skip!("--io-uring", "on", "--ring-sched", "normal");
     assert_eq!(transport_of(&k).as_deref(), Some("io_uring"));
     assert!(ring_threads_reach(&k, libc::SCHED_OTHER as u32, secs(5)));
