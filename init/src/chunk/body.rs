@@ -237,9 +237,7 @@ impl BodyPool {
             if own {
                 None
             } else {
-                let n = st.free.pop();
-                self.ask_fill(&mut st);
-                n
+                self.pop_free(&mut st)
             }
         };
         if let Some(n) = pooled {
@@ -279,9 +277,7 @@ impl BodyPool {
             if own {
                 None
             } else {
-                let n = st.free.pop();
-                self.ask_fill(&mut st);
-                n
+                self.pop_free(&mut st)
             }
         };
         if let Some(n) = slot {
@@ -389,6 +385,13 @@ impl BodyPool {
             self.lock().free.extend(slot);
         }
         Ok(())
+    }
+
+    /// A free pooled file, if any; wakes the filler when that leaves the pool low.
+    fn pop_free(&self, st: &mut PoolState) -> Option<u64> {
+        let n = st.free.pop();
+        self.ask_fill(st);
+        n
     }
 
     /// Wakes the filler when the pool runs low (once until it has filled it).

@@ -673,6 +673,13 @@ const CAPABILITY_XATTR: &[u8] = b"security.capability";
 /// Space kept free for metadata commits on a full volume.
 const RESERVE_BYTES: u64 = 1 << 20;
 
+/// Waits for a background thread that was told to end (once: the handle is taken).
+fn join_thread(slot: &Mutex<Option<std::thread::JoinHandle<()>>>) {
+    if let Some(t) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        let _ = t.join();
+    }
+}
+
 /// Current time in nanoseconds since the epoch.
 pub fn now() -> Nanos {
     let d = SystemTime::now()
@@ -1050,14 +1057,7 @@ impl WorkspaceFs {
             return Ok(());
         }
         let inlined = self.back_inline(node)?;
-        if node.open.as_ref().is_some_and(|of| of.dirty) {
-            let inode = node.open.as_ref().map(|of| of.inode.clone());
-            if let Some(inode) = inode {
-                let mut tx = Batch::new(&inner.store)?;
-                tx.save(&inner.nodes, &inode)?;
-                tx.commit(&mut inner.nodes)?;
-            }
-        }
+        Self::write_back(inner, ino)?;
         // Only once the store says inline may the body go (after its group commits).
         if inlined {
             self.pool.hold(ino.0);
@@ -1112,20 +1112,23 @@ impl WorkspaceFs {
         if node.opens > 0 {
             return Ok(());
         }
-        if let Some(inode) = node
-            .open
-            .as_ref()
-            .filter(|of| of.dirty)
-            .map(|of| of.inode.clone())
-        {
-            let mut tx = Batch::new(&inner.store)?;
-            tx.save(&inner.nodes, &inode)?;
-            tx.commit(&mut inner.nodes)?;
-        }
+        Self::write_back(inner, ino)?;
         if let Some(node) = inner.nodes.get_mut(&ino) {
             node.open = None;
         }
         Ok(())
+    }
+
+    /// Saves and commits a loaded file's pending attributes, bytes (inline) and dirty
+    /// windows; nothing when it has none or is not loaded.
+    fn write_back(inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        let inode = match inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
+            Some(of) if of.dirty => of.inode.clone(),
+            _ => return Ok(()),
+        };
+        let mut tx = Batch::new(&inner.store)?;
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)
     }
 
     /// A file that took a body only to be passed through (see `open_as`) and stayed small
@@ -1981,14 +1984,7 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
-        let inode = match inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
-            Some(of) if of.dirty => of.inode.clone(),
-            _ => return Ok(()),
-        };
-        let mut tx = Batch::new(&inner.store)?;
-        tx.save(&inner.nodes, &inode)?;
-        tx.commit(&mut inner.nodes)?;
-        Ok(())
+        Self::write_back(inner, ino)
     }
 
     /// Closes a file handle; returns whether it was a passthrough handle.
@@ -2517,20 +2513,12 @@ impl WorkspaceFs {
     /// Final step before unmount: sync everything and fold the WAL into the database.
     pub fn shutdown(&self) -> FsResult<()> {
         self.sync_all()?;
-        // Finish removing discarded bodies before the state dir is handed on.
+        // No new pool files from here on.
         self.pool.stop_filler();
-        if let Some(t) = self.filler.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = t.join();
-        }
+        join_thread(&self.filler);
+        // Finish removing discarded bodies before the state dir is handed on.
         self.lock().discard.take();
-        if let Some(t) = self
-            .discarder
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            let _ = t.join();
-        }
+        join_thread(&self.discarder);
         let mut guard = self.lock();
         guard.commit_group(self.opts.chunk_size)?;
         guard.store.checkpoint()?;
