@@ -2,6 +2,8 @@
 //! model (create / write at offset / copy_file_range / truncate / rename / link / unlink / mkdir / rmdir /
 //! chmod / xattr / fsync / remount) compared against an in-memory model after every step.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -120,10 +122,9 @@ fn new_files_with_passthrough_open_modes() {
     // The pool fills itself at mount, off the request path; wait for it, so the counts
     // below are exact.
     let filled = |want: usize| {
-        let t0 = std::time::Instant::now();
-        while pooled() != want && t0.elapsed() < std::time::Duration::from_secs(20) {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        common::poll_for(std::time::Duration::from_secs(20), || {
+            (pooled() == want).then_some(())
+        });
         assert_eq!(pooled(), want, "the pool holds {want} files");
     };
 

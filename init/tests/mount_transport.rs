@@ -270,6 +270,40 @@ fn ring_policies(pid: u32) -> Vec<u32> {
 }
 
 /// Waits (bounded) until every ring thread of `k` has `policy`; false if they never did.
+/// Runs `load` over and over on `threads` threads until the ring threads of `k` are all in
+/// the normal class (at most 10 s), then `meanwhile`, then stops the load; returns whether
+/// they got there.
+fn ring_threads_go_normal_under(
+    k: &common::Keel,
+    threads: usize,
+    load: fn(),
+    meanwhile: impl FnOnce(),
+) -> bool {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..threads)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    load();
+                }
+            })
+        })
+        .collect();
+    let reached = ring_threads_reach(
+        k,
+        libc::SCHED_OTHER as u32,
+        std::time::Duration::from_secs(10),
+    );
+    meanwhile();
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+    reached
+}
+
 fn ring_threads_reach(k: &common::Keel, policy: u32, within: std::time::Duration) -> bool {
     let reached = common::poll_for(within, || {
         let p = ring_policies(k.pid());
@@ -298,25 +332,11 @@ fn ring_threads_leave_the_idle_class_while_the_cpus_are_busy() {
         ring_threads_reach(&k, libc::SCHED_IDLE as u32, secs(30)),
         "idle CPUs, but the ring threads are not in the idle class"
     );
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let hogs: Vec<_> = (0..cpus() + 1)
-        .map(|_| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            })
-        })
-        .collect();
-    let went_normal = ring_threads_reach(&k, libc::SCHED_OTHER as u32, secs(10));
-    // The workspace keeps serving while they switch.
-    fs::write(k.p("busy"), b"served").unwrap();
-    assert_eq!(fs::read(k.p("busy")).unwrap(), b"served");
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    for h in hogs {
-        h.join().unwrap();
-    }
+    let went_normal = ring_threads_go_normal_under(&k, cpus() + 1, std::hint::spin_loop, || {
+        // The workspace keeps serving while they switch.
+        fs::write(k.p("busy"), b"served").unwrap();
+        assert_eq!(fs::read(k.p("busy")).unwrap(), b"served");
+    });
     assert!(
         went_normal,
         "every CPU busy, but the ring threads stayed idle-class"
@@ -328,19 +348,11 @@ fn ring_threads_leave_the_idle_class_while_the_cpus_are_busy() {
 
     // Programs started in quick succession (a shell loop) count as busy too, while the
     // CPUs keep most of their idle time: one at a time, with a pause after each.
-    stop.store(false, std::sync::atomic::Ordering::Relaxed);
-    let spawner = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let _ = std::process::Command::new("true").status();
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-        })
-    };
-    let went_normal = ring_threads_reach(&k, libc::SCHED_OTHER as u32, secs(10));
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    spawner.join().unwrap();
+    fn start_true() {
+        let _ = std::process::Command::new("true").status();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let went_normal = ring_threads_go_normal_under(&k, 1, start_true, || {});
     assert!(
         went_normal,
         "hundreds of processes a second, but the ring threads stayed idle-class"
