@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # fs-bench: the filesystem benchmark of issue 2, run against several targets in the same run.
 #
-#   script/fs-bench.sh [--short] [--reps N] [--only REGEX] [--out FILE] [TARGET...]
+#   script/fs-bench.sh [--short] [--reps N] [--only REGEX] [--out FILE] [--floor] [TARGET...]
 #
 # TARGETs (default: keel ext4 tmpfs, plus juicefs when the `juicefs` binary is installed):
 #   keel     a `keel mount` started here on a fresh state dir under BENCH_DIR (same disk as ext4)
@@ -20,6 +20,15 @@
 #
 # --short: 1 repetition, no warm-up, small sizes: only checks that the script works (CI).
 # --only REGEX: run only the scenarios whose name matches (grep -E), e.g. 'create|rm|git'.
+# --floor (needs the targets keel, ext4 and tmpfs, and tracefs): a second table, the least time
+#   keel could take per scenario however fast it answered. It measures one FUSE round trip (a
+#   statx with AT_STATX_FORCE_SYNC in a loop: one GETATTR each on keel, the bare syscall on
+#   ext4; the difference is the round trip), runs each scenario once more on keel counting its
+#   FUSE requests (tracefs fuse:fuse_request_send, keel's connection only), and prints
+#   the faster of tmpfs and ext4 + waited-for requests x round trip: the same syscalls on the
+#   faster local filesystem, plus the protocol keel cannot skip (which requests are sent is the
+#   kernel's choice, given keel's mount options). RELEASE, RELEASEDIR, FORGET and INTERRUPT are
+#   not waited for.
 # Environment: BENCH_DIR (default REPO/.bench), KEEL_BIN, KEEL_ARGS (extra `keel mount` options).
 # Needs root (mounts, drop_caches), git, npm, python3.
 set -uo pipefail
@@ -30,14 +39,15 @@ export KEEL_BIN
 BENCH_DIR=${BENCH_DIR:-$REPO/.bench}
 KEEL_ARGS=${KEEL_ARGS:-}
 
-SHORT=0 REPS=3 OUT='' ONLY='' TARGETS=()
+SHORT=0 REPS=3 OUT='' ONLY='' FLOOR=0 TARGETS=()
 while [ $# -gt 0 ]; do
     case $1 in
         --short) SHORT=1; shift ;;
         --reps) REPS=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
         --only) ONLY=$2; shift 2 ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        --floor) FLOOR=1; shift ;;
+        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
         -*) echo "fs-bench: unknown option $1" >&2; exit 2 ;;
         *) TARGETS+=("$1"); shift ;;
     esac
@@ -52,6 +62,16 @@ else
     WARMUP=1 MB=64 N=1000 TREE=10 GITN=100 CLONEN=300
 fi
 [ "$(id -u)" = 0 ] || { echo "fs-bench: needs root (mounts, drop_caches)" >&2; exit 1; }
+TRACE=/sys/kernel/tracing
+SEND=$TRACE/events/fuse/fuse_request_send
+if [ "$FLOOR" = 1 ]; then
+    for t in keel ext4 tmpfs; do
+        [[ " ${TARGETS[*]} " == *" $t "* ]] || { echo "fs-bench: --floor needs the target $t" >&2; exit 2; }
+    done
+    [ -e "$SEND/enable" ] || mount -t tracefs nodev "$TRACE" 2>/dev/null
+    [ -e "$SEND/enable" ] ||
+        { echo "fs-bench: --floor needs tracefs with the fuse:fuse_request_send event at $TRACE" >&2; exit 1; }
+fi
 for tool in git npm python3 shuf; do
     command -v "$tool" >/dev/null || { echo "fs-bench: needs $tool" >&2; exit 1; }
 done
@@ -73,6 +93,7 @@ cleanup() {
             juicefs) juicefs umount "$RUN/juicefs" >/dev/null 2>&1 || umount -l "$RUN/juicefs" 2>/dev/null ;;
         esac
     done
+    [ "$FLOOR" = 0 ] || { echo 0 >"$SEND/enable"; echo 0 >"$SEND/filter"; } 2>/dev/null
     rm -rf "$RUN" "$SRC"
 }
 
@@ -171,9 +192,27 @@ fi
 
 drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 
-# run_one SCENARIO_INDEX TARGET REP -> prints elapsed ms, or returns 1
+# trace_start / trace_stop: record the FUSE requests of keel's connection only; trace_stop
+# prints "requests<TAB>waited-for requests" and fails if the trace buffer lost events.
+trace_start() {
+    echo 0 >"$TRACE/tracing_on" && : >"$TRACE/trace" &&
+        echo "connection == $(stat -c %d "${ROOT[keel]}")" >"$SEND/filter" &&
+        echo 1 >"$SEND/enable" && echo 1 >"$TRACE/tracing_on"
+}
+trace_stop() {
+    echo 0 >"$TRACE/tracing_on"
+    echo 0 >"$SEND/enable"
+    echo 0 >"$SEND/filter"
+    awk '/^# entries-in-buffer/ { split($3, n, "/"); if (n[1] != n[2]) lost = 1 }
+         /fuse_request_send:/ { all++; if (!/\((FUSE_RELEASE|FUSE_RELEASEDIR|FUSE_FORGET|FUSE_BATCH_FORGET|FUSE_INTERRUPT)\)/) waited++ }
+         END { if (lost) { print "fs-bench: the trace buffer lost events" > "/dev/stderr"; exit 1 }
+               printf "%d\t%d\n", all, waited }' "$TRACE/trace"
+}
+
+# run_one SCENARIO_INDEX TARGET REP [trace] -> prints elapsed ms (and, with `trace`, the
+# request counts of trace_stop after a tab), or returns 1
 run_one() {
-    local spec=${SCENARIOS[$1]} t=$2 rep=$3
+    local spec=${SCENARIOS[$1]} t=$2 rep=$3 trace=${4:-}
     local name=${spec%%|*} rest=${spec#*|}
     local prep=${rest%%|*} timed=${rest#*|}
     local d="${ROOT[$t]}/s$1-r$rep"
@@ -182,18 +221,41 @@ run_one() {
         (cd "$d" && eval "$prep") >/dev/null 2>&1 || { echo "prep failed: $name on $t" >&2; return 1; }
     fi
     if [[ $name == cold* ]]; then drop_caches; else sync; fi
-    local t0 t1 rc
+    local t0 t1 rc counts=''
+    [ -z "$trace" ] || trace_start || return 1
     t0=$EPOCHREALTIME
     (cd "$d" && eval "$timed") >"$RUN/last.out" 2>&1
     rc=$?
     t1=$EPOCHREALTIME
+    if [ -n "$trace" ]; then counts=$(trace_stop) || return 1; fi
     if [ "$rc" != 0 ]; then
         echo "FAILED: $name on $t (exit $rc):" >&2
         tail -n 5 "$RUN/last.out" >&2
         return 1
     fi
     rm -rf "$d"
-    awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f\n", (b - a) * 1000 }'
+    awk -v a="$t0" -v b="$t1" -v c="$counts" 'BEGIN { printf "%.1f%s\n", (b - a) * 1000, c == "" ? "" : "\t" c }'
+}
+
+# round_trip DIR -> median over 5 runs of the mean microseconds of one
+# statx(AT_STATX_FORCE_SYNC) of a file in DIR (20,000 calls a run)
+round_trip() {
+    python3 - "$1" <<'EOF'
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(256)
+path = os.path.join(sys.argv[1], "round-trip").encode()
+open(path, "wb").close()
+statx, runs, n = libc.statx, [], 20000
+for _ in range(5):
+    t = time.perf_counter()
+    for _ in range(n):
+        if statx(-100, path, 0x2000, 0x7FF, buf) != 0:  # AT_FDCWD, AT_STATX_FORCE_SYNC
+            sys.exit(f"fs-bench: statx failed: {os.strerror(ctypes.get_errno())}")
+    runs.append((time.perf_counter() - t) / n * 1e6)
+os.unlink(path)
+print(f"{sorted(runs)[2]:.2f}")
+EOF
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +300,21 @@ for ((rep = 0; rep < total; rep++)); do
     done
 done
 
+# The floor: one round trip on keel and ext4, then each scenario once more on keel, traced.
+FLOORS=$RUN/floor.tsv
+if [ "$FLOOR" = 1 ]; then
+    if [ -n "${ROOT[keel]:-}" ] && [ -n "${ROOT[ext4]:-}" ] && [ -n "${ROOT[tmpfs]:-}" ]; then
+        echo "fs-bench: --floor: round trips, then each scenario traced once on keel" >&2
+        { printf 'rtt\t%s\t%s\n' "$(round_trip "${ROOT[keel]}")" "$(round_trip "${ROOT[ext4]}")"
+          for i in "${!SCENARIOS[@]}"; do
+              if c=$(run_one "$i" keel floor trace); then printf '%s\t%s\n' "$i" "$c"; else FAILED=1; fi
+          done; } >"$FLOORS"
+    else
+        echo "fs-bench: --floor: keel, ext4 and tmpfs must all be set up" >&2
+        FAILED=1
+    fi
+fi
+
 NAMES=$RUN/names
 for i in "${!SCENARIOS[@]}"; do printf '%s\t%s\n' "$i" "${SCENARIOS[$i]%%|*}"; done >"$NAMES"
 python3 - "$SAMPLES" "$NAMES" "${TARGETS[@]}" <<'EOF'
@@ -267,6 +344,34 @@ for i in sorted(name, key=int):
     for b in ratios:
         cells.append(f"{med['keel'] / med[b]:.2f}x" if "keel" in med and med.get(b) else "-")
     print("| " + " | ".join(cells) + " |")
+EOF
+[ ! -s "$FLOORS" ] || python3 - "$SAMPLES" "$NAMES" "$FLOORS" <<'EOF'
+import statistics, sys
+samples, names, floors = sys.argv[1:]
+name = dict(l.rstrip("\n").split("\t", 1) for l in open(names))
+data = {}
+for line in open(samples):
+    i, t, ms = line.rstrip("\n").split("\t")
+    if ms != "FAILED":
+        data.setdefault((i, t), []).append(float(ms))
+med = {k: statistics.median(v) for k, v in data.items()}
+rows = [l.rstrip("\n").split("\t") for l in open(floors)]
+keel_rtt, ext4_rtt = float(rows[0][1]), float(rows[0][2])
+rtt = keel_rtt - ext4_rtt
+print()
+print(f"The floor: one FUSE round trip = {keel_rtt:.2f} us (statx forcing a GETATTR on keel) - "
+      f"{ext4_rtt:.2f} us (the same statx on ext4) = **{rtt:.2f} us**. "
+      "floor = the faster of tmpfs and ext4 + waited-for requests x round trip.")
+print()
+print("| scenario | keel FUSE requests | waited for | floor ms | ext4 ms | floor/ext4 | keel ms | keel/floor |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|")
+for i, _traced_ms, total, waited in rows[1:]:
+    tmpfs, ext4, keel = (med.get((i, t)) for t in ("tmpfs", "ext4", "keel"))
+    if tmpfs is None or ext4 is None or keel is None:
+        continue
+    floor = min(tmpfs, ext4) + int(waited) * rtt / 1000
+    print(f"| {name[i]} | {int(total)} | {int(waited)} | {floor:.1f} | {ext4:.1f} | "
+          f"{floor / ext4:.2f}x | {keel:.1f} | {keel / floor:.2f}x |")
 EOF
 if [ -n "$OUT" ]; then
     { cat "$RUN/header"; cat "$SAMPLES"; } >"$OUT"
