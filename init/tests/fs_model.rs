@@ -119,17 +119,19 @@ fn new_files_with_passthrough_open_modes() {
         a.inode.ino
     }
 
-    // The pool fills itself at mount, off the request path; wait for it, so the counts
-    // below are exact.
-    let filled = |want: usize| {
+    // The pool fills itself at mount, off the request path; wait until the filler is done
+    // (it counts a file as free only after making it, and stops at `want` free), so the
+    // counts below are exact.
+    let filled = |fs: &WorkspaceFs, want: usize| {
         common::poll_for(std::time::Duration::from_secs(20), || {
-            (pooled() == want).then_some(())
+            (fs.pooled_bodies() == want).then_some(())
         });
-        assert_eq!(pooled(), want, "the pool holds {want} files");
+        assert_eq!(fs.pooled_bodies(), want, "the pool holds {want} free files");
+        assert_eq!(pooled(), want, "the pool directory holds {want} files");
     };
 
     let fs = open();
-    filled(POOL_FILL);
+    filled(&fs, POOL_FILL);
     let small = created(&fs, b"small", &[1u8; 30]);
     let a = fs.getattr(small).unwrap().inode;
     assert_eq!(
@@ -200,7 +202,9 @@ fn new_write_only_file_unlinked_while_open() {
     fs.release(fh).unwrap();
     fs.forget(a.inode.ino, 1);
     assert!(matches!(fs.getattr(a.inode.ino), Err(FsError::NotFound)));
-    fs.sync_all().unwrap();
+    // Bodies of deleted files are removed off the request path; shutdown (what an unmount
+    // runs) waits for that.
+    fs.shutdown().unwrap();
     drop(fs);
     let bodies: Vec<_> = (0..=255u32)
         .flat_map(|s| std::fs::read_dir(dir.path().join(format!("bodies/{s:02x}"))).unwrap())
@@ -244,21 +248,26 @@ fn closed_files_stay_loaded_within_a_bound_and_never_past_their_unlink() {
     for &i in [0, n - 1].iter() {
         assert_eq!(read_all(&fs, inos[i]), vec![i as u8; 1000]);
     }
-    // Unlinked, a closed file lets go of its body at once.
+    // Unlinked, a closed file lets go of its body at once; the body file itself goes to
+    // the pool once the deletion is committed, on the discard thread (which holds it open
+    // while it empties it), so that part is waited for.
     let last = *inos.last().unwrap();
     fs.unlink(InodeNo::ROOT, format!("f{}", n - 1).as_bytes())
         .unwrap();
     assert!(matches!(fs.getattr(last), Err(FsError::NotFound)));
     fs.sync_all().unwrap();
-    assert_eq!(
-        body_fds(dir.path()),
-        held - 1,
-        "the unlinked body is closed"
-    );
     let at_name = dir
         .path()
         .join(format!("bodies/{:02x}/{:x}", last.0 & 0xff, last.0));
-    assert!(!at_name.exists(), "the unlinked body is gone from its name");
+    let settled = common::poll_for(std::time::Duration::from_secs(20), || {
+        (!at_name.exists() && body_fds(dir.path()) == held - 1).then_some(())
+    });
+    assert!(
+        settled.is_some(),
+        "the unlinked body is closed and gone from its name: {} bodies open, at its name: {}",
+        body_fds(dir.path()),
+        at_name.exists()
+    );
     // Forgotten, the others are dropped too.
     for &ino in &inos[..n - 1] {
         fs.forget(ino, 1);

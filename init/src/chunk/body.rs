@@ -134,6 +134,8 @@ pub struct BodyPool {
     recycled: Condvar,
     /// Signalled when the pool runs low, or the filler is to stop.
     filler: Condvar,
+    /// Held through `recycle_released`: one call at a time.
+    recycler: Mutex<()>,
 }
 
 #[derive(Debug, Default)]
@@ -202,6 +204,7 @@ impl BodyPool {
             }),
             recycled: Condvar::new(),
             filler: Condvar::new(),
+            recycler: Mutex::new(()),
         })
     }
 
@@ -328,8 +331,11 @@ impl BodyPool {
 
     /// Gives the released bodies to the pool, off the request path. `create` waits for a
     /// body being recycled, so it either takes its body back before or finds it gone after.
-    /// Slots given back unrenamed are emptied here too.
+    /// Slots given back unrenamed are emptied here too. Calls run one at a time, so when one
+    /// returns, every body released before it began is in the pool, including those a
+    /// concurrent call (the committer's, while `shutdown` calls) was still moving.
     pub fn recycle_released(&self) {
+        let _one = self.recycler.lock().unwrap_or_else(|p| p.into_inner());
         let returned = std::mem::take(&mut self.lock().returned);
         for n in returned {
             let emptied = OpenOptions::new()
@@ -557,6 +563,31 @@ mod tests {
         pool.release_held();
         pool.recycle_released();
         assert!(store.stat(5).unwrap().is_none());
+        assert_eq!(pool.len(), 1);
+    }
+
+    #[test]
+    fn a_second_recycler_returns_only_after_the_one_in_flight() {
+        let (_d, store, pool) = setup(8);
+        let pool = std::sync::Arc::new(pool);
+        body_with(&pool, 3, b"abc");
+        pool.hold(3);
+        pool.release_held();
+        // A call in flight (the committer's) holds the recycler; this one (shutdown's)
+        // must wait for it rather than find nothing to do and return.
+        let in_flight = pool.recycler.lock().unwrap();
+        let second = {
+            let pool = pool.clone();
+            std::thread::spawn(move || pool.recycle_released())
+        };
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(
+            !second.is_finished(),
+            "returned while another call was recycling"
+        );
+        drop(in_flight);
+        second.join().unwrap();
+        assert!(store.stat(3).unwrap().is_none(), "moved out of its name");
         assert_eq!(pool.len(), 1);
     }
 

@@ -2510,6 +2510,12 @@ impl WorkspaceFs {
         Ok(())
     }
 
+    /// Empty body files the pool holds ready for new files (the filler keeps at least
+    /// `POOL_LOW` of them; files it is still making are not counted).
+    pub fn pooled_bodies(&self) -> usize {
+        self.pool.len()
+    }
+
     /// Final step before unmount: sync everything and fold the WAL into the database.
     pub fn shutdown(&self) -> FsResult<()> {
         self.sync_all()?;
