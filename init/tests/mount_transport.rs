@@ -269,7 +269,6 @@ fn ring_policies(pid: u32) -> Vec<u32> {
     out
 }
 
-/// Waits (bounded) until every ring thread of `k` has `policy`; false if they never did.
 /// Runs `load` over and over on `threads` threads until the ring threads of `k` are all in
 /// the normal class (at most 10 s), then `meanwhile`, then stops the load; returns whether
 /// they got there.
@@ -304,6 +303,7 @@ fn ring_threads_go_normal_under(
     reached
 }
 
+/// Waits (bounded) until every ring thread of `k` has `policy`; false if they never did.
 fn ring_threads_reach(k: &common::Keel, policy: u32, within: std::time::Duration) -> bool {
     let reached = common::poll_for(within, || {
         let p = ring_policies(k.pid());
