@@ -317,9 +317,9 @@ fi
 
 NAMES=$RUN/names
 for i in "${!SCENARIOS[@]}"; do printf '%s\t%s\n' "$i" "${SCENARIOS[$i]%%|*}"; done >"$NAMES"
-python3 - "$SAMPLES" "$NAMES" "${TARGETS[@]}" <<'EOF'
-import statistics, sys
-samples, names, targets = sys.argv[1], sys.argv[2], sys.argv[3:]
+python3 - "$SAMPLES" "$NAMES" "$FLOORS" "${TARGETS[@]}" <<'EOF'
+import os, statistics, sys
+samples, names, floors, targets = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 name = dict(l.rstrip("\n").split("\t", 1) for l in open(names))
 data, failed = {}, set()
 for line in open(samples):
@@ -344,34 +344,25 @@ for i in sorted(name, key=int):
     for b in ratios:
         cells.append(f"{med['keel'] / med[b]:.2f}x" if "keel" in med and med.get(b) else "-")
     print("| " + " | ".join(cells) + " |")
-EOF
-[ ! -s "$FLOORS" ] || python3 - "$SAMPLES" "$NAMES" "$FLOORS" <<'EOF'
-import statistics, sys
-samples, names, floors = sys.argv[1:]
-name = dict(l.rstrip("\n").split("\t", 1) for l in open(names))
-data = {}
-for line in open(samples):
-    i, t, ms = line.rstrip("\n").split("\t")
-    if ms != "FAILED":
-        data.setdefault((i, t), []).append(float(ms))
-med = {k: statistics.median(v) for k, v in data.items()}
-rows = [l.rstrip("\n").split("\t") for l in open(floors)]
-keel_rtt, ext4_rtt = float(rows[0][1]), float(rows[0][2])
-rtt = keel_rtt - ext4_rtt
-print()
-print(f"The floor: one FUSE round trip = {keel_rtt:.2f} us (statx forcing a GETATTR on keel) - "
-      f"{ext4_rtt:.2f} us (the same statx on ext4) = **{rtt:.2f} us**. "
-      "floor = the faster of tmpfs and ext4 + waited-for requests x round trip.")
-print()
-print("| scenario | keel FUSE requests | waited for | floor ms | ext4 ms | floor/ext4 | keel ms | keel/floor |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|")
-for i, _traced_ms, total, waited in rows[1:]:
-    tmpfs, ext4, keel = (med.get((i, t)) for t in ("tmpfs", "ext4", "keel"))
-    if tmpfs is None or ext4 is None or keel is None:
-        continue
-    floor = min(tmpfs, ext4) + int(waited) * rtt / 1000
-    print(f"| {name[i]} | {int(total)} | {int(waited)} | {floor:.1f} | {ext4:.1f} | "
-          f"{floor / ext4:.2f}x | {keel:.1f} | {keel / floor:.2f}x |")
+if os.path.exists(floors) and os.path.getsize(floors):
+    medians = {k: statistics.median(v) for k, v in data.items()}
+    rows = [l.rstrip("\n").split("\t") for l in open(floors)]
+    keel_rtt, ext4_rtt = float(rows[0][1]), float(rows[0][2])
+    rtt = keel_rtt - ext4_rtt
+    print()
+    print(f"The floor: one FUSE round trip = {keel_rtt:.2f} us (statx forcing a GETATTR on keel) - "
+          f"{ext4_rtt:.2f} us (the same statx on ext4) = **{rtt:.2f} us**. "
+          "floor = the faster of tmpfs and ext4 + waited-for requests x round trip.")
+    print()
+    print("| scenario | keel FUSE requests | waited for | floor ms | ext4 ms | floor/ext4 | keel ms | keel/floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for i, _traced_ms, total, waited in rows[1:]:
+        tmpfs, ext4, keel = (medians.get((i, t)) for t in ("tmpfs", "ext4", "keel"))
+        if tmpfs is None or ext4 is None or keel is None:
+            continue
+        floor = min(tmpfs, ext4) + int(waited) * rtt / 1000
+        print(f"| {name[i]} | {int(total)} | {int(waited)} | {floor:.1f} | {ext4:.1f} | "
+              f"{floor / ext4:.2f}x | {keel:.1f} | {keel / floor:.2f}x |")
 EOF
 if [ -n "$OUT" ]; then
     { cat "$RUN/header"; cat "$SAMPLES"; } >"$OUT"
