@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
@@ -17,18 +17,27 @@ pub enum BodyError {
     CreateDir { path: PathBuf, source: io::Error },
 }
 
+/// Creates `path` and missing parents with mode 0700: bodies hold workspace bytes, which
+/// only keel may read whatever the umask.
+fn private_dir(path: &Path) -> io::Result<()> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(path)
+}
+
 #[derive(Debug, Clone)]
 pub struct BodyStore {
     root: PathBuf,
 }
 
 impl BodyStore {
-    /// Opens the store rooted at `root`, creating its shard directories.
+    /// Opens the store rooted at `root`, creating its shard directories (0700, like `root`
+    /// if it is missing; every body file is 0600).
     pub fn open(root: &Path) -> Result<BodyStore, BodyError> {
         for shard in 0..=255u32 {
             let p = root.join(format!("{shard:02x}"));
-            std::fs::create_dir_all(&p)
-                .map_err(|source| BodyError::CreateDir { path: p, source })?;
+            private_dir(&p).map_err(|source| BodyError::CreateDir { path: p, source })?;
         }
         Ok(BodyStore {
             root: root.to_path_buf(),
@@ -181,7 +190,7 @@ impl BodyPool {
             path: dir.clone(),
             source,
         };
-        std::fs::create_dir_all(&dir).map_err(create_err)?;
+        private_dir(&dir).map_err(create_err)?;
         let mut free = Vec::new();
         for e in std::fs::read_dir(&dir).map_err(create_err)? {
             let e = e.map_err(create_err)?;

@@ -1,10 +1,11 @@
 //! A small preallocated file in the state dir that keeps room for metadata when the
 //! volume fills up: deleting files must still work on a full disk, and deleting needs a
 //! SQLite commit. Released when a commit fails for lack of space, refilled once there is
-//! room again.
+//! room again. Created 0600, like every file in the state dir.
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -38,6 +39,7 @@ impl Reserve {
             .write(true)
             .create(true)
             .truncate(false)
+            .mode(0o600)
             .open(&self.path)?;
         match sys::file::fallocate(&f, 0, 0, self.size) {
             Ok(()) => {

@@ -126,6 +126,11 @@ pub enum MetaError {
     Foreign { path: String, reason: String },
     #[error("database: {0}")]
     Sql(#[from] rusqlite::Error),
+    #[error("make database {path} private (0600): {source}")]
+    Private {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("corrupt row for inode {0}: {1}")]
     Corrupt(u64, String),
 }
@@ -256,7 +261,10 @@ impl Store {
     /// Opens (creating when absent) the database at `path` and checks it is keel's.
     pub fn open(path: &Path, now: Nanos) -> Result<Store> {
         let p = path.display().to_string();
-        let existed = path.exists();
+        let existed = make_private(path).map_err(|e| MetaError::Private {
+            path: p.clone(),
+            source: e,
+        })?;
         let conn = Connection::open(path).map_err(|source| MetaError::Open {
             path: p.clone(),
             source,
@@ -469,6 +477,54 @@ impl Store {
         }
         Ok(out)
     }
+}
+
+/// Makes the database at `path` private before SQLite opens it: a new one is created empty
+/// with mode 0600 (SQLite would make it 0644 minus the umask), and SQLite gives the `-wal`
+/// and `-shm` files it creates the database file's mode; an existing database or WAL/SHM
+/// with a looser mode (an older keel) is made 0600. Returns whether the database held
+/// anything (an empty file is what this function left when the open that followed failed).
+fn make_private(path: &Path) -> std::io::Result<bool> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+    const MODE: u32 = 0o600;
+    let tighten = |p: &Path| -> std::io::Result<Option<u64>> {
+        match std::fs::symlink_metadata(p) {
+            Ok(m) => {
+                if m.mode() & 0o7077 != 0 && m.file_type().is_file() {
+                    std::fs::set_permissions(p, std::fs::Permissions::from_mode(MODE))?;
+                }
+                Ok(Some(m.len()))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    };
+    let db_len = match tighten(path)? {
+        Some(n) => n,
+        None => {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(MODE)
+                .open(path)
+            {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(e),
+            }
+            0
+        }
+    };
+    let mut wal_len = 0;
+    for suffix in ["-wal", "-shm"] {
+        let mut side = path.as_os_str().to_owned();
+        side.push(suffix);
+        let len = tighten(Path::new(&side))?;
+        if suffix == "-wal" {
+            wal_len = len.unwrap_or(0);
+        }
+    }
+    Ok(db_len > 0 || wal_len > 0)
 }
 
 fn classify_open_error(path: &str, e: rusqlite::Error) -> MetaError {

@@ -172,6 +172,11 @@ pub enum StartError {
 /// anything reads or writes the remote, then give an empty state dir the remote's latest
 /// snapshot (`restore_on_start`). The lease is released on drop unless taken out of it.
 pub fn lease_and_restore(cfg: &Config) -> Result<super::lease::ReleaseOnDrop, StartError> {
+    // Private before anything is written there; a dir that cannot be made is reported by
+    // the steps that need it.
+    if let Err(e) = super::secure_at_start(&cfg.workspace.state_dir, Some(&cfg.persist)) {
+        tracing::warn!(state = %cfg.workspace.state_dir.display(), error = %e, "cannot make the state dir private");
+    }
     let lease = super::lease::ReleaseOnDrop::new(super::acquire_lease(
         &cfg.workspace.state_dir,
         &cfg.persist,
@@ -238,7 +243,7 @@ fn restore_mode(cfg: &Config, repo: &mut Repo) -> restore::RestoreMode {
 
 /// Locks a state dir that no running keel holds.
 fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> {
-    std::fs::create_dir_all(state).map_err(|e| format!("{}: {e}", state.display()))?;
+    super::private::create_dir_all(state).map_err(|e| format!("{}: {e}", state.display()))?;
     sys::file::try_lock(&state.join("lock"))
         .map_err(|e| format!("lock {}: {e}", state.display()))?
         .ok_or_else(|| {

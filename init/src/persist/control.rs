@@ -4,7 +4,9 @@
 //! (`checkpoint`, `checkpoint full`, `gc`, `status`, `mount-point`) with one line, `ok <text>` or
 //! `error <text>`. `keel checkpoint` and `keel gc` use it to reach a mounted workspace.
 
+use std::fs::Permissions;
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -84,6 +86,8 @@ impl Server {
             std::fs::remove_file(path)?;
         }
         let listener = UnixListener::bind(path)?;
+        // Private like everything in the state dir (bind leaves 0777 minus the umask).
+        std::fs::set_permissions(path, Permissions::from_mode(super::private::FILE_MODE))?;
         let stop = Arc::new(AtomicBool::new(false));
         let s2 = stop.clone();
         let t = std::thread::Builder::new()

@@ -4,8 +4,9 @@
 //! dir, garbage collection with snapshot retention, `fsck` of a state dir and its remote, and
 //! the background service (periodic checkpoints, the control socket, the final checkpoint
 //! at shutdown), and the single-writer lease that fences every head write; remote requests
-//! retry temporary failures within the caller's deadline. Depends on `meta` and `chunk`,
-//! never on `workspace`.
+//! retry temporary failures within the caller's deadline. Everything it keeps on disk (state
+//! dir, `file://` remote) is private to keel's user: 0700 directories, 0600 files (`private`).
+//! Depends on `meta` and `chunk`, never on `workspace`.
 
 pub mod checkpoint;
 pub mod cli;
@@ -17,6 +18,7 @@ pub mod gc;
 pub mod hydrate;
 pub mod lease;
 pub mod objstore;
+pub mod private;
 pub mod remote;
 pub mod repo;
 pub mod restore;
@@ -59,6 +61,29 @@ pub fn open_remote(url: &str, cfg: &PersistConfig) -> Result<Repo, RemoteError> 
     Ok(Repo::new(r, prefix))
 }
 
+/// Makes the state dir private at start, and a local `file://` remote when it exists (one
+/// that does not is created 0700 when first opened): created 0700, and tightened with one
+/// log line each when an older keel or a volume driver left them with looser modes (see
+/// [`private`]).
+pub fn secure_at_start(state_dir: &Path, cfg: Option<&PersistConfig>) -> std::io::Result<()> {
+    private::secure_dir(state_dir, "state dir")?;
+    if let Some(url) = cfg.and_then(|c| c.remote_url(state_dir)) {
+        secure_remote(&url)?;
+    }
+    Ok(())
+}
+
+/// Tightens the `file://` remote at `url` if it exists and its root is loose (see
+/// [`private::secure_dir`]); other remotes are left alone.
+pub fn secure_remote(url: &str) -> std::io::Result<()> {
+    match url.strip_prefix("file://").map(Path::new) {
+        Some(root) if root.is_absolute() && root.is_dir() => {
+            private::secure_dir(root, "file:// remote").map(|_| ())
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The file in the state dir that remembers the holder id of the lease its keel took, so a
 /// keel restarted on the same state dir after a crash takes its own lease back at once.
 pub const LEASE_HOLDER_FILE: &str = "lease.holder";
@@ -91,8 +116,8 @@ pub fn acquire_lease(
         reclaim.as_deref(),
     )?;
     let holder = l.holder_id();
-    let written = std::fs::create_dir_all(state_dir)
-        .and_then(|()| std::fs::write(state_dir.join(LEASE_HOLDER_FILE), holder.as_bytes()));
+    let written = private::create_dir_all(state_dir)
+        .and_then(|()| private::write(&state_dir.join(LEASE_HOLDER_FILE), holder.as_bytes()));
     if let Err(e) = written {
         tracing::warn!(error = %e, "cannot record the lease holder in the state dir; after a crash the next start waits for the lease to expire");
     }

@@ -7,8 +7,9 @@
 //! Keys are `/`-separated paths relative to the store root (a bucket, or a directory).
 
 use std::collections::BTreeMap;
-use std::io;
+use std::io::{self, Write};
 use std::ops::Range;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -117,6 +118,10 @@ pub trait Remote: Send + Sync {
     fn flush(&self) -> RemoteResult<()> {
         Ok(())
     }
+    /// The local directory holding the objects (`file://`), for `keel fsck`'s mode check.
+    fn local_root(&self) -> Option<&Path> {
+        None
+    }
     /// Creates objects that may already exist (content-addressed): an existing object is
     /// left alone. Returns, in input order, whether each was actually written.
     fn put_many_absent(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
@@ -167,8 +172,10 @@ pub struct FsRemote {
 }
 
 impl FsRemote {
+    /// Opens the store at `root`, creating it (0700, like every directory below it; every
+    /// object is 0600) when absent.
     pub fn open(root: &Path) -> RemoteResult<FsRemote> {
-        std::fs::create_dir_all(root).map_err(|e| RemoteError::Open {
+        super::private::create_dir_all(root).map_err(|e| RemoteError::Open {
             url: format!("file://{}", root.display()),
             reason: e.to_string(),
         })?;
@@ -207,10 +214,27 @@ impl FsRemote {
 
     fn write_tmp(&self, path: &Path, key: &str, data: &[u8]) -> RemoteResult<PathBuf> {
         let dir = path.parent().expect("object path has a parent");
-        std::fs::create_dir_all(dir).map_err(|e| RemoteError::io("put", key, e))?;
+        super::private::create_dir_all(dir).map_err(|e| RemoteError::io("put", key, e))?;
         let n = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
         let tmp = dir.join(format!(".tmp.{}.{n}", std::process::id()));
-        std::fs::write(&tmp, data).map_err(|e| RemoteError::io("put", key, e))?;
+        // 0600 from the start: the rename (or link) keeps the temporary file's mode. A stale
+        // one of the same name (a crashed keel with the same pid) is replaced.
+        let create = || {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(super::private::FILE_MODE)
+                .open(&tmp)
+        };
+        let mut f = match create() {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                std::fs::remove_file(&tmp).and_then(|()| create())
+            }
+            r => r,
+        }
+        .map_err(|e| RemoteError::io("put", key, e))?;
+        f.write_all(data)
+            .map_err(|e| RemoteError::io("put", key, e))?;
         Ok(tmp)
     }
 }
@@ -336,6 +360,10 @@ impl Remote for FsRemote {
 
     fn flush(&self) -> RemoteResult<()> {
         sys::file::syncfs(&self.root).map_err(|e| RemoteError::io("sync", "", e))
+    }
+
+    fn local_root(&self) -> Option<&Path> {
+        Some(&self.root)
     }
 
     fn put_many_absent(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {
@@ -652,6 +680,10 @@ impl Remote for Counted {
 
     fn flush(&self) -> RemoteResult<()> {
         self.inner.flush()
+    }
+
+    fn local_root(&self) -> Option<&Path> {
+        self.inner.local_root()
     }
 
     fn put_many_absent(&self, items: Vec<(String, Bytes)>) -> RemoteResult<Vec<bool>> {

@@ -125,7 +125,7 @@ fn restore_inner(
         path: state_dir.to_path_buf(),
         reason,
     };
-    std::fs::create_dir_all(state_dir).map_err(|e| bad(e.to_string()))?;
+    super::private::secure_dir(state_dir, "state dir").map_err(|e| bad(e.to_string()))?;
     for e in std::fs::read_dir(state_dir)
         .map_err(|e| bad(e.to_string()))?
         .flatten()

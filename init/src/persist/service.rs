@@ -528,6 +528,10 @@ impl Service {
         let Some(url) = cfg.remote_url(state) else {
             return Ok(None);
         };
+        // A `file://` remote an older keel left readable is made private before it is used.
+        if let Err(e) = super::secure_remote(&url) {
+            tracing::warn!(remote = %url, error = %e, "cannot make the file:// remote private");
+        }
         let repo = super::open_remote(&url, cfg).map_err(|source| ServiceError::OpenRemote {
             url: url.clone(),
             source,

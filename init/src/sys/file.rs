@@ -59,14 +59,16 @@ pub struct LockFile {
     _lock: nix::fcntl::Flock<File>,
 }
 
-/// Takes an exclusive non-blocking `flock` on `path` (created if needed).
+/// Takes an exclusive non-blocking `flock` on `path` (created 0600 if needed).
 /// Returns `Ok(None)` when another process holds it.
 pub fn try_lock(path: &Path) -> io::Result<Option<LockFile>> {
+    use std::os::unix::fs::OpenOptionsExt;
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
+        .mode(0o600)
         .open(path)?;
     match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
         Ok(l) => Ok(Some(LockFile { _lock: l })),
