@@ -8,6 +8,9 @@
 //! snapshot chains decode; every chunk the head and the local state reference exists and
 //! (unless `quick`) hashes to its name.
 //!
+//! Modes: every file and directory of the state dir and of a local `file://` remote that
+//! group or others may access is a warning (`repair` makes it 0600/0700).
+//!
 //! Findings are errors (damage), warnings (leftovers of operations that were never
 //! acknowledged when keel was killed; harmless, fixed at the next mount or checkpoint) and
 //! notes. `repair` fixes what it can without losing data: it re-links unreachable inodes
@@ -23,6 +26,7 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::checkpoint::now_ns;
+use super::private;
 use super::remote::PutMode;
 use super::repo::Repo;
 use crate::chunk::chunker::{window_count, window_range};
@@ -104,9 +108,17 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
     if !state_dir.join("meta.db").exists() {
         return Err(bad("no meta.db: not a keel state dir".into()));
     }
+    let mut rep = FsckReport::default();
+    // Before anything opens a file: opening the database makes it private by itself.
+    check_modes(state_dir, "state dir", &mut rep, opts.repair);
+    if let Some(root) = opts.remote.as_ref().and_then(|r| r.remote.local_root()) {
+        // A remote inside the state dir was walked with it.
+        if !root.starts_with(state_dir) {
+            check_modes(root, "file:// remote", &mut rep, opts.repair);
+        }
+    }
     let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
     let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| bad(e.to_string()))?;
-    let mut rep = FsckReport::default();
     for p in store.integrity_check()? {
         rep.add(Level::Error, format!("sqlite integrity: {p}"), false);
     }
@@ -117,6 +129,71 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
     }
     rep.elapsed_s = t0.elapsed().as_secs_f64();
     Ok(rep)
+}
+
+/// Loose entries named one by one; past these, one summary line.
+const LOOSE_SHOWN: usize = 10;
+
+/// Warns about every file or directory under `root` that group or others may access (keel
+/// makes them 0600/0700, see `private`); `repair` makes them private.
+fn check_modes(root: &Path, what: &str, rep: &mut FsckReport, repair: bool) {
+    let loose = match private::loose_paths(root) {
+        Ok(l) => l,
+        Err(e) => {
+            rep.add(
+                Level::Warning,
+                format!("{what} {}: cannot check file modes: {e}", root.display()),
+                false,
+            );
+            return;
+        }
+    };
+    let mut rest_fixed = 0;
+    for (n, l) in loose.iter().enumerate() {
+        let done = repair
+            && match private::tighten(&l.path, l.is_dir) {
+                Ok(()) => true,
+                Err(e) => {
+                    rep.add(
+                        Level::Warning,
+                        format!("{}: cannot make it private: {e}", l.path.display()),
+                        false,
+                    );
+                    false
+                }
+            };
+        if n >= LOOSE_SHOWN {
+            rest_fixed += done as usize;
+        } else {
+            rep.add(
+                Level::Warning,
+                format!(
+                    "{what} {}: {} is group- or world-accessible (mode {:04o}; keel keeps {})",
+                    l.path.display(),
+                    if l.is_dir { "directory" } else { "file" },
+                    l.mode,
+                    if l.is_dir { "0700" } else { "0600" }
+                ),
+                done,
+            );
+        }
+    }
+    if loose.len() > LOOSE_SHOWN {
+        let rest = loose.len() - LOOSE_SHOWN;
+        rep.add(
+            Level::Warning,
+            format!(
+                "{what} {}: {rest} more group- or world-accessible files/dirs{}",
+                root.display(),
+                if repair {
+                    format!(" ({rest_fixed} made private)")
+                } else {
+                    String::new()
+                }
+            ),
+            repair && rest_fixed == rest,
+        );
+    }
 }
 
 fn check_tree(store: &Store, rep: &mut FsckReport, repair: bool) -> Result<(), FsckError> {

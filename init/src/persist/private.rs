@@ -151,7 +151,7 @@ pub struct Loose {
 }
 
 /// Every entry of the tree at `root` (the root included) that is group- or world-accessible,
-/// in walk order. Symlinks are not followed and other filesystems mounted below `root` are
+/// sorted by path. Symlinks are not followed and other filesystems mounted below `root` are
 /// not entered.
 pub fn loose_paths(root: &Path) -> io::Result<Vec<Loose>> {
     let meta = std::fs::metadata(root)?;
@@ -172,6 +172,7 @@ pub fn loose_paths(root: &Path) -> io::Result<Vec<Loose>> {
             });
         }
     })?;
+    out.sort_by(|a, b| a.path.cmp(&b.path));
     Ok(out)
 }
 
