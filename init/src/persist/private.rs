@@ -82,9 +82,14 @@ pub struct Tightened {
 /// as `what` ("state dir", "file:// remote"). `Ok(None)`: the root was private already,
 /// nothing was walked.
 pub fn secure_dir(root: &Path, what: &str) -> io::Result<Option<Tightened>> {
-    create_dir_all(root)?;
     // The root itself may be a symlink to the real directory: follow it (only the root).
-    let meta = std::fs::metadata(root)?;
+    let meta = match std::fs::metadata(root) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            create_dir_all(root)?;
+            std::fs::metadata(root)?
+        }
+        r => r?,
+    };
     if !meta.is_dir() {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
