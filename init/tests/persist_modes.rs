@@ -4,8 +4,9 @@
 //! checkpoints, fork, gc, eager and lazy restore, the body pool, the space reserves) and,
 //! with root and /dev/fuse, the `keel` binary (mount, writes through the kernel, `keel
 //! checkpoint` over the persist socket, stop, `keel gc`, `keel fork`, `keel snapshot
-//! restore`). Each tree is walked while keel has it open (so the WAL, SHM and sockets are
-//! seen) and after; every entry's mode is asserted, and the kinds of entry seen are printed.
+//! restore`, and `keel run` with its control socket). Each tree is walked while keel has it
+//! open (so the WAL, SHM and sockets are seen) and after; every entry's mode is asserted,
+//! and the kinds of entry seen are printed.
 //!
 //! The umask is per process, so this binary holds this ONE test, which sets the umask for
 //! each pass and puts it back; keep it the only test here (other test binaries run as other
@@ -320,6 +321,72 @@ fn mount_pass(premade: bool, walk: &mut Walk) {
     drop(k);
 }
 
+/// `keel run` (as a subreaper here): lease, restore-on-start check, the control socket, the
+/// mount; walked from outside while the main command waits, then after the stop.
+fn run_pass(walk: &mut Walk) {
+    let tmp = tempfile::Builder::new()
+        .prefix("keel-modes-run.")
+        .tempdir()
+        .unwrap();
+    let base = tmp.path();
+    let (state, remote, ws) = (base.join("state"), base.join("remote"), base.join("ws"));
+    let cfg = base.join("config.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[workspace]\nmount_point = \"{}\"\nstate_dir = \"{}\"\n[persist]\nremote = \"file://{}\"\n[shutdown]\ngrace = \"2s\"\n",
+            ws.display(),
+            state.display(),
+            remote.display()
+        ),
+    )
+    .unwrap();
+    let ready = base.join("ready");
+    let script = format!(
+        "head -c 300000 /dev/urandom > {ws}/big && echo small > {ws}/small && sync {ws}/big && touch {r} && exec sleep 60",
+        ws = ws.display(),
+        r = ready.display()
+    );
+    let mut child = Command::new(common::keel_bin())
+        .arg("run")
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--", "sh", "-c", &script])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(base.join("keel.log")).unwrap())
+        .spawn()
+        .expect("spawn keel run");
+    let up = common::poll_for(Duration::from_secs(60), || ready.exists().then_some(()));
+    let log = || std::fs::read_to_string(base.join("keel.log")).unwrap_or_default();
+    if up.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+        common::lazy_unmount(&ws);
+        panic!(
+            "keel run: the main command never got ready; log:\n{}",
+            log()
+        );
+    }
+    walk.tree("run-state", &state);
+    walk.tree("run-remote", &remote);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let st = common::wait_timeout(&mut child, Duration::from_secs(60));
+    if common::is_fuse_mount(&ws) {
+        common::lazy_unmount(&ws);
+    }
+    assert!(st.is_some(), "keel run did not stop; log:\n{}", log());
+    walk.tree("run-state", &state);
+    walk.tree("run-remote", &remote);
+    walk.expect("run-state socket");
+    walk.expect("run-state file   0600 /lease.holder");
+    walk.expect("run-remote file   0600 /chunks/<hex>/<hex>");
+}
+
 #[test]
 fn state_and_remote_are_private_under_umask_000_and_022() {
     // Checked first: without root and /dev/fuse the binary pass is skipped (it panics when
@@ -333,6 +400,7 @@ fn state_and_remote_are_private_under_umask_000_and_022() {
         library_pass(tmp.path(), &mut walk);
         if fuse {
             mount_pass(mask == 0, &mut walk);
+            run_pass(&mut walk);
         }
         umask(old);
         walk.assert_private(&format!("umask {mask:03o}"));
