@@ -267,3 +267,39 @@ fn tightening_cost() {
         check.as_secs_f64() * 1e6
     );
 }
+
+/// A state dir or remote that holds someone else's files (pointed at a home directory by
+/// mistake) is not tightened: the mount refuses such a state dir and leaves it untouched.
+#[test]
+fn someone_elses_directory_is_left_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (home, other) = (tmp.path().join("home"), tmp.path().join("other"));
+    for d in [&home, &other] {
+        std::fs::create_dir_all(d.join("sub")).unwrap();
+        std::fs::write(d.join(".bashrc"), b"x").unwrap();
+        std::fs::write(d.join("sub/notes"), b"y").unwrap();
+        loosen_all(d);
+    }
+    let cfg = keel::config::PersistConfig {
+        remote: format!("file://{}", other.display()),
+        ..Default::default()
+    };
+    keel::persist::secure_at_start(&home, Some(&cfg)).unwrap();
+    for d in [&home, &other] {
+        assert_eq!(mode_of(d), 0o755);
+        assert_eq!(mode_of(&d.join(".bashrc")), 0o644);
+        assert_eq!(mode_of(&d.join("sub/notes")), 0o644);
+    }
+    if common::fuse_available() {
+        let log = tmp.path().join("keel.log");
+        match common::spawn_mount(&home, &tmp.path().join("mnt"), &[], &log) {
+            common::MountOutcome::Exited { status, stderr } => {
+                assert!(!status.success());
+                assert!(stderr.contains("not a keel state dir"), "{stderr}");
+            }
+            common::MountOutcome::Mounted(_) => panic!("mounted someone else's directory"),
+        }
+        assert_eq!(mode_of(&home), 0o755);
+        assert_eq!(mode_of(&home.join(".bashrc")), 0o644);
+    }
+}

@@ -64,20 +64,54 @@ pub fn open_remote(url: &str, cfg: &PersistConfig) -> Result<Repo, RemoteError> 
 /// Makes the state dir private at start, and a local `file://` remote when it exists (one
 /// that does not is created 0700 when first opened): created 0700, and tightened with one
 /// log line each when an older keel or a volume driver left them with looser modes (see
-/// [`private`]).
+/// [`private`]). A directory that does not look like keel's is left alone (a state dir
+/// holding someone else's files is then refused by the mount, untouched).
 pub fn secure_at_start(state_dir: &Path, cfg: Option<&PersistConfig>) -> std::io::Result<()> {
-    private::secure_dir(state_dir, "state dir")?;
+    secure_state_dir(state_dir)?;
     if let Some(url) = cfg.and_then(|c| c.remote_url(state_dir)) {
         secure_remote(&url)?;
     }
     Ok(())
 }
 
-/// Tightens the `file://` remote at `url` if it exists and its root is loose (see
-/// [`private::secure_dir`]); other remotes are left alone.
+/// What marks a state dir as keel's, and what a state dir keel has not initialised yet may
+/// hold (a volume's `lost+found`, the lock, the lease holder...).
+const STATE_MARKERS: &[&str] = &["meta.db"];
+const STATE_FRESH: &[&str] = &[
+    "lost+found",
+    ".keep",
+    "lock",
+    "reserve",
+    "reserve.boot",
+    "control.sock",
+    control::SOCKET_NAME,
+    LEASE_HOLDER_FILE,
+    "bodies",
+    "remote",
+];
+
+/// The same for a `file://` remote's root.
+const REMOTE_MARKERS: &[&str] = &["keel-workspace.json", "head", "lease"];
+const REMOTE_FRESH: &[&str] = &["chunks", "snapshots", "forks", ".tmp.*"];
+
+/// Creates the state dir (0700) if needed and tightens it if it is keel's and loose.
+pub fn secure_state_dir(dir: &Path) -> std::io::Result<()> {
+    private::create_dir_all(dir)?;
+    if private::looks_like_keels(dir, STATE_MARKERS, STATE_FRESH)? {
+        private::secure_dir(dir, "state dir")?;
+    }
+    Ok(())
+}
+
+/// Tightens the `file://` remote at `url` if it exists, is keel's, and its root is loose
+/// (see [`private::secure_dir`]); other remotes are left alone.
 pub fn secure_remote(url: &str) -> std::io::Result<()> {
     match url.strip_prefix("file://").map(Path::new) {
-        Some(root) if root.is_absolute() && root.is_dir() => {
+        Some(root)
+            if root.is_absolute()
+                && root.is_dir()
+                && private::looks_like_keels(root, REMOTE_MARKERS, REMOTE_FRESH)? =>
+        {
             private::secure_dir(root, "file:// remote").map(|_| ())
         }
         _ => Ok(()),

@@ -65,6 +65,30 @@ pub fn write(path: &Path, data: &[u8]) -> io::Result<()> {
     f.write_all(data)
 }
 
+/// Whether the directory `dir` looks like keel's own, so that tightening it cannot touch
+/// someone else's files (a state dir pointed at a home directory by mistake): it holds one
+/// of `markers`, or nothing but names in `fresh` (a name ending in `*` is a prefix), as a
+/// directory keel has not written much to yet; an empty directory qualifies.
+pub fn looks_like_keels(dir: &Path, markers: &[&str], fresh: &[&str]) -> io::Result<bool> {
+    for m in markers {
+        if std::fs::symlink_metadata(dir.join(m)).is_ok() {
+            return Ok(true);
+        }
+    }
+    for e in std::fs::read_dir(dir)? {
+        let name = e?.file_name();
+        let name = name.to_string_lossy();
+        let known = fresh.iter().any(|f| match f.strip_suffix('*') {
+            Some(prefix) => name.starts_with(prefix),
+            None => name == *f,
+        });
+        if !known {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 /// What [`secure_dir`] changed.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Tightened {
@@ -80,7 +104,7 @@ pub struct Tightened {
 /// loose, every entry below it that is group- or world-accessible is made 0600 (0700 for
 /// directories) first, then the root itself; one log line says how many, naming the root
 /// as `what` ("state dir", "file:// remote"). `Ok(None)`: the root was private already,
-/// nothing was walked.
+/// nothing was walked. The caller makes sure the directory is keel's ([`looks_like_keels`]).
 pub fn secure_dir(root: &Path, what: &str) -> io::Result<Option<Tightened>> {
     // The root itself may be a symlink to the real directory: follow it (only the root).
     let meta = match std::fs::metadata(root) {
@@ -288,6 +312,21 @@ mod tests {
         std::fs::write(&f, b"").unwrap();
         let e = secure_dir(&f, "state dir").unwrap_err();
         assert!(e.to_string().contains("not a directory"), "{e}");
+    }
+
+    #[test]
+    fn only_keels_own_dirs_look_like_keels() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        let ours = |dir: &Path| looks_like_keels(dir, &["meta.db"], &["lock", ".tmp.*"]);
+        assert!(ours(dir).unwrap(), "an empty dir");
+        std::fs::write(dir.join("lock"), b"").unwrap();
+        std::fs::write(dir.join(".tmp.12.0"), b"").unwrap();
+        assert!(ours(dir).unwrap(), "only fresh names");
+        std::fs::write(dir.join(".bashrc"), b"").unwrap();
+        assert!(!ours(dir).unwrap(), "someone else's file");
+        std::fs::write(dir.join("meta.db"), b"").unwrap();
+        assert!(ours(dir).unwrap(), "the marker");
     }
 
     #[test]

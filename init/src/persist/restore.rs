@@ -125,7 +125,7 @@ fn restore_inner(
         path: state_dir.to_path_buf(),
         reason,
     };
-    super::private::secure_dir(state_dir, "state dir").map_err(|e| bad(e.to_string()))?;
+    super::secure_state_dir(state_dir).map_err(|e| bad(e.to_string()))?;
     for e in std::fs::read_dir(state_dir)
         .map_err(|e| bad(e.to_string()))?
         .flatten()

@@ -113,8 +113,7 @@ fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
         path: dir.to_path_buf(),
         reason,
     };
-    crate::persist::private::secure_dir(dir, "state dir")
-        .map_err(|e| bad(format!("cannot create: {e}")))?;
+    crate::persist::secure_state_dir(dir).map_err(|e| bad(format!("cannot create: {e}")))?;
     if !dir.join("meta.db").exists() {
         let entries = std::fs::read_dir(dir).map_err(|e| bad(format!("cannot read: {e}")))?;
         for e in entries.flatten() {
