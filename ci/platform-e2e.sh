@@ -570,6 +570,7 @@ case_time_to_usable() {
     tu=$(elapsed "$t0" "$(now)")
     tready=$(pm logs "$b" 2>&1 | grep -m1 'ready after' | sed -E 's/.*ready after ([0-9.]+s).*/\1/')
     say "time to usable ($files files, $mib MiB): /health 200 ${th}s after podman run (keel: ready after $tready), a file read and a listing ${tu}s"
+    say "$(pm logs "$b" 2>&1 | grep -m1 'restored snapshot' | sed 's/^.*keel: *//' | cut -c1-200)"
     g0=$(gets "$id")
     cat "$root/probe-4-chunks.bin" >/dev/null || fail "read probe-4-chunks.bin"
     g1=$(gets "$id")
