@@ -351,6 +351,16 @@ case_profiles_load() {
     files=$(cd "$repo/config" && ls -- *.toml 2>/dev/null)
     [ -n "$files" ] || { fail "no config/*.toml"; return; }
     for f in $files; do
+        if [ "$f" = cloudflare.toml ]; then
+            # Needs the platform's variables (ci/platform-e2e.sh runs it against moto);
+            # without them keel must stop at once, naming the key and the variable.
+            run_c "$out" "${keel_flags[@]}" -e "KEEL_CONFIG=/etc/keel/$f" "$image" \
+                sh -c 'echo COMMAND-RAN' && fail "$f without KEEL_WORKSPACE_ID: exit status 0"
+            all "$out" | grep -q 'persist.remote.*KEEL_WORKSPACE_ID' \
+                || { fail "$f: no line naming persist.remote and KEEL_WORKSPACE_ID"; show "$out" "$f"; }
+            ! grep -qx COMMAND-RAN "$out" || fail "$f: the command ran without KEEL_WORKSPACE_ID"
+            continue
+        fi
         run_c "$out" "${keel_flags[@]}" -e "KEEL_CONFIG=/etc/keel/$f" "$image" \
             sh -c 'awk "\$2 == \"/workspace\" { print \$3 }" /proc/mounts' \
             || { fail "$f: container failed"; show "$out" "$f"; continue; }

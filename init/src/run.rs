@@ -132,16 +132,22 @@ pub fn main(args: Vec<OsString>) -> i32 {
         if booted.pid1 { "PID 1" } else { "subreaper" }
     );
     let code = supervisor.run();
+    let mut unfinished = None;
     if let Some(m) = mounted {
         let since = Instant::now();
         control.status().unmounting();
-        let _ = crate::shutdown::finish_workspace(m, cfg.shutdown.flush_timeout, since);
+        unfinished = crate::shutdown::finish_workspace(m, cfg.shutdown.flush_timeout, since).err();
         control
             .status()
             .set_mount(crate::control::MountState::Unmounted);
     }
     control.stop();
-    info!("exit {code} after {}", crate::shutdown::secs(t0.elapsed()));
+    let took = crate::shutdown::secs(t0.elapsed());
+    match unfinished {
+        // The last line a platform keeps says what did not reach the remote.
+        Some(e) => error!("exit {code} after {took}: {e}"),
+        None => info!("exit {code} after {took}"),
+    }
     code
 }
 

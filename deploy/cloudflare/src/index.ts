@@ -1,8 +1,9 @@
 // A Worker that gives every workspace name its own keel container:
 //   https://<worker>/w/<name>/<path>  →  keel's control API in the container for <name>
-// The container's /workspace lives in R2 under <bucket>/<durable object id>/, restored lazily
-// on start and checkpointed on SIGTERM (Cloudflare sends SIGTERM, then SIGKILL up to 15 min
-// later), so an instance can be stopped and moved at any time without losing work.
+// The container's /workspace lives in R2 under <bucket>/<durable object id>/ (the profile's
+// `remote = "s3://${R2_BUCKET}/${KEEL_WORKSPACE_ID}"`), restored lazily on start,
+// checkpointed every 30 s while it changes and at SIGTERM (Cloudflare sends SIGTERM, then
+// SIGKILL up to 15 min later), so an instance can be stopped and moved at any time.
 import { Container, getContainer } from "@cloudflare/containers";
 
 interface Env {
@@ -15,11 +16,14 @@ interface Env {
 }
 
 const CONTROL_PORT = 8787;
+/** How long a request waits for a starting instance's GET /health to answer 200. */
+const HEALTH_WAIT_MS = 60_000;
 
 export class KeelContainer extends Container<Env> {
   // keel's control API (`[control] listen` in /etc/keel/cloudflare.toml). The platform waits
-  // for this port, and GET /health answers 200 only once /workspace is mounted.
+  // for this port; GET /health answers 200 only once /workspace is mounted.
   defaultPort = CONTROL_PORT;
+  pingEndpoint = "localhost/health";
   sleepAfter = "30m";
   // The main service. Replace `sleep infinity` with your agent or dev server; it runs in
   // /workspace as keel's main service and receives the platform's SIGTERM.
@@ -27,15 +31,18 @@ export class KeelContainer extends Container<Env> {
 
   constructor(ctx: DurableObjectState<{}>, env: Env) {
     super(ctx, env);
+    if (!env.R2_ACCOUNT_ID) throw new Error("set R2_ACCOUNT_ID in wrangler.jsonc vars");
     this.envVars = {
+      // The variables /etc/keel/cloudflare.toml expands (`${NAME}`); a missing one stops
+      // keel at start with one line naming it.
       KEEL_CONFIG: "/etc/keel/cloudflare.toml",
-      KEEL_CONTROL_PORT: String(CONTROL_PORT),
-      KEEL_CONTROL_TOKEN: env.KEEL_CONTROL_TOKEN,
       KEEL_WORKSPACE_ID: ctx.id.toString(),
+      KEEL_CONTROL_PORT: String(CONTROL_PORT),
       R2_BUCKET: env.R2_BUCKET,
-      // keel's S3 client (R2 speaks S3): endpoint, region and the R2 API token.
-      AWS_ENDPOINT_URL: `https://${env.R2_ACCOUNT_ID}.r2.cloudflarestorage.com`,
-      AWS_REGION: "auto",
+      R2_ENDPOINT: `https://${env.R2_ACCOUNT_ID}.r2.cloudflarestorage.com`,
+      // Read by keel's remote client and the control API only: keel removes AWS_* and
+      // KEEL_CONTROL_TOKEN from the environment of every process it starts.
+      KEEL_CONTROL_TOKEN: env.KEEL_CONTROL_TOKEN,
       AWS_ACCESS_KEY_ID: env.AWS_ACCESS_KEY_ID,
       AWS_SECRET_ACCESS_KEY: env.AWS_SECRET_ACCESS_KEY,
     };
@@ -47,14 +54,28 @@ export class KeelContainer extends Container<Env> {
   }
 }
 
+/** Waits until the instance's GET /health is 200 (workspace mounted, services ready). */
+async function healthy(container: { fetch(r: Request): Promise<Response> }): Promise<boolean> {
+  const until = Date.now() + HEALTH_WAIT_MS;
+  while (Date.now() < until) {
+    const r = await container.fetch(new Request("http://localhost/health"));
+    if (r.status === 200) return true;
+    await new Promise((done) => setTimeout(done, 200));
+  }
+  return false;
+}
+
 export default {
   async fetch(request: Request, env: Env): Promise<Response> {
     const url = new URL(request.url);
     const m = url.pathname.match(/^\/w\/([A-Za-z0-9._-]{1,64})(\/.*)?$/);
     if (!m) return new Response("usage: /w/<workspace>/{health,status,checkpoint,metrics}\n", { status: 404 });
-    // The control API checks the bearer token itself; pass the caller's header through.
-    const inner = new URL(m[2] ?? "/status", url);
     const container = getContainer(env.KEEL, m[1]);
+    const inner = new URL(m[2] ?? "/status", url);
+    if (inner.pathname !== "/health" && !(await healthy(container))) {
+      return new Response("workspace not ready\n", { status: 503 });
+    }
+    // The control API checks the bearer token itself; pass the caller's header through.
     return container.fetch(new Request(inner, request));
   },
 };

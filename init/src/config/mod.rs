@@ -1,8 +1,10 @@
 //! The one TOML file that configures keel (`/etc/keel/config.toml`, `--config`, `KEEL_CONFIG`):
 //! typed, validated values. Unknown keys, wrong types and bad values are rejected with the
-//! file, the key and the reason in one line, before anything is mounted or started.
+//! file, the key and the reason in one line, before anything is mounted or started. The
+//! values that name places may use `${VAR}` / `${VAR:-default}` (see `expand`).
 
 pub mod control;
+pub mod expand;
 pub mod init;
 pub mod persist;
 pub mod service;
@@ -50,9 +52,19 @@ pub struct Config {
 }
 
 impl Config {
-    /// Parses and validates TOML text; `path` is only used in error messages.
+    /// Parses and validates TOML text, expanding `${VAR}` from the process environment;
+    /// `path` is only used in error messages.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let cfg: Config = toml::from_str(text).map_err(|e| {
+        Self::parse_with_env(text, path, &|name| std::env::var(name).ok())
+    }
+
+    /// `parse` with the variables of `${VAR}` looked up by `lookup`.
+    pub fn parse_with_env(
+        text: &str,
+        path: &Path,
+        lookup: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let mut cfg: Config = toml::from_str(text).map_err(|e| {
             let key = e
                 .span()
                 .map(|sp| key_at(text, sp.start))
@@ -63,7 +75,8 @@ impl Config {
                 reason: e.message().trim().replace('\n', " "),
             }
         })?;
-        cfg.validate()
+        cfg.expand_places(lookup)
+            .and_then(|()| cfg.validate())
             .map_err(|(key, reason)| ConfigError::Invalid {
                 path: path.to_path_buf(),
                 key,
@@ -79,6 +92,40 @@ impl Config {
             source,
         })?;
         Self::parse(&text, path)
+    }
+
+    /// Expands `${VAR}` in the keys of `expand::EXPANDED_KEYS` (in this order).
+    fn expand_places(
+        &mut self,
+        lookup: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), (String, String)> {
+        let x = |key: &str, v: &str| {
+            expand::expand(v, lookup).map_err(|e| (key.to_string(), e.to_string()))
+        };
+        let xp = |key: &str, p: &mut PathBuf| -> Result<(), (String, String)> {
+            if let Some(s) = p.to_str() {
+                *p = PathBuf::from(x(key, s)?);
+            }
+            Ok(())
+        };
+        // An optional key whose variables expand to "" is as if it were not set
+        // (`endpoint = "${EP:-}"`); a literal "" is still validated as written.
+        let xo = |key: &str, v: &mut Option<String>| -> Result<(), (String, String)> {
+            if let Some(s) = v.as_deref().filter(|s| s.contains('$')) {
+                *v = Some(x(key, s)?).filter(|s| !s.is_empty());
+            }
+            Ok(())
+        };
+        xp("workspace.mount_point", &mut self.workspace.mount_point)?;
+        xp("workspace.state_dir", &mut self.workspace.state_dir)?;
+        self.persist.remote = x("persist.remote", &self.persist.remote)?;
+        xo("persist.endpoint", &mut self.persist.endpoint)?;
+        xo("persist.region", &mut self.persist.region)?;
+        xo("control.listen", &mut self.control.listen)?;
+        if let Some(p) = &mut self.control.socket {
+            xp("control.socket", p)?;
+        }
+        Ok(())
     }
 
     fn validate(&self) -> Result<(), (String, String)> {
@@ -292,6 +339,106 @@ mod tests {
             .collect();
         let c = Config::parse(&example, Path::new("example")).unwrap();
         assert_eq!(c.service[0].name, "db");
+    }
+
+    #[test]
+    fn every_expanded_key_is_expanded_and_named() {
+        let env = |n: &str| (n == "ID").then(|| "w1".to_string());
+        for key in expand::EXPANDED_KEYS {
+            let (table, k) = key.split_once('.').unwrap();
+            let text = format!("[{table}]\n{k} = \"/x/${{NOPE}}\"\n");
+            let e = Config::parse_with_env(&text, Path::new("p.toml"), &env)
+                .unwrap_err()
+                .to_string();
+            assert_eq!(
+                e,
+                format!(
+                    "config p.toml: {key}: ${{NOPE}} is not set and has no default \
+                     (set NOPE, or write ${{NOPE:-default}})"
+                )
+            );
+        }
+        let text = "[workspace]\nmount_point = \"/w/${ID}\"\nstate_dir = \"/s/${ID}\"\n\
+            [persist]\nremote = \"s3://b/${ID}\"\nendpoint = \"${EP:-http://127.0.0.1:9}\"\n\
+            region = \"${REGION:-auto}\"\n\
+            [control]\nlisten = \"0.0.0.0:${PORT:-8787}\"\nsocket = \"/run/${ID}.sock\"\n";
+        let c = Config::parse_with_env(text, Path::new("p.toml"), &env).unwrap();
+        assert_eq!(c.workspace.mount_point, PathBuf::from("/w/w1"));
+        assert_eq!(c.workspace.state_dir, PathBuf::from("/s/w1"));
+        assert_eq!(c.persist.remote, "s3://b/w1");
+        assert_eq!(c.persist.endpoint.as_deref(), Some("http://127.0.0.1:9"));
+        assert_eq!(c.persist.region.as_deref(), Some("auto"));
+        assert_eq!(c.control.listen.as_deref(), Some("0.0.0.0:8787"));
+        assert_eq!(c.control.socket, Some(PathBuf::from("/run/w1.sock")));
+    }
+
+    #[test]
+    fn expanded_values_are_validated_and_other_keys_are_literal() {
+        let env = |n: &str| (n == "REL").then(|| "relative".to_string());
+        let e = Config::parse_with_env(
+            "[workspace]\nstate_dir = \"${REL}\"\n",
+            Path::new("p.toml"),
+            &env,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("workspace.state_dir") && e.contains("`relative`"),
+            "{e}"
+        );
+        // A key that names no place keeps its `$` as written.
+        let c = Config::parse_with_env(
+            "[control]\ntoken = \"a$b${REL}\"\n",
+            Path::new("p.toml"),
+            &env,
+        )
+        .unwrap();
+        assert_eq!(c.control.token.unwrap().expose(), "a$b${REL}");
+        // An optional key that expands to nothing is unset.
+        let c = Config::parse_with_env(
+            "[persist]\nendpoint = \"${EP:-}\"\nregion = \"${REL}\"\n",
+            Path::new("p.toml"),
+            &env,
+        )
+        .unwrap();
+        assert_eq!(c.persist.endpoint, None);
+        assert_eq!(c.persist.region.as_deref(), Some("relative"));
+    }
+
+    #[test]
+    fn shipped_profiles_parse_with_their_variables() {
+        let env = |n: &str| match n {
+            "KEEL_WORKSPACE_ID" => Some("0123abcd".to_string()),
+            "R2_ENDPOINT" => Some("https://acct.r2.cloudflarestorage.com".to_string()),
+            _ => None,
+        };
+        let text = include_str!("../../../config/cloudflare.toml");
+        let c = Config::parse_with_env(text, Path::new("cloudflare.toml"), &env).unwrap();
+        assert_eq!(c.persist.remote, "s3://keel-workspaces/0123abcd");
+        assert_eq!(
+            c.persist.endpoint.as_deref(),
+            Some("https://acct.r2.cloudflarestorage.com")
+        );
+        assert_eq!(c.persist.restore, persist::RestoreMode::Lazy);
+        assert!(!c.persist.interval.is_zero());
+        assert!(
+            c.persist.lease_enabled(),
+            "one writer per instance id, by the lease"
+        );
+        let e = Config::parse_with_env(text, Path::new("cloudflare.toml"), &|_| None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("persist.remote") && e.contains("${KEEL_WORKSPACE_ID} is not set"),
+            "{e}"
+        );
+        for f in [
+            include_str!("../../../config/config.toml"),
+            include_str!("../../../config/docker.toml"),
+            include_str!("../../../config/ci.toml"),
+        ] {
+            Config::parse_with_env(f, Path::new("profile.toml"), &|_| None).unwrap();
+        }
     }
 
     #[test]
