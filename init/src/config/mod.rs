@@ -3,6 +3,7 @@
 //! file, the key and the reason in one line, before anything is mounted or started.
 
 pub mod control;
+pub mod credentials;
 pub mod init;
 pub mod persist;
 pub mod service;
