@@ -116,6 +116,10 @@ pub fn make_sandbox_ns(covers: &[(PathBuf, Cover)]) -> Result<SandboxNs, NsError
         // SAFETY: writes a local buffer to our pipe, then (on success) blocks until keel closes
         // the other pipe, then exits without running any destructor or atexit handler.
         unsafe {
+            // A fork of a non-dumpable keel is not dumpable either, and then keel could not
+            // open its /proc/<pid>/ns/mnt without CAP_SYS_PTRACE (containers lack it). No
+            // process keel starts exists yet while the helper lives.
+            libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0);
             libc::write(ready_w.as_raw_fd(), b.as_ptr().cast(), 8);
             if step == 0 {
                 let mut c = [0u8; 1];
