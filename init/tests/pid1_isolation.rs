@@ -240,3 +240,27 @@ fn a_mount_keel_makes_later_reaches_the_sandbox_as_pid_1() {
     assert_eq!(code, 0, "stdout:\n{}\nlog:\n{}", k.stdout(), k.stderr());
     assert!(k.stdout().contains("saw-late-mount"));
 }
+
+#[test]
+fn a_malformed_credentials_file_stops_the_start_before_anything_is_mounted() {
+    let state = tempfile::tempdir().unwrap();
+    let creds = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        creds.path(),
+        "# ok\nAWS_ACCESS_KEY_ID=abc\nthis line is wrong\n",
+    )
+    .unwrap();
+    let text = config(state.path(), "", "").replace("$D/creds", creds.path().to_str().unwrap());
+    let mut k = start(&text, &["sh", "-c", "touch $D/ran"]);
+    let (code, _) = k.wait();
+    let log = k.stderr();
+    assert_eq!(code, 2, "{log}");
+    let want = format!(
+        "credentials file {}: line 3: not KEY=VALUE",
+        creds.path().display()
+    );
+    assert!(log.contains(&want), "{log}");
+    assert!(!k.path("ran").exists(), "the main command ran");
+    assert!(!log.contains("workspace mounted"), "{log}");
+    assert!(!log.contains("abc"), "{log}");
+}
