@@ -4,7 +4,7 @@
 //! is read-only; children have no CAP_SYS_ADMIN, so they cannot uncover anything. Its mounts
 //! are slaves of keel's: a mount keel makes or removes later (the workspace) reaches the
 //! sandbox when the parent mount is shared, nothing the sandbox does reaches keel. Also here:
-//! `PR_SET_DUMPABLE`, which keeps keel's `/proc/<pid>/{environ,mem,root,fd}` and ptrace
+//! `PR_SET_DUMPABLE`, which keeps ptrace and keel's `/proc/<pid>/{mem,root,cwd,fd}` links
 //! away from processes without CAP_SYS_PTRACE, root included.
 //!
 //! unshare(CLONE_NEWNS) is refused to a multi-threaded process, and keel has threads by the
@@ -327,20 +327,16 @@ pub fn share_mount_of(path: &Path) -> Result<(), NsError> {
     })
 }
 
-/// PR_SET_DUMPABLE 0 on keel: its `/proc/<pid>` files become root's and only a process with
-/// CAP_SYS_PTRACE may read `environ`, `mem`, `root`, `fd` or ptrace it.
+/// PR_SET_DUMPABLE 0 on keel: its `/proc/<pid>` files become root's, and only a process with
+/// CAP_SYS_PTRACE may ptrace it, open its `mem` or follow its `root`, `cwd` and `fd` links.
+/// (Kernel 6.18 still lets same-uid root read `environ`: keel wipes its secrets from it, see
+/// `process::take_env`.)
 pub fn set_not_dumpable() -> std::io::Result<()> {
     // SAFETY: PR_SET_DUMPABLE takes plain integers.
     if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
-}
-
-/// Whether keel is dumpable (for tests and status).
-pub fn is_dumpable() -> bool {
-    // SAFETY: PR_GET_DUMPABLE takes no pointers.
-    unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) == 1 }
 }
 
 #[cfg(test)]
