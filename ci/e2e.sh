@@ -19,7 +19,7 @@ set +e   # lib.sh is errexit-friendly; the cases check every status themselves
 CASES=(exit_code default_cmd pid1_reaps tty_session script_run workspace_is_fuse
        persist_across_stop stop_waits_for_trap stop_kills_at_grace missing_cap missing_fuse bad_config profiles_load
        nonroot_cannot_umount nonroot_can_write health_after_mount remote_checkpoint_restore
-       remote_restore transport)
+       remote_restore transport attacker)
 
 if [ "${1:-}" = --list ]; then printf '%s\n' "${CASES[@]}"; exit 0; fi
 selected=("$@")
@@ -523,6 +523,103 @@ EOF
     return 0
 }
 
+
+# The sandbox as an attacker, as root (without SYS_ADMIN) and as the unprivileged `sandbox`
+# user: with the remote's credentials in the container's environment and in a credentials
+# file, a 0600 root file (inline and large) in /workspace, and a local file:// remote outside
+# the state dir, every attempt below must fail; the case names each one that succeeds. Then
+# `keel fsck` of the state is clean, and a fresh container restoring from the remote (every
+# chunk verified on read) finds the workspace intact.
+case_attacker() {
+    local svol="$prefix-atk-state" rvol="$prefix-atk-remote" out="$tmp/attack.out" line
+    local secret="keel-e2e-private-$$-content" envsecret="e2e-env-secret-$$-Xq" filesecret="e2e-file-secret-$$-Zr"
+    pm volume create "$svol" >/dev/null && pm volume create "$rvol" >/dev/null || { fail "volume create"; return; }
+    cat >"$tmp/attack.toml" <<'EOF2'
+[persist]
+remote = "file:///srv/keel-remote"
+credentials_file = "/run/secrets/keel/credentials"
+EOF2
+    printf '# e2e\nAWS_ACCESS_KEY_ID=e2e-file-key-id\nexport AWS_SESSION_TOKEN=%s\nKEEL_CONTROL_TOKEN=%s\n' \
+        "$filesecret" "$filesecret-token" >"$tmp/attack.creds"
+    chmod 0600 "$tmp/attack.creds"
+    # The values to look for, reversed so that the script itself does not contain them (and
+    # not in the environment, which is one of the places searched).
+    printf 'SECRET=$(printf %%s %s | rev); ENVSECRET=$(printf %%s %s | rev); FILESECRET=$(printf %%s %s | rev)\n' \
+        "$(printf %s "$secret" | rev)" "$(printf %s "$envsecret" | rev)" "$(printf %s "$filesecret" | rev)" >"$tmp/attack.sh"
+    cat >>"$tmp/attack.sh" <<'EOF2'
+# attempt NAME CMD...: the attempt "succeeds" when CMD exits 0.
+attempt() { n=$1; shift; if "$@" >/dev/null 2>&1; then echo "ATTEMPT-SUCCEEDED $WHO: $n"; else echo "denied $WHO: $n"; fi; }
+found() { grep -rlsF -D skip --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev --exclude-dir=workspace -e "$SECRET" -e "$ENVSECRET" -e "$FILESECRET" / | grep -q .; }
+env_has() { env | grep -qE "^(AWS_|GOOGLE_|AZURE_|KEEL_CONTROL_TOKEN)|$ENVSECRET|$FILESECRET"; }
+environ1() { tr '\0' '\n' </proc/1/environ | grep -qE "^(AWS_|KEEL_CONTROL_TOKEN)|$ENVSECRET|$FILESECRET"; }
+remote_files() { find /srv/keel-remote /var/lib/keel -type f 2>/dev/null | grep -q .; }
+chunk_gone() { for c in /srv/keel-remote/chunks/*/* /proc/1/root/srv/keel-remote/chunks/*/*; do [ -f "$c" ] && rm -f "$c" && return 0; done; return 1; }
+ptrace1() { perl -e 'exit(syscall(101, 16, 1, 0, 0) == 0 ? 0 : 1)'; }
+kill1() { kill -9 1 && sleep 0.3 && ! kill -0 1; }
+attack() {
+    attempt "find the 0600 file's content outside /proc, /sys, /dev, /workspace" found
+    attempt "a credential in its own environment" env_has
+    attempt "a credential in /proc/1/environ" environ1
+    attempt "list /proc/1/root/var/lib/keel" ls /proc/1/root/var/lib/keel
+    attempt "open /proc/1/mem" sh -c 'exec 3</proc/1/mem'
+    attempt "see the state dir's or remote's files" remote_files
+    attempt "append to meta.db" sh -c 'echo x >> /var/lib/keel/meta.db'
+    attempt "truncate meta.db" truncate -s 0 /var/lib/keel/meta.db
+    attempt "truncate meta.db via /proc/1/root" truncate -s 0 /proc/1/root/var/lib/keel/meta.db
+    attempt "delete a chunk" chunk_gone
+    attempt "read the credentials file" test -s /run/secrets/keel/credentials
+    attempt "write the credentials file" sh -c 'echo x > /run/secrets/keel/credentials'
+    attempt "replace the control socket" rm -f /run/keel/control.sock
+    attempt "umount /workspace" umount /workspace
+    attempt "umount -l /workspace" umount -l /workspace
+    attempt "remount /workspace read-only" mount -o remount,ro /workspace
+    attempt "enter keel's mount namespace" nsenter -t 1 -m true
+    attempt "ptrace keel" ptrace1
+    attempt "SIGKILL keel" kill1
+}
+set -u
+cd /workspace
+printf '%s' "$SECRET" > small && chmod 600 small
+{ head -c 300000 /dev/urandom; printf '%s' "$SECRET"; head -c 300000 /dev/urandom; } > big && chmod 600 big
+sync small big
+keel checkpoint >/dev/null 2>&1 && echo "checkpoint-from-inside ok" || echo "checkpoint-from-inside FAILED"
+keel status >/dev/null 2>&1 && echo "status-from-inside ok" || echo "status-from-inside FAILED"
+WHO=root attack
+setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack"
+sha256sum small big | sed 's/^/sum /'
+echo DONE
+EOF2
+    # The functions alone, for the unprivileged run.
+    sed -n '1,/^}$/p' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
+    chmod 0644 "$tmp/attack.sh" "$tmp/attack.sh.fns"
+    run_c "$out" "${keel_flags[@]}" -v "$svol:/var/lib/keel" -v "$rvol:/srv/keel-remote" \
+        -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \
+        -v "$tmp/attack.sh:/attack.sh:ro" -v "$tmp/attack.sh.fns:/attack.sh.fns:ro" \
+        -e AWS_SECRET_ACCESS_KEY="$envsecret" -e GOOGLE_SERVICE_ACCOUNT_KEY="$envsecret-g" \
+        -e KEEL_CONTROL_TOKEN="$envsecret-t" \
+        "$image" sh /attack.sh || fail "attacker container failed (status $?)"
+    grep -qx DONE "$out" || fail "the attack script did not finish (keel died?)"
+    grep -qx 'checkpoint-from-inside ok' "$out" || fail "keel checkpoint from inside the sandbox failed"
+    grep -qx 'status-from-inside ok' "$out" || fail "keel status from inside the sandbox failed"
+    [ "$(grep -c '^denied ' "$out")" = 38 ] || fail "$(grep -c '^denied ' "$out") of 38 attempts reported as denied"
+    while IFS= read -r line; do fail "${line#ATTEMPT-SUCCEEDED }"; done < <(grep '^ATTEMPT-SUCCEEDED ' "$out")
+    grep -qF -e "$envsecret" -e "$filesecret" "$out.err" && fail "keel's log shows a secret"
+    grep '^denied \|^ATTEMPT' "$out" | sed 's/^/    /'
+    # Afterwards: the store and the remote are consistent, and the workspace is intact.
+    run_c "$tmp/fsck.out" "${base_flags[@]}" -v "$svol:/var/lib/keel" -v "$rvol:/srv/keel-remote" \
+        -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \
+        --entrypoint keel "$image" fsck --state /var/lib/keel || fail "keel fsck is not clean"
+    grep '^fsck ' "$tmp/fsck.out" | sed 's/^/    /'
+    grep -q '0 errors, 0 warnings' "$tmp/fsck.out" || { fail "keel fsck found problems"; show "$tmp/fsck.out" fsck; }
+    # A fresh state dir restores from the remote: every chunk read back is verified (blake3).
+    run_c "$tmp/after.out" "${keel_flags[@]}" -v "$rvol:/srv/keel-remote" \
+        -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \
+        "$image" sh -c 'cd /workspace && sha256sum small big | sed "s/^/sum /"' || fail "reader container failed"
+    grep -q 'restored snapshot' "$tmp/after.out.err" || fail "the reader did not restore from the remote"
+    diff <(grep '^sum ' "$out") <(grep '^sum ' "$tmp/after.out") >/dev/null || fail "the workspace changed"
+    [ -n "$(grep '^sum ' "$out")" ] || fail "no checksums from the attacker run"
+    [ -z "$CASE_ERR" ] || { show "$out" attacker; show "$tmp/after.out" reader; }
+}
 
 # --- main ---------------------------------------------------------------------------------------
 for name in "${selected[@]}"; do

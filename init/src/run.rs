@@ -36,13 +36,17 @@ pub enum RunError {
     Control(#[from] crate::control::ControlError),
     #[error(transparent)]
     Lease(#[from] crate::persist::lease::LeaseError),
+    #[error(transparent)]
+    Credentials(#[from] crate::config::credentials::CredentialsError),
+    #[error("{0} (or set [init] isolate_state = false)")]
+    Isolate(crate::sys::ns::NsError),
 }
 
 impl RunError {
     /// keel's exit code for this failure: 2 for usage and config, 1 for setup.
     pub fn exit_code(&self) -> i32 {
         match self {
-            RunError::Usage(_) | RunError::Config(_) => EXIT_USAGE,
+            RunError::Usage(_) | RunError::Config(_) | RunError::Credentials(_) => EXIT_USAGE,
             RunError::Control(crate::control::ControlError::Token(_)) => EXIT_USAGE,
             _ => EXIT_SETUP,
         }
@@ -119,6 +123,11 @@ pub fn main(args: Vec<OsString>) -> i32 {
         }
     };
     crate::logging::init();
+    // Before any child exists: no process keel starts may read keel's memory, environment or
+    // root through /proc, or ptrace it, without CAP_SYS_PTRACE.
+    if let Err(e) = crate::sys::ns::set_not_dumpable() {
+        tracing::warn!("PR_SET_DUMPABLE 0: {e}");
+    }
     let (cfg, booted, supervisor, mounted, control) = match setup(args, signals) {
         Ok(v) => v,
         Err(e) => {
@@ -166,6 +175,11 @@ fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Se
     if let Some(t) = args.takeover {
         cfg.persist.takeover = t;
     }
+    // While keel has one thread: the remote's credentials and the control token leave keel's
+    // environment (and its /proc/<pid>/environ) for memory only keel's remote client reads.
+    crate::config::credentials::take_from_env(&cfg.init.secret_env);
+    // Read once, before anything is mounted: a bad file stops the start here.
+    crate::config::credentials::for_config(&cfg.persist)?;
     let booted = boot::boot(&cfg)?;
     // The single-writer lease before anything reads or writes the remote; released if the
     // start fails from here on.
@@ -191,7 +205,95 @@ fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Se
         }
     }
     control.status().mounted(&cfg, mounted.as_ref());
+    if let Some(ns) = sandbox_namespace(&cfg, &booted, mounted.as_ref())? {
+        supervisor.set_sandbox_ns(ns);
+    }
     Ok((cfg, booted, supervisor, mounted, control))
+}
+
+/// What the sandbox must not see: the state dir, a local `file://` remote outside it and the
+/// credentials file are covered; the default control socket's directory is read-only.
+pub fn sandbox_covers(cfg: &Config) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
+    use crate::sys::ns::Cover;
+    let canon = |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let state = canon(&cfg.workspace.state_dir);
+    let mut out = vec![(state.clone(), Cover::EmptyDir)];
+    if let Some(url) = cfg.persist.remote_url(&cfg.workspace.state_dir) {
+        if let Some(dir) = url.strip_prefix("file://") {
+            let dir = canon(std::path::Path::new(dir));
+            if !dir.starts_with(&state) {
+                out.push((dir, Cover::EmptyDir));
+            }
+        }
+    }
+    if let Some(f) = &cfg.persist.credentials_file {
+        out.push((canon(f), Cover::EmptyFile));
+    }
+    let run = std::path::Path::new(crate::config::control::RUN_SOCKET);
+    if let Some(dir) = run.parent().filter(|d| d.is_dir()) {
+        out.push((dir.to_path_buf(), Cover::ReadOnly));
+    }
+    out
+}
+
+/// The mount namespace everything keel starts runs in (`[init] isolate_state`, on by
+/// default while the workspace is enabled). Without CAP_SYS_ADMIN keel cannot make one: it
+/// says so and starts children in its own namespace.
+fn sandbox_namespace(
+    cfg: &Config,
+    booted: &boot::Booted,
+    mounted: Option<&crate::workspace::Mounted>,
+) -> Result<Option<crate::sys::ns::SandboxNs>, RunError> {
+    if !cfg.init.isolate_state || !cfg.init.workspace {
+        return Ok(None);
+    }
+    if !crate::sys::caps::has_sys_admin() {
+        tracing::warn!(
+            "STATE NOT ISOLATED: without CAP_SYS_ADMIN keel cannot hide {} from the processes it starts",
+            cfg.workspace.state_dir.display()
+        );
+        return Ok(None);
+    }
+    let t0 = Instant::now();
+    let covers = sandbox_covers(cfg);
+    for (p, c) in &covers {
+        if *c == crate::sys::ns::Cover::EmptyDir && !p.exists() {
+            use std::os::unix::fs::DirBuilderExt;
+            let _ = std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(p);
+        }
+    }
+    // In keel's own mount namespace (PID 1), mounts made later on the workspace mount point
+    // (a remount) reach the sandbox's slave copy only from a shared parent.
+    if booted.pid1 {
+        if let Some(parent) = cfg.workspace.mount_point.parent() {
+            if let Err(e) = crate::sys::ns::share_mount_of(parent) {
+                tracing::warn!("{e}: a later remount of the workspace would not reach the sandbox");
+            }
+        }
+    }
+    let ns = crate::sys::ns::make_sandbox_ns(&covers).map_err(RunError::Isolate)?;
+    let shown: Vec<String> = covers
+        .iter()
+        .filter(|(p, _)| p.exists())
+        .map(|(p, c)| match c {
+            crate::sys::ns::Cover::ReadOnly => format!("{} (read-only)", p.display()),
+            _ => p.display().to_string(),
+        })
+        .collect();
+    info!(
+        "sandbox namespace in {:.1} ms: hidden from everything keel starts: {}{}",
+        t0.elapsed().as_secs_f64() * 1000.0,
+        shown.join(", "),
+        if mounted.is_some() {
+            ""
+        } else {
+            " (no workspace mounted)"
+        }
+    );
+    Ok(Some(ns))
 }
 
 /// `POST /checkpoint` takes a real checkpoint to the remote, and `/status` shows the backlog,

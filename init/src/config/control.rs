@@ -1,7 +1,8 @@
 //! The `[control]` table: the small HTTP control API (`/health`, `/status`, `/checkpoint`,
 //! `/metrics`) is off unless `listen` is set; `token` (or `KEEL_CONTROL_TOKEN`, which wins)
 //! guards every route but `/health`. `socket` moves or enables the root-only Unix socket that
-//! `keel status` reads (default `<state_dir>/control.sock` whenever the workspace is enabled).
+//! `keel status` reads (default `/run/keel/control.sock` for a keel that is PID 1, else
+//! `<state_dir>/control.sock`, whenever the workspace is enabled); `group` opens it to a group.
 
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -11,6 +12,9 @@ pub const TOKEN_ENV: &str = "KEEL_CONTROL_TOKEN";
 
 /// File name of the control socket inside the workspace state dir.
 pub const SOCKET_NAME: &str = "control.sock";
+
+/// The control socket of a keel that is PID 1 (a container), outside the state dir.
+pub const RUN_SOCKET: &str = "/run/keel/control.sock";
 
 /// A secret string: never shown by `Debug`, so a logged config cannot leak it.
 #[derive(Clone, PartialEq, Eq, Deserialize)]
@@ -39,9 +43,14 @@ pub struct ControlConfig {
     pub listen: Option<String>,
     /// Bearer token every route but `/health` requires. `KEEL_CONTROL_TOKEN` overrides it.
     pub token: Option<Secret>,
-    /// Unix socket for `keel status`. Default: `<workspace.state_dir>/control.sock` when the
-    /// workspace is enabled, none when `[init] workspace = false`.
+    /// Unix socket for `keel status` and `keel checkpoint`. Default while the workspace is
+    /// enabled: `/run/keel/control.sock` when keel is PID 1 (a container; outside the state
+    /// dir, so the sandbox reaches it), else `<workspace.state_dir>/control.sock`; none when
+    /// `[init] workspace = false`.
     pub socket: Option<PathBuf>,
+    /// A group (name or gid) whose members may use the socket too (0660, directory 0750).
+    /// Unset: root and keel's own user only (0600, directory 0700).
+    pub group: Option<String>,
 }
 
 impl ControlConfig {
@@ -55,6 +64,14 @@ impl ControlConfig {
         if let Some(t) = &self.token {
             if let Err(why) = check_token(t.expose()) {
                 return bad("token", why);
+            }
+        }
+        if let Some(g) = &self.group {
+            let ok = !g.is_empty()
+                && g.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
+            if !ok {
+                return bad("group", format!("`{g}` is not a group name or gid"));
             }
         }
         if let Some(s) = &self.socket {
@@ -72,10 +89,15 @@ impl ControlConfig {
         Ok(())
     }
 
-    /// The token in effect: `KEEL_CONTROL_TOKEN` when set and non-empty, else `token`.
+    /// The token in effect: `KEEL_CONTROL_TOKEN` from the credentials file read at start,
+    /// else from the environment when set and non-empty, else `token`.
     pub fn effective_token(&self) -> Result<Option<Secret>, String> {
-        match std::env::var(TOKEN_ENV) {
-            Ok(v) if !v.is_empty() => {
+        if let Some(v) = super::credentials::loaded().and_then(|c| c.get(TOKEN_ENV)) {
+            check_token(v).map_err(|why| format!("{TOKEN_ENV} (credentials file): {why}"))?;
+            return Ok(Some(Secret(v.to_string())));
+        }
+        match super::credentials::value(TOKEN_ENV) {
+            Some(v) if !v.is_empty() => {
                 check_token(&v).map_err(|why| format!("{TOKEN_ENV}: {why}"))?;
                 Ok(Some(Secret(v)))
             }
@@ -83,11 +105,12 @@ impl ControlConfig {
         }
     }
 
-    /// Where the control socket lives, if anywhere: `socket`, else `<state_dir>/control.sock`
-    /// when the workspace is enabled.
-    pub fn socket_path(&self, cfg: &super::Config) -> Option<PathBuf> {
+    /// Where the control socket lives, if anywhere: `socket`, else (workspace enabled)
+    /// `/run/keel/control.sock` for a keel that is PID 1, `<state_dir>/control.sock` otherwise.
+    pub fn socket_path(&self, cfg: &super::Config, pid1: bool) -> Option<PathBuf> {
         match &self.socket {
             Some(p) => Some(p.clone()),
+            None if cfg.init.workspace && pid1 => Some(PathBuf::from(RUN_SOCKET)),
             None if cfg.init.workspace => Some(cfg.workspace.state_dir.join(SOCKET_NAME)),
             None => None,
         }
@@ -145,11 +168,17 @@ mod tests {
         assert!(c.control.listen.is_none());
         assert!(c.control.token.is_none());
         assert_eq!(
-            c.control.socket_path(&c),
+            c.control.socket_path(&c, false),
             Some(PathBuf::from("/var/lib/keel/control.sock"))
         );
+        assert_eq!(
+            c.control.socket_path(&c, true),
+            Some(PathBuf::from(RUN_SOCKET)),
+            "PID 1 keeps it out of the state dir the sandbox cannot see"
+        );
+        assert!(c.control.group.is_none());
         let c = parse("[init]\nworkspace = false\n").unwrap();
-        assert_eq!(c.control.socket_path(&c), None);
+        assert_eq!(c.control.socket_path(&c, true), None);
     }
 
     #[test]
@@ -161,6 +190,7 @@ mod tests {
             ("[control]\ntoken = \"\"\n", "control.token"),
             ("[control]\ntoken = \"a b\"\n", "control.token"),
             ("[control]\nsocket = \"rel.sock\"\n", "control.socket"),
+            ("[control]\ngroup = \"a b\"\n", "control.group"),
             ("[control]\nport = 1\n", "control.port"),
         ] {
             let e = parse(text).unwrap_err();

@@ -17,6 +17,7 @@ pub const EXPANDED_KEYS: &[&str] = &[
     "persist.remote",
     "persist.endpoint",
     "persist.region",
+    "persist.credentials_file",
     "control.listen",
     "control.socket",
 ];

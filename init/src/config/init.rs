@@ -106,6 +106,15 @@ pub struct InitConfig {
     pub forward_to: ForwardTo,
     /// Mount the workspace (`false` for development and tests: no FUSE at all).
     pub workspace: bool,
+    /// Run everything keel starts in a mount namespace of its own where the state dir, a local
+    /// `file://` remote and the credentials file are covered (empty, read-only), and the
+    /// control socket's directory is read-only. On by default.
+    pub isolate_state: bool,
+    /// More variables no process keel starts may inherit, on top of `AWS_*`, `GOOGLE_*`,
+    /// `AZURE_*` and `KEEL_CONTROL_TOKEN`: exact names, or prefixes written `PREFIX*`.
+    pub secret_env: Vec<String>,
+    /// Secret variables the main command gets anyway, by exact name (e.g. `AWS_REGION`).
+    pub pass_env: Vec<String>,
 }
 
 impl Default for InitConfig {
@@ -121,6 +130,9 @@ impl Default for InitConfig {
             drop_capabilities: vec!["SYS_ADMIN".to_string()],
             forward_to: ForwardTo::Group,
             workspace: true,
+            isolate_state: true,
+            secret_env: Vec::new(),
+            pass_env: Vec::new(),
         }
     }
 }
@@ -165,11 +177,41 @@ impl InitConfig {
                 return bad(&format!("env.{k}"), "not a valid variable name".into());
             }
         }
-        Ok(())
+        for k in &self.secret_env {
+            if !is_var_name(k.strip_suffix('*').unwrap_or(k)) {
+                return bad(
+                    "secret_env",
+                    format!("`{k}` is not a variable name or a PREFIX* pattern"),
+                );
+            }
+        }
+        check_pass_env("init.pass_env", &self.pass_env)
     }
 
     pub fn umask_bits(&self) -> Option<u32> {
         self.umask.as_deref().and_then(parse_umask)
+    }
+}
+
+/// `[A-Za-z_][A-Za-z0-9_]*`.
+pub fn is_var_name(k: &str) -> bool {
+    !k.is_empty()
+        && !k.starts_with(|c: char| c.is_ascii_digit())
+        && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+/// Validates a `pass_env` list: exact variable names.
+pub fn check_pass_env(key: &str, names: &[String]) -> Result<(), (String, String)> {
+    match names.iter().find(|k| !is_var_name(k)) {
+        Some(k) => Err((key.to_string(), format!("`{k}` is not a variable name"))),
+        None => Ok(()),
+    }
+}
+
+impl InitConfig {
+    /// Whether no process keel starts may inherit `name` (see `config::credentials`).
+    pub fn is_secret_var(&self, name: &str) -> bool {
+        super::credentials::is_secret_var(name, &self.secret_env)
     }
 }
 

@@ -4,6 +4,7 @@
 //! values that name places may use `${VAR}` / `${VAR:-default}` (see `expand`).
 
 pub mod control;
+pub mod credentials;
 pub mod expand;
 pub mod init;
 pub mod persist;
@@ -122,6 +123,9 @@ impl Config {
         xo("persist.endpoint", &mut self.persist.endpoint)?;
         xo("persist.region", &mut self.persist.region)?;
         xo("control.listen", &mut self.control.listen)?;
+        if let Some(p) = &mut self.persist.credentials_file {
+            xp("persist.credentials_file", p)?;
+        }
         if let Some(p) = &mut self.control.socket {
             xp("control.socket", p)?;
         }

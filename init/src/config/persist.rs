@@ -3,7 +3,7 @@
 //! here, used by `persist/`.
 
 use serde::Deserialize;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::units::duration_str;
@@ -95,6 +95,10 @@ pub struct PersistConfig {
     pub lease_ttl: Duration,
     /// What to do when another live writer holds the lease.
     pub takeover: Takeover,
+    /// A file of `KEY=VALUE` lines with the remote's credentials (the variables it would read
+    /// from the environment), read once at start; its values win over the environment and
+    /// never reach a process keel starts. See `config::credentials`.
+    pub credentials_file: Option<PathBuf>,
 }
 
 impl Default for PersistConfig {
@@ -117,6 +121,7 @@ impl Default for PersistConfig {
             allow_http: false,
             lease_ttl: Duration::from_secs(30),
             takeover: Takeover::Refuse,
+            credentials_file: None,
         }
     }
 }
@@ -156,6 +161,14 @@ impl PersistConfig {
                     self.lease_ttl
                 ),
             );
+        }
+        if let Some(f) = &self.credentials_file {
+            if !f.is_absolute() {
+                return bad(
+                    "credentials_file",
+                    format!("`{}` must be an absolute path", f.display()),
+                );
+            }
         }
         Ok(())
     }

@@ -117,6 +117,9 @@ pub struct ServiceConfig {
     pub depends_on: Vec<String>,
     pub ready: Option<Readiness>,
     pub no_new_privs: bool,
+    /// Secret variables (`AWS_*`, ..., see `[init] secret_env`) this service gets anyway, by
+    /// exact name, from keel's environment or its credentials file.
+    pub pass_env: Vec<String>,
 }
 
 impl Default for ServiceConfig {
@@ -137,6 +140,7 @@ impl Default for ServiceConfig {
             depends_on: Vec::new(),
             ready: None,
             no_new_privs: false,
+            pass_env: Vec::new(),
         }
     }
 }
@@ -169,6 +173,7 @@ pub fn validate(services: &[ServiceConfig]) -> Result<(), (String, String)> {
             return Err((key("command"), "is missing or empty".into()));
         }
         check_signal(&key("stop_signal"), &s.stop_signal)?;
+        super::init::check_pass_env(&key("pass_env"), &s.pass_env)?;
         if let Some(w) = &s.workdir {
             if !w.is_absolute() {
                 return Err((

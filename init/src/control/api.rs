@@ -15,8 +15,9 @@ use crate::config::control::Secret;
 pub enum Access {
     /// Callers must present this token; `None`: no token configured, everyone may.
     Token(Option<Secret>),
-    /// Already checked by the listener (the root-only Unix socket).
-    Trusted,
+    /// Already checked by the listener (the Unix socket: root, keel's user, and the members
+    /// of `group` when `[control] group` is set).
+    Trusted { group: Option<u32> },
 }
 
 fn method_not_allowed(allow: &'static str) -> Response {

@@ -34,6 +34,8 @@ pub enum ControlError {
     Listen(ServerError),
     #[error("control.socket: {0}")]
     Socket(ServerError),
+    #[error("control.group: {0}")]
+    Group(String),
 }
 
 /// The running control servers. Stop them (or drop them) as the very last step.
@@ -71,8 +73,15 @@ pub fn start(cfg: &Config) -> Result<Control, ControlError> {
         }
         None => None,
     };
-    let unix = match c.socket_path(cfg) {
-        Some(path) => match server::serve_unix(&path, status.clone()) {
+    let group = match &c.group {
+        Some(g) => Some(
+            crate::sys::process::resolve_group(g)
+                .map_err(|e| ControlError::Group(e.to_string()))?,
+        ),
+        None => None,
+    };
+    let unix = match c.socket_path(cfg, crate::sys::process::is_pid1()) {
+        Some(path) => match server::serve_unix(&path, status.clone(), group) {
             Ok(s) => Some(s),
             Err(e) if c.socket.is_some() => return Err(ControlError::Socket(e)),
             Err(e) => {
@@ -111,12 +120,21 @@ impl Control {
     }
 }
 
-/// Where `keel status` looks by default: `[control] socket`, else the state dir's
-/// `control.sock` (even when the workspace is disabled, so a typo'd config still says where).
+/// Where `keel status` and `keel checkpoint` look by default: `[control] socket`, else the
+/// state dir's `control.sock` when it exists, else `/run/keel/control.sock` when it exists (a
+/// keel that is PID 1 puts it there; inside the sandbox the state dir is empty), else the
+/// state dir's (so the error names it).
 pub fn default_socket(cfg: &Config) -> PathBuf {
-    cfg.control.socket.clone().unwrap_or_else(|| {
-        cfg.workspace
-            .state_dir
-            .join(crate::config::control::SOCKET_NAME)
-    })
+    if let Some(s) = &cfg.control.socket {
+        return s.clone();
+    }
+    let in_state = cfg
+        .workspace
+        .state_dir
+        .join(crate::config::control::SOCKET_NAME);
+    let run = PathBuf::from(crate::config::control::RUN_SOCKET);
+    if !in_state.exists() && run.exists() {
+        return run;
+    }
+    in_state
 }

@@ -2,8 +2,9 @@
 //! `keel status`), one short-lived thread per connection, at most `MAX_CONNECTIONS` at a time
 //! (the rest get a quick 503 from a single busy-responder thread, or are closed when even its
 //! queue is full), one request per connection, a deadline for reading the request and a
-//! timeout for writing the reply. The Unix socket is mode 0600 and every peer's
-//! uid is checked with `SO_PEERCRED` as well. Stopping shuts the listening socket down, which
+//! timeout for writing the reply. The Unix socket is mode 0600 (0660 and group-owned with
+//! `[control] group`) and every peer is checked with `SO_PEERCRED` as well: root, keel's
+//! own user, or a member of that group. Stopping shuts the listening socket down, which
 //! wakes the accept thread at once, then joins it and removes the socket file.
 
 use std::io;
@@ -52,8 +53,12 @@ pub enum ServerError {
     RemoveStale { path: PathBuf, source: io::Error },
     #[error("{}: bind: {source}", path.display())]
     BindSocket { path: PathBuf, source: io::Error },
-    #[error("{}: chmod 0600: {source}", path.display())]
-    Chmod { path: PathBuf, source: io::Error },
+    #[error("{}: chmod {mode:04o}: {source}", path.display())]
+    Chmod {
+        path: PathBuf,
+        mode: u32,
+        source: io::Error,
+    },
     #[error("start the listener thread: {0}")]
     SpawnThread(io::Error),
 }
@@ -92,13 +97,32 @@ pub fn serve_tcp(addr: &str, status: StatusHandle, access: Access) -> Result<Ser
     start(Listener::Tcp(l), status, access, local, None)
 }
 
-/// Serves the API without a token on a Unix socket at `path` that only keel's own user may
-/// use. A stale socket left by a killed keel is replaced; a live one is an error.
-pub fn serve_unix(path: &Path, status: StatusHandle) -> Result<Server, ServerError> {
+/// Serves the API without a token on a Unix socket at `path` that only root and keel's own
+/// user may use (mode 0600, its directory 0700 when keel creates it), or with `group` the
+/// members of that group too (0660 and 0750, group-owned). A stale socket left by a killed
+/// keel is replaced; a live one is an error.
+pub fn serve_unix(
+    path: &Path,
+    status: StatusHandle,
+    group: Option<u32>,
+) -> Result<Server, ServerError> {
     let p = || path.to_path_buf();
+    let (dir_mode, sock_mode) = if group.is_some() {
+        (0o750, 0o660)
+    } else {
+        (0o700, 0o600)
+    };
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         if !dir.is_dir() {
-            std::fs::create_dir_all(dir)
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(dir_mode)
+                .create(dir)
+                .map_err(|source| ServerError::CreateDir { path: p(), source })?;
+            // Only a directory keel made is keel's to set up (the umask may have cut the mode).
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(dir_mode))
+                .and_then(|()| std::os::unix::fs::chown(dir, None, group))
                 .map_err(|source| ServerError::CreateDir { path: p(), source })?;
         }
     }
@@ -115,16 +139,21 @@ pub fn serve_unix(path: &Path, status: StatusHandle) -> Result<Server, ServerErr
     }
     let l =
         UnixListener::bind(path).map_err(|source| ServerError::BindSocket { path: p(), source })?;
-    // The peer uid check below is what keeps others out; the mode says the same to `ls`.
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|source| ServerError::Chmod { path: p(), source })?;
+    // The peer check below is what keeps others out; the mode says the same to `ls`.
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(sock_mode))
+        .and_then(|()| std::os::unix::fs::chown(path, None, group))
+        .map_err(|source| ServerError::Chmod {
+            path: p(),
+            mode: sock_mode,
+            source,
+        })?;
     let ino = std::fs::symlink_metadata(path)
         .map(|m| m.ino())
         .unwrap_or(0);
     start(
         Listener::Unix(l),
         status,
-        Access::Trusted,
+        Access::Trusted { group },
         None,
         Some((p(), ino)),
     )
@@ -293,8 +322,15 @@ impl Stream {
             Stream::Tcp(s) => serve_conn(s, status, access),
             Stream::Unix(s) => {
                 let me = sys::socket::euid();
+                let group = match access {
+                    Access::Trusted { group } => *group,
+                    Access::Token(_) => None,
+                };
+                let member = |s: &UnixStream| {
+                    group.is_some_and(|g| sys::socket::peer_in_group(s, g).unwrap_or(false))
+                };
                 match sys::socket::peer_uid(&s) {
-                    Ok(uid) if uid == me || uid == 0 => serve_conn(s, status, access),
+                    Ok(uid) if uid == me || uid == 0 || member(&s) => serve_conn(s, status, access),
                     Ok(uid) => {
                         debug!("control: refused a socket peer with uid {uid}");
                         let r = http::Response::text(403, "forbidden\n");

@@ -308,7 +308,7 @@ pub fn checkpoint_main(args: Vec<OsString>) -> i32 {
             return Ok(0);
         }
         // keel run without persist.sock: its HTTP control API may still take the request.
-        let http = state.join(crate::config::control::SOCKET_NAME);
+        let http = crate::control::default_socket(&cfg);
         if http.exists() {
             if let Ok((code, body)) = crate::control::client::request(&http, "POST", "/checkpoint")
             {

@@ -2,8 +2,8 @@
 //! S3-compatible stores such as R2, MinIO and moto; GCS; Azure). A current-thread tokio
 //! runtime lives inside; `put_many_absent`/`get_many` run up to `concurrency` requests at
 //! once. Credentials come from the standard environment variables (`AWS_ACCESS_KEY_ID`,
-//! `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, `GOOGLE_SERVICE_ACCOUNT`, `AZURE_*`) and
-//! never appear in `describe` or in error strings. Every request that fails for a
+//! `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, `GOOGLE_SERVICE_ACCOUNT`, `AZURE_*`), overridden
+//! by the same names in `[persist] credentials_file`, and never appear in `describe` or in error strings. Every request that fails for a
 //! temporary reason is retried here (`retrying`), within the deadline of the calling
 //! thread's work (`retry::deadline_scope`).
 
@@ -228,6 +228,14 @@ impl ObjectStoreRemote {
             ..Default::default()
         };
         let base = format!("{scheme}://{bucket}");
+        // `[persist] credentials_file` wins over the environment (read once per process).
+        let creds = crate::config::credentials::for_config(cfg).map_err(|e| bad(e.to_string()))?;
+        // Variables `keel run` took out of its environment at start come first, the file's after.
+        let from_file = |prefix: &'static str| {
+            crate::config::credentials::taken_with_prefix(prefix)
+                .chain(creds.into_iter().flat_map(move |c| c.with_prefix(prefix)))
+                .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        };
         let store: Arc<dyn ObjectStore> = match scheme {
             "s3" => {
                 let mut b = object_store::aws::AmazonS3Builder::from_env()
@@ -236,6 +244,11 @@ impl ObjectStoreRemote {
                     .with_retry(retry)
                     .with_allow_http(cfg.allow_http)
                     .with_virtual_hosted_style_request(!cfg.path_style);
+                for (k, v) in from_file("AWS_") {
+                    if let Ok(key) = k.parse::<object_store::aws::AmazonS3ConfigKey>() {
+                        b = b.with_config(key, v);
+                    }
+                }
                 if let Some(e) = &cfg.endpoint {
                     b = b.with_endpoint(e);
                 }
@@ -244,20 +257,29 @@ impl ObjectStoreRemote {
                 }
                 Arc::new(b.build().map_err(|e| bad(e.to_string()))?)
             }
-            "gs" => Arc::new(
-                object_store::gcp::GoogleCloudStorageBuilder::from_env()
+            "gs" => {
+                let mut b = object_store::gcp::GoogleCloudStorageBuilder::from_env()
                     .with_url(&base)
                     .with_client_options(client)
-                    .with_retry(retry)
-                    .build()
-                    .map_err(|e| bad(e.to_string()))?,
-            ),
+                    .with_retry(retry);
+                for (k, v) in from_file("GOOGLE_") {
+                    if let Ok(key) = k.parse::<object_store::gcp::GoogleConfigKey>() {
+                        b = b.with_config(key, v);
+                    }
+                }
+                Arc::new(b.build().map_err(|e| bad(e.to_string()))?)
+            }
             "az" | "abfs" => {
                 let mut b = object_store::azure::MicrosoftAzureBuilder::from_env()
                     .with_url(&base)
                     .with_client_options(client)
                     .with_retry(retry)
                     .with_allow_http(cfg.allow_http);
+                for (k, v) in from_file("AZURE_") {
+                    if let Ok(key) = k.parse::<object_store::azure::AzureConfigKey>() {
+                        b = b.with_config(key, v);
+                    }
+                }
                 if let Some(e) = &cfg.endpoint {
                     b = b.with_endpoint(e.clone());
                 }

@@ -110,7 +110,8 @@ const SECRET_VARS: &[&str] = &[
 ];
 
 /// `text` without anything secret: query strings of URLs (presigned URLs and SAS tokens
-/// carry signatures there) and the values of the credential environment variables. Long
+/// carry signatures there), the values of the credential environment variables and every
+/// value of the `[persist] credentials_file` this process read. Long
 /// texts (error bodies) are cut to 400 characters.
 pub fn redact(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
@@ -126,12 +127,12 @@ pub fn redact(text: &str) -> String {
             _ => out.push_str(word),
         }
     }
-    for var in SECRET_VARS {
-        if let Ok(v) = std::env::var(var) {
-            // Very short values would blank out ordinary words; credentials are long.
-            if v.len() >= 6 {
-                out = out.replace(&v, "[redacted]");
-            }
+    let from_env = SECRET_VARS.iter().filter_map(|var| std::env::var(var).ok());
+    let from_file = crate::config::credentials::secret_values().map(str::to_string);
+    for v in from_env.chain(from_file) {
+        // Very short values would blank out ordinary words; credentials are long.
+        if v.len() >= 6 {
+            out = out.replace(&v, "[redacted]");
         }
     }
     if out.chars().count() > 400 {

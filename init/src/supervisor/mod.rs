@@ -111,21 +111,43 @@ pub struct Supervisor {
     code: Option<i32>,
     /// Where unit states are published for the control API.
     status: Option<StatusHandle>,
+    /// The mount namespace children join; closed when the supervisor ends (before the
+    /// workspace is unmounted, so no copy of the mount outlives the stop).
+    sandbox_ns: Option<crate::sys::ns::SandboxNs>,
 }
 
 fn base_env(cfg: &Config) -> Vec<(OsString, OsString)> {
-    let mut env = keel_env();
+    let mut env = keel_env(cfg);
     for (k, v) in &cfg.init.env {
         set_env(&mut env, k, v);
     }
     env
 }
 
-/// keel's own environment minus what only keel may see (the control API token).
-fn keel_env() -> Vec<(OsString, OsString)> {
-    std::env::vars_os()
-        .filter(|(k, _)| k != crate::config::control::TOKEN_ENV)
+/// keel's own environment minus what only keel may see: the remote's credentials (`AWS_*`,
+/// `GOOGLE_*`, `AZURE_*`), the control API token and `[init] secret_env`.
+fn keel_env(cfg: &Config) -> Vec<(OsString, OsString)> {
+    scrub(std::env::vars_os(), cfg)
+}
+
+fn scrub(
+    vars: impl Iterator<Item = (OsString, OsString)>,
+    cfg: &Config,
+) -> Vec<(OsString, OsString)> {
+    vars.filter(|(k, _)| !k.to_str().is_some_and(|k| cfg.init.is_secret_var(k)))
         .collect()
+}
+
+/// Adds the secret variables a unit's config passes by name: the value keel uses (its
+/// credentials file first, then its environment); a name set nowhere is left out.
+fn pass_env(env: &mut Vec<(OsString, OsString)>, names: &[String]) {
+    for k in names {
+        let v = crate::config::credentials::value(k).map(OsString::from);
+        if let Some(v) = v {
+            env.retain(|(ek, _)| ek != k.as_str());
+            env.push((k.into(), v));
+        }
+    }
 }
 
 fn set_env(env: &mut Vec<(OsString, OsString)>, k: &str, v: &str) {
@@ -181,6 +203,7 @@ impl Supervisor {
             for (k, v) in &s.env {
                 set_env(&mut env, k, v);
             }
+            pass_env(&mut env, &s.pass_env);
             let cwd = s
                 .workdir
                 .clone()
@@ -202,6 +225,7 @@ impl Supervisor {
                     drop_caps: drop_caps.clone(),
                     no_new_privs: s.no_new_privs,
                     stdin: false,
+                    mnt_ns: None,
                 },
                 is_main: false,
                 deps: Vec::new(),
@@ -251,6 +275,7 @@ impl Supervisor {
             if let Some(ids) = &ids {
                 user_env(&mut env, ids, &cfg.init.env);
             }
+            pass_env(&mut env, &cfg.init.pass_env);
             let n = units.len();
             units.push(Unit {
                 name: "main".into(),
@@ -267,6 +292,7 @@ impl Supervisor {
                     drop_caps,
                     no_new_privs: cfg.init.no_new_privs,
                     stdin: true,
+                    mnt_ns: None,
                 },
                 is_main: true,
                 deps: (0..n).collect(),
@@ -314,6 +340,7 @@ impl Supervisor {
             stop_signals_seen: 0,
             code: None,
             status: None,
+            sandbox_ns: None,
         })
     }
 
@@ -363,6 +390,14 @@ impl Supervisor {
             (None, Reason::Signal(s), Some(_)) => 128 + s,
             _ => 0,
         }
+    }
+
+    /// Starts every unit (and its probes) in this mount namespace.
+    pub fn set_sandbox_ns(&mut self, ns: crate::sys::ns::SandboxNs) {
+        for u in &mut self.units {
+            u.spec.mnt_ns = Some(ns.fd());
+        }
+        self.sandbox_ns = Some(ns);
     }
 
     /// Publishes every unit's state to the control API from now on.

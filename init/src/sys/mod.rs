@@ -7,6 +7,7 @@ pub mod file;
 pub mod fusedev;
 pub mod mem;
 pub mod mount;
+pub mod ns;
 pub mod process;
 pub mod sched;
 pub mod signal;

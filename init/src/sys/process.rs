@@ -1,5 +1,5 @@
-//! Processes: starting a child with exactly the state keel wants it to have (session/group,
-//! terminal, inherited signal mask, user, capabilities), the one `waitpid(-1, WNOHANG)` reaper,
+//! Processes: starting a child with exactly the state keel wants it to have (mount namespace,
+//! session/group, terminal, inherited signal mask, user, capabilities), the one `waitpid(-1, WNOHANG)` reaper,
 //! subreaper status, finding descendants, and process-wide settings (cwd, rlimits, umask,
 //! hostname, user lookup).
 
@@ -142,6 +142,20 @@ pub fn resolve_ids(user: &str, group: Option<&str>) -> Result<Ids, ProcessError>
     })
 }
 
+/// Resolves a group name or number to its gid.
+pub fn resolve_group(group: &str) -> Result<u32, ProcessError> {
+    if let Ok(n) = group.parse::<u32>() {
+        return Ok(n);
+    }
+    nix::unistd::Group::from_name(group)
+        .map_err(|e| ProcessError::Lookup {
+            name: group.to_string(),
+            source: e,
+        })?
+        .map(|g| g.gid.as_raw())
+        .ok_or_else(|| ProcessError::NoSuchGroup(group.to_string()))
+}
+
 /// Which session/process group a child gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Session {
@@ -165,6 +179,8 @@ pub struct SpawnSpec {
     pub no_new_privs: bool,
     /// Give the child keel's stdin (only the main service) instead of /dev/null.
     pub stdin: bool,
+    /// The sandbox mount namespace to join (an fd keel keeps open), if any.
+    pub mnt_ns: Option<std::os::fd::RawFd>,
 }
 
 /// Starts a child; its pid is also its process group id. Errors are those of exec (ENOENT,
@@ -184,7 +200,14 @@ pub fn spawn(spec: &SpawnSpec) -> std::io::Result<i32> {
     let drop_caps = spec.drop_caps.clone();
     let nnp = spec.no_new_privs;
     let ids = spec.ids.as_ref().map(|i| (i.uid, i.gid, i.groups.clone()));
+    let mnt_ns = spec.mnt_ns;
+    let cwd = CString::new(spec.cwd.as_os_str().as_encoded_bytes())
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
     let child_setup = move || -> std::io::Result<()> {
+        // First, while the child still has CAP_SYS_ADMIN and CAP_SYS_CHROOT for setns.
+        if let Some(ns) = mnt_ns {
+            super::ns::enter_in_child(ns, &cwd)?;
+        }
         match session {
             Session::New => {
                 // SAFETY: setsid has no arguments; the child is not a group leader yet.
@@ -336,4 +359,48 @@ pub fn descendants(root: i32) -> Vec<i32> {
         }
     }
     out
+}
+
+extern "C" {
+    static mut environ: *mut *mut libc::c_char;
+}
+
+/// Takes the variables for which `secret(name)` holds out of keel's environment and returns
+/// them: they are removed, and their `NAME=value` bytes overwritten with NULs where the kernel
+/// shows them (`/proc/<pid>/environ` reads the initial environment block). Call while keel
+/// still has a single thread.
+pub fn take_env(secret: impl Fn(&str) -> bool) -> Vec<(String, String)> {
+    let mut taken = Vec::new();
+    let mut wipe: Vec<(*mut libc::c_char, usize)> = Vec::new();
+    // SAFETY: keel is single-threaded here (documented precondition), so nothing reads or
+    // changes the environment concurrently; `environ` is a NULL-terminated array of
+    // NUL-terminated strings owned by the C runtime.
+    unsafe {
+        let mut at = environ;
+        while !at.is_null() && !(*at).is_null() {
+            let entry = *at;
+            let bytes = std::ffi::CStr::from_ptr(entry).to_bytes();
+            if let Some(eq) = bytes.iter().position(|&b| b == b'=') {
+                if let (Ok(name), Ok(value)) = (
+                    std::str::from_utf8(&bytes[..eq]),
+                    std::str::from_utf8(&bytes[eq + 1..]),
+                ) {
+                    if secret(name) {
+                        taken.push((name.to_string(), value.to_string()));
+                        wipe.push((entry, bytes.len()));
+                    }
+                }
+            }
+            at = at.add(1);
+        }
+    }
+    for (k, _) in &taken {
+        std::env::remove_var(k);
+    }
+    for (entry, len) in wipe {
+        // SAFETY: `entry` points at `len` bytes of a string the C runtime no longer lists
+        // (removed above) and never frees; its terminating NUL is left alone.
+        unsafe { std::ptr::write_bytes(entry, 0, len) };
+    }
+    taken
 }

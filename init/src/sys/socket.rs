@@ -12,6 +12,21 @@ pub fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
         .map_err(|e| io::Error::from_raw_os_error(e as i32))
 }
 
+/// Whether the process that connected `stream` is in group `gid`: its effective gid at
+/// connect time (`SO_PEERCRED`) or one of its supplementary groups (`/proc/<pid>/status`).
+pub fn peer_in_group(stream: &UnixStream, gid: u32) -> io::Result<bool> {
+    let c = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(|e| io::Error::from_raw_os_error(e as i32))?;
+    if c.gid() == gid {
+        return Ok(true);
+    }
+    let status = std::fs::read_to_string(format!("/proc/{}/status", c.pid()))?;
+    Ok(status
+        .lines()
+        .find_map(|l| l.strip_prefix("Groups:"))
+        .is_some_and(|g| g.split_whitespace().any(|x| x.parse() == Ok(gid))))
+}
+
 /// keel's own effective uid.
 pub fn euid() -> u32 {
     nix::unistd::geteuid().as_raw()

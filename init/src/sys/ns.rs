@@ -1,0 +1,444 @@
+//! The sandbox's mount namespace: one namespace, made once, that every process keel starts
+//! joins (`setns`) between fork and exec. In it the state dir, a local `file://` remote and the
+//! credentials file are covered by empty read-only mounts, and the control socket's directory
+//! is read-only; children have no CAP_SYS_ADMIN, so they cannot uncover anything. Its mounts
+//! are slaves of keel's: a mount keel makes or removes later (the workspace) reaches the
+//! sandbox when the parent mount is shared, nothing the sandbox does reaches keel. Also here:
+//! `PR_SET_DUMPABLE`, which keeps ptrace and keel's `/proc/<pid>/{mem,root,cwd,fd}` links
+//! away from processes without CAP_SYS_PTRACE, root included.
+//!
+//! unshare(CLONE_NEWNS) is refused to a multi-threaded process, and keel has threads by the
+//! time it starts children, so a forked helper (single-threaded, async-signal-safe calls only)
+//! makes the namespace, keel keeps an fd to it, and the helper exits.
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum NsError {
+    #[error("sandbox namespace: {} contains a NUL byte", path.display())]
+    Nul { path: PathBuf },
+    #[error("sandbox namespace: pipe: {0}")]
+    Pipe(std::io::Error),
+    #[error("sandbox namespace: fork: {0}")]
+    Fork(std::io::Error),
+    #[error("sandbox namespace: {step}: {source}")]
+    Setup {
+        step: String,
+        source: std::io::Error,
+    },
+    #[error("sandbox namespace: the helper process ended without a word")]
+    HelperGone,
+    #[error("sandbox namespace: open {path}: {source}")]
+    Open {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("make {} a shared mount: {source}", path.display())]
+    Share {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// How one path looks inside the sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cover {
+    /// A directory: covered by an empty read-only tmpfs.
+    EmptyDir,
+    /// A file: covered by a read-only bind of `/dev/null` (reads as empty).
+    EmptyFile,
+    /// A directory bound onto itself read-only (sockets in it still connect).
+    ReadOnly,
+}
+
+/// A mount namespace for children; dropping it closes keel's reference (the namespace ends
+/// with its last process).
+#[derive(Debug)]
+pub struct SandboxNs {
+    fd: OwnedFd,
+}
+
+impl SandboxNs {
+    /// The fd children `setns` into.
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// Makes the namespace: a copy of keel's, every mount a slave, then `covers` applied in
+/// order. A path that does not exist, or lies under a directory covered before it, is skipped
+/// (the caller creates what must be covered). A file is covered by a read-only bind of an
+/// empty file in a tmpfs hidden under the first covered directory, so writes fail too.
+pub fn make_sandbox_ns(covers: &[(PathBuf, Cover)]) -> Result<SandboxNs, NsError> {
+    let mut prepared: Vec<(CString, Cover)> = Vec::new();
+    let mut dirs: Vec<&Path> = Vec::new();
+    for (p, c) in covers {
+        if std::fs::symlink_metadata(p).is_err() || dirs.iter().any(|d| p.starts_with(d)) {
+            continue;
+        }
+        if *c == Cover::EmptyDir {
+            dirs.push(p);
+        }
+        let s =
+            CString::new(p.as_os_str().as_bytes()).map_err(|_| NsError::Nul { path: p.clone() })?;
+        prepared.push((s, *c));
+    }
+    let scratch = match dirs.first() {
+        Some(d) => CString::new(d.join(".keel-empty").as_os_str().as_bytes()).map_err(|_| {
+            NsError::Nul {
+                path: d.to_path_buf(),
+            }
+        })?,
+        None => c"/dev/null".to_owned(),
+    };
+    let make_scratch = !dirs.is_empty();
+    let (ready_r, ready_w) = pipe()?;
+    let (hold_r, hold_w) = pipe()?;
+    // SAFETY: the child only makes async-signal-safe syscalls on memory prepared above and
+    // never returns into Rust code (it ends with _exit).
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(NsError::Fork(std::io::Error::last_os_error()));
+    }
+    if pid == 0 {
+        drop(ready_r);
+        drop(hold_w);
+        let (step, err) = match build_in_child(&prepared, &scratch, make_scratch) {
+            Ok(()) => (0u32, 0i32),
+            Err(e) => e,
+        };
+        let mut b = [0u8; 8];
+        b[..4].copy_from_slice(&step.to_ne_bytes());
+        b[4..].copy_from_slice(&err.to_ne_bytes());
+        // SAFETY: writes a local buffer to our pipe, then (on success) blocks until keel closes
+        // the other pipe, then exits without running any destructor or atexit handler.
+        unsafe {
+            // A fork of a non-dumpable keel is not dumpable either, and then keel could not
+            // open its /proc/<pid>/ns/mnt without CAP_SYS_PTRACE (containers lack it). No
+            // process keel starts exists yet while the helper lives.
+            libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0);
+            libc::write(ready_w.as_raw_fd(), b.as_ptr().cast(), 8);
+            if step == 0 {
+                let mut c = [0u8; 1];
+                while libc::read(hold_r.as_raw_fd(), c.as_mut_ptr().cast(), 1) < 0
+                    && *libc::__errno_location() == libc::EINTR
+                {}
+            }
+            libc::_exit(if step == 0 { 0 } else { 1 });
+        }
+    }
+    drop(ready_w);
+    drop(hold_r);
+    let mut buf = [0u8; 8];
+    let n = read_full(&ready_r, &mut buf);
+    let result = if n == 8 {
+        let step = u32::from_ne_bytes(buf[..4].try_into().expect("4 bytes"));
+        let err = i32::from_ne_bytes(buf[4..].try_into().expect("4 bytes"));
+        if step == 0 {
+            let path = format!("/proc/{pid}/ns/mnt");
+            std::fs::File::open(&path)
+                .map(|f| SandboxNs { fd: f.into() })
+                .map_err(|source| NsError::Open { path, source })
+        } else {
+            Err(NsError::Setup {
+                step: step_name(step, &prepared, &scratch),
+                source: std::io::Error::from_raw_os_error(err),
+            })
+        }
+    } else {
+        Err(NsError::HelperGone)
+    };
+    drop(hold_w);
+    let mut status = 0;
+    // SAFETY: waits for our own helper child by pid; `status` is a local.
+    while unsafe { libc::waitpid(pid, &mut status, 0) } < 0
+        && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
+    {}
+    result
+}
+
+/// Step numbers reported by the helper: 1 unshare, 2 slave, 3 the empty file's tmpfs and file,
+/// `10 + 4*i + k` for cover `i` (k = 0 mount, 1 make read-only).
+fn step_name(step: u32, prepared: &[(CString, Cover)], scratch: &CString) -> String {
+    match step {
+        1 => "unshare(CLONE_NEWNS)".into(),
+        2 => "make every mount a slave of keel's".into(),
+        3 => format!("create {}", scratch.to_string_lossy()),
+        s => {
+            let i = ((s - 10) / 4) as usize;
+            let Some((p, c)) = prepared.get(i) else {
+                return format!("step {s}");
+            };
+            let verb = match (c, (s - 10) % 4) {
+                (Cover::EmptyDir, 0) => "cover with an empty tmpfs",
+                (Cover::EmptyFile, 0) => "cover with an empty file",
+                (Cover::ReadOnly, 0) => "bind onto itself",
+                _ => "make read-only",
+            };
+            format!("{verb} {}", p.to_string_lossy())
+        }
+    }
+}
+
+/// The helper's work, in the forked child: only syscalls on prepared memory (no allocation).
+fn build_in_child(
+    prepared: &[(CString, Cover)],
+    scratch: &CString,
+    make_scratch: bool,
+) -> Result<(), (u32, i32)> {
+    let null = std::ptr::null::<libc::c_char>();
+    // SAFETY: errno is thread-local and always valid to read.
+    let errno = || unsafe { *libc::__errno_location() };
+    let ok = |r: libc::c_int, step: u32| if r == 0 { Ok(()) } else { Err((step, errno())) };
+    let hidden = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    // SAFETY: every pointer passed below is a live NUL-terminated string or null where the
+    // syscall allows it; the calls are async-signal-safe.
+    unsafe {
+        ok(libc::unshare(libc::CLONE_NEWNS), 1)?;
+        ok(
+            libc::mount(
+                null,
+                c"/".as_ptr(),
+                null,
+                libc::MS_REC | libc::MS_SLAVE,
+                null.cast(),
+            ),
+            2,
+        )?;
+        // The empty file for file covers lives in a tmpfs that ends up under the first
+        // directory cover (hidden below it; never unlinked, which would keep it busy).
+        if make_scratch && prepared.iter().any(|(_, c)| *c == Cover::EmptyFile) {
+            let dir = prepared.iter().find(|(_, c)| *c == Cover::EmptyDir);
+            if let Some((d, _)) = dir {
+                ok(
+                    libc::mount(
+                        c"tmpfs".as_ptr(),
+                        d.as_ptr(),
+                        c"tmpfs".as_ptr(),
+                        hidden,
+                        c"mode=0700,size=4k".as_ptr().cast(),
+                    ),
+                    3,
+                )?;
+            }
+            let fd = libc::open(
+                scratch.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | libc::O_CLOEXEC,
+                0o444,
+            );
+            if fd < 0 {
+                return Err((3, errno()));
+            }
+            libc::close(fd);
+        }
+        for (i, (path, cover)) in prepared.iter().enumerate() {
+            let step = 10 + i as u32 * 4;
+            let p = path.as_ptr();
+            let src = match cover {
+                Cover::EmptyDir => continue,
+                Cover::ReadOnly => p,
+                Cover::EmptyFile => scratch.as_ptr(),
+            };
+            ok(libc::mount(src, p, null, libc::MS_BIND, null.cast()), step)?;
+            let flags = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | hidden;
+            ok(libc::mount(null, p, null, flags, null.cast()), step + 1)?;
+        }
+        for (i, (path, cover)) in prepared.iter().enumerate() {
+            if *cover == Cover::EmptyDir {
+                ok(
+                    libc::mount(
+                        c"tmpfs".as_ptr(),
+                        path.as_ptr(),
+                        c"tmpfs".as_ptr(),
+                        libc::MS_RDONLY | hidden,
+                        c"mode=0755,size=4k".as_ptr().cast(),
+                    ),
+                    10 + i as u32 * 4,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn pipe() -> Result<(OwnedFd, OwnedFd), NsError> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two fds into the local array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(NsError::Pipe(std::io::Error::last_os_error()));
+    }
+    // SAFETY: both fds were just created and are owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+fn read_full(fd: &OwnedFd, buf: &mut [u8]) -> usize {
+    let mut n = 0;
+    while n < buf.len() {
+        // SAFETY: reads into the unfilled tail of a live buffer.
+        let r = unsafe { libc::read(fd.as_raw_fd(), buf[n..].as_mut_ptr().cast(), buf.len() - n) };
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            continue;
+        }
+        if r <= 0 {
+            break;
+        }
+        n += r as usize;
+    }
+    n
+}
+
+/// In a forked child: joins `ns` and returns to `cwd` there (setns moves the cwd to the
+/// namespace's root). Async-signal-safe.
+pub fn enter_in_child(ns: RawFd, cwd: &std::ffi::CStr) -> std::io::Result<()> {
+    // SAFETY: setns takes an fd and a flag; the child is single-threaded.
+    if unsafe { libc::setns(ns, libc::CLONE_NEWNS) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `cwd` is a live NUL-terminated string.
+    if unsafe { libc::chdir(cwd.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Makes the mount that holds `path` a shared mount (non-recursively), so mounts made on or
+/// under it later propagate into slave copies such as the sandbox namespace. Only for a
+/// mount namespace keel owns (PID 1): on a host it would change the host's mounts.
+pub fn share_mount_of(path: &Path) -> Result<(), NsError> {
+    let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let m = super::mount::mount_points()
+        .into_iter()
+        .filter(|m| path.starts_with(m))
+        .max_by_key(|m| m.as_os_str().len())
+        .unwrap_or_else(|| PathBuf::from("/"));
+    nix::mount::mount(
+        None::<&str>,
+        &m,
+        None::<&str>,
+        nix::mount::MsFlags::MS_SHARED,
+        None::<&str>,
+    )
+    .map_err(|e| NsError::Share {
+        path: m.clone(),
+        source: std::io::Error::from_raw_os_error(e as i32),
+    })
+}
+
+/// PR_SET_DUMPABLE 0 on keel: its `/proc/<pid>` files become root's, and only a process with
+/// CAP_SYS_PTRACE may ptrace it, open its `mem` or follow its `root`, `cwd` and `fd` links.
+/// (Kernel 6.18 still lets same-uid root read `environ`: keel wipes its secrets from it, see
+/// `process::take_env`.)
+pub fn set_not_dumpable() -> std::io::Result<()> {
+    // SAFETY: PR_SET_DUMPABLE takes plain integers.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::process::{spawn, Session, SpawnSpec};
+    use std::time::Instant;
+
+    fn root() -> bool {
+        if nix::unistd::geteuid().is_root() {
+            return true;
+        }
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "the namespace tests need root, and CI is set"
+        );
+        eprintln!("skipping: needs root");
+        false
+    }
+
+    fn run(spec: &SpawnSpec) -> i32 {
+        let pid = spawn(spec).expect("spawn");
+        let mut status = 0;
+        // SAFETY: waits for the child just started; `status` is a local.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        status
+    }
+
+    fn spec(argv: &[&str], ns: Option<RawFd>) -> SpawnSpec {
+        SpawnSpec {
+            argv: argv.iter().map(Into::into).collect(),
+            env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+            cwd: PathBuf::from("/"),
+            ids: None,
+            session: Session::New,
+            drop_caps: Vec::new(),
+            no_new_privs: false,
+            stdin: false,
+            mnt_ns: ns,
+        }
+    }
+
+    /// A child in the namespace sees the covered dir empty and read-only and the covered file
+    /// empty; keel still sees both. Prints what a start costs with and without the namespace.
+    #[test]
+    fn children_see_covers_and_the_start_cost_is_printed() {
+        if !root() {
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        std::fs::create_dir(&state).unwrap();
+        std::fs::write(state.join("meta.db"), "secret-bytes").unwrap();
+        let creds = d.path().join("creds");
+        std::fs::write(&creds, "AWS_SECRET_ACCESS_KEY=abc").unwrap();
+        let t0 = Instant::now();
+        let ns = make_sandbox_ns(&[
+            (state.clone(), Cover::EmptyDir),
+            (creds.clone(), Cover::EmptyFile),
+        ])
+        .unwrap();
+        let made = t0.elapsed();
+        let check = format!(
+            "test -z \"$(ls -A {s})\" && ! touch {s}/x 2>/dev/null && test ! -s {c} && ! sh -c 'echo x > {c}' 2>/dev/null",
+            s = state.display(),
+            c = creds.display()
+        );
+        assert_eq!(run(&spec(&["/bin/sh", "-c", &check], Some(ns.fd()))), 0);
+        assert_eq!(
+            run(&spec(&["/bin/sh", "-c", &check], None)),
+            256,
+            "keel's view is untouched"
+        );
+        assert_eq!(
+            std::fs::read_to_string(state.join("meta.db")).unwrap(),
+            "secret-bytes"
+        );
+        assert!(std::fs::read_dir(&state).unwrap().count() == 1);
+
+        // Interleaved, medians: the machine is shared and noisy.
+        let n = 300;
+        let mut took: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        let specs = [
+            spec(&["/bin/true"], None),
+            spec(&["/bin/true"], Some(ns.fd())),
+        ];
+        for _ in 0..n {
+            for (i, s) in specs.iter().enumerate() {
+                let t = Instant::now();
+                assert_eq!(run(s), 0);
+                took[i].push(t.elapsed().as_secs_f64() * 1000.0);
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(|a, b| a.total_cmp(b));
+            v[v.len() / 2]
+        };
+        let (without, with) = (median(&mut took[0]), median(&mut took[1]));
+        println!(
+            "sandbox namespace: made in {:.2} ms; start+exit of /bin/true (median of {n}): {without:.3} ms without, {with:.3} ms with setns ({:+.3} ms per start)",
+            made.as_secs_f64() * 1000.0,
+            with - without
+        );
+    }
+}

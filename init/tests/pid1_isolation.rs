@@ -1,0 +1,266 @@
+//! The sandbox cannot reach keel's state or secrets (root and /dev/fuse; CI fails loudly
+//! without them): everything keel starts runs in a mount namespace where the state dir and the
+//! credentials file are empty and read-only, without the remote's credentials, the control
+//! token or `[init] secret_env` in its environment (unless `pass_env` names them), and cannot
+//! read keel's `/proc/<pid>/{environ,root}` (keel is not dumpable); `keel status` and `keel
+//! checkpoint` still work from inside over the control socket, for whom `[control] group`
+//! allows; a mount keel makes after the start still reaches the sandbox (PID 1).
+
+mod pid1_support;
+
+use pid1_support::*;
+use std::path::Path;
+
+fn fuse_available() -> bool {
+    if !require_root("isolation test") {
+        return false;
+    }
+    if !Path::new("/dev/fuse").exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "/dev/fuse is missing and CI is set"
+        );
+        eprintln!("skipping: no /dev/fuse");
+        return false;
+    }
+    true
+}
+
+const FILE_SECRET: &str = "file-secret-Zq8Xw2";
+const ENV_SECRET: &str = "env-secret-Pk4Rt7";
+const CONTENT: &str = "only-root-may-read-this-7f3a";
+
+/// Workspace at $D/ws, state in `state`, control socket at $D/run/control.sock, a credentials
+/// file at $D/creds, and a service that records its environment.
+fn config(state: &Path, extra_init: &str, extra: &str) -> String {
+    format!(
+        r#"[init]
+secret_env = ["MY_SECRET", "VAULT_*"]
+drop_capabilities = ["SYS_ADMIN", "SYS_PTRACE"]
+{extra_init}
+[workspace]
+mount_point = "$D/ws"
+state_dir = "{}"
+[shutdown]
+grace = "2s"
+[persist]
+credentials_file = "$D/creds"
+[control]
+socket = "$D/run/control.sock"
+{extra}
+[[service]]
+name = "recorder"
+command = ["sh", "-c", "env > $D/svc.env; exec sleep 1000"]
+pass_env = ["AWS_REGION"]
+"#,
+        state.display()
+    )
+}
+
+fn write_creds(d: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let f = d.join("creds");
+    std::fs::write(
+        &f,
+        format!("# test\nexport AWS_SECRET_ACCESS_KEY={FILE_SECRET}\nAWS_REGION=eu-file-1\n"),
+    )
+    .unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+/// Starts keel with the credentials file written first (the config is written by `start`).
+fn start_keel(state: &Path, script: &str, extra_init: &str, extra: &str, pid1: bool) -> Keel {
+    // The credentials file lives outside keel's temp dir ($CREDS in the script).
+    let dir = tempfile::tempdir().unwrap();
+    write_creds(dir.path());
+    let creds = dir.path().join("creds");
+    let script = script.replace("$CREDS", creds.to_str().unwrap());
+    let text = config(state, extra_init, extra).replace("$D/creds", creds.to_str().unwrap());
+    let k = start_with(
+        &text,
+        &["sh", "-c", &script],
+        Opts {
+            pid1,
+            env: &[
+                ("AWS_SECRET_ACCESS_KEY", ENV_SECRET),
+                ("AWS_REGION", "eu-env-1"),
+                ("GOOGLE_SERVICE_ACCOUNT_KEY", "g-secret-1234"),
+                ("KEEL_CONTROL_TOKEN", "control-token-1234"),
+                ("MY_SECRET", "my-secret-1234"),
+                ("VAULT_TOKEN", "vault-secret-1234"),
+                ("PLAIN_VAR", "visible"),
+            ],
+            ..Default::default()
+        },
+    );
+    // Keep the credentials' dir alive as long as keel.
+    std::mem::forget(dir);
+    k
+}
+
+#[test]
+fn the_sandbox_sees_no_state_no_credentials_and_cannot_read_keel() {
+    if !fuse_available() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let st = state.path().display().to_string();
+    // Root without SYS_PTRACE/SYS_ADMIN in the sandbox: every line is an attempt that must fail.
+    let script = format!(
+        r#"
+        printf '%s' {CONTENT} > $D/ws/secret && chmod 600 $D/ws/secret && sync -f $D/ws/secret
+        head -c 20000 /dev/urandom > $D/ws/big; printf '%s' {CONTENT} >> $D/ws/big; sync -f $D/ws/big
+        sleep 0.2
+        echo "state-entries=$(ls -A {st} | wc -l)"
+        touch {st}/planted 2>/dev/null && echo "ATTEMPT wrote into the state dir"
+        grep -rl {CONTENT} {st} 2>/dev/null && echo "ATTEMPT found the content in the state dir"
+        test -s $CREDS && echo "ATTEMPT read the credentials file"
+        echo x > $CREDS 2>/dev/null && echo "ATTEMPT wrote the credentials file"
+        tr '\0' '\n' < /proc/$PPID/environ 2>/dev/null | grep -E 'secret|AWS_|KEEL_CONTROL' && echo "ATTEMPT found a secret in keel's environ"
+        ls /proc/$PPID/root/ >/dev/null 2>&1 && echo "ATTEMPT listed keel's root"
+        for f in /proc/$PPID/fd/*; do readlink $f 2>/dev/null | grep -q . && echo "ATTEMPT resolved keel's fd $f" && break; done
+        head -c 1 /proc/$PPID/mem >/dev/null 2>&1 && echo "ATTEMPT opened keel's mem"
+        perl -e 'exit(syscall(101, 16, $ARGV[0], 0, 0) == 0 ? 0 : 1)' $PPID && echo "ATTEMPT ptrace-attached keel"
+        umount -l {st} 2>/dev/null && echo "ATTEMPT uncovered the state dir"
+        env > $D/main.env
+        while [ ! -s $D/svc.env ]; do sleep 0.05; done
+        cat $D/ws/secret; echo
+        "#
+    );
+    let mut k = start_keel(state.path(), &script, "", "", false);
+    let (code, _) = k.wait();
+    let out = k.stdout();
+    let log = k.stderr();
+    assert_eq!(code, 0, "stdout:\n{out}\nlog:\n{log}");
+    assert!(out.contains("state-entries=0\n"), "{out}");
+    assert!(!out.contains("ATTEMPT"), "an attempt succeeded:\n{out}");
+    assert!(
+        out.contains(CONTENT),
+        "the workspace still works in the sandbox: {out}"
+    );
+    assert!(log.contains("sandbox namespace in"), "{log}");
+
+    let main_env = read(&k.path("main.env"));
+    let svc_env = read(&k.path("svc.env"));
+    for secret in [
+        "AWS_SECRET_ACCESS_KEY",
+        "GOOGLE_SERVICE_ACCOUNT_KEY",
+        "KEEL_CONTROL_TOKEN",
+        "MY_SECRET",
+        "VAULT_TOKEN",
+        "AWS_REGION",
+        ENV_SECRET,
+        FILE_SECRET,
+    ] {
+        assert!(!main_env.contains(secret), "main command got {secret}");
+    }
+    assert!(main_env.contains("PLAIN_VAR=visible"), "{main_env}");
+    // pass_env hands over the value keel uses: the credentials file wins over the environment.
+    assert!(svc_env.contains("AWS_REGION=eu-file-1\n"), "{svc_env}");
+    for secret in ["AWS_SECRET_ACCESS_KEY", "KEEL_CONTROL_TOKEN", "MY_SECRET"] {
+        assert!(!svc_env.contains(secret), "service got {secret}");
+    }
+    for secret in [ENV_SECRET, FILE_SECRET] {
+        assert!(!log.contains(secret), "keel logged a secret:\n{log}");
+    }
+    // keel itself kept writing its state: the planted file is not there, the database is.
+    assert!(!state.path().join("planted").exists());
+    assert!(state.path().join("meta.db").exists());
+}
+
+#[test]
+fn keel_status_and_checkpoint_work_from_inside_for_root_and_the_configured_group() {
+    if !fuse_available() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    // gid 65533 is the control group; `nobody` with it as a supplementary group may use the
+    // socket, `nobody` without it may not.
+    let script = format!(
+        r#"
+        chmod 755 $D; cp {KEEL} $D/keel; chmod 755 $D/keel   # the build dir may be root's only
+        $D/keel status --config $D/config.toml >/dev/null && echo "root-status-ok"
+        $D/keel checkpoint --config $D/config.toml && echo "root-checkpoint-ok"
+        setpriv --reuid=65534 --regid=65534 --groups=65533 $D/keel status --config $D/config.toml >/dev/null && echo "group-status-ok"
+        setpriv --reuid=65534 --regid=65534 --clear-groups $D/keel status --config $D/config.toml >/dev/null 2>&1 && echo "ATTEMPT other user got the status"
+        stat -c '%a %g' $D/run $D/run/control.sock
+        "#
+    );
+    let mut k = start_keel(state.path(), &script, "", "group = \"65533\"", false);
+    let (code, _) = k.wait();
+    let out = k.stdout();
+    assert_eq!(code, 0, "stdout:\n{out}\nlog:\n{}", k.stderr());
+    for want in ["root-status-ok", "root-checkpoint-ok", "group-status-ok"] {
+        assert!(
+            out.contains(want),
+            "{want} missing:\n{out}\nlog:\n{}",
+            k.stderr()
+        );
+    }
+    assert!(!out.contains("ATTEMPT"), "{out}");
+    assert!(out.contains("750 65533\n660 65533\n"), "{out}");
+    assert!(!out.contains(FILE_SECRET) && !out.contains(ENV_SECRET));
+}
+
+#[test]
+fn a_mount_keel_makes_later_reaches_the_sandbox_as_pid_1() {
+    if !fuse_available() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    // The main command waits for a mount that appears in keel's namespace after it started.
+    let script = r#"
+        touch $D/started
+        i=0; while [ ! -e $D/late/marker ]; do i=$((i+1)); [ $i -gt 400 ] && exit 9; sleep 0.05; done
+        echo "saw-late-mount"
+        "#;
+    let mut k = start_keel(state.path(), script, "", "", true);
+    k.wait_file("started");
+    std::fs::create_dir_all(k.path("late")).unwrap();
+    let keel = poll("keel under unshare", || {
+        descendants(k.pid()).into_iter().find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "keel")
+        })
+    });
+    let late = k.path("late");
+    let st = std::process::Command::new("nsenter")
+        .args(["--target", &keel.to_string(), "--mount", "--"])
+        .args([
+            "sh",
+            "-c",
+            &format!(
+                "mount -t tmpfs late {0} && touch {0}/marker",
+                late.display()
+            ),
+        ])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let (code, _) = k.wait();
+    assert_eq!(code, 0, "stdout:\n{}\nlog:\n{}", k.stdout(), k.stderr());
+    assert!(k.stdout().contains("saw-late-mount"));
+}
+
+#[test]
+fn a_malformed_credentials_file_stops_the_start_before_anything_is_mounted() {
+    let state = tempfile::tempdir().unwrap();
+    let creds = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        creds.path(),
+        "# ok\nAWS_ACCESS_KEY_ID=abc\nthis line is wrong\n",
+    )
+    .unwrap();
+    let text = config(state.path(), "", "").replace("$D/creds", creds.path().to_str().unwrap());
+    let mut k = start(&text, &["sh", "-c", "touch $D/ran"]);
+    let (code, _) = k.wait();
+    let log = k.stderr();
+    assert_eq!(code, 2, "{log}");
+    let want = format!(
+        "credentials file {}: line 3: not KEY=VALUE",
+        creds.path().display()
+    );
+    assert!(log.contains(&want), "{log}");
+    assert!(!k.path("ran").exists(), "the main command ran");
+    assert!(!log.contains("workspace mounted"), "{log}");
+    assert!(!log.contains("abc"), "{log}");
+}
