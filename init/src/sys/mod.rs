@@ -2,13 +2,13 @@
 //! (through `nix`/`libc`). Every `unsafe` block in keel lives here, with a `// SAFETY:` note.
 
 pub mod caps;
+pub mod creds;
+pub mod eventfd;
 pub mod fgsig;
 pub mod file;
-pub mod fusedev;
 pub mod mem;
 pub mod mount;
 pub mod process;
 pub mod sched;
 pub mod signal;
 pub mod socket;
-pub mod uring;
