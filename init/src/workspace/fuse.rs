@@ -5,7 +5,8 @@
 //! Where fuser 0.18 does not carry something keel needs, the smallest workaround is here,
 //! each named where it is met: the set-ID requests it drops (`FATTR_KILL_SUIDGID`,
 //! `FUSE_OPEN_KILL_SUIDGID`: decided from the caller, see `setid_on_setattr`), setattr times
-//! before 1970 (see `from_system_time`) and READDIRPLUS's single lifetime (see `readdirplus`).
+//! before 1970 (see `from_system_time`), the single lifetime of READDIRPLUS and CREATE
+//! replies (see `readdirplus`), and its private `ForgetOne` (see `requests`).
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -325,6 +326,7 @@ impl Filesystem for FuseAdapter {
             flags.contains(InitFlags::FUSE_HANDLE_KILLPRIV_V2),
             Ordering::Relaxed,
         );
+        // KernelConfig has no getter: setting any allowed value returns the kernel's.
         let readahead = config
             .set_max_readahead(1)
             .map_or(MAX_WRITE, |kernel| kernel.min(MAX_WRITE));
@@ -344,7 +346,7 @@ impl Filesystem for FuseAdapter {
         match self.fs.lookup(Ino(parent.0), name(n)) {
             Err(FsError::NotFound) if !self.timeouts.negative.is_zero() => {
                 // nodeid 0 with a lifetime: the kernel caches the negative entry.
-                let mut a = FileAttr {
+                let a = FileAttr {
                     ino: INodeNo(0),
                     size: 0,
                     blocks: 0,
@@ -361,7 +363,6 @@ impl Filesystem for FuseAdapter {
                     blksize: 0,
                     flags: 0,
                 };
-                a.ino = INodeNo(0);
                 reply.entry_with_ttls(&Duration::ZERO, &self.timeouts.negative, &a, Generation(0));
             }
             res => self.reply_entry(reply, res),
@@ -807,7 +808,9 @@ impl Filesystem for FuseAdapter {
         {
             Ok((a, fh, info)) => {
                 let attr = self.file_attr(&a);
-                let ttl = self.timeouts.entry;
+                // fuser gap: CREATE's reply takes one lifetime for the name and the
+                // attributes; the shorter of keel's two is used.
+                let ttl = self.timeouts.entry.min(self.timeouts.attr);
                 match &info.backing {
                     None => reply.created(
                         &ttl,
