@@ -52,8 +52,9 @@ pub struct FuseAdapter {
     fs: Arc<WorkspaceFs>,
     timeouts: Timeouts,
     features: KernelFeatures,
-    /// Backing files registered with the kernel, per inode, with their handle count.
-    backing: Mutex<HashMap<u64, (BackingId, u32)>>,
+    /// Backing files registered with the kernel, per inode, with their handle count (an
+    /// `Arc`, so a reply can carry the id after the lock is let go).
+    backing: Mutex<HashMap<u64, (Arc<BackingId>, u32)>>,
     /// FUSE_HANDLE_KILLPRIV_V2 is on: keel drops setuid/setgid itself.
     killpriv: AtomicBool,
     /// Requests served (every one fuser hands to keel, FORGETs included). fuser gap: its
@@ -83,7 +84,7 @@ impl FuseAdapter {
         self.requests.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn backing(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (BackingId, u32)>> {
+    fn backing(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (Arc<BackingId>, u32)>> {
         self.backing.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -124,22 +125,22 @@ impl FuseAdapter {
 
 /// The kernel wants one backing id per inode for all its passthrough handles: reuse the
 /// registered one, or register `file` with `open` for the first handle.
-fn acquire_backing<'m>(
-    map: &'m mut HashMap<u64, (BackingId, u32)>,
+fn acquire_backing(
+    map: &mut HashMap<u64, (Arc<BackingId>, u32)>,
     ino: u64,
     file: &std::fs::File,
     open: impl FnOnce(&std::fs::File) -> std::io::Result<BackingId>,
-) -> std::io::Result<&'m BackingId> {
+) -> std::io::Result<Arc<BackingId>> {
     use std::collections::hash_map::Entry;
     match map.entry(ino) {
         Entry::Occupied(e) => {
             let (id, n) = e.into_mut();
             *n += 1;
-            Ok(id)
+            Ok(id.clone())
         }
         Entry::Vacant(v) => {
-            let id = open(file)?;
-            Ok(&v.insert((id, 1)).0)
+            let id = Arc::new(open(file)?);
+            Ok(v.insert((id, 1)).0.clone())
         }
     }
 }
@@ -534,11 +535,11 @@ impl Filesystem for FuseAdapter {
             Ok((fh, info)) => match &info.backing {
                 None => reply.opened(FileHandle(fh), fopen_flags(&info)),
                 Some(file) => {
-                    let mut map = self.backing();
-                    match acquire_backing(&mut map, i.0, file, |f| reply.open_backing(f)) {
-                        Ok(id) => reply.opened_passthrough(FileHandle(fh), fopen_flags(&info), id),
+                    let got =
+                        acquire_backing(&mut self.backing(), i.0, file, |f| reply.open_backing(f));
+                    match got {
+                        Ok(id) => reply.opened_passthrough(FileHandle(fh), fopen_flags(&info), &id),
                         Err(e) => {
-                            drop(map);
                             self.backing_failed(fh, e);
                             reply.error(Errno::EIO);
                         }
@@ -820,19 +821,20 @@ impl Filesystem for FuseAdapter {
                         fopen_flags(&info),
                     ),
                     Some(file) => {
-                        let mut map = self.backing();
                         let ino = a.inode.ino.0;
-                        match acquire_backing(&mut map, ino, file, |f| reply.open_backing(f)) {
+                        let got = acquire_backing(&mut self.backing(), ino, file, |f| {
+                            reply.open_backing(f)
+                        });
+                        match got {
                             Ok(id) => reply.created_passthrough(
                                 &ttl,
                                 &attr,
                                 Generation(0),
                                 FileHandle(fh),
                                 fopen_flags(&info),
-                                id,
+                                &id,
                             ),
                             Err(e) => {
-                                drop(map);
                                 self.backing_failed(fh, e);
                                 reply.error(Errno::EIO);
                             }
