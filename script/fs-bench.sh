@@ -470,25 +470,29 @@ if os.path.exists(cpus) and os.path.getsize(cpus):
             req.setdefault(op, []).append(int(r))
     print()
     print(f"keel's CPU time (user+sys of the daemon) per FUSE request, {cpu_n} ops per run, "
-          "median of the runs; requests counted by keel (keel-old: the new keel's count for the same ops).")
+          f"{len(cpu.get(('stat', 'keel'), []))} runs: median and, after the slash, the least run; "
+          "requests counted by keel (keel-old: the new keel's count for the same ops).")
     print()
     has_old = any(t == "keel-old" for _, t in cpu)
     head = "| op | requests/op | keel us/request |" + (" keel-old us/request | keel/keel-old |" if has_old else "")
     print(head)
     print("|---|---:|---:|" + ("---:|---:|" if has_old else ""))
+    pair = lambda v, r: (statistics.median(v) / 1000 / r, min(v) / 1000 / r)
     labels = {"create": "create", "stat": "stat (GETATTR)", "write4k": "4 KiB write", "unlink": "unlink"}
     for op in ("create", "stat", "write4k", "unlink"):
         if (op, "keel") not in cpu or op not in req:
             continue
         r = statistics.median(req[op])
-        new = statistics.median(cpu[(op, "keel")]) / 1000 / r if r else float("nan")
-        cells = [labels[op], f"{r / cpu_n:.2f}", f"{new:.2f}"]
+        if not r or (has_old and (op, "keel-old") not in cpu):
+            continue
+        new = pair(cpu[(op, "keel")], r)
+        cells = [labels[op], f"{r / cpu_n:.2f}", f"{new[0]:.2f} / {new[1]:.2f}"]
         if has_old:
-            old = statistics.median(cpu[(op, "keel-old")]) / 1000 / r if (op, "keel-old") in cpu and r else float("nan")
-            cells += [f"{old:.2f}", f"{new / old:.2f}x" if old else "-"]
+            old = pair(cpu[(op, "keel-old")], r)
+            cells += [f"{old[0]:.2f} / {old[1]:.2f}", f"{new[0] / old[0]:.2f}x / {new[1] / old[1]:.2f}x"]
         print("| " + " | ".join(cells) + " |")
 EOF
 if [ -n "$OUT" ]; then
-    { cat "$RUN/header"; cat "$SAMPLES"; } >"$OUT"
+    { cat "$RUN/header"; cat "$SAMPLES"; sed 's/^/cpu\t/' "$CPUS"; } >"$OUT"
 fi
 exit "$FAILED"
