@@ -103,8 +103,7 @@ describe_targets() {
     for t in "${READY[@]}"; do
         echo "# $t: ${ROOT[$t]} ($(findmnt -n -o FSTYPE -T "${ROOT[$t]}"))$(
             case $t in keel) echo " options: ${KEEL_ARGS:-default}" ;;
-                keel-wb) echo " options: $KEEL_ARGS --passthrough off" ;; esac)$(
-            case $t in keel|keel-wb) echo ", FUSE $(grep -o 'transport="[a-z_]*"' "$(keel_state "$t").log" 2>/dev/null | head -n1)" ;; esac)"
+                keel-wb) echo " options: $KEEL_ARGS --passthrough off" ;; esac)"
     done
     case " ${READY[*]} " in *" keel"*)
         echo "# keel: $KEEL_BIN ($("$KEEL_BIN" --version 2>/dev/null | head -1))" ;;

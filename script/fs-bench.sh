@@ -5,6 +5,8 @@
 #
 # TARGETs (default: keel ext4 tmpfs, plus juicefs when the `juicefs` binary is installed):
 #   keel     a `keel mount` started here on a fresh state dir under BENCH_DIR (same disk as ext4)
+#   keel-old another keel binary (KEEL_OLD_BIN, options KEEL_OLD_ARGS), e.g. the last build
+#            before a change, mounted the same way: the table gains a keel/keel-old column
 #   ext4     a plain directory under BENCH_DIR (whatever filesystem that is; printed)
 #   tmpfs    a tmpfs mounted here (size 4g)
 #   juicefs  JuiceFS with SQLite metadata and --storage file under BENCH_DIR, mounted with -d,
@@ -29,7 +31,16 @@
 #   faster local filesystem, plus the protocol keel cannot skip (which requests are sent is the
 #   kernel's choice, given keel's mount options). RELEASE, RELEASEDIR, FORGET and INTERRUPT are
 #   not waited for.
-# Environment: BENCH_DIR (default REPO/.bench), KEEL_BIN, KEEL_ARGS (extra `keel mount` options).
+# --cpu (needs the target keel; keel-old too for the comparison): a third table, keel's CPU
+#   time per FUSE request for create, stat (statx forcing a GETATTR), 4 KiB write (open,
+#   write, close of an existing file) and unlink, each op CPU_N times (default 2000) in one
+#   Python process (0.5 s settling before and after, so work keel does off the request path
+#   counts). CPU = user+sys of the daemon's threads (/proc/PID/task/*/schedstat, ns),
+#   requests = keel's own counter (SIGUSR1 makes `keel mount` log it). A binary without the
+#   counter (keel-old) is divided by the requests the new keel served for the same ops: both
+#   negotiate the same INIT flags, so the kernel sends them the same requests.
+# Environment: BENCH_DIR (default REPO/.bench), KEEL_BIN, KEEL_ARGS (extra `keel mount` options),
+#   KEEL_OLD_BIN, KEEL_OLD_ARGS (for keel-old), CPU_N.
 # Needs root (mounts, drop_caches), git, npm, python3.
 set -uo pipefail
 
@@ -38,8 +49,11 @@ KEEL_BIN=${KEEL_BIN:-$REPO/target/release/keel}
 export KEEL_BIN
 BENCH_DIR=${BENCH_DIR:-$REPO/.bench}
 KEEL_ARGS=${KEEL_ARGS:-}
+KEEL_OLD_BIN=${KEEL_OLD_BIN:-}
+KEEL_OLD_ARGS=${KEEL_OLD_ARGS:-}
+CPU_N=${CPU_N:-2000}
 
-SHORT=0 REPS=3 OUT='' ONLY='' FLOOR=0 TARGETS=()
+SHORT=0 REPS=3 OUT='' ONLY='' FLOOR=0 CPU=0 TARGETS=()
 while [ $# -gt 0 ]; do
     case $1 in
         --short) SHORT=1; shift ;;
@@ -47,7 +61,8 @@ while [ $# -gt 0 ]; do
         --out) OUT=$2; shift 2 ;;
         --only) ONLY=$2; shift 2 ;;
         --floor) FLOOR=1; shift ;;
-        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+        --cpu) CPU=1; shift ;;
+        -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
         -*) echo "fs-bench: unknown option $1" >&2; exit 2 ;;
         *) TARGETS+=("$1"); shift ;;
     esac
@@ -87,8 +102,8 @@ cleanup() {
     local t
     for t in "${TARGETS[@]}"; do
         case $t in
-            keel) "$REPO/ci/keelctl.sh" status "$RUN/keel-state" "$RUN/keel" &&
-                      "$REPO/ci/keelctl.sh" stop "$RUN/keel-state" "$RUN/keel" ;;
+            keel|keel-old) "$REPO/ci/keelctl.sh" status "$RUN/$t-state" "$RUN/$t" &&
+                      "$REPO/ci/keelctl.sh" stop "$RUN/$t-state" "$RUN/$t" ;;
             tmpfs) umount "$RUN/tmpfs" 2>/dev/null ;;
             juicefs) juicefs umount "$RUN/juicefs" >/dev/null 2>&1 || umount -l "$RUN/juicefs" 2>/dev/null ;;
         esac
@@ -132,6 +147,12 @@ setup_target() {
             [ -x "$KEEL_BIN" ] || { echo "fs-bench: no keel at $KEEL_BIN" >&2; return 1; }
             # shellcheck disable=SC2086
             "$REPO/ci/keelctl.sh" start "$RUN/keel-state" "$d" $KEEL_ARGS || return 1
+            ;;
+        keel-old)
+            [ -x "$KEEL_OLD_BIN" ] || { echo "fs-bench: keel-old needs KEEL_OLD_BIN" >&2; return 1; }
+            # shellcheck disable=SC2086
+            KEEL_BIN=$KEEL_OLD_BIN "$REPO/ci/keelctl.sh" start "$RUN/keel-old-state" "$d" \
+                $KEEL_OLD_ARGS || return 1
             ;;
         ext4)
             mkdir -p "$d"
@@ -278,8 +299,7 @@ TARGETS=("${READY[@]}")
         echo "# $t: ${ROOT[$t]} ($(findmnt -n -o FSTYPE -T "${ROOT[$t]}"))"
     done
     [ -z "$KEEL_ARGS" ] || echo "# keel mount options: $KEEL_ARGS"
-    [ ! -f "$RUN/keel-state.log" ] ||
-        echo "# keel FUSE $(grep -o 'transport="[a-z_]*"' "$RUN/keel-state.log" | head -n1) (enable_uring=$(cat /sys/module/fuse/parameters/enable_uring 2>/dev/null))$(grep -o ' ring_idle_class=[a-z]*' "$RUN/keel-state.log" | head -n1)"
+    [ -z "${ROOT[keel-old]:-}" ] || echo "# keel-old: $KEEL_OLD_BIN $KEEL_OLD_ARGS"
 } >"$RUN/header"
 cat "$RUN/header"
 echo
@@ -315,11 +335,89 @@ if [ "$FLOOR" = 1 ]; then
     fi
 fi
 
+# --cpu: keel's CPU time per FUSE request for four ops, keel and keel-old interleaved.
+CPUS=$RUN/cpu.tsv
+: >"$CPUS"
+cpu_ns() {   # cpu_ns PID -> ns on CPU (user+sys) of all its threads so far
+    cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{ s += $1 } END { printf "%.0f\n", s }'
+}
+served() {   # served TARGET -> FUSE requests keel counted so far (SIGUSR1 logs them), or -
+    local log=$RUN/$1-state.log pid n i
+    # keel-old may predate the counter, and SIGUSR1 would kill it.
+    [ "$1" = keel ] || { echo -; return; }
+    pid=$(cat "$RUN/$1-state.pid")
+    n=$(grep -c 'counters fuse_requests=' "$log")
+    kill -USR1 "$pid"
+    for ((i = 0; i < 100; i++)); do
+        if [ "$(grep -c 'counters fuse_requests=' "$log")" -gt "$n" ]; then
+            grep -o 'counters fuse_requests=[0-9]*' "$log" | tail -n1 | cut -d= -f2
+            return
+        fi
+        sleep 0.02
+    done
+    echo -
+}
+cpu_ops() {   # cpu_ops OP DIR N: prep or run one op N times
+    python3 - "$@" <<'PYEOF'
+import ctypes, os, sys
+op, d, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+names = [os.path.join(d, f"f{i}") for i in range(n)]
+if op == "prep":
+    for p in names:
+        os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o644))
+elif op == "create":
+    for p in names:
+        os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o644))
+elif op == "stat":
+    libc, buf = ctypes.CDLL(None, use_errno=True), ctypes.create_string_buffer(256)
+    for p in names:  # AT_FDCWD, AT_STATX_FORCE_SYNC: one GETATTR each
+        if libc.statx(-100, p.encode(), 0x2000, 0x7FF, buf) != 0:
+            sys.exit(f"statx {p}: {os.strerror(ctypes.get_errno())}")
+elif op == "write4k":
+    block = os.urandom(4096)
+    for p in names:
+        fd = os.open(p, os.O_WRONLY)
+        os.write(fd, block)
+        os.close(fd)
+elif op == "unlink":
+    for p in names:
+        os.unlink(p)
+PYEOF
+}
+if [ "$CPU" = 1 ]; then
+    CPU_TARGETS=()
+    for t in keel keel-old; do [ -z "${ROOT[$t]:-}" ] || CPU_TARGETS+=("$t"); done
+    [ "${#CPU_TARGETS[@]}" -gt 0 ] || { echo "fs-bench: --cpu needs the target keel" >&2; FAILED=1; }
+    echo "fs-bench: --cpu: $CPU_N ops each, $REPS repetitions" >&2
+    for ((rep = 0; rep < REPS; rep++)); do
+        for op in create stat write4k unlink; do
+            for t in $(shuf -e "${CPU_TARGETS[@]}"); do
+                d="${ROOT[$t]}/cpu-$op-$rep"
+                rm -rf "$d" && mkdir "$d" || { FAILED=1; continue; }
+                [ "$op" = create ] || cpu_ops prep "$d" "$CPU_N" || { FAILED=1; continue; }
+                # Settle before and after: the work keel does off the request path (purging
+                # unlinked files, refilling the body pool) belongs to the ops that caused it.
+                sync
+                sleep 0.5
+                pid=$(cat "$RUN/$t-state.pid")
+                r0=$(served "$t") c0=$(cpu_ns "$pid")
+                cpu_ops "$op" "$d" "$CPU_N" || { echo "fs-bench: --cpu $op on $t failed" >&2; FAILED=1; continue; }
+                sleep 0.5
+                c1=$(cpu_ns "$pid") r1=$(served "$t")
+                req=-
+                [ "$r0" = - ] || [ "$r1" = - ] || req=$((r1 - r0))
+                printf '%s\t%s\t%s\t%s\n' "$op" "$t" "$((c1 - c0))" "$req" >>"$CPUS"
+                rm -rf "$d"
+            done
+        done
+    done
+fi
+
 NAMES=$RUN/names
 for i in "${!SCENARIOS[@]}"; do printf '%s\t%s\n' "$i" "${SCENARIOS[$i]%%|*}"; done >"$NAMES"
-python3 - "$SAMPLES" "$NAMES" "$FLOORS" "${TARGETS[@]}" <<'EOF'
+python3 - "$SAMPLES" "$NAMES" "$FLOORS" "$CPUS" "$CPU_N" "${TARGETS[@]}" <<'EOF'
 import os, statistics, sys
-samples, names, floors, targets = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+samples, names, floors, cpus, cpu_n, targets = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6:]
 name = dict(l.rstrip("\n").split("\t", 1) for l in open(names))
 data, failed = {}, set()
 for line in open(samples):
@@ -328,7 +426,7 @@ for line in open(samples):
         failed.add((i, t))
     else:
         data.setdefault((i, t), []).append(float(ms))
-ratios = [b for b in ("ext4", "tmpfs", "juicefs") if b in targets and "keel" in targets]
+ratios = [b for b in ("keel-old", "ext4", "tmpfs", "juicefs") if b in targets and "keel" in targets]
 head = ["scenario"] + [f"{t} ms" for t in targets] + [f"keel/{b}" for b in ratios]
 print("| " + " | ".join(head) + " |")
 print("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
@@ -363,8 +461,38 @@ if os.path.exists(floors) and os.path.getsize(floors):
         floor = min(tmpfs, ext4) + int(waited) * rtt / 1000
         print(f"| {name[i]} | {int(total)} | {int(waited)} | {floor:.1f} | {ext4:.1f} | "
               f"{floor / ext4:.2f}x | {keel:.1f} | {keel / floor:.2f}x |")
+if os.path.exists(cpus) and os.path.getsize(cpus):
+    cpu, req = {}, {}
+    for line in open(cpus):
+        op, t, ns, r = line.rstrip("\n").split("\t")
+        cpu.setdefault((op, t), []).append(int(ns))
+        if r != "-":
+            req.setdefault(op, []).append(int(r))
+    print()
+    print(f"keel's CPU time (user+sys of the daemon) per FUSE request, {cpu_n} ops per run, "
+          f"{len(cpu.get(('stat', 'keel'), []))} runs: median and, after the slash, the least run; "
+          "requests counted by keel (keel-old: the new keel's count for the same ops).")
+    print()
+    has_old = any(t == "keel-old" for _, t in cpu)
+    head = "| op | requests/op | keel us/request |" + (" keel-old us/request | keel/keel-old |" if has_old else "")
+    print(head)
+    print("|---|---:|---:|" + ("---:|---:|" if has_old else ""))
+    pair = lambda v, r: (statistics.median(v) / 1000 / r, min(v) / 1000 / r)
+    labels = {"create": "create", "stat": "stat (GETATTR)", "write4k": "4 KiB write", "unlink": "unlink"}
+    for op in ("create", "stat", "write4k", "unlink"):
+        if (op, "keel") not in cpu or op not in req:
+            continue
+        r = statistics.median(req[op])
+        if not r or (has_old and (op, "keel-old") not in cpu):
+            continue
+        new = pair(cpu[(op, "keel")], r)
+        cells = [labels[op], f"{r / cpu_n:.2f}", f"{new[0]:.2f} / {new[1]:.2f}"]
+        if has_old:
+            old = pair(cpu[(op, "keel-old")], r)
+            cells += [f"{old[0]:.2f} / {old[1]:.2f}", f"{new[0] / old[0]:.2f}x / {new[1] / old[1]:.2f}x"]
+        print("| " + " | ".join(cells) + " |")
 EOF
 if [ -n "$OUT" ]; then
-    { cat "$RUN/header"; cat "$SAMPLES"; } >"$OUT"
+    { cat "$RUN/header"; cat "$SAMPLES"; sed 's/^/cpu\t/' "$CPUS"; } >"$OUT"
 fi
 exit "$FAILED"

@@ -1,6 +1,8 @@
 //! Every TOML file the repository ships in `config/` (the image copies them to /etc/keel/)
 //! parses and validates with the current keel: a profile that names a key keel does not know
-//! would stop the container at start.
+//! would stop the container at start. A profile's `${VAR}`s get the values its platform sets
+//! (the Cloudflare Worker sets the instance's id and the R2 endpoint); without them it must
+//! stop with the one line that names the key and the variable.
 
 use std::path::Path;
 
@@ -23,13 +25,42 @@ fn every_shipped_config_file_loads() {
             "config/{want} is missing (have {names:?})"
         );
     }
+    // What deploy/cloudflare's Worker passes to the container.
+    let platform = |name: &str| match name {
+        "KEEL_WORKSPACE_ID" => Some("ws-42".to_string()),
+        "R2_ENDPOINT" => Some("https://acct.r2.cloudflarestorage.com".to_string()),
+        _ => None,
+    };
     let errors: Vec<String> = files
         .iter()
-        .filter_map(|p| keel::config::Config::load(p).err().map(|e| e.to_string()))
+        .filter_map(|p| {
+            let text = std::fs::read_to_string(p).unwrap();
+            keel::config::Config::parse_with_env(&text, p, &platform)
+                .err()
+                .map(|e| e.to_string())
+        })
         .collect();
     assert!(
         errors.is_empty(),
         "config files that keel rejects:\n{}",
         errors.join("\n")
     );
+}
+
+#[test]
+fn the_cloudflare_profile_needs_the_instance_id() {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/cloudflare.toml");
+    let text = std::fs::read_to_string(&p).unwrap();
+    let e = keel::config::Config::parse_with_env(&text, &p, &|_| None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("persist.remote") && e.contains("${KEEL_WORKSPACE_ID} is not set"),
+        "{e}"
+    );
+    let c = keel::config::Config::parse_with_env(&text, &p, &|n| {
+        (n == "KEEL_WORKSPACE_ID" || n == "R2_ENDPOINT").then(|| "https://x.example/ws-7".into())
+    })
+    .unwrap();
+    assert!(c.persist.remote.ends_with("/https://x.example/ws-7") || c.persist.remote.contains("ws-7"));
 }

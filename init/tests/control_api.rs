@@ -185,8 +185,7 @@ fn status_json_has_every_field_and_no_secret() {
     assert_eq!(v["mount"]["mount_point"], "/workspace");
     assert_eq!(v["mount"]["cache"], "auto");
     assert!(v["mount"]["passthrough"].is_null());
-    assert!(v["mount"]["transport"].is_null());
-    assert!(v["mount"]["ring_class"].is_null());
+    assert!(v["mount"]["fuse_requests"].is_null());
     let db = &v["services"][0];
     assert_eq!(db["name"], "db");
     assert_eq!(db["state"], "restarting");

@@ -85,19 +85,9 @@ fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
     assert_eq!(v["mount"]["mount_point"], k.path("ws").to_str().unwrap());
     assert_eq!(v["mount"]["cache"], "auto");
     assert!(v["mount"]["passthrough"].is_boolean(), "{v}");
-    // `[workspace] io_uring = "auto"`: the rings whenever the host enabled them.
-    let uring = std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
-        .is_ok_and(|s| s.trim() == "Y");
-    let want = if uring { "io_uring" } else { "classic" };
-    assert_eq!(v["mount"]["transport"], want, "{v}");
-    // The ring threads' scheduling class: "idle" or "normal" (it follows the CPU load);
-    // none over /dev/fuse.
-    if uring {
-        let class = v["mount"]["ring_class"].as_str().unwrap_or_default();
-        assert!(["idle", "normal"].contains(&class), "{v}");
-    } else {
-        assert!(v["mount"]["ring_class"].is_null(), "{v}");
-    }
+    // The count of FUSE requests served: at least the ones that wrote the file above.
+    let served = v["mount"]["fuse_requests"].as_u64().unwrap_or_default();
+    assert!(served > 0, "{v}");
     // Checkpoints are on ([persist] defaults to a file:// remote in the state dir).
     assert!(v["persist"]["dirty_bytes"].is_u64(), "{v}");
 

@@ -14,7 +14,11 @@ use keel::workspace::fs::{Caller, FsError, FsOptions, SetAttr, WorkspaceFs};
 use proptest::prelude::*;
 use std::os::unix::fs::FileExt;
 
-const ROOT: Caller = Caller { uid: 0, gid: 0 };
+const ROOT: Caller = Caller {
+    uid: 0,
+    gid: 0,
+    pid: 0,
+};
 
 fn opts() -> FsOptions {
     FsOptions {

@@ -18,7 +18,7 @@ pub use init::{ForwardTo, InitConfig, Rlimit};
 pub use persist::{FsyncMode, PersistConfig, Takeover};
 pub use service::{Probe, Readiness, Restart, ServiceConfig};
 pub use shutdown::ShutdownConfig;
-pub use workspace::{CacheMode, FuseUnavailable, Passthrough, RingSched, Switch, WorkspaceConfig};
+pub use workspace::{CacheMode, FuseUnavailable, Passthrough, Switch, WorkspaceConfig};
 
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -236,6 +236,24 @@ mod tests {
         .to_string();
         assert!(err.contains("workspace.bogus"), "{err}");
         assert!(err.contains("x.toml"), "{err}");
+    }
+
+    #[test]
+    fn removed_transport_keys_are_named_and_refused() {
+        for (toml, key) in [
+            ("[workspace]\nio_uring = \"auto\"\n", "workspace.io_uring"),
+            (
+                "[workspace]\nring_sched = \"idle\"\n",
+                "workspace.ring_sched",
+            ),
+        ] {
+            let err = Config::parse(toml, Path::new("x.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key), "{err}");
+            assert!(err.contains("gone"), "{err}");
+            assert_eq!(err.lines().count(), 1, "{err}");
+        }
     }
 
     #[test]

@@ -65,31 +65,6 @@ impl std::str::FromStr for Switch {
 /// Whether to hand file I/O to the kernel via FUSE passthrough.
 pub type Passthrough = Switch;
 
-/// The scheduling class of the FUSE-over-io_uring ring threads (see `workspace::sched`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum RingSched {
-    /// The idle class while the CPUs keel may use have idle time, the normal class while
-    /// they are busy.
-    Auto,
-    /// Always the idle class.
-    Idle,
-    /// Always the normal class.
-    Normal,
-}
-
-impl std::str::FromStr for RingSched {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "idle" => Ok(Self::Idle),
-            "normal" => Ok(Self::Normal),
-            _ => Err(format!("`{s}` is not one of auto, idle, normal")),
-        }
-    }
-}
-
 /// What to do when FUSE cannot be mounted (no `/dev/fuse`, no CAP_SYS_ADMIN).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -117,11 +92,12 @@ pub struct WorkspaceConfig {
     /// Kernel writeback cache (batches small writes; not used together with passthrough).
     pub writeback_cache: bool,
     pub passthrough: Passthrough,
-    /// FUSE over io_uring: requests served on the CPU that made them (`auto`: when the
-    /// kernel offers it, i.e. the host set `/sys/module/fuse/parameters/enable_uring`).
-    pub io_uring: Switch,
-    /// Scheduling class of the io_uring ring threads.
-    pub ring_sched: RingSched,
+    /// Removed keys (FUSE over io_uring and its ring threads' scheduling class): accepted
+    /// by the parser only to refuse them in `validate` with a line that says they are gone.
+    #[serde(rename = "io_uring")]
+    pub removed_io_uring: Option<serde::de::IgnoredAny>,
+    #[serde(rename = "ring_sched")]
+    pub removed_ring_sched: Option<serde::de::IgnoredAny>,
     /// Files up to this size are stored inline in the metadata database.
     #[serde(with = "size_str")]
     pub inline_max: u64,
@@ -143,8 +119,8 @@ impl Default for WorkspaceConfig {
             negative_timeout: Duration::from_secs(60),
             writeback_cache: true,
             passthrough: Passthrough::Auto,
-            io_uring: Switch::Auto,
-            ring_sched: RingSched::Auto,
+            removed_io_uring: None,
+            removed_ring_sched: None,
             inline_max: 4096,
             chunk_size: 512 * 1024,
             on_fuse_unavailable: FuseUnavailable::Fail,
@@ -156,6 +132,18 @@ impl WorkspaceConfig {
     /// Checks values serde cannot: ranges and relations between keys.
     pub fn validate(&self) -> Result<(), (String, String)> {
         let bad = |k: &str, why: String| Err((format!("workspace.{k}"), why));
+        for (key, set) in [
+            ("io_uring", self.removed_io_uring.is_some()),
+            ("ring_sched", self.removed_ring_sched.is_some()),
+        ] {
+            if set {
+                return bad(
+                    key,
+                    "this key is gone: keel serves FUSE over /dev/fuse only (remove the line)"
+                        .into(),
+                );
+            }
+        }
         if !self.mount_point.is_absolute() {
             return bad(
                 "mount_point",

@@ -371,13 +371,9 @@ impl StatusHandle {
     /// A consistent copy of everything, for `/status` and `/metrics`.
     pub fn report(&self) -> Report {
         let health = self.health();
-        let (passthrough, transport, ring_class) = match lock(&self.0.workspace).as_ref() {
-            Some(w) => (
-                Some(w.passthrough()),
-                Some(w.transport().as_str()),
-                w.ring_class(),
-            ),
-            None => (None, None, None),
+        let (passthrough, fuse_requests) = match lock(&self.0.workspace).as_ref() {
+            Some(w) => (Some(w.passthrough()), Some(w.fuse_requests())),
+            None => (None, None),
         };
         let s = lock(&self.0.state);
         let uptime = self.0.started.elapsed();
@@ -405,8 +401,7 @@ impl StatusHandle {
                 mount_point: self.0.mount_point.clone(),
                 cache: self.0.cache,
                 passthrough: passthrough.filter(|_| s.mount.is_mounted()),
-                transport: transport.filter(|_| s.mount.is_mounted()),
-                ring_class: ring_class.filter(|_| s.mount.is_mounted()),
+                fuse_requests: fuse_requests.filter(|_| s.mount.is_mounted()),
             },
             services: s
                 .services
@@ -575,11 +570,8 @@ pub struct MountReport {
     pub cache: &'static str,
     /// FUSE passthrough negotiated with the kernel; null when not mounted.
     pub passthrough: Option<bool>,
-    /// How requests reach keel: "io_uring" or "classic" (`/dev/fuse`); null when not mounted.
-    pub transport: Option<&'static str>,
-    /// The io_uring ring threads' scheduling class now: "idle" or "normal"; null over
-    /// `/dev/fuse` or when not mounted.
-    pub ring_class: Option<&'static str>,
+    /// FUSE requests served since the mount; null when not mounted.
+    pub fuse_requests: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]

@@ -1,6 +1,7 @@
-//! Stop signals for foreground commands (`keel mount`): block SIGTERM/SIGINT/SIGHUP before any
-//! thread starts so every thread inherits the mask, then wait for one synchronously, or for
-//! an eventfd that says the work ended on its own (the mount was unmounted from outside).
+//! Stop signals for foreground commands (`keel mount`): block SIGTERM/SIGINT/SIGHUP (and
+//! SIGUSR1, which asks for counters, not a stop) before any thread starts so every thread
+//! inherits the mask, then wait for one synchronously, or for an eventfd that says the work
+//! ended on its own (the mount was unmounted from outside).
 
 use std::os::fd::AsFd;
 
@@ -8,7 +9,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, SigmaskHow, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
-use super::fusedev::EventFd;
+use super::eventfd::EventFd;
 
 /// Why `StopSignals::wait_or` returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +30,7 @@ impl StopSignals {
         set.add(Signal::SIGTERM);
         set.add(Signal::SIGINT);
         set.add(Signal::SIGHUP);
+        set.add(Signal::SIGUSR1);
         nix::sys::signal::pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&set), None)
             .map_err(|e| std::io::Error::from_raw_os_error(e as i32))?;
         Ok(StopSignals(set))

@@ -2,9 +2,10 @@
 //! (through `nix`/`libc`). Every `unsafe` block in keel lives here, with a `// SAFETY:` note.
 
 pub mod caps;
+pub mod creds;
+pub mod eventfd;
 pub mod fgsig;
 pub mod file;
-pub mod fusedev;
 pub mod mem;
 pub mod mount;
 pub mod ns;
@@ -12,4 +13,3 @@ pub mod process;
 pub mod sched;
 pub mod signal;
 pub mod socket;
-pub mod uring;

@@ -1,5 +1,5 @@
 //! `keel mount`: mounts the workspace in the foreground until SIGTERM/SIGINT/SIGHUP, then
-//! syncs and unmounts. Options override the `[workspace]` table of the config file.
+//! syncs and unmounts; SIGUSR1 logs the count of FUSE requests served. Options override the `[workspace]` table of the config file.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -10,8 +10,7 @@ use crate::sys::fgsig::{Stop, StopSignals};
 use std::time::Duration;
 
 const USAGE: &str = "usage: keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none]
-       [--passthrough auto|on|off] [--io-uring auto|on|off] [--ring-sched auto|idle|normal]
-       [--writeback-cache on|off] [--threads N]
+       [--passthrough auto|on|off] [--writeback-cache on|off] [--threads N]
        [--attr-timeout D] [--entry-timeout D] [--negative-timeout D] [--config FILE]
        [--takeover[=wait|force]]";
 
@@ -22,8 +21,6 @@ pub struct MountArgs {
     pub mount_point: Option<PathBuf>,
     pub cache: Option<String>,
     pub passthrough: Option<Switch>,
-    pub io_uring: Option<Switch>,
-    pub ring_sched: Option<crate::config::RingSched>,
     pub writeback_cache: Option<bool>,
     pub attr_timeout: Option<Duration>,
     pub entry_timeout: Option<Duration>,
@@ -58,18 +55,14 @@ pub fn parse(args: Vec<OsString>) -> Result<MountArgs, String> {
             }
             "--state" => out.state = Some(PathBuf::from(value("--state")?)),
             "--cache" => out.cache = Some(value("--cache")?.to_string_lossy().into_owned()),
-            "--passthrough" | "--io-uring" => {
+            "--passthrough" => {
                 let v = value(&flag)?.to_string_lossy().into_owned();
-                let v = Some(v.parse().map_err(|e| format!("{flag}: {e}"))?);
-                if flag == "--passthrough" {
-                    out.passthrough = v;
-                } else {
-                    out.io_uring = v;
-                }
+                out.passthrough = Some(v.parse().map_err(|e| format!("{flag}: {e}"))?);
             }
-            "--ring-sched" => {
-                let v = value(&flag)?.to_string_lossy().into_owned();
-                out.ring_sched = Some(v.parse().map_err(|e| format!("{flag}: {e}"))?);
+            "--io-uring" | "--ring-sched" => {
+                return Err(format!(
+                    "{flag} is gone: keel serves FUSE over /dev/fuse only (drop the option)"
+                ))
             }
             "--threads" => {
                 let v = value("--threads")?;
@@ -170,8 +163,6 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
         }
     }
     ws.passthrough = a.passthrough.unwrap_or(ws.passthrough);
-    ws.io_uring = a.io_uring.unwrap_or(ws.io_uring);
-    ws.ring_sched = a.ring_sched.unwrap_or(ws.ring_sched);
     if let Some(w) = a.writeback_cache {
         ws.writeback_cache = w;
     }
@@ -199,13 +190,21 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
             return 1;
         }
     };
-    match signals.wait_or(mounted.ended().fd()) {
-        Ok(Stop::Signal(sig)) => tracing::info!(signal = sig, "stopping"),
-        Ok(Stop::Ended) => tracing::warn!(
-            mount_point = %mounted.mount_point().display(),
-            "the workspace was unmounted from outside (or its connection aborted); saving and stopping"
-        ),
-        Err(e) => tracing::warn!(error = %e, "waiting for signals failed; unmounting"),
+    loop {
+        match signals.wait_or(mounted.ended().fd()) {
+            // SIGUSR1: the counters (benchmarks divide keel's CPU time by the requests).
+            Ok(Stop::Signal("SIGUSR1")) => {
+                tracing::info!(fuse_requests = mounted.handle().fuse_requests(), "counters");
+                continue;
+            }
+            Ok(Stop::Signal(sig)) => tracing::info!(signal = sig, "stopping"),
+            Ok(Stop::Ended) => tracing::warn!(
+                mount_point = %mounted.mount_point().display(),
+                "the workspace was unmounted from outside (or its connection aborted); saving and stopping"
+            ),
+            Err(e) => tracing::warn!(error = %e, "waiting for signals failed; unmounting"),
+        }
+        break;
     }
     match mounted.unmount() {
         Ok(()) => 0,
@@ -249,21 +248,16 @@ mod tests {
             "--attr-timeout",
             "2s",
             "--writeback-cache=off",
-            "--io-uring=off",
             "--passthrough",
             "on",
-            "--ring-sched",
-            "normal",
         ]))
         .unwrap();
-        assert_eq!(a.ring_sched, Some(crate::config::RingSched::Normal));
         assert_eq!(a.attr_timeout, Some(Duration::from_secs(2)));
         assert_eq!(a.writeback_cache, Some(false));
         assert_eq!(a.state, Some(PathBuf::from("/s")));
         assert_eq!(a.mount_point, Some(PathBuf::from("/m")));
         assert_eq!(a.cache.as_deref(), Some("kernel"));
         assert_eq!(a.threads, Some(4));
-        assert_eq!(a.io_uring, Some(Switch::Off));
         assert_eq!(a.passthrough, Some(Switch::On));
     }
 
@@ -273,10 +267,15 @@ mod tests {
         assert!(parse(args(&["--bogus"])).is_err());
         assert!(parse(args(&["/a", "/b"])).is_err());
         assert!(parse(args(&["--state"])).is_err());
-        let e = parse(args(&["--io-uring", "yes", "/m"])).unwrap_err();
-        assert_eq!(e, "--io-uring: `yes` is not one of auto, on, off");
-        let e = parse(args(&["--ring-sched=low", "/m"])).unwrap_err();
-        assert_eq!(e, "--ring-sched: `low` is not one of auto, idle, normal");
+        let e = parse(args(&["--passthrough", "yes", "/m"])).unwrap_err();
+        assert_eq!(e, "--passthrough: `yes` is not one of auto, on, off");
+        let e = parse(args(&["--io-uring=off", "/m"])).unwrap_err();
+        assert_eq!(
+            e,
+            "--io-uring is gone: keel serves FUSE over /dev/fuse only (drop the option)"
+        );
+        let e = parse(args(&["--ring-sched", "idle", "/m"])).unwrap_err();
+        assert!(e.starts_with("--ring-sched is gone"), "{e}");
         let a = parse(args(&["/m", "--takeover"])).unwrap();
         assert_eq!(a.takeover, Some(crate::config::Takeover::Force));
         let a = parse(args(&["--takeover=wait", "/m"])).unwrap();

@@ -124,10 +124,23 @@ impl FsError {
 pub type FsResult<T> = Result<T, FsError>;
 
 /// Who is asking (from the kernel request).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Caller {
     pub uid: u32,
     pub gid: u32,
+    /// 0 when the kernel sends the request on its own (e.g. a writeback).
+    pub pid: u32,
+}
+
+/// What a request did that may cost a regular file its set-user-ID and set-group-ID bits
+/// and its `security.capability`, decided from the caller as the kernel decides it for a
+/// local filesystem such as ext4 (see [`setid_lost`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetIdLoss {
+    /// chown or chgrp, `chown(-1, -1)` included.
+    Chown(Caller),
+    /// A write, truncate, `O_TRUNC` open or copy into the file.
+    Modify(Caller),
 }
 
 /// An inode's attributes as `stat` shows them.
@@ -155,8 +168,9 @@ pub struct SetAttr {
     pub atime: Option<SetTime>,
     pub mtime: Option<SetTime>,
     pub ctime: Option<Nanos>,
-    /// Drop setuid/setgid and `security.capability` first (see [`WorkspaceFs::kill_privs`]).
-    pub kill_privs: bool,
+    /// Drop setuid/setgid and `security.capability` first, as this caller's request would
+    /// on ext4 (see [`WorkspaceFs::drop_setid`]).
+    pub drop_setid: Option<SetIdLoss>,
 }
 
 /// How the kernel should cache an opened file.
@@ -667,7 +681,7 @@ pub type FsyncHook = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 /// Most inodes remembered as having no xattrs (the set starts over when full).
 const NO_XATTRS_MAX: usize = 1 << 20;
-/// The xattr the kernel probes before writes and that `kill_privs` drops.
+/// The xattr the kernel probes before writes and that `drop_setid` drops.
 const CAPABILITY_XATTR: &[u8] = b"security.capability";
 
 /// Space kept free for metadata commits on a full volume.
@@ -681,6 +695,24 @@ fn join_thread(slot: &Mutex<Option<std::thread::JoinHandle<()>>>) {
 }
 
 /// Current time in nanoseconds since the epoch.
+/// The set-ID bits of a regular file (mode `perm`, group `gid`) that `loss` by a caller with
+/// `creds` clears, as Linux does for ext4 (`chown_common`, `setattr_should_drop_suidgid`):
+/// chown always clears set-user-ID; set-group-ID goes when the group may execute or the
+/// caller is neither in the file's group nor holds CAP_FSETID. A write or truncate clears the
+/// same bits, but only for a caller without CAP_FSETID.
+pub fn setid_lost(perm: u32, gid: u32, loss: SetIdLoss, creds: &sys::creds::Creds) -> u32 {
+    if matches!(loss, SetIdLoss::Modify(_)) && creds.fsetid {
+        return 0;
+    }
+    let mut lost = perm & libc::S_ISUID;
+    if perm & libc::S_ISGID != 0
+        && (perm & libc::S_IXGRP != 0 || !(creds.fsetid || creds.groups.contains(&gid)))
+    {
+        lost |= libc::S_ISGID;
+    }
+    lost
+}
+
 pub fn now() -> Nanos {
     let d = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -1262,8 +1294,8 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
-        if set.kill_privs {
-            Self::kill_privs_locked(inner, ino)?;
+        if let Some(loss) = set.drop_setid {
+            Self::kill_privs_locked(inner, ino, loss)?;
         }
         let t = now();
         if let Some(size) = set.size {
@@ -2381,27 +2413,36 @@ impl WorkspaceFs {
         Ok(v)
     }
 
-    /// Drops what a write, truncate or chown by an unprivileged caller must drop from a
-    /// regular file: the setuid bit, the setgid bit when the group may execute (without it,
-    /// setgid marks mandatory locking and stays), and `security.capability`. With
+    /// Drops from a regular file what `loss` costs it on ext4: the set-ID bits the kernel
+    /// would clear for this caller (see [`setid_lost`]) and `security.capability`. With
     /// FUSE_HANDLE_KILLPRIV_V2 the kernel leaves this to the filesystem and, in return, stops
-    /// asking for `security.capability` before every write.
-    pub fn kill_privs(&self, ino: InodeNo) -> FsResult<()> {
+    /// asking for `security.capability` before every write. Directories keep everything.
+    pub fn drop_setid(&self, ino: InodeNo, loss: SetIdLoss) -> FsResult<()> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
-        Self::kill_privs_locked(inner, ino)
+        Self::kill_privs_locked(inner, ino, loss)
     }
 
-    fn kill_privs_locked(inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+    fn kill_privs_locked(inner: &mut Inner, ino: InodeNo, loss: SetIdLoss) -> FsResult<()> {
         let mut inode = Self::load(inner, ino)?;
         if inode.kind != Kind::File {
             return Ok(());
         }
-        let mut perm = inode.perm & !libc::S_ISUID;
-        if perm & libc::S_IXGRP != 0 {
-            perm &= !libc::S_ISGID;
-        }
+        let perm = if inode.perm & (libc::S_ISUID | libc::S_ISGID) == 0 {
+            inode.perm
+        } else {
+            let caller = match loss {
+                SetIdLoss::Chown(c) | SetIdLoss::Modify(c) => c,
+            };
+            // The caller's capabilities and groups (only read when a set-ID bit is at
+            // stake); a caller that is gone counts as root if its uid is 0.
+            let creds = sys::creds::of_pid(caller.pid).unwrap_or_else(|_| sys::creds::Creds {
+                fsetid: caller.uid == 0,
+                groups: vec![caller.gid],
+            });
+            inode.perm & !setid_lost(inode.perm, inode.gid, loss, &creds)
+        };
         let cap = Self::xattr_cached(inner, ino, CAPABILITY_XATTR)?.is_some();
         if perm == inode.perm && !cap {
             return Ok(());
@@ -2568,6 +2609,36 @@ fn lazy_active_check(store: &Store, chunk_size: u64) -> FsResult<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn setid_bits_lost_as_on_ext4() {
+        let c = Caller {
+            uid: 1000,
+            gid: 100,
+            pid: 0,
+        };
+        let user = sys::creds::Creds {
+            fsetid: false,
+            groups: vec![100],
+        };
+        let root = sys::creds::Creds {
+            fsetid: true,
+            groups: vec![0],
+        };
+        let (chown, modify) = (SetIdLoss::Chown(c), SetIdLoss::Modify(c));
+        let both = libc::S_ISUID | libc::S_ISGID;
+        // group may execute: both bits go, for anyone on chown, for the unprivileged on write.
+        assert_eq!(setid_lost(0o6755, 100, chown, &user), both);
+        assert_eq!(setid_lost(0o6755, 100, chown, &root), both);
+        assert_eq!(setid_lost(0o6755, 100, modify, &user), both);
+        assert_eq!(setid_lost(0o6755, 100, modify, &root), 0);
+        // no group exec: set-group-ID stays for a member of the group or CAP_FSETID.
+        assert_eq!(setid_lost(0o6745, 100, chown, &user), libc::S_ISUID);
+        assert_eq!(setid_lost(0o6745, 7, chown, &user), both);
+        assert_eq!(setid_lost(0o6745, 7, chown, &root), libc::S_ISUID);
+        assert_eq!(setid_lost(0o2745, 7, modify, &user), libc::S_ISGID);
+        assert_eq!(setid_lost(0o0755, 7, chown, &user), 0);
+    }
 
     fn file_with(dir: &Path, name: &str, bytes: &[u8]) -> File {
         let f = File::options()

@@ -1,19 +1,21 @@
-//! Mounting and unmounting the workspace: locks the state dir, opens the store, starts the
-//! multi-threaded FUSE session, and on shutdown syncs and unmounts.
+//! Mounting and unmounting the workspace: locks the state dir, opens the store, mounts a
+//! `/dev/fuse` connection with mount(2), serves it through fuser (`Session::from_fd`, its
+//! worker threads each on a cloned fd), and on shutdown syncs and unmounts.
 
 use std::io;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 
-use crate::config::{CacheMode, Passthrough, PersistConfig, Switch, WorkspaceConfig};
+use crate::config::{CacheMode, Passthrough, PersistConfig, WorkspaceConfig};
 use crate::persist::lease::ReleaseOnDrop;
 use crate::sys;
-use std::sync::atomic::{AtomicBool, Ordering};
+use crate::sys::eventfd::EventFd;
 
 use super::fs::{FsOptions, WorkspaceFs};
 use super::fuse::{FuseAdapter, KernelFeatures, Timeouts};
-use super::sched::RingClass;
-use super::serve::{ServeOptions, Transport};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -39,10 +41,9 @@ pub enum SessionError {
 pub struct Mounted {
     mount_point: PathBuf,
     fs: Arc<WorkspaceFs>,
-    session: Option<super::serve::Session>,
+    session: Option<FuseSession>,
     passthrough: Arc<AtomicBool>,
-    transport: Transport,
-    ring_class: Option<Arc<RingClass>>,
+    requests: Arc<AtomicU64>,
     persist: Option<crate::persist::Service>,
     /// Background fetch of lazily restored windows.
     prefetch: Option<Prefetch>,
@@ -57,8 +58,7 @@ pub struct MountedHandle {
     mount_point: PathBuf,
     fs: Arc<WorkspaceFs>,
     passthrough: Arc<AtomicBool>,
-    transport: Transport,
-    ring_class: Option<Arc<RingClass>>,
+    requests: Arc<AtomicU64>,
 }
 
 impl MountedHandle {
@@ -76,16 +76,9 @@ impl MountedHandle {
         self.passthrough.load(Ordering::Relaxed)
     }
 
-    /// How the kernel's requests reach keel (FUSE over io_uring or /dev/fuse).
-    pub fn transport(&self) -> Transport {
-        self.transport
-    }
-
-    /// The scheduling class the ring threads are in now: "idle" or "normal" (None over
-    /// `/dev/fuse`).
-    pub fn ring_class(&self) -> Option<&'static str> {
-        let c = self.ring_class.as_ref()?;
-        Some(if c.is_idle() { "idle" } else { "normal" })
+    /// FUSE requests served so far on this mount.
+    pub fn fuse_requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
     }
 }
 
@@ -129,11 +122,28 @@ fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
     Ok(())
 }
 
+/// At most this many dead keel mounts stacked on one mount point are cleared.
+const MAX_DEAD_MOUNTS: usize = 8;
+
 fn prepare_mount_point(p: &Path) -> Result<(), SessionError> {
     let bad = |reason: String| SessionError::MountPoint {
         path: p.to_path_buf(),
         reason,
     };
+    // keel holds the state dir's lock, so a keel FUSE mount at its mount point is a dead
+    // keel's. Its connection may still be alive with nobody reading it: then any stat of the
+    // path waits forever. So, before anything touches the path: abort the connection
+    // (found in /proc/self/mountinfo, not by a stat) and detach the mount.
+    for _ in 0..MAX_DEAD_MOUNTS {
+        let Some(dead) = sys::mount::fuse_connection_at(p).filter(|m| m.source == "keel") else {
+            break;
+        };
+        if let Err(e) = sys::mount::abort_fuse_connection(dead.minor) {
+            tracing::warn!(connection = dead.minor, error = %e, "cannot abort the dead keel's FUSE connection; detaching it anyway");
+        }
+        sys::file::detach_mount(p).map_err(|e| bad(format!("stale mount: {e}")))?;
+        tracing::warn!(path = %p.display(), connection = dead.minor, "aborted and detached the FUSE mount a dead keel left behind");
+    }
     // stat may be answered from the kernel's attribute cache even when the daemon behind a
     // FUSE mount is dead; statfs always asks the daemon.
     if let Err(e) = sys::file::statvfs(p) {
@@ -236,10 +246,8 @@ fn mount_with(
         path: cfg.mount_point.clone(),
         source,
     };
-    let dev = Arc::new(sys::fusedev::FuseDev::open().map_err(mount_err)?);
     let adapter = FuseAdapter::new(
         fs.clone(),
-        dev.clone(),
         Timeouts {
             attr: cfg.attr_timeout,
             entry: cfg.entry_timeout,
@@ -255,33 +263,15 @@ fn mount_with(
             passthrough_on: passthrough_on.clone(),
         },
     );
-    let opts = ServeOptions {
-        threads: cfg.effective_threads(),
-        ring_threads: 1,
-        io_uring: cfg.io_uring != Switch::Off,
-        ring_sched: cfg.ring_sched,
-    };
-    let session = super::serve::start(dev, adapter, &cfg.mount_point, opts).map_err(mount_err)?;
-    let transport = session.transport();
-    let ring_class = session.ring_class();
-    if cfg.io_uring == Switch::On && transport != Transport::IoUring {
-        drop(session);
-        return Err(SessionError::Mount {
-            path: cfg.mount_point.clone(),
-            source: io::Error::other(
-                "[workspace] io_uring = \"on\" but the kernel does not offer FUSE over io_uring \
-                 (as root on the host: echo Y > /sys/module/fuse/parameters/enable_uring)",
-            ),
-        });
-    }
+    let requests = adapter.requests();
+    let session = FuseSession::start(adapter, &cfg.mount_point, cfg.effective_threads())
+        .map_err(mount_err)?;
     tracing::info!(
         mount_point = %cfg.mount_point.display(),
         state = %state.display(),
         cache = cfg.cache.as_str(),
         threads = cfg.effective_threads(),
         passthrough = passthrough_on.load(Ordering::Relaxed),
-        transport = transport.as_str(),
-        ring_idle_class = ring_class.as_ref().map(|c| c.is_idle()),
         "workspace mounted"
     );
     let mut mounted = Mounted {
@@ -289,8 +279,7 @@ fn mount_with(
         fs,
         session: Some(session),
         passthrough: passthrough_on,
-        transport,
-        ring_class,
+        requests,
         persist: None,
         prefetch: None,
         _lock: lock,
@@ -387,11 +376,12 @@ impl Mounted {
     }
 
     /// Set when the kernel ended the connection: unmounted from outside, or aborted.
-    pub fn ended(&self) -> Arc<super::serve::Ended> {
+    pub fn ended(&self) -> Arc<Ended> {
         self.session
             .as_ref()
             .expect("session present until unmount")
-            .ended()
+            .ended
+            .clone()
     }
 
     /// A handle other threads can flush through.
@@ -400,8 +390,7 @@ impl Mounted {
             mount_point: self.mount_point.clone(),
             fs: self.fs.clone(),
             passthrough: self.passthrough.clone(),
-            transport: self.transport,
-            ring_class: self.ring_class.clone(),
+            requests: self.requests.clone(),
         }
     }
 
@@ -471,7 +460,11 @@ impl Mounted {
         }
         unmounted?;
         shut?;
-        tracing::info!(mount_point = %self.mount_point.display(), "workspace unmounted");
+        tracing::info!(
+            mount_point = %self.mount_point.display(),
+            fuse_requests = self.requests.load(Ordering::Relaxed),
+            "workspace unmounted"
+        );
         Ok(())
     }
 }
@@ -484,6 +477,126 @@ impl Drop for Mounted {
             if s.unmount().is_ok() {
                 let _ = self.fs.shutdown();
             }
+        }
+    }
+}
+
+/// Set by the session when the kernel ends the connection (every worker read ENODEV): an
+/// unmount, keel's own or from outside (`umount`, `fusermount -u`), or an abort through
+/// `/sys/fs/fuse/connections`.
+#[derive(Debug)]
+pub struct Ended {
+    gone: AtomicBool,
+    fd: EventFd,
+}
+
+impl Ended {
+    fn new() -> io::Result<Ended> {
+        Ok(Ended {
+            gone: AtomicBool::new(false),
+            fd: EventFd::new()?,
+        })
+    }
+
+    fn set(&self) {
+        if !self.gone.swap(true, Ordering::SeqCst) {
+            let _ = self.fd.signal();
+        }
+    }
+
+    /// The connection is gone.
+    pub fn is_set(&self) -> bool {
+        self.gone.load(Ordering::SeqCst)
+    }
+
+    /// Readable once the connection is gone.
+    pub fn fd(&self) -> &EventFd {
+        &self.fd
+    }
+}
+
+/// A mounted FUSE connection served by fuser's worker threads.
+struct FuseSession {
+    mount_point: PathBuf,
+    /// Runs fuser's `Session::run`, which starts the workers and returns when all have seen
+    /// the end of the connection.
+    runner: Option<JoinHandle<()>>,
+    ended: Arc<Ended>,
+    /// The connection's number (its device minor), to recognise the mount at the unmount.
+    connection: Option<u32>,
+    unmounted: bool,
+}
+
+impl FuseSession {
+    /// Mounts a new `/dev/fuse` connection on `mount_point`, answers INIT through `adapter`
+    /// and starts `threads` workers, each reading its own clone of the fd. On any failure
+    /// nothing stays mounted.
+    fn start(adapter: FuseAdapter, mount_point: &Path, threads: usize) -> io::Result<Self> {
+        let dev: OwnedFd = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/fuse")?
+            .into();
+        sys::mount::mount_fuse(dev.as_fd(), mount_point, "keel")?;
+        let mut s = FuseSession {
+            mount_point: mount_point.to_path_buf(),
+            runner: None,
+            ended: Arc::new(Ended::new()?),
+            connection: None,
+            unmounted: false,
+        };
+        // From here on, dropping `s` unmounts.
+        s.connection = sys::mount::fuse_connection_at(mount_point).map(|m| m.minor);
+        let mut config = fuser::Config::default();
+        config.n_threads = Some(threads.max(1));
+        config.clone_fd = true;
+        // Reads INIT and answers it (`FuseAdapter::init`). Every user may use the mount
+        // (`allow_other`); the kernel checks permissions (`default_permissions`).
+        let session = fuser::Session::from_fd(adapter, dev, fuser::SessionACL::All, config)?;
+        let ended = s.ended.clone();
+        let runner = std::thread::Builder::new()
+            .name("keel-fuse".into())
+            .spawn(move || {
+                if let Err(e) = session.run() {
+                    tracing::error!(error = %e, "FUSE session ended with an error");
+                }
+                ended.set();
+            })?;
+        s.runner = Some(runner);
+        Ok(s)
+    }
+
+    /// Unmounts and waits for the workers. Fails (EBUSY) while the mount is in use; the
+    /// workers then keep serving. Syncing the store is the caller's (`Mounted::unmount`).
+    /// A mount already unmounted from outside only has its workers joined.
+    fn unmount(mut self) -> io::Result<()> {
+        self.unmount_inner()
+    }
+
+    fn unmount_inner(&mut self) -> io::Result<()> {
+        if !self.unmounted_from_outside() {
+            sys::mount::unmount(&self.mount_point)?;
+        }
+        self.unmounted = true;
+        if let Some(t) = self.runner.take() {
+            let _ = t.join();
+        }
+        Ok(())
+    }
+
+    /// The kernel ended the connection and the mount point no longer shows this connection
+    /// (an aborted connection still mounted is unmounted as usual; whatever was mounted
+    /// there since is left alone).
+    fn unmounted_from_outside(&self) -> bool {
+        self.ended.is_set()
+            && sys::mount::fuse_connection_at(&self.mount_point).map(|m| m.minor) != self.connection
+    }
+}
+
+impl Drop for FuseSession {
+    fn drop(&mut self) {
+        if !self.unmounted {
+            let _ = self.unmount_inner();
         }
     }
 }

@@ -69,16 +69,26 @@ pub fn keel_bin() -> OsString {
 
 /// Is `mnt` currently a FUSE mount point (fstype `fuse` or `fuse.*` in /proc/self/mountinfo)?
 pub fn is_fuse_mount(mnt: &Path) -> bool {
-    let mnt = fs::canonicalize(mnt).unwrap_or_else(|_| mnt.to_path_buf());
+    fuse_mount_id(mnt).is_some()
+}
+
+/// The mount ID of the last FUSE mount at `mnt` in /proc/self/mountinfo,
+/// without touching `mnt` itself.
+pub fn fuse_mount_id(mnt: &Path) -> Option<String> {
     let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    info.lines().any(|line| {
+    // Canonicalize the parent only: a stat of a dead mount may wait forever.
+    let want = match (mnt.parent().map(fs::canonicalize), mnt.file_name()) {
+        (Some(Ok(parent)), Some(name)) => parent.join(name),
+        _ => mnt.to_path_buf(),
+    };
+    let want = want.to_string_lossy().into_owned();
+    info.lines().rev().find_map(|line| {
         let fields: Vec<&str> = line.split(' ').collect();
-        let Some(sep) = fields.iter().position(|f| *f == "-") else {
-            return false;
-        };
+        let sep = fields.iter().position(|f| *f == "-")?;
         let fstype = fields.get(sep + 1).copied().unwrap_or("");
-        fields.get(4).map(|m| unescape_mountinfo(m)) == Some(mnt.to_string_lossy().into_owned())
-            && (fstype == "fuse" || fstype.starts_with("fuse.") || any_fstype())
+        (fields.get(4).map(|m| unescape_mountinfo(m)) == Some(want.clone())
+            && (fstype == "fuse" || fstype.starts_with("fuse.") || any_fstype()))
+        .then(|| fields[0].to_string())
     })
 }
 
@@ -109,7 +119,12 @@ pub enum MountOutcome {
 /// Spawns `keel mount --state STATE MNT ARGS...` with output appended to `log`, and waits until
 /// the mount appears or the process exits.
 pub fn spawn_mount(state: &Path, mnt: &Path, args: &[String], log: &Path) -> MountOutcome {
-    fs::create_dir_all(mnt).expect("create mount point");
+    // Not through a mount a dead keel left (a stat of it may wait forever): that one is the
+    // new keel's to clear.
+    let dead = fuse_mount_id(mnt);
+    if dead.is_none() {
+        fs::create_dir_all(mnt).expect("create mount point");
+    }
     let out = fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -133,7 +148,11 @@ pub fn spawn_mount(state: &Path, mnt: &Path, args: &[String], log: &Path) -> Mou
             let stderr = read_from(log, start_len);
             return MountOutcome::Exited { status, stderr };
         }
-        if is_fuse_mount(mnt) {
+        // A new mount, not the one a dead keel left there (the kernel reuses mount ids and
+        // device numbers at once, so keel's log line says it).
+        if is_fuse_mount(mnt)
+            && (dead.is_none() || read_from(log, start_len).contains("workspace mounted"))
+        {
             return MountOutcome::Mounted(child);
         }
         if Instant::now() > deadline {
@@ -141,8 +160,9 @@ pub fn spawn_mount(state: &Path, mnt: &Path, args: &[String], log: &Path) -> Mou
             let _ = child.wait();
             lazy_unmount(mnt);
             panic!(
-                "keel mount {} not ready after {READY_TIMEOUT:?}; log:\n{}",
+                "keel mount {} not ready after {READY_TIMEOUT:?} (FUSE mount there: {:?}, before: {dead:?}); log:\n{}",
                 mnt.display(),
+                fuse_mount_id(mnt),
                 read_from(log, start_len)
             );
         }
@@ -293,6 +313,13 @@ impl Keel {
         let _ = child.kill();
         let _ = child.wait();
         lazy_unmount(&self.mnt);
+    }
+
+    /// SIGKILL keel and leave its mount as it is (the next `start_again` must clear it).
+    pub fn kill9_leave_mount(&mut self) {
+        let mut child = self.child.take().expect("keel running");
+        let _ = child.kill();
+        let _ = child.wait();
     }
 
     /// Clean unmount (asserted) and mount again on the same state dir.

@@ -271,3 +271,24 @@ pub fn pin_to_cpu(cpu: usize) -> io::Result<()> {
         ))
     }
 }
+
+/// A duplicate of file descriptor `fd` of process `pid` (pidfd_getfd; needs ptrace rights
+/// over it, which root has).
+pub fn steal_fd(pid: u32, fd: i32) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open takes a pid and flags; no pointers.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if pidfd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: pidfd_getfd takes a pidfd, a target fd number and flags; no pointers.
+    let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd as libc::c_int, fd, 0) };
+    let err = io::Error::last_os_error();
+    // SAFETY: pidfd is an fd we own and close once.
+    unsafe { libc::close(pidfd as libc::c_int) };
+    if got < 0 {
+        return Err(err);
+    }
+    // SAFETY: `got` is a new fd returned to us and owned by nothing else.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(got as libc::c_int) })
+}

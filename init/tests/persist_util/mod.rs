@@ -18,7 +18,11 @@ use keel::persist::{
 };
 use keel::workspace::fs::{Caller, FsOptions, SetAttr, SetTime, WorkspaceFs};
 
-pub const ROOT: Caller = Caller { uid: 0, gid: 0 };
+pub const ROOT: Caller = Caller {
+    uid: 0,
+    gid: 0,
+    pid: 0,
+};
 pub const CHUNK: u64 = 64 * 1024;
 
 pub fn fs_opts() -> FsOptions {

@@ -1,0 +1,304 @@
+//! Set-user-ID and set-group-ID bits as ext4 keeps them: the same operations, by root and by
+//! an unprivileged user (`nobody`, in a forked child that dropped to uid/gid 65534), on a
+//! keel mount and on an ext4 directory of this machine, and the resulting modes compared row
+//! by row (the table is printed). Needs root, /dev/fuse and an ext4 temp dir: without them it
+//! fails when CI is set and skips otherwise.
+
+mod common;
+
+use std::ffi::CString;
+use std::fs;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+
+const NOBODY: u32 = 65534;
+const NOGROUP: u32 = 65534;
+
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    /// chown(path, -1, -1)
+    ChownNoop,
+    /// chown(path, -1, gid)
+    Chgrp(u32),
+    /// chown(path, uid, -1)
+    Chown(u32),
+    /// open O_WRONLY, write one byte, close
+    Write,
+    /// truncate(path, 0)
+    Truncate,
+    /// open O_WRONLY|O_TRUNC, close
+    OpenTrunc,
+}
+
+struct Row {
+    what: &'static str,
+    dir: bool,
+    mode: u32,
+    uid: u32,
+    gid: u32,
+    /// Who does `op`: 0 (root) or NOBODY.
+    actor: u32,
+    op: Op,
+}
+
+fn rows() -> Vec<Row> {
+    let f = |what, mode, uid, gid, actor, op| Row {
+        what,
+        dir: false,
+        mode,
+        uid,
+        gid,
+        actor,
+        op,
+    };
+    vec![
+        f(
+            "owner chown(-1,-1) of 06555",
+            0o6555,
+            NOBODY,
+            NOGROUP,
+            NOBODY,
+            Op::ChownNoop,
+        ),
+        f(
+            "root chown(-1,-1) of 06755",
+            0o6755,
+            NOBODY,
+            NOGROUP,
+            0,
+            Op::ChownNoop,
+        ),
+        f(
+            "root chown(-1,-1) of 06745",
+            0o6745,
+            NOBODY,
+            NOGROUP,
+            0,
+            Op::ChownNoop,
+        ),
+        f(
+            "owner chgrp to own group, 06745",
+            0o6745,
+            NOBODY,
+            NOGROUP,
+            NOBODY,
+            Op::Chgrp(NOGROUP),
+        ),
+        f(
+            "owner chgrp to own group, 06755",
+            0o6755,
+            NOBODY,
+            NOGROUP,
+            NOBODY,
+            Op::Chgrp(NOGROUP),
+        ),
+        f(
+            "root chown to nobody, 06745",
+            0o6745,
+            0,
+            0,
+            0,
+            Op::Chown(NOBODY),
+        ),
+        f(
+            "root chown to nobody, 06755",
+            0o6755,
+            0,
+            0,
+            0,
+            Op::Chown(NOBODY),
+        ),
+        f("user write, 06777", 0o6777, 0, 0, NOBODY, Op::Write),
+        f(
+            "user write, 06767 not in group",
+            0o6767,
+            0,
+            0,
+            NOBODY,
+            Op::Write,
+        ),
+        f(
+            "user write, 06767 in group",
+            0o6767,
+            0,
+            NOGROUP,
+            NOBODY,
+            Op::Write,
+        ),
+        f("root write, 06777", 0o6777, 0, 0, 0, Op::Write),
+        f("user truncate, 06777", 0o6777, 0, 0, NOBODY, Op::Truncate),
+        f(
+            "user truncate, 02767 in group",
+            0o2767,
+            0,
+            NOGROUP,
+            NOBODY,
+            Op::Truncate,
+        ),
+        f("root truncate, 06777", 0o6777, 0, 0, 0, Op::Truncate),
+        f(
+            "user open O_TRUNC, 06777",
+            0o6777,
+            0,
+            0,
+            NOBODY,
+            Op::OpenTrunc,
+        ),
+        f("root open O_TRUNC, 06777", 0o6777, 0, 0, 0, Op::OpenTrunc),
+        Row {
+            what: "owner chown(-1,-1) of dir 06755",
+            dir: true,
+            mode: 0o6755,
+            uid: NOBODY,
+            gid: NOGROUP,
+            actor: NOBODY,
+            op: Op::ChownNoop,
+        },
+        Row {
+            what: "root chown to nobody, dir 06775",
+            dir: true,
+            mode: 0o6775,
+            uid: 0,
+            gid: 0,
+            actor: 0,
+            op: Op::Chown(NOBODY),
+        },
+    ]
+}
+
+fn cpath(p: &Path) -> CString {
+    CString::new(p.as_os_str().as_bytes()).unwrap()
+}
+
+/// Runs `op` on `path` in a forked child as `actor` (root stays root; otherwise the child
+/// drops to NOBODY/NOGROUP with no supplementary groups, which also empties its effective
+/// capabilities). Returns 0 or the errno of the first failed step.
+fn run_as(actor: u32, op: Op, path: &Path) -> i32 {
+    let c = cpath(path);
+    let byte = [b'x'];
+    // SAFETY: the child calls only async-signal-safe syscalls on memory prepared before the
+    // fork (`c`, `byte`), then _exit; the parent waits for it.
+    unsafe {
+        let pid = libc::fork();
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let err = || *libc::__errno_location();
+            if actor != 0
+                && (libc::setgroups(0, std::ptr::null()) != 0
+                    || libc::setresgid(NOGROUP, NOGROUP, NOGROUP) != 0
+                    || libc::setresuid(actor, actor, actor) != 0)
+            {
+                libc::_exit(200);
+            }
+            let none = u32::MAX;
+            let r = match op {
+                Op::ChownNoop => libc::chown(c.as_ptr(), none, none),
+                Op::Chgrp(g) => libc::chown(c.as_ptr(), none, g),
+                Op::Chown(u) => libc::chown(c.as_ptr(), u, none),
+                Op::Truncate => libc::truncate(c.as_ptr(), 0),
+                Op::Write | Op::OpenTrunc => {
+                    let flags = match op {
+                        Op::Write => libc::O_WRONLY,
+                        _ => libc::O_WRONLY | libc::O_TRUNC,
+                    };
+                    let fd = libc::open(c.as_ptr(), flags);
+                    if fd < 0 {
+                        libc::_exit(err());
+                    }
+                    if matches!(op, Op::Write) && libc::write(fd, byte.as_ptr().cast(), 1) != 1 {
+                        libc::_exit(err());
+                    }
+                    libc::close(fd)
+                }
+            };
+            libc::_exit(if r == 0 { 0 } else { err() });
+        }
+        let mut status = 0;
+        assert_eq!(libc::waitpid(pid, &mut status, 0), pid);
+        assert!(libc::WIFEXITED(status), "child died: {status}");
+        libc::WEXITSTATUS(status)
+    }
+}
+
+/// Makes the row's file or directory at `p` (owner, group, then mode: chown would clear
+/// the bits), runs the operation, and returns (errno, resulting mode & 07777).
+fn apply(row: &Row, p: &Path) -> (i32, u32) {
+    if row.dir {
+        fs::create_dir(p).unwrap();
+    } else {
+        fs::write(p, b"data").unwrap();
+    }
+    std::os::unix::fs::chown(p, Some(row.uid), Some(row.gid)).unwrap();
+    fs::set_permissions(p, fs::Permissions::from_mode(row.mode)).unwrap();
+    assert_eq!(
+        fs::metadata(p).unwrap().mode() & 0o7777,
+        row.mode,
+        "setup of {p:?}"
+    );
+    let e = run_as(row.actor, row.op, p);
+    (e, fs::metadata(p).unwrap().mode() & 0o7777)
+}
+
+fn on_ext4(dir: &Path) -> bool {
+    nix::sys::statfs::statfs(dir)
+        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::EXT4_SUPER_MAGIC)
+}
+
+#[test]
+fn setid_bits_after_chown_write_truncate_match_ext4() {
+    let k = keel_or_skip!();
+    let ext4 = k.scratch().join("ext4");
+    fs::create_dir(&ext4).unwrap();
+    if !on_ext4(&ext4) {
+        let why = format!("{} is not on ext4", ext4.display());
+        if std::env::var_os("CI").is_some() {
+            panic!("CI is set but {why}: refusing to skip the comparison with ext4");
+        }
+        eprintln!("skipping: {why}");
+        return;
+    }
+    // `nobody` must reach both directories.
+    for d in [k.scratch(), ext4.as_path(), k.mnt.as_path()] {
+        fs::set_permissions(d, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let mut table = vec![format!(
+        "{:<36} {:>6} {:>10} {:>10}",
+        "operation", "actor", "ext4", "keel"
+    )];
+    let mut differ = Vec::new();
+    for (i, row) in rows().iter().enumerate() {
+        let name = format!("r{i}");
+        let (e_err, e_mode) = apply(row, &ext4.join(&name));
+        let (k_err, k_mode) = apply(row, &k.mnt.join(&name));
+        let show = |err: i32, mode: u32| {
+            if err == 0 {
+                format!("{mode:05o}")
+            } else {
+                format!("err {err}")
+            }
+        };
+        let actor = if row.actor == 0 { "root" } else { "nobody" };
+        table.push(format!(
+            "{:<36} {:>6} {:>10} {:>10}{}",
+            row.what,
+            actor,
+            show(e_err, e_mode),
+            show(k_err, k_mode),
+            if (e_err, e_mode) == (k_err, k_mode) {
+                ""
+            } else {
+                "   <- differs"
+            }
+        ));
+        if (e_err, e_mode) != (k_err, k_mode) {
+            differ.push(row.what);
+        }
+    }
+    let table = table.join("\n");
+    println!("{table}");
+    assert!(
+        differ.is_empty(),
+        "keel differs from ext4 in {differ:?}:\n{table}"
+    );
+}
