@@ -62,5 +62,7 @@ fn the_cloudflare_profile_needs_the_instance_id() {
         (n == "KEEL_WORKSPACE_ID" || n == "R2_ENDPOINT").then(|| "https://x.example/ws-7".into())
     })
     .unwrap();
-    assert!(c.persist.remote.ends_with("/https://x.example/ws-7") || c.persist.remote.contains("ws-7"));
+    assert!(
+        c.persist.remote.ends_with("/https://x.example/ws-7") || c.persist.remote.contains("ws-7")
+    );
 }

@@ -186,6 +186,7 @@ fn status_json_has_every_field_and_no_secret() {
     assert_eq!(v["mount"]["cache"], "auto");
     assert!(v["mount"]["passthrough"].is_null());
     assert!(v["mount"]["fuse_requests"].is_null());
+    assert!(v["mount"]["fuse_requests_unwaited"].is_null());
     let db = &v["services"][0];
     assert_eq!(db["name"], "db");
     assert_eq!(db["state"], "restarting");

@@ -88,6 +88,9 @@ fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
     // The count of FUSE requests served: at least the ones that wrote the file above.
     let served = v["mount"]["fuse_requests"].as_u64().unwrap_or_default();
     assert!(served > 0, "{v}");
+    // Of those, the ones no caller waited for (FORGET, RELEASE, RELEASEDIR): a part of them.
+    let unwaited = v["mount"]["fuse_requests_unwaited"].as_u64();
+    assert!(unwaited.is_some_and(|u| u < served), "{v}");
     // Checkpoints are on ([persist] defaults to a file:// remote in the state dir).
     assert!(v["persist"]["dirty_bytes"].is_u64(), "{v}");
 

@@ -122,6 +122,11 @@ fn dev_fuse_workers_serve_every_request_kind_from_every_cpu() {
     k.remount();
     common::assert_same_tree(&before, &common::snapshot(&k.mnt, false), "after remount");
     assert!(k.log_text().contains("fuse_requests="), "{}", k.log_text());
+    assert!(
+        k.log_text().contains("fuse_requests_unwaited="),
+        "{}",
+        k.log_text()
+    );
 }
 
 /// The fusectl directory of the connection serving `mnt` (fusectl mounted if it is not).

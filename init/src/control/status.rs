@@ -371,10 +371,15 @@ impl StatusHandle {
     /// A consistent copy of everything, for `/status` and `/metrics`.
     pub fn report(&self) -> Report {
         let health = self.health();
-        let (passthrough, fuse_requests) = match lock(&self.0.workspace).as_ref() {
-            Some(w) => (Some(w.passthrough()), Some(w.fuse_requests())),
-            None => (None, None),
-        };
+        let (passthrough, fuse_requests, fuse_requests_unwaited) =
+            match lock(&self.0.workspace).as_ref() {
+                Some(w) => (
+                    Some(w.passthrough()),
+                    Some(w.fuse_requests()),
+                    Some(w.fuse_requests_unwaited()),
+                ),
+                None => (None, None, None),
+            };
         let s = lock(&self.0.state);
         let uptime = self.0.started.elapsed();
         Report {
@@ -402,6 +407,7 @@ impl StatusHandle {
                 cache: self.0.cache,
                 passthrough: passthrough.filter(|_| s.mount.is_mounted()),
                 fuse_requests: fuse_requests.filter(|_| s.mount.is_mounted()),
+                fuse_requests_unwaited: fuse_requests_unwaited.filter(|_| s.mount.is_mounted()),
             },
             services: s
                 .services
@@ -572,6 +578,9 @@ pub struct MountReport {
     pub passthrough: Option<bool>,
     /// FUSE requests served since the mount; null when not mounted.
     pub fuse_requests: Option<u64>,
+    /// Of `fuse_requests`, those no caller waited for (FORGET per inode, RELEASE,
+    /// RELEASEDIR); null when not mounted.
+    pub fuse_requests_unwaited: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]

@@ -194,7 +194,12 @@ pub fn mount_main(args: Vec<OsString>) -> i32 {
         match signals.wait_or(mounted.ended().fd()) {
             // SIGUSR1: the counters (benchmarks divide keel's CPU time by the requests).
             Ok(Stop::Signal("SIGUSR1")) => {
-                tracing::info!(fuse_requests = mounted.handle().fuse_requests(), "counters");
+                let h = mounted.handle();
+                tracing::info!(
+                    fuse_requests = h.fuse_requests(),
+                    fuse_requests_unwaited = h.fuse_requests_unwaited(),
+                    "counters"
+                );
                 continue;
             }
             Ok(Stop::Signal(sig)) => tracing::info!(signal = sig, "stopping"),

@@ -6,7 +6,7 @@
 //! each named where it is met: the set-ID requests it drops (`FATTR_KILL_SUIDGID`,
 //! `FUSE_OPEN_KILL_SUIDGID`: decided from the caller, see `setid_on_setattr`), setattr times
 //! before 1970 (see `from_system_time`), the single lifetime of READDIRPLUS and CREATE
-//! replies (see `readdirplus`), and its private `ForgetOne` (see `requests`).
+//! replies (see `readdirplus`), and its private `ForgetOne` (see `RequestCounters`).
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -57,10 +57,35 @@ pub struct FuseAdapter {
     backing: Mutex<HashMap<u64, (Arc<BackingId>, u32)>>,
     /// FUSE_HANDLE_KILLPRIV_V2 is on: keel drops setuid/setgid itself.
     killpriv: AtomicBool,
-    /// Requests served (every one fuser hands to keel, FORGETs included). fuser gap: its
-    /// `ForgetOne` is private, so keel cannot take a BATCH_FORGET whole; fuser's default
-    /// hands it over one `forget` per inode, and each counts as one request.
-    requests: Arc<AtomicU64>,
+    /// Requests served, all of them and those the caller does not wait for.
+    requests: Arc<RequestCounters>,
+}
+
+/// The requests keel served on one mount, for status and benchmarks.
+///
+/// `all` counts every request fuser hands to keel, FORGETs included. `unwaited` counts the
+/// ones no system call waits for: FORGET, RELEASE and RELEASEDIR (the kernel sends them
+/// after the syscall returned, or from a background close). fuser gap: its `ForgetOne` is
+/// private, so keel cannot take a BATCH_FORGET whole; fuser's default hands it over as one
+/// `forget` per inode, so both counters count one request per inode forgotten, not one per
+/// BATCH_FORGET the kernel sent. INTERRUPT never reaches keel (fuser answers it itself), so
+/// neither counter sees it.
+#[derive(Debug, Default)]
+pub struct RequestCounters {
+    all: AtomicU64,
+    unwaited: AtomicU64,
+}
+
+impl RequestCounters {
+    /// Every request served.
+    pub fn all(&self) -> u64 {
+        self.all.load(Ordering::Relaxed)
+    }
+
+    /// The requests no caller waits for (FORGET per inode, RELEASE, RELEASEDIR).
+    pub fn unwaited(&self) -> u64 {
+        self.unwaited.load(Ordering::Relaxed)
+    }
 }
 
 impl FuseAdapter {
@@ -71,17 +96,23 @@ impl FuseAdapter {
             features,
             backing: Mutex::new(HashMap::new()),
             killpriv: AtomicBool::new(false),
-            requests: Arc::new(AtomicU64::new(0)),
+            requests: Arc::new(RequestCounters::default()),
         }
     }
 
-    /// The counter of requests served, for status and benchmarks.
-    pub fn requests(&self) -> Arc<AtomicU64> {
+    /// The counters of requests served, for status and benchmarks.
+    pub fn requests(&self) -> Arc<RequestCounters> {
         self.requests.clone()
     }
 
     fn count(&self) {
-        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.requests.all.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request no caller waits for (see `RequestCounters`).
+    fn count_unwaited(&self) {
+        self.requests.unwaited.fetch_add(1, Ordering::Relaxed);
+        self.count();
     }
 
     fn backing(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (Arc<BackingId>, u32)>> {
@@ -371,7 +402,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        self.count();
+        self.count_unwaited();
         self.fs.forget(Ino(ino.0), nlookup);
     }
 
@@ -626,7 +657,7 @@ impl Filesystem for FuseAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        self.count();
+        self.count_unwaited();
         match self.fs.release(fh.0) {
             Ok(passthrough) => {
                 if passthrough {
@@ -725,7 +756,7 @@ impl Filesystem for FuseAdapter {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
-        self.count();
+        self.count_unwaited();
         self.fs.releasedir(fh.0);
         reply.ok();
     }

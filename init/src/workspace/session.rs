@@ -5,7 +5,7 @@
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -15,7 +15,7 @@ use crate::sys;
 use crate::sys::eventfd::EventFd;
 
 use super::fs::{FsOptions, WorkspaceFs};
-use super::fuse::{FuseAdapter, KernelFeatures, Timeouts};
+use super::fuse::{FuseAdapter, KernelFeatures, RequestCounters, Timeouts};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -43,7 +43,7 @@ pub struct Mounted {
     fs: Arc<WorkspaceFs>,
     session: Option<FuseSession>,
     passthrough: Arc<AtomicBool>,
-    requests: Arc<AtomicU64>,
+    requests: Arc<RequestCounters>,
     persist: Option<crate::persist::Service>,
     /// Background fetch of lazily restored windows.
     prefetch: Option<Prefetch>,
@@ -58,7 +58,7 @@ pub struct MountedHandle {
     mount_point: PathBuf,
     fs: Arc<WorkspaceFs>,
     passthrough: Arc<AtomicBool>,
-    requests: Arc<AtomicU64>,
+    requests: Arc<RequestCounters>,
 }
 
 impl MountedHandle {
@@ -78,7 +78,13 @@ impl MountedHandle {
 
     /// FUSE requests served so far on this mount.
     pub fn fuse_requests(&self) -> u64 {
-        self.requests.load(Ordering::Relaxed)
+        self.requests.all()
+    }
+
+    /// Of those, the ones no caller waited for (FORGET per inode, RELEASE, RELEASEDIR; see
+    /// `RequestCounters`).
+    pub fn fuse_requests_unwaited(&self) -> u64 {
+        self.requests.unwaited()
     }
 }
 
@@ -462,7 +468,8 @@ impl Mounted {
         shut?;
         tracing::info!(
             mount_point = %self.mount_point.display(),
-            fuse_requests = self.requests.load(Ordering::Relaxed),
+            fuse_requests = self.requests.all(),
+            fuse_requests_unwaited = self.requests.unwaited(),
             "workspace unmounted"
         );
         Ok(())
