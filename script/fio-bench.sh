@@ -14,8 +14,9 @@
 # TARGETs (default: keel ext4 tmpfs juicefs): see script/bench-lib.sh; `keel-wb` is keel with
 # `--passthrough off` (writeback cache). The file is laid out once per target (untimed), then
 # for every rep the jobs run in order and, within a job, the targets in a shuffled order
-# (interleaved: drift from other load hits all targets alike). Page cache is dropped before
-# every read job. tmpfs: if it refuses O_DIRECT the tmpfs jobs run buffered (--direct=0), as
+# (interleaved: drift from other load hits all targets alike). Before every read job the page
+# cache of the benchmark's own files is dropped (script/evict-cache.sh: the target's file, and
+# for keel the bodies in its state dir; no host setting is written). tmpfs: if it refuses O_DIRECT the tmpfs jobs run buffered (--direct=0), as
 # the reference numbers did, and the table says so.
 # Prints a markdown table (median MB/s or IOPS per target, keel/ext4 and keel/juicefs ratios).
 # Exit status non-zero only if a target could not be set up or a job failed to run.
@@ -47,7 +48,7 @@ if [ "$SHORT" = 1 ]; then
 else
     SIZE=1G RUNTIME=10 RAMP=2
 fi
-[ "$(id -u)" = 0 ] || { echo "$NAME: needs root (mounts, drop_caches)" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || { echo "$NAME: needs root (mounts)" >&2; exit 1; }
 if ! command -v fio >/dev/null; then
     echo "$NAME: installing fio with apt-get" >&2
     { apt-get install -y fio || { apt-get update && apt-get install -y fio; }; } >&2 ||
@@ -115,7 +116,17 @@ run_job() {
     local j=$1 t=$2 json=$RUN/$1-$2.json
     target_alive "$t" || { echo "FAILED: $j on $t: its filesystem is gone" >&2; return 1; }
     sync
-    case $j in *read) echo 3 >/proc/sys/vm/drop_caches ;; esac
+    case $j in
+        *read)
+            local dirs=("${ROOT[$t]}")
+            case $t in
+                keel|keel-wb) dirs+=("$(keel_state "$t")") ;;
+                juicefs) dirs+=("$RUN/juicefs-data") ;;
+            esac
+            "$REPO/script/evict-cache.sh" "${dirs[@]}" ||
+                { echo "FAILED: $j on $t: cannot drop its files' page cache" >&2; return 1; }
+            ;;
+    esac
     local ramp=()
     [ "$RAMP" = 0 ] || ramp=(--ramp_time="$RAMP")
     if ! fio --name="$j" --filename="${ROOT[$t]}/fio.dat" --size=$SIZE --rw="${RW[$j]}" \

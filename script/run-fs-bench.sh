@@ -18,7 +18,8 @@
 # target's mount point instead, so the `keel` column is the container's real /workspace (a bind
 # mount adds no per-operation cost), the `ext4` column is the container's disk (BENCH_DIR under
 # /var/tmp: overlayfs on the host's disk, fstype printed), `tmpfs` a tmpfs in the container.
-# /proc/sys is read-only in the container, so the "cold read" row is not cold there.
+# "cold read" drops the page cache of the scenario's own files (posix_fadvise, which works in
+# the container too); the keel column's bind mount has no state dir here to evict.
 # Output: fs-bench's table; exit status is fs-bench's (non-zero only if a scenario failed).
 set -uo pipefail
 
