@@ -16,21 +16,23 @@
 # Every scenario runs in a fresh subdirectory; per repetition the order of the targets is
 # shuffled for every scenario (interleaved, so drift hits all targets alike); one warm-up
 # repetition is discarded, then the median of --reps (default 3) is reported. `sync` runs
-# (untimed) before every timed step; caches are dropped only for "cold read", where that is
-# the point (tmpfs has nothing to drop). Prints a markdown table: median ms per target and the
+# (untimed) before every timed step; for "cold read" the page cache of the scenario's own files
+# is dropped (script/evict-cache.sh: posix_fadvise DONTNEED per file, and keel's state dir;
+# tmpfs has nothing to drop), where that is the point. Nothing is written to /sys or /proc/sys. Prints a markdown table: median ms per target and the
 # ratios keel/ext4, keel/tmpfs, keel/juicefs. --out FILE also writes the raw samples (TSV).
 #
 # --short: 1 repetition, no warm-up, small sizes: only checks that the script works (CI).
 # --only REGEX: run only the scenarios whose name matches (grep -E), e.g. 'create|rm|git'.
-# --floor (needs the targets keel, ext4 and tmpfs, and tracefs): a second table, the least time
+# --floor (needs the targets keel, ext4 and tmpfs): a second table, the least time
 #   keel could take per scenario however fast it answered. It measures one FUSE round trip (a
 #   statx with AT_STATX_FORCE_SYNC in a loop: one GETATTR each on keel, the bare syscall on
 #   ext4; the difference is the round trip), runs each scenario once more on keel counting its
-#   FUSE requests (tracefs fuse:fuse_request_send, keel's connection only), and prints
-#   the faster of tmpfs and ext4 + waited-for requests x round trip: the same syscalls on the
-#   faster local filesystem, plus the protocol keel cannot skip (which requests are sent is the
-#   kernel's choice, given keel's mount options). RELEASE, RELEASEDIR, FORGET and INTERRUPT are
-#   not waited for.
+#   FUSE requests (keel's own counters, read through SIGUSR1 before and after, each once
+#   they have settled), and prints the faster of tmpfs and ext4 + waited-for requests x round
+#   trip: the same syscalls on the faster local filesystem, plus the protocol keel cannot skip
+#   (which requests are sent is the kernel's choice, given keel's mount options). RELEASE,
+#   RELEASEDIR and FORGET are not waited for (keel counts them apart; a BATCH_FORGET counts
+#   one per inode, as fuser hands it over; INTERRUPT never reaches keel).
 # --cpu (needs the target keel; keel-old too for the comparison): a third table, keel's CPU
 #   time per FUSE request for create, stat (statx forcing a GETATTR), 4 KiB write (open,
 #   write, close of an existing file) and unlink, each op CPU_N times (default 2000) in one
@@ -41,7 +43,7 @@
 #   negotiate the same INIT flags, so the kernel sends them the same requests.
 # Environment: BENCH_DIR (default REPO/.bench), KEEL_BIN, KEEL_ARGS (extra `keel mount` options),
 #   KEEL_OLD_BIN, KEEL_OLD_ARGS (for keel-old), CPU_N.
-# Needs root (mounts, drop_caches), git, npm, python3.
+# Needs root (mounts), git, npm, python3.
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -62,7 +64,7 @@ while [ $# -gt 0 ]; do
         --only) ONLY=$2; shift 2 ;;
         --floor) FLOOR=1; shift ;;
         --cpu) CPU=1; shift ;;
-        -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
         -*) echo "fs-bench: unknown option $1" >&2; exit 2 ;;
         *) TARGETS+=("$1"); shift ;;
     esac
@@ -76,16 +78,11 @@ if [ "$SHORT" = 1 ]; then
 else
     WARMUP=1 MB=64 N=1000 TREE=10 GITN=100 CLONEN=300
 fi
-[ "$(id -u)" = 0 ] || { echo "fs-bench: needs root (mounts, drop_caches)" >&2; exit 1; }
-TRACE=/sys/kernel/tracing
-SEND=$TRACE/events/fuse/fuse_request_send
+[ "$(id -u)" = 0 ] || { echo "fs-bench: needs root (mounts)" >&2; exit 1; }
 if [ "$FLOOR" = 1 ]; then
     for t in keel ext4 tmpfs; do
         [[ " ${TARGETS[*]} " == *" $t "* ]] || { echo "fs-bench: --floor needs the target $t" >&2; exit 2; }
     done
-    [ -e "$SEND/enable" ] || mount -t tracefs nodev "$TRACE" 2>/dev/null
-    [ -e "$SEND/enable" ] ||
-        { echo "fs-bench: --floor needs tracefs with the fuse:fuse_request_send event at $TRACE" >&2; exit 1; }
 fi
 for tool in git npm python3 shuf; do
     command -v "$tool" >/dev/null || { echo "fs-bench: needs $tool" >&2; exit 1; }
@@ -108,7 +105,6 @@ cleanup() {
             juicefs) juicefs umount "$RUN/juicefs" >/dev/null 2>&1 || umount -l "$RUN/juicefs" 2>/dev/null ;;
         esac
     done
-    [ "$FLOOR" = 0 ] || { echo 0 >"$SEND/enable"; echo 0 >"$SEND/filter"; } 2>/dev/null
     rm -rf "$RUN" "$SRC"
 }
 
@@ -211,27 +207,58 @@ if [ -n "$ONLY" ]; then
     [ ${#SCENARIOS[@]} -gt 0 ] || { echo "fs-bench: no scenario matches --only $ONLY" >&2; exit 2; }
 fi
 
-drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }
-
-# trace_start / trace_stop: record the FUSE requests of keel's connection only; trace_stop
-# prints "requests<TAB>waited-for requests" and fails if the trace buffer lost events.
-trace_start() {
-    echo 0 >"$TRACE/tracing_on" && : >"$TRACE/trace" &&
-        echo "connection == $(stat -c %d "${ROOT[keel]}")" >"$SEND/filter" &&
-        echo 1 >"$SEND/enable" && echo 1 >"$TRACE/tracing_on"
-}
-trace_stop() {
-    echo 0 >"$TRACE/tracing_on"
-    echo 0 >"$SEND/enable"
-    echo 0 >"$SEND/filter"
-    awk '/^# entries-in-buffer/ { split($3, n, "/"); if (n[1] != n[2]) lost = 1 }
-         /fuse_request_send:/ { all++; if (!/\((FUSE_RELEASE|FUSE_RELEASEDIR|FUSE_FORGET|FUSE_BATCH_FORGET|FUSE_INTERRUPT)\)/) waited++ }
-         END { if (lost) { print "fs-bench: the trace buffer lost events" > "/dev/stderr"; exit 1 }
-               printf "%d\t%d\n", all, waited }' "$TRACE/trace"
+# evict DIR: drop the page cache of DIR's files only, and of the files behind them (keel's
+# bodies in its state dir, which passthrough reads; JuiceFS's blocks) where this run has them
+# (under run-fs-bench.sh the keel target is a bind mount with no state dir here).
+evict() {
+    local dirs=("$1") t d
+    for t in keel keel-old juicefs; do
+        [[ $1 == "${ROOT[$t]:-/nonexistent}"/* ]] || continue
+        case $t in juicefs) d=$RUN/juicefs-data ;; *) d=$RUN/$t-state ;; esac
+        [ ! -d "$d" ] || dirs+=("$d")
+    done
+    "$REPO/script/evict-cache.sh" "${dirs[@]}"
 }
 
-# run_one SCENARIO_INDEX TARGET REP [trace] -> prints elapsed ms (and, with `trace`, the
-# request counts of trace_stop after a tab), or returns 1
+# counters TARGET -> "all<TAB>unwaited": the FUSE requests keel served so far, and of those
+# the ones no caller waits for (FORGET, one per inode; RELEASE; RELEASEDIR), from the line
+# SIGUSR1 makes `keel mount` log; or "-" (keel-old may predate the counters, and SIGUSR1
+# would kill it).
+counters() {
+    local log=$RUN/$1-state.log pid n i
+    [ "$1" = keel ] || { echo -; return; }
+    pid=$(cat "$RUN/$1-state.pid")
+    n=$(grep -c 'counters fuse_requests=' "$log")
+    kill -USR1 "$pid"
+    for ((i = 0; i < 100; i++)); do
+        if [ "$(grep -c 'counters fuse_requests=' "$log")" -gt "$n" ]; then
+            grep -o 'counters fuse_requests=[0-9]* fuse_requests_unwaited=[0-9]*' "$log" |
+                tail -n1 | sed 's/[^=]*=\([0-9]*\)[^=]*=\([0-9]*\)/\1\t\2/'
+            return
+        fi
+        sleep 0.02
+    done
+    echo -
+}
+
+# settled TARGET -> counters once they stop moving: the kernel sends RELEASE (after the last
+# close) and FORGET (when it drops an inode) on its own time, after the syscalls that caused
+# them returned. Read every 0.2 s until two reads agree (at most 5 s); what arrives later
+# still is left out, as it would be of any timing.
+settled() {
+    local a b i
+    a=$(counters "$1")
+    for ((i = 0; i < 25; i++)); do
+        sleep 0.2
+        b=$(counters "$1")
+        [ "$a" != "$b" ] || break
+        a=$b
+    done
+    echo "$a"
+}
+
+# run_one SCENARIO_INDEX TARGET REP [trace] -> prints elapsed ms (and, with `trace`, keel's
+# requests and waited-for requests during the scenario after a tab), or returns 1
 run_one() {
     local spec=${SCENARIOS[$1]} t=$2 rep=$3 trace=${4:-}
     local name=${spec%%|*} rest=${spec#*|}
@@ -241,14 +268,22 @@ run_one() {
     if [ -n "$prep" ]; then
         (cd "$d" && eval "$prep") >/dev/null 2>&1 || { echo "prep failed: $name on $t" >&2; return 1; }
     fi
-    if [[ $name == cold* ]]; then drop_caches; else sync; fi
-    local t0 t1 rc counts=''
-    [ -z "$trace" ] || trace_start || return 1
+    if [[ $name == cold* ]]; then evict "$d" || return 1; else sync; fi
+    local t0 t1 rc counts='' c0 c1
+    if [ -n "$trace" ]; then
+        c0=$(settled "$t")
+        [ "$c0" != - ] || { echo "fs-bench: no request counters from $t" >&2; return 1; }
+    fi
     t0=$EPOCHREALTIME
     (cd "$d" && eval "$timed") >"$RUN/last.out" 2>&1
     rc=$?
     t1=$EPOCHREALTIME
-    if [ -n "$trace" ]; then counts=$(trace_stop) || return 1; fi
+    if [ -n "$trace" ]; then
+        c1=$(settled "$t")
+        [ "$c1" != - ] || { echo "fs-bench: no request counters from $t" >&2; return 1; }
+        counts=$(awk -v a="$c0" -v b="$c1" 'BEGIN { split(a, x, "\t"); split(b, y, "\t")
+            all = y[1] - x[1]; printf "%d\t%d\n", all, all - (y[2] - x[2]) }')
+    fi
     if [ "$rc" != 0 ]; then
         echo "FAILED: $name on $t (exit $rc):" >&2
         tail -n 5 "$RUN/last.out" >&2
@@ -320,11 +355,11 @@ for ((rep = 0; rep < total; rep++)); do
     done
 done
 
-# The floor: one round trip on keel and ext4, then each scenario once more on keel, traced.
+# The floor: one round trip on keel and ext4, then each scenario once more on keel, counted.
 FLOORS=$RUN/floor.tsv
 if [ "$FLOOR" = 1 ]; then
     if [ -n "${ROOT[keel]:-}" ] && [ -n "${ROOT[ext4]:-}" ] && [ -n "${ROOT[tmpfs]:-}" ]; then
-        echo "fs-bench: --floor: round trips, then each scenario traced once on keel" >&2
+        echo "fs-bench: --floor: round trips, then each scenario once more on keel, counting its requests" >&2
         { printf 'rtt\t%s\t%s\n' "$(round_trip "${ROOT[keel]}")" "$(round_trip "${ROOT[ext4]}")"
           for i in "${!SCENARIOS[@]}"; do
               if c=$(run_one "$i" keel floor trace); then printf '%s\t%s\n' "$i" "$c"; else FAILED=1; fi
@@ -342,20 +377,7 @@ cpu_ns() {   # cpu_ns PID -> ns on CPU (user+sys) of all its threads so far
     cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{ s += $1 } END { printf "%.0f\n", s }'
 }
 served() {   # served TARGET -> FUSE requests keel counted so far (SIGUSR1 logs them), or -
-    local log=$RUN/$1-state.log pid n i
-    # keel-old may predate the counter, and SIGUSR1 would kill it.
-    [ "$1" = keel ] || { echo -; return; }
-    pid=$(cat "$RUN/$1-state.pid")
-    n=$(grep -c 'counters fuse_requests=' "$log")
-    kill -USR1 "$pid"
-    for ((i = 0; i < 100; i++)); do
-        if [ "$(grep -c 'counters fuse_requests=' "$log")" -gt "$n" ]; then
-            grep -o 'counters fuse_requests=[0-9]*' "$log" | tail -n1 | cut -d= -f2
-            return
-        fi
-        sleep 0.02
-    done
-    echo -
+    counters "$1" | cut -f1
 }
 cpu_ops() {   # cpu_ops OP DIR N: prep or run one op N times
     python3 - "$@" <<'PYEOF'
