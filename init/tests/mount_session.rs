@@ -114,9 +114,19 @@ fn fuse_workers(pid: u32) -> usize {
 #[test]
 fn dev_fuse_workers_serve_every_request_kind_from_every_cpu() {
     let mut k = keel_or_skip!("--threads", "4");
-    // Four workers, each reading its own fd: the connection's and three clones.
-    assert_eq!(fuse_workers(k.pid()), 4, "{}", k.log_text());
-    assert_eq!(fuse_fds(k.pid()).len(), 4);
+    // Four workers, each reading its own fd: the connection's and three clones. fuser starts
+    // its workers after the mount is up, so the count is polled (bounded), not read once.
+    let pid = k.pid();
+    let seen = common::poll_for(std::time::Duration::from_secs(10), || {
+        (fuse_workers(pid) == 4 && fuse_fds(pid).len() == 4).then_some(())
+    });
+    assert!(
+        seen.is_some(),
+        "workers {}, /dev/fuse fds {:?}: {}",
+        fuse_workers(pid),
+        fuse_fds(pid),
+        k.log_text()
+    );
     workload(&k.mnt);
     let before = common::snapshot(&k.mnt, false);
     k.remount();
