@@ -195,10 +195,16 @@ down() {   # down PHASE: kube down with keel's log captured; prints what the sto
         pm pod stop -t "${grace:-30}" "$pod" >"$tmp/down-$1.out" 2>&1 || error "pod stop ($1) failed"
         info "podman $v: pod stop -t $grace (SIGTERM) before kube down: $(elapsed "$t0" "$(now)")s"
         st=$(pm inspect -f '{{.State.ExitCode}}' "$ctr" 2>/dev/null)
+        # The stopped container still exists: read its whole log now. A `logs -f` follower
+        # can lose the last lines when the container ends right after it attached.
+        kill "$LOGS_PID" 2>/dev/null; wait "$LOGS_PID" 2>/dev/null; LOGS_PID=""
+        pm logs "$ctr" >"$tmp/logs-$1" 2>&1
     fi
     pm kube down "$tmp/play.yaml" >>"$tmp/down-$1.out" 2>&1 || error "kube down ($1) failed: $(tail -n 2 "$tmp/down-$1.out")"
     info "kube down ($1): $(elapsed "$t0" "$(now)")s${st:+, keel exited $st}"
-    sleep 0.5; kill "$LOGS_PID" 2>/dev/null; wait "$LOGS_PID" 2>/dev/null; LOGS_PID=""
+    if [ -n "$LOGS_PID" ]; then
+        sleep 0.5; kill "$LOGS_PID" 2>/dev/null; wait "$LOGS_PID" 2>/dev/null; LOGS_PID=""
+    fi
     grep -q 'stopping: .*SIGTERM' "$tmp/logs-$1" || { error "kube down ($1): keel did not log a SIGTERM stop"; tail -n 10 "$tmp/logs-$1" | sed 's/^/info:   | /'; }
     info "keel: $(grep -E 'stopping:|workspace flush|checkpoint report|exit [0-9]' "$tmp/logs-$1" | sed 's/^.*keel: *//' | paste -sd'|' - | cut -c1-300)"
 }

@@ -77,6 +77,10 @@ flush_timeout = "120s"
 [shutdown]
 grace = "5s"
 flush_timeout = "120s"
+# The main command runs keel checkpoint: the state dir is hidden from it (isolate_state), so
+# the control socket lives beside the config, where the sandbox can reach it.
+[control]
+socket = "$RUN/$1.sock"
 EOF
 }
 
