@@ -15,21 +15,6 @@ use control_support::*;
 use nix::sys::signal::Signal;
 use pid1_support::*;
 
-fn fuse_available() -> bool {
-    if !require_root("control workspace test") {
-        return false;
-    }
-    if !Path::new("/dev/fuse").exists() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "/dev/fuse is missing and CI is set: refusing to skip"
-        );
-        eprintln!("skipping control workspace test: no /dev/fuse");
-        return false;
-    }
-    true
-}
-
 fn ws_config(state: &Path) -> String {
     format!(
         "[workspace]\nmount_point = \"$D/ws\"\nstate_dir = \"{}\"\n\
@@ -57,7 +42,7 @@ fn is_mount_point(p: &Path) -> bool {
 
 #[test]
 fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
-    if !fuse_available() {
+    if !require_root_and_fuse("control workspace test") {
         return;
     }
     let state = tempfile::tempdir().unwrap();
@@ -137,7 +122,7 @@ fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
 
 #[test]
 fn a_stale_socket_in_a_fresh_state_dir_does_not_block_the_next_keel() {
-    if !fuse_available() {
+    if !require_root_and_fuse("control workspace test") {
         return;
     }
     // A keel that died before it initialised the state dir left only its socket behind.

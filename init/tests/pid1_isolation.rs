@@ -11,21 +11,6 @@ mod pid1_support;
 use pid1_support::*;
 use std::path::Path;
 
-fn fuse_available() -> bool {
-    if !require_root("isolation test") {
-        return false;
-    }
-    if !Path::new("/dev/fuse").exists() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "/dev/fuse is missing and CI is set"
-        );
-        eprintln!("skipping: no /dev/fuse");
-        return false;
-    }
-    true
-}
-
 const FILE_SECRET: &str = "file-secret-Zq8Xw2";
 const ENV_SECRET: &str = "env-secret-Pk4Rt7";
 const CONTENT: &str = "only-root-may-read-this-7f3a";
@@ -100,7 +85,7 @@ fn start_keel(state: &Path, script: &str, extra_init: &str, extra: &str, pid1: b
 
 #[test]
 fn the_sandbox_sees_no_state_no_credentials_and_cannot_read_keel() {
-    if !fuse_available() {
+    if !require_root_and_fuse("isolation test") {
         return;
     }
     let state = tempfile::tempdir().unwrap();
@@ -170,7 +155,7 @@ fn the_sandbox_sees_no_state_no_credentials_and_cannot_read_keel() {
 
 #[test]
 fn keel_status_and_checkpoint_work_from_inside_for_root_and_the_configured_group() {
-    if !fuse_available() {
+    if !require_root_and_fuse("isolation test") {
         return;
     }
     let state = tempfile::tempdir().unwrap();
@@ -204,7 +189,7 @@ fn keel_status_and_checkpoint_work_from_inside_for_root_and_the_configured_group
 
 #[test]
 fn a_mount_keel_makes_later_reaches_the_sandbox_as_pid_1() {
-    if !fuse_available() {
+    if !require_root_and_fuse("isolation test") {
         return;
     }
     let state = tempfile::tempdir().unwrap();

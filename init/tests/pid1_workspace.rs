@@ -8,21 +8,6 @@ use nix::sys::signal::Signal;
 use pid1_support::*;
 use std::path::Path;
 
-fn fuse_available() -> bool {
-    if !require_root("workspace test") {
-        return false;
-    }
-    if !Path::new("/dev/fuse").exists() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "/dev/fuse is missing and CI is set"
-        );
-        eprintln!("skipping: no /dev/fuse");
-        return false;
-    }
-    true
-}
-
 /// A config mounting the workspace at $D/ws with state in `state` (kept across runs).
 fn ws_config(state: &Path) -> String {
     format!(
@@ -39,7 +24,7 @@ fn mounted(mp: &Path) -> bool {
 
 #[test]
 fn written_data_survives_exit_and_remount_and_nothing_stays_mounted() {
-    if !fuse_available() {
+    if !require_root_and_fuse("workspace test") {
         return;
     }
     let state = tempfile::tempdir().unwrap();
@@ -66,7 +51,7 @@ fn written_data_survives_exit_and_remount_and_nothing_stays_mounted() {
 
 #[test]
 fn sigterm_flushes_a_file_still_open_for_writing() {
-    if !fuse_available() {
+    if !require_root_and_fuse("workspace test") {
         return;
     }
     let state = tempfile::tempdir().unwrap();
@@ -84,7 +69,7 @@ fn sigterm_flushes_a_file_still_open_for_writing() {
 
 #[test]
 fn a_second_keel_on_the_same_state_dir_is_refused_before_starting_anything() {
-    if !fuse_available() {
+    if !require_root_and_fuse("workspace test") {
         return;
     }
     let state = tempfile::tempdir().unwrap();

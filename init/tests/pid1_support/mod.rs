@@ -33,6 +33,23 @@ pub fn require_root(what: &str) -> bool {
     false
 }
 
+/// True when running as root with /dev/fuse. Without either: panics when `CI` is set, else the
+/// test is skipped.
+pub fn require_root_and_fuse(what: &str) -> bool {
+    if !require_root(what) {
+        return false;
+    }
+    if !std::path::Path::new("/dev/fuse").exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{what}: /dev/fuse is missing and CI is set: refusing to skip"
+        );
+        eprintln!("skipping {what}: no /dev/fuse");
+        return false;
+    }
+    true
+}
+
 pub struct Keel {
     pub child: Child,
     pub dir: tempfile::TempDir,
