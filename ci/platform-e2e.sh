@@ -70,15 +70,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 if [ "${KEEL_PLATFORM_NO_BUILD:-${KEEL_E2E_NO_BUILD:-0}}" != 1 ]; then
-    t0=$(date +%s)
-    if ! "$repo/script/build-image" --quiet --tag "$image" ${KEEL_E2E_BIN:+--bin "$KEEL_E2E_BIN"} \
-            >"$tmp/build.log" 2>&1; then
-        cat "$tmp/build.log" >&2
-        echo "image build failed"
-        echo "0 passed, 1 failed"
-        exit 1
-    fi
-    echo "# image $image built in $(( $(date +%s) - t0 ))s"
+    e2e_build_image "$image" "$tmp/build.log" || exit 1
 fi
 if ! pm image exists "$image"; then
     echo "no image $image (build it with script/build-image, or run without KEEL_PLATFORM_NO_BUILD)"

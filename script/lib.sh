@@ -117,3 +117,19 @@ ensure_base_image() {
         "$tarball" "$name" >/dev/null
     echo "$name"
 }
+
+# e2e_build_image IMAGE LOG: builds IMAGE for an end-to-end script (with $KEEL_E2E_BIN in it
+# when set) and says how long it took; on failure prints the build log and a failed run's
+# closing line, and returns 1.
+e2e_build_image() {
+    local t0
+    t0=$(date +%s)
+    if ! "$repo/script/build-image" --quiet --tag "$1" ${KEEL_E2E_BIN:+--bin "$KEEL_E2E_BIN"} \
+            >"$2" 2>&1; then
+        cat "$2" >&2
+        echo "image build failed"
+        echo "0 passed, 1 failed"
+        return 1
+    fi
+    echo "# image $1 built in $(( $(date +%s) - t0 ))s"
+}
