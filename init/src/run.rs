@@ -258,11 +258,7 @@ fn sandbox_namespace(
     let covers = sandbox_covers(cfg);
     for (p, c) in &covers {
         if *c == crate::sys::ns::Cover::EmptyDir && !p.exists() {
-            use std::os::unix::fs::DirBuilderExt;
-            let _ = std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(p);
+            let _ = crate::persist::private::create_dir_all(p);
         }
     }
     // In keel's own mount namespace (PID 1), mounts made later on the workspace mount point
