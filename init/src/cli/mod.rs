@@ -35,14 +35,16 @@ use keel::config::{Config, Takeover};
 )]
 pub struct Cli {
     /// The config file [default: /etc/keel/config.toml if it exists, else built-in defaults]
+    // An OsString: an empty KEEL_CONFIG reads as unset (`config::config_file`).
     #[arg(
         long,
         short = 'c',
         global = true,
         env = "KEEL_CONFIG",
-        value_name = "FILE"
+        value_name = "FILE",
+        value_parser = clap::builder::ValueParser::os_string()
     )]
-    config: Option<PathBuf>,
+    config: Option<std::ffi::OsString>,
     #[command(subcommand)]
     command: Option<Command>,
     #[command(flatten)]
@@ -66,7 +68,7 @@ enum Command {
 /// Parses the command line and runs the subcommand; returns the exit code.
 pub fn main() -> i32 {
     let cli = Cli::parse();
-    let config = cli.config.as_deref();
+    let config = cli.config.as_deref().map(Path::new);
     match cli.command {
         None => run::main(config, cli.run),
         Some(Command::Run(a)) => run::main(config, a),
@@ -181,7 +183,7 @@ mod tests {
         assert!(c.command.is_none());
         assert_eq!(c.run.command, ["sh", "-c", "exit 3"]);
         let c = parse(&["--config", "/x", "--", "sh", "--config", "y"]).unwrap();
-        assert_eq!(c.config.as_deref(), Some(Path::new("/x")));
+        assert_eq!(c.config.as_deref(), Some("/x".as_ref()));
         assert_eq!(c.run.command, ["sh", "--config", "y"]);
         let c = parse(&["--takeover", "ls", "-l"]).unwrap();
         assert_eq!(c.run.takeover, Some(Takeover::Force));
@@ -198,7 +200,7 @@ mod tests {
         assert_eq!(r.takeover, Some(Takeover::Wait));
         assert_eq!(r.command, ["ls", "--takeover", "-c", "x"]);
         let c = parse(&["run", "-c", "/c", "--", "--help"]).unwrap();
-        assert_eq!(c.config.as_deref(), Some(Path::new("/c")));
+        assert_eq!(c.config.as_deref(), Some("/c".as_ref()));
         let Some(Command::Run(r)) = c.command else {
             panic!("not run")
         };
@@ -245,7 +247,7 @@ mod tests {
         ] {
             let args = [sub, &["--config", "/c.toml"], rest].concat();
             let c = parse(&args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
-            assert_eq!(c.config.as_deref(), Some(Path::new("/c.toml")), "{args:?}");
+            assert_eq!(c.config.as_deref(), Some("/c.toml".as_ref()), "{args:?}");
         }
     }
 }
