@@ -1,8 +1,8 @@
 //! keel: a PID-1 init and a durable FUSE workspace for Linux sandboxes.
 //!
-//! `main.rs` and `cli/` parse the command line and exit; everything else lives here and never
-//! imports from `cli/`. Dependencies
-//! point one way: `workspace` → `meta`, `chunk`; `meta`, `chunk` and `sys` import no sibling.
+//! `main.rs` and `cli/` (the binary) parse the command line and exit; everything else lives
+//! here and never imports from `cli/`. Dependencies point one way: `workspace` → `meta`,
+//! `chunk`; `meta`, `chunk` and `sys` import no sibling.
 
 pub mod boot;
 pub mod chunk;

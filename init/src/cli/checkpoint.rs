@@ -12,6 +12,9 @@ pub struct CheckpointArgs {
     /// The state dir [default: [workspace] state_dir]
     #[arg(long, value_name = "DIR")]
     state: Option<PathBuf>,
+    /// The remote [default: [persist] remote]
+    #[arg(long, value_name = "URL")]
+    remote: Option<String>,
     /// Write a full snapshot, not a delta
     #[arg(long)]
     full: bool,
@@ -28,7 +31,7 @@ pub struct CheckpointArgs {
 
 pub fn main(config: Option<&Path>, a: CheckpointArgs) -> i32 {
     report("checkpoint", || {
-        let cfg = persist_config(config, a.state.as_deref(), None, a.takeover)?;
+        let cfg = persist_config(config, a.state.as_deref(), a.remote.as_deref(), a.takeover)?;
         let r = progress::show("checkpoint", || {
             keel::persist::cli::checkpoint(&cfg, a.full)
         })?;

@@ -13,6 +13,9 @@ pub struct FsckArgs {
     /// The state dir to check
     #[arg(long, value_name = "DIR", required = true)]
     state: PathBuf,
+    /// The remote [default: [persist] remote]
+    #[arg(long, value_name = "URL")]
+    remote: Option<String>,
     /// Fix what can be fixed without losing data
     #[arg(long)]
     repair: bool,
@@ -26,7 +29,7 @@ pub struct FsckArgs {
 
 pub fn main(config: Option<&Path>, a: FsckArgs) -> i32 {
     report("fsck", || {
-        let cfg = persist_config(config, Some(&a.state), None, None)?;
+        let cfg = persist_config(config, Some(&a.state), a.remote.as_deref(), None)?;
         let flags = FsckFlags {
             repair: a.repair,
             quick: a.quick,

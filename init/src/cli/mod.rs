@@ -222,6 +222,7 @@ mod tests {
             &["fork"],
             &["fork", "--delete", "x", "--to", "y"],
             &["gc", "--full"],
+            &["fsck", "--state", "/s", "--seq", "1"],
             &["status", "extra"],
             &["completions", "tcsh"],
         ] {

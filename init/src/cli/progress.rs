@@ -46,13 +46,14 @@ impl Progress for Bar {
         }
         .expect("a valid template")
         .progress_chars("=> ");
-        self.bar
-            .set_draw_target(indicatif::ProgressDrawTarget::stderr());
         self.bar.set_style(style);
         self.bar.set_prefix(self.label);
         self.bar.set_message(what.to_string());
         self.bar.set_length(total.unwrap_or(0));
         self.bar.set_position(0);
+        // Drawn from the first stage on (hidden before: nothing to show yet).
+        self.bar
+            .set_draw_target(indicatif::ProgressDrawTarget::stderr());
         self.bar.enable_steady_tick(Duration::from_millis(200));
     }
 
