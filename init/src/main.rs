@@ -14,6 +14,10 @@ const USAGE: &str = "usage:
   keel gc [--state DIR]                         remove old snapshots and unreferenced chunks
   keel fsck --state DIR [--repair] [--quick]    check a stopped state dir and its remote
   keel snapshot list|restore ID ...             list snapshots / restore one into an empty dir
+  keel snapshot create [--name N] [-m TEXT]     snapshot the live workspace now, kept until deleted
+  keel snapshot delete ID|NAME                  drop a snapshot's name (retention applies again)
+  keel diff A [B] [--json] [-- PATH]            what changed from A to B (default: live)
+  keel rollback ID|NAME                         make the mounted workspace equal to a snapshot
   keel fork --to URL [--from URL] [--seq N]     new workspace from a snapshot, sharing its chunks
   keel fork --delete URL                        remove a fork (its chunks go at the next gc)
   keel [--config FILE] [--] CMD [ARGS...]       same as `keel run`";
@@ -44,6 +48,14 @@ fn main() {
         Some("snapshot") => {
             args.remove(0);
             keel::persist::cli::snapshot_main(args)
+        }
+        Some("diff") => {
+            args.remove(0);
+            keel::persist::agent_cli::diff_main(args)
+        }
+        Some("rollback") => {
+            args.remove(0);
+            keel::persist::agent_cli::rollback_main(args)
         }
         Some("fork") => {
             args.remove(0);

@@ -145,7 +145,7 @@ pub(super) fn load(a: &Args) -> Result<Config, String> {
     Ok(cfg)
 }
 
-fn repo_of(cfg: &Config) -> Result<Repo, String> {
+pub(super) fn repo_of(cfg: &Config) -> Result<Repo, String> {
     let url = cfg
         .persist
         .remote_url(&cfg.workspace.state_dir)
@@ -242,7 +242,7 @@ fn restore_mode(cfg: &Config, repo: &mut Repo) -> restore::RestoreMode {
 }
 
 /// Locks a state dir that no running keel holds.
-fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> {
+pub(super) fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> {
     super::private::create_dir_all(state).map_err(|e| format!("{}: {e}", state.display()))?;
     sys::file::try_lock(&state.join("lock"))
         .map_err(|e| format!("lock {}: {e}", state.display()))?
@@ -256,7 +256,7 @@ fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> {
 
 /// Asks the running keel; while the state dir is locked but the socket is not up yet (keel
 /// is starting), retries for a few seconds. `None`: no keel runs there.
-fn ask(state: &Path, cmd: &str) -> Result<Option<String>, String> {
+pub(super) fn ask(state: &Path, cmd: &str) -> Result<Option<String>, String> {
     let t0 = std::time::Instant::now();
     loop {
         if let Some(r) = control::request(state, cmd, Duration::from_secs(3600))? {
@@ -437,6 +437,11 @@ pub fn fsck_main(args: Vec<OsString>) -> i32 {
 }
 
 pub fn snapshot_main(mut args: Vec<OsString>) -> i32 {
+    if let Some(sub) = args.first().map(|a| a.to_string_lossy().into_owned()) {
+        if let Some(code) = super::agent_cli::snapshot_main(&sub, args[1..].to_vec()) {
+            return code;
+        }
+    }
     run("snapshot", || {
         if args.is_empty() {
             return Err(USAGE.into());

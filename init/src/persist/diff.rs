@@ -237,6 +237,37 @@ pub fn diff_trees(a: &Tree, b: &Tree) -> Diff {
             });
         }
     }
+    // A path whose inode was replaced by another (a rollback of an open file, an editor
+    // that writes a new file and renames it over) is one modification, or none.
+    let mut by_path: HashMap<String, (Option<usize>, Option<usize>)> = HashMap::new();
+    for (i, c) in changes.iter().enumerate() {
+        match c.change {
+            "removed" => by_path.entry(c.path.clone()).or_default().0 = Some(i),
+            "added" => by_path.entry(c.path.clone()).or_default().1 = Some(i),
+            _ => {}
+        }
+    }
+    let mut drop = vec![false; changes.len()];
+    for (path, pair) in by_path {
+        let (Some(ri), Some(ai)) = pair else { continue };
+        let (Some(ia), Some(ib)) = (lookup(a, &path), lookup(b, &path)) else {
+            continue;
+        };
+        let (ta, tb) = (&a.inodes[&ia], &b.inodes[&ib]);
+        let what = what_changed(ta, tb);
+        drop[ai] = true;
+        if what.is_empty() {
+            drop[ri] = true;
+        } else {
+            let c = &mut changes[ri];
+            c.change = "modified";
+            c.kind = kind_of(tb.rec.mode);
+            c.what = what;
+            c.size_after = size(tb);
+        }
+    }
+    let mut keep = drop.into_iter().map(|d| !d);
+    changes.retain(|_| keep.next().unwrap_or(true));
     changes.sort_by(|x, y| x.path.cmp(&y.path).then(x.change.cmp(y.change)));
     Diff {
         from: a.seq.unwrap_or(0),
@@ -278,6 +309,7 @@ pub fn render(d: &Diff) -> String {
         };
         let sizes = match (c.size_before, c.size_after) {
             (None, None) => String::new(),
+            (Some(a), None) | (None, Some(a)) => format!("  {a} bytes"),
             (a, b) if a == b => format!("  {} bytes", sz(a)),
             (a, b) => format!("  {} -> {} bytes", sz(a), sz(b)),
         };

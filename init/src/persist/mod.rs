@@ -8,6 +8,8 @@
 //! dir, `file://` remote) is private to keel's user: 0700 directories, 0600 files (`private`).
 //! Depends on `meta` and `chunk`, never on `workspace`.
 
+pub mod agent;
+pub mod agent_cli;
 pub mod checkpoint;
 pub mod cli;
 pub mod control;
