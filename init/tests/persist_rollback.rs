@@ -154,7 +154,7 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
     let rounds: u64 = std::env::var("KEEL_ROLLBACK_ROUNDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(12);
+        .unwrap_or(30);
     let mut rng = Rng(seed);
     let mut model: Vec<(String, Tree)> = Vec::new();
     let (mut ops, mut rollbacks, mut kept_open) = (0u64, 0u64, 0u64);

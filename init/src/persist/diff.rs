@@ -6,10 +6,11 @@
 //! snapshot format keeps no index from a delta back to the paths it touches and a chain
 //! starts at a full snapshot. Comparing them is one pass over the inode maps with no I/O:
 //! file contents are compared by their chunk ids, never by reading chunks. So the time is
-//! the decode of two chains (proportional to the workspace's metadata) plus the compare;
-//! only `-- PATH` fetches chunks, of that one file.
+//! the decode of two chains (proportional to the workspace's metadata) plus one compare of
+//! the two maps; paths are built only for what changed. Only `-- PATH` fetches chunks, of
+//! that one file.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::Serialize;
 
@@ -20,7 +21,7 @@ use crate::chunk::ChunkId;
 #[derive(Debug, thiserror::Error)]
 pub enum DiffError {
     #[error("load snapshot {seq}: {source}")]
-    Load { seq: u64, source: RepoError },
+    Load { seq: u64, source: Box<RepoError> },
     #[error("{path}: no such file in snapshot {seq}")]
     NoPath { path: String, seq: u64 },
     #[error("{path}: not a regular file in snapshot {seq}")]
@@ -29,7 +30,7 @@ pub enum DiffError {
     Fetch {
         id: ChunkId,
         path: String,
-        source: RepoError,
+        source: Box<RepoError>,
     },
 }
 
@@ -71,12 +72,16 @@ fn kind_of(mode: u32) -> &'static str {
     }
 }
 
-/// Every path of every inode (hard links have several), `/`-rooted, sorted.
-fn paths(t: &Tree) -> HashMap<u64, Vec<String>> {
+/// Every path (hard links have several) of the inodes in `wanted`, `/`-rooted, sorted.
+/// Only the directories above them are named, so the cost beyond one pass over the entries
+/// is proportional to the change.
+fn paths(t: &Tree, wanted: &BTreeSet<u64>) -> HashMap<u64, Vec<String>> {
     // ino -> its first entry (parent, name), for directories (one entry each).
     let mut up: HashMap<u64, (u64, &[u8])> = HashMap::new();
-    for ((p, n), (ino, _)) in &t.dirents {
-        up.entry(*ino).or_insert((*p, n.as_slice()));
+    for ((p, n), (ino, kind)) in &t.dirents {
+        if *kind & libc::S_IFMT == libc::S_IFDIR {
+            up.entry(*ino).or_insert((*p, n.as_slice()));
+        }
     }
     let mut memo: HashMap<u64, String> = HashMap::new();
     memo.insert(crate::meta::InodeNo::ROOT.0, String::new());
@@ -102,6 +107,9 @@ fn paths(t: &Tree) -> HashMap<u64, Vec<String>> {
     }
     let mut out: HashMap<u64, Vec<String>> = HashMap::new();
     for ((p, n), (ino, _)) in &t.dirents {
+        if !wanted.contains(ino) {
+            continue;
+        }
         let dir = dir_path(*p, &up, &mut memo, 0);
         out.entry(*ino)
             .or_default()
@@ -111,6 +119,39 @@ fn paths(t: &Tree) -> HashMap<u64, Vec<String>> {
         v.sort();
     }
     out
+}
+
+/// Inodes whose record, bytes or entries differ between `a` and `b`.
+fn candidates(a: &Tree, b: &Tree) -> BTreeSet<u64> {
+    let mut c = BTreeSet::new();
+    for (ino, ta) in &a.inodes {
+        if b.inodes.get(ino) != Some(ta) {
+            c.insert(*ino);
+        }
+    }
+    for ino in b.inodes.keys() {
+        if !a.inodes.contains_key(ino) {
+            c.insert(*ino);
+        }
+    }
+    for (k, v) in &a.dirents {
+        match b.dirents.get(k) {
+            Some(w) if w == v => {}
+            Some(w) => {
+                c.insert(v.0);
+                c.insert(w.0);
+            }
+            None => {
+                c.insert(v.0);
+            }
+        }
+    }
+    for (k, v) in &b.dirents {
+        if !a.dirents.contains_key(k) {
+            c.insert(v.0);
+        }
+    }
+    c
 }
 
 fn what_changed(a: &TreeInode, b: &TreeInode) -> Vec<&'static str> {
@@ -143,11 +184,12 @@ fn what_changed(a: &TreeInode, b: &TreeInode) -> Vec<&'static str> {
 
 /// Compares two trees (`a` the older).
 pub fn diff_trees(a: &Tree, b: &Tree) -> Diff {
-    let (pa, pb) = (paths(a), paths(b));
+    let cand = candidates(a, b);
+    let (pa, pb) = (paths(a, &cand), paths(b, &cand));
     let none: Vec<String> = Vec::new();
     let mut changes = Vec::new();
     let size = |t: &TreeInode| (t.rec.mode & libc::S_IFMT == libc::S_IFREG).then_some(t.rec.size);
-    for (ino, ta) in &a.inodes {
+    for (ino, ta) in cand.iter().filter_map(|i| a.inodes.get(i).map(|t| (i, t))) {
         let paths_a = pa.get(ino).unwrap_or(&none);
         match b.inodes.get(ino) {
             None => {
@@ -221,7 +263,7 @@ pub fn diff_trees(a: &Tree, b: &Tree) -> Diff {
             }
         }
     }
-    for (ino, tb) in &b.inodes {
+    for (ino, tb) in cand.iter().filter_map(|i| b.inodes.get(i).map(|t| (i, t))) {
         if a.inodes.contains_key(ino) {
             continue;
         }
@@ -281,7 +323,10 @@ pub fn diff(repo: &Repo, from: u64, to: u64) -> Result<Diff, DiffError> {
     let load = |seq| {
         repo.load_tree(seq)
             .map(|(t, _)| t)
-            .map_err(|source| DiffError::Load { seq, source })
+            .map_err(|source| DiffError::Load {
+                seq,
+                source: Box::new(source),
+            })
     };
     let a = load(from)?;
     let b = if to == from { a.clone() } else { load(to)? };
@@ -371,7 +416,7 @@ fn file_bytes(repo: &Repo, t: &Tree, seq: u64, path: &str) -> Result<Option<Vec<
                             DiffError::Fetch {
                                 id: *id,
                                 path: path.into(),
-                                source,
+                                source: Box::new(source),
                             }
                         })?;
                         out.extend_from_slice(&b);
@@ -391,7 +436,10 @@ pub fn file_diff(repo: &Repo, from: u64, to: u64, path: &str) -> Result<String, 
     let load = |seq| {
         repo.load_tree(seq)
             .map(|(t, _)| t)
-            .map_err(|source| DiffError::Load { seq, source })
+            .map_err(|source| DiffError::Load {
+                seq,
+                source: Box::new(source),
+            })
     };
     let (ta, tb) = (load(from)?, load(to)?);
     let a = file_bytes(repo, &ta, from, path)?;
