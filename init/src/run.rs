@@ -284,6 +284,7 @@ fn publish_checkpoints(status: &crate::control::StatusHandle, svc: &crate::persi
     };
     svc.set_observer(observer);
     let h = svc.handle();
+    status.set_agent(h.clone());
     status.set_checkpoint(Box::new(move || {
         let r = h.checkpoint_now()?;
         Ok(crate::control::CheckpointReport {

@@ -7,11 +7,13 @@
 
 mod checkpoint;
 mod completions;
+mod diff;
 mod fork;
 mod fsck;
 mod gc;
 mod mount;
 mod progress;
+mod rollback;
 mod run;
 mod snapshot;
 mod status;
@@ -61,6 +63,8 @@ enum Command {
     Fsck(fsck::FsckArgs),
     #[command(subcommand)]
     Snapshot(snapshot::SnapshotCommand),
+    Diff(diff::DiffArgs),
+    Rollback(rollback::RollbackArgs),
     Fork(fork::ForkArgs),
     Completions(completions::CompletionsArgs),
 }
@@ -78,6 +82,8 @@ pub fn main() -> i32 {
         Some(Command::Gc(a)) => gc::main(config, a),
         Some(Command::Fsck(a)) => fsck::main(config, a),
         Some(Command::Snapshot(a)) => snapshot::main(config, a),
+        Some(Command::Diff(a)) => diff::main(config, a),
+        Some(Command::Rollback(a)) => rollback::main(config, a),
         Some(Command::Fork(a)) => fork::main(config, a),
         Some(Command::Completions(a)) => completions::main(a),
     }
@@ -126,6 +132,14 @@ fn report(what: &str, f: impl FnOnce() -> Result<i32, Failed>) -> i32 {
             e.code
         }
     }
+}
+
+/// Prints `v` as pretty JSON on stdout.
+fn print_json(v: &impl serde::Serialize) {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(v).expect("value serialises")
+    );
 }
 
 /// `p` made absolute against the working directory.

@@ -1,12 +1,42 @@
-//! `keel snapshot list|restore`.
+//! `keel snapshot create|list|delete|restore`.
 
 use std::path::{Path, PathBuf};
 
-use super::{persist_config, progress, report, Failed};
+use keel::persist::agent::SnapshotCreate;
+use keel::persist::agent_cmd;
 
-/// List the remote's snapshots, or restore one into an empty state dir
+use super::{persist_config, print_json, progress, report, Failed};
+
+/// Snapshot the live workspace, list or delete snapshots, or restore one into an empty state dir
 #[derive(clap::Subcommand, Debug)]
 pub enum SnapshotCommand {
+    /// Snapshot the live workspace now (flushing what is open); a named snapshot is kept until deleted
+    Create {
+        /// The state dir of the running keel [default: [workspace] state_dir]
+        #[arg(long, value_name = "DIR")]
+        state: Option<PathBuf>,
+        /// A name to find it by (not all digits) [default: its id]
+        #[arg(long, value_name = "NAME")]
+        name: Option<String>,
+        /// A message kept with it
+        #[arg(long, short = 'm', value_name = "TEXT", default_value = "")]
+        message: String,
+        /// Print the answer as JSON
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drop a snapshot's name: it falls under retention ([persist] keep) again
+    Delete {
+        /// The snapshot: its id or name
+        #[arg(value_name = "ID|NAME")]
+        what: String,
+        /// The state dir [default: [workspace] state_dir]
+        #[arg(long, value_name = "DIR")]
+        state: Option<PathBuf>,
+        /// The remote [default: [persist] remote]
+        #[arg(long, value_name = "URL")]
+        remote: Option<String>,
+    },
     /// List the snapshots on the remote
     List {
         /// The state dir whose remote to list [default: [workspace] state_dir]
@@ -15,6 +45,9 @@ pub enum SnapshotCommand {
         /// The remote to list [default: [persist] remote]
         #[arg(long, value_name = "URL")]
         remote: Option<String>,
+        /// Print the listing as JSON
+        #[arg(long)]
+        json: bool,
     },
     /// Restore a snapshot into an empty state dir
     Restore {
@@ -32,9 +65,44 @@ pub enum SnapshotCommand {
 
 pub fn main(config: Option<&Path>, c: SnapshotCommand) -> i32 {
     report("snapshot", || match c {
-        SnapshotCommand::List { state, remote } => {
+        SnapshotCommand::Create {
+            state,
+            name,
+            message,
+            json,
+        } => {
+            let cfg = persist_config(config, state.as_deref(), None, None)?;
+            let v = agent_cmd::snapshot_create(&cfg, &SnapshotCreate { name, message })?;
+            if json {
+                print_json(&v);
+            } else {
+                println!("{}", v["id"]);
+            }
+            Ok(0)
+        }
+        SnapshotCommand::List {
+            state,
+            remote,
+            json,
+        } => {
             let cfg = persist_config(config, state.as_deref(), remote.as_deref(), None)?;
-            print!("{}", keel::persist::cli::snapshot_list(&cfg)?);
+            let l = agent_cmd::snapshot_list(&cfg)?;
+            if json {
+                print_json(&l);
+            } else {
+                println!("{}", keel::persist::snapshots::render(&l));
+            }
+            Ok(0)
+        }
+        SnapshotCommand::Delete {
+            what,
+            state,
+            remote,
+        } => {
+            let cfg = persist_config(config, state.as_deref(), remote.as_deref(), None)?;
+            for n in agent_cmd::snapshot_delete(&cfg, &what)? {
+                println!("deleted name {n}");
+            }
             Ok(0)
         }
         SnapshotCommand::Restore { id, state, remote } => {

@@ -50,6 +50,7 @@ pub fn handle(req: &Request, status: &StatusHandle, access: &Access) -> Response
             r
         }
         "/checkpoint" if req.method == "POST" => checkpoint(status),
+        p if super::snapshots::is_route(p) => super::snapshots::handle(req, status),
         "/status" | "/metrics" => method_not_allowed("GET, HEAD"),
         "/checkpoint" => method_not_allowed("POST"),
         _ => Response::text(404, "not found\n"),

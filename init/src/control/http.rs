@@ -102,6 +102,8 @@ pub struct Request {
     pub method: String,
     /// The path without the query string.
     pub path: String,
+    /// The query string (after `?`, without it; empty when there is none).
+    pub query: String,
     pub headers: Vec<(String, String)>,
 }
 
@@ -234,6 +236,12 @@ fn parse_head(head: &[u8]) -> Result<Request, HttpError> {
         return Err(HttpError::Malformed("request target"));
     }
     let path = target.split(['?', '#']).next().unwrap_or("").to_string();
+    let query = target
+        .split('#')
+        .next()
+        .and_then(|t| t.split_once('?'))
+        .map(|(_, q)| q.to_string())
+        .unwrap_or_default();
     let mut headers = Vec::new();
     for l in lines {
         if l.is_empty() {
@@ -254,6 +262,7 @@ fn parse_head(head: &[u8]) -> Result<Request, HttpError> {
     Ok(Request {
         method: method.to_string(),
         path,
+        query,
         headers,
     })
 }

@@ -10,6 +10,7 @@ pub mod client;
 pub mod http;
 pub mod metrics;
 pub mod server;
+pub mod snapshots;
 pub mod status;
 
 pub use status::{

@@ -194,6 +194,8 @@ struct Shared {
     /// Held while a checkpoint runs: they never overlap.
     checkpoint_running: Mutex<()>,
     supervised: AtomicBool,
+    /// The checkpoint service, for named snapshots, diffs and rollbacks (`snapshots`).
+    agent: Mutex<Option<crate::persist::CheckpointHandle>>,
 }
 
 /// The handle everything publishes status through. Clone it freely.
@@ -242,6 +244,7 @@ impl StatusHandle {
             checkpoint: Mutex::new(None),
             checkpoint_running: Mutex::new(()),
             supervised: AtomicBool::new(false),
+            agent: Mutex::new(None),
         }))
     }
 
@@ -323,6 +326,16 @@ impl StatusHandle {
     /// at shutdown does not wait for a checkpoint in flight: serialize the two in the callee.
     pub fn set_checkpoint(&self, f: CheckpointFn) {
         *lock(&self.0.checkpoint) = Some(Arc::new(f));
+    }
+
+    /// Registers the checkpoint service behind `/snapshots`, `/diff` and `/rollback`.
+    pub fn set_agent(&self, h: crate::persist::CheckpointHandle) {
+        *lock(&self.0.agent) = Some(h);
+    }
+
+    /// The checkpoint service, once registered.
+    pub fn agent(&self) -> Option<crate::persist::CheckpointHandle> {
+        lock(&self.0.agent).clone()
     }
 
     // ----- reading -----

@@ -172,6 +172,17 @@ impl Tx<'_> {
             .collect::<rusqlite::Result<_>>()?)
     }
 
+    /// Entries changed since the last checkpoint, claimed by one or not.
+    pub fn backlog_dirents(&self) -> Result<Vec<(InodeNo, Vec<u8>)>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT parent, name FROM pending_dirent UNION SELECT parent, name FROM changed_dirent",
+        )?;
+        let rows = st.query_map([], |r| {
+            Ok((InodeNo(r.get::<_, i64>(0)? as u64), r.get::<_, Vec<u8>>(1)?))
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
     /// Marks windows `0..count` of a file dirty and the inode changed (a body that may have
     /// been written without the writes being recorded, e.g. before a crash).
     pub fn mark_whole_file_dirty(&self, ino: InodeNo, count: u64) -> Result<()> {

@@ -14,7 +14,7 @@ use super::{control, gc, open_remote, params, restore, Repo};
 use crate::config::Config;
 use crate::sys;
 
-fn repo_of(cfg: &Config) -> Result<Repo, String> {
+pub(super) fn repo_of(cfg: &Config) -> Result<Repo, String> {
     let url = cfg
         .persist
         .remote_url(&cfg.workspace.state_dir)
@@ -112,7 +112,7 @@ fn restore_mode(cfg: &Config, repo: &mut Repo) -> restore::RestoreMode {
 }
 
 /// Locks a state dir that no running keel holds.
-fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> {
+pub(super) fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> {
     super::private::create_dir_all(state).map_err(|e| format!("{}: {e}", state.display()))?;
     sys::file::try_lock(&state.join("lock"))
         .map_err(|e| format!("lock {}: {e}", state.display()))?
@@ -126,7 +126,7 @@ fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> {
 
 /// Asks the running keel; while the state dir is locked but the socket is not up yet (keel
 /// is starting), retries for a few seconds. `None`: no keel runs there.
-fn ask(state: &Path, cmd: &str) -> Result<Option<String>, String> {
+pub(super) fn ask(state: &Path, cmd: &str) -> Result<Option<String>, String> {
     let t0 = std::time::Instant::now();
     loop {
         if let Some(r) = control::request(state, cmd, Duration::from_secs(3600))? {
@@ -265,40 +265,6 @@ pub fn fsck(cfg: &Config, flags: FsckFlags) -> Result<FsckReport, String> {
         remote,
     };
     super::fsck::fsck(state, &opts).map_err(|e| e.to_string())
-}
-
-/// `keel snapshot list`: the remote's snapshots as a table.
-pub fn snapshot_list(cfg: &Config) -> Result<String, String> {
-    use std::fmt::Write;
-    let repo = repo_of(cfg)?;
-    let head = repo
-        .read_head()
-        .map_err(|e| e.to_string())?
-        .map(|h| h.0.seq);
-    let snaps = repo.list_snapshots().map_err(|e| e.to_string())?;
-    let mut out = format!(
-        "{:>8}  {:<5}  {:>8}  {:>10}  {:>14}  created\n",
-        "id", "kind", "parent", "inodes", "file bytes"
-    );
-    for (seq, info) in snaps {
-        let _ = match repo.read_header(seq) {
-            Ok(h) => writeln!(
-                out,
-                "{:>8}  {:<5}  {:>8}  {:>10}  {:>14}  {}{}",
-                seq,
-                if h.is_full() { "full" } else { "delta" },
-                h.parent
-                    .map(|p| p.to_string())
-                    .unwrap_or_else(|| "-".into()),
-                h.inodes,
-                h.file_bytes,
-                fmt_time(h.created_ns),
-                if Some(seq) == head { "  (head)" } else { "" }
-            ),
-            Err(e) => writeln!(out, "{seq:>8}  unreadable ({} bytes): {e}", info.size),
-        };
-    }
-    Ok(out)
 }
 
 /// `keel snapshot restore`: snapshot `seq` (default: the head) into the empty state dir.

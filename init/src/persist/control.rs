@@ -1,7 +1,8 @@
 //! The persist socket `<state>/persist.sock` (next to the HTTP control API's
 //! `control.sock`, which serves `POST /checkpoint` through `CheckpointHandle` under `keel
 //! run`): a running keel answers one-line commands
-//! (`checkpoint`, `checkpoint full`, `gc`, `status`, `mount-point`) with one line, `ok <text>` or
+//! (`checkpoint`, `checkpoint full`, `gc`, `status`, `mount-point`, `agent <JSON>`: a named
+//! snapshot or a rollback, see `agent`) with one line, `ok <text>` or
 //! `error <text>`. `keel checkpoint` and `keel gc` use it to reach a mounted workspace.
 
 use std::fs::Permissions;
@@ -26,7 +27,7 @@ pub struct Server {
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
-fn answer(cmd: &str, tx: &Sender<Cmd>) -> String {
+fn answer(cmd: &str, tx: &Sender<Cmd>, agent: &super::CheckpointHandle) -> String {
     let gone = || "error checkpoint service stopped".to_string();
     match cmd.trim() {
         c @ ("checkpoint" | "checkpoint full") => {
@@ -75,12 +76,27 @@ fn answer(cmd: &str, tx: &Sender<Cmd>) -> String {
                 .map(|p| format!("ok {}", p.display()))
                 .unwrap_or_else(|_| gone())
         }
+        c if c.starts_with("agent ") => {
+            // `agent <JSON of agent::Op>`: a named snapshot or a rollback; answers JSON.
+            let op: super::agent::Op = match serde_json::from_str(&c["agent ".len()..]) {
+                Ok(op) => op,
+                Err(e) => return format!("error bad agent request: {e}"),
+            };
+            match agent.agent(op) {
+                Ok(v) => format!("ok {v}"),
+                Err(e) => format!("error {e}"),
+            }
+        }
         other => format!("error unknown command `{other}`"),
     }
 }
 
 impl Server {
-    pub(crate) fn start(path: &Path, tx: Sender<Cmd>) -> std::io::Result<Server> {
+    pub(crate) fn start(
+        path: &Path,
+        tx: Sender<Cmd>,
+        agent: super::CheckpointHandle,
+    ) -> std::io::Result<Server> {
         // A socket left by a keel that was killed: nobody answers on it.
         if path.exists() && UnixStream::connect(path).is_err() {
             std::fs::remove_file(path)?;
@@ -103,7 +119,7 @@ impl Server {
                     if BufReader::new(&conn).read_line(&mut line).is_err() {
                         continue;
                     }
-                    let out = answer(&line, &tx);
+                    let out = answer(&line, &tx, &agent);
                     let _ = writeln!(conn, "{}", out.replace('\n', " "));
                 }
             })?;

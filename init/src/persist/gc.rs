@@ -2,7 +2,8 @@
 //!
 //! Retention walks the head's history (`prev` links) and keeps the newest `keep`
 //! snapshots plus every snapshot their chains need (a delta needs its parent, back to a
-//! full snapshot), and the snapshot the local state was last checkpointed as. A chunk is
+//! full snapshot), the snapshot the local state was last checkpointed as, and every snapshot
+//! a name records (`snapshots`: kept until the name is deleted). A chunk is
 //! kept when any kept snapshot names it, or the local chunk maps do. Anything else older
 //! than the grace window is deleted; younger objects may belong to a checkpoint in
 //! progress and are left for the next run. Age is the object's modification time, looked
@@ -40,6 +41,8 @@ pub enum GcError {
     },
     #[error("state database: {0}")]
     Meta(#[from] MetaError),
+    #[error("read the snapshot names: {0}")]
+    Names(String),
     #[error("read the other workspaces on the chunk store: {0}")]
     ReadSharers(RepoError),
 }
@@ -121,6 +124,9 @@ pub fn gc(
         kept.insert(s);
     }
     kept.extend(shared.pinned.iter().filter(|s| present.contains(s)));
+    // Named snapshots stay until their name is deleted, whatever `keep` says.
+    let named = super::snapshots::pinned(repo).map_err(|e| GcError::Names(e.to_string()))?;
+    kept.extend(named.iter().filter(|s| present.contains(s)));
     // Chain closure, and the chunks every kept snapshot names.
     let mut chunks: HashSet<ChunkId> = HashSet::new();
     let mut todo: Vec<u64> = kept.iter().copied().collect();

@@ -8,9 +8,12 @@
 //! dir, `file://` remote) is private to keel's user: 0700 directories, 0600 files (`private`).
 //! Depends on `meta` and `chunk`, never on `workspace`.
 
+pub mod agent;
+pub mod agent_cmd;
 pub mod checkpoint;
 pub mod cli;
 pub mod control;
+pub mod diff;
 pub mod fork;
 pub mod format;
 pub mod fsck;
@@ -24,6 +27,7 @@ pub mod repo;
 pub mod restore;
 pub mod retry;
 pub mod service;
+pub mod snapshots;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -92,7 +96,7 @@ const STATE_FRESH: &[&str] = &[
 
 /// The same for a `file://` remote's root.
 const REMOTE_MARKERS: &[&str] = &["keel-workspace.json", "head", "lease"];
-const REMOTE_FRESH: &[&str] = &["chunks", "snapshots", "forks", ".tmp.*"];
+const REMOTE_FRESH: &[&str] = &["chunks", "snapshots", "forks", "names", ".tmp.*"];
 
 /// Creates the state dir (0700) if needed and tightens it if it is keel's and loose.
 pub fn secure_state_dir(dir: &Path) -> std::io::Result<()> {

@@ -8,6 +8,7 @@
 //! the service owns it: renewed in the background, released when the service closes.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -83,13 +84,32 @@ pub(crate) enum Cmd {
     Close {
         clean: bool,
     },
+    /// A named snapshot or a rollback (`agent`).
+    Agent {
+        op: super::agent::Op,
+        reply: Sender<Result<serde_json::Value, String>>,
+    },
+    /// The remote, for listings and diffs.
+    Repo {
+        reply: Sender<super::Repo>,
+    },
+    /// What rolls the mounted workspace back (set once the filesystem is up).
+    SetRollback {
+        f: super::agent::RollbackFn,
+    },
 }
+
+/// What the worker is doing, for refusing a rollback at once (`CheckpointHandle::agent`).
+const IDLE: u8 = 0;
+const CHECKPOINTING: u8 = 1;
+const ROLLING_BACK: u8 = 2;
 
 /// A cloneable handle to the running service, for other threads (the HTTP control API's
 /// `POST /checkpoint`, `/status`, `fsync = "remote"`).
 #[derive(Clone)]
 pub struct CheckpointHandle {
     tx: Sender<Cmd>,
+    busy: Arc<AtomicU8>,
 }
 
 /// What the service reports for `/status`.
@@ -154,6 +174,46 @@ impl CheckpointHandle {
             .map_err(|_| "checkpoint service stopped".to_string())?
     }
 
+    /// Runs a named snapshot or a rollback on the worker and waits for it. A rollback is
+    /// refused at once while a checkpoint or another rollback runs.
+    pub fn agent(&self, op: super::agent::Op) -> Result<serde_json::Value, String> {
+        let rollback = matches!(op, super::agent::Op::Rollback(_));
+        if rollback {
+            if let Err(now) =
+                self.busy
+                    .compare_exchange(IDLE, ROLLING_BACK, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                return Err(if now == ROLLING_BACK {
+                    "refused: another rollback is running".into()
+                } else {
+                    "refused: a checkpoint is running; try again when it is done".into()
+                });
+            }
+        }
+        let (reply, rx) = mpsc::channel();
+        let r = match self.tx.send(Cmd::Agent { op, reply }) {
+            Ok(()) => rx
+                .recv()
+                .map_err(|_| "checkpoint service stopped".to_string())
+                .and_then(|r| r),
+            Err(_) => Err("checkpoint service stopped".to_string()),
+        };
+        if rollback {
+            self.busy.store(IDLE, Ordering::SeqCst);
+        }
+        r
+    }
+
+    /// The workspace's remote (for listings and diffs, which only read it).
+    pub fn repo(&self) -> Result<super::Repo, String> {
+        let (reply, rx) = mpsc::channel();
+        self.tx
+            .send(Cmd::Repo { reply })
+            .map_err(|_| "checkpoint service stopped".to_string())?;
+        rx.recv()
+            .map_err(|_| "checkpoint service stopped".to_string())
+    }
+
     /// Backlog and last checkpoint (waits for a checkpoint in progress).
     pub fn state(&self) -> Result<PersistState, String> {
         let (reply, rx) = mpsc::channel();
@@ -174,14 +234,18 @@ pub struct Service {
     flush_timeout: Duration,
     lease: Option<Lease>,
     published: Arc<Published>,
+    busy: Arc<AtomicU8>,
 }
 
-struct Worker {
-    p: Persister,
+pub(super) struct Worker {
+    pub(super) p: Persister,
     cfg: PersistConfig,
     flush: FlushFn,
     since_gc: u32,
-    paused: bool,
+    pub(super) paused: bool,
+    /// See `agent::RollbackFn`; `None` until the filesystem sets it.
+    pub(super) rollback: Option<super::agent::RollbackFn>,
+    busy: Arc<AtomicU8>,
     mount_point: PathBuf,
     failures: u32,
     last_error: Option<String>,
@@ -233,12 +297,20 @@ fn on_state_volume(url: &str, state: &Path) -> Option<PathBuf> {
 }
 
 impl Worker {
-    fn checkpoint(
+    pub(super) fn checkpoint(
         &mut self,
         opts: CheckpointOptions,
         flush: bool,
     ) -> Result<CheckpointReport, String> {
+        // Marked busy unless a rollback (which checkpoints too) already is.
+        let mine = self
+            .busy
+            .compare_exchange(IDLE, CHECKPOINTING, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok();
         let r = self.checkpoint_once(opts, flush);
+        if mine {
+            self.busy.store(IDLE, Ordering::SeqCst);
+        }
         match &r {
             Ok(_) => {
                 self.failures = 0;
@@ -460,6 +532,13 @@ impl Worker {
                 Ok(Cmd::State { reply }) => {
                     let _ = reply.send(self.state());
                 }
+                Ok(Cmd::Agent { op, reply }) => {
+                    let _ = reply.send(super::agent::run(&mut self, op));
+                }
+                Ok(Cmd::Repo { reply }) => {
+                    let _ = reply.send(self.p.repo().clone());
+                }
+                Ok(Cmd::SetRollback { f }) => self.rollback = Some(f),
                 Ok(Cmd::MountPoint { reply }) => {
                     let _ = reply.send(self.mount_point.clone());
                 }
@@ -492,6 +571,7 @@ impl Service {
     pub fn handle(&self) -> CheckpointHandle {
         CheckpointHandle {
             tx: self.tx.clone(),
+            busy: self.busy.clone(),
         }
     }
 
@@ -554,12 +634,15 @@ impl Service {
             l.start_renewal().map_err(ServiceError::Spawn)?;
         }
         let (tx, rx) = mpsc::channel();
+        let busy = Arc::new(AtomicU8::new(IDLE));
         let worker = Worker {
             p,
             cfg: cfg.clone(),
             flush,
             since_gc: 0,
             paused: false,
+            rollback: None,
+            busy: busy.clone(),
             mount_point: ws.mount_point.clone(),
             failures: 0,
             last_error: None,
@@ -573,11 +656,18 @@ impl Service {
             .spawn(move || worker.run(rx, interval))
             .map_err(ServiceError::Spawn)?;
         let sock = state.join(super::control::SOCKET_NAME);
-        let control =
-            control::Server::start(&sock, tx.clone()).map_err(|source| ServiceError::Control {
-                path: sock.clone(),
-                source,
-            })?;
+        let control = control::Server::start(
+            &sock,
+            tx.clone(),
+            CheckpointHandle {
+                tx: tx.clone(),
+                busy: busy.clone(),
+            },
+        )
+        .map_err(|source| ServiceError::Control {
+            path: sock.clone(),
+            source,
+        })?;
         tracing::info!(remote = %url, interval_s = interval.as_secs_f64(), "checkpoints enabled");
         Ok(Some(Service {
             tx,
@@ -588,7 +678,13 @@ impl Service {
             flush_timeout: cfg.flush_timeout,
             lease,
             published,
+            busy,
         }))
+    }
+
+    /// Lets rollbacks reach the mounted filesystem (see `agent::RollbackFn`).
+    pub fn set_rollback(&self, f: super::agent::RollbackFn) {
+        let _ = self.tx.send(Cmd::SetRollback { f });
     }
 
     /// Takes a checkpoint now and waits for it (`fsync = "remote"`, `keel checkpoint`).

@@ -33,6 +33,9 @@ use crate::meta::{
 use crate::sys;
 
 mod lazy;
+mod rollback;
+
+pub use rollback::{Inval, RollbackPlan, RollbackReport, RollbackTarget, Target, TargetData};
 
 /// Longest name of a directory entry, in bytes.
 pub const NAME_MAX: usize = 255;

@@ -272,6 +272,7 @@ fn mount_with(
     let requests = adapter.requests();
     let session = FuseSession::start(adapter, &cfg.mount_point, cfg.effective_threads())
         .map_err(mount_err)?;
+    let notifier = session.notifier.clone();
     tracing::info!(
         mount_point = %cfg.mount_point.display(),
         state = %state.display(),
@@ -293,6 +294,12 @@ fn mount_with(
     if let Some((p, mut lease)) = persist {
         mounted.prefetch = start_lazy(cfg, p, &mounted.fs)?;
         mounted.persist = start_persist(cfg, p, &mounted, lease.take())?;
+        if let (Some(svc), Some(n)) = (&mounted.persist, notifier) {
+            svc.set_rollback(super::live::rollback_fn(
+                mounted.fs.clone(),
+                invalidate_through(n),
+            ));
+        }
     } else if mounted.fs.lazy_active() {
         tracing::warn!("this state dir was restored lazily but no remote is configured: reads of data not fetched yet fail with EIO");
     }
@@ -331,6 +338,24 @@ fn start_lazy(
         })
         .map_err(|e| SessionError::Persist(format!("start prefetch: {e}")))?;
     Ok(Some((stop, t)))
+}
+
+/// Invalidations for a rollback, through the session's notifier (the kernel answers
+/// ENOENT for an inode or name it does not cache: not an error here).
+fn invalidate_through(n: fuser::Notifier) -> super::live::Invalidate {
+    use std::os::unix::ffi::OsStrExt;
+    Arc::new(move |i: &super::fs::Inval| {
+        let r = match i {
+            super::fs::Inval::Inode(ino) => n.inval_inode(fuser::INodeNo(ino.0), 0, 0),
+            super::fs::Inval::Entry(parent, name) => {
+                n.inval_entry(fuser::INodeNo(parent.0), std::ffi::OsStr::from_bytes(name))
+            }
+        };
+        match r {
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            r => r,
+        }
+    })
 }
 
 /// The prefetch thread and its stop flag.
@@ -529,6 +554,8 @@ struct FuseSession {
     /// the end of the connection.
     runner: Option<JoinHandle<()>>,
     ended: Arc<Ended>,
+    /// Tells the kernel to drop cached inodes and names (rollback).
+    notifier: Option<fuser::Notifier>,
     /// The connection's number (its device minor), to recognise the mount at the unmount.
     connection: Option<u32>,
     unmounted: bool,
@@ -549,6 +576,7 @@ impl FuseSession {
             mount_point: mount_point.to_path_buf(),
             runner: None,
             ended: Arc::new(Ended::new()?),
+            notifier: None,
             connection: None,
             unmounted: false,
         };
@@ -560,6 +588,7 @@ impl FuseSession {
         // Reads INIT and answers it (`FuseAdapter::init`). Every user may use the mount
         // (`allow_other`); the kernel checks permissions (`default_permissions`).
         let session = fuser::Session::from_fd(adapter, dev, fuser::SessionACL::All, config)?;
+        s.notifier = Some(session.notifier());
         let ended = s.ended.clone();
         let runner = std::thread::Builder::new()
             .name("keel-fuse".into())

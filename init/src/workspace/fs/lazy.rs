@@ -61,6 +61,11 @@ impl Lazy {
     fn lock(&self) -> MutexGuard<'_, HashMap<InodeNo, FileWindows>> {
         self.files.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Drops what is known about a file's missing windows (a rollback gave it a whole body).
+    pub(super) fn forget(&self, ino: InodeNo) {
+        self.lock().remove(&ino);
+    }
 }
 
 /// Windows this thread marked in flight; unmarked (and waiters woken) on drop.

@@ -1,0 +1,46 @@
+//! `keel rollback ID|NAME`.
+
+use std::path::{Path, PathBuf};
+
+use keel::persist::agent::Rollback;
+use keel::persist::agent_cmd;
+
+use super::{persist_config, print_json, report};
+
+/// Make the mounted workspace equal to a snapshot, now, without a restart (undo: roll back to
+/// the `before-rollback-N` snapshot it names)
+#[derive(clap::Args, Debug)]
+pub struct RollbackArgs {
+    /// The snapshot: its id or name
+    #[arg(value_name = "ID|NAME")]
+    to: String,
+    /// The state dir of the running keel [default: [workspace] state_dir]
+    #[arg(long, value_name = "DIR")]
+    state: Option<PathBuf>,
+    /// Print the answer as JSON
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn main(config: Option<&Path>, a: RollbackArgs) -> i32 {
+    report("rollback", || {
+        let cfg = persist_config(config, a.state.as_deref(), None, None)?;
+        let v = agent_cmd::rollback(&cfg, &Rollback { to: a.to })?;
+        if a.json {
+            print_json(&v);
+        } else {
+            println!(
+                "rolled back from snapshot {} to {}: now snapshot {} (undo: keel rollback {}), {} inodes, {} entries, {} open files keep their old bytes until closed, {} ms",
+                v["from"],
+                v["to"],
+                v["snapshot"],
+                v["undo"].as_str().unwrap_or(""),
+                v["applied"]["inodes"],
+                v["applied"]["entries"],
+                v["applied"]["open_files_kept"],
+                v["duration_ms"]
+            );
+        }
+        Ok(0)
+    })
+}

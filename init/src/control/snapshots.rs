@@ -1,0 +1,176 @@
+//! The agent routes of the control API: `GET /snapshots` (the listing with the `file://`
+//! remote's disk use), `POST /snapshots?name=N&message=T` (a snapshot of the live workspace
+//! now, kept until deleted), `DELETE /snapshots/ID|NAME`, `GET /diff?from=A&to=B` (`to`
+//! defaults to the live workspace, checkpointed first; `&path=P`: a unified diff of one
+//! file) and `POST /rollback?to=ID|NAME`. Answers are JSON (the file diff is text); errors
+//! are `{"ok": false, "error": "..."}` with 400 (bad request), 404 (no such snapshot), 409
+//! (refused: a checkpoint or rollback runs) or 503 (no checkpoint service).
+
+use super::http::{Request, Response};
+use super::status::{CheckpointOutcome, StatusHandle};
+use crate::persist::agent::{Op, Rollback, SnapshotCreate};
+use crate::persist::{diff, snapshots};
+
+/// Whether `path` is one of these routes.
+pub fn is_route(path: &str) -> bool {
+    path == "/snapshots"
+        || path.starts_with("/snapshots/")
+        || path == "/diff"
+        || path == "/rollback"
+}
+
+fn json(code: u16, v: &serde_json::Value) -> Response {
+    let mut text = serde_json::to_string_pretty(v).unwrap_or_default();
+    text.push('\n');
+    Response::json(code, text)
+}
+
+fn error(code: u16, why: &str) -> Response {
+    json(code, &serde_json::json!({ "ok": false, "error": why }))
+}
+
+/// The status for an error text from the service.
+fn error_for(why: String) -> Response {
+    let code = if why.starts_with("refused") {
+        409
+    } else if why.starts_with("no snapshot") || why.contains("no such file") {
+        404
+    } else if why.starts_with("snapshot name") {
+        400
+    } else {
+        500
+    };
+    error(code, &why)
+}
+
+/// `%XX` and `+` decoded.
+fn decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16)
+                {
+                    Ok(v) => {
+                        out.push(v);
+                        i += 2;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The value of `key` in the query string.
+pub fn param(query: &str, key: &str) -> Option<String> {
+    query
+        .split('&')
+        .filter_map(|kv| kv.split_once('=').or(Some((kv, ""))))
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| decode(v))
+}
+
+pub fn handle(req: &Request, status: &StatusHandle) -> Response {
+    let Some(agent) = status.agent() else {
+        return error(
+            503,
+            "no checkpoint service (no workspace mounted, or [persist] remote = \"none\")",
+        );
+    };
+    let q = req.query.as_str();
+    let get = matches!(req.method.as_str(), "GET" | "HEAD");
+    let repo = || agent.repo();
+    match (req.method.as_str(), req.path.as_str()) {
+        (_, "/snapshots") if get => {
+            match repo().and_then(|r| snapshots::list(&r).map_err(|e| e.to_string())) {
+                Ok(l) => json(200, &serde_json::to_value(&l).unwrap_or_default()),
+                Err(e) => error_for(e),
+            }
+        }
+        ("POST", "/snapshots") => {
+            let c = SnapshotCreate {
+                name: param(q, "name").filter(|n| !n.is_empty()),
+                message: param(q, "message").unwrap_or_default(),
+            };
+            match agent.agent(Op::SnapshotCreate(c)) {
+                Ok(v) => json(200, &v),
+                Err(e) => error_for(e),
+            }
+        }
+        ("DELETE", p) if p.starts_with("/snapshots/") => {
+            let what = decode(&p["/snapshots/".len()..]);
+            match repo().and_then(|r| snapshots::delete(&r, &what).map_err(|e| e.to_string())) {
+                Ok(names) => json(200, &serde_json::json!({ "ok": true, "deleted": names })),
+                Err(e) => error_for(e),
+            }
+        }
+        (_, "/diff") if get => {
+            let Some(from) = param(q, "from") else {
+                return error(400, "from=ID|NAME is required");
+            };
+            let to = match param(q, "to").filter(|t| !t.is_empty() && t != "live") {
+                Some(t) => t,
+                None => match status.checkpoint() {
+                    CheckpointOutcome::Done(..) => "head".to_string(),
+                    CheckpointOutcome::Unavailable(w) => return error(503, &w),
+                    CheckpointOutcome::Failed(w) => return error(500, &w),
+                },
+            };
+            let r = repo().and_then(|repo| {
+                let from = snapshots::resolve(&repo, &from).map_err(|e| e.to_string())?;
+                let to = snapshots::resolve(&repo, &to).map_err(|e| e.to_string())?;
+                match param(q, "path") {
+                    Some(p) => diff::file_diff(&repo, from, to, &p)
+                        .map(|t| Response::text(200, &t))
+                        .map_err(|e| e.to_string()),
+                    None => diff::diff(&repo, from, to)
+                        .map(|d| json(200, &serde_json::to_value(&d).unwrap_or_default()))
+                        .map_err(|e| e.to_string()),
+                }
+            });
+            r.unwrap_or_else(error_for)
+        }
+        ("POST", "/rollback") => {
+            let Some(to) = param(q, "to").filter(|t| !t.is_empty()) else {
+                return error(400, "to=ID|NAME is required");
+            };
+            match agent.agent(Op::Rollback(Rollback { to })) {
+                Ok(v) => json(200, &v),
+                Err(e) => error_for(e),
+            }
+        }
+        (_, "/snapshots") => {
+            Response::text(405, "method not allowed\n").with_header("Allow", "GET, HEAD, POST")
+        }
+        (_, "/diff") => {
+            Response::text(405, "method not allowed\n").with_header("Allow", "GET, HEAD")
+        }
+        (_, "/rollback") => {
+            Response::text(405, "method not allowed\n").with_header("Allow", "POST")
+        }
+        _ => Response::text(405, "method not allowed\n").with_header("Allow", "DELETE"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_parameters_are_decoded() {
+        assert_eq!(param("to=good&x=1", "to").as_deref(), Some("good"));
+        assert_eq!(
+            param("message=all+tests%20pass", "message").as_deref(),
+            Some("all tests pass")
+        );
+        assert_eq!(param("a=1", "b"), None);
+        assert_eq!(decode("100%"), "100%");
+    }
+}

@@ -1,0 +1,146 @@
+//! What `keel snapshot create|list|delete`, `keel diff` and `keel rollback` do: each finds
+//! the running keel the way `keel checkpoint` does (`--state DIR` or the config; its
+//! `persist.sock`) and otherwise works on the stopped state dir and its remote. The command
+//! line for them is in the binary's `cli/`.
+
+use std::path::Path;
+use std::time::Duration;
+
+use super::agent::{Op, Rollback, SnapshotCreate};
+use super::checkpoint::{now_ns, CheckpointOptions, Persister};
+use super::cli::{ask, lock_offline, repo_of};
+use super::{control, diff, params, snapshots};
+use crate::config::Config;
+use crate::sys;
+
+/// `keel diff`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DiffOptions {
+    pub from: String,
+    /// `None`: the live workspace.
+    pub to: Option<String>,
+    pub json: bool,
+    /// A unified diff of this one file instead of the list of changes.
+    pub path: Option<String>,
+}
+
+/// Sends `op` to the keel running on the state dir; `Ok(None)`: none runs there.
+fn ask_agent(cfg: &Config, op: &Op) -> Result<Option<serde_json::Value>, String> {
+    let line = format!(
+        "agent {}",
+        serde_json::to_string(op).expect("op serialises")
+    );
+    match ask(&cfg.workspace.state_dir, &line)? {
+        Some(r) => serde_json::from_str(&r)
+            .map(Some)
+            .map_err(|e| format!("unexpected answer from keel: {e}")),
+        None => Ok(None),
+    }
+}
+
+/// Pushes what the kernel caches for the running keel's mount into keel (from this
+/// process, like `keel checkpoint`).
+fn sync_mount(cfg: &Config) -> Result<(), String> {
+    if let Some(mp) = ask(&cfg.workspace.state_dir, "mount-point")? {
+        if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
+            eprintln!("keel: syncfs {mp}: {e} (going on with what keel has)");
+        }
+    }
+    Ok(())
+}
+
+/// Checkpoints a stopped state dir as its one writer; returns the snapshot it is now at.
+fn checkpoint_offline(cfg: &Config) -> Result<u64, String> {
+    let state = &cfg.workspace.state_dir;
+    let _lock = lock_offline(state)?;
+    let mut p = Persister::open(state, repo_of(cfg)?, params(&cfg.workspace, &cfg.persist))
+        .map_err(|e| e.to_string())?;
+    let mut lease = super::acquire_lease(state, &cfg.persist, true).map_err(|e| e.to_string())?;
+    if let Some(l) = lease.as_mut() {
+        l.start_renewal()
+            .map_err(|e| format!("start lease renewal: {e}"))?;
+        p.set_lease(Some(l.handle()));
+    }
+    let _lease = super::lease::ReleaseOnDrop::new(lease);
+    let r = p
+        .checkpoint(&CheckpointOptions::default())
+        .map_err(|e| e.to_string())?;
+    match r.seq {
+        Some(s) => Ok(s),
+        None => p
+            .store()
+            .read()
+            .persist_get("last_seq")
+            .map_err(|e| e.to_string())?
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| "the workspace has no snapshot and nothing to checkpoint".into()),
+    }
+}
+
+/// A snapshot of the live workspace now, recorded under a name (see `snapshots`).
+pub fn snapshot_create(cfg: &Config, c: &SnapshotCreate) -> Result<serde_json::Value, String> {
+    if let Some(n) = &c.name {
+        snapshots::check_name(n).map_err(|e| e.to_string())?;
+    }
+    sync_mount(cfg)?;
+    if let Some(v) = ask_agent(cfg, &Op::SnapshotCreate(c.clone()))? {
+        return Ok(v);
+    }
+    let seq = checkpoint_offline(cfg)?;
+    let rec = snapshots::record(&repo_of(cfg)?, seq, c.name.as_deref(), &c.message, now_ns())
+        .map_err(|e| e.to_string())?;
+    Ok(serde_json::json!({ "id": seq, "name": rec.name, "message": rec.message }))
+}
+
+pub fn snapshot_list(cfg: &Config) -> Result<snapshots::Listing, String> {
+    snapshots::list(&repo_of(cfg)?).map_err(|e| e.to_string())
+}
+
+/// Removes a name: the snapshot falls under retention again.
+pub fn snapshot_delete(cfg: &Config, what: &str) -> Result<Vec<String>, String> {
+    snapshots::delete(&repo_of(cfg)?, what).map_err(|e| e.to_string())
+}
+
+/// `keel diff`: the changes as text or JSON, or a unified diff of one file.
+pub fn diff(cfg: &Config, o: &DiffOptions) -> Result<String, String> {
+    let to = match &o.to {
+        Some(t) => t.clone(),
+        None => {
+            // The live workspace: checkpointed first, then it is the head.
+            sync_mount(cfg)?;
+            let running = control::request(
+                &cfg.workspace.state_dir,
+                "checkpoint",
+                Duration::from_secs(3600),
+            )?;
+            if running.is_none() {
+                checkpoint_offline(cfg)?;
+            }
+            "head".to_string()
+        }
+    };
+    let repo = repo_of(cfg)?;
+    let from = snapshots::resolve(&repo, &o.from).map_err(|e| e.to_string())?;
+    let to = snapshots::resolve(&repo, &to).map_err(|e| e.to_string())?;
+    if let Some(p) = &o.path {
+        return diff::file_diff(&repo, from, to, p).map_err(|e| e.to_string());
+    }
+    let d = diff::diff(&repo, from, to).map_err(|e| e.to_string())?;
+    Ok(if o.json {
+        serde_json::to_string_pretty(&d).expect("diff serialises")
+    } else {
+        diff::render(&d)
+    })
+}
+
+/// `keel rollback`: only against a running keel (a stopped workspace is restored with
+/// `keel snapshot restore`).
+pub fn rollback(cfg: &Config, r: &Rollback) -> Result<serde_json::Value, String> {
+    sync_mount(cfg)?;
+    ask_agent(cfg, &Op::Rollback(r.clone()))?.ok_or_else(|| {
+        format!(
+            "no keel runs on {}: rollback works on a mounted workspace (a stopped one is restored with keel snapshot restore)",
+            cfg.workspace.state_dir.display()
+        )
+    })
+}

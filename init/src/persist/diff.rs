@@ -1,0 +1,589 @@
+//! What changed between two snapshots: paths added, removed, modified (content, mode,
+//! owner, xattrs, symlink target, type) and renamed (the same inode under another path),
+//! with sizes; and a unified diff of one text file.
+//!
+//! Cost: both trees are materialized from their chains (`Repo::load_tree`), because the
+//! snapshot format keeps no index from a delta back to the paths it touches and a chain
+//! starts at a full snapshot. Comparing them is one pass over the inode maps with no I/O:
+//! file contents are compared by their chunk ids, never by reading chunks. So the time is
+//! the decode of two chains (proportional to the workspace's metadata) plus one compare of
+//! the two maps; paths are built only for what changed. Only `-- PATH` fetches chunks, of
+//! that one file.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use serde::Serialize;
+
+use super::format::{Tree, TreeData, TreeInode};
+use super::repo::{Repo, RepoError};
+use crate::chunk::ChunkId;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DiffError {
+    #[error("load snapshot {seq}: {source}")]
+    Load { seq: u64, source: Box<RepoError> },
+    #[error("{path}: no such file in snapshot {seq}")]
+    NoPath { path: String, seq: u64 },
+    #[error("{path}: not a regular file in snapshot {seq}")]
+    NotFile { path: String, seq: u64 },
+    #[error("fetch chunk {id} of {path}: {source}")]
+    Fetch {
+        id: ChunkId,
+        path: String,
+        source: Box<RepoError>,
+    },
+}
+
+/// One changed path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Change {
+    /// `added`, `removed`, `modified` or `renamed`.
+    pub change: &'static str,
+    pub path: String,
+    /// For `renamed`: the path in the first snapshot.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    /// `file`, `dir`, `symlink`, `fifo`, `socket`, `char`, `block`.
+    pub kind: &'static str,
+    /// What differs: `content`, `mode`, `owner`, `xattrs`, `target`, `type`.
+    pub what: Vec<&'static str>,
+    pub size_before: Option<u64>,
+    pub size_after: Option<u64>,
+}
+
+/// The changes between two trees, sorted by path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Diff {
+    pub from: u64,
+    pub to: u64,
+    pub changes: Vec<Change>,
+}
+
+fn kind_of(mode: u32) -> &'static str {
+    match mode & libc::S_IFMT {
+        libc::S_IFREG => "file",
+        libc::S_IFDIR => "dir",
+        libc::S_IFLNK => "symlink",
+        libc::S_IFIFO => "fifo",
+        libc::S_IFSOCK => "socket",
+        libc::S_IFCHR => "char",
+        libc::S_IFBLK => "block",
+        _ => "unknown",
+    }
+}
+
+/// Every path (hard links have several) of the inodes in `wanted`, `/`-rooted, sorted.
+/// Only the directories above them are named, so the cost beyond one pass over the entries
+/// is proportional to the change.
+fn paths(t: &Tree, wanted: &BTreeSet<u64>) -> HashMap<u64, Vec<String>> {
+    // ino -> its first entry (parent, name), for directories (one entry each).
+    let mut up: HashMap<u64, (u64, &[u8])> = HashMap::new();
+    for ((p, n), (ino, kind)) in &t.dirents {
+        if *kind & libc::S_IFMT == libc::S_IFDIR {
+            up.entry(*ino).or_insert((*p, n.as_slice()));
+        }
+    }
+    let mut memo: HashMap<u64, String> = HashMap::new();
+    memo.insert(crate::meta::InodeNo::ROOT.0, String::new());
+    fn dir_path(
+        ino: u64,
+        up: &HashMap<u64, (u64, &[u8])>,
+        memo: &mut HashMap<u64, String>,
+        depth: usize,
+    ) -> String {
+        if let Some(p) = memo.get(&ino) {
+            return p.clone();
+        }
+        let s = match up.get(&ino) {
+            Some((p, n)) if depth < 4096 => format!(
+                "{}/{}",
+                dir_path(*p, up, memo, depth + 1),
+                String::from_utf8_lossy(n)
+            ),
+            _ => format!("/?{ino}"),
+        };
+        memo.insert(ino, s.clone());
+        s
+    }
+    let mut out: HashMap<u64, Vec<String>> = HashMap::new();
+    for ((p, n), (ino, _)) in &t.dirents {
+        if !wanted.contains(ino) {
+            continue;
+        }
+        let dir = dir_path(*p, &up, &mut memo, 0);
+        out.entry(*ino)
+            .or_default()
+            .push(format!("{dir}/{}", String::from_utf8_lossy(n)));
+    }
+    for v in out.values_mut() {
+        v.sort();
+    }
+    out
+}
+
+/// Inodes whose record, bytes or entries differ between `a` and `b`.
+fn candidates(a: &Tree, b: &Tree) -> BTreeSet<u64> {
+    let mut c = BTreeSet::new();
+    for (ino, ta) in &a.inodes {
+        if b.inodes.get(ino) != Some(ta) {
+            c.insert(*ino);
+        }
+    }
+    for ino in b.inodes.keys() {
+        if !a.inodes.contains_key(ino) {
+            c.insert(*ino);
+        }
+    }
+    for (k, v) in &a.dirents {
+        match b.dirents.get(k) {
+            Some(w) if w == v => {}
+            Some(w) => {
+                c.insert(v.0);
+                c.insert(w.0);
+            }
+            None => {
+                c.insert(v.0);
+            }
+        }
+    }
+    for (k, v) in &b.dirents {
+        if !a.dirents.contains_key(k) {
+            c.insert(v.0);
+        }
+    }
+    c
+}
+
+fn what_changed(a: &TreeInode, b: &TreeInode) -> Vec<&'static str> {
+    let mut w = Vec::new();
+    if a.rec.mode & libc::S_IFMT != b.rec.mode & libc::S_IFMT {
+        return vec!["type"];
+    }
+    let link = a.rec.mode & libc::S_IFMT == libc::S_IFLNK;
+    if !link && (a.data != b.data || a.rec.size != b.rec.size || a.rec.rdev != b.rec.rdev) {
+        w.push("content");
+    }
+    if a.rec.mode != b.rec.mode {
+        w.push("mode");
+    }
+    if (a.rec.uid, a.rec.gid) != (b.rec.uid, b.rec.gid) {
+        w.push("owner");
+    }
+    let mut xa = a.rec.xattrs.clone();
+    let mut xb = b.rec.xattrs.clone();
+    xa.sort();
+    xb.sort();
+    if xa != xb {
+        w.push("xattrs");
+    }
+    if link && a.data != b.data {
+        w.push("target");
+    }
+    w
+}
+
+/// Compares two trees (`a` the older).
+pub fn diff_trees(a: &Tree, b: &Tree) -> Diff {
+    let cand = candidates(a, b);
+    let (pa, pb) = (paths(a, &cand), paths(b, &cand));
+    let none: Vec<String> = Vec::new();
+    let mut changes = Vec::new();
+    let size = |t: &TreeInode| (t.rec.mode & libc::S_IFMT == libc::S_IFREG).then_some(t.rec.size);
+    for (ino, ta) in cand.iter().filter_map(|i| a.inodes.get(i).map(|t| (i, t))) {
+        let paths_a = pa.get(ino).unwrap_or(&none);
+        match b.inodes.get(ino) {
+            None => {
+                for p in paths_a {
+                    changes.push(Change {
+                        change: "removed",
+                        path: p.clone(),
+                        from: None,
+                        kind: kind_of(ta.rec.mode),
+                        what: Vec::new(),
+                        size_before: size(ta),
+                        size_after: None,
+                    });
+                }
+            }
+            Some(tb) => {
+                let paths_b = pb.get(ino).unwrap_or(&none);
+                let what = what_changed(ta, tb);
+                let (sa, sb) = (size(ta), size(tb));
+                let kind = kind_of(tb.rec.mode);
+                if paths_a == paths_b {
+                    if !what.is_empty() {
+                        for p in paths_b {
+                            changes.push(Change {
+                                change: "modified",
+                                path: p.clone(),
+                                from: None,
+                                kind,
+                                what: what.clone(),
+                                size_before: sa,
+                                size_after: sb,
+                            });
+                        }
+                    }
+                    continue;
+                }
+                // Paths that stayed are left alone; the others pair up as renames, and
+                // what is left over was linked or unlinked.
+                let gone: Vec<&String> = paths_a.iter().filter(|p| !paths_b.contains(p)).collect();
+                let new: Vec<&String> = paths_b.iter().filter(|p| !paths_a.contains(p)).collect();
+                for i in 0..gone.len().max(new.len()) {
+                    let (change, path, from) = match (gone.get(i), new.get(i)) {
+                        (Some(f), Some(t)) => ("renamed", (*t).clone(), Some((*f).clone())),
+                        (None, Some(t)) => ("added", (*t).clone(), None),
+                        (Some(f), None) => ("removed", (*f).clone(), None),
+                        (None, None) => unreachable!("i < max of both lengths"),
+                    };
+                    changes.push(Change {
+                        change,
+                        path,
+                        from,
+                        kind,
+                        what: what.clone(),
+                        size_before: sa,
+                        size_after: sb,
+                    });
+                }
+                if !what.is_empty() {
+                    for p in paths_b.iter().filter(|p| paths_a.contains(p)) {
+                        changes.push(Change {
+                            change: "modified",
+                            path: p.clone(),
+                            from: None,
+                            kind,
+                            what: what.clone(),
+                            size_before: sa,
+                            size_after: sb,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    for (ino, tb) in cand.iter().filter_map(|i| b.inodes.get(i).map(|t| (i, t))) {
+        if a.inodes.contains_key(ino) {
+            continue;
+        }
+        for p in pb.get(ino).unwrap_or(&none) {
+            changes.push(Change {
+                change: "added",
+                path: p.clone(),
+                from: None,
+                kind: kind_of(tb.rec.mode),
+                what: Vec::new(),
+                size_before: None,
+                size_after: size(tb),
+            });
+        }
+    }
+    // A path whose inode was replaced by another (a rollback of an open file, an editor
+    // that writes a new file and renames it over) is one modification, or none.
+    let mut by_path: HashMap<String, (Option<usize>, Option<usize>)> = HashMap::new();
+    for (i, c) in changes.iter().enumerate() {
+        match c.change {
+            "removed" => by_path.entry(c.path.clone()).or_default().0 = Some(i),
+            "added" => by_path.entry(c.path.clone()).or_default().1 = Some(i),
+            _ => {}
+        }
+    }
+    let mut drop = vec![false; changes.len()];
+    for (path, pair) in by_path {
+        let (Some(ri), Some(ai)) = pair else { continue };
+        let (Some(ia), Some(ib)) = (lookup(a, &path), lookup(b, &path)) else {
+            continue;
+        };
+        let (ta, tb) = (&a.inodes[&ia], &b.inodes[&ib]);
+        let what = what_changed(ta, tb);
+        drop[ai] = true;
+        if what.is_empty() {
+            drop[ri] = true;
+        } else {
+            let c = &mut changes[ri];
+            c.change = "modified";
+            c.kind = kind_of(tb.rec.mode);
+            c.what = what;
+            c.size_after = size(tb);
+        }
+    }
+    let mut keep = drop.into_iter().map(|d| !d);
+    changes.retain(|_| keep.next().unwrap_or(true));
+    changes.sort_by(|x, y| x.path.cmp(&y.path).then(x.change.cmp(y.change)));
+    Diff {
+        from: a.seq.unwrap_or(0),
+        to: b.seq.unwrap_or(0),
+        changes,
+    }
+}
+
+/// Loads both snapshots and compares them.
+pub fn diff(repo: &Repo, from: u64, to: u64) -> Result<Diff, DiffError> {
+    let load = |seq| {
+        repo.load_tree(seq)
+            .map(|(t, _)| t)
+            .map_err(|source| DiffError::Load {
+                seq,
+                source: Box::new(source),
+            })
+    };
+    let a = load(from)?;
+    let b = if to == from { a.clone() } else { load(to)? };
+    Ok(diff_trees(&a, &b))
+}
+
+/// The diff as text: one line per change, then a summary.
+pub fn render(d: &Diff) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let sz = |v: Option<u64>| v.map(|n| n.to_string()).unwrap_or_else(|| "-".into());
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for c in &d.changes {
+        *counts.entry(c.change).or_default() += 1;
+        let tag = match c.change {
+            "added" => "A",
+            "removed" => "D",
+            "renamed" => "R",
+            _ => "M",
+        };
+        let what = if c.what.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", c.what.join(","))
+        };
+        let sizes = match (c.size_before, c.size_after) {
+            (None, None) => String::new(),
+            (Some(a), None) | (None, Some(a)) => format!("  {a} bytes"),
+            (a, b) if a == b => format!("  {} bytes", sz(a)),
+            (a, b) => format!("  {} -> {} bytes", sz(a), sz(b)),
+        };
+        match &c.from {
+            Some(f) => {
+                let _ = writeln!(s, "{tag} {f} -> {}{what}{sizes}", c.path);
+            }
+            None => {
+                let _ = writeln!(s, "{tag} {}{what}{sizes}", c.path);
+            }
+        }
+    }
+    let _ = write!(
+        s,
+        "snapshot {} -> {}: {} added, {} removed, {} modified, {} renamed",
+        d.from,
+        d.to,
+        counts.get("added").unwrap_or(&0),
+        counts.get("removed").unwrap_or(&0),
+        counts.get("modified").unwrap_or(&0),
+        counts.get("renamed").unwrap_or(&0)
+    );
+    s
+}
+
+/// The inode at `path` (`/`-separated, relative to the workspace root) in `t`.
+fn lookup(t: &Tree, path: &str) -> Option<u64> {
+    let mut ino = crate::meta::InodeNo::ROOT.0;
+    for part in path.split('/').filter(|p| !p.is_empty() && *p != ".") {
+        ino = t.dirents.get(&(ino, part.as_bytes().to_vec()))?.0;
+    }
+    Some(ino)
+}
+
+/// The bytes of the regular file at `path` in snapshot `seq`; `None` when it has no such
+/// path (a file added or removed between the two).
+fn file_bytes(repo: &Repo, t: &Tree, seq: u64, path: &str) -> Result<Option<Vec<u8>>, DiffError> {
+    let Some(ino) = lookup(t, path) else {
+        return Ok(None);
+    };
+    let node = &t.inodes[&ino];
+    if node.rec.mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(DiffError::NotFile {
+            path: path.into(),
+            seq,
+        });
+    }
+    let mut out = match &node.data {
+        TreeData::Inline(v) => v.clone(),
+        TreeData::Chunks(map) => {
+            let ids: Vec<ChunkId> = map.iter().flatten().copied().collect();
+            let mut got = repo.get_chunks(&ids).into_iter();
+            let mut out = Vec::new();
+            for id in map {
+                match id {
+                    None => out.resize(out.len() + t.chunk_size as usize, 0),
+                    Some(id) => {
+                        let b = got.next().expect("one result per id").map_err(|source| {
+                            DiffError::Fetch {
+                                id: *id,
+                                path: path.into(),
+                                source: Box::new(source),
+                            }
+                        })?;
+                        out.extend_from_slice(&b);
+                    }
+                }
+            }
+            out
+        }
+        _ => Vec::new(),
+    };
+    out.resize(node.rec.size as usize, 0);
+    Ok(Some(out))
+}
+
+/// A unified diff of the text file `path` between snapshots `from` and `to`.
+pub fn file_diff(repo: &Repo, from: u64, to: u64, path: &str) -> Result<String, DiffError> {
+    let load = |seq| {
+        repo.load_tree(seq)
+            .map(|(t, _)| t)
+            .map_err(|source| DiffError::Load {
+                seq,
+                source: Box::new(source),
+            })
+    };
+    let (ta, tb) = (load(from)?, load(to)?);
+    let a = file_bytes(repo, &ta, from, path)?;
+    let b = file_bytes(repo, &tb, to, path)?;
+    if a.is_none() && b.is_none() {
+        return Err(DiffError::NoPath {
+            path: path.into(),
+            seq: to,
+        });
+    }
+    let clean = path.trim_start_matches('/');
+    let (la, lb) = (
+        if a.is_some() {
+            format!("a/{clean}@{from}")
+        } else {
+            "/dev/null".into()
+        },
+        if b.is_some() {
+            format!("b/{clean}@{to}")
+        } else {
+            "/dev/null".into()
+        },
+    );
+    let (a, b) = (a.unwrap_or_default(), b.unwrap_or_default());
+    if a.contains(&0) || b.contains(&0) {
+        return Ok(if a == b {
+            String::new()
+        } else {
+            format!("Binary files {la} and {lb} differ\n")
+        });
+    }
+    Ok(unified(&la, &lb, &a, &b, 3))
+}
+
+/// Lines of `t`, each with its newline.
+fn lines(t: &[u8]) -> Vec<&[u8]> {
+    t.split_inclusive(|&c| c == b'\n').collect()
+}
+
+/// Most cells the line diff's table may have (lines changed in `a` times lines in `b`).
+const MAX_CELLS: usize = 16 << 20;
+
+/// A unified diff of `a` and `b` with `ctx` lines of context (a longest common
+/// subsequence of the lines between their common head and tail).
+pub fn unified(la: &str, lb: &str, a: &[u8], b: &[u8], ctx: usize) -> String {
+    use std::fmt::Write;
+    let (xa, xb) = (lines(a), lines(b));
+    let head = xa.iter().zip(&xb).take_while(|(x, y)| x == y).count();
+    let tail = xa[head..]
+        .iter()
+        .rev()
+        .zip(xb[head..].iter().rev())
+        .take_while(|(x, y)| x == y)
+        .count();
+    let (ma, mb) = (&xa[head..xa.len() - tail], &xb[head..xb.len() - tail]);
+    if ma.is_empty() && mb.is_empty() {
+        return String::new();
+    }
+    if (ma.len() + 1) * (mb.len() + 1) > MAX_CELLS {
+        return format!(
+            "--- {la}\n+++ {lb}\n(too many changed lines for a line diff: {} and {})\n",
+            ma.len(),
+            mb.len()
+        );
+    }
+    // lcs[i][j]: longest common subsequence of ma[i..] and mb[j..].
+    let w = mb.len() + 1;
+    let mut lcs = vec![0u32; (ma.len() + 1) * w];
+    for i in (0..ma.len()).rev() {
+        for j in (0..mb.len()).rev() {
+            lcs[i * w + j] = if ma[i] == mb[j] {
+                lcs[(i + 1) * w + j + 1] + 1
+            } else {
+                lcs[(i + 1) * w + j].max(lcs[i * w + j + 1])
+            };
+        }
+    }
+    // The edit script over the whole files: (tag, line index in a, line index in b).
+    let mut ops: Vec<(u8, usize, usize)> = (0..head).map(|k| (b' ', k, k)).collect();
+    let (mut i, mut j) = (0, 0);
+    while i < ma.len() || j < mb.len() {
+        if i < ma.len() && j < mb.len() && ma[i] == mb[j] {
+            ops.push((b' ', head + i, head + j));
+            i += 1;
+            j += 1;
+        } else if i < ma.len() && (j == mb.len() || lcs[(i + 1) * w + j] >= lcs[i * w + j + 1]) {
+            ops.push((b'-', head + i, head + j));
+            i += 1;
+        } else {
+            ops.push((b'+', head + i, head + j));
+            j += 1;
+        }
+    }
+    for k in 0..tail {
+        ops.push((b' ', xa.len() - tail + k, xb.len() - tail + k));
+    }
+    let mut out = format!("--- {la}\n+++ {lb}\n");
+    let changed: Vec<usize> = (0..ops.len()).filter(|&k| ops[k].0 != b' ').collect();
+    let mut k = 0;
+    while k < changed.len() {
+        // One hunk: changes closer than 2*ctx lines of context join.
+        let start = changed[k].saturating_sub(ctx);
+        let mut end = changed[k];
+        while k < changed.len() && changed[k] <= end + 2 * ctx {
+            end = changed[k];
+            k += 1;
+        }
+        let end = (end + ctx + 1).min(ops.len());
+        let hunk = &ops[start..end];
+        let na = hunk.iter().filter(|o| o.0 != b'+').count();
+        let nb = hunk.iter().filter(|o| o.0 != b'-').count();
+        let (sa, sb) = (hunk[0].1, hunk[0].2);
+        let at = |s: usize, n: usize| if n == 0 { s } else { s + 1 };
+        let _ = writeln!(out, "@@ -{},{na} +{},{nb} @@", at(sa, na), at(sb, nb));
+        for &(tag, ia, ib) in hunk {
+            let line = if tag == b'+' { xb[ib] } else { xa[ia] };
+            out.push(tag as char);
+            out.push_str(&String::from_utf8_lossy(line));
+            if !line.ends_with(b"\n") {
+                out.push_str("\n\\ No newline at end of file\n");
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unified_diff_has_hunks_with_context() {
+        let a = b"1\n2\n3\n4\n5\n6\n7\n8\n9\n10\n";
+        let b = b"1\n2\n3\nfour\n5\n6\n7\n8\n9\n10\n11\n";
+        let d = unified("a", "b", a, b, 1);
+        assert_eq!(
+            d,
+            "--- a\n+++ b\n@@ -3,3 +3,3 @@\n 3\n-4\n+four\n 5\n@@ -10,1 +10,2 @@\n 10\n+11\n"
+        );
+        assert_eq!(unified("a", "b", a, a, 3), "");
+        let d = unified("a", "b", b"", b"x", 3);
+        assert_eq!(
+            d,
+            "--- a\n+++ b\n@@ -0,0 +1,1 @@\n+x\n\\ No newline at end of file\n"
+        );
+    }
+}

@@ -1,0 +1,162 @@
+//! The bridge between a snapshot tree (`persist::format::Tree`) and the mounted
+//! filesystem's rollback (`fs::WorkspaceFs::rollback`): what differs between the tree at
+//! the last checkpoint and the target, the target as the filesystem asks for it, and the
+//! kernel invalidations once it is applied (through the FUSE session's notifier, wired in
+//! by `session`).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::fs::{Inval, RollbackPlan, RollbackTarget, Target, TargetData, WorkspaceFs};
+use crate::chunk::{ChunkId, ChunkSource, FetchError};
+use crate::meta::{Inode, InodeNo, Kind, Nanos, Storage};
+use crate::persist::format::{Tree, TreeData};
+use crate::persist::hydrate::RemoteChunks;
+use crate::persist::Repo;
+
+/// Sends one invalidation to the kernel; an error (the kernel no longer knows the inode or
+/// name) is not one.
+pub type Invalidate = Arc<dyn Fn(&Inval) -> std::io::Result<()> + Send + Sync>;
+
+/// The inodes and entries that differ between `cur` and `target`.
+pub fn plan(cur: &Tree, target: &Tree) -> RollbackPlan {
+    let mut inodes = BTreeSet::new();
+    let mut bodies = BTreeSet::new();
+    for (ino, t) in &cur.inodes {
+        if target.inodes.get(ino) != Some(t) {
+            inodes.insert(InodeNo(*ino));
+        }
+    }
+    for (ino, t) in &target.inodes {
+        let before = cur.inodes.get(ino);
+        if before.is_none() {
+            inodes.insert(InodeNo(*ino));
+        }
+        let bytes_differ = before.is_none_or(|b| b.data != t.data || b.rec.size != t.rec.size);
+        if matches!(t.data, TreeData::Chunks(_)) && bytes_differ {
+            bodies.insert(InodeNo(*ino));
+        }
+    }
+    let mut entries = BTreeSet::new();
+    for (k, v) in &cur.dirents {
+        if target.dirents.get(k) != Some(v) {
+            entries.insert((InodeNo(k.0), k.1.clone()));
+        }
+    }
+    for k in target.dirents.keys() {
+        if !cur.dirents.contains_key(k) {
+            entries.insert((InodeNo(k.0), k.1.clone()));
+        }
+    }
+    RollbackPlan {
+        inodes,
+        bodies,
+        entries,
+    }
+}
+
+struct TreeTarget<'a> {
+    tree: &'a Tree,
+    chunks: RemoteChunks,
+}
+
+impl RollbackTarget for TreeTarget<'_> {
+    fn inode(&self, ino: InodeNo) -> Option<Target> {
+        let t = self.tree.inodes.get(&ino.0)?;
+        let r = &t.rec;
+        let kind = Kind::from_mode(r.mode)?;
+        Some(Target {
+            inode: Inode {
+                ino,
+                kind,
+                perm: r.mode & 0o7777,
+                uid: r.uid,
+                gid: r.gid,
+                nlink: r.nlink,
+                size: r.size,
+                atime: Nanos(r.atime),
+                mtime: Nanos(r.mtime),
+                ctime: Nanos(r.ctime),
+                rdev: r.rdev,
+                parent: InodeNo(r.parent),
+                storage: if matches!(t.data, TreeData::Chunks(_)) {
+                    Storage::Body
+                } else {
+                    Storage::Inline
+                },
+            },
+            xattrs: r.xattrs.clone(),
+            data: match &t.data {
+                TreeData::None => TargetData::None,
+                TreeData::Inline(v) => TargetData::Inline(v.clone()),
+                TreeData::Symlink(v) => TargetData::Symlink(v.clone()),
+                TreeData::Chunks(m) => TargetData::Chunks(m.clone()),
+            },
+        })
+    }
+
+    fn entry(&self, parent: InodeNo, name: &[u8]) -> Option<(InodeNo, Kind)> {
+        let (ino, kind) = self.tree.dirents.get(&(parent.0, name.to_vec()))?;
+        Some((InodeNo(*ino), Kind::from_mode(*kind)?))
+    }
+
+    fn links(&self, inos: &BTreeSet<InodeNo>) -> Vec<(InodeNo, Vec<u8>)> {
+        if inos.is_empty() {
+            return Vec::new();
+        }
+        self.tree
+            .dirents
+            .iter()
+            .filter(|(_, (ino, _))| inos.contains(&InodeNo(*ino)))
+            .map(|((p, n), _)| (InodeNo(*p), n.clone()))
+            .collect()
+    }
+
+    fn chunk_size(&self) -> u64 {
+        self.tree.chunk_size
+    }
+
+    fn fetch(&self, ids: &[ChunkId]) -> Vec<Result<Bytes, FetchError>> {
+        self.chunks.fetch(ids)
+    }
+}
+
+/// What the checkpoint service calls to roll the mounted workspace back.
+pub fn rollback_fn(fs: Arc<WorkspaceFs>, inval: Invalidate) -> crate::persist::agent::RollbackFn {
+    Box::new(move |repo: &Repo, cur: &Tree, target: &Tree| {
+        if cur.chunk_size != target.chunk_size {
+            return Err(format!(
+                "the snapshot was cut into {} byte windows, the workspace into {}: restore it with keel snapshot restore instead",
+                target.chunk_size, cur.chunk_size
+            ));
+        }
+        let p = plan(cur, target);
+        let t = TreeTarget {
+            tree: target,
+            chunks: RemoteChunks::new(repo.clone()),
+        };
+        let r = fs.rollback(&p, &t).map_err(|e| format!("rollback: {e}"))?;
+        let t0 = Instant::now();
+        let mut inval_failed = 0u64;
+        for i in &r.inval {
+            if inval(i).is_err() {
+                inval_failed += 1;
+            }
+        }
+        Ok(serde_json::json!({
+            "inodes": r.inodes,
+            "entries": r.entries,
+            "bodies_rebuilt": r.bodies,
+            "body_bytes": r.body_bytes,
+            "open_files_kept": r.kept_open,
+            "renumbered": r.renumbered,
+            "changed_after_checkpoint": r.late,
+            "invalidations": r.inval.len(),
+            "invalidations_unknown_to_kernel": inval_failed,
+            "invalidate_ms": (t0.elapsed().as_secs_f64() * 1e6).round() / 1e3,
+        }))
+    })
+}
