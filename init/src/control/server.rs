@@ -47,8 +47,8 @@ pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections over the limit waiting for their 503, and the time each may take.
 const BUSY_QUEUE: usize = 64;
 const BUSY_TIME: Duration = Duration::from_millis(200);
-/// How long stopping waits for requests in flight.
-const STOP_GRACE: Duration = Duration::from_secs(2);
+/// How long stopping waits for requests in flight (and then for their handlers).
+const STOP_GRACE: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -268,7 +268,12 @@ async fn accept_loop(
     loop {
         let accept = std::pin::pin!(l.accept());
         let conn = match futures::future::select(&mut stop, accept).await {
-            Either::Left(_) => return,
+            Either::Left(_) => {
+                // Requests in flight get a moment to finish.
+                let all = slots.acquire_many(MAX_CONNECTIONS as u32);
+                let _ = tokio::time::timeout(STOP_GRACE, all).await;
+                return;
+            }
             Either::Right((Ok(c), _)) => c,
             Either::Right((Err(e), _)) => {
                 // Out of file descriptors or memory: say so now and then, and back off.

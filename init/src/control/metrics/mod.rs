@@ -212,7 +212,10 @@ mod tests {
             }],
             None,
         );
-        drop(fuse::begin(fuse::Op::Mknod));
+        // The first request on a thread is always timed.
+        std::thread::spawn(|| drop(fuse::begin(fuse::Op::Mknod)))
+            .join()
+            .unwrap();
         let text = render(&h);
         // The encoder's buckets are cumulative: +Inf is the count.
         let sample = |prefix: &str| {
@@ -233,7 +236,7 @@ mod tests {
             count
         );
         assert!(sample(&format!("{h_}_bucket{{op=\"mknod\",le=\"1e-05\"}}")) <= count);
-        assert_eq!(sample("keel_fuse_requests_total{op=\"mknod\"}"), count);
+        assert!(sample("keel_fuse_requests_total{op=\"mknod\"}") >= count);
         for want in [
             "keel_up 1\n",
             "keel_healthy 1\n",
