@@ -1,4 +1,4 @@
-# Shared by script/build-image, script/run and ci/e2e.sh. Source it after setting $repo.
+# Shared by script/build-image, script/run, script/test and ci/e2e.sh. Source it after setting $repo.
 # shellcheck shell=bash
 # $repo comes from the sourcing script; mmdebstrap's hook expands its own "$1".
 # shellcheck disable=SC2154,SC2016
@@ -65,6 +65,42 @@ need_cargo() {
     fi
     KEEL_RUST_TARGET="${KEEL_RUST_TARGET:-$(rustc -vV | sed -n 's/^host: //p')}"
     export KEEL_RUST_TARGET
+}
+
+# build_keel: keel built on the host (cargo, static glibc binary) and staged as
+# target/image/keel. Debian's own rustc is too old for the crate; a static glibc binary does
+# not care which libc the image has.
+build_keel() {
+    need_cargo
+    log "building keel (cargo build --release, static)"
+    (cd "$repo" && RUSTFLAGS="${RUSTFLAGS:-} -C target-feature=+crt-static" \
+        cargo build --release --locked -p keel --target "$KEEL_RUST_TARGET")
+    install -D -m 0755 "$repo/target/$KEEL_RUST_TARGET/release/keel" "$repo/target/image/keel"
+}
+
+# step WHAT CMD...: one line "keel: WHAT" on the terminal; CMD (in a subshell) writes into
+# $KEEL_SETUP_LOG. When it fails: the log's last lines and its path, and exit 1.
+step() {
+    local what="$1"
+    shift
+    : "${KEEL_SETUP_LOG:?step needs KEEL_SETUP_LOG}"
+    printf 'keel: %s\n' "$what" >&2
+    printf '\n==> %s: %s\n' "$(date -u +%H:%M:%S)" "$what" >>"$KEEL_SETUP_LOG"
+    # Not as an `if` condition: that would switch errexit off inside CMD.
+    local rc errexit=0
+    [[ $- == *e* ]] && errexit=1
+    set +e
+    (
+        set -e
+        "$@"
+    ) >>"$KEEL_SETUP_LOG" 2>&1
+    rc=$?
+    [ "$errexit" = 0 ] || set -e
+    if [ "$rc" != 0 ]; then
+        printf 'keel: %s failed; the last lines of %s:\n' "$what" "$KEEL_SETUP_LOG" >&2
+        tail -n 25 "$KEEL_SETUP_LOG" | sed 's/^/    /' >&2
+        exit 1
+    fi
 }
 
 setup_podman_env() {

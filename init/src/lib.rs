@@ -1,7 +1,8 @@
 //! keel: a PID-1 init and a durable FUSE workspace for Linux sandboxes.
 //!
-//! `main.rs` only parses the subcommand and exits; everything else lives here. Dependencies
-//! point one way: `workspace` → `meta`, `chunk`; `meta`, `chunk` and `sys` import no sibling.
+//! `main.rs` and `cli/` (the binary) parse the command line and exit; everything else lives
+//! here and never imports from `cli/`. Dependencies point one way: `workspace` → `meta`,
+//! `chunk`; `meta`, `chunk` and `sys` import no sibling.
 
 pub mod boot;
 pub mod chunk;
@@ -10,6 +11,7 @@ pub mod control;
 pub mod logging;
 pub mod meta;
 pub mod persist;
+pub mod progress;
 pub mod run;
 pub mod shutdown;
 pub mod supervisor;

@@ -1,67 +1,8 @@
-//! The `keel` binary: picks the subcommand and turns its result into the process exit code.
-//! This is the only place that exits.
+//! The `keel` binary: `cli` parses the command line and runs the subcommand; the exit code it
+//! returns ends the process. This is the only place that exits.
 
-use std::ffi::OsString;
-
-const USAGE: &str = "usage:
-  keel run [--config FILE] [--takeover[=wait|force]] [--] CMD [ARGS...]
-                                                run as the container's init (PID 1)
-  keel mount --state DIR MOUNTPOINT [--cache auto|kernel|none] [--passthrough auto|on|off]
-             [--threads N] [--config FILE] ...       (keel mount --help for all options)
-                                                mount the workspace in the foreground
-  keel status [--socket PATH] [--config FILE]   print the running keel's status (JSON)
-  keel checkpoint [--state DIR] [--full]        checkpoint the workspace to its remote now
-  keel gc [--state DIR]                         remove old snapshots and unreferenced chunks
-  keel fsck --state DIR [--repair] [--quick]    check a stopped state dir and its remote
-  keel snapshot list|restore ID ...             list snapshots / restore one into an empty dir
-  keel fork --to URL [--from URL] [--seq N]     new workspace from a snapshot, sharing its chunks
-  keel fork --delete URL                        remove a fork (its chunks go at the next gc)
-  keel [--config FILE] [--] CMD [ARGS...]       same as `keel run`";
+mod cli;
 
 fn main() {
-    let mut args: Vec<OsString> = std::env::args_os().skip(1).collect();
-    let code = match args.first().and_then(|a| a.to_str()) {
-        Some("mount") => {
-            args.remove(0);
-            keel::workspace::cli::mount_main(args)
-        }
-        Some("status") => {
-            args.remove(0);
-            keel::control::client::status_main(args)
-        }
-        Some("checkpoint") => {
-            args.remove(0);
-            keel::persist::cli::checkpoint_main(args)
-        }
-        Some("gc") => {
-            args.remove(0);
-            keel::persist::cli::gc_main(args)
-        }
-        Some("fsck") => {
-            args.remove(0);
-            keel::persist::cli::fsck_main(args)
-        }
-        Some("snapshot") => {
-            args.remove(0);
-            keel::persist::cli::snapshot_main(args)
-        }
-        Some("fork") => {
-            args.remove(0);
-            keel::persist::fork::fork_main(args)
-        }
-        Some("run") => {
-            args.remove(0);
-            keel::run::main(args)
-        }
-        Some("-h") | Some("--help") | Some("help") => {
-            println!("{USAGE}");
-            0
-        }
-        Some("--version") | Some("-V") => {
-            println!("keel {}", env!("CARGO_PKG_VERSION"));
-            0
-        }
-        _ => keel::run::main(args),
-    };
-    std::process::exit(code);
+    std::process::exit(cli::main());
 }

@@ -1,4 +1,4 @@
-//! `keel run`: parse the command line, load the config, then the boot order — block signals →
+//! `keel run`: load the config, then the boot order — block signals →
 //! boot (subreaper, `chdir /`, container mounts, limits) → control API → resolve services →
 //! check and mount the workspace → supervise → stop → flush + unmount the workspace → stop the
 //! control API → exit code. Each step publishes into the control API's `StatusHandle`.
@@ -11,7 +11,7 @@ use std::time::Instant;
 use tracing::{error, info};
 
 use crate::boot::{self, WorkspacePlan};
-use crate::config::{Config, DEFAULT_PATH};
+use crate::config::Config;
 use crate::supervisor::Supervisor;
 
 /// Exit code for usage and config errors.
@@ -22,8 +22,6 @@ pub const EXIT_SETUP: i32 = 1;
 /// Why `keel run` stopped before supervising anything.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error("{0} (usage: keel run [--config FILE] [--takeover[=wait|force]] [--] CMD [ARGS...])")]
-    Usage(String),
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
     #[error(transparent)]
@@ -46,73 +44,26 @@ impl RunError {
     /// keel's exit code for this failure: 2 for usage and config, 1 for setup.
     pub fn exit_code(&self) -> i32 {
         match self {
-            RunError::Usage(_) | RunError::Config(_) | RunError::Credentials(_) => EXIT_USAGE,
+            RunError::Config(_) | RunError::Credentials(_) => EXIT_USAGE,
             RunError::Control(crate::control::ControlError::Token(_)) => EXIT_USAGE,
             _ => EXIT_SETUP,
         }
     }
 }
 
-#[derive(Debug, PartialEq, Eq)]
-pub struct Args {
+/// What `keel run` was asked for on its command line.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct RunOptions {
+    /// `--config` or `KEEL_CONFIG` (see `Config::resolve`).
     pub config: Option<PathBuf>,
     /// `--takeover[=refuse|wait|force]` (bare: force), over `[persist] takeover`.
     pub takeover: Option<crate::config::Takeover>,
+    /// The main command and its arguments (may be empty when services are configured).
     pub command: Vec<OsString>,
 }
 
-/// `[--config FILE | --config=FILE] [--takeover[=wait|force]] [--] CMD ARGS...`; option
-/// parsing stops at the first non-option.
-pub fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
-    let mut config = None;
-    let mut takeover = None;
-    let mut it = args.into_iter();
-    let mut command = Vec::new();
-    while let Some(a) = it.next() {
-        let s = a.to_string_lossy();
-        if s == "--" {
-            break;
-        } else if s == "--config" || s == "-c" {
-            config = Some(PathBuf::from(it.next().ok_or("--config needs a FILE")?));
-        } else if let Some(v) = s.strip_prefix("--config=") {
-            config = Some(PathBuf::from(v));
-        } else if s == "--takeover" {
-            takeover = Some(crate::config::Takeover::Force);
-        } else if let Some(v) = s.strip_prefix("--takeover=") {
-            takeover = Some(v.parse().map_err(|e| format!("--takeover: {e}"))?);
-        } else if s.starts_with('-') && s.len() > 1 {
-            return Err(format!("unknown option `{s}`"));
-        } else {
-            command.push(a);
-            break;
-        }
-    }
-    command.extend(it);
-    Ok(Args {
-        config,
-        takeover,
-        command,
-    })
-}
-
-/// `--config`, else `KEEL_CONFIG`, else /etc/keel/config.toml if it exists, else defaults.
-pub fn load_config(explicit: Option<PathBuf>) -> Result<Config, crate::config::ConfigError> {
-    let path = explicit.or_else(|| {
-        std::env::var_os("KEEL_CONFIG")
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    });
-    match path {
-        Some(p) => Config::load(&p),
-        None if std::path::Path::new(DEFAULT_PATH).exists() => {
-            Config::load(std::path::Path::new(DEFAULT_PATH))
-        }
-        None => Ok(Config::default()),
-    }
-}
-
 /// Entry point of `keel run`; returns the process exit code.
-pub fn main(args: Vec<OsString>) -> i32 {
+pub fn main(args: RunOptions) -> i32 {
     let t0 = Instant::now();
     // First, before any thread can exist: every signal to keel arrives on the signalfd.
     let signals = match crate::sys::signal::block_all() {
@@ -169,9 +120,8 @@ type Setup = (
 );
 
 /// Everything before supervision, in order; on error nothing has been started or mounted.
-fn setup(args: Vec<OsString>, signals: crate::sys::signal::Signals) -> Result<Setup, RunError> {
-    let args = parse_args(args).map_err(RunError::Usage)?;
-    let mut cfg = load_config(args.config)?;
+fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup, RunError> {
+    let mut cfg = Config::resolve(args.config.as_deref())?;
     if let Some(t) = args.takeover {
         cfg.persist.takeover = t;
     }
@@ -411,35 +361,5 @@ fn mount_workspace(
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn a(v: &[&str]) -> Vec<OsString> {
-        v.iter().map(OsString::from).collect()
-    }
-
-    #[test]
-    fn option_parsing_stops_at_first_non_option() {
-        let p = parse_args(a(&["sh", "-c", "exit 3"])).unwrap();
-        assert_eq!(p.command, a(&["sh", "-c", "exit 3"]));
-        let p = parse_args(a(&["--config", "/x", "--", "sh", "--config", "y"])).unwrap();
-        assert_eq!(p.config, Some(PathBuf::from("/x")));
-        assert_eq!(p.command, a(&["sh", "--config", "y"]));
-        let p = parse_args(a(&["--config=/y", "ls", "-l"])).unwrap();
-        assert_eq!(
-            (p.config, p.command),
-            (Some(PathBuf::from("/y")), a(&["ls", "-l"]))
-        );
-        assert!(parse_args(a(&["--bogus", "ls"])).is_err());
-        let p = parse_args(a(&["--takeover", "ls"])).unwrap();
-        assert_eq!(p.takeover, Some(crate::config::Takeover::Force));
-        let p = parse_args(a(&["--takeover=wait", "ls"])).unwrap();
-        assert_eq!(p.takeover, Some(crate::config::Takeover::Wait));
-        assert!(parse_args(a(&["--takeover=steal", "ls"])).is_err());
-        assert!(parse_args(a(&["--config"])).is_err());
     }
 }

@@ -76,14 +76,7 @@ fn lazy_state(
     let files = source(&remote_dir, &tmp.join("src"));
     let state = tmp.join("state");
     let remote: Arc<dyn Remote> = Arc::new(FsRemote::open(&remote_dir).unwrap());
-    let r = restore_with(
-        &mut Repo::new(remote, ""),
-        None,
-        &state,
-        false,
-        RestoreMode::Lazy,
-    )
-    .unwrap();
+    let r = restore_with(&mut Repo::new(remote, ""), None, &state, RestoreMode::Lazy).unwrap();
     assert_eq!(r.chunks_fetched, 0);
     assert!(missing_windows(&state) > 80);
     let cfg = tmp.join("config.toml");

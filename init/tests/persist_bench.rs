@@ -104,8 +104,7 @@ fn bench_checkpoint_throughput() {
         if file_remote {
             let target = tempfile::tempdir_in("/var/tmp").unwrap();
             let t = Instant::now();
-            let rr =
-                restore::restore(&mut Repo::new(remote, ""), None, target.path(), false).unwrap();
+            let rr = restore::restore(&mut Repo::new(remote, ""), None, target.path()).unwrap();
             let s = t.elapsed().as_secs_f64();
             println!(
                 "BENCH restore [{name}]: {} MiB: {s:.2}s = {:.0} MB/s",
@@ -158,7 +157,6 @@ fn bench_fsck_100k_files() {
             quick,
             chunk_size: CS,
             remote: with_remote.then(|| Repo::new(remote.clone(), "")),
-            progress: false,
         };
         let t = Instant::now();
         let rep = fsck(dir.path(), &opts).unwrap();
@@ -174,7 +172,7 @@ fn bench_fsck_100k_files() {
     }
     let target = tempfile::tempdir_in("/var/tmp").unwrap();
     let t = Instant::now();
-    restore::restore(&mut Repo::new(remote, ""), None, target.path(), false).unwrap();
+    restore::restore(&mut Repo::new(remote, ""), None, target.path()).unwrap();
     println!(
         "BENCH restore 100k-file tree: {:.2}s",
         t.elapsed().as_secs_f64()

@@ -17,7 +17,7 @@ use persist_util::*;
 fn restore_dump(remote: Arc<dyn Remote>) -> std::collections::BTreeMap<String, String> {
     let dir = tempfile::tempdir().unwrap();
     let mut repo = Repo::new(remote, "ws");
-    restore::restore(&mut repo, None, dir.path(), false).expect("restore");
+    restore::restore(&mut repo, None, dir.path()).expect("restore");
     dump(&open_fs(dir.path()))
 }
 
@@ -129,7 +129,7 @@ fn corrupt_chunk_fails_restore_and_fsck_then_repair_reuploads() {
     std::fs::write(&path, &bytes).unwrap();
 
     let target = tempfile::tempdir().unwrap();
-    let err = restore::restore(&mut repo.clone(), None, target.path(), false)
+    let err = restore::restore(&mut repo.clone(), None, target.path())
         .unwrap_err()
         .to_string();
     assert!(
@@ -142,7 +142,6 @@ fn corrupt_chunk_fails_restore_and_fsck_then_repair_reuploads() {
         quick: false,
         chunk_size: CHUNK,
         remote: Some(repo.clone()),
-        progress: false,
     };
     let rep = fsck(dir.path(), &opts(false)).unwrap();
     assert!(!rep.is_clean());
@@ -157,7 +156,7 @@ fn corrupt_chunk_fails_restore_and_fsck_then_repair_reuploads() {
     let rep = fsck(dir.path(), &opts(true)).unwrap();
     assert!(rep.is_clean(), "{:?}", rep.findings);
     assert!(fsck(dir.path(), &opts(false)).unwrap().findings.is_empty());
-    restore::restore(&mut repo.clone(), None, target.path(), false).expect("restore after repair");
+    restore::restore(&mut repo.clone(), None, target.path()).expect("restore after repair");
 }
 
 #[test]
@@ -258,7 +257,6 @@ fn remote_failing_at_every_step_loses_nothing() {
             quick: false,
             chunk_size: CHUNK,
             remote: Some(Repo::new(remote, "ws")),
-            progress: false,
         },
     )
     .unwrap();

@@ -39,8 +39,7 @@ fn open(url: &str, cfg: &PersistConfig) -> (Repo, Arc<Counted>) {
 fn restore_dump(url: &str, cfg: &PersistConfig) -> (tempfile::TempDir, BTreeMap<String, String>) {
     let dir = tempfile::tempdir().unwrap();
     let (mut repo, _) = open(url, cfg);
-    restore::restore(&mut repo, None, dir.path(), false)
-        .unwrap_or_else(|e| panic!("restore {url}: {e}"));
+    restore::restore(&mut repo, None, dir.path()).unwrap_or_else(|e| panic!("restore {url}: {e}"));
     let fs = open_fs(dir.path());
     let d = dump(&fs);
     drop(fs);
@@ -113,7 +112,7 @@ fn scenario(url: impl Fn(&str) -> String, cfg: &PersistConfig) {
 
     // The fork restores to the origin's tree; it lists its snapshot.
     let b = tempfile::tempdir().unwrap();
-    restore::restore(&mut fork_repo.clone(), None, b.path(), false).expect("restore fork");
+    restore::restore(&mut fork_repo.clone(), None, b.path()).expect("restore fork");
     let fs_b = open_fs(b.path());
     assert_eq!(dump(&fs_b), at_fork);
     let snaps = fork_repo.list_snapshots().unwrap();
@@ -208,8 +207,7 @@ fn scenario(url: impl Fn(&str) -> String, cfg: &PersistConfig) {
     assert!(restore::restore(
         &mut open(&f_url, cfg).0,
         None,
-        tempfile::tempdir().unwrap().path(),
-        false
+        tempfile::tempdir().unwrap().path()
     )
     .is_err());
 

@@ -87,7 +87,7 @@ impl Lazy {
         let dst = tempfile::tempdir().unwrap();
         let before = gets.load(Ordering::SeqCst);
         let mut repo = Repo::new(remote.clone(), "ws");
-        let r = restore_with(&mut repo, None, dst.path(), false, RestoreMode::Lazy).unwrap();
+        let r = restore_with(&mut repo, None, dst.path(), RestoreMode::Lazy).unwrap();
         assert_eq!(
             gets.load(Ordering::SeqCst),
             before,
@@ -132,7 +132,7 @@ fn win(v: &[u8], idx: u64) -> &[u8] {
 /// Restores the head eagerly elsewhere and dumps it.
 fn eager_dump(remote: Arc<dyn Remote>) -> (tempfile::TempDir, BTreeMap<String, String>) {
     let dir = tempfile::tempdir().unwrap();
-    restore(&mut Repo::new(remote, "ws"), None, dir.path(), false).unwrap();
+    restore(&mut Repo::new(remote, "ws"), None, dir.path()).unwrap();
     let fs = open_fs(dir.path());
     let d = dump(&fs);
     drop(fs);
@@ -430,7 +430,6 @@ fn fsck_does_not_call_unfetched_windows_corrupt() {
         quick: false,
         chunk_size: CHUNK,
         remote: Some(Repo::new(l.remote.clone(), "ws")),
-        progress: false,
     };
     let rep = fsck(l.dst.path(), &opts).unwrap();
     let bad: Vec<_> = rep

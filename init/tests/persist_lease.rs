@@ -165,7 +165,7 @@ fn abandoned_lease_refuse_wait_force_and_the_old_holder_is_fenced() {
     // The new holder's checkpoint builds on the head and carries its epoch.
     let dir2 = tempfile::tempdir().unwrap();
     let mut r2 = open_remote(&c.remote, &c).unwrap();
-    restore::restore(&mut r2, None, dir2.path(), false).unwrap();
+    restore::restore(&mut r2, None, dir2.path()).unwrap();
     let fs2 = open_fs(dir2.path());
     write_file(&fs2, "c.txt", b"new holder");
     // A clean close: dropping the filesystem alone would be a crash, losing the open
@@ -274,7 +274,7 @@ fn remote_cut_mid_checkpoint_is_retried_and_nothing_is_lost() {
     let target = tempfile::tempdir().unwrap();
     let direct = cfg(port, "outage", Duration::ZERO, Takeover::Refuse);
     let mut repo = open_remote(&direct.remote, &direct).unwrap();
-    restore::restore(&mut repo, None, target.path(), false).unwrap();
+    restore::restore(&mut repo, None, target.path()).unwrap();
     assert_eq!(dump(&open_fs(target.path())), dump(&fs));
     // Released at close: the next writer gets it at once.
     let next = acquire_lease(dir.path(), &direct_with_lease(&direct), false)

@@ -184,17 +184,10 @@ fn library_pass(tmp: &Path, walk: &mut Walk) {
     let mut fork_repo = open_remote(&fork_url, &cfg).unwrap();
     fork(&mut repo.clone(), &mut fork_repo, None).expect("fork");
     let eager = tmp.join("restored");
-    restore(&mut fork_repo.clone(), None, &eager, false).expect("restore");
+    restore(&mut fork_repo.clone(), None, &eager).expect("restore");
     let lazy = tmp.join("lazy");
     premade_dir(&lazy);
-    restore_with(
-        &mut fork_repo.clone(),
-        None,
-        &lazy,
-        false,
-        RestoreMode::Lazy,
-    )
-    .expect("lazy");
+    restore_with(&mut fork_repo.clone(), None, &lazy, RestoreMode::Lazy).expect("lazy");
     let fs_lazy = open_fs(&lazy);
     // Where the chunks live: the fork's manifest points at the origin's store.
     let mut source = open_remote(&fork_url, &cfg).unwrap();

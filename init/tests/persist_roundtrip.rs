@@ -19,7 +19,7 @@ fn restore_into(
 ) {
     let dir = tempfile::tempdir().unwrap();
     let mut repo = Repo::new(remote, "ws");
-    restore::restore(&mut repo, seq, dir.path(), false).expect("restore");
+    restore::restore(&mut repo, seq, dir.path()).expect("restore");
     let fs = open_fs(dir.path());
     let d = dump(&fs);
     drop(fs);

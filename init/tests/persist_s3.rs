@@ -57,7 +57,7 @@ fn s3_checkpoint_restore_gc_and_stale_head() {
     // Restore through S3 into a fresh state dir: identical tree.
     let target = tempfile::tempdir().unwrap();
     let mut r2 = repo.clone();
-    restore::restore(&mut r2, None, target.path(), false).expect("restore from s3");
+    restore::restore(&mut r2, None, target.path()).expect("restore from s3");
     assert_eq!(dump(&open_fs(target.path())), dump(&fs));
 
     // A writer working from a stale head is refused by the conditional PUT.

@@ -95,6 +95,15 @@ impl Config {
         Self::parse(&text, path)
     }
 
+    /// The config every subcommand runs with: the file named (`--config`, else
+    /// `KEEL_CONFIG`), else `DEFAULT_PATH` if it exists, else the built-in defaults.
+    pub fn resolve(named: Option<&Path>) -> Result<Self, ConfigError> {
+        match config_file(named, Path::new(DEFAULT_PATH)) {
+            Some(p) => Self::load(&p),
+            None => Ok(Self::default()),
+        }
+    }
+
     /// Expands `${VAR}` in the keys of `expand::EXPANDED_KEYS` (in this order).
     fn expand_places(
         &mut self,
@@ -222,9 +231,31 @@ fn key_at(text: &str, pos: usize) -> String {
     format!("{key} (line {lineno})")
 }
 
+/// Which file `Config::resolve` reads: `named` (an empty name counts as none), else
+/// `default` if it exists; `None`: no file, the built-in defaults.
+pub fn config_file(named: Option<&Path>, default: &Path) -> Option<PathBuf> {
+    match named.filter(|p| !p.as_os_str().is_empty()) {
+        Some(p) => Some(p.to_path_buf()),
+        None => default.exists().then(|| default.to_path_buf()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_named_file_then_the_default_if_present_then_none() {
+        let d = tempfile::tempdir().unwrap();
+        let default = d.path().join("config.toml");
+        let named = Path::new("/x/named.toml");
+        assert_eq!(config_file(None, &default), None);
+        assert_eq!(config_file(Some(Path::new("")), &default), None);
+        assert_eq!(config_file(Some(named), &default), Some(named.into()));
+        std::fs::write(&default, "").unwrap();
+        assert_eq!(config_file(None, &default), Some(default.clone()));
+        assert_eq!(config_file(Some(named), &default), Some(named.into()));
+    }
 
     #[test]
     fn unknown_key_is_named() {

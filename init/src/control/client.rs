@@ -1,24 +1,17 @@
-//! `keel status [--socket PATH] [--config FILE]`: asks a running `keel run` for `/status`
-//! over its Unix socket (default `<state_dir>/control.sock` from the config) and prints the
-//! JSON exactly as `GET /status` returns it. Nothing listening is one clear line and exit 1.
+//! The client of the control API over its Unix socket (`keel status`, `keel checkpoint`):
+//! `GET /status` returns the JSON exactly as keel sends it. Nothing listening is one clear
+//! line.
 
-use std::ffi::OsString;
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-const USAGE: &str = "usage: keel status [--socket PATH] [--config FILE]";
 
 /// How long `keel status` waits for an answer.
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("{0}\n{USAGE}")]
-    Usage(String),
-    #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
     #[error("nothing is listening on {} (is `keel run` running with this state dir?)", path.display())]
     NotListening { path: PathBuf },
     #[error("{}: permission denied (the control socket is for root / keel's user only)", path.display())]
@@ -37,46 +30,6 @@ pub enum ClientError {
         code: u16,
         body: String,
     },
-}
-
-impl ClientError {
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            ClientError::Usage(_) | ClientError::Config(_) => crate::run::EXIT_USAGE,
-            _ => 1,
-        }
-    }
-}
-
-#[derive(Debug, Default, PartialEq, Eq)]
-struct Args {
-    socket: Option<PathBuf>,
-    config: Option<PathBuf>,
-}
-
-fn parse(args: Vec<OsString>) -> Result<Args, ClientError> {
-    let mut out = Args::default();
-    let mut it = args.into_iter();
-    while let Some(a) = it.next() {
-        let s = a.to_string_lossy().into_owned();
-        let (flag, inline) = match s.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(PathBuf::from(v))),
-            _ => (s.clone(), None),
-        };
-        let mut value = || {
-            inline
-                .clone()
-                .or_else(|| it.next().map(PathBuf::from))
-                .ok_or_else(|| ClientError::Usage(format!("{flag} needs a value")))
-        };
-        match flag.as_str() {
-            "--socket" => out.socket = Some(value()?),
-            "--config" | "-c" => out.config = Some(value()?),
-            "-h" | "--help" => return Err(ClientError::Usage("keel status".into())),
-            _ => return Err(ClientError::Usage(format!("unexpected argument `{s}`"))),
-        }
-    }
-    Ok(out)
 }
 
 /// Sends `METHOD route` over the Unix socket at `path`; returns the status code and body.
@@ -115,36 +68,15 @@ pub fn request(path: &Path, method: &str, route: &str) -> Result<(u16, String), 
     Ok((code, body.to_string()))
 }
 
-fn status(args: Vec<OsString>) -> Result<String, ClientError> {
-    let a = parse(args)?;
-    let path = match a.socket {
-        Some(p) => p,
-        None => super::default_socket(&crate::run::load_config(a.config)?),
-    };
-    match request(&path, "GET", "/status")? {
+/// `GET /status` from the keel listening at `path`: the JSON body.
+pub fn status(path: &Path) -> Result<String, ClientError> {
+    match request(path, "GET", "/status")? {
         (200, body) => Ok(body),
         (code, body) => Err(ClientError::Status {
-            path,
+            path: path.to_path_buf(),
             code,
             body: body.trim().to_string(),
         }),
-    }
-}
-
-/// Entry point of `keel status`; returns the process exit code.
-pub fn status_main(args: Vec<OsString>) -> i32 {
-    match status(args) {
-        Ok(body) => {
-            let mut out = io::stdout().lock();
-            match out.write_all(body.as_bytes()).and_then(|()| out.flush()) {
-                Ok(()) => 0,
-                Err(_) => 1,
-            }
-        }
-        Err(e) => {
-            eprintln!("keel status: {e}");
-            e.exit_code()
-        }
     }
 }
 
@@ -152,27 +84,12 @@ pub fn status_main(args: Vec<OsString>) -> i32 {
 mod tests {
     use super::*;
 
-    fn a(v: &[&str]) -> Vec<OsString> {
-        v.iter().map(OsString::from).collect()
-    }
-
-    #[test]
-    fn args() {
-        assert_eq!(parse(a(&[])).unwrap(), Args::default());
-        let p = parse(a(&["--socket", "/s", "--config=/c"])).unwrap();
-        assert_eq!(p.socket, Some(PathBuf::from("/s")));
-        assert_eq!(p.config, Some(PathBuf::from("/c")));
-        assert!(parse(a(&["--socket"])).is_err());
-        assert!(parse(a(&["extra"])).is_err());
-    }
-
     #[test]
     fn nothing_listening_is_one_clear_line() {
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join("control.sock");
         let e = request(&path, "GET", "/status").unwrap_err();
         assert!(matches!(e, ClientError::NotListening { .. }), "{e:?}");
-        assert_eq!(e.exit_code(), 1);
         // A stale socket file nobody listens on reads the same.
         drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
         let e = request(&path, "GET", "/status").unwrap_err();

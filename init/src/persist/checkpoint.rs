@@ -134,8 +134,6 @@ pub struct CheckpointOptions {
     /// When every write before this time was known to be recorded in the store (the
     /// caller flushed the filesystem); default: the start of the checkpoint.
     pub synced_at: Option<Nanos>,
-    /// Print progress lines on stderr for long checkpoints.
-    pub progress: bool,
 }
 
 /// Tunables that come from the config.
@@ -555,7 +553,7 @@ impl Persister {
         let mut seen: HashSet<ChunkId> = HashSet::new();
         let total = jobs.len();
         let mut done = 0usize;
-        let mut last_progress = Instant::now();
+        crate::progress::stage("windows hashed", Some(total as u64));
         // Whether reused chunks need a fresh age (asked once, at the first upload).
         let mut shared: Option<bool> = None;
         while done < total {
@@ -615,13 +613,7 @@ impl Persister {
                 }
             }
             done = end;
-            if opts.progress && last_progress.elapsed() > Duration::from_secs(1) {
-                last_progress = Instant::now();
-                eprintln!(
-                    "keel: checkpoint: {done}/{total} windows hashed, {} bytes uploaded",
-                    report.chunk_bytes_uploaded
-                );
-            }
+            crate::progress::set(done as u64);
         }
 
         // Fill in the chunk maps of the snapshot.

@@ -1,149 +1,18 @@
-//! The persist subcommands: `keel checkpoint`, `keel gc`, `keel fsck`, `keel snapshot
-//! list|restore`. Each talks to the running keel over the control socket when the state
-//! dir is mounted, and otherwise locks the state dir and works on it directly.
+//! What the persist subcommands do, on a config the command line has made: `keel
+//! checkpoint`, `gc`, `fsck`, `snapshot list|restore`, `fork`, and the lease and restore
+//! `keel run` and `keel mount` take before mounting. Each talks to the running keel over the
+//! control socket when the state dir is mounted, and otherwise locks the state dir and works
+//! on it directly. Long work reports to `crate::progress`.
 
-use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use super::checkpoint::{CheckpointOptions, Persister};
-use super::fsck::{fsck, FsckOptions, Level};
+use super::fsck::FsckReport;
+use super::restore::RestoreReport;
 use super::{control, gc, open_remote, params, restore, Repo};
 use crate::config::Config;
 use crate::sys;
-
-pub const USAGE: &str = "usage:
-  keel checkpoint [--state DIR] [--config FILE] [--full] [--takeover[=wait|force]]
-  keel gc [--state DIR] [--config FILE]
-  keel fsck --state DIR [--repair] [--quick] [--no-remote] [--config FILE]
-  keel snapshot list [--state DIR | --remote URL] [--config FILE]
-  keel snapshot restore ID|latest --state DIR [--remote URL] [--config FILE]";
-
-#[derive(Debug, Default)]
-pub(super) struct Args {
-    pub(super) state: Option<PathBuf>,
-    pub(super) config: Option<PathBuf>,
-    pub(super) remote: Option<String>,
-    takeover: Option<crate::config::Takeover>,
-    flags: Vec<String>,
-    positional: Vec<String>,
-}
-
-/// One argument of a persist subcommand, as `each_flag` hands it over: `--flag value`,
-/// `--flag=value`, a bare flag or a positional argument.
-pub(super) struct Flag<'a> {
-    /// The flag (`--state` of `--state=x`), or the whole argument when it has no `=value`.
-    pub(super) name: &'a str,
-    /// The argument as given.
-    pub(super) arg: &'a str,
-    /// The `=value` part, if any.
-    pub(super) inline: Option<&'a str>,
-    rest: &'a mut dyn Iterator<Item = String>,
-}
-
-impl Flag<'_> {
-    /// The flag's value: its `=value`, else the next argument.
-    pub(super) fn value(&mut self) -> Result<String, String> {
-        match self.inline {
-            Some(v) => Ok(v.to_string()),
-            None => self
-                .rest
-                .next()
-                .ok_or_else(|| format!("{} needs a value", self.name)),
-        }
-    }
-}
-
-/// The flag loop of every persist subcommand: calls `each` once per argument, in order
-/// (a flag's value taken with `Flag::value` is not handed over again).
-pub(super) fn each_flag(
-    args: Vec<OsString>,
-    mut each: impl FnMut(&mut Flag<'_>) -> Result<(), String>,
-) -> Result<(), String> {
-    let mut it = args.into_iter().map(|a| a.to_string_lossy().into_owned());
-    while let Some(a) = it.next() {
-        let (name, inline) = match a.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v)),
-            _ => (a.as_str(), None),
-        };
-        each(&mut Flag {
-            name,
-            arg: &a,
-            inline,
-            rest: &mut it,
-        })?;
-    }
-    Ok(())
-}
-
-impl Args {
-    /// `--state DIR` and `--config FILE`, which every subcommand takes. `Ok(false)`: `f` is
-    /// neither.
-    pub(super) fn common_flag(&mut self, f: &mut Flag<'_>) -> Result<bool, String> {
-        match f.name {
-            "--state" => self.state = Some(PathBuf::from(f.value()?)),
-            "--config" => self.config = Some(PathBuf::from(f.value()?)),
-            _ => return Ok(false),
-        }
-        Ok(true)
-    }
-}
-
-fn parse(args: Vec<OsString>) -> Result<Args, String> {
-    let mut out = Args::default();
-    each_flag(args, |f| {
-        if out.common_flag(f)? {
-            return Ok(());
-        }
-        match f.name {
-            "--takeover" => {
-                out.takeover = Some(match f.inline {
-                    None => crate::config::Takeover::Force,
-                    Some(v) => v.parse().map_err(|e| format!("--takeover: {e}"))?,
-                })
-            }
-            "--remote" => out.remote = Some(f.value()?),
-            "--full" | "--repair" | "--quick" | "--no-remote" => out.flags.push(f.name.to_string()),
-            "-h" | "--help" => return Err(USAGE.into()),
-            n if n.starts_with('-') => return Err(format!("unknown option `{n}`\n{USAGE}")),
-            _ => out.positional.push(f.arg.to_string()),
-        }
-        Ok(())
-    })?;
-    Ok(out)
-}
-
-fn absolute(p: PathBuf) -> PathBuf {
-    if p.is_absolute() {
-        p
-    } else {
-        std::env::current_dir().map(|d| d.join(&p)).unwrap_or(p)
-    }
-}
-
-pub(super) fn load(a: &Args) -> Result<Config, String> {
-    let path = a
-        .config
-        .clone()
-        .or_else(|| std::env::var_os("KEEL_CONFIG").map(PathBuf::from));
-    let mut cfg = match path {
-        Some(p) => Config::load(&p).map_err(|e| e.to_string())?,
-        None => Config::default(),
-    };
-    if let Some(s) = &a.state {
-        cfg.workspace.state_dir = absolute(s.clone());
-    }
-    if let Some(r) = &a.remote {
-        cfg.persist.remote = r.clone();
-    }
-    if let Some(t) = a.takeover {
-        cfg.persist.takeover = t;
-    }
-    cfg.persist
-        .validate()
-        .map_err(|(k, r)| format!("{k}: {r}"))?;
-    Ok(cfg)
-}
 
 fn repo_of(cfg: &Config) -> Result<Repo, String> {
     let url = cfg
@@ -182,7 +51,8 @@ pub fn lease_and_restore(cfg: &Config) -> Result<super::lease::ReleaseOnDrop, St
         &cfg.persist,
         false,
     )?);
-    match restore_on_start(cfg) {
+    let log = crate::progress::Logged::new("restore", super::service::LOG_EVERY);
+    match crate::progress::scope(log, || restore_on_start(cfg)) {
         Ok(Some(what)) => tracing::info!("{what}"),
         Ok(None) => {}
         Err(e) => return Err(StartError::Restore(e)),
@@ -201,7 +71,7 @@ pub fn restore_on_start(cfg: &Config) -> Result<Option<String>, String> {
     let _lock = lock_offline(state)?;
     let mut repo = repo_of(cfg)?;
     let mode = restore_mode(cfg, &mut repo);
-    match restore::restore_with(&mut repo, None, state, false, mode) {
+    match restore::restore_with(&mut repo, None, state, mode) {
         Ok(r) => Ok(Some(format!(
             "restored snapshot {} from {} ({}): {} files, {} bytes, {} chunks fetched, {} windows left to fetch on first use, in {:.2}s",
             r.seq,
@@ -274,246 +144,210 @@ fn ask(state: &Path, cmd: &str) -> Result<Option<String>, String> {
     }
 }
 
-pub(super) fn run(what: &str, f: impl FnOnce() -> Result<i32, String>) -> i32 {
-    crate::logging::init();
-    match f() {
-        Ok(c) => c,
+/// What a command printed and whether it succeeded.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Answer {
+    pub text: String,
+    pub ok: bool,
+}
+
+/// `keel checkpoint [--full]`: by the running keel if there is one, else offline.
+pub fn checkpoint(cfg: &Config, full: bool) -> Result<Answer, String> {
+    let state = &cfg.workspace.state_dir;
+    let cmd = if full {
+        "checkpoint full"
+    } else {
+        "checkpoint"
+    };
+    if let Some(mp) = ask(state, "mount-point")? {
+        // Push what the kernel still caches for the mount into keel first; from this
+        // process, so a keel killed meanwhile cannot deadlock on its own mount.
+        if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
+            eprintln!("keel: checkpoint: syncfs {mp}: {e} (checkpointing what keel has)");
+        }
+    }
+    if let Some(r) = control::request(state, cmd, Duration::from_secs(3600))? {
+        return Ok(Answer { text: r, ok: true });
+    }
+    // keel run without persist.sock: its HTTP control API may still take the request.
+    let http = crate::control::default_socket(cfg);
+    if http.exists() {
+        if let Ok((code, body)) = crate::control::client::request(&http, "POST", "/checkpoint") {
+            return Ok(Answer {
+                text: body.trim().to_string(),
+                ok: code == 200,
+            });
+        }
+    }
+    let _lock = lock_offline(state)?;
+    let mut p = Persister::open(state, repo_of(cfg)?, params(&cfg.workspace, &cfg.persist))
+        .map_err(|e| e.to_string())?;
+    // The head moves: only as the workspace's one writer.
+    let mut lease = super::acquire_lease(state, &cfg.persist, true).map_err(|e| e.to_string())?;
+    if let Some(l) = lease.as_mut() {
+        l.start_renewal()
+            .map_err(|e| format!("start lease renewal: {e}"))?;
+        p.set_lease(Some(l.handle()));
+    }
+    let _lease = super::lease::ReleaseOnDrop::new(lease);
+    match p.checkpoint(&CheckpointOptions {
+        full,
+        ..Default::default()
+    }) {
+        Ok(r) => Ok(Answer {
+            text: r.to_string(),
+            ok: true,
+        }),
         Err(e) => {
-            eprintln!("keel: {what}: {e}");
-            1
+            let b = p.backlog().map(|b| b.to_string()).unwrap_or_default();
+            Err(format!("{e}; {b}"))
         }
     }
 }
 
-pub fn checkpoint_main(args: Vec<OsString>) -> i32 {
-    run("checkpoint", || {
-        let a = parse(args)?;
-        let cfg = load(&a)?;
-        let full = a.flags.iter().any(|f| f == "--full");
-        let state = &cfg.workspace.state_dir;
-        let cmd = if full {
-            "checkpoint full"
-        } else {
-            "checkpoint"
-        };
-        if let Some(mp) = ask(state, "mount-point")? {
-            // Push what the kernel still caches for the mount into keel first; from this
-            // process, so a keel killed meanwhile cannot deadlock on its own mount.
-            if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
-                eprintln!("keel: checkpoint: syncfs {mp}: {e} (checkpointing what keel has)");
-            }
-        }
-        if let Some(r) = control::request(state, cmd, Duration::from_secs(3600))? {
-            println!("{r}");
-            return Ok(0);
-        }
-        // keel run without persist.sock: its HTTP control API may still take the request.
-        let http = crate::control::default_socket(&cfg);
-        if http.exists() {
-            if let Ok((code, body)) = crate::control::client::request(&http, "POST", "/checkpoint")
-            {
-                println!("{}", body.trim());
-                return Ok(if code == 200 { 0 } else { 1 });
-            }
-        }
-        let _lock = lock_offline(state)?;
-        let mut p = Persister::open(state, repo_of(&cfg)?, params(&cfg.workspace, &cfg.persist))
-            .map_err(|e| e.to_string())?;
-        // The head moves: only as the workspace's one writer.
-        let mut lease =
-            super::acquire_lease(state, &cfg.persist, true).map_err(|e| e.to_string())?;
-        if let Some(l) = lease.as_mut() {
-            l.start_renewal()
-                .map_err(|e| format!("start lease renewal: {e}"))?;
-            p.set_lease(Some(l.handle()));
-        }
-        let _lease = super::lease::ReleaseOnDrop::new(lease);
-        match p.checkpoint(&CheckpointOptions {
-            full,
-            progress: true,
-            ..Default::default()
-        }) {
-            Ok(r) => {
-                println!("{r}");
-                Ok(0)
-            }
-            Err(e) => {
-                let b = p.backlog().map(|b| b.to_string()).unwrap_or_default();
-                Err(format!("{e}; {b}"))
-            }
-        }
-    })
-}
-
-pub fn gc_main(args: Vec<OsString>) -> i32 {
-    run("gc", || {
-        let a = parse(args)?;
-        let cfg = load(&a)?;
-        let state = &cfg.workspace.state_dir;
-        if let Some(r) = ask(state, "gc")? {
-            println!("{r}");
-            return Ok(0);
-        }
-        let _lock = lock_offline(state)?;
-        let mut repo = repo_of(&cfg)?;
-        let store = if state.join("meta.db").exists() {
-            Some(
-                crate::meta::Store::open(
-                    &state.join("meta.db"),
-                    crate::meta::Nanos(super::checkpoint::now_ns()),
-                )
-                .map_err(|e| e.to_string())?,
+/// `keel gc`: by the running keel if there is one, else offline.
+pub fn gc(cfg: &Config) -> Result<String, String> {
+    let state = &cfg.workspace.state_dir;
+    if let Some(r) = ask(state, "gc")? {
+        return Ok(r);
+    }
+    let _lock = lock_offline(state)?;
+    let mut repo = repo_of(cfg)?;
+    let store = if state.join("meta.db").exists() {
+        Some(
+            crate::meta::Store::open(
+                &state.join("meta.db"),
+                crate::meta::Nanos(super::checkpoint::now_ns()),
             )
-        } else {
-            None
-        };
-        let r = gc::gc(
-            &mut repo,
-            store.as_ref(),
-            cfg.persist.keep,
-            cfg.persist.gc_grace,
+            .map_err(|e| e.to_string())?,
         )
-        .map_err(|e| e.to_string())?;
-        println!("{r}");
-        Ok(0)
-    })
+    } else {
+        None
+    };
+    let r = gc::gc(
+        &mut repo,
+        store.as_ref(),
+        cfg.persist.keep,
+        cfg.persist.gc_grace,
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(r.to_string())
 }
 
-pub fn fsck_main(args: Vec<OsString>) -> i32 {
-    run("fsck", || {
-        let a = parse(args)?;
-        if a.state.is_none() {
-            return Err(format!("--state DIR is required\n{USAGE}"));
-        }
-        let cfg = load(&a)?;
-        let state = &cfg.workspace.state_dir;
-        let _lock = lock_offline(state)?;
-        let remote = if a.flags.iter().any(|f| f == "--no-remote") {
-            None
-        } else {
-            // The remote this state dir checkpointed to, if any.
-            cfg.persist
-                .remote_url(state)
-                .filter(|u| !u.starts_with("file://") || Path::new(&u[7..]).exists())
-                .map(|u| open_remote(&u, &cfg.persist))
-                .transpose()
-                .map_err(|e| e.to_string())?
-        };
-        let opts = FsckOptions {
-            repair: a.flags.iter().any(|f| f == "--repair"),
-            quick: a.flags.iter().any(|f| f == "--quick"),
-            chunk_size: cfg.workspace.chunk_size,
-            remote,
-            progress: true,
-        };
-        let r = fsck(state, &opts).map_err(|e| e.to_string())?;
-        for f in &r.findings {
-            let lvl = match f.level {
-                Level::Error => "error",
-                Level::Warning => "warning",
-                Level::Note => "note",
-            };
-            println!(
-                "{lvl}: {}{}",
-                f.what,
-                if f.repaired { " [repaired]" } else { "" }
-            );
-        }
-        println!(
-            "fsck {}: {} inodes, {} entries, {} bodies, {} windows re-hashed, {} remote chunks verified; {} errors, {} warnings, {} repaired ({:.2}s)",
-            state.display(),
-            r.inodes,
-            r.entries,
-            r.bodies,
-            r.windows_hashed,
-            r.chunks_checked,
-            r.count(Level::Error),
-            r.count(Level::Warning),
-            r.findings.iter().filter(|f| f.repaired).count(),
-            r.elapsed_s
-        );
-        Ok(if r.is_clean() { 0 } else { 1 })
-    })
+/// What `keel fsck` checks besides the state dir.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FsckFlags {
+    pub repair: bool,
+    pub quick: bool,
+    /// Do not check the remote the state dir checkpointed to.
+    pub no_remote: bool,
 }
 
-pub fn snapshot_main(mut args: Vec<OsString>) -> i32 {
-    run("snapshot", || {
-        if args.is_empty() {
-            return Err(USAGE.into());
-        }
-        let sub = args.remove(0).to_string_lossy().into_owned();
-        let a = parse(args)?;
-        let cfg = load(&a)?;
-        match sub.as_str() {
-            "list" => {
-                let repo = repo_of(&cfg)?;
-                let head = repo
-                    .read_head()
-                    .map_err(|e| e.to_string())?
-                    .map(|h| h.0.seq);
-                let snaps = repo.list_snapshots().map_err(|e| e.to_string())?;
-                println!(
-                    "{:>8}  {:<5}  {:>8}  {:>10}  {:>14}  created",
-                    "id", "kind", "parent", "inodes", "file bytes"
-                );
-                for (seq, info) in snaps {
-                    match repo.read_header(seq) {
-                        Ok(h) => println!(
-                            "{:>8}  {:<5}  {:>8}  {:>10}  {:>14}  {}{}",
-                            seq,
-                            if h.is_full() { "full" } else { "delta" },
-                            h.parent
-                                .map(|p| p.to_string())
-                                .unwrap_or_else(|| "-".into()),
-                            h.inodes,
-                            h.file_bytes,
-                            fmt_time(h.created_ns),
-                            if Some(seq) == head { "  (head)" } else { "" }
-                        ),
-                        Err(e) => println!("{seq:>8}  unreadable ({} bytes): {e}", info.size),
-                    }
-                }
-                Ok(0)
+/// `keel fsck` of a stopped state dir (and, unless `no_remote`, its remote).
+pub fn fsck(cfg: &Config, flags: FsckFlags) -> Result<FsckReport, String> {
+    let state = &cfg.workspace.state_dir;
+    let _lock = lock_offline(state)?;
+    let remote = if flags.no_remote {
+        None
+    } else {
+        // The remote this state dir checkpointed to, if any.
+        cfg.persist
+            .remote_url(state)
+            .filter(|u| !u.starts_with("file://") || Path::new(&u[7..]).exists())
+            .map(|u| open_remote(&u, &cfg.persist))
+            .transpose()
+            .map_err(|e| e.to_string())?
+    };
+    let opts = super::fsck::FsckOptions {
+        repair: flags.repair,
+        quick: flags.quick,
+        chunk_size: cfg.workspace.chunk_size,
+        remote,
+    };
+    super::fsck::fsck(state, &opts).map_err(|e| e.to_string())
+}
+
+/// `keel snapshot list`: the remote's snapshots as a table.
+pub fn snapshot_list(cfg: &Config) -> Result<String, String> {
+    use std::fmt::Write;
+    let repo = repo_of(cfg)?;
+    let head = repo
+        .read_head()
+        .map_err(|e| e.to_string())?
+        .map(|h| h.0.seq);
+    let snaps = repo.list_snapshots().map_err(|e| e.to_string())?;
+    let mut out = format!(
+        "{:>8}  {:<5}  {:>8}  {:>10}  {:>14}  created\n",
+        "id", "kind", "parent", "inodes", "file bytes"
+    );
+    for (seq, info) in snaps {
+        let _ = match repo.read_header(seq) {
+            Ok(h) => writeln!(
+                out,
+                "{:>8}  {:<5}  {:>8}  {:>10}  {:>14}  {}{}",
+                seq,
+                if h.is_full() { "full" } else { "delta" },
+                h.parent
+                    .map(|p| p.to_string())
+                    .unwrap_or_else(|| "-".into()),
+                h.inodes,
+                h.file_bytes,
+                fmt_time(h.created_ns),
+                if Some(seq) == head { "  (head)" } else { "" }
+            ),
+            Err(e) => writeln!(out, "{seq:>8}  unreadable ({} bytes): {e}", info.size),
+        };
+    }
+    Ok(out)
+}
+
+/// `keel snapshot restore`: snapshot `seq` (default: the head) into the empty state dir.
+pub fn snapshot_restore(cfg: &Config, seq: Option<u64>) -> Result<RestoreReport, String> {
+    let state = &cfg.workspace.state_dir;
+    if cfg.persist.remote.is_empty() {
+        return Err("--remote URL (or [persist] remote) is required: the default remote lives inside the state dir being restored".into());
+    }
+    let _lock = lock_offline(state)?;
+    let mut repo = repo_of(cfg)?;
+    restore::restore(&mut repo, seq, state).map_err(|e| e.to_string())
+}
+
+/// `keel fork --to URL [--from URL] [--seq N]`: a new workspace from a snapshot of the
+/// source (default: the configured remote, checkpointed first by a keel serving it here).
+pub fn fork(
+    cfg: &Config,
+    to: &str,
+    from: Option<&str>,
+    seq: Option<u64>,
+) -> Result<super::fork::ForkReport, String> {
+    let state = &cfg.workspace.state_dir;
+    let configured = cfg.persist.remote_url(state);
+    let from = match from {
+        Some(f) => f.to_string(),
+        None => configured.clone().ok_or_else(|| {
+            "no source: pass --from URL or configure [persist] remote".to_string()
+        })?,
+    };
+    // A keel serving the source here checkpoints first, so the fork holds the latest state.
+    if seq.is_none() && configured.as_deref() == Some(from.as_str()) {
+        if let Some(mp) = control::request(state, "mount-point", Duration::from_secs(10))? {
+            if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
+                eprintln!("keel: fork: syncfs {mp}: {e} (checkpointing what keel has)");
             }
-            "restore" => {
-                let id = a
-                    .positional
-                    .first()
-                    .ok_or_else(|| format!("missing snapshot ID\n{USAGE}"))?;
-                let seq = if id == "latest" || id == "head" {
-                    None
-                } else {
-                    Some(
-                        id.parse::<u64>()
-                            .map_err(|_| format!("`{id}` is not a snapshot id"))?,
-                    )
-                };
-                if a.state.is_none() {
-                    return Err(format!("--state DIR is required\n{USAGE}"));
-                }
-                let state = &cfg.workspace.state_dir;
-                if cfg.persist.remote.is_empty() {
-                    return Err("--remote URL (or [persist] remote) is required: the default remote lives inside the state dir being restored".into());
-                }
-                let _lock = lock_offline(state)?;
-                let mut repo = repo_of(&cfg)?;
-                let r = restore::restore(&mut repo, seq, state, true).map_err(|e| e.to_string())?;
-                println!(
-                    "restored snapshot {} into {}: {} inodes, {} files, {} bytes, {} chunks fetched ({} bytes) in {:.2}s",
-                    r.seq,
-                    state.display(),
-                    r.inodes,
-                    r.files,
-                    r.file_bytes,
-                    r.chunks_fetched,
-                    r.bytes_fetched,
-                    r.elapsed_s
-                );
-                Ok(0)
-            }
-            other => Err(format!("unknown snapshot command `{other}`\n{USAGE}")),
         }
-    })
+        if let Some(r) = control::request(state, "checkpoint", Duration::from_secs(3600))? {
+            eprintln!("keel: fork: checkpointed the running workspace first: {r}");
+        }
+    }
+    let mut src = open_remote(&from, &cfg.persist).map_err(|e| e.to_string())?;
+    let mut dst = open_remote(to, &cfg.persist).map_err(|e| e.to_string())?;
+    super::fork::fork(&mut src, &mut dst, seq).map_err(|e| e.to_string())
+}
+
+/// `keel fork --delete URL`.
+pub fn fork_delete(cfg: &Config, url: &str) -> Result<super::fork::DeleteReport, String> {
+    let mut repo = open_remote(url, &cfg.persist).map_err(|e| e.to_string())?;
+    super::fork::delete_fork(&mut repo).map_err(|e| e.to_string())
 }
 
 pub(crate) fn fmt_time(ns: i64) -> String {
@@ -535,46 +369,4 @@ pub(crate) fn fmt_time(ns: i64) -> String {
         rem % 3600 / 60,
         rem % 60
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn args(a: &[&str]) -> Vec<OsString> {
-        a.iter().map(OsString::from).collect()
-    }
-
-    #[test]
-    fn parses_flags_values_and_positionals() {
-        let a = parse(args(&[
-            "--state=/s",
-            "--config",
-            "c.toml",
-            "--remote",
-            "file:///r",
-            "--full",
-            "--takeover=wait",
-            "7",
-        ]))
-        .unwrap();
-        assert_eq!(a.state.as_deref(), Some(Path::new("/s")));
-        assert_eq!(a.config.as_deref(), Some(Path::new("c.toml")));
-        assert_eq!(a.remote.as_deref(), Some("file:///r"));
-        assert_eq!(a.flags, ["--full"]);
-        assert_eq!(a.takeover, Some(crate::config::Takeover::Wait));
-        assert_eq!(a.positional, ["7"]);
-        assert_eq!(
-            parse(args(&["--takeover"])).unwrap().takeover,
-            Some(crate::config::Takeover::Force)
-        );
-        assert_eq!(
-            parse(args(&["--state"])).unwrap_err(),
-            "--state needs a value"
-        );
-        assert!(parse(args(&["--bogus=1"]))
-            .unwrap_err()
-            .starts_with("unknown option `--bogus`\nusage:"));
-        assert_eq!(parse(args(&["--help"])).unwrap_err(), USAGE);
-    }
 }

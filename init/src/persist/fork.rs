@@ -21,21 +21,16 @@
 //! stay inside it, which is why a fork must live in the same bucket as its chunks.
 
 use std::collections::{BTreeSet, HashSet};
-use std::ffi::OsString;
 use std::path::Path;
-use std::time::Duration;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use super::checkpoint::now_ns;
-use super::cli;
 use super::format::{self, body_chunk_ids, Body, DataRec, DirentRec, Header, Tree, TreeData};
 use super::remote::{PutMode, RemoteError};
 use super::repo::{random_id, Head, Manifest, Repo, RepoError};
-use super::{control, open_remote};
 use crate::chunk::ChunkId;
-use crate::sys;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ForkError {
@@ -258,9 +253,14 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
     if dst.manifest().map_err(ForkError::ReadTarget)?.is_some() {
         return Err(ForkError::TargetExists(to));
     }
+    crate::progress::stage(
+        "steps (read the snapshot, manifest, registration, snapshot, head)",
+        Some(5),
+    );
     let (tree, headers) = src
         .load_tree(seq)
         .map_err(|source| ForkError::LoadSnapshot { seq, source })?;
+    crate::progress::set(1);
 
     // 1. The manifest (claims the target).
     let id = random_id();
@@ -280,6 +280,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
         Err(RemoteError::AlreadyExists { .. }) => return Err(ForkError::TargetExists(to)),
         Err(e) => return Err(ForkError::WriteManifest(e)),
     }
+    crate::progress::set(2);
     let made = (|| -> Result<ForkReport, ForkError> {
         // 2. The record on the chunk store, durable before anything names the chunks.
         let rec = ForkRecord {
@@ -295,6 +296,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
             .put(&key, Bytes::from(data), PutMode::Create)
             .map_err(|source| ForkError::Register { key, source })?;
         src.remote.flush().map_err(ForkError::Flush)?;
+        crate::progress::set(3);
 
         // 3. One full snapshot of the tree, 4. the head.
         let last = headers.last().expect("a chain has a snapshot");
@@ -313,6 +315,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
         dst.put_snapshot(seq, bytes)
             .map_err(|source| ForkError::WriteSnapshot { seq, source })?;
         dst.remote.flush().map_err(ForkError::Flush)?;
+        crate::progress::set(4);
         let head = Head {
             seq,
             created_ns: now_ns(),
@@ -322,6 +325,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
         };
         dst.write_head(&head, None).map_err(ForkError::WriteHead)?;
         dst.remote.flush().map_err(ForkError::Flush)?;
+        crate::progress::set(5);
         Ok(ForkReport {
             id: id.clone(),
             seq,
@@ -584,96 +588,6 @@ pub fn shared_refs(repo: &Repo) -> Result<SharedRefs, RepoError> {
     Ok(out)
 }
 
-// ------------------------------------------------------------------------------------
-// `keel fork`.
-
-pub const USAGE: &str = "usage:
-  keel fork --to URL [--from URL] [--seq N] [--state DIR] [--config FILE]
-  keel fork --delete URL [--config FILE]";
-
-#[derive(Default)]
-struct ForkArgs {
-    to: Option<String>,
-    from: Option<String>,
-    seq: Option<u64>,
-    delete: Option<String>,
-    common: cli::Args,
-}
-
-fn parse(args: Vec<OsString>) -> Result<ForkArgs, String> {
-    let mut out = ForkArgs::default();
-    cli::each_flag(args, |f| {
-        if out.common.common_flag(f)? {
-            return Ok(());
-        }
-        match f.name {
-            "--to" => out.to = Some(f.value()?),
-            "--from" => out.from = Some(f.value()?),
-            "--delete" => out.delete = Some(f.value()?),
-            "--seq" => {
-                let v = f.value()?;
-                out.seq = Some(
-                    v.parse()
-                        .map_err(|_| format!("--seq: `{v}` is not a snapshot id"))?,
-                );
-            }
-            "-h" | "--help" => return Err(USAGE.into()),
-            n => return Err(format!("unexpected argument `{n}`\n{USAGE}")),
-        }
-        Ok(())
-    })?;
-    Ok(out)
-}
-
-pub fn fork_main(args: Vec<OsString>) -> i32 {
-    cli::run("fork", || {
-        let a = parse(args)?;
-        let cfg = cli::load(&a.common)?;
-        if let Some(url) = &a.delete {
-            if a.to.is_some() || a.from.is_some() || a.seq.is_some() {
-                return Err(format!("--delete takes no other fork options\n{USAGE}"));
-            }
-            let mut repo = open_remote(url, &cfg.persist).map_err(|e| e.to_string())?;
-            let r = delete_fork(&mut repo).map_err(|e| e.to_string())?;
-            println!(
-                "deleted fork {url} (workspace id {}): {} objects removed; chunks only it used go at the next gc of a workspace sharing the store",
-                r.id, r.objects_deleted
-            );
-            return Ok(0);
-        }
-        let to =
-            a.to.clone()
-                .ok_or_else(|| format!("--to URL is required\n{USAGE}"))?;
-        let state = &cfg.workspace.state_dir;
-        let configured = cfg.persist.remote_url(state);
-        let from = match &a.from {
-            Some(f) => f.clone(),
-            None => configured.clone().ok_or_else(|| {
-                "no source: pass --from URL or configure [persist] remote".to_string()
-            })?,
-        };
-        // A keel serving the source here checkpoints first, so the fork holds the latest state.
-        if a.seq.is_none() && configured.as_deref() == Some(from.as_str()) {
-            if let Some(mp) = control::request(state, "mount-point", Duration::from_secs(10))? {
-                if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
-                    eprintln!("keel: fork: syncfs {mp}: {e} (checkpointing what keel has)");
-                }
-            }
-            if let Some(r) = control::request(state, "checkpoint", Duration::from_secs(3600))? {
-                eprintln!("keel: fork: checkpointed the running workspace first: {r}");
-            }
-        }
-        let mut src = open_remote(&from, &cfg.persist).map_err(|e| e.to_string())?;
-        let mut dst = open_remote(&to, &cfg.persist).map_err(|e| e.to_string())?;
-        let r = fork(&mut src, &mut dst, a.seq).map_err(|e| e.to_string())?;
-        println!(
-            "forked snapshot {} of {from} into {to} (workspace id {}): {} inodes, {} bytes of file data, {} chunks shared through `{}` (none copied)",
-            r.seq, r.id, r.inodes, r.file_bytes, r.chunks, r.chunk_store
-        );
-        Ok(0)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -685,42 +599,6 @@ mod tests {
             bucket: bucket.map(String::from),
             parts: norm(p.split('/')),
         }
-    }
-
-    #[test]
-    fn parses_fork_flags() {
-        let args = |a: &[&str]| a.iter().map(OsString::from).collect::<Vec<_>>();
-        let a = parse(args(&[
-            "--to=file:///x",
-            "--seq",
-            "3",
-            "--from",
-            "file:///src",
-            "--state=/s",
-            "--config",
-            "c.toml",
-        ]))
-        .unwrap();
-        assert_eq!(a.to.as_deref(), Some("file:///x"));
-        assert_eq!(a.from.as_deref(), Some("file:///src"));
-        assert_eq!(a.seq, Some(3));
-        assert_eq!(a.common.state.as_deref(), Some(Path::new("/s")));
-        assert_eq!(a.common.config.as_deref(), Some(Path::new("c.toml")));
-        let a = parse(args(&["--delete", "file:///f"])).unwrap();
-        assert_eq!(a.delete.as_deref(), Some("file:///f"));
-        assert_eq!(
-            parse(args(&["--seq=x"])).err().unwrap(),
-            "--seq: `x` is not a snapshot id"
-        );
-        assert_eq!(parse(args(&["--to"])).err().unwrap(), "--to needs a value");
-        for bad in ["--full", "--remote=r", "extra"] {
-            let name = bad.split('=').next().unwrap();
-            assert_eq!(
-                parse(args(&[bad])).err().unwrap(),
-                format!("unexpected argument `{name}`\n{USAGE}")
-            );
-        }
-        assert_eq!(parse(args(&["-h"])).err().unwrap(), USAGE);
     }
 
     #[test]

@@ -96,7 +96,6 @@ pub struct FsckOptions {
     pub chunk_size: u64,
     /// The remote to check too.
     pub remote: Option<Repo>,
-    pub progress: bool,
 }
 
 pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckError> {
@@ -458,11 +457,14 @@ fn check_bodies(
         }
     }
     let present: HashSet<u64> = ids.into_iter().collect();
-    for i in inodes
-        .values()
-        .filter(|i| i.kind == Kind::File && i.storage == Storage::Body)
-    {
+    let is_body = |i: &&Inode| i.kind == Kind::File && i.storage == Storage::Body;
+    crate::progress::stage(
+        "local file bodies checked",
+        Some(inodes.values().filter(is_body).count() as u64),
+    );
+    for i in inodes.values().filter(is_body) {
         rep.bodies += 1;
+        crate::progress::set(rep.bodies);
         let ino = i.ino;
         if !present.contains(&ino.0) && lazy_files.contains(&ino) {
             continue;
@@ -659,7 +661,7 @@ fn check_remote(
             .filter(|id| stored.contains(id))
             .copied()
             .collect();
-        let mut last = Instant::now();
+        crate::progress::stage("remote chunks verified", Some(ids.len() as u64));
         for (n, batch) in ids.chunks(64).enumerate() {
             for (id, res) in batch.iter().zip(repo.get_chunks(batch)) {
                 rep.chunks_checked += 1;
@@ -667,14 +669,7 @@ fn check_remote(
                     bad_ids.push((*id, e.to_string()));
                 }
             }
-            if opts.progress && last.elapsed().as_secs() >= 1 {
-                last = Instant::now();
-                eprintln!(
-                    "keel: fsck: {}/{} remote chunks verified",
-                    (n + 1) * 64,
-                    ids.len()
-                );
-            }
+            crate::progress::set(((n + 1) * 64).min(ids.len()) as u64);
         }
     }
     let inodes: HashMap<InodeNo, Inode> = r.all_inodes()?.into_iter().map(|i| (i.ino, i)).collect();

@@ -150,12 +150,22 @@ pub fn gc(
         warnings: shared.warnings,
         ..Default::default()
     };
+    let listed = repo.list_chunks().map_err(GcError::List)?;
+    crate::progress::stage(
+        "objects swept (snapshots, then chunks)",
+        Some((snaps.len() + listed.len()) as u64),
+    );
+    let mut swept = 0;
     for (seq, info) in &snaps {
         if sweep(repo, info, closed.contains(seq), &old_enough, &mut report)? == Fate::Deleted {
             report.snapshots_deleted += 1;
         }
+        swept += 1;
+        crate::progress::set(swept);
     }
-    for (id, info) in repo.list_chunks().map_err(GcError::List)? {
+    for (id, info) in listed {
+        swept += 1;
+        crate::progress::set(swept);
         match sweep(repo, &info, chunks.contains(&id), &old_enough, &mut report)? {
             Fate::Referenced => report.chunks_kept += 1,
             Fate::Deleted => {

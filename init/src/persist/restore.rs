@@ -89,9 +89,8 @@ pub fn restore(
     repo: &mut Repo,
     seq: Option<u64>,
     state_dir: &Path,
-    progress: bool,
 ) -> Result<RestoreReport, RestoreError> {
-    restore_with(repo, seq, state_dir, progress, RestoreMode::Eager)
+    restore_with(repo, seq, state_dir, RestoreMode::Eager)
 }
 
 /// `restore` in the given mode.
@@ -99,10 +98,9 @@ pub fn restore_with(
     repo: &mut Repo,
     seq: Option<u64>,
     state_dir: &Path,
-    progress: bool,
     mode: RestoreMode,
 ) -> Result<RestoreReport, RestoreError> {
-    let r = restore_inner(repo, seq, state_dir, progress, mode);
+    let r = restore_inner(repo, seq, state_dir, mode);
     if r.is_err() && !matches!(r, Err(RestoreError::StateDir { .. })) {
         // Leave the state dir empty again.
         let _ = std::fs::remove_dir_all(state_dir.join("bodies"));
@@ -117,7 +115,6 @@ fn restore_inner(
     repo: &mut Repo,
     seq: Option<u64>,
     state_dir: &Path,
-    progress: bool,
     mode: RestoreMode,
 ) -> Result<RestoreReport, RestoreError> {
     let t0 = Instant::now();
@@ -142,14 +139,12 @@ fn restore_inner(
     let (tree, headers) = repo
         .load_tree(seq)
         .map_err(|source| RestoreError::LoadSnapshot { seq, source })?;
-    if progress {
-        eprintln!(
-            "keel: restore: snapshot {seq}: {} inodes, {} bytes of file data (chain of {})",
-            tree.inodes.len(),
-            tree.file_bytes(),
-            headers.len()
-        );
-    }
+    tracing::info!(
+        "restore: snapshot {seq}: {} inodes, {} bytes of file data (chain of {})",
+        tree.inodes.len(),
+        tree.file_bytes(),
+        headers.len()
+    );
     let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| bad(e.to_string()))?;
     let mut report = RestoreReport {
         seq,
@@ -158,14 +153,7 @@ fn restore_inner(
     };
     let wanted = create_bodies(&tree, &bodies, &mut report, mode)?;
     if mode == RestoreMode::Eager {
-        fetch_bodies(
-            repo,
-            tree.chunk_size,
-            &wanted,
-            &bodies,
-            &mut report,
-            progress,
-        )?;
+        fetch_bodies(repo, tree.chunk_size, &wanted, &bodies, &mut report)?;
     }
     sys::file::syncfs(state_dir).map_err(|e| bad(format!("sync bodies: {e}")))?;
 
@@ -298,9 +286,8 @@ fn fetch_bodies(
     wanted: &[(u64, u64, ChunkId)],
     bodies: &BodyStore,
     report: &mut RestoreReport,
-    progress: bool,
 ) -> Result<(), RestoreError> {
-    let mut last = Instant::now();
+    crate::progress::stage("chunks fetched", Some(wanted.len() as u64));
     let mut open: HashMap<u64, std::fs::File> = HashMap::new();
     for (n, batch) in wanted.chunks(FETCH_BATCH).enumerate() {
         let mut ids: Vec<ChunkId> = batch.iter().map(|w| w.2).collect();
@@ -341,14 +328,7 @@ fn fetch_bodies(
         if open.len() > 256 {
             open.clear();
         }
-        if progress && last.elapsed().as_secs() >= 1 {
-            last = Instant::now();
-            eprintln!(
-                "keel: restore: {}/{} chunks",
-                (n + 1) * FETCH_BATCH,
-                wanted.len()
-            );
-        }
+        crate::progress::set(((n + 1) * FETCH_BATCH).min(wanted.len()) as u64);
     }
     Ok(())
 }

@@ -18,6 +18,9 @@ use super::control;
 use super::gc::{gc, GcReport};
 use super::lease::{Lease, LeaseInfo, LeaseState};
 use crate::config::{PersistConfig, WorkspaceConfig};
+
+/// How often a long restore or final checkpoint logs how far it has got.
+pub const LOG_EVERY: Duration = Duration::from_secs(5);
 use crate::meta::{Nanos, Store};
 
 /// Makes every write the filesystem acknowledged visible in the state database (the
@@ -466,13 +469,17 @@ impl Worker {
                 }
                 Ok(Cmd::Final { deadline, reply }) => {
                     self.paused = true;
-                    let r = self.checkpoint(
-                        CheckpointOptions {
-                            deadline: Some(deadline),
-                            ..Default::default()
-                        },
-                        false,
-                    );
+                    // A long final checkpoint says in the log how far it has got.
+                    let log = crate::progress::Logged::new("final checkpoint", LOG_EVERY);
+                    let r = crate::progress::scope(log, || {
+                        self.checkpoint(
+                            CheckpointOptions {
+                                deadline: Some(deadline),
+                                ..Default::default()
+                            },
+                            false,
+                        )
+                    });
                     let _ = reply.send(r);
                 }
             }

@@ -1,0 +1,66 @@
+//! `keel fsck --state DIR [--repair] [--quick] [--no-remote]`.
+
+use std::path::{Path, PathBuf};
+
+use keel::persist::cli::FsckFlags;
+use keel::persist::fsck::Level;
+
+use super::{persist_config, progress, report};
+
+/// Check a stopped state dir and the remote it checkpoints to (exit 1: errors found)
+#[derive(clap::Args, Debug)]
+pub struct FsckArgs {
+    /// The state dir to check
+    #[arg(long, value_name = "DIR", required = true)]
+    state: PathBuf,
+    /// The remote [default: [persist] remote]
+    #[arg(long, value_name = "URL")]
+    remote: Option<String>,
+    /// Fix what can be fixed without losing data
+    #[arg(long)]
+    repair: bool,
+    /// Skip re-hashing local bodies and downloading remote chunks
+    #[arg(long)]
+    quick: bool,
+    /// Do not check the remote
+    #[arg(long)]
+    no_remote: bool,
+}
+
+pub fn main(config: Option<&Path>, a: FsckArgs) -> i32 {
+    report("fsck", || {
+        let cfg = persist_config(config, Some(&a.state), a.remote.as_deref(), None)?;
+        let flags = FsckFlags {
+            repair: a.repair,
+            quick: a.quick,
+            no_remote: a.no_remote,
+        };
+        let r = progress::show("fsck", || keel::persist::cli::fsck(&cfg, flags))?;
+        for f in &r.findings {
+            let lvl = match f.level {
+                Level::Error => "error",
+                Level::Warning => "warning",
+                Level::Note => "note",
+            };
+            println!(
+                "{lvl}: {}{}",
+                f.what,
+                if f.repaired { " [repaired]" } else { "" }
+            );
+        }
+        println!(
+            "fsck {}: {} inodes, {} entries, {} bodies, {} windows re-hashed, {} remote chunks verified; {} errors, {} warnings, {} repaired ({:.2}s)",
+            cfg.workspace.state_dir.display(),
+            r.inodes,
+            r.entries,
+            r.bodies,
+            r.windows_hashed,
+            r.chunks_checked,
+            r.count(Level::Error),
+            r.count(Level::Warning),
+            r.findings.iter().filter(|f| f.repaired).count(),
+            r.elapsed_s
+        );
+        Ok(if r.is_clean() { 0 } else { super::EXIT_FAILED })
+    })
+}

@@ -1,0 +1,174 @@
+//! `keel mount --state DIR MOUNTPOINT [OPTIONS]`: the workspace in the foreground; options
+//! override the `[workspace]` table of the config.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use keel::config::{CacheMode, Config, Switch, Takeover};
+
+use super::{absolute, report, Failed};
+
+/// Mount the workspace in the foreground until SIGTERM/SIGINT/SIGHUP, then save and unmount
+#[derive(clap::Args, Debug)]
+pub struct MountArgs {
+    /// Where to mount the workspace
+    #[arg(value_name = "MOUNTPOINT")]
+    mount_point: PathBuf,
+    /// The state dir [default: [workspace] state_dir]
+    #[arg(long, value_name = "DIR")]
+    state: Option<PathBuf>,
+    /// Kernel caching of file data: auto, kernel or none
+    #[arg(long, value_name = "MODE")]
+    cache: Option<CacheMode>,
+    /// FUSE passthrough of reads and writes: auto, on or off
+    #[arg(long, value_name = "MODE")]
+    passthrough: Option<Switch>,
+    /// The kernel's write-back cache: on or off
+    #[arg(long, value_name = "on|off", value_parser = on_off)]
+    writeback_cache: Option<bool>,
+    /// Threads serving FUSE requests (1 to 64)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=64))]
+    threads: Option<u8>,
+    /// How long the kernel caches attributes (e.g. 1s, 500ms)
+    #[arg(long, value_name = "D", value_parser = duration)]
+    attr_timeout: Option<Duration>,
+    /// How long the kernel caches names
+    #[arg(long, value_name = "D", value_parser = duration)]
+    entry_timeout: Option<Duration>,
+    /// How long the kernel caches a name's absence
+    #[arg(long, value_name = "D", value_parser = duration)]
+    negative_timeout: Option<Duration>,
+    /// Take the workspace's lease from a keel that still holds it (bare: force)
+    #[arg(
+        long,
+        value_name = "MODE",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "force"
+    )]
+    takeover: Option<Takeover>,
+    /// Gone: keel serves FUSE over /dev/fuse only
+    #[arg(long, hide = true, num_args = 0..=1, value_name = "X")]
+    io_uring: Option<Option<String>>,
+    /// Gone: keel serves FUSE over /dev/fuse only
+    #[arg(long, hide = true, num_args = 0..=1, value_name = "X")]
+    ring_sched: Option<Option<String>>,
+}
+
+fn on_off(v: &str) -> Result<bool, String> {
+    match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err("expected on or off".into()),
+    }
+}
+
+fn duration(v: &str) -> Result<Duration, String> {
+    keel::config::units::parse_duration(v)
+}
+
+/// The config with the flags over its `[workspace]` table, checked.
+fn config(config: Option<&Path>, a: &MountArgs) -> Result<Config, Failed> {
+    for (gone, flag) in [(&a.io_uring, "--io-uring"), (&a.ring_sched, "--ring-sched")] {
+        if gone.is_some() {
+            return Err(Failed::usage(format!(
+                "{flag} is gone: keel serves FUSE over /dev/fuse only (drop the option)"
+            )));
+        }
+    }
+    let mut cfg = Config::resolve(config).map_err(Failed::usage)?;
+    if let Some(t) = a.takeover {
+        cfg.persist.takeover = t;
+    }
+    let ws = &mut cfg.workspace;
+    if let Some(s) = &a.state {
+        ws.state_dir = absolute(s);
+    }
+    ws.mount_point = absolute(&a.mount_point);
+    ws.cache = a.cache.unwrap_or(ws.cache);
+    ws.passthrough = a.passthrough.unwrap_or(ws.passthrough);
+    ws.writeback_cache = a.writeback_cache.unwrap_or(ws.writeback_cache);
+    ws.attr_timeout = a.attr_timeout.unwrap_or(ws.attr_timeout);
+    ws.entry_timeout = a.entry_timeout.unwrap_or(ws.entry_timeout);
+    ws.negative_timeout = a.negative_timeout.unwrap_or(ws.negative_timeout);
+    ws.threads = a.threads.map_or(ws.threads, usize::from);
+    ws.validate()
+        .map_err(|(key, reason)| Failed::usage(format!("{key}: {reason}")))?;
+    Ok(cfg)
+}
+
+pub fn main(config_file: Option<&Path>, a: MountArgs) -> i32 {
+    report("mount", || {
+        let cfg = config(config_file, &a)?;
+        keel::workspace::cli::mount_foreground(&cfg)?;
+        Ok(0)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        a: MountArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<MountArgs, clap::Error> {
+        T::try_parse_from(std::iter::once("mount").chain(args.iter().copied())).map(|t| t.a)
+    }
+
+    #[test]
+    fn flags_override_the_config() {
+        let a = parse(&[
+            "--state",
+            "/s",
+            "/m",
+            "--cache=kernel",
+            "--threads",
+            "4",
+            "--attr-timeout",
+            "2s",
+            "--writeback-cache=off",
+            "--passthrough",
+            "on",
+            "--takeover",
+        ])
+        .unwrap();
+        let cfg = config(None, &a).unwrap();
+        let ws = &cfg.workspace;
+        assert_eq!(ws.state_dir, Path::new("/s"));
+        assert_eq!(ws.mount_point, Path::new("/m"));
+        assert_eq!(ws.cache, CacheMode::Kernel);
+        assert_eq!(ws.threads, 4);
+        assert_eq!(ws.attr_timeout, Duration::from_secs(2));
+        assert!(!ws.writeback_cache);
+        assert_eq!(ws.passthrough, Switch::On);
+        assert_eq!(cfg.persist.takeover, Takeover::Force);
+    }
+
+    #[test]
+    fn bad_input_is_a_usage_error() {
+        for bad in [
+            &["--threads", "0", "/m"][..],
+            &["--bogus", "/m"],
+            &["/a", "/b"],
+            &["--state"],
+            &["--passthrough", "yes", "/m"],
+            &["--takeover=x", "/m"],
+            &["--writeback-cache", "maybe", "/m"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+        let e = config(None, &parse(&["--io-uring=off", "/m"]).unwrap()).unwrap_err();
+        assert_eq!(
+            e.line,
+            "--io-uring is gone: keel serves FUSE over /dev/fuse only (drop the option)"
+        );
+        assert_eq!(e.code, 2);
+        let e = config(None, &parse(&["--ring-sched", "idle", "/m"]).unwrap()).unwrap_err();
+        assert!(e.line.starts_with("--ring-sched is gone"), "{}", e.line);
+    }
+}
