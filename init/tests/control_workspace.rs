@@ -51,7 +51,8 @@ fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
         &[
             "sh",
             "-c",
-            "echo hello > $D/ws/f; touch $D/wrote; exec sleep 30",
+            "echo hello > $D/ws/f; mkdir $D/ws/d; touch $D/ws/d/x; rmdir $D/ws/d; \
+             touch $D/wrote; exec sleep 30",
         ],
     );
     let addr = control_addr(&k);
@@ -97,6 +98,39 @@ fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
     assert_eq!(c["remote"], true, "{c}");
     assert!(c["bytes_uploaded"].is_u64(), "{c}");
     assert!(c["done"].as_str().unwrap().contains("snapshot"), "{c}");
+
+    // /metrics counts what the workload and the checkpoint did, by operation.
+    let m = get(addr, "/metrics", None).body;
+    let at_least = |sample: &str, min: f64| {
+        let v = metric(&m, sample);
+        assert!(v.is_some_and(|v| v >= min), "{sample} = {v:?} in\n{m}");
+    };
+    at_least("keel_fuse_requests_total{op=\"create\"}", 3.0);
+    at_least("keel_fuse_requests_total{op=\"mkdir\"}", 1.0);
+    // The three files' bytes went through keel or, with passthrough, past it.
+    let passthrough = v["mount"]["passthrough"] == true;
+    if passthrough {
+        at_least("keel_fuse_passthrough_opens_total", 3.0);
+    } else {
+        at_least("keel_fuse_write_bytes_total", 6.0 + 9.0);
+    }
+    // One request in 8 per thread is timed, a thread's first one included.
+    let timed: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("keel_fuse_request_duration_seconds_count{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum();
+    assert!(timed >= 1.0, "no FUSE request timed:\n{m}");
+    // The shell's `rmdir` of a non-empty directory: an error keel answered, by errno.
+    at_least(
+        "keel_fuse_errors_total{op=\"rmdir\",errno=\"ENOTEMPTY\"}",
+        1.0,
+    );
+    at_least("keel_checkpoints_total{result=\"ok\"}", 1.0);
+    at_least("keel_checkpoint_duration_seconds_count", 1.0);
+    // At least what the POST above reported (small files travel inside the snapshot).
+    let sent = c["bytes_uploaded"].as_f64().unwrap();
+    at_least("keel_checkpoint_uploaded_bytes_total", sent);
 
     // keel status finds <state_dir>/control.sock from the config alone.
     let sock = state.path().join("control.sock");

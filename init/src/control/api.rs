@@ -5,10 +5,65 @@
 use std::time::Duration;
 
 use super::auth;
-use super::http::{Request, Response};
 use super::metrics;
 use super::status::{CheckpointOutcome, StatusHandle};
 use crate::config::control::Secret;
+
+/// One request as the routes see it; the transport (`server`) converts to and from hyper's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Request {
+    pub method: String,
+    /// The path without the query string.
+    pub path: String,
+    /// What followed `?` in the target, without the `?` ("" when none).
+    pub query: String,
+    pub headers: Vec<(String, String)>,
+    /// The whole body, at most `server::MAX_BODY` bytes.
+    pub body: Vec<u8>,
+}
+
+impl Request {
+    /// The first header called `name` (case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One response; the transport adds `Content-Length`, `Cache-Control: no-store` and
+/// `Connection: close` (and drops the body for HEAD).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    pub status: u16,
+    pub content_type: &'static str,
+    pub headers: Vec<(&'static str, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Response {
+    pub fn text(status: u16, body: &str) -> Self {
+        Response {
+            status,
+            content_type: "text/plain; charset=utf-8",
+            headers: Vec::new(),
+            body: body.as_bytes().to_vec(),
+        }
+    }
+    pub fn json(status: u16, body: String) -> Self {
+        Response {
+            status,
+            content_type: "application/json",
+            headers: Vec::new(),
+            body: body.into_bytes(),
+        }
+    }
+    pub fn with_header(mut self, k: &'static str, v: impl Into<String>) -> Self {
+        self.headers.push((k, v.into()));
+        self
+    }
+}
 
 /// Who may call the protected routes on this listener.
 #[derive(Debug, Clone)]
@@ -45,7 +100,7 @@ pub fn handle(req: &Request, status: &StatusHandle, access: &Access) -> Response
     match req.path.as_str() {
         "/status" if get => Response::json(200, status.status_json()),
         "/metrics" if get => {
-            let mut r = Response::text(200, &metrics::render(&status.report()));
+            let mut r = Response::text(200, &metrics::render(status));
             r.content_type = metrics::CONTENT_TYPE;
             r
         }

@@ -1,13 +1,13 @@
-//! The control API: a small HTTP/1.1 server on std sockets that reports keel's state and
-//! triggers checkpoints. `status` is the shared model everything publishes into; `server`
-//! runs the listeners (TCP when `[control] listen` is set, the root-only Unix socket for
-//! `keel status`); `api` routes; `http`, `auth` and `metrics` are the wire formats; `client`
-//! is `keel status`. Everything here runs on its own threads and never blocks the supervisor.
+//! The control API: an HTTP/1.1 server on hyper that reports keel's state and triggers
+//! checkpoints. `status` is the shared model everything publishes into; `server` runs the
+//! listeners (TCP when `[control] listen` is set, the root-only Unix socket for `keel
+//! status`) and converts hyper's requests to `api`'s, which routes; `auth` checks tokens;
+//! `metrics` is the Prometheus exposition; `client` is `keel status`. Everything here runs on
+//! its own threads and never blocks the supervisor.
 
 pub mod api;
 pub mod auth;
 pub mod client;
-pub mod http;
 pub mod metrics;
 pub mod server;
 pub mod snapshots;

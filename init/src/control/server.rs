@@ -1,43 +1,54 @@
-//! The listeners: one accept thread per listener (TCP for the HTTP API, a Unix socket for
-//! `keel status`), one short-lived thread per connection, at most `MAX_CONNECTIONS` at a time
-//! (the rest get a quick 503 from a single busy-responder thread, or are closed when even its
-//! queue is full), one request per connection, a deadline for reading the request and a
-//! timeout for writing the reply. The Unix socket is mode 0600 (0660 and group-owned with
-//! `[control] group`) and every peer is checked with `SO_PEERCRED` as well: root, keel's
-//! own user, or a member of that group. Stopping shuts the listening socket down, which
-//! wakes the accept thread at once, then joins it and removes the socket file.
+//! The listeners, on hyper 1.x: one thread per listener runs a current-thread tokio runtime
+//! that accepts on the TCP port or the Unix socket and serves each connection as one HTTP/1.1
+//! request (`Connection: close`). The bounds: a request head of at most `MAX_HEAD` bytes
+//! (else 431) read within `READ_DEADLINE`, a body of at most `MAX_BODY` (else 413), at most
+//! `MAX_CONNECTIONS` connections served at once (the next `BUSY_QUEUE` get a quick 503
+//! "busy", the rest are closed), and `WRITE_TIMEOUT` for the reply once it is ready. Routing
+//! is `api::handle` on keel's own `Request`/`Response`; it runs on the blocking pool, so a
+//! long `POST /checkpoint` holds nobody else up. The Unix socket is mode 0600 (0660 and
+//! group-owned with `[control] group`) and every peer is checked with `SO_PEERCRED` as
+//! well: root, keel's own user, or a member of that group; anyone else gets 403. Stopping
+//! ends the accept loop at once, gives requests in flight `STOP_GRACE`, and removes the
+//! socket file.
 
+use std::convert::Infallible;
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use tracing::{debug, warn};
+use futures::future::Either;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{oneshot, Notify, Semaphore};
+use tracing::debug;
 
-use super::api::{self, Access};
-use super::http::{self, Conn};
+use super::api::{self, Access, Request, Response};
 use super::status::StatusHandle;
 use crate::sys;
 
 /// Connections served at once per listener; more are refused with 503 right away.
 pub const MAX_CONNECTIONS: usize = 32;
-/// Time a client has to send its whole request.
+/// Largest request head (request line and headers) accepted.
+pub const MAX_HEAD: usize = 16 * 1024;
+/// Largest request body accepted.
+pub const MAX_BODY: usize = 16 * 1024;
+/// Time a client has to send its request head, and then its body.
 pub const READ_DEADLINE: Duration = Duration::from_secs(10);
-/// Time a client has to take each part of the reply.
+/// Time a client has to take the reply once it is ready.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-/// After an error reply to a request not read to its end: how much more input to swallow,
-/// and for how long, so the close does not reset the connection under the reply.
-const LINGER_BYTES: usize = 256 * 1024;
-const LINGER_TIME: Duration = Duration::from_secs(1);
 /// Connections over the limit waiting for their 503, and the time each may take.
 const BUSY_QUEUE: usize = 64;
 const BUSY_TIME: Duration = Duration::from_millis(200);
+/// How long stopping waits for requests in flight (and then for their handlers).
+const STOP_GRACE: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -59,6 +70,8 @@ pub enum ServerError {
         mode: u32,
         source: io::Error,
     },
+    #[error("start the listener's runtime: {0}")]
+    Runtime(io::Error),
     #[error("start the listener thread: {0}")]
     SpawnThread(io::Error),
 }
@@ -70,8 +83,7 @@ enum Listener {
 
 /// A running listener. Dropping it stops it too.
 pub struct Server {
-    listener: Arc<Listener>,
-    stop: Arc<AtomicBool>,
+    stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
     addr: Option<SocketAddr>,
     /// The socket file and its inode, removed on stop if it is still ours.
@@ -89,12 +101,14 @@ impl std::fmt::Debug for Server {
 
 /// Serves the HTTP API on `addr` (`host:port`).
 pub fn serve_tcp(addr: &str, status: StatusHandle, access: Access) -> Result<Server, ServerError> {
-    let l = TcpListener::bind(addr).map_err(|source| ServerError::Bind {
+    let bind_err = |source| ServerError::Bind {
         addr: addr.to_string(),
         source,
-    })?;
+    };
+    let l = std::net::TcpListener::bind(addr).map_err(bind_err)?;
+    l.set_nonblocking(true).map_err(bind_err)?;
     let local = l.local_addr().ok();
-    start(Listener::Tcp(l), status, access, local, None)
+    start(StdListener::Tcp(l), status, access, local, None)
 }
 
 /// Serves the API without a token on a Unix socket at `path` that only root and keel's own
@@ -128,7 +142,7 @@ pub fn serve_unix(
     }
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {
-            if UnixStream::connect(path).is_ok() {
+            if StdUnixStream::connect(path).is_ok() {
                 return Err(ServerError::InUse { path: p() });
             }
             std::fs::remove_file(path)
@@ -137,8 +151,9 @@ pub fn serve_unix(
         Ok(_) => return Err(ServerError::NotASocket { path: p() }),
         Err(_) => {}
     }
-    let l =
-        UnixListener::bind(path).map_err(|source| ServerError::BindSocket { path: p(), source })?;
+    let l = std::os::unix::net::UnixListener::bind(path)
+        .and_then(|l| l.set_nonblocking(true).map(|()| l))
+        .map_err(|source| ServerError::BindSocket { path: p(), source })?;
     // The peer check below is what keeps others out; the mode says the same to `ls`.
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(sock_mode))
         .and_then(|()| std::os::unix::fs::chown(path, None, group))
@@ -151,7 +166,7 @@ pub fn serve_unix(
         .map(|m| m.ino())
         .unwrap_or(0);
     start(
-        Listener::Unix(l),
+        StdListener::Unix(l),
         status,
         Access::Trusted { group },
         None,
@@ -159,23 +174,41 @@ pub fn serve_unix(
     )
 }
 
+enum StdListener {
+    Tcp(std::net::TcpListener),
+    Unix(std::os::unix::net::UnixListener),
+}
+
 fn start(
-    listener: Listener,
+    listener: StdListener,
     status: StatusHandle,
     access: Access,
     addr: Option<SocketAddr>,
     socket: Option<(PathBuf, u64)>,
 ) -> Result<Server, ServerError> {
-    let listener = Arc::new(listener);
-    let stop = Arc::new(AtomicBool::new(false));
-    let (l, s) = (listener.clone(), stop.clone());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()
+        .map_err(ServerError::Runtime)?;
+    let listener = {
+        let _in_rt = rt.enter();
+        match listener {
+            StdListener::Tcp(l) => TcpListener::from_std(l).map(Listener::Tcp),
+            StdListener::Unix(l) => UnixListener::from_std(l).map(Listener::Unix),
+        }
+        .map_err(ServerError::Runtime)?
+    };
+    let (stop, stopped) = oneshot::channel();
     let thread = std::thread::Builder::new()
         .name("keel-control".into())
-        .spawn(move || accept_loop(&l, &s, &status, &access))
+        .spawn(move || {
+            rt.block_on(accept_loop(listener, stopped, status, access));
+            rt.shutdown_timeout(STOP_GRACE);
+        })
         .map_err(ServerError::SpawnThread)?;
     Ok(Server {
-        listener,
-        stop,
+        stop: Some(stop),
         thread: Some(thread),
         addr,
         socket,
@@ -188,25 +221,18 @@ impl Server {
         self.addr
     }
 
-    /// Stops accepting, waits for the accept thread, removes the socket file. Connections
-    /// already accepted finish on their own threads.
+    /// Stops accepting, waits up to `STOP_GRACE` for requests in flight, removes the socket
+    /// file.
     pub fn stop(mut self) {
         self.shutdown();
     }
 
     fn shutdown(&mut self) {
         let Some(t) = self.thread.take() else { return };
-        self.stop.store(true, Ordering::SeqCst);
-        let woke = match &*self.listener {
-            Listener::Tcp(l) => sys::socket::stop_accepting(l),
-            Listener::Unix(l) => sys::socket::stop_accepting(l),
-        };
-        match woke {
-            Ok(()) => {
-                let _ = t.join();
-            }
-            Err(e) => warn!("control: cannot stop the listener: {e}"),
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
         }
+        let _ = t.join();
         if let Some((path, ino)) = &self.socket {
             let ours = std::fs::symlink_metadata(path).is_ok_and(|m| m.ino() == *ino);
             if ours {
@@ -222,152 +248,200 @@ impl Drop for Server {
     }
 }
 
-/// One thread that answers connections over the limit with 503, one after the other, each
-/// within `BUSY_TIME`; at most `BUSY_QUEUE` wait. `None` if the thread cannot start.
-fn busy_responder() -> Option<SyncSender<Stream>> {
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Stream>(BUSY_QUEUE);
-    std::thread::Builder::new()
-        .name("keel-control-busy".into())
-        .stack_size(256 * 1024)
-        .spawn(move || {
-            for s in rx {
-                s.refuse_busy();
-            }
-        })
-        .ok()
-        .map(|_| tx)
+/// What a connection gets, decided when it is accepted.
+#[derive(Clone)]
+enum Verdict {
+    Serve(StatusHandle, Access),
+    /// A fixed answer: 503 over the limit, 403 for a socket peer that may not call.
+    Refuse(u16, &'static str),
 }
 
-/// Decrements the connection count when a connection ends (or its thread never started).
-struct Slot(Arc<AtomicUsize>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-fn accept_loop(l: &Listener, stop: &AtomicBool, status: &StatusHandle, access: &Access) {
-    let active = Arc::new(AtomicUsize::new(0));
-    let mut busy: Option<Option<SyncSender<Stream>>> = None;
-    let mut last_warn: Option<Instant> = None;
+async fn accept_loop(
+    l: Listener,
+    mut stop: oneshot::Receiver<()>,
+    status: StatusHandle,
+    access: Access,
+) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let queue = Arc::new(Semaphore::new(BUSY_QUEUE));
+    let mut warned = None::<tokio::time::Instant>;
     loop {
-        let accepted = match l {
-            Listener::Tcp(l) => l.accept().map(|(s, _)| Stream::Tcp(s)),
-            Listener::Unix(l) => l.accept().map(|(s, _)| Stream::Unix(s)),
-        };
-        if stop.load(Ordering::SeqCst) {
-            return;
-        }
-        let stream = match accepted {
-            Ok(s) => s,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => {
+        let accept = std::pin::pin!(l.accept());
+        let conn = match futures::future::select(&mut stop, accept).await {
+            Either::Left(_) => {
+                // Requests in flight get a moment to finish.
+                let all = slots.acquire_many(MAX_CONNECTIONS as u32);
+                let _ = tokio::time::timeout(STOP_GRACE, all).await;
+                return;
+            }
+            Either::Right((Ok(c), _)) => c,
+            Either::Right((Err(e), _)) => {
                 // Out of file descriptors or memory: say so now and then, and back off.
-                if last_warn.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
-                    warn!("control: accept: {e}");
-                    last_warn = Some(Instant::now());
+                if warned.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+                    tracing::warn!("control: accept: {e}");
+                    warned = Some(tokio::time::Instant::now());
                 }
-                std::thread::sleep(Duration::from_millis(100));
+                tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
-        if active.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
-            active.fetch_sub(1, Ordering::SeqCst);
-            // Past the queue's capacity a connection is simply closed.
-            if let Some(tx) = busy.get_or_insert_with(busy_responder) {
-                let _ = tx.try_send(stream);
-            }
-            continue;
-        }
-        let slot = Slot(active.clone());
-        let (status, access) = (status.clone(), access.clone());
-        let spawned = std::thread::Builder::new()
-            .name("keel-control-conn".into())
-            .stack_size(512 * 1024)
-            .spawn(move || {
+        if let Ok(slot) = slots.clone().try_acquire_owned() {
+            let verdict = match &conn {
+                Conn::Unix(s) if !peer_allowed(s, &access) => Verdict::Refuse(403, "forbidden\n"),
+                _ => Verdict::Serve(status.clone(), access.clone()),
+            };
+            tokio::spawn(async move {
                 let _slot = slot;
-                stream.serve(&status, &access);
+                conn.serve(verdict, READ_DEADLINE).await;
             });
-        if let Err(e) = spawned {
-            debug!("control: cannot start a connection thread: {e}");
+        } else if let Ok(queued) = queue.clone().try_acquire_owned() {
+            tokio::spawn(async move {
+                let _queued = queued;
+                let busy = conn.serve(Verdict::Refuse(503, "busy\n"), BUSY_TIME);
+                let _ = tokio::time::timeout(BUSY_TIME * 2, busy).await;
+            });
         }
+        // Past the queue's capacity a connection is simply closed.
     }
 }
 
-enum Stream {
-    Tcp(TcpStream),
-    Unix(UnixStream),
-}
-
-impl Stream {
-    /// Reads the request (briefly) so the close is clean, then answers 503 busy.
-    fn refuse_busy(self) {
-        fn refuse<C: Conn>(mut c: C) {
-            let _ = c.set_write_timeout(Some(BUSY_TIME));
-            let read = http::read_request(&mut c, Instant::now() + BUSY_TIME);
-            let _ = http::write_response(&mut c, &http::Response::text(503, "busy\n"), false);
-            if read.is_err() {
-                http::linger(&mut c, LINGER_BYTES, Instant::now() + BUSY_TIME);
-            }
-        }
+impl Listener {
+    async fn accept(&self) -> io::Result<Conn> {
         match self {
-            Stream::Tcp(s) => refuse(s),
-            Stream::Unix(s) => refuse(s),
-        }
-    }
-
-    fn serve(self, status: &StatusHandle, access: &Access) {
-        match self {
-            Stream::Tcp(s) => serve_conn(s, status, access),
-            Stream::Unix(s) => {
-                let me = sys::socket::euid();
-                let group = match access {
-                    Access::Trusted { group } => *group,
-                    Access::Token(_) => None,
-                };
-                let member = |s: &UnixStream| {
-                    group.is_some_and(|g| sys::socket::peer_in_group(s, g).unwrap_or(false))
-                };
-                match sys::socket::peer_uid(&s) {
-                    Ok(uid) if uid == me || uid == 0 || member(&s) => serve_conn(s, status, access),
-                    Ok(uid) => {
-                        debug!("control: refused a socket peer with uid {uid}");
-                        let r = http::Response::text(403, "forbidden\n");
-                        let mut s = s;
-                        let _ = s.set_write_timeout(Some(WRITE_TIMEOUT));
-                        let _ = http::write_response(&mut s, &r, false);
-                    }
-                    Err(e) => debug!("control: peer credentials: {e}"),
-                }
-            }
+            Listener::Tcp(l) => l.accept().await.map(|(s, _)| Conn::Tcp(s)),
+            Listener::Unix(l) => l.accept().await.map(|(s, _)| Conn::Unix(s)),
         }
     }
 }
 
-/// Reads one request from `c`, answers it, closes.
-fn serve_conn<C: Conn>(mut c: C, status: &StatusHandle, access: &Access) {
-    let _ = c.set_write_timeout(Some(WRITE_TIMEOUT));
-    let (resp, head_only, unread) = match http::read_request(&mut c, Instant::now() + READ_DEADLINE)
-    {
-        Ok(req) => (
-            api::handle(&req, status, access),
-            req.method == "HEAD",
-            false,
-        ),
-        Err(e) => {
-            debug!("control: {e}");
-            match e.response() {
-                Some(r) => (r, false, true),
-                None => return,
-            }
-        }
+/// Root, keel's own user, or (with `[control] group`) a member of that group.
+fn peer_allowed(s: &tokio::net::UnixStream, access: &Access) -> bool {
+    let group = match access {
+        Access::Trusted { group } => *group,
+        Access::Token(_) => None,
     };
-    if let Err(e) = http::write_response(&mut c, &resp, head_only) {
-        debug!("control: write response: {e}");
-        return;
+    match sys::socket::peer_uid(s) {
+        Ok(uid) if uid == 0 || uid == sys::socket::euid() => true,
+        Ok(uid) => {
+            let member = group.is_some_and(|g| sys::socket::peer_in_group(s, g).unwrap_or(false));
+            if !member {
+                debug!("control: refused a socket peer with uid {uid}");
+            }
+            member
+        }
+        Err(e) => {
+            debug!("control: peer credentials: {e}");
+            false
+        }
     }
-    if unread {
-        http::linger(&mut c, LINGER_BYTES, Instant::now() + LINGER_TIME);
+}
+
+enum Conn {
+    Tcp(tokio::net::TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+impl Conn {
+    async fn serve(self, verdict: Verdict, read_deadline: Duration) {
+        match self {
+            Conn::Tcp(s) => serve_conn(s, verdict, read_deadline).await,
+            Conn::Unix(s) => serve_conn(s, verdict, read_deadline).await,
+        }
     }
+}
+
+/// Serves one request on `io`; the reply, once ready, has `WRITE_TIMEOUT` to go out.
+async fn serve_conn<S>(io: S, verdict: Verdict, read_deadline: Duration)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let replied = Arc::new(Notify::new());
+    let r = replied.clone();
+    let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+        let (verdict, replied) = (verdict.clone(), r.clone());
+        async move {
+            let resp = match verdict {
+                Verdict::Serve(status, access) => answer(req, status, access).await,
+                Verdict::Refuse(code, text) => Response::text(code, text),
+            };
+            replied.notify_one();
+            Ok::<_, Infallible>(to_hyper(resp))
+        }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .keep_alive(false)
+        .max_buf_size(MAX_HEAD)
+        .header_read_timeout(read_deadline)
+        .serve_connection(TokioIo::new(io), service);
+    let write_limit = async move {
+        replied.notified().await;
+        tokio::time::sleep(WRITE_TIMEOUT).await;
+    };
+    match futures::future::select(std::pin::pin!(conn), std::pin::pin!(write_limit)).await {
+        Either::Left((Err(e), _)) => debug!("control: {e}"),
+        Either::Left((Ok(()), _)) => {}
+        Either::Right(_) => debug!("control: the client did not take its reply in time"),
+    }
+}
+
+/// Reads the body (bounded in size and time), routes on the blocking pool.
+async fn answer(req: hyper::Request<Incoming>, status: StatusHandle, access: Access) -> Response {
+    let (parts, body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return Response::text(413, "payload too large\n");
+    }
+    let body =
+        match tokio::time::timeout(READ_DEADLINE, Limited::new(body, MAX_BODY).collect()).await {
+            Ok(Ok(b)) => b.to_bytes().to_vec(),
+            Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+                return Response::text(413, "payload too large\n")
+            }
+            Ok(Err(e)) => {
+                debug!("control: read the request body: {e}");
+                return Response::text(400, "bad request\n");
+            }
+            Err(_) => return Response::text(408, "request timeout\n"),
+        };
+    let req = Request {
+        method: parts.method.as_str().to_string(),
+        path: parts.uri.path().to_string(),
+        query: parts.uri.query().unwrap_or("").to_string(),
+        headers: parts
+            .headers
+            .iter()
+            .map(|(k, v)| {
+                let v = String::from_utf8_lossy(v.as_bytes()).into_owned();
+                (k.as_str().to_string(), v)
+            })
+            .collect(),
+        body,
+    };
+    match tokio::task::spawn_blocking(move || api::handle(&req, &status, &access)).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!("control: request handler failed: {e}");
+            Response::text(500, "internal error\n")
+        }
+    }
+}
+
+fn to_hyper(r: Response) -> hyper::Response<Full<Bytes>> {
+    let mut b = hyper::Response::builder()
+        .status(r.status)
+        .header(hyper::header::CONTENT_TYPE, r.content_type)
+        .header(hyper::header::CACHE_CONTROL, "no-store");
+    for (k, v) in &r.headers {
+        b = b.header(*k, v.as_str());
+    }
+    b.body(Full::new(Bytes::from(r.body))).unwrap_or_else(|e| {
+        debug!("control: build the response: {e}");
+        let mut r = hyper::Response::new(Full::new(Bytes::from_static(b"internal error\n")));
+        *r.status_mut() = hyper::StatusCode::INTERNAL_SERVER_ERROR;
+        r
+    })
 }

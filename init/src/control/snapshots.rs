@@ -6,7 +6,7 @@
 //! are `{"ok": false, "error": "..."}` with 400 (bad request), 404 (no such snapshot), 409
 //! (refused: a checkpoint or rollback runs) or 503 (no checkpoint service).
 
-use super::http::{Request, Response};
+use super::api::{Request, Response};
 use super::status::{CheckpointOutcome, StatusHandle};
 use crate::persist::agent::{Op, Rollback, SnapshotCreate};
 use crate::persist::{diff, snapshots};

@@ -4,7 +4,7 @@
 //! never blocks the supervisor loop on a slow client. Secrets are never stored here.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
@@ -196,6 +196,8 @@ struct Shared {
     supervised: AtomicBool,
     /// The checkpoint service, for named snapshots, diffs and rollbacks (`snapshots`).
     agent: Mutex<Option<crate::persist::CheckpointHandle>>,
+    /// The `/metrics` registry, built once with the model.
+    registry: prometheus_client::registry::Registry,
 }
 
 /// The handle everything publishes status through. Clone it freely.
@@ -205,6 +207,16 @@ pub struct StatusHandle(Arc<Shared>);
 impl std::fmt::Debug for StatusHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StatusHandle").finish_non_exhaustive()
+    }
+}
+
+/// A status model that may be gone (what the metrics registry inside it holds).
+#[derive(Debug)]
+pub(crate) struct WeakStatus(Weak<Shared>);
+
+impl WeakStatus {
+    pub(crate) fn upgrade(&self) -> Option<StatusHandle> {
+        self.0.upgrade().map(StatusHandle)
     }
 }
 
@@ -229,7 +241,7 @@ pub enum CheckpointOutcome {
 impl StatusHandle {
     /// A fresh model: phase starting, mount pending, no services.
     pub fn new(cfg: &crate::config::Config) -> Self {
-        StatusHandle(Arc::new(Shared {
+        StatusHandle(Arc::new_cyclic(|me| Shared {
             started: Instant::now(),
             started_wall: SystemTime::now(),
             mount_point: cfg.workspace.mount_point.display().to_string(),
@@ -245,7 +257,13 @@ impl StatusHandle {
             checkpoint_running: Mutex::new(()),
             supervised: AtomicBool::new(false),
             agent: Mutex::new(None),
+            registry: super::metrics::registry(WeakStatus(me.clone())),
         }))
+    }
+
+    /// The `/metrics` registry of this model.
+    pub fn registry(&self) -> &prometheus_client::registry::Registry {
+        &self.0.registry
     }
 
     pub fn uptime(&self) -> Duration {

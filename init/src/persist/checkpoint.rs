@@ -333,8 +333,20 @@ impl Persister {
         backlog(&self.store, self.params.chunk_size)
     }
 
-    /// Takes a checkpoint.
+    /// Takes a checkpoint (and counts it in the metrics).
     pub fn checkpoint(
+        &mut self,
+        opts: &CheckpointOptions,
+    ) -> Result<CheckpointReport, CheckpointError> {
+        let t0 = Instant::now();
+        let r = self.take_checkpoint(opts);
+        let done = r.as_ref().ok();
+        let outcome = done.map(|r| (r.seq.is_some(), r.chunks_uploaded, r.chunk_bytes_uploaded));
+        crate::control::metrics::persist::checkpoint(outcome, t0.elapsed());
+        r
+    }
+
+    fn take_checkpoint(
         &mut self,
         opts: &CheckpointOptions,
     ) -> Result<CheckpointReport, CheckpointError> {

@@ -139,7 +139,9 @@ where
             Err(e) if e.is_temporary() => {
                 let sleep = policy.backoff(retry);
                 let late = deadline.is_some_and(|d| Instant::now() + sleep >= d);
-                if retry + 1 >= policy.attempts || late {
+                let give_up = retry + 1 >= policy.attempts || late;
+                crate::control::metrics::persist::remote_error(op, &e, !give_up);
+                if give_up {
                     return Err(match e {
                         RemoteError::Temporary { op, key, reason } => RemoteError::Temporary {
                             op,
@@ -157,6 +159,10 @@ where
                 tracing::debug!(op, key, error = %e, retry, "temporary remote error; retrying");
                 tokio::time::sleep(sleep).await;
                 retry += 1;
+            }
+            Err(e) => {
+                crate::control::metrics::persist::remote_error(op, &e, false);
+                return Err(e);
             }
             r => return r,
         }

@@ -323,6 +323,8 @@ fn fetch_bodies(
             report.chunks_fetched += 1;
             report.bytes_fetched += r.len() as u64;
         }
+        let (chunks, bytes) = (report.chunks_fetched, report.bytes_fetched);
+        crate::control::metrics::persist::restore_progress(chunks, bytes, wanted.len());
         if open.len() > 256 {
             open.clear();
         }

@@ -2,11 +2,10 @@
 //! control socket can refuse everyone but keel's own user whatever the file mode says.
 
 use std::io;
-use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
+use std::os::fd::AsFd;
 
 /// The effective uid of the process that connected `stream`.
-pub fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
+pub fn peer_uid(stream: &impl AsFd) -> io::Result<u32> {
     nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials)
         .map(|c| c.uid())
         .map_err(|e| io::Error::from_raw_os_error(e as i32))
@@ -14,7 +13,7 @@ pub fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
 
 /// Whether the process that connected `stream` is in group `gid`: its effective gid at
 /// connect time (`SO_PEERCRED`) or one of its supplementary groups (`/proc/<pid>/status`).
-pub fn peer_in_group(stream: &UnixStream, gid: u32) -> io::Result<bool> {
+pub fn peer_in_group(stream: &impl AsFd, gid: u32) -> io::Result<bool> {
     let c = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials)
         .map_err(|e| io::Error::from_raw_os_error(e as i32))?;
     if c.gid() == gid {
@@ -30,11 +29,4 @@ pub fn peer_in_group(stream: &UnixStream, gid: u32) -> io::Result<bool> {
 /// keel's own effective uid.
 pub fn euid() -> u32 {
     nix::unistd::geteuid().as_raw()
-}
-
-/// Wakes a thread blocked in `accept` on `listener` for good: `shutdown(SHUT_RD)` on a
-/// listening socket makes every pending and future `accept` fail at once (Linux).
-pub fn stop_accepting(listener: &impl AsRawFd) -> io::Result<()> {
-    nix::sys::socket::shutdown(listener.as_raw_fd(), nix::sys::socket::Shutdown::Read)
-        .map_err(|e| io::Error::from_raw_os_error(e as i32))
 }

@@ -24,6 +24,8 @@ use fuser::{
     WriteFlags,
 };
 
+use crate::control::metrics::fuse::{self as fuse_metrics, Op};
+
 use super::fs::{Attr, Caller, FsError, OpenInfo, SetAttr, SetIdLoss, SetTime, WorkspaceFs};
 use crate::meta::{InodeNo as Ino, Kind, Nanos};
 
@@ -105,14 +107,16 @@ impl FuseAdapter {
         self.requests.clone()
     }
 
-    fn count(&self) {
+    /// Counts a request and times it until the returned guard drops (after the reply).
+    fn count(&self, op: Op) -> fuse_metrics::Timer {
         self.requests.all.fetch_add(1, Ordering::Relaxed);
+        fuse_metrics::begin(op)
     }
 
     /// Counts a request no caller waits for (see `RequestCounters`).
-    fn count_unwaited(&self) {
+    fn count_unwaited(&self, op: Op) -> fuse_metrics::Timer {
         self.requests.unwaited.fetch_add(1, Ordering::Relaxed);
-        self.count();
+        self.count(op)
     }
 
     fn backing(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (Arc<BackingId>, u32)>> {
@@ -176,11 +180,15 @@ fn acquire_backing(
     }
 }
 
+/// The reply's errno for `e`, counted and logged under the request's operation.
 fn errno(e: &FsError) -> Errno {
-    if let FsError::Io(_) | FsError::Meta(_) = e {
-        tracing::debug!(error = %e, "request failed");
-    }
-    Errno::from_i32(e.errno())
+    fail(e.errno(), e)
+}
+
+/// Counts and logs a failed request (see `fuse_metrics::failed`).
+fn fail(errno: i32, why: &dyn std::fmt::Display) -> Errno {
+    fuse_metrics::failed(errno, why);
+    Errno::from_i32(errno)
 }
 
 fn reply_empty(r: ReplyEmpty, res: Result<(), FsError>) {
@@ -305,7 +313,10 @@ fn xattr_reply(r: ReplyXattr, v: &[u8], size: u32) {
     if size == 0 {
         r.size(v.len() as u32);
     } else if v.len() > size as usize {
-        r.error(Errno::ERANGE);
+        r.error(fail(
+            libc::ERANGE,
+            &"xattr value larger than the caller's buffer",
+        ));
     } else {
         r.data(v);
     }
@@ -374,7 +385,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, n: &OsStr, reply: ReplyEntry) {
-        self.count();
+        let _t = self.count(Op::Lookup);
         match self.fs.lookup(Ino(parent.0), name(n)) {
             Err(FsError::NotFound) if !self.timeouts.negative.is_zero() => {
                 // nodeid 0 with a lifetime: the kernel caches the negative entry.
@@ -402,12 +413,12 @@ impl Filesystem for FuseAdapter {
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        self.count_unwaited();
+        let _t = self.count_unwaited(Op::Forget);
         self.fs.forget(Ino(ino.0), nlookup);
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        self.count();
+        let _t = self.count(Op::Getattr);
         self.reply_attr(reply, self.fs.getattr(Ino(ino.0)));
     }
 
@@ -429,7 +440,7 @@ impl Filesystem for FuseAdapter {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        self.count();
+        let _t = self.count(Op::Setattr);
         let times = atime.is_some() || mtime.is_some();
         let set = SetAttr {
             mode,
@@ -449,7 +460,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        self.count();
+        let _t = self.count(Op::Readlink);
         match self.fs.readlink(Ino(ino.0)) {
             Ok(t) => reply.data(&t),
             Err(e) => reply.error(errno(&e)),
@@ -466,7 +477,7 @@ impl Filesystem for FuseAdapter {
         rdev: u32,
         reply: ReplyEntry,
     ) {
-        self.count();
+        let _t = self.count(Op::Mknod);
         let res = self
             .fs
             .mknod(caller(req), Ino(parent.0), name(n), mode, rdev);
@@ -482,18 +493,18 @@ impl Filesystem for FuseAdapter {
         _umask: u32,
         reply: ReplyEntry,
     ) {
-        self.count();
+        let _t = self.count(Op::Mkdir);
         let res = self.fs.mkdir(caller(req), Ino(parent.0), name(n), mode);
         self.reply_entry(reply, res);
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, n: &OsStr, reply: ReplyEmpty) {
-        self.count();
+        let _t = self.count(Op::Unlink);
         reply_empty(reply, self.fs.unlink(Ino(parent.0), name(n)));
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, n: &OsStr, reply: ReplyEmpty) {
-        self.count();
+        let _t = self.count(Op::Rmdir);
         reply_empty(reply, self.fs.rmdir(Ino(parent.0), name(n)));
     }
 
@@ -505,7 +516,7 @@ impl Filesystem for FuseAdapter {
         target: &Path,
         reply: ReplyEntry,
     ) {
-        self.count();
+        let _t = self.count(Op::Symlink);
         let res = self.fs.symlink(
             caller(req),
             Ino(parent.0),
@@ -525,7 +536,7 @@ impl Filesystem for FuseAdapter {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        self.count();
+        let _t = self.count(Op::Rename);
         let res = self.fs.rename(
             Ino(parent.0),
             name(n),
@@ -544,13 +555,13 @@ impl Filesystem for FuseAdapter {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        self.count();
+        let _t = self.count(Op::Link);
         let res = self.fs.link(Ino(ino.0), Ino(newparent.0), name(newname));
         self.reply_entry(reply, res);
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        self.count();
+        let _t = self.count(Op::Open);
         let (i, flags) = (Ino(ino.0), flags.0);
         // fuser gap: it does not pass FUSE_OPEN_KILL_SUIDGID, which the kernel sets for an
         // O_TRUNC open by a caller without CAP_FSETID; `fs.rs` decides that from the caller.
@@ -569,10 +580,13 @@ impl Filesystem for FuseAdapter {
                     let got =
                         acquire_backing(&mut self.backing(), i.0, file, |f| reply.open_backing(f));
                     match got {
-                        Ok(id) => reply.opened_passthrough(FileHandle(fh), fopen_flags(&info), &id),
+                        Ok(id) => {
+                            fuse_metrics::passthrough_open();
+                            reply.opened_passthrough(FileHandle(fh), fopen_flags(&info), &id)
+                        }
                         Err(e) => {
                             self.backing_failed(fh, e);
-                            reply.error(Errno::EIO);
+                            reply.error(fail(libc::EIO, &"passthrough registration failed"));
                         }
                     }
                 }
@@ -592,14 +606,17 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        self.count();
+        let _t = self.count(Op::Read);
         READ_BUF.with(|b| {
             let mut buf = b.borrow_mut();
             match self
                 .fs
                 .read(Ino(ino.0), offset, size.min(MAX_WRITE), &mut buf)
             {
-                Ok(()) => reply.data(&buf),
+                Ok(()) => {
+                    fuse_metrics::read_bytes(buf.len());
+                    reply.data(&buf)
+                }
                 Err(e) => reply.error(errno(&e)),
             }
             // Do not keep a huge buffer around after a big read.
@@ -621,7 +638,7 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        self.count();
+        let _t = self.count(Op::Write);
         let i = Ino(ino.0);
         // The kernel asks for this (it decided from the caller, as for ext4).
         if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
@@ -630,7 +647,10 @@ impl Filesystem for FuseAdapter {
             }
         }
         match self.fs.write(i, offset, data) {
-            Ok(n) => reply.written(n),
+            Ok(n) => {
+                fuse_metrics::write_bytes(n as usize);
+                reply.written(n)
+            }
             Err(e) => reply.error(errno(&e)),
         }
     }
@@ -643,7 +663,7 @@ impl Filesystem for FuseAdapter {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        self.count();
+        let _t = self.count(Op::Flush);
         reply_empty(reply, self.fs.flush(Ino(ino.0)));
     }
 
@@ -657,7 +677,7 @@ impl Filesystem for FuseAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        self.count_unwaited();
+        let _t = self.count_unwaited(Op::Release);
         match self.fs.release(fh.0) {
             Ok(passthrough) => {
                 if passthrough {
@@ -683,12 +703,12 @@ impl Filesystem for FuseAdapter {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.count();
+        let _t = self.count(Op::Fsync);
         reply_empty(reply, self.fs.fsync(Ino(ino.0), datasync));
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        self.count();
+        let _t = self.count(Op::Opendir);
         match self.fs.opendir(Ino(ino.0)) {
             Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
             Err(e) => reply.error(errno(&e)),
@@ -703,7 +723,7 @@ impl Filesystem for FuseAdapter {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        self.count();
+        let _t = self.count(Op::Readdir);
         let res = self.fs.readdir(fh.0, offset, |e, next| {
             reply.add(
                 INodeNo(e.ino.0),
@@ -728,7 +748,7 @@ impl Filesystem for FuseAdapter {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        self.count();
+        let _t = self.count(Op::Readdirplus);
         let ttl = self.timeouts.entry.min(self.timeouts.attr);
         let res = self.fs.readdirplus(fh.0, offset, |e, a, next| {
             let mut attr = self.file_attr(a);
@@ -756,7 +776,7 @@ impl Filesystem for FuseAdapter {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
-        self.count_unwaited();
+        let _t = self.count_unwaited(Op::Releasedir);
         self.fs.releasedir(fh.0);
         reply.ok();
     }
@@ -769,12 +789,12 @@ impl Filesystem for FuseAdapter {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.count();
+        let _t = self.count(Op::Fsyncdir);
         reply_empty(reply, self.fs.fsyncdir());
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        self.count();
+        let _t = self.count(Op::Statfs);
         match self.fs.statfs() {
             Ok(s) => reply.statfs(
                 s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize,
@@ -793,12 +813,12 @@ impl Filesystem for FuseAdapter {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        self.count();
+        let _t = self.count(Op::Setxattr);
         reply_empty(reply, self.fs.setxattr(Ino(ino.0), name(n), value, flags));
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, n: &OsStr, size: u32, reply: ReplyXattr) {
-        self.count();
+        let _t = self.count(Op::Getxattr);
         match self.fs.getxattr(Ino(ino.0), name(n)) {
             Ok(v) => xattr_reply(reply, &v, size),
             Err(e) => reply.error(errno(&e)),
@@ -806,7 +826,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        self.count();
+        let _t = self.count(Op::Listxattr);
         match self.fs.listxattr(Ino(ino.0)) {
             Ok(v) => xattr_reply(reply, &v, size),
             Err(e) => reply.error(errno(&e)),
@@ -814,12 +834,12 @@ impl Filesystem for FuseAdapter {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, n: &OsStr, reply: ReplyEmpty) {
-        self.count();
+        let _t = self.count(Op::Removexattr);
         reply_empty(reply, self.fs.removexattr(Ino(ino.0), name(n)));
     }
 
     fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
-        self.count();
+        let _t = self.count(Op::Access);
         reply_empty(reply, self.fs.access(Ino(ino.0), caller(req), mask.bits()));
     }
 
@@ -833,7 +853,7 @@ impl Filesystem for FuseAdapter {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        self.count();
+        let _t = self.count(Op::Create);
         match self
             .fs
             .create(caller(req), Ino(parent.0), name(n), mode, flags)
@@ -857,17 +877,20 @@ impl Filesystem for FuseAdapter {
                             reply.open_backing(f)
                         });
                         match got {
-                            Ok(id) => reply.created_passthrough(
-                                &ttl,
-                                &attr,
-                                Generation(0),
-                                FileHandle(fh),
-                                fopen_flags(&info),
-                                &id,
-                            ),
+                            Ok(id) => {
+                                fuse_metrics::passthrough_open();
+                                reply.created_passthrough(
+                                    &ttl,
+                                    &attr,
+                                    Generation(0),
+                                    FileHandle(fh),
+                                    fopen_flags(&info),
+                                    &id,
+                                )
+                            }
                             Err(e) => {
                                 self.backing_failed(fh, e);
-                                reply.error(Errno::EIO);
+                                reply.error(fail(libc::EIO, &"passthrough registration failed"));
                             }
                         }
                     }
@@ -890,8 +913,8 @@ impl Filesystem for FuseAdapter {
         _out_size: u32,
         reply: ReplyIoctl,
     ) {
-        self.count();
-        reply.error(Errno::ENOTTY);
+        let _t = self.count(Op::Ioctl);
+        reply.error(fail(libc::ENOTTY, &"no ioctl applies"));
     }
 
     fn fallocate(
@@ -904,7 +927,7 @@ impl Filesystem for FuseAdapter {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        self.count();
+        let _t = self.count(Op::Fallocate);
         reply_empty(reply, self.fs.fallocate(Ino(ino.0), offset, length, mode));
     }
 
@@ -917,14 +940,14 @@ impl Filesystem for FuseAdapter {
         whence: i32,
         reply: ReplyLseek,
     ) {
-        self.count();
+        let _t = self.count(Op::Lseek);
         let data = match whence {
             libc::SEEK_DATA => true,
             libc::SEEK_HOLE => false,
-            _ => return reply.error(Errno::EINVAL),
+            _ => return reply.error(fail(libc::EINVAL, &"lseek: only SEEK_DATA and SEEK_HOLE")),
         };
         if offset < 0 {
-            return reply.error(Errno::ENXIO);
+            return reply.error(fail(libc::ENXIO, &"lseek: negative offset"));
         }
         match self.fs.seek(Ino(ino.0), offset as u64, data) {
             Ok(o) => reply.offset(o as i64),
@@ -945,7 +968,7 @@ impl Filesystem for FuseAdapter {
         _flags: CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
-        self.count();
+        let _t = self.count(Op::CopyFileRange);
         let len = len.min(u64::from(u32::MAX) & !0xfff);
         // As for a write: the kernel leaves dropping setuid/setgid to keel.
         if self.killpriv() {

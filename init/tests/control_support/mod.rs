@@ -39,6 +39,8 @@ pub fn parse(raw: &[u8]) -> Resp {
         .unwrap_or_else(|| panic!("no header end in {text:?}"));
     let code = head
         .strip_prefix("HTTP/1.1 ")
+        // An HTTP/1.0 request is answered in HTTP/1.0.
+        .or_else(|| head.strip_prefix("HTTP/1.0 "))
         .and_then(|r| r[..3].parse().ok())
         .unwrap_or_else(|| panic!("bad status line in {head:?}"));
     Resp {
