@@ -319,11 +319,16 @@ impl Tx<'_> {
     pub fn put_inode_exact(&self, inode: &Inode) -> Result<()> {
         self.conn
             .prepare_cached(concat!(
-                "INSERT OR REPLACE INTO inode (",
+                "INSERT INTO inode (",
                 inode_cols!(),
                 ") VALUES (",
                 inode_params!(),
-                ")"
+                // An upsert, not OR REPLACE: the replacing delete would not fire the
+                // triggers that keep `inode_totals`.
+                ") ON CONFLICT(ino) DO UPDATE SET mode=excluded.mode, uid=excluded.uid,
+                 gid=excluded.gid, nlink=excluded.nlink, size=excluded.size,
+                 atime=excluded.atime, mtime=excluded.mtime, ctime=excluded.ctime,
+                 rdev=excluded.rdev, parent=excluded.parent, storage=excluded.storage"
             ))?
             .execute(params_from_iter(inode_row(Some(inode.ino), inode)))?;
         self.wrote(inode.ino, Some(inode));
