@@ -1168,6 +1168,16 @@ mod tests {
         .unwrap();
         tx.commit().unwrap();
         assert_eq!(totals(&s), (5, 4, 20), "and kept from then on");
+        // fsck's comparison and repair.
+        s.conn
+            .execute_batch("UPDATE inode_totals SET live = 9")
+            .unwrap();
+        let (counted, kept) = s.read().inode_totals_both().unwrap();
+        assert_eq!((counted, kept), ([5, 4, 20], [5, 9, 20]));
+        let tx = s.write().unwrap();
+        tx.recount_inode_totals().unwrap();
+        tx.commit().unwrap();
+        assert_eq!(totals(&s), (5, 4, 20));
     }
 
     #[test]

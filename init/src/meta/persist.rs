@@ -371,6 +371,39 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// (rows, live inodes, bytes of live regular files) counted from the inode table itself,
+    /// and as the running totals say (fsck compares them).
+    pub fn inode_totals_both(&self) -> Result<([u64; 3], [u64; 3])> {
+        let q = |sql: &str| -> Result<[u64; 3]> {
+            Ok(self.conn.prepare_cached(sql)?.query_row([], |r| {
+                Ok([
+                    r.get::<_, i64>(0)?.max(0) as u64,
+                    r.get::<_, i64>(1)?.max(0) as u64,
+                    r.get::<_, i64>(2)?.max(0) as u64,
+                ])
+            })?)
+        };
+        Ok((
+            q("SELECT count(*), coalesce(sum(nlink > 0), 0),
+                coalesce(sum(CASE WHEN nlink > 0 AND (mode & 61440) = 32768 THEN size ELSE 0 END), 0)
+               FROM inode")?,
+            q("SELECT rows, live, bytes FROM inode_totals")?,
+        ))
+    }
+
+    /// Sets the running totals to what the inode table holds (fsck repair).
+    pub fn recount_inode_totals(&self) -> Result<()> {
+        let (counted, _) = self.inode_totals_both()?;
+        self.conn
+            .prepare_cached("UPDATE inode_totals SET rows = ?1, live = ?2, bytes = ?3")?
+            .execute(params![
+                counted[0] as i64,
+                counted[1] as i64,
+                counted[2] as i64
+            ])?;
+        Ok(())
+    }
+
     /// Sets an inode's link count (fsck repair).
     pub fn set_nlink(&self, ino: InodeNo, nlink: u32) -> Result<()> {
         self.conn
