@@ -276,6 +276,7 @@ impl Store {
             schema::create(&conn, now)?;
         }
         lazy::ensure_schema(&conn)?;
+        schema::ensure_totals(&conn)?;
         // Room for every statement keel prepares (about 60; rusqlite's default keeps 16, so
         // the per-operation ones were evicted and parsed again all the time).
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
@@ -943,12 +944,23 @@ impl Tx<'_> {
         Ok(out)
     }
 
-    /// Number of inodes (for statfs).
+    /// Number of inodes (for statfs), from the running totals (no scan).
     pub fn inode_count(&self) -> Result<u64> {
         Ok(self
             .conn
-            .prepare_cached("SELECT count(*) FROM inode")?
-            .query_row([], |r| r.get::<_, i64>(0))? as u64)
+            .prepare_cached("SELECT rows FROM inode_totals")?
+            .query_row([], |r| r.get::<_, i64>(0))?
+            .max(0) as u64)
+    }
+
+    /// (inodes with a link, bytes of the linked regular files): what a snapshot of the
+    /// tree holds, from the running totals the inode table's triggers keep (no scan).
+    pub fn live_totals(&self) -> Result<(u64, u64)> {
+        let (n, b) = self
+            .conn
+            .prepare_cached("SELECT live, bytes FROM inode_totals")?
+            .query_row([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
+        Ok((n.max(0) as u64, b.max(0) as u64))
     }
 
     /// Every inode (for fsck and tests).
@@ -1050,6 +1062,122 @@ mod tests {
         let got = s.read().get(ino).unwrap().unwrap();
         assert_eq!(got.perm, 0o644);
         assert_eq!(s.read().xattr(ino, b"user.x").unwrap().unwrap(), b"1");
+    }
+
+    /// The scan the running totals replace: (rows, live inodes, bytes of live files).
+    fn scanned(s: &Store) -> (u64, u64, u64) {
+        let all = s.read().all_inodes().unwrap();
+        let live: Vec<_> = all.iter().filter(|i| i.nlink > 0).collect();
+        let bytes = live
+            .iter()
+            .filter(|i| i.kind == Kind::File)
+            .map(|i| i.size)
+            .sum();
+        (all.len() as u64, live.len() as u64, bytes)
+    }
+
+    fn totals(s: &Store) -> (u64, u64, u64) {
+        let r = s.read();
+        let (live, bytes) = r.live_totals().unwrap();
+        (r.inode_count().unwrap(), live, bytes)
+    }
+
+    #[test]
+    fn inode_totals_follow_every_writer_and_are_rebuilt_for_old_state_dirs() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("meta.db");
+        let s = Store::open(&p, Nanos(5)).unwrap();
+        assert_eq!(totals(&s), (1, 1, 0), "the root alone");
+        let tx = s.write().unwrap();
+        let a = tx
+            .insert(&Inode {
+                size: 100,
+                ..file(0o644)
+            })
+            .unwrap();
+        let b = tx
+            .insert(&Inode {
+                size: 7,
+                ..file(0o644)
+            })
+            .unwrap();
+        let d = tx
+            .insert(&Inode {
+                kind: Kind::Dir,
+                nlink: 2,
+                size: 4096,
+                ..file(0o755)
+            })
+            .unwrap();
+        tx.commit().unwrap();
+        assert_eq!(
+            totals(&s),
+            (4, 4, 107),
+            "a directory's size is not file bytes"
+        );
+        let tx = s.write().unwrap();
+        let mut ia = tx.get(a).unwrap().unwrap();
+        ia.size = 1000;
+        tx.update(&ia).unwrap();
+        let mut ib = tx.get(b).unwrap().unwrap();
+        ib.nlink = 0; // unlinked, still open: not in a snapshot, still a row
+        tx.update(&ib).unwrap();
+        tx.commit().unwrap();
+        assert_eq!(totals(&s), scanned(&s));
+        assert_eq!(totals(&s), (4, 3, 1000));
+        // A rolled-back change leaves the totals as they were.
+        {
+            let tx = s.write().unwrap();
+            tx.delete(a).unwrap();
+        }
+        assert_eq!(totals(&s), (4, 3, 1000));
+        let tx = s.write().unwrap();
+        tx.delete(b).unwrap();
+        tx.set_nlink(d, 0).unwrap();
+        // restore's writer replaces rows under their own number
+        tx.put_inode_exact(&Inode {
+            ino: a,
+            size: 5,
+            ..file(0o600)
+        })
+        .unwrap();
+        tx.put_inode_exact(&Inode {
+            ino: InodeNo(77),
+            size: 11,
+            ..file(0o600)
+        })
+        .unwrap();
+        tx.commit().unwrap();
+        assert_eq!(totals(&s), scanned(&s));
+        assert_eq!(totals(&s), (4, 3, 16));
+        // A state dir from before the totals: they are built on open from one scan.
+        s.conn
+            .execute_batch(
+                "DROP TRIGGER inode_totals_ins; DROP TRIGGER inode_totals_del;
+                 DROP TRIGGER inode_totals_upd; DROP TABLE inode_totals;",
+            )
+            .unwrap();
+        drop(s);
+        let s = Store::open(&p, Nanos(6)).unwrap();
+        assert_eq!(totals(&s), (4, 3, 16));
+        let tx = s.write().unwrap();
+        tx.insert(&Inode {
+            size: 4,
+            ..file(0o644)
+        })
+        .unwrap();
+        tx.commit().unwrap();
+        assert_eq!(totals(&s), (5, 4, 20), "and kept from then on");
+        // fsck's comparison and repair.
+        s.conn
+            .execute_batch("UPDATE inode_totals SET live = 9")
+            .unwrap();
+        let (counted, kept) = s.read().inode_totals_both().unwrap();
+        assert_eq!((counted, kept), ([5, 4, 20], [5, 9, 20]));
+        let tx = s.write().unwrap();
+        tx.recount_inode_totals().unwrap();
+        tx.commit().unwrap();
+        assert_eq!(totals(&s), (5, 4, 20));
     }
 
     #[test]

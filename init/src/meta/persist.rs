@@ -330,11 +330,16 @@ impl Tx<'_> {
     pub fn put_inode_exact(&self, inode: &Inode) -> Result<()> {
         self.conn
             .prepare_cached(concat!(
-                "INSERT OR REPLACE INTO inode (",
+                "INSERT INTO inode (",
                 inode_cols!(),
                 ") VALUES (",
                 inode_params!(),
-                ")"
+                // An upsert, not OR REPLACE: the replacing delete would not fire the
+                // triggers that keep `inode_totals`.
+                ") ON CONFLICT(ino) DO UPDATE SET mode=excluded.mode, uid=excluded.uid,
+                 gid=excluded.gid, nlink=excluded.nlink, size=excluded.size,
+                 atime=excluded.atime, mtime=excluded.mtime, ctime=excluded.ctime,
+                 rdev=excluded.rdev, parent=excluded.parent, storage=excluded.storage"
             ))?
             .execute(params_from_iter(inode_row(Some(inode.ino), inode)))?;
         self.wrote(inode.ino, Some(inode));
@@ -374,6 +379,39 @@ impl Tx<'_> {
         self.conn
             .prepare_cached("DELETE FROM persist_state WHERE key = ?1")?
             .execute([key])?;
+        Ok(())
+    }
+
+    /// (rows, live inodes, bytes of live regular files) counted from the inode table itself,
+    /// and as the running totals say (fsck compares them).
+    pub fn inode_totals_both(&self) -> Result<([u64; 3], [u64; 3])> {
+        let q = |sql: &str| -> Result<[u64; 3]> {
+            Ok(self.conn.prepare_cached(sql)?.query_row([], |r| {
+                Ok([
+                    r.get::<_, i64>(0)?.max(0) as u64,
+                    r.get::<_, i64>(1)?.max(0) as u64,
+                    r.get::<_, i64>(2)?.max(0) as u64,
+                ])
+            })?)
+        };
+        Ok((
+            q("SELECT count(*), coalesce(sum(nlink > 0), 0),
+                coalesce(sum(CASE WHEN nlink > 0 AND (mode & 61440) = 32768 THEN size ELSE 0 END), 0)
+               FROM inode")?,
+            q("SELECT rows, live, bytes FROM inode_totals")?,
+        ))
+    }
+
+    /// Sets the running totals to what the inode table holds (fsck repair).
+    pub fn recount_inode_totals(&self) -> Result<()> {
+        let (counted, _) = self.inode_totals_both()?;
+        self.conn
+            .prepare_cached("UPDATE inode_totals SET rows = ?1, live = ?2, bytes = ?3")?
+            .execute(params![
+                counted[0] as i64,
+                counted[1] as i64,
+                counted[2] as i64
+            ])?;
         Ok(())
     }
 

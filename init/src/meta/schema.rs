@@ -87,6 +87,55 @@ pub(super) fn create(conn: &Connection, now: Nanos) -> Result<()> {
     Ok(())
 }
 
+/// Running totals of the inode table, kept by triggers so that nothing needs to scan it:
+/// `rows` (every inode, for statfs), `live` (inodes with a link, what a snapshot holds) and
+/// `bytes` (the sizes of the live regular files). Created on open, so state dirs from
+/// before it gain it, filled by one scan in the same transaction.
+pub(super) fn ensure_totals(conn: &Connection) -> rusqlite::Result<()> {
+    let present: Option<i64> = conn
+        .query_row(
+            "SELECT 1 FROM sqlite_master WHERE type='table' AND name='inode_totals'",
+            [],
+            |r| r.get(0),
+        )
+        .optional()?;
+    if present.is_some() {
+        return Ok(());
+    }
+    // A live inode counts 1; a live regular file (S_IFREG, 0o100000) counts its size.
+    const LIVE: &str = "(R.nlink > 0)";
+    const BYTES: &str =
+        "(CASE WHEN R.nlink > 0 AND (R.mode & 61440) = 32768 THEN R.size ELSE 0 END)";
+    let of = |e: &str, r: &str| e.replace("R.", &format!("{r}."));
+    let sql = format!(
+        "BEGIN IMMEDIATE;
+         CREATE TABLE IF NOT EXISTS inode_totals (id INTEGER PRIMARY KEY CHECK (id = 0),
+            rows INTEGER NOT NULL, live INTEGER NOT NULL, bytes INTEGER NOT NULL);
+         INSERT OR IGNORE INTO inode_totals
+            SELECT 0, count(*), coalesce(sum({live}), 0), coalesce(sum({bytes}), 0) FROM inode AS R;
+         CREATE TRIGGER IF NOT EXISTS inode_totals_ins AFTER INSERT ON inode BEGIN
+            UPDATE inode_totals SET rows = rows + 1, live = live + {nlive},
+                bytes = bytes + {nbytes}; END;
+         CREATE TRIGGER IF NOT EXISTS inode_totals_del AFTER DELETE ON inode BEGIN
+            UPDATE inode_totals SET rows = rows - 1, live = live - {olive},
+                bytes = bytes - {obytes}; END;
+         CREATE TRIGGER IF NOT EXISTS inode_totals_upd AFTER UPDATE OF nlink, size, mode ON inode
+            WHEN OLD.nlink != NEW.nlink OR OLD.size != NEW.size OR OLD.mode != NEW.mode BEGIN
+            UPDATE inode_totals SET live = live + {nlive} - {olive},
+                bytes = bytes + {nbytes} - {obytes}; END;
+         COMMIT;",
+        live = LIVE,
+        bytes = BYTES,
+        nlive = of(LIVE, "NEW"),
+        nbytes = of(BYTES, "NEW"),
+        olive = of(LIVE, "OLD"),
+        obytes = of(BYTES, "OLD"),
+    );
+    conn.execute_batch(&sql).inspect_err(|_| {
+        let _ = conn.execute_batch("ROLLBACK");
+    })
+}
+
 pub(super) fn check(conn: &Connection, path: &str) -> Result<()> {
     let foreign = |reason: String| MetaError::Foreign {
         path: path.to_string(),

@@ -521,8 +521,7 @@ impl Persister {
                         None => body.unlinked.push((parent.0, name)),
                     }
                 }
-                let r = totals_of(&view)?;
-                totals = r;
+                totals = view.live_totals()?;
             }
             totals
         };
@@ -883,22 +882,6 @@ fn rec_of(i: &Inode, xattrs: Vec<(Vec<u8>, Vec<u8>)>, data: DataRec) -> InodeRec
         xattrs,
         data,
     }
-}
-
-fn totals_of(view: &Tx<'_>) -> Result<(u64, u64), MetaError> {
-    let mut n = 0;
-    let mut bytes = 0;
-    view.for_each_inode(|i| {
-        if i.nlink == 0 {
-            return Ok(());
-        }
-        n += 1;
-        if i.kind == Kind::File {
-            bytes += i.size;
-        }
-        Ok(())
-    })?;
-    Ok((n, bytes))
 }
 
 fn writer_name() -> String {

@@ -1,11 +1,12 @@
 //! `keel fsck`: checks a state dir that is not mounted, and its remote.
 //!
-//! Local: SQLite's integrity check; every entry names an existing inode of the right kind
-//! in an existing directory; link counts and directory parents agree with the entries;
-//! every directory is reachable from the root; bodies exist with the size the metadata
-//! says; chunk maps fit their files, and (unless `quick`) every window not changed since
-//! the last checkpoint still hashes to its recorded chunk. Remote: the manifest, head and
-//! snapshot chains decode; every chunk the head and the local state reference exists and
+//! Local: SQLite's integrity check; the running inode totals match the table; every entry
+//! names an existing inode of the right kind in an existing directory; link counts and
+//! directory parents agree with the entries; every directory is reachable from the root;
+//! bodies exist with the size the metadata says; chunk maps fit their files, and (unless
+//! `quick`) every window not changed since the last checkpoint still hashes to its
+//! recorded chunk. Remote: the manifest, head and snapshot chains decode; every chunk the
+//! head and the local state reference exists and
 //! (unless `quick`) hashes to its name.
 //!
 //! Modes: every file and directory of the state dir and of a local `file://` remote that
@@ -122,6 +123,7 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
         rep.add(Level::Error, format!("sqlite integrity: {p}"), false);
     }
     check_tree(&store, &mut rep, opts.repair)?;
+    check_totals(&store, &mut rep, opts.repair)?;
     check_bodies(&store, &bodies, &mut rep, opts)?;
     if let Some(repo) = &opts.remote {
         check_remote(&store, &bodies, repo.clone(), &mut rep, opts)?;
@@ -193,6 +195,27 @@ fn check_modes(root: &Path, what: &str, rep: &mut FsckReport, repair: bool) {
             repair && rest_fixed == rest,
         );
     }
+}
+
+/// The running inode totals (statfs, snapshot headers) against a count of the table.
+fn check_totals(store: &Store, rep: &mut FsckReport, repair: bool) -> Result<(), FsckError> {
+    let (counted, kept) = store.read().inode_totals_both()?;
+    if counted != kept {
+        if repair {
+            let tx = store.write()?;
+            tx.recount_inode_totals()?;
+            tx.commit()?;
+        }
+        rep.add(
+            Level::Warning,
+            format!(
+                "inode totals say {} inodes / {} linked / {} file bytes, the table holds {} / {} / {}",
+                kept[0], kept[1], kept[2], counted[0], counted[1], counted[2]
+            ),
+            repair,
+        );
+    }
+    Ok(())
 }
 
 fn check_tree(store: &Store, rep: &mut FsckReport, repair: bool) -> Result<(), FsckError> {

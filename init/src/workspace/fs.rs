@@ -245,6 +245,12 @@ struct OpenFile {
     /// file goes back inline first (`back_inline`) or is deleted (`purge`). A small file
     /// created write-only (`echo >`, `cp` of a small file) so costs no rename at all.
     provisional: std::cell::Cell<Option<Provisional>>,
+    /// (size, mtime, ctime) of the body when we last looked, while passthrough handles are
+    /// open: a change means the kernel wrote through one.
+    pt_base: Option<BodyStamp>,
+    /// The file took a body only to be passed through (it was inline when opened for
+    /// writing, see `open_as`): at its last close it goes back inline if it stayed small.
+    pt_body: bool,
 }
 
 /// A taken pool slot (see `OpenFile::provisional`).
@@ -294,23 +300,33 @@ impl OpenFile {
     }
 }
 
-/// An inode the kernel knows about (looked up) or that has open handles.
-#[derive(Default)]
+/// An inode the kernel knows about (looked up) or that has open handles. One per inode the
+/// kernel holds, so kept small (40 bytes): what only an open or loaded file needs is in the
+/// boxed `OpenFile`.
 struct Node {
     lookups: u64,
     opens: u32,
-    open: Option<OpenFile>,
-    /// (mtime, size) when the last handle was closed: the page cache is still valid if the
-    /// file looks the same at the next open (cache mode `auto`).
-    cache_stamp: Option<(Nanos, u64)>,
     /// Open handles whose I/O the kernel passes straight to the body file.
     pt_opens: u32,
-    /// (size, mtime, ctime) of the body when we last looked: a change means the kernel wrote
-    /// through a passthrough handle.
-    pt_base: Option<BodyStamp>,
-    /// The file took a body only to be passed through (it was inline when opened for
-    /// writing, see `open_as`): at its last close it goes back inline if it stayed small.
-    pt_body: bool,
+    /// (mtime, size) when the last handle was closed: the page cache is still valid if the
+    /// file looks the same at the next open (cache mode `auto`). `NO_STAMP`: none.
+    cache_stamp: (Nanos, u64),
+    open: Option<Box<OpenFile>>,
+}
+
+/// No cache stamp: no file has this size (sizes stop at `i64::MAX`).
+const NO_STAMP: (Nanos, u64) = (Nanos(i64::MIN), u64::MAX);
+
+impl Default for Node {
+    fn default() -> Self {
+        Node {
+            lookups: 0,
+            opens: 0,
+            pt_opens: 0,
+            cache_stamp: NO_STAMP,
+            open: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -682,8 +698,9 @@ impl Drop for WorkspaceFs {
 /// remote. An error fails the fsync (EIO): the data did not get where it was promised.
 pub type FsyncHook = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
 
-/// Most inodes remembered as having no xattrs (the set starts over when full).
-const NO_XATTRS_MAX: usize = 1 << 20;
+/// Most inodes remembered as having no xattrs (the set starts over when full, emptied of
+/// its memory too: at 1 << 20 it held 18 MiB at a million files; a miss costs one row read).
+const NO_XATTRS_MAX: usize = 1 << 16;
 /// The xattr the kernel probes before writes and that `drop_setid` drops.
 const CAPABILITY_XATTR: &[u8] = b"security.capability";
 
@@ -920,7 +937,10 @@ impl WorkspaceFs {
         let Some(node) = inner.nodes.get_mut(&ino) else {
             return Ok(());
         };
-        let (Some(base), Some(of)) = (node.pt_base, node.open.as_mut()) else {
+        let Some(of) = node.open.as_mut() else {
+            return Ok(());
+        };
+        let Some(base) = of.pt_base else {
             return Ok(());
         };
         let Data::Body(f) = &of.data else {
@@ -934,7 +954,7 @@ impl WorkspaceFs {
             }
             of.inode.ctime = of.inode.ctime.max(now_stamp.ctime);
             of.touch(0, now_stamp.size, chunk);
-            node.pt_base = Some(now_stamp);
+            of.pt_base = Some(now_stamp);
         }
         Ok(())
     }
@@ -942,14 +962,10 @@ impl WorkspaceFs {
     /// Re-reads the body stamp after keel itself changed a passthrough file, so its own
     /// change is not mistaken for a kernel write.
     fn rebase(inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
-        if let Some(node) = inner.nodes.get_mut(&ino) {
-            if node.pt_base.is_some() {
-                if let Some(OpenFile {
-                    data: Data::Body(f),
-                    ..
-                }) = &node.open
-                {
-                    node.pt_base = Some(body_stamp(f)?);
+        if let Some(of) = inner.nodes.get_mut(&ino).and_then(|n| n.open.as_mut()) {
+            if of.pt_base.is_some() {
+                if let Data::Body(f) = &of.data {
+                    of.pt_base = Some(body_stamp(f)?);
                 }
             }
         }
@@ -1073,13 +1089,15 @@ impl WorkspaceFs {
         if let Data::Inline(v) = &mut data {
             v.resize(inode.size as usize, 0);
         }
-        inner.nodes.entry(ino).or_default().open = Some(OpenFile {
+        inner.nodes.entry(ino).or_default().open = Some(Box::new(OpenFile {
             inode,
             data,
             dirty: false,
             windows: BTreeSet::new(),
             provisional: std::cell::Cell::new(None),
-        });
+            pt_base: None,
+            pt_body: false,
+        }));
         Ok(())
     }
 
@@ -1099,9 +1117,9 @@ impl WorkspaceFs {
         }
         let node = inner.nodes.get_mut(&ino).expect("node present");
         if let Some(of) = &node.open {
-            node.cache_stamp = Some((of.inode.mtime, of.inode.size));
+            node.cache_stamp = (of.inode.mtime, of.inode.size);
         }
-        if node.lookups > 0 && node.open.as_ref().is_some_and(OpenFile::may_linger) {
+        if node.lookups > 0 && node.open.as_ref().is_some_and(|of| of.may_linger()) {
             self.linger(inner, ino);
         } else {
             node.open = None;
@@ -1110,6 +1128,12 @@ impl WorkspaceFs {
         if node.lookups == 0 {
             let inode = inner.store.read().get(ino)?;
             inner.nodes.remove(&ino);
+            // Give back the table's memory once the kernel has forgotten most of what it
+            // held (a find over a large tree, then memory pressure); amortised O(1).
+            let cap = inner.nodes.capacity();
+            if cap > 4096 && inner.nodes.len() < cap / 4 {
+                inner.nodes.shrink_to(inner.nodes.len() * 2);
+            }
             // Already deleted (unlinked while nobody had it open) or still linked: done.
             if inode.is_some_and(|i| i.nlink == 0) {
                 self.purge(inner, ino)?;
@@ -1170,12 +1194,12 @@ impl WorkspaceFs {
     /// goes back inline once nobody has it open: small files live in the store. Returns
     /// whether it did; its body may go back to the pool once that is saved and committed.
     fn back_inline(&self, node: &mut Node) -> FsResult<bool> {
-        if !std::mem::take(&mut node.pt_body) {
-            return Ok(false);
-        }
         let Some(of) = node.open.as_mut() else {
             return Ok(false);
         };
+        if !std::mem::take(&mut of.pt_body) {
+            return Ok(false);
+        }
         let Data::Body(f) = &of.data else {
             return Ok(false);
         };
@@ -1779,7 +1803,7 @@ impl WorkspaceFs {
                 backing: None,
             },
             CacheMode::Auto => OpenInfo {
-                keep_cache: node.cache_stamp == Some((inode.mtime, inode.size)) || node.opens > 1,
+                keep_cache: node.cache_stamp == (inode.mtime, inode.size) || node.opens > 1,
                 direct_io: direct,
                 backing: None,
             },
@@ -1843,11 +1867,11 @@ impl WorkspaceFs {
             let of = node.open.as_mut().expect("loaded");
             if flags & libc::O_ACCMODE != libc::O_RDONLY && matches!(of.data, Data::Inline(_)) {
                 self.to_body(of)?;
-                node.pt_body = true;
+                of.pt_body = true;
             }
             if let Data::Body(f) = &of.data {
-                if node.pt_base.is_none() {
-                    node.pt_base = Some(body_stamp(f)?);
+                if of.pt_base.is_none() {
+                    of.pt_base = Some(body_stamp(f)?);
                 }
                 backing = Some(f.clone());
                 node.pt_opens += 1;
@@ -2038,7 +2062,9 @@ impl WorkspaceFs {
                 if passthrough {
                     node.pt_opens = node.pt_opens.saturating_sub(1);
                     if node.pt_opens == 0 {
-                        node.pt_base = None;
+                        if let Some(of) = node.open.as_mut() {
+                            of.pt_base = None;
+                        }
                     }
                 }
             }
@@ -2056,7 +2082,7 @@ impl WorkspaceFs {
         let body = {
             let guard = self.lock();
             let inner: &Inner = &guard;
-            match inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
+            match inner.nodes.get(&ino).and_then(|n| n.open.as_deref()) {
                 Some(
                     of @ OpenFile {
                         data: Data::Body(f),
@@ -2612,6 +2638,18 @@ fn lazy_active_check(store: &Store, chunk_size: u64) -> FsResult<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_the_kernel_holds_stays_small() {
+        // One per inode the kernel has looked up: at a million files this is most of
+        // keel's memory (issue 25). What an open file needs is boxed.
+        assert!(
+            std::mem::size_of::<Node>() <= 40,
+            "{}",
+            std::mem::size_of::<Node>()
+        );
+        assert_eq!(Node::default().cache_stamp, NO_STAMP);
+    }
 
     #[test]
     fn setid_bits_lost_as_on_ext4() {
