@@ -246,7 +246,7 @@ impl WorkspaceFs {
         entries.extend(t.links(&renumber));
         for ino in &inodes {
             if let Some(node) = inner.nodes.get_mut(ino) {
-                node.cache_stamp = None;
+                node.cache_stamp = super::NO_STAMP;
                 if orphans.contains(ino) {
                     if let Some(of) = node.open.as_mut() {
                         of.inode.nlink = 0;
