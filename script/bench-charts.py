@@ -23,7 +23,6 @@ import sys
 CHARTS = {
     "fs": ("fs", "fs-bench: keel (default, passthrough)"),
     "fs-wb": ("fs", "fs-bench: keel --passthrough off (writeback cache)"),
-    "fs-classic": ("fs", "fs-bench: keel over /dev/fuse (--io-uring off)"),
     "fs-old": ("fs", "fs-bench: this keel beside the pre-fuser keel"),
     "floor": ("fs", "fs-bench --floor: metadata and git rows"),
     "fio": ("fio", "fio: the disk study's four jobs"),
@@ -188,8 +187,9 @@ def svg(title, sub, rows):
     ratios = [k / b for _, k, bases in rows for b in bases.values() if k and b]
     if not ratios:
         raise Skip("no row has keel and ext4 or tmpfs")
-    lo = math.floor(math.log10(min(min(ratios), 0.5)))
-    hi = math.ceil(math.log10(max(max(ratios), 2.0)))
+    # Whole decades, with room beyond the extreme bars for their labels.
+    lo = math.floor(math.log10(min(min(ratios), 0.5) * 0.6))
+    hi = math.ceil(math.log10(max(max(ratios), 2.0) * 1.7))
     label_w, plot_w, right = 300, 460, 70
     bar_h, gap = 14, 10
     present = [b for b in BASES if any(r[2].get(b) for r in rows)]
@@ -232,7 +232,9 @@ def svg(title, sub, rows):
             o.append(f'<rect x="{x1:.1f}" y="{y + 1}" width="{max(x2 - x1, 1):.1f}" '
                      f'height="{bar_h - 2}" fill="{COLOURS[b]}"><title>keel/{esc(b)} '
                      f'{r:.2f}x</title></rect>')
-            o.append(f'<text x="{x2 + 4:.1f}" y="{y + bar_h - 3}">{r:.2f}x</text>')
+            # The value outside the bar's far end: left of a bar below 1, right of one above.
+            o.append(f'<text x="{x1 - 4:.1f}" y="{y + bar_h - 3}" text-anchor="end">{r:.2f}x</text>'
+                     if r < 1 else f'<text x="{x2 + 4:.1f}" y="{y + bar_h - 3}">{r:.2f}x</text>')
     o.append('</svg>')
     return "\n".join(o) + "\n"
 
