@@ -28,7 +28,7 @@ CHARTS = {
     "fio": ("fio", "fio: the disk study's four jobs"),
     "fio-wb": ("fio", "fio: passthrough vs --passthrough off"),
     "npm": ("npm", "npm install of 8 packages"),
-    "scale": ("scale", "scale-bench: 1,000,000 files of 100 B"),
+    "scale": ("scale", "scale-bench: {files} files of {size} B"),
 }
 BASES = ("ext4", "tmpfs")
 COLOURS = {"ext4": "#3a6ea5", "tmpfs": "#d9822b"}
@@ -155,6 +155,18 @@ def scale_rows(res, name):
     return out, "time (below 1 = keel faster)"
 
 
+def title_of(res, name, title):
+    """The chart's title; scale-bench's names the file count and size of its run."""
+    if "{files}" not in title:
+        return title
+    _, rows = read_tsv(os.path.join(res, name + ".tsv"))
+    col = {h: i for i, h in enumerate(rows[0])}
+    first = rows[1] if len(rows) > 1 else []
+    get = lambda c: first[col[c]] if c in col and col[c] < len(first) else "?"
+    files = get("files")
+    return title.format(files=f"{int(files):,}" if files.isdigit() else files, size=get("size"))
+
+
 KINDS = {"fs": fs_rows, "fio": fio_rows, "npm": npm_rows, "scale": scale_rows}
 
 
@@ -266,7 +278,7 @@ def main(argv):
             head, _ = read_tsv(os.path.join(res, name + ".tsv"))
             rows, unit = KINDS[kind](res, name)
             sub = f"keel/ext4 and keel/tmpfs, {unit}, log scale; {provenance(res, name, head)}"
-            text = svg(title, sub, rows)
+            text = svg(title_of(res, name, title), sub, rows)
         except (Skip, OSError, IndexError, ValueError) as e:
             print(f"bench-charts: {name}: skipped: {e}", file=sys.stderr)
             continue
