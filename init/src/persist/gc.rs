@@ -260,20 +260,16 @@ impl std::fmt::Display for GcReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "freed {} snapshots, {} chunks, {} bytes; kept {} snapshots and {} chunks ({} bytes of snapshots)",
+            "freed {} snapshots, {} chunks, {} bytes; kept {} snapshots ({} bytes with the chunks they name) and {} chunks",
             self.snapshots_deleted,
             self.chunks_deleted,
             self.bytes_deleted,
             self.snapshots_kept,
-            self.chunks_kept,
-            self.kept_bytes
+            self.kept_bytes,
+            self.chunks_kept
         )?;
         if let Some((seq, limit)) = self.cut {
-            write!(
-                f,
-                "; history ended by {} at snapshot {seq}",
-                limit.key()
-            )?;
+            write!(f, "; history ended by {} at snapshot {seq}", limit.key())?;
         }
         write!(
             f,
@@ -329,8 +325,7 @@ pub fn gc_with(
         None => None,
     };
     let listed = repo.list_chunks().map_err(GcError::List)?;
-    let chunk_sizes: HashMap<ChunkId, u64> =
-        listed.iter().map(|(id, i)| (*id, i.size)).collect();
+    let chunk_sizes: HashMap<ChunkId, u64> = listed.iter().map(|(id, i)| (*id, i.size)).collect();
 
     // Kept whatever the limits: the local state's snapshot, what the others need, and
     // named snapshots (until their name is deleted).
@@ -554,7 +549,11 @@ mod tests {
         assert_eq!(kept(&d), vec![6, 7, 8, 9, 10], "7 kept only for 8's chain");
         assert_eq!(d.cut, Some((7, Limit::KeepAge)));
         let (d, _) = run(age(Duration::from_secs(3600)), &[], &all());
-        assert_eq!(kept(&d), vec![6, 7, 8, 9, 10], "the head and its chain stay");
+        assert_eq!(
+            kept(&d),
+            vec![6, 7, 8, 9, 10],
+            "the head and its chain stay"
+        );
         assert_eq!(d.cut, Some((9, Limit::KeepAge)));
         // Count still applies alongside age: whichever ends the history first.
         let (d, _) = run(
@@ -614,7 +613,11 @@ mod tests {
         assert_eq!(kept(&d), vec![1, 2, 3, 6, 7, 8, 9, 10]);
         assert_eq!(d.cut, Some((5, Limit::KeepSize)));
         let (d, _) = run(Retention::count(100), &[3], &all());
-        assert_eq!(kept(&d), all(), "no limit hit: the named one changes nothing");
+        assert_eq!(
+            kept(&d),
+            all(),
+            "no limit hit: the named one changes nothing"
+        );
         // A pinned snapshot no longer on the remote is skipped, not read.
         let (d, loaded) = run(Retention::count(1), &[42], &all());
         assert_eq!(kept(&d), vec![6, 7, 8, 9, 10]);
