@@ -258,6 +258,7 @@ fn publish_checkpoints(status: &crate::control::StatusHandle, svc: &crate::persi
                 });
                 p.consecutive_failures = Some(st.consecutive_failures);
                 p.last_error = st.last_error.clone();
+                p.remote_disk_bytes = st.remote_disk_bytes;
                 p.lease = Some(match &st.lease {
                     None => crate::control::status::LeaseStatus {
                         held: false,

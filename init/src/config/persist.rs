@@ -1,12 +1,12 @@
-//! The `[persist]` table: where checkpoints go (the remote), how often they are taken, how
-//! many snapshots are kept, and the budgets of the final checkpoint at shutdown. Validated
+//! The `[persist]` table: where checkpoints go (the remote), how often they are taken, which
+//! snapshots are kept (by count, age and size), and the budgets of the final checkpoint at shutdown. Validated
 //! here, used by `persist/`.
 
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::units::duration_str;
+use super::units::{duration_str, opt_duration_str, opt_size_str};
 
 /// When `fsync` returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -65,6 +65,13 @@ pub struct PersistConfig {
     pub fsync: FsyncMode,
     /// Snapshots kept on the remote (older ones are removed by gc).
     pub keep: u32,
+    /// Unnamed snapshots older than this are removed by gc (`None`: any age).
+    #[serde(with = "opt_duration_str")]
+    pub keep_age: Option<Duration>,
+    /// Unnamed snapshots are removed by gc, oldest first, until the kept ones hold at most
+    /// this many bytes on the remote (`None`: any size). See `persist::gc`.
+    #[serde(with = "opt_size_str")]
+    pub keep_size: Option<u64>,
     /// Write a full snapshot after this many deltas (compaction).
     pub compact_every: u32,
     /// Unreferenced chunks younger than this are kept (an upload may be about to use them).
@@ -108,6 +115,8 @@ impl Default for PersistConfig {
             interval: Duration::from_secs(30),
             fsync: FsyncMode::Local,
             keep: 16,
+            keep_age: None,
+            keep_size: None,
             compact_every: 32,
             gc_grace: Duration::from_secs(15 * 60),
             gc_every: 16,
@@ -143,6 +152,18 @@ impl PersistConfig {
         }
         if self.keep == 0 {
             return bad("keep", "must keep at least 1 snapshot".into());
+        }
+        if self.keep_age.is_some_and(|a| a.is_zero()) {
+            return bad(
+                "keep_age",
+                "must be more than 0 (leave the key out to keep snapshots of any age)".into(),
+            );
+        }
+        if self.keep_size == Some(0) {
+            return bad(
+                "keep_size",
+                "must be more than 0 (leave the key out to keep snapshots of any size)".into(),
+            );
         }
         if self.compact_every == 0 {
             return bad("compact_every", "must be at least 1".into());
@@ -258,5 +279,34 @@ mod tests {
         }
         assert_eq!("force".parse::<Takeover>(), Ok(Takeover::Force));
         assert!("x".parse::<Takeover>().is_err());
+    }
+
+    #[test]
+    fn retention_keys() {
+        let d = PersistConfig::default();
+        assert_eq!((d.keep_age, d.keep_size), (None, None), "off by default");
+        let c = Config::parse(
+            "[persist]\nkeep = 100\nkeep_age = \"7d\"\nkeep_size = \"20GiB\"\n",
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.persist.keep_age, Some(Duration::from_secs(7 * 86400)));
+        assert_eq!(c.persist.keep_size, Some(20 << 30));
+        let c = Config::parse("[persist]\nkeep_size = 4096\n", Path::new("x.toml")).unwrap();
+        assert_eq!(c.persist.keep_size, Some(4096));
+        for (bad, key) in [
+            ("keep_age = \"0s\"", "persist.keep_age"),
+            ("keep_age = \"7 weeks\"", "keep_age"),
+            ("keep_age = 7", "keep_age"),
+            ("keep_size = \"0\"", "persist.keep_size"),
+            ("keep_size = \"20GB\"", "keep_size"),
+            ("keep_size = -1", "keep_size"),
+        ] {
+            let e = Config::parse(&format!("[persist]\n{bad}\n"), Path::new("x.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{bad}: {e}");
+            assert_eq!(e.lines().count(), 1, "{bad}: {e}");
+        }
     }
 }

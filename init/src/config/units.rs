@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-/// Parses a duration such as `"500ms"`, `"6s"`, `"2m"`, `"1h"` or a bare number of seconds.
+/// Parses a duration such as `"500ms"`, `"6s"`, `"2m"`, `"1h"`, `"7d"` or a bare number of
+/// seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
     let split = t
@@ -19,9 +20,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "us" | "µs" => n / 1_000_000.0,
         "m" | "min" => n * 60.0,
         "h" => n * 3600.0,
+        "d" => n * 86400.0,
         other => {
             return Err(format!(
-                "`{s}`: unknown duration unit `{other}` (use ms, s, m or h)"
+                "`{s}`: unknown duration unit `{other}` (use ms, s, m, h or d)"
             ))
         }
     };
@@ -66,6 +68,25 @@ pub mod duration_str {
     }
 }
 
+/// serde helper for an optional duration written as a string (absent: `None`).
+pub mod opt_duration_str {
+    use serde::Deserializer;
+    use std::time::Duration;
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        super::duration_str::deserialize(d).map(Some)
+    }
+}
+
+/// serde helper for an optional byte size written as a string or an integer (absent: `None`).
+pub mod opt_size_str {
+    use serde::Deserializer;
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        super::size_str::deserialize(d).map(Some)
+    }
+}
+
 /// serde helper for byte sizes written as strings or integers.
 pub mod size_str {
     use serde::{Deserialize, Deserializer};
@@ -94,6 +115,10 @@ mod tests {
         assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
         assert_eq!(parse_duration("6s").unwrap(), Duration::from_secs(6));
         assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(
+            parse_duration("7d").unwrap(),
+            Duration::from_secs(7 * 86400)
+        );
         assert_eq!(parse_duration("1.5").unwrap(), Duration::from_millis(1500));
         assert!(parse_duration("6 parsecs").is_err());
         assert!(parse_duration("").is_err());

@@ -50,6 +50,9 @@ pub struct PersistStatus {
     pub last_error: Option<String>,
     /// The single-writer lease on the remote.
     pub lease: Option<LeaseStatus>,
+    /// Bytes a `file://` remote takes on disk (allocated blocks), as of the last checkpoint
+    /// or gc; `None` for other remotes.
+    pub remote_disk_bytes: Option<u64>,
 }
 
 /// The single-writer lease as persistence sees it. Holds no credentials.
@@ -482,6 +485,7 @@ impl StatusHandle {
                 backlog_inodes: s.persist.backlog_inodes,
                 consecutive_failures: s.persist.consecutive_failures,
                 last_error: s.persist.last_error.clone(),
+                remote_disk_bytes: s.persist.remote_disk_bytes,
                 lease: s.persist.lease.as_ref().map(|l| LeaseReport {
                     held: l.held,
                     state: l.state.clone(),
@@ -646,6 +650,8 @@ pub struct PersistReport {
     pub consecutive_failures: Option<u32>,
     pub last_error: Option<String>,
     pub lease: Option<LeaseReport>,
+    /// Bytes the `file://` remote takes on disk, as of the last checkpoint or gc.
+    pub remote_disk_bytes: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -733,12 +739,14 @@ mod tests {
             "last_checkpoint",
             "remote_backlog_bytes",
             "lease",
+            "remote_disk_bytes",
         ] {
             assert!(v["persist"][k].is_null(), "{k}: {v}");
         }
         let t = UNIX_EPOCH + Duration::from_millis(1_700_000_000_250);
         h.update_persist(|p| {
             p.dirty_bytes = Some(4096);
+            p.remote_disk_bytes = Some(8192);
             p.last_checkpoint = Some(t);
             p.lease = Some(LeaseStatus {
                 held: true,
@@ -751,6 +759,7 @@ mod tests {
         });
         let v: serde_json::Value = serde_json::from_str(&h.status_json()).unwrap();
         assert_eq!(v["persist"]["dirty_bytes"], 4096);
+        assert_eq!(v["persist"]["remote_disk_bytes"], 8192);
         assert_eq!(v["persist"]["last_checkpoint"], "2023-11-14T22:13:20.250Z");
         assert_eq!(v["persist"]["last_checkpoint_unix"], 1_700_000_000.25);
         assert_eq!(v["persist"]["lease"]["holder"], "host-1");

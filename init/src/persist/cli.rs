@@ -224,10 +224,10 @@ pub fn gc(cfg: &Config) -> Result<String, String> {
     } else {
         None
     };
-    let r = gc::gc(
+    let r = gc::gc_with(
         &mut repo,
         store.as_ref(),
-        cfg.persist.keep,
+        &gc::Retention::of(&cfg.persist),
         cfg.persist.gc_grace,
     )
     .map_err(|e| e.to_string())?;

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::checkpoint::{backlog, now_ns, Backlog, CheckpointOptions, CheckpointReport, Persister};
 use super::control;
-use super::gc::{gc, GcReport};
+use super::gc::{gc_with, GcReport, Retention};
 use super::lease::{Lease, LeaseInfo, LeaseState};
 use crate::config::{PersistConfig, WorkspaceConfig};
 
@@ -126,6 +126,9 @@ pub struct PersistState {
     pub last_error: Option<String>,
     /// The single-writer lease; `None` when there is none (disabled).
     pub lease: Option<LeaseInfo>,
+    /// Bytes a `file://` remote takes on disk as of the last checkpoint or gc (see
+    /// `DiskUse`); `None` for other remotes and until the first walk is done.
+    pub remote_disk_bytes: Option<u64>,
 }
 
 /// Told the new state after every checkpoint attempt and every lease renewal.
@@ -153,6 +156,44 @@ impl Published {
         if let Some(o) = obs {
             o(&snapshot);
         }
+    }
+}
+
+/// The disk use of a `file://` remote, walked on its own thread when nudged (at start, after
+/// each checkpoint that wrote a snapshot, after each gc), so neither `/status` nor a
+/// checkpoint waits for a walk of the remote. Nudges during a walk make one more walk.
+struct DiskUse {
+    nudge: mpsc::SyncSender<()>,
+    bytes: Arc<Mutex<Option<u64>>>,
+}
+
+impl DiskUse {
+    fn start(root: PathBuf, published: Arc<Published>) -> Result<DiskUse, std::io::Error> {
+        let (nudge, rx) = mpsc::sync_channel::<()>(1);
+        let bytes = Arc::new(Mutex::new(None));
+        let b = bytes.clone();
+        std::thread::Builder::new()
+            .name("keel-remote-du".into())
+            .spawn(move || {
+                // Ends when the worker (the only sender) is gone.
+                while rx.recv().is_ok() {
+                    let n = super::snapshots::disk_use(&root);
+                    *b.lock().unwrap_or_else(|p| p.into_inner()) = Some(n);
+                    published.update(|s| s.remote_disk_bytes = Some(n));
+                }
+            })?;
+        let d = DiskUse { nudge, bytes };
+        d.refresh();
+        Ok(d)
+    }
+
+    fn refresh(&self) {
+        // Full: a walk is pending already and will see this change too.
+        let _ = self.nudge.try_send(());
+    }
+
+    fn get(&self) -> Option<u64> {
+        *self.bytes.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -253,6 +294,8 @@ pub(super) struct Worker {
     /// The remote's directory when it is a `file://` remote on the state volume (see
     /// `make_room`).
     same_volume: Option<PathBuf>,
+    /// The disk use of a `file://` remote.
+    disk_use: Option<DiskUse>,
 }
 
 /// What a checkpoint to a remote on the state volume leaves free at least: a tenth of the
@@ -330,7 +373,13 @@ impl Worker {
 
     fn publish(&self) {
         let s = self.state();
-        self.published.update(|p| *p = s);
+        // The disk use is the `DiskUse` thread's to publish: a value read here may already
+        // be older than the one it published meanwhile.
+        self.published.update(|p| {
+            let disk = p.remote_disk_bytes.or(s.remote_disk_bytes);
+            *p = s;
+            p.remote_disk_bytes = disk;
+        });
     }
 
     fn lease_lost(&self) -> bool {
@@ -359,6 +408,9 @@ impl Worker {
             })
             .map_err(|e| e.to_string())?;
         if r.seq.is_some() {
+            if let Some(d) = &self.disk_use {
+                d.refresh();
+            }
             self.since_gc += 1;
             if self.cfg.gc_every > 0 && self.since_gc >= self.cfg.gc_every {
                 self.since_gc = 0;
@@ -371,12 +423,17 @@ impl Worker {
     }
 
     fn gc(&mut self) -> Result<GcReport, String> {
-        self.gc_keeping(self.cfg.keep)
+        self.gc_keeping(Retention::of(&self.cfg))
     }
 
-    fn gc_keeping(&mut self, keep: u32) -> Result<GcReport, String> {
+    fn gc_keeping(&mut self, rules: Retention) -> Result<GcReport, String> {
         let mut repo = self.p.repo().clone();
-        gc(&mut repo, Some(self.p.store()), keep, self.cfg.gc_grace).map_err(|e| e.to_string())
+        let r = gc_with(&mut repo, Some(self.p.store()), &rules, self.cfg.gc_grace)
+            .map_err(|e| e.to_string());
+        if let Some(d) = &self.disk_use {
+            d.refresh();
+        }
+        r
     }
 
     /// Before a checkpoint to a remote on the state volume: when it might not leave
@@ -402,7 +459,7 @@ impl Worker {
         if verdict().is_ok() {
             return Ok(());
         }
-        match self.gc_keeping(1) {
+        match self.gc_keeping(Retention::count(1)) {
             Ok(r) => {
                 tracing::warn!(report = %r, "state volume low on space: gc kept only the newest snapshot")
             }
@@ -462,6 +519,7 @@ impl Worker {
             consecutive_failures: self.failures,
             last_error: self.last_error.clone(),
             lease: self.p.lease().map(|l| l.info()),
+            remote_disk_bytes: self.disk_use.as_ref().and_then(DiskUse::get),
         }
     }
 
@@ -633,6 +691,13 @@ impl Service {
             l.set_observer(Box::new(move |info| pb.update(|s| s.lease = Some(info))));
             l.start_renewal().map_err(ServiceError::Spawn)?;
         }
+        let disk_use = match p.repo().remote.local_root() {
+            Some(root) => Some(
+                DiskUse::start(root.to_path_buf(), published.clone())
+                    .map_err(ServiceError::Spawn)?,
+            ),
+            None => None,
+        };
         let (tx, rx) = mpsc::channel();
         let busy = Arc::new(AtomicU8::new(IDLE));
         let worker = Worker {
@@ -648,6 +713,7 @@ impl Service {
             last_error: None,
             published: published.clone(),
             same_volume,
+            disk_use,
         };
         worker.publish();
         let interval = cfg.interval;
