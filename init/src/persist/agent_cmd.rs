@@ -7,9 +7,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::agent::{Op, Rollback, SnapshotCreate};
-use super::checkpoint::{now_ns, CheckpointOptions, Persister};
-use super::cli::{ask, lock_offline, repo_of};
-use super::{control, diff, params, snapshots};
+use super::checkpoint::{now_ns, CheckpointOptions};
+use super::cli::{ask, repo_of, with_offline_writer};
+use super::{control, diff, snapshots};
 use crate::config::Config;
 use crate::sys;
 
@@ -51,30 +51,21 @@ fn sync_mount(cfg: &Config) -> Result<(), String> {
 
 /// Checkpoints a stopped state dir as its one writer; returns the snapshot it is now at.
 fn checkpoint_offline(cfg: &Config) -> Result<u64, String> {
-    let state = &cfg.workspace.state_dir;
-    let _lock = lock_offline(state)?;
-    let mut p = Persister::open(state, repo_of(cfg)?, params(&cfg.workspace, &cfg.persist))
-        .map_err(|e| e.to_string())?;
-    let mut lease = super::acquire_lease(state, &cfg.persist, true).map_err(|e| e.to_string())?;
-    if let Some(l) = lease.as_mut() {
-        l.start_renewal()
-            .map_err(|e| format!("start lease renewal: {e}"))?;
-        p.set_lease(Some(l.handle()));
-    }
-    let _lease = super::lease::ReleaseOnDrop::new(lease);
-    let r = p
-        .checkpoint(&CheckpointOptions::default())
-        .map_err(|e| e.to_string())?;
-    match r.seq {
-        Some(s) => Ok(s),
-        None => p
-            .store()
-            .read()
-            .persist_get("last_seq")
-            .map_err(|e| e.to_string())?
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| "the workspace has no snapshot and nothing to checkpoint".into()),
-    }
+    with_offline_writer(cfg, |p| {
+        let r = p
+            .checkpoint(&CheckpointOptions::default())
+            .map_err(|e| e.to_string())?;
+        match r.seq {
+            Some(s) => Ok(s),
+            None => p
+                .store()
+                .read()
+                .persist_get("last_seq")
+                .map_err(|e| e.to_string())?
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| "the workspace has no snapshot and nothing to checkpoint".into()),
+        }
+    })
 }
 
 /// A snapshot of the live workspace now, recorded under a name (see `snapshots`).

@@ -179,10 +179,33 @@ pub fn checkpoint(cfg: &Config, full: bool) -> Result<Answer, String> {
             });
         }
     }
+    with_offline_writer(cfg, |p| {
+        match p.checkpoint(&CheckpointOptions {
+            full,
+            ..Default::default()
+        }) {
+            Ok(r) => Ok(Answer {
+                text: r.to_string(),
+                ok: true,
+            }),
+            Err(e) => {
+                let b = p.backlog().map(|b| b.to_string()).unwrap_or_default();
+                Err(format!("{e}; {b}"))
+            }
+        }
+    })
+}
+
+/// Runs `f` on the persister of a stopped state dir as the workspace's one writer: the state
+/// dir locked and the lease held (and renewed) until `f` returns, since the head may move.
+pub(super) fn with_offline_writer<T>(
+    cfg: &Config,
+    f: impl FnOnce(&mut Persister) -> Result<T, String>,
+) -> Result<T, String> {
+    let state = &cfg.workspace.state_dir;
     let _lock = lock_offline(state)?;
     let mut p = Persister::open(state, repo_of(cfg)?, params(&cfg.workspace, &cfg.persist))
         .map_err(|e| e.to_string())?;
-    // The head moves: only as the workspace's one writer.
     let mut lease = super::acquire_lease(state, &cfg.persist, true).map_err(|e| e.to_string())?;
     if let Some(l) = lease.as_mut() {
         l.start_renewal()
@@ -190,19 +213,7 @@ pub fn checkpoint(cfg: &Config, full: bool) -> Result<Answer, String> {
         p.set_lease(Some(l.handle()));
     }
     let _lease = super::lease::ReleaseOnDrop::new(lease);
-    match p.checkpoint(&CheckpointOptions {
-        full,
-        ..Default::default()
-    }) {
-        Ok(r) => Ok(Answer {
-            text: r.to_string(),
-            ok: true,
-        }),
-        Err(e) => {
-            let b = p.backlog().map(|b| b.to_string()).unwrap_or_default();
-            Err(format!("{e}; {b}"))
-        }
-    }
+    f(&mut p)
 }
 
 /// `keel gc`: by the running keel if there is one, else offline.
