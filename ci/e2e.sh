@@ -19,7 +19,7 @@ set +e   # lib.sh is errexit-friendly; the cases check every status themselves
 CASES=(exit_code default_cmd pid1_reaps tty_session script_run workspace_is_fuse
        persist_across_stop stop_waits_for_trap stop_kills_at_grace missing_cap missing_fuse bad_config profiles_load
        nonroot_cannot_umount nonroot_can_write health_after_mount remote_checkpoint_restore
-       remote_restore transport attacker)
+       remote_restore transport attacker agent_rollback)
 
 if [ "${1:-}" = --list ]; then printf '%s\n' "${CASES[@]}"; exit 0; fi
 selected=("$@")
@@ -452,6 +452,63 @@ EOF
     pm rm -f -t 0 "$c" >/dev/null 2>&1
     return 0
 }
+# Issue 26's agent loop through the control API in the real image: the host names a snapshot
+# of a good git repo, an "agent" breaks the repo (objects deleted, a file garbled, one removed,
+# junk added), the host rolls the live /workspace back with POST /rollback while the container
+# runs, and git fsck, the files and `git status` are clean again; the rollback can be undone.
+case_agent_rollback() {
+    local c="$prefix-agent" code logs undo
+    cat >"$tmp/agent.toml" <<'EOF'
+[control]
+listen = "127.0.0.1:8788"
+EOF
+    pm run -d --name "$c" "${keel_flags[@]}" -e KEEL_CONTROL_TOKEN=agent-token \
+        -v "$tmp/agent.toml:/etc/keel/config.toml:ro" "$image" sh -c '
+        set -e
+        mkdir /workspace/repo && cd /workspace/repo
+        git init -q && git config user.email a@e2e && git config user.name agent
+        for i in $(seq 1 50); do echo "line $i of file $i" > "f$i.txt"; done
+        mkdir -p src && seq 1 2000 > src/main.txt
+        git add -A && git commit -q -m good
+        echo READY
+        exec sleep infinity' >/dev/null 2>"$tmp/agent-run.err" || { fail "container did not start"; show "$tmp/agent-run.err" run; return; }
+    api() {   # api METHOD PATH → prints the status code; body in $tmp/api-body
+        pm exec "$c" curl -s -m 60 -o /dev/stdout -w '\n%{http_code}' -X "$1" \
+            -H 'Authorization: Bearer agent-token' "http://127.0.0.1:8788$2" 2>/dev/null >"$tmp/api.out"
+        tail -n1 "$tmp/api.out"; sed '$d' "$tmp/api.out" >"$tmp/api-body"
+    }
+    if wait_ready "$c"; then
+        code=$(api POST '/snapshots?name=good&message=tests%20pass')
+        [ "$code" = 200 ] || fail "POST /snapshots: $code $(head -c 300 "$tmp/api-body")"
+        pm exec "$c" sh -c 'cd /workspace/repo && rm -rf .git/objects/?? && echo garbage > src/main.txt &&
+            rm f7.txt && head -c 100000 /dev/urandom > junk.bin' || fail "the agent could not break the repo"
+        pm exec "$c" sh -c 'cd /workspace/repo && git fsck' >/dev/null 2>&1 \
+            && fail "git fsck passes on the broken repo: the test breaks nothing"
+        code=$(api GET '/diff?from=good')
+        [ "$code" = 200 ] || fail "GET /diff: $code $(head -c 300 "$tmp/api-body")"
+        grep -q 'junk.bin' "$tmp/api-body" || fail "the diff does not name junk.bin: $(head -c 300 "$tmp/api-body")"
+        code=$(api POST '/rollback?to=good')
+        [ "$code" = 200 ] || fail "POST /rollback: $code $(head -c 300 "$tmp/api-body")"
+        undo=$(jq -r '.undo // empty' "$tmp/api-body" 2>/dev/null)
+        pm exec "$c" sh -c 'cd /workspace/repo && git fsck --full && test -z "$(git status --porcelain)" &&
+            seq 1 2000 | cmp - src/main.txt && test -f f7.txt && ! test -e junk.bin' >"$tmp/agent-check" 2>&1 \
+            || { fail "after the rollback the repo is not the good one"; show "$tmp/agent-check" check; }
+        # The rollback recorded the state before it: rolling back to that brings the broken tree back.
+        if [ -n "$undo" ]; then
+            code=$(api POST "/rollback?to=$undo")
+            [ "$code" = 200 ] || fail "POST /rollback?to=$undo (undo): $code $(head -c 300 "$tmp/api-body")"
+            pm exec "$c" test -e /workspace/repo/junk.bin || fail "undoing the rollback did not bring junk.bin back"
+        else
+            fail "the rollback's answer names no undo snapshot: $(head -c 300 "$tmp/api-body")"
+        fi
+    else
+        fail "the agent's repo was not made"
+    fi
+    if [ -n "$CASE_ERR" ]; then logs=$(pm logs "$c" 2>&1); printf '%s\n' "$logs" >"$tmp/agent.log"; show "$tmp/agent.log" log; fi
+    pm rm -f -t 0 "$c" >/dev/null 2>&1
+    return 0
+}
+
 # S3 remote (moto on the host's loopback; containers use the host network): files written in
 # a container without a state volume reach the remote at `podman stop`, and a fresh container
 # restores them (`keel snapshot restore latest`, then keel run) byte for byte.
