@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::chunk::chunker::window_count;
 use crate::chunk::ChunkId;
+use crate::meta::{Inode, InodeNo, Kind, Nanos, Storage};
 
 pub const MAGIC: &[u8; 8] = b"KEELSNAP";
 pub const FORMAT: u32 = 1;
@@ -205,6 +206,33 @@ pub enum TreeData {
 pub struct TreeInode {
     pub rec: InodeRec,
     pub data: TreeData,
+}
+
+impl TreeInode {
+    /// The inode row this record describes (a body for chunked data, inline otherwise);
+    /// `None`: its mode names no file type keel knows.
+    pub fn inode(&self) -> Option<Inode> {
+        let r = &self.rec;
+        Some(Inode {
+            ino: InodeNo(r.ino),
+            kind: Kind::from_mode(r.mode)?,
+            perm: r.mode & 0o7777,
+            uid: r.uid,
+            gid: r.gid,
+            nlink: r.nlink,
+            size: r.size,
+            atime: Nanos(r.atime),
+            mtime: Nanos(r.mtime),
+            ctime: Nanos(r.ctime),
+            rdev: r.rdev,
+            parent: InodeNo(r.parent),
+            storage: if matches!(self.data, TreeData::Chunks(_)) {
+                Storage::Body
+            } else {
+                Storage::Inline
+            },
+        })
+    }
 }
 
 /// The full tree a snapshot describes.

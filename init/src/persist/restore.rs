@@ -18,7 +18,7 @@ use super::checkpoint::now_ns;
 use super::format::{Tree, TreeData};
 use super::repo::{Repo, RepoError};
 use crate::chunk::{BodyStore, ChunkId};
-use crate::meta::{Inode, InodeNo, Kind, MetaError, Nanos, Storage, Store};
+use crate::meta::{InodeNo, Kind, MetaError, Nanos, Store};
 use crate::sys;
 
 #[derive(Debug, thiserror::Error)]
@@ -161,30 +161,11 @@ fn restore_inner(
     let tx = store.write()?;
     for t in tree.inodes.values() {
         let r = &t.rec;
-        let kind = Kind::from_mode(r.mode).ok_or(RestoreError::BadMode {
+        let inode = t.inode().ok_or(RestoreError::BadMode {
             seq,
             ino: r.ino,
             mode: r.mode,
         })?;
-        let inode = Inode {
-            ino: InodeNo(r.ino),
-            kind,
-            perm: r.mode & 0o7777,
-            uid: r.uid,
-            gid: r.gid,
-            nlink: r.nlink,
-            size: r.size,
-            atime: Nanos(r.atime),
-            mtime: Nanos(r.mtime),
-            ctime: Nanos(r.ctime),
-            rdev: r.rdev,
-            parent: InodeNo(r.parent),
-            storage: if matches!(t.data, TreeData::Chunks(_)) {
-                Storage::Body
-            } else {
-                Storage::Inline
-            },
-        };
         tx.put_inode_exact(&inode)?;
         for (n, v) in &r.xattrs {
             tx.set_xattr(inode.ino, n, v)?;

@@ -12,7 +12,7 @@ use bytes::Bytes;
 
 use super::fs::{Inval, RollbackPlan, RollbackTarget, Target, TargetData, WorkspaceFs};
 use crate::chunk::{ChunkId, ChunkSource, FetchError};
-use crate::meta::{Inode, InodeNo, Kind, Nanos, Storage};
+use crate::meta::{InodeNo, Kind};
 use crate::persist::format::{Tree, TreeData};
 use crate::persist::hydrate::RemoteChunks;
 use crate::persist::Repo;
@@ -67,27 +67,8 @@ impl RollbackTarget for TreeTarget<'_> {
     fn inode(&self, ino: InodeNo) -> Option<Target> {
         let t = self.tree.inodes.get(&ino.0)?;
         let r = &t.rec;
-        let kind = Kind::from_mode(r.mode)?;
         Some(Target {
-            inode: Inode {
-                ino,
-                kind,
-                perm: r.mode & 0o7777,
-                uid: r.uid,
-                gid: r.gid,
-                nlink: r.nlink,
-                size: r.size,
-                atime: Nanos(r.atime),
-                mtime: Nanos(r.mtime),
-                ctime: Nanos(r.ctime),
-                rdev: r.rdev,
-                parent: InodeNo(r.parent),
-                storage: if matches!(t.data, TreeData::Chunks(_)) {
-                    Storage::Body
-                } else {
-                    Storage::Inline
-                },
-            },
+            inode: t.inode()?,
             xattrs: r.xattrs.clone(),
             data: match &t.data {
                 TreeData::None => TargetData::None,
