@@ -1,0 +1,659 @@
+//! File data: open, read, write, flush, release, fsync, fallocate, seek and
+//! copy_file_range, over inline bytes or a body file.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use super::group::Batch;
+use super::namespace::New;
+use super::node::body_stamp;
+use super::node::{Data, Node, OpenFile};
+use super::{
+    lazy, now, Attr, Caller, FsError, FsResult, FsyncHook, Handle, Inner, OpenInfo, WorkspaceFs,
+};
+use crate::config::CacheMode;
+use crate::meta::{Inode, InodeNo, Kind};
+use crate::sys;
+use std::sync::atomic::Ordering;
+
+/// The end of a write of `len` bytes at `offset`, or EFBIG past the largest file size.
+pub(super) fn write_end(offset: u64, len: u64) -> FsResult<u64> {
+    offset
+        .checked_add(len)
+        .filter(|e| *e <= i64::MAX as u64)
+        .ok_or(FsError::Io(io::Error::from_raw_os_error(libc::EFBIG)))
+}
+
+/// Copies bytes `[off_in, off_in + len)` of body `src` to `off_out` in body `dst`, inside
+/// the kernel where it can (`copy_file_range(2)`), else through a buffer. Past the end of
+/// `src` (a body shorter than its file) the bytes are zeros, as `read` serves them.
+pub(super) fn copy_body_range(
+    src: &File,
+    off_in: u64,
+    dst: &File,
+    off_out: u64,
+    len: u64,
+) -> io::Result<()> {
+    pub(super) const PIECE: u64 = 1 << 20;
+    let mut done = 0u64;
+    let mut in_kernel = true;
+    let mut buf = Vec::new();
+    while done < len {
+        let (at_in, at_out) = (off_in + done, off_out + done);
+        let n = if in_kernel {
+            let want = (len - done).min(1 << 30) as usize;
+            match sys::file::copy_range(src, at_in, dst, at_out, want) {
+                Ok(n) => n as u64,
+                Err(e) if copy_unsupported(&e) => {
+                    in_kernel = false;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            buf.resize((len - done).min(PIECE) as usize, 0);
+            let n = src.read_at(&mut buf, at_in)?;
+            dst.write_all_at(&buf[..n], at_out)?;
+            n as u64
+        };
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    let zeros = vec![0u8; (len - done).min(PIECE) as usize];
+    while done < len {
+        let n = (len - done).min(PIECE) as usize;
+        dst.write_all_at(&zeros[..n], off_out + done)?;
+        done += n as u64;
+    }
+    Ok(())
+}
+
+/// `copy_file_range(2)` cannot copy between these two files (another filesystem, or one
+/// that does not support it): copy through a buffer instead.
+pub(super) fn copy_unsupported(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS)
+    )
+}
+
+/// Fills `buf` (zeroed by the caller) from body `f` at `offset`. A body shorter than its
+/// file reads as zeros (sparse tail): those bytes of `buf` stay as they are.
+pub(super) fn read_body(f: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], offset + done as u64)? {
+            0 => break,
+            n => done += n,
+        }
+    }
+    Ok(())
+}
+
+impl WorkspaceFs {
+    // ----- files -----
+
+    pub(super) fn open_info(&self, node: &Node, inode: &Inode, flags: i32) -> OpenInfo {
+        let direct = flags & libc::O_DIRECT != 0;
+        match self.opts.cache {
+            CacheMode::None => OpenInfo {
+                keep_cache: false,
+                direct_io: true,
+                backing: None,
+            },
+            CacheMode::Kernel => OpenInfo {
+                keep_cache: true,
+                direct_io: direct,
+                backing: None,
+            },
+            CacheMode::Auto => OpenInfo {
+                keep_cache: node.cache_stamp == (inode.mtime, inode.size) || node.opens > 1,
+                direct_io: direct,
+                backing: None,
+            },
+        }
+    }
+
+    pub(super) fn new_handle(inner: &mut Inner, h: Handle) -> u64 {
+        let fh = inner.next_fh;
+        inner.next_fh += 1;
+        inner.handles.insert(fh, h);
+        fh
+    }
+
+    pub fn open(&self, ino: InodeNo, flags: i32) -> FsResult<(u64, OpenInfo)> {
+        self.open_as(ino, flags, false)
+    }
+
+    /// `fresh`: the file was just created. Opened read-write, it starts inline with a handle
+    /// through keel (databases read back what they write, through the page cache), so small
+    /// files never cost a body file; it moves to a body once it outgrows `inline_max`, and
+    /// later opens hand its I/O to the kernel. Opened write-only (what `cp`, `echo >` and
+    /// package managers do), it takes a body from the pool and passthrough at once, so its
+    /// bytes go straight to the body. Any inline file that takes a body to be passed through
+    /// goes back inline at its last close if it stayed small (`back_inline`).
+    pub(super) fn open_as(
+        &self,
+        ino: InodeNo,
+        flags: i32,
+        fresh: bool,
+    ) -> FsResult<(u64, OpenInfo)> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        self.ensure_open(inner, ino)?;
+        if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
+            self.sync_from_body(inner, ino)?;
+            self.lazy_drop_from(inner, ino, 0)?;
+            let t = now();
+            let of = self.file_of(inner, ino)?;
+            if of.inode.size != 0 {
+                self.resize(of, 0)?;
+            }
+            of.inode.mtime = t;
+            of.inode.ctime = t;
+            of.dirty = true;
+            Self::rebase(inner, ino)?;
+        }
+        // The kernel would read the sparse body directly: a file with windows still to
+        // fetch is served through keel until it is complete.
+        let inode = Self::load(inner, ino)?;
+        // A kernel write through a passthrough handle never reaches keel, so nothing would
+        // drop setuid/setgid: writers of such files go through keel (unless passthrough
+        // handles are open already: the kernel refuses to mix the two).
+        let privileged = inode.perm & (libc::S_ISUID | libc::S_ISGID) != 0
+            && flags & libc::O_ACCMODE != libc::O_RDONLY;
+        let passthrough = self.opts.passthrough.load(Ordering::Relaxed)
+            && !self.lazy_incomplete(inner, ino, inode.size)?;
+        let node = inner.nodes.get_mut(&ino).expect("loaded");
+        let mut backing = None;
+        let write_only = flags & libc::O_ACCMODE == libc::O_WRONLY;
+        // The kernel refuses to mix cached and passthrough handles on one inode.
+        if passthrough
+            && (!fresh || write_only)
+            && node.opens == node.pt_opens
+            && !(privileged && node.opens == 0)
+        {
+            let of = node.open.as_mut().expect("loaded");
+            if flags & libc::O_ACCMODE != libc::O_RDONLY && matches!(of.data, Data::Inline(_)) {
+                self.to_body(of)?;
+                of.pt_body = true;
+            }
+            if let Data::Body(f) = &of.data {
+                if of.pt_base.is_none() {
+                    of.pt_base = Some(body_stamp(f)?);
+                }
+                backing = Some(f.clone());
+                node.pt_opens += 1;
+            }
+        }
+        let pt = backing.is_some();
+        node.opens += 1;
+        let inode = node.open.as_ref().expect("loaded").inode.clone();
+        let mut info = self.open_info(node, &inode, flags);
+        if pt {
+            info.keep_cache = false;
+            info.direct_io = false;
+        } else if fresh && self.opts.passthrough.load(Ordering::Relaxed) && write_only {
+            // A new write-only file kept from passthrough (setuid): the kernel hands keel the
+            // caller's pages instead of copying them into its page cache, which nobody reads
+            // from a write-only handle.
+            info.direct_io = true;
+        }
+        info.backing = backing;
+        let fh = Self::new_handle(
+            inner,
+            Handle::File {
+                ino,
+                passthrough: pt,
+            },
+        );
+        Ok((fh, info))
+    }
+
+    pub fn create(
+        &self,
+        caller: Caller,
+        parent: InodeNo,
+        name: &[u8],
+        mode: u32,
+        flags: i32,
+    ) -> FsResult<(Attr, u64, OpenInfo)> {
+        let attr = self.make(
+            caller,
+            parent,
+            name,
+            New {
+                kind: Kind::File,
+                perm: mode & 0o7777,
+                rdev: 0,
+                target: None,
+            },
+        )?;
+        let (fh, info) = self.open_as(attr.inode.ino, flags, true)?;
+        Ok((attr, fh, info))
+    }
+
+    /// Clones what a data operation needs without holding the lock during I/O.
+    pub(super) fn file_of<'a>(
+        &self,
+        inner: &'a mut Inner,
+        ino: InodeNo,
+    ) -> FsResult<&'a mut OpenFile> {
+        self.ensure_open(inner, ino)?;
+        self.sync_from_body(inner, ino)?;
+        Ok(inner
+            .nodes
+            .get_mut(&ino)
+            .and_then(|n| n.open.as_mut())
+            .expect("loaded"))
+    }
+
+    pub fn read(&self, ino: InodeNo, offset: u64, size: u32, buf: &mut Vec<u8>) -> FsResult<()> {
+        buf.clear();
+        self.lazy_fetch(
+            ino,
+            offset,
+            offset.saturating_add(u64::from(size)),
+            lazy::READAHEAD_WINDOWS,
+        )?;
+        let body = {
+            let mut guard = self.lock();
+            let inner: &mut Inner = &mut guard;
+            let of = self.file_of(inner, ino)?;
+            if offset >= of.inode.size {
+                return Ok(());
+            }
+            let n = (of.inode.size - offset).min(u64::from(size)) as usize;
+            match &of.data {
+                Data::Inline(v) => {
+                    let o = offset as usize;
+                    buf.extend_from_slice(&v[o..o + n]);
+                    return Ok(());
+                }
+                Data::Body(f) => (f.clone(), n),
+            }
+        };
+        let (f, n) = body;
+        buf.resize(n, 0);
+        read_body(&f, buf, offset)?;
+        Ok(())
+    }
+
+    pub fn write(&self, ino: InodeNo, offset: u64, data: &[u8]) -> FsResult<u32> {
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let end = write_end(offset, data.len() as u64)?;
+        let claim = self.lazy_prepare_write(ino, offset, end)?;
+        if let Some(f) = self.write_target(ino, offset, end, Some(data))? {
+            f.write_all_at(data, offset)?;
+            self.finish_write(ino, claim, &f, offset, end)?;
+        }
+        Ok(data.len() as u32)
+    }
+
+    /// Under the lock, before bytes `[offset, end)` are written: moves a file that outgrows
+    /// `inline_max` to a body and returns the body, to be written without the lock. An
+    /// inline file gets `data` right here and `None` comes back (also without `data`, when
+    /// the caller must then write through `write`).
+    pub(super) fn write_target(
+        &self,
+        ino: InodeNo,
+        offset: u64,
+        end: u64,
+        data: Option<&[u8]>,
+    ) -> FsResult<Option<Arc<File>>> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let inline_max = self.opts.inline_max;
+        let of = self.file_of(inner, ino)?;
+        if end > inline_max {
+            self.to_body(of)?;
+        }
+        match &mut of.data {
+            Data::Body(f) => Ok(Some(f.clone())),
+            Data::Inline(v) => {
+                if let Some(data) = data {
+                    if (v.len() as u64) < end {
+                        v.resize(end as usize, 0);
+                    }
+                    v[offset as usize..end as usize].copy_from_slice(data);
+                    let t = now();
+                    of.inode.size = of.inode.size.max(end);
+                    of.inode.mtime = t;
+                    of.inode.ctime = t;
+                    of.touch(offset, end, self.opts.chunk_size);
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// After bytes `[offset, end)` went into body `f` without the lock: records them.
+    pub(super) fn finish_write(
+        &self,
+        ino: InodeNo,
+        claim: Option<lazy::Claim<'_>>,
+        f: &File,
+        offset: u64,
+        end: u64,
+    ) -> FsResult<()> {
+        self.lazy_finish_write(claim, f)?;
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        if let Some(of) = inner.nodes.get_mut(&ino).and_then(|n| n.open.as_mut()) {
+            let t = now();
+            of.inode.size = of.inode.size.max(end);
+            of.inode.mtime = t;
+            of.inode.ctime = t;
+            of.touch(offset, end, self.opts.chunk_size);
+        }
+        Self::rebase(inner, ino)
+    }
+
+    /// Commits a file's pending attributes (on close of a descriptor).
+    pub fn flush(&self, ino: InodeNo) -> FsResult<()> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        self.sync_from_body(inner, ino)?;
+        Self::write_back(inner, ino)
+    }
+
+    /// Closes a file handle; returns whether it was a passthrough handle.
+    pub fn release(&self, fh: u64) -> FsResult<bool> {
+        let (ino, passthrough) = {
+            let mut guard = self.lock();
+            let inner: &mut Inner = &mut guard;
+            let Some(Handle::File { ino, passthrough }) = inner.handles.remove(&fh) else {
+                return Err(FsError::BadHandle);
+            };
+            if let Err(e) = self.sync_from_body(inner, ino) {
+                tracing::warn!(ino = ino.0, error = %e, "release: cannot stat the body");
+            }
+            if let Some(node) = inner.nodes.get_mut(&ino) {
+                node.opens = node.opens.saturating_sub(1);
+                if passthrough {
+                    node.pt_opens = node.pt_opens.saturating_sub(1);
+                    if node.pt_opens == 0 {
+                        if let Some(of) = node.open.as_mut() {
+                            of.pt_base = None;
+                        }
+                    }
+                }
+            }
+            (ino, passthrough)
+        };
+        {
+            let mut guard = self.lock();
+            self.settle(&mut guard, ino)?;
+        }
+        Ok(passthrough)
+    }
+
+    /// Makes a file's bytes and metadata durable.
+    pub fn fsync(&self, ino: InodeNo, datasync: bool) -> FsResult<()> {
+        let body = {
+            let guard = self.lock();
+            let inner: &Inner = &guard;
+            match inner.nodes.get(&ino).and_then(|n| n.open.as_deref()) {
+                Some(
+                    of @ OpenFile {
+                        data: Data::Body(f),
+                        ..
+                    },
+                ) => {
+                    // The body must be at its name before that name is made durable.
+                    of.name_body()?;
+                    Some(f.clone())
+                }
+                _ => None,
+            }
+        };
+        if let Some(f) = body {
+            if datasync {
+                f.sync_data()?;
+            } else {
+                f.sync_all()?;
+            }
+            self.bodies.sync_entry(ino.0)?;
+        }
+        self.flush(ino)?;
+        let mut guard = self.lock();
+        guard.sync(self.opts.chunk_size)?;
+        drop(guard);
+        if let Some(hook) = self.fsync_hook.get() {
+            hook().map_err(|e| {
+                tracing::error!(ino = ino.0, error = %e, "fsync: the checkpoint to the remote failed");
+                FsError::Io(io::Error::other(e))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Installs what every fsync must also do (once; later calls are ignored).
+    pub fn set_fsync_hook(&self, hook: FsyncHook) {
+        let _ = self.fsync_hook.set(hook);
+    }
+
+    pub fn fallocate(&self, ino: InodeNo, offset: u64, len: u64, mode: i32) -> FsResult<()> {
+        const KEEP_SIZE: i32 = libc::FALLOC_FL_KEEP_SIZE;
+        const PUNCH: i32 = libc::FALLOC_FL_PUNCH_HOLE;
+        const ZERO: i32 = libc::FALLOC_FL_ZERO_RANGE;
+        if mode & !(KEEP_SIZE | PUNCH | ZERO) != 0 {
+            return Err(FsError::NotSupported);
+        }
+        if mode & PUNCH != 0 && (mode & KEEP_SIZE == 0 || mode & ZERO != 0) {
+            return Err(FsError::Invalid);
+        }
+        let end = offset
+            .checked_add(len)
+            .filter(|e| *e <= i64::MAX as u64)
+            .ok_or(FsError::Io(io::Error::from_raw_os_error(libc::EFBIG)))?;
+        if mode & (PUNCH | ZERO) != 0 {
+            self.lazy_fetch(ino, offset, end, 0)?;
+        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let of = self.file_of(inner, ino)?;
+        let grows = mode & KEEP_SIZE == 0 && end > of.inode.size;
+        if grows {
+            self.resize(of, end)?;
+        }
+        let zero_end = end.min(of.inode.size);
+        if mode & (PUNCH | ZERO) != 0 && offset < zero_end {
+            match &mut of.data {
+                Data::Inline(v) => v[offset as usize..zero_end as usize].fill(0),
+                Data::Body(f) => {
+                    let m = if mode & PUNCH != 0 {
+                        PUNCH | KEEP_SIZE
+                    } else {
+                        ZERO | KEEP_SIZE
+                    };
+                    if sys::file::fallocate(f, m, offset, zero_end - offset).is_err() {
+                        zero_fill(f, offset, zero_end)?;
+                    }
+                }
+            }
+        } else if mode & (PUNCH | ZERO) == 0 {
+            if let Data::Body(f) = &of.data {
+                // Reserve the space so later writes cannot fail with ENOSPC.
+                match sys::file::fallocate(f, KEEP_SIZE, offset, len) {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        if mode & (PUNCH | ZERO) != 0 && offset < zero_end {
+            of.touch(offset, zero_end, self.opts.chunk_size);
+        }
+        // Like ext4 and tmpfs: every successful fallocate is a modification.
+        let t = now();
+        of.inode.mtime = t;
+        of.inode.ctime = t;
+        of.dirty = true;
+        let inode = of.inode.clone();
+        let mut tx = Batch::new(&inner.store)?;
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)?;
+        Self::rebase(inner, ino)?;
+        self.settle(inner, ino)
+    }
+
+    /// SEEK_DATA (`data = true`) or SEEK_HOLE from `offset`.
+    pub fn seek(&self, ino: InodeNo, offset: u64, data: bool) -> FsResult<u64> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let size = self.file_of(inner, ino)?.inode.size;
+        if offset >= size {
+            return Err(FsError::NoData);
+        }
+        // Windows still to fetch are holes in the body but data in the file: report no
+        // holes until the file is complete (allowed: holes are optional).
+        if self.lazy_incomplete(inner, ino, size)? {
+            return Ok(if data { offset } else { size });
+        }
+        let of = self.file_of(inner, ino)?;
+        match &of.data {
+            Data::Inline(_) => Ok(if data { offset } else { size }),
+            Data::Body(f) => match sys::file::seek_data_hole(f, offset, data) {
+                Ok(o) => Ok(o.min(size)),
+                Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
+                    if data {
+                        Err(FsError::NoData)
+                    } else {
+                        Ok(size)
+                    }
+                }
+                Err(e) => Err(e.into()),
+            },
+        }
+    }
+
+    pub fn copy_file_range(
+        &self,
+        ino_in: InodeNo,
+        off_in: u64,
+        ino_out: InodeNo,
+        off_out: u64,
+        len: u64,
+    ) -> FsResult<u64> {
+        let src_size = {
+            let mut guard = self.lock();
+            let inner: &mut Inner = &mut guard;
+            self.file_of(inner, ino_in)?.inode.size
+        };
+        if off_in >= src_size || len == 0 {
+            return Ok(0);
+        }
+        let len = len.min(src_size - off_in);
+        if let Some(n) = self.copy_bodies(ino_in, off_in, ino_out, off_out, len)? {
+            return Ok(n);
+        }
+        let mut buf = Vec::new();
+        let mut done = 0u64;
+        while done < len {
+            let n = (len - done).min(1 << 20) as u32;
+            self.read(ino_in, off_in + done, n, &mut buf)?;
+            if buf.is_empty() {
+                break;
+            }
+            self.write(ino_out, off_out + done, &buf)?;
+            done += buf.len() as u64;
+        }
+        Ok(done)
+    }
+
+    /// Copies `len` bytes between two files that have bodies without the bytes leaving the
+    /// kernel (`copy_file_range(2)` between the body files). `None` when either file is
+    /// inline: the caller copies through a buffer.
+    pub(super) fn copy_bodies(
+        &self,
+        ino_in: InodeNo,
+        off_in: u64,
+        ino_out: InodeNo,
+        off_out: u64,
+        len: u64,
+    ) -> FsResult<Option<u64>> {
+        let end = write_end(off_out, len)?;
+        if end <= self.opts.inline_max {
+            return Ok(None);
+        }
+        self.lazy_fetch(ino_in, off_in, off_in.saturating_add(len), 0)?;
+        let src = {
+            let mut guard = self.lock();
+            let inner: &mut Inner = &mut guard;
+            match &self.file_of(inner, ino_in)?.data {
+                Data::Body(f) => f.clone(),
+                Data::Inline(_) => return Ok(None),
+            }
+        };
+        let claim = self.lazy_prepare_write(ino_out, off_out, end)?;
+        let Some(dst) = self.write_target(ino_out, off_out, end, None)? else {
+            return Ok(None);
+        };
+        copy_body_range(&src, off_in, &dst, off_out, len)?;
+        self.finish_write(ino_out, claim, &dst, off_out, end)?;
+        Ok(Some(len))
+    }
+}
+
+pub(super) fn zero_fill(f: &File, from: u64, to: u64) -> io::Result<()> {
+    let zeros = vec![0u8; (to - from).min(1 << 20) as usize];
+    let mut off = from;
+    while off < to {
+        let n = ((to - off) as usize).min(zeros.len());
+        f.write_all_at(&zeros[..n], off)?;
+        off += n as u64;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn file_with(dir: &Path, name: &str, bytes: &[u8]) -> File {
+        let f = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.join(name))
+            .unwrap();
+        f.write_all_at(bytes, 0).unwrap();
+        f
+    }
+
+    fn contents(f: &File) -> Vec<u8> {
+        let mut v = vec![0u8; f.metadata().unwrap().len() as usize];
+        f.read_exact_at(&mut v, 0).unwrap();
+        v
+    }
+
+    #[test]
+    fn body_copy_lands_at_the_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let src = file_with(dir.path(), "src", &data);
+        let dst = file_with(dir.path(), "dst", b"0123456789");
+        copy_body_range(&src, 5, &dst, 4, data.len() as u64 - 5).unwrap();
+        let mut want = b"0123".to_vec();
+        want.extend_from_slice(&data[5..]);
+        assert!(contents(&dst) == want, "copied bytes differ");
+    }
+
+    #[test]
+    fn body_copy_past_a_short_source_writes_zeros() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = file_with(dir.path(), "src", b"abc");
+        let dst = file_with(dir.path(), "dst", &[7u8; 10]);
+        copy_body_range(&src, 1, &dst, 2, 6).unwrap();
+        assert_eq!(contents(&dst), b"\x07\x07bc\0\0\0\0\x07\x07");
+    }
+}

@@ -1,0 +1,653 @@
+//! Names and attributes: lookup and forget, getattr/setattr, creating, linking, removing
+//! and renaming entries, and reading directories.
+
+use super::group::Batch;
+use super::{
+    now, Attr, Caller, DirEntry, FsError, FsResult, Handle, Inner, SetAttr, SetTime, WorkspaceFs,
+};
+use super::{LINK_MAX, NAME_MAX, PATH_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE};
+use crate::meta::{Dirent, InodeNo, Kind, Nanos, Storage};
+
+/// What to create in `make`.
+pub(super) struct New<'a> {
+    pub(super) kind: Kind,
+    pub(super) perm: u32,
+    pub(super) rdev: u32,
+    pub(super) target: Option<&'a [u8]>,
+}
+
+pub(super) fn check_name(name: &[u8]) -> FsResult<()> {
+    if name.len() > NAME_MAX {
+        return Err(FsError::NameTooLong);
+    }
+    if name.is_empty() || name.contains(&b'/') || name == b"." || name == b".." {
+        return Err(FsError::Invalid);
+    }
+    Ok(())
+}
+
+impl WorkspaceFs {
+    // ----- namespace -----
+
+    pub fn lookup(&self, parent: InodeNo, name: &[u8]) -> FsResult<Attr> {
+        if name.len() > NAME_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let p = Self::load_dir(inner, parent)?;
+        let ino = match name {
+            b"." => parent,
+            b".." => p.parent,
+            _ => {
+                inner
+                    .store
+                    .read()
+                    .lookup(parent, name)?
+                    .ok_or(FsError::NotFound)?
+                    .ino
+            }
+        };
+        let attr = self.fresh_attr(inner, ino)?;
+        Self::remember(inner, ino);
+        Ok(attr)
+    }
+
+    pub fn forget(&self, ino: InodeNo, n: u64) {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let Some(node) = inner.nodes.get_mut(&ino) else {
+            return;
+        };
+        node.lookups = node.lookups.saturating_sub(n);
+        if node.lookups == 0 && node.opens == 0 {
+            if let Err(e) = self.settle(inner, ino) {
+                tracing::warn!(ino = ino.0, error = %e, "forget: could not settle inode");
+            }
+        }
+    }
+
+    pub fn getattr(&self, ino: InodeNo) -> FsResult<Attr> {
+        // A directory's attributes are a function of its row alone: no lock needed.
+        if let Some(inode) = self.dirs.get(ino) {
+            return self.attr(inode, None);
+        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let a = self.fresh_attr(inner, ino)?;
+        self.dirs.put(&a.inode);
+        Ok(a)
+    }
+
+    pub fn setattr(&self, ino: InodeNo, set: &SetAttr) -> FsResult<Attr> {
+        self.freeing(|| self.setattr_once(ino, set))
+    }
+
+    pub(super) fn setattr_once(&self, ino: InodeNo, set: &SetAttr) -> FsResult<Attr> {
+        if let Some(size) = set.size {
+            self.lazy_prepare_truncate(ino, size)?;
+        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        self.sync_from_body(inner, ino)?;
+        if let Some(loss) = set.drop_setid {
+            Self::kill_privs_locked(inner, ino, loss)?;
+        }
+        let t = now();
+        if let Some(size) = set.size {
+            // Loads the bytes; refuses directories (EISDIR) and special files (EINVAL).
+            self.ensure_open(inner, ino)?;
+            self.lazy_drop_from(inner, ino, size)?;
+            let of = inner
+                .nodes
+                .get_mut(&ino)
+                .and_then(|n| n.open.as_mut())
+                .expect("loaded");
+            if size != of.inode.size {
+                self.resize(of, size)?;
+            }
+            // truncate(2) updates mtime and ctime even when the size does not change.
+            of.inode.mtime = t;
+            of.inode.ctime = t;
+        }
+        let mut inode = Self::load(inner, ino)?;
+        if let Some(mode) = set.mode {
+            inode.perm = mode & 0o7777;
+        }
+        if let Some(uid) = set.uid {
+            inode.uid = uid;
+        }
+        if let Some(gid) = set.gid {
+            inode.gid = gid;
+        }
+        match set.atime {
+            Some(SetTime::Now) => inode.atime = t,
+            Some(SetTime::At(x)) => inode.atime = x,
+            None => {}
+        }
+        match set.mtime {
+            Some(SetTime::Now) => inode.mtime = t,
+            Some(SetTime::At(x)) => inode.mtime = x,
+            None => {}
+        }
+        inode.ctime = set.ctime.unwrap_or(t);
+        let mut tx = Batch::new(&inner.store)?;
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)?;
+        if set.size.is_some() {
+            Self::rebase(inner, ino)?;
+            self.settle(inner, ino)?;
+        }
+        self.fresh_attr(inner, ino)
+    }
+
+    pub fn readlink(&self, ino: InodeNo) -> FsResult<Vec<u8>> {
+        let guard = self.lock();
+        let inner: &Inner = &guard;
+        let i = Self::load(inner, ino)?;
+        if i.kind != Kind::Symlink {
+            return Err(FsError::Invalid);
+        }
+        let target = inner.store.read().symlink_target(ino)?;
+        target.ok_or(FsError::NotFound)
+    }
+
+    /// Creates a new inode named `name` in `parent` and returns its attributes.
+    pub(super) fn make(
+        &self,
+        caller: Caller,
+        parent: InodeNo,
+        name: &[u8],
+        new: New<'_>,
+    ) -> FsResult<Attr> {
+        let New {
+            kind,
+            perm,
+            rdev,
+            target,
+        } = new;
+        check_name(name)?;
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let mut p = Self::load_dir(inner, parent)?;
+        if p.nlink == 0 {
+            return Err(FsError::NotFound);
+        }
+        if inner.store.read().lookup(parent, name)?.is_some() {
+            return Err(FsError::Exists);
+        }
+        let mut inode = Self::new_inode(caller, &p, kind, perm, rdev);
+        if let Some(t) = target {
+            inode.size = t.len() as u64;
+        }
+        let t = inode.ctime;
+        let mut tx = Batch::new(&inner.store)?;
+        inode.ino = tx.insert(&inode)?;
+        tx.link(parent, name, inode.ino, kind)?;
+        if let Some(target) = target {
+            tx.set_symlink_target(inode.ino, target)?;
+        }
+        if kind == Kind::Dir {
+            p.nlink += 1;
+        }
+        p.mtime = t;
+        p.ctime = t;
+        tx.save(&inner.nodes, &p)?;
+        tx.commit(&mut inner.nodes)?;
+        Self::remember(inner, inode.ino);
+        self.attr(inode, None)
+    }
+
+    pub fn mknod(
+        &self,
+        caller: Caller,
+        parent: InodeNo,
+        name: &[u8],
+        mode: u32,
+        rdev: u32,
+    ) -> FsResult<Attr> {
+        let kind = Kind::from_mode(mode).unwrap_or(Kind::File);
+        if kind == Kind::Dir || kind == Kind::Symlink {
+            return Err(FsError::Invalid);
+        }
+        let rdev = if matches!(kind, Kind::CharDev | Kind::BlockDev) {
+            rdev
+        } else {
+            0
+        };
+        self.make(
+            caller,
+            parent,
+            name,
+            New {
+                kind,
+                perm: mode & 0o7777,
+                rdev,
+                target: None,
+            },
+        )
+    }
+
+    pub fn mkdir(&self, caller: Caller, parent: InodeNo, name: &[u8], mode: u32) -> FsResult<Attr> {
+        self.make(
+            caller,
+            parent,
+            name,
+            New {
+                kind: Kind::Dir,
+                perm: mode & 0o7777,
+                rdev: 0,
+                target: None,
+            },
+        )
+    }
+
+    pub fn symlink(
+        &self,
+        caller: Caller,
+        parent: InodeNo,
+        name: &[u8],
+        target: &[u8],
+    ) -> FsResult<Attr> {
+        if target.len() >= PATH_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        if target.is_empty() {
+            return Err(FsError::NotFound);
+        }
+        self.make(
+            caller,
+            parent,
+            name,
+            New {
+                kind: Kind::Symlink,
+                perm: 0o777,
+                rdev: 0,
+                target: Some(target),
+            },
+        )
+    }
+
+    pub fn unlink(&self, parent: InodeNo, name: &[u8]) -> FsResult<()> {
+        self.freeing(|| self.remove(parent, name, false))
+    }
+
+    pub fn rmdir(&self, parent: InodeNo, name: &[u8]) -> FsResult<()> {
+        match name {
+            b"." => return Err(FsError::Invalid),
+            b".." => return Err(FsError::NotEmpty),
+            _ => {}
+        }
+        self.freeing(|| self.remove(parent, name, true))
+    }
+
+    pub(super) fn remove(&self, parent: InodeNo, name: &[u8], dir: bool) -> FsResult<()> {
+        if name.len() > NAME_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let mut p = Self::load_dir(inner, parent)?;
+        let d = inner
+            .store
+            .read()
+            .lookup(parent, name)?
+            .ok_or(FsError::NotFound)?;
+        let mut child = Self::load(inner, d.ino)?;
+        let t = now();
+        if dir {
+            if child.kind != Kind::Dir {
+                return Err(FsError::NotDir);
+            }
+            if !inner.store.read().dir_is_empty(d.ino)? {
+                return Err(FsError::NotEmpty);
+            }
+            child.nlink = 0;
+            p.nlink -= 1;
+        } else {
+            if child.kind == Kind::Dir {
+                return Err(FsError::IsDir);
+            }
+            child.nlink -= 1;
+        }
+        child.ctime = t;
+        p.mtime = t;
+        p.ctime = t;
+        // Nobody has it open: the inode goes in the same transaction as its last name. (The
+        // kernel may still hold a lookup reference; `forget` then finds nothing to do.)
+        let delete_now = child.nlink == 0 && !Self::is_open(inner, child.ino);
+        let mut tx = Batch::new(&inner.store)?;
+        tx.unlink(parent, name)?;
+        if delete_now {
+            tx.delete(child.ino)?;
+        } else {
+            tx.save(&inner.nodes, &child)?;
+        }
+        tx.save(&inner.nodes, &p)?;
+        tx.commit(&mut inner.nodes)?;
+        if delete_now {
+            if let Some(n) = inner.nodes.get_mut(&child.ino) {
+                n.open = None;
+            }
+            if child.storage == Storage::Body {
+                Self::discard_body(inner, child.ino);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn link(&self, ino: InodeNo, newparent: InodeNo, newname: &[u8]) -> FsResult<Attr> {
+        check_name(newname)?;
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let mut inode = Self::load(inner, ino)?;
+        if inode.kind == Kind::Dir {
+            return Err(FsError::NotPermitted);
+        }
+        if inode.nlink == 0 {
+            return Err(FsError::NotFound);
+        }
+        if inode.nlink >= LINK_MAX {
+            return Err(FsError::TooManyLinks);
+        }
+        let mut p = Self::load_dir(inner, newparent)?;
+        if inner.store.read().lookup(newparent, newname)?.is_some() {
+            return Err(FsError::Exists);
+        }
+        let t = now();
+        inode.nlink += 1;
+        inode.ctime = t;
+        p.mtime = t;
+        p.ctime = t;
+        let mut tx = Batch::new(&inner.store)?;
+        tx.link(newparent, newname, ino, inode.kind)?;
+        tx.save(&inner.nodes, &inode)?;
+        tx.save(&inner.nodes, &p)?;
+        tx.commit(&mut inner.nodes)?;
+        Self::remember(inner, ino);
+        self.fresh_attr(inner, ino)
+    }
+
+    /// Is `dir` equal to `ancestor` or below it?
+    pub(super) fn is_within(inner: &Inner, mut dir: InodeNo, ancestor: InodeNo) -> FsResult<bool> {
+        loop {
+            if dir == ancestor {
+                return Ok(true);
+            }
+            if dir == InodeNo::ROOT {
+                return Ok(false);
+            }
+            dir = Self::load(inner, dir)?.parent;
+        }
+    }
+
+    pub fn rename(
+        &self,
+        parent: InodeNo,
+        name: &[u8],
+        newparent: InodeNo,
+        newname: &[u8],
+        flags: u32,
+    ) -> FsResult<()> {
+        self.freeing(|| self.rename_once(parent, name, newparent, newname, flags))
+    }
+
+    pub(super) fn rename_once(
+        &self,
+        parent: InodeNo,
+        name: &[u8],
+        newparent: InodeNo,
+        newname: &[u8],
+        flags: u32,
+    ) -> FsResult<()> {
+        if name.len() > NAME_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        check_name(newname)?;
+        if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE) != 0
+            || flags == RENAME_NOREPLACE | RENAME_EXCHANGE
+        {
+            return Err(FsError::Invalid);
+        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        Self::load_dir(inner, parent)?;
+        Self::load_dir(inner, newparent)?;
+        let src = inner
+            .store
+            .read()
+            .lookup(parent, name)?
+            .ok_or(FsError::NotFound)?;
+        let dst = inner.store.read().lookup(newparent, newname)?;
+        let t = now();
+
+        if flags & RENAME_EXCHANGE != 0 {
+            let dst = dst.ok_or(FsError::NotFound)?;
+            return self.exchange(inner, parent, &src, newparent, &dst, t);
+        }
+        if let Some(d) = &dst {
+            if flags & RENAME_NOREPLACE != 0 {
+                return Err(FsError::Exists);
+            }
+            if d.ino == src.ino {
+                // Two links to the same inode: POSIX says do nothing.
+                return Ok(());
+            }
+        }
+        let mut s = Self::load(inner, src.ino)?;
+        if s.kind == Kind::Dir && newparent != parent && Self::is_within(inner, newparent, src.ino)?
+        {
+            return Err(FsError::Invalid);
+        }
+        let mut victim = None;
+        if let Some(d) = &dst {
+            let mut v = Self::load(inner, d.ino)?;
+            match (s.kind == Kind::Dir, v.kind == Kind::Dir) {
+                (true, false) => return Err(FsError::NotDir),
+                (false, true) => return Err(FsError::IsDir),
+                (true, true) => {
+                    if !inner.store.read().dir_is_empty(d.ino)? {
+                        return Err(FsError::NotEmpty);
+                    }
+                    v.nlink = 0;
+                }
+                (false, false) => v.nlink -= 1,
+            }
+            v.ctime = t;
+            victim = Some(v);
+        }
+
+        let mut tx = Batch::new(&inner.store)?;
+        tx.unlink(parent, name)?;
+        if dst.is_some() {
+            tx.relink(newparent, newname, src.ino, s.kind)?;
+        } else {
+            tx.link(newparent, newname, src.ino, s.kind)?;
+        }
+        s.ctime = t;
+        if s.kind == Kind::Dir {
+            s.parent = newparent;
+        }
+        tx.save(&inner.nodes, &s)?;
+        if let Some(v) = &victim {
+            tx.save(&inner.nodes, v)?;
+        }
+        // Parents last, so their nlink reflects every change above.
+        let mut p = Self::load(inner, parent)?;
+        let victim_dir = victim.as_ref().is_some_and(|v| v.kind == Kind::Dir);
+        if parent == newparent {
+            if victim_dir {
+                p.nlink -= 1;
+            }
+            p.mtime = t;
+            p.ctime = t;
+            tx.save(&inner.nodes, &p)?;
+        } else {
+            let mut np = Self::load(inner, newparent)?;
+            if s.kind == Kind::Dir {
+                p.nlink -= 1;
+                np.nlink += 1;
+            }
+            if victim_dir {
+                np.nlink -= 1;
+            }
+            p.mtime = t;
+            p.ctime = t;
+            np.mtime = t;
+            np.ctime = t;
+            tx.save(&inner.nodes, &p)?;
+            tx.save(&inner.nodes, &np)?;
+        }
+        tx.commit(&mut inner.nodes)?;
+        if let Some(v) = victim {
+            if v.nlink == 0 && !Self::is_open(inner, v.ino) {
+                self.purge(inner, v.ino)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn exchange(
+        &self,
+        inner: &mut Inner,
+        parent: InodeNo,
+        a: &Dirent,
+        newparent: InodeNo,
+        b: &Dirent,
+        t: Nanos,
+    ) -> FsResult<()> {
+        if a.ino == b.ino {
+            return Ok(());
+        }
+        let mut ia = Self::load(inner, a.ino)?;
+        let mut ib = Self::load(inner, b.ino)?;
+        if parent != newparent {
+            if ia.kind == Kind::Dir && Self::is_within(inner, newparent, a.ino)? {
+                return Err(FsError::Invalid);
+            }
+            if ib.kind == Kind::Dir && Self::is_within(inner, parent, b.ino)? {
+                return Err(FsError::Invalid);
+            }
+        }
+        let mut tx = Batch::new(&inner.store)?;
+        tx.relink(parent, &a.name, b.ino, ib.kind)?;
+        tx.relink(newparent, &b.name, a.ino, ia.kind)?;
+        ia.ctime = t;
+        ib.ctime = t;
+        if ia.kind == Kind::Dir {
+            ia.parent = newparent;
+        }
+        if ib.kind == Kind::Dir {
+            ib.parent = parent;
+        }
+        tx.save(&inner.nodes, &ia)?;
+        tx.save(&inner.nodes, &ib)?;
+        let mut p = Self::load(inner, parent)?;
+        p.mtime = t;
+        p.ctime = t;
+        if parent == newparent {
+            tx.save(&inner.nodes, &p)?;
+        } else {
+            let mut np = Self::load(inner, newparent)?;
+            let a_dir = i64::from(ia.kind == Kind::Dir);
+            let b_dir = i64::from(ib.kind == Kind::Dir);
+            p.nlink = (i64::from(p.nlink) - a_dir + b_dir) as u32;
+            np.nlink = (i64::from(np.nlink) + a_dir - b_dir) as u32;
+            np.mtime = t;
+            np.ctime = t;
+            tx.save(&inner.nodes, &p)?;
+            tx.save(&inner.nodes, &np)?;
+        }
+        tx.commit(&mut inner.nodes)?;
+        Ok(())
+    }
+
+    // ----- directories -----
+
+    pub fn opendir(&self, ino: InodeNo) -> FsResult<u64> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let d = Self::load_dir(inner, ino)?;
+        let mut entries = vec![
+            DirEntry {
+                name: b".".to_vec(),
+                ino,
+                kind: Kind::Dir,
+            },
+            DirEntry {
+                name: b"..".to_vec(),
+                ino: d.parent,
+                kind: Kind::Dir,
+            },
+        ];
+        for e in inner.store.read().list(ino)? {
+            entries.push(DirEntry {
+                name: e.name,
+                ino: e.ino,
+                kind: e.kind,
+            });
+        }
+        Ok(Self::new_handle(inner, Handle::Dir { entries }))
+    }
+
+    /// Entries of an open directory from `offset` on; each comes with the offset of the next.
+    /// `add` returns true when the reply buffer is full.
+    pub fn readdir(
+        &self,
+        fh: u64,
+        offset: u64,
+        mut add: impl FnMut(&DirEntry, u64) -> bool,
+    ) -> FsResult<()> {
+        let guard = self.lock();
+        let inner: &Inner = &guard;
+        let Some(Handle::Dir { entries }) = inner.handles.get(&fh) else {
+            return Err(FsError::BadHandle);
+        };
+        for (i, e) in entries.iter().enumerate().skip(offset as usize) {
+            if add(e, i as u64 + 1) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Like `readdir`, with attributes; every entry accepted by `add` (other than `.` and
+    /// `..`) counts as a lookup.
+    pub fn readdirplus(
+        &self,
+        fh: u64,
+        offset: u64,
+        mut add: impl FnMut(&DirEntry, &Attr, u64) -> bool,
+    ) -> FsResult<()> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let Some(Handle::Dir { entries }) = inner.handles.get(&fh) else {
+            return Err(FsError::BadHandle);
+        };
+        let entries: Vec<DirEntry> = entries.iter().skip(offset as usize).cloned().collect();
+        for (i, e) in entries.iter().enumerate() {
+            let attr = match self.fresh_attr(inner, e.ino) {
+                Ok(a) => a,
+                // Removed since opendir: skip it.
+                Err(FsError::NotFound) => continue,
+                Err(err) => return Err(err),
+            };
+            if add(e, &attr, offset + i as u64 + 1) {
+                break;
+            }
+            if e.name != b"." && e.name != b".." {
+                Self::remember(inner, e.ino);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn releasedir(&self, fh: u64) {
+        self.lock().handles.remove(&fh);
+    }
+
+    pub fn fsyncdir(&self) -> FsResult<()> {
+        self.lock().sync(self.opts.chunk_size)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,530 @@
+//! The in-memory side of an inode: `Node` (one per inode the kernel holds), the loaded
+//! bytes of a regular file (`OpenFile`), and the helpers that load, save and drop them.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use super::data::read_body;
+use super::group::Batch;
+use super::{now, Attr, Caller, FsError, FsResult, Inner, WorkspaceFs};
+use crate::chunk::{BodyPool, Fresh};
+use crate::meta::{Inode, InodeNo, Kind, Nanos, Storage};
+
+/// The bytes of an open regular file.
+pub(super) enum Data {
+    Inline(Vec<u8>),
+    Body(Arc<File>),
+}
+
+/// State of a regular file while it is open (or being changed by a data operation).
+pub(super) struct OpenFile {
+    /// Authoritative attributes while open; the store may lag behind until `dirty` is cleared.
+    pub(super) inode: Inode,
+    pub(super) data: Data,
+    pub(super) dirty: bool,
+    /// Chunk windows written since the store last recorded them.
+    pub(super) windows: BTreeSet<u64>,
+    /// The body is a pooled file still under its pool slot's name: the store does not know
+    /// it yet. It moves to the file's name when the store is first told the file has a body
+    /// (`Batch::save`, and first thing in `fsync`), or goes back to the pool unrenamed if the
+    /// file goes back inline first (`back_inline`) or is deleted (`purge`). A small file
+    /// created write-only (`echo >`, `cp` of a small file) so costs no rename at all.
+    pub(super) provisional: std::cell::Cell<Option<Provisional>>,
+    /// (size, mtime, ctime) of the body when we last looked, while passthrough handles are
+    /// open: a change means the kernel wrote through one.
+    pub(super) pt_base: Option<BodyStamp>,
+    /// The file took a body only to be passed through (it was inline when opened for
+    /// writing, see `open_as`): at its last close it goes back inline if it stayed small.
+    pub(super) pt_body: bool,
+}
+
+/// A taken pool slot (see `OpenFile::provisional`).
+pub(super) struct Provisional {
+    pub(super) slot: u64,
+    pub(super) pool: Arc<BodyPool>,
+}
+
+impl OpenFile {
+    /// Moves a provisional body to the file's name (see `provisional`).
+    pub(super) fn name_body(&self) -> io::Result<()> {
+        if let Some(p) = self.provisional.take() {
+            if let Err(e) = p.pool.name_slot(p.slot, self.inode.ino.0) {
+                self.provisional.set(Some(p));
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the file may stay loaded after its last close (see `WorkspaceFs::linger`):
+    /// it still has a name, and its body is under that name, not a pool slot.
+    pub(super) fn may_linger(&self) -> bool {
+        let p = self.provisional.take();
+        let named = p.is_none();
+        self.provisional.set(p);
+        named && self.inode.nlink > 0 && !self.dirty
+    }
+
+    /// Gives a provisional body back to the pool; true when there was one.
+    pub(super) fn drop_provisional(&self) -> bool {
+        match self.provisional.take() {
+            Some(p) => {
+                p.pool.give_back(p.slot);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Notes that bytes `[from, to)` changed, for checkpoints.
+    pub(super) fn touch(&mut self, from: u64, to: u64, chunk_size: u64) {
+        let first = from / chunk_size;
+        let last = to.max(from + 1).div_ceil(chunk_size);
+        self.windows.extend(first..last);
+        self.dirty = true;
+    }
+}
+
+/// An inode the kernel knows about (looked up) or that has open handles. One per inode the
+/// kernel holds, so kept small (40 bytes): what only an open or loaded file needs is in the
+/// boxed `OpenFile`.
+pub(super) struct Node {
+    pub(super) lookups: u64,
+    pub(super) opens: u32,
+    /// Open handles whose I/O the kernel passes straight to the body file.
+    pub(super) pt_opens: u32,
+    /// (mtime, size) when the last handle was closed: the page cache is still valid if the
+    /// file looks the same at the next open (cache mode `auto`). `NO_STAMP`: none.
+    pub(super) cache_stamp: (Nanos, u64),
+    pub(super) open: Option<Box<OpenFile>>,
+}
+
+/// No cache stamp: no file has this size (sizes stop at `i64::MAX`).
+pub(super) const NO_STAMP: (Nanos, u64) = (Nanos(i64::MIN), u64::MAX);
+
+impl Default for Node {
+    fn default() -> Self {
+        Node {
+            lookups: 0,
+            opens: 0,
+            pt_opens: 0,
+            cache_stamp: NO_STAMP,
+            open: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct BodyStamp {
+    pub(super) size: u64,
+    pub(super) mtime: Nanos,
+    pub(super) ctime: Nanos,
+}
+
+pub(super) fn body_stamp(f: &File) -> io::Result<BodyStamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = f.metadata()?;
+    Ok(BodyStamp {
+        size: m.len(),
+        mtime: Nanos(m.mtime() * 1_000_000_000 + m.mtime_nsec()),
+        ctime: Nanos(m.ctime() * 1_000_000_000 + m.ctime_nsec()),
+    })
+}
+
+/// Closed files kept loaded at most (see `WorkspaceFs::linger`): each may hold a body open.
+pub const LINGER_MAX: usize = 64;
+
+impl WorkspaceFs {
+    // ----- inode helpers (called with the lock held) -----
+
+    pub(super) fn load(inner: &Inner, ino: InodeNo) -> FsResult<Inode> {
+        if let Some(of) = inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
+            return Ok(of.inode.clone());
+        }
+        inner.store.read().get(ino)?.ok_or(FsError::NotFound)
+    }
+
+    /// A directory's inode: from the directory cache (kept current by every commit of the
+    /// store), else from the store, and then cached. Every lookup, create and unlink starts
+    /// with its parent; reading that row from SQLite each time was most of a lookup's cost.
+    pub(super) fn load_dir(inner: &Inner, ino: InodeNo) -> FsResult<Inode> {
+        let dirs = inner.store.dir_cache();
+        if let Some(i) = dirs.get(ino) {
+            return Ok(i);
+        }
+        let i = Self::load(inner, ino)?;
+        if i.kind != Kind::Dir {
+            return Err(FsError::NotDir);
+        }
+        dirs.put(&i);
+        Ok(i)
+    }
+
+    pub(super) fn attr(&self, inode: Inode, body: Option<&File>) -> FsResult<Attr> {
+        let blocks = match (inode.kind, inode.storage) {
+            (Kind::File, Storage::Body) => {
+                use std::os::unix::fs::MetadataExt;
+                match body {
+                    Some(f) => f.metadata()?.blocks(),
+                    None => self.bodies.stat(inode.ino.0)?.map(|(_, b)| b).unwrap_or(0),
+                }
+            }
+            _ => inode.size.div_ceil(512),
+        };
+        Ok(Attr { inode, blocks })
+    }
+
+    /// Picks up what the kernel wrote through passthrough handles: size and times from the
+    /// body, and every window marked dirty (the written ranges are unknown).
+    pub(super) fn sync_from_body(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        let chunk = self.opts.chunk_size;
+        let Some(node) = inner.nodes.get_mut(&ino) else {
+            return Ok(());
+        };
+        let Some(of) = node.open.as_mut() else {
+            return Ok(());
+        };
+        let Some(base) = of.pt_base else {
+            return Ok(());
+        };
+        let Data::Body(f) = &of.data else {
+            return Ok(());
+        };
+        let now_stamp = body_stamp(f)?;
+        if now_stamp != base {
+            of.inode.size = now_stamp.size;
+            if now_stamp.mtime != base.mtime {
+                of.inode.mtime = now_stamp.mtime;
+            }
+            of.inode.ctime = of.inode.ctime.max(now_stamp.ctime);
+            of.touch(0, now_stamp.size, chunk);
+            of.pt_base = Some(now_stamp);
+        }
+        Ok(())
+    }
+
+    /// Re-reads the body stamp after keel itself changed a passthrough file, so its own
+    /// change is not mistaken for a kernel write.
+    pub(super) fn rebase(inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        if let Some(of) = inner.nodes.get_mut(&ino).and_then(|n| n.open.as_mut()) {
+            if of.pt_base.is_some() {
+                if let Data::Body(f) = &of.data {
+                    of.pt_base = Some(body_stamp(f)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Attributes as the kernel must see them: first picks up passthrough writes, so that no
+    /// reply (lookup, readdirplus, ...) hands the kernel a stale size.
+    pub(super) fn fresh_attr(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<Attr> {
+        self.sync_from_body(inner, ino)?;
+        self.attr_locked(inner, ino)
+    }
+
+    pub(super) fn attr_locked(&self, inner: &Inner, ino: InodeNo) -> FsResult<Attr> {
+        let inode = Self::load(inner, ino)?;
+        let body = inner
+            .nodes
+            .get(&ino)
+            .and_then(|n| n.open.as_ref())
+            .and_then(|of| match &of.data {
+                Data::Body(f) => Some(f.clone()),
+                Data::Inline(_) => None,
+            });
+        self.attr(inode, body.as_deref())
+    }
+
+    pub(super) fn remember(inner: &mut Inner, ino: InodeNo) {
+        inner.nodes.entry(ino).or_default().lookups += 1;
+    }
+
+    /// Deletes an inode that has no links and nobody using it.
+    pub(super) fn purge(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        // A body still under its pool name goes back there; nothing is at the file's name.
+        let provisional = inner
+            .nodes
+            .get(&ino)
+            .and_then(|n| n.open.as_ref())
+            .is_some_and(|of| of.drop_provisional());
+        let had_body = !provisional
+            && Self::load(inner, ino)
+                .map(|i| i.storage == Storage::Body)
+                .unwrap_or(true);
+        let tx = Batch::new(&inner.store)?;
+        tx.delete(ino)?;
+        tx.commit(&mut inner.nodes)?;
+        inner.nodes.remove(&ino);
+        if had_body {
+            Self::discard_body(inner, ino);
+        }
+        Ok(())
+    }
+
+    /// Removes a body file off the request path once its inode's deletion is committed
+    /// (inode numbers are never reused, so no new body can take its name meanwhile).
+    pub(super) fn discard_body(inner: &mut Inner, ino: InodeNo) {
+        if inner.store.group_open() {
+            inner.discard_after_commit.push(ino.0);
+        } else {
+            inner.discard_now(ino.0);
+        }
+    }
+
+    /// Whether any handle has the inode open (open-unlinked files must stay).
+    pub(super) fn is_open(inner: &Inner, ino: InodeNo) -> bool {
+        inner.nodes.get(&ino).is_some_and(|n| n.opens > 0)
+    }
+
+    pub(super) fn new_inode(
+        caller: Caller,
+        parent: &Inode,
+        kind: Kind,
+        perm: u32,
+        rdev: u32,
+    ) -> Inode {
+        let t = now();
+        let (gid, perm) = if parent.perm & libc::S_ISGID != 0 {
+            let perm = if kind == Kind::Dir {
+                perm | libc::S_ISGID
+            } else {
+                perm
+            };
+            (parent.gid, perm)
+        } else {
+            (caller.gid, perm)
+        };
+        Inode {
+            ino: InodeNo(0),
+            kind,
+            perm: perm & 0o7777,
+            uid: caller.uid,
+            gid,
+            nlink: if kind == Kind::Dir { 2 } else { 1 },
+            size: 0,
+            atime: t,
+            mtime: t,
+            ctime: t,
+            rdev,
+            parent: parent.ino,
+            storage: Storage::Inline,
+        }
+    }
+
+    /// Loads the bytes of a regular file into its node so data operations can work on it.
+    pub(super) fn ensure_open(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        if inner.nodes.get(&ino).is_some_and(|n| n.open.is_some()) {
+            return Ok(());
+        }
+        let inode = inner.store.read().get(ino)?.ok_or(FsError::NotFound)?;
+        match inode.kind {
+            Kind::File => {}
+            Kind::Dir => return Err(FsError::IsDir),
+            _ => return Err(FsError::Invalid),
+        }
+        let data = match inode.storage {
+            Storage::Inline => Data::Inline(inner.store.read().inline_data(ino)?),
+            Storage::Body => {
+                let f = self.bodies.open_rw(ino.0)?;
+                // The body may disagree with the committed size after a crash: the store
+                // is the truth (bytes past it were never acknowledged).
+                if f.metadata()?.len() != inode.size {
+                    f.set_len(inode.size)?;
+                }
+                Data::Body(Arc::new(f))
+            }
+        };
+        let mut data = data;
+        if let Data::Inline(v) = &mut data {
+            v.resize(inode.size as usize, 0);
+        }
+        inner.nodes.entry(ino).or_default().open = Some(Box::new(OpenFile {
+            inode,
+            data,
+            dirty: false,
+            windows: BTreeSet::new(),
+            provisional: std::cell::Cell::new(None),
+            pt_base: None,
+            pt_body: false,
+        }));
+        Ok(())
+    }
+
+    /// Writes back and drops the loaded bytes of a file nobody has open.
+    pub(super) fn settle(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        let Some(node) = inner.nodes.get_mut(&ino) else {
+            return Ok(());
+        };
+        if node.opens > 0 {
+            return Ok(());
+        }
+        let inlined = self.back_inline(node)?;
+        Self::write_back(inner, ino)?;
+        // Only once the store says inline may the body go (after its group commits).
+        if inlined {
+            self.pool.hold(ino.0);
+        }
+        let node = inner.nodes.get_mut(&ino).expect("node present");
+        if let Some(of) = &node.open {
+            node.cache_stamp = (of.inode.mtime, of.inode.size);
+        }
+        if node.lookups > 0 && node.open.as_ref().is_some_and(|of| of.may_linger()) {
+            self.linger(inner, ino);
+        } else {
+            node.open = None;
+        }
+        let node = inner.nodes.get_mut(&ino).expect("node present");
+        if node.lookups == 0 {
+            let inode = inner.store.read().get(ino)?;
+            inner.nodes.remove(&ino);
+            // Give back the table's memory once the kernel has forgotten most of what it
+            // held (a find over a large tree, then memory pressure); amortised O(1).
+            let cap = inner.nodes.capacity();
+            if cap > 4096 && inner.nodes.len() < cap / 4 {
+                inner.nodes.shrink_to(inner.nodes.len() * 2);
+            }
+            // Already deleted (unlinked while nobody had it open) or still linked: done.
+            if inode.is_some_and(|i| i.nlink == 0) {
+                self.purge(inner, ino)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps a closed file loaded (its row, its open body) for the next open, getattr or
+    /// lookup: `cat >> log`, a compiler or `git add` open the same files again and again,
+    /// and loading one costs a row read, an `openat` and a `statx`. At most `LINGER_MAX`
+    /// files linger; the longest-closed one is written back (if anything is pending) and
+    /// dropped to make room. Unlink and forget drop a lingering file like a closed one.
+    pub(super) fn linger(&self, inner: &mut Inner, ino: InodeNo) {
+        if let Some(i) = inner.lingering.iter().position(|&x| x == ino) {
+            inner.lingering.remove(i);
+        }
+        inner.lingering.push_back(ino);
+        while inner.lingering.len() > LINGER_MAX {
+            let Some(old) = inner.lingering.pop_front() else {
+                break;
+            };
+            if let Err(e) = self.unload(inner, old) {
+                tracing::warn!(ino = old.0, error = %e, "cannot write back a closed file");
+            }
+        }
+    }
+
+    /// Drops the loaded bytes of a closed file, first saving what is pending (only after
+    /// a lost group commit, see `recover_if_lost`, does a closed file have any).
+    pub(super) fn unload(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        let Some(node) = inner.nodes.get_mut(&ino) else {
+            return Ok(());
+        };
+        if node.opens > 0 {
+            return Ok(());
+        }
+        Self::write_back(inner, ino)?;
+        if let Some(node) = inner.nodes.get_mut(&ino) {
+            node.open = None;
+        }
+        Ok(())
+    }
+
+    /// Saves and commits a loaded file's pending attributes, bytes (inline) and dirty
+    /// windows; nothing when it has none or is not loaded.
+    pub(super) fn write_back(inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        let inode = match inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
+            Some(of) if of.dirty => of.inode.clone(),
+            _ => return Ok(()),
+        };
+        let mut tx = Batch::new(&inner.store)?;
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)
+    }
+
+    /// A file that took a body only to be passed through (see `open_as`) and stayed small
+    /// goes back inline once nobody has it open: small files live in the store. Returns
+    /// whether it did; its body may go back to the pool once that is saved and committed.
+    pub(super) fn back_inline(&self, node: &mut Node) -> FsResult<bool> {
+        let Some(of) = node.open.as_mut() else {
+            return Ok(false);
+        };
+        if !std::mem::take(&mut of.pt_body) {
+            return Ok(false);
+        }
+        let Data::Body(f) = &of.data else {
+            return Ok(false);
+        };
+        // An unlinked file is about to be deleted with its body.
+        if of.inode.size > self.opts.inline_max || of.inode.nlink == 0 {
+            return Ok(false);
+        }
+        let mut bytes = vec![0u8; of.inode.size as usize];
+        read_body(f, &mut bytes, 0)?;
+        of.data = Data::Inline(bytes);
+        of.inode.storage = Storage::Inline;
+        of.dirty = true;
+        // No page of it is in the kernel's cache: the passthrough open dropped them (it
+        // keeps no cache), and no cached open could join a passthrough one since.
+        // A body that never got the file's name goes straight back to the pool.
+        Ok(!of.drop_provisional())
+    }
+
+    /// Moves an inline file's bytes into a fresh body file.
+    pub(super) fn to_body(&self, of: &mut OpenFile) -> FsResult<()> {
+        if let Data::Inline(bytes) = &of.data {
+            let f = match self.pool.take(of.inode.ino.0)? {
+                Fresh::Named(f) => f,
+                Fresh::Slot(slot, f) => {
+                    of.provisional.set(Some(Provisional {
+                        slot,
+                        pool: self.pool.clone(),
+                    }));
+                    f
+                }
+            };
+            f.write_all_at(bytes, 0)?;
+            // Only to grow it: ext4 flushes a file at close once it was truncated to zero.
+            if of.inode.size > bytes.len() as u64 {
+                f.set_len(of.inode.size)?;
+            }
+            of.data = Data::Body(Arc::new(f));
+            of.inode.storage = Storage::Body;
+            of.dirty = true;
+        }
+        Ok(())
+    }
+
+    /// Sets the size of an open file's bytes.
+    pub(super) fn resize(&self, of: &mut OpenFile, size: u64) -> FsResult<()> {
+        if size > self.opts.inline_max {
+            self.to_body(of)?;
+        }
+        match &mut of.data {
+            Data::Inline(v) => v.resize(size as usize, 0),
+            Data::Body(f) => f.set_len(size)?,
+        }
+        let (lo, hi) = (of.inode.size.min(size), of.inode.size.max(size));
+        of.touch(lo, hi, self.opts.chunk_size);
+        of.inode.size = size;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_the_kernel_holds_stays_small() {
+        // One per inode the kernel has looked up: at a million files this is most of
+        // keel's memory (issue 25). What an open file needs is boxed.
+        assert!(
+            std::mem::size_of::<Node>() <= 40,
+            "{}",
+            std::mem::size_of::<Node>()
+        );
+        assert_eq!(Node::default().cache_stamp, NO_STAMP);
+    }
+}

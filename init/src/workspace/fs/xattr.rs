@@ -1,0 +1,230 @@
+//! Extended attributes, the privileges a file loses on chown or write (set-ID bits,
+//! `security.capability`), and `access(2)`.
+
+use super::group::Batch;
+use super::{now, Caller, FsError, FsResult, Inner, SetIdLoss, WorkspaceFs};
+use super::{XATTR_CREATE, XATTR_NAME_MAX, XATTR_REPLACE, XATTR_SIZE_MAX};
+use crate::meta::{InodeNo, Kind};
+use crate::sys;
+
+/// Most inodes remembered as having no xattrs (the set starts over when full, emptied of
+/// its memory too: at 1 << 20 it held 18 MiB at a million files; a miss costs one row read).
+pub(super) const NO_XATTRS_MAX: usize = 1 << 16;
+/// The xattr the kernel probes before writes and that `drop_setid` drops.
+pub(super) const CAPABILITY_XATTR: &[u8] = b"security.capability";
+
+/// The set-ID bits of a regular file (mode `perm`, group `gid`) that `loss` by a caller with
+/// `creds` clears, as Linux does for ext4 (`chown_common`, `setattr_should_drop_suidgid`):
+/// chown always clears set-user-ID; set-group-ID goes when the group may execute or the
+/// caller is neither in the file's group nor holds CAP_FSETID. A write or truncate clears the
+/// same bits, but only for a caller without CAP_FSETID.
+pub fn setid_lost(perm: u32, gid: u32, loss: SetIdLoss, creds: &sys::creds::Creds) -> u32 {
+    if matches!(loss, SetIdLoss::Modify(_)) && creds.fsetid {
+        return 0;
+    }
+    let mut lost = perm & libc::S_ISUID;
+    if perm & libc::S_ISGID != 0
+        && (perm & libc::S_IXGRP != 0 || !(creds.fsetid || creds.groups.contains(&gid)))
+    {
+        lost |= libc::S_ISGID;
+    }
+    lost
+}
+
+impl WorkspaceFs {
+    // ----- xattrs -----
+
+    pub fn setxattr(&self, ino: InodeNo, name: &[u8], value: &[u8], flags: i32) -> FsResult<()> {
+        if name.is_empty() || name.len() > XATTR_NAME_MAX {
+            return Err(FsError::Range);
+        }
+        if value.len() > XATTR_SIZE_MAX {
+            return Err(FsError::TooBig);
+        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let mut inode = Self::load(inner, ino)?;
+        let exists = inner.store.read().xattr(ino, name)?.is_some();
+        if flags & XATTR_CREATE != 0 && exists {
+            return Err(FsError::Exists);
+        }
+        if flags & XATTR_REPLACE != 0 && !exists {
+            return Err(FsError::NoAttr);
+        }
+        inode.ctime = now();
+        let mut tx = Batch::new(&inner.store)?;
+        tx.set_xattr(ino, name, value)?;
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)?;
+        inner.no_xattrs.remove(&ino);
+        Ok(())
+    }
+
+    pub fn getxattr(&self, ino: InodeNo, name: &[u8]) -> FsResult<Vec<u8>> {
+        if name.len() > XATTR_NAME_MAX {
+            return Err(FsError::Range);
+        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        Self::load(inner, ino)?;
+        Self::xattr_cached(inner, ino, name)?.ok_or(FsError::NoAttr)
+    }
+
+    /// One xattr's value; remembers inodes that have none at all, so the kernel's
+    /// `security.capability` probes cost no SQLite query.
+    pub(super) fn xattr_cached(
+        inner: &mut Inner,
+        ino: InodeNo,
+        name: &[u8],
+    ) -> FsResult<Option<Vec<u8>>> {
+        if inner.no_xattrs.contains(&ino) {
+            return Ok(None);
+        }
+        let v = inner.store.read().xattr(ino, name)?;
+        if v.is_none() && inner.store.read().xattr_names(ino)?.is_empty() {
+            if inner.no_xattrs.len() >= NO_XATTRS_MAX {
+                inner.no_xattrs.clear();
+            }
+            inner.no_xattrs.insert(ino);
+        }
+        Ok(v)
+    }
+
+    /// Drops from a regular file what `loss` costs it on ext4: the set-ID bits the kernel
+    /// would clear for this caller (see [`setid_lost`]) and `security.capability`. With
+    /// FUSE_HANDLE_KILLPRIV_V2 the kernel leaves this to the filesystem and, in return, stops
+    /// asking for `security.capability` before every write. Directories keep everything.
+    pub fn drop_setid(&self, ino: InodeNo, loss: SetIdLoss) -> FsResult<()> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        self.sync_from_body(inner, ino)?;
+        Self::kill_privs_locked(inner, ino, loss)
+    }
+
+    pub(super) fn kill_privs_locked(
+        inner: &mut Inner,
+        ino: InodeNo,
+        loss: SetIdLoss,
+    ) -> FsResult<()> {
+        let mut inode = Self::load(inner, ino)?;
+        if inode.kind != Kind::File {
+            return Ok(());
+        }
+        let perm = if inode.perm & (libc::S_ISUID | libc::S_ISGID) == 0 {
+            inode.perm
+        } else {
+            let caller = match loss {
+                SetIdLoss::Chown(c) | SetIdLoss::Modify(c) => c,
+            };
+            // The caller's capabilities and groups (only read when a set-ID bit is at
+            // stake); a caller that is gone counts as root if its uid is 0.
+            let creds = sys::creds::of_pid(caller.pid).unwrap_or_else(|_| sys::creds::Creds {
+                fsetid: caller.uid == 0,
+                groups: vec![caller.gid],
+            });
+            inode.perm & !setid_lost(inode.perm, inode.gid, loss, &creds)
+        };
+        let cap = Self::xattr_cached(inner, ino, CAPABILITY_XATTR)?.is_some();
+        if perm == inode.perm && !cap {
+            return Ok(());
+        }
+        inode.perm = perm;
+        inode.ctime = now();
+        let mut tx = Batch::new(&inner.store)?;
+        if cap {
+            tx.remove_xattr(ino, CAPABILITY_XATTR)?;
+        }
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)?;
+        Ok(())
+    }
+
+    /// All xattr names, each followed by a NUL byte.
+    pub fn listxattr(&self, ino: InodeNo) -> FsResult<Vec<u8>> {
+        let guard = self.lock();
+        let inner: &Inner = &guard;
+        Self::load(inner, ino)?;
+        let mut out = Vec::new();
+        for n in inner.store.read().xattr_names(ino)? {
+            out.extend_from_slice(&n);
+            out.push(0);
+        }
+        Ok(out)
+    }
+
+    pub fn removexattr(&self, ino: InodeNo, name: &[u8]) -> FsResult<()> {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let mut inode = Self::load(inner, ino)?;
+        inode.ctime = now();
+        let mut tx = Batch::new(&inner.store)?;
+        if !tx.remove_xattr(ino, name)? {
+            return Err(FsError::NoAttr);
+        }
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)?;
+        Ok(())
+    }
+
+    /// `access(2)` check by mode bits (only used without `default_permissions`).
+    pub fn access(&self, ino: InodeNo, caller: Caller, mask: i32) -> FsResult<()> {
+        let guard = self.lock();
+        let inner: &Inner = &guard;
+        let i = Self::load(inner, ino)?;
+        if mask == libc::F_OK {
+            return Ok(());
+        }
+        let bits = if caller.uid == 0 {
+            // root may read/write anything, and execute when any x bit is set.
+            if mask & libc::X_OK != 0 && i.kind != Kind::Dir && i.perm & 0o111 == 0 {
+                return Err(FsError::Access);
+            }
+            return Ok(());
+        } else if caller.uid == i.uid {
+            (i.perm >> 6) & 7
+        } else if caller.gid == i.gid {
+            (i.perm >> 3) & 7
+        } else {
+            i.perm & 7
+        };
+        if (mask as u32) & !bits & 7 != 0 {
+            return Err(FsError::Access);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn setid_bits_lost_as_on_ext4() {
+        let c = Caller {
+            uid: 1000,
+            gid: 100,
+            pid: 0,
+        };
+        let user = sys::creds::Creds {
+            fsetid: false,
+            groups: vec![100],
+        };
+        let root = sys::creds::Creds {
+            fsetid: true,
+            groups: vec![0],
+        };
+        let (chown, modify) = (SetIdLoss::Chown(c), SetIdLoss::Modify(c));
+        let both = libc::S_ISUID | libc::S_ISGID;
+        // group may execute: both bits go, for anyone on chown, for the unprivileged on write.
+        assert_eq!(setid_lost(0o6755, 100, chown, &user), both);
+        assert_eq!(setid_lost(0o6755, 100, chown, &root), both);
+        assert_eq!(setid_lost(0o6755, 100, modify, &user), both);
+        assert_eq!(setid_lost(0o6755, 100, modify, &root), 0);
+        // no group exec: set-group-ID stays for a member of the group or CAP_FSETID.
+        assert_eq!(setid_lost(0o6745, 100, chown, &user), libc::S_ISUID);
+        assert_eq!(setid_lost(0o6745, 7, chown, &user), both);
+        assert_eq!(setid_lost(0o6745, 7, chown, &root), libc::S_ISUID);
+        assert_eq!(setid_lost(0o2745, 7, modify, &user), libc::S_ISGID);
+        assert_eq!(setid_lost(0o0755, 7, chown, &user), 0);
+    }
+}
