@@ -13,6 +13,12 @@
 //! every fsync, sync and shutdown. A crash loses at most the operations of the open group,
 //! newest first, never part of one; body files of deleted inodes are removed only once the
 //! deletion is committed.
+//!
+//! Where things are: `error` (FsError and its errno), `group` (group commit, `Batch`),
+//! `node` (the in-memory inode and its life cycle), `namespace` (names, attributes,
+//! directories), `data` (file bytes), `xattr` (xattrs, set-ID dropping, access), `lazy`
+//! (fetching lazily restored windows), `rollback` (rolling the live tree back). This file
+//! keeps the public types, `WorkspaceFs` with its lock, and the whole-filesystem calls.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;

@@ -129,6 +129,7 @@ impl WorkspaceFs {
         self.open_as(ino, flags, false)
     }
 
+    /// Stored/Known/Lingering → Open (`ensure_open`, then one handle more).
     /// `fresh`: the file was just created. Opened read-write, it starts inline with a handle
     /// through keel (databases read back what they write, through the page cache), so small
     /// files never cost a body file; it moves to a body once it outgrows `inline_max`, and
@@ -363,7 +364,8 @@ impl WorkspaceFs {
         Self::write_back(inner, ino)
     }
 
-    /// Closes a file handle; returns whether it was a passthrough handle.
+    /// Closes a file handle; returns whether it was a passthrough handle. Open → Loaded at
+    /// the last handle, then `settle` (see `node.rs`'s life cycle).
     pub fn release(&self, fh: u64) -> FsResult<bool> {
         let (ino, passthrough) = {
             let mut guard = self.lock();

@@ -53,6 +53,8 @@ impl WorkspaceFs {
         Ok(attr)
     }
 
+    /// Drops `n` of the kernel's lookups; at none left, `settle` (Known/Lingering → Stored,
+    /// or Deleted for an unlinked inode).
     pub fn forget(&self, ino: InodeNo, n: u64) {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;

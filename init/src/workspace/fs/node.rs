@@ -1,5 +1,44 @@
 //! The in-memory side of an inode: `Node` (one per inode the kernel holds), the loaded
 //! bytes of a regular file (`OpenFile`), and the helpers that load, save and drop them.
+//!
+//! # Inode life cycle
+//!
+//! The states an inode goes through in `Inner::nodes`, and what moves it (every one of
+//! these runs with the lock held):
+//!
+//! 1. **Stored**: no `Node`; only the store has the inode.
+//! 2. **Known**: a `Node` with `lookups > 0`, `opens == 0` and no `OpenFile`: the kernel
+//!    holds a reference. Stored → Known, or one lookup more: `remember` (lookup, create,
+//!    mknod, mkdir, symlink, link, readdirplus). Known → Stored: `forget` down to no
+//!    lookups, then `settle`.
+//! 3. **Loaded**: `open: Some(OpenFile)`, the file's authoritative attributes and bytes in
+//!    memory. Stored/Known → Loaded: `ensure_open` (open, truncate, every data operation;
+//!    nothing when already loaded). A data operation without a handle (truncate,
+//!    fallocate) ends with `settle` in the same call.
+//! 4. **Open**: Loaded with `opens > 0`: `open_as` counts a handle in, `release` counts it
+//!    out and calls `settle` at the last one. While loaded, the bytes move between
+//!    **Inline** and **Body**: `to_body` (Inline → Body: `resize` past `inline_max`, or a
+//!    writable passthrough open, which sets `pt_body`) and `back_inline` (Body → Inline,
+//!    from `settle`: a passthrough-only body that stayed small); and between **dirty** and
+//!    **clean**: writes mark `dirty` (`OpenFile::touch`), `write_back` (or any `Batch` that
+//!    saves the inode, as flush, fsync and setattr do) makes it clean.
+//! 5. **Lingering**: closed but kept loaded, listed in `Inner::lingering`. Loaded → Lingering:
+//!    `settle` hands a linked, clean, looked-up file whose body has its name to `linger`.
+//!    Lingering → Open: the next `open_as` (`ensure_open` finds it loaded). Lingering →
+//!    Known: `unload`, when `linger` evicts the longest-closed file past `LINGER_MAX`.
+//!    Lingering → Stored: `forget`, then `settle`.
+//! 6. **Open-unlinked**: `nlink == 0` with handles open: `remove` or `rename` keep the row
+//!    (a store orphan, which `WorkspaceFs::new` deletes after a crash). The last `release`
+//!    settles it; once the kernel also forgets it, `settle` calls `purge`.
+//! 7. **Deleted**: row and `Node` gone; the body goes back to the pool (or away) once the
+//!    deletion commits (`discard_body`). Any state → Deleted: `purge` (from `settle`, or
+//!    `rename` over an unopened victim), or `remove` directly when it takes the last name
+//!    of an inode nobody has open.
+//!
+//! `settle` is the one exit from Loaded: it runs `back_inline` and `write_back`, then
+//! lingers the file or drops its `OpenFile` (Known), and drops the `Node` once the kernel
+//! holds no lookup (Stored), purging it when it has no links (Deleted). A rollback
+//! (`rollback.rs`) may also retire an open file's inode or replace a loaded one.
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -239,11 +278,12 @@ impl WorkspaceFs {
         self.attr(inode, body.as_deref())
     }
 
+    /// Stored → Known, or one lookup more (see the life cycle above).
     pub(super) fn remember(inner: &mut Inner, ino: InodeNo) {
         inner.nodes.entry(ino).or_default().lookups += 1;
     }
 
-    /// Deletes an inode that has no links and nobody using it.
+    /// Any state → Deleted: deletes an inode that has no links and nobody using it.
     pub(super) fn purge(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
         // A body still under its pool name goes back there; nothing is at the file's name.
         let provisional = inner
@@ -265,7 +305,8 @@ impl WorkspaceFs {
         Ok(())
     }
 
-    /// Removes a body file off the request path once its inode's deletion is committed
+    /// The last step into Deleted: removes a body file off the request path once its
+    /// inode's deletion is committed
     /// (inode numbers are never reused, so no new body can take its name meanwhile).
     pub(super) fn discard_body(inner: &mut Inner, ino: InodeNo) {
         if inner.store.group_open() {
@@ -315,7 +356,8 @@ impl WorkspaceFs {
         }
     }
 
-    /// Loads the bytes of a regular file into its node so data operations can work on it.
+    /// Stored/Known → Loaded: loads the bytes of a regular file into its node so data
+    /// operations can work on it (nothing when it is loaded already).
     pub(super) fn ensure_open(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
         if inner.nodes.get(&ino).is_some_and(|n| n.open.is_some()) {
             return Ok(());
@@ -354,7 +396,8 @@ impl WorkspaceFs {
         Ok(())
     }
 
-    /// Writes back and drops the loaded bytes of a file nobody has open.
+    /// Loaded, with no handle open → Lingering, Known, Stored or Deleted: writes back and
+    /// drops the loaded bytes of a file nobody has open (see the life cycle above).
     pub(super) fn settle(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
         let Some(node) = inner.nodes.get_mut(&ino) else {
             return Ok(());
@@ -395,7 +438,7 @@ impl WorkspaceFs {
         Ok(())
     }
 
-    /// Keeps a closed file loaded (its row, its open body) for the next open, getattr or
+    /// Loaded → Lingering: keeps a closed file loaded (its row, its open body) for the next open, getattr or
     /// lookup: `cat >> log`, a compiler or `git add` open the same files again and again,
     /// and loading one costs a row read, an `openat` and a `statx`. At most `LINGER_MAX`
     /// files linger; the longest-closed one is written back (if anything is pending) and
@@ -415,7 +458,7 @@ impl WorkspaceFs {
         }
     }
 
-    /// Drops the loaded bytes of a closed file, first saving what is pending (only after
+    /// Lingering → Known: drops the loaded bytes of a closed file, first saving what is pending (only after
     /// a lost group commit, see `recover_if_lost`, does a closed file have any).
     pub(super) fn unload(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
         let Some(node) = inner.nodes.get_mut(&ino) else {
@@ -431,7 +474,7 @@ impl WorkspaceFs {
         Ok(())
     }
 
-    /// Saves and commits a loaded file's pending attributes, bytes (inline) and dirty
+    /// Dirty → clean, in any loaded state: saves and commits a loaded file's pending attributes, bytes (inline) and dirty
     /// windows; nothing when it has none or is not loaded.
     pub(super) fn write_back(inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
         let inode = match inner.nodes.get(&ino).and_then(|n| n.open.as_ref()) {
@@ -443,7 +486,7 @@ impl WorkspaceFs {
         tx.commit(&mut inner.nodes)
     }
 
-    /// A file that took a body only to be passed through (see `open_as`) and stayed small
+    /// Body → Inline, from `settle`: a file that took a body only to be passed through (see `open_as`) and stayed small
     /// goes back inline once nobody has it open: small files live in the store. Returns
     /// whether it did; its body may go back to the pool once that is saved and committed.
     pub(super) fn back_inline(&self, node: &mut Node) -> FsResult<bool> {
@@ -471,7 +514,7 @@ impl WorkspaceFs {
         Ok(!of.drop_provisional())
     }
 
-    /// Moves an inline file's bytes into a fresh body file.
+    /// Inline → Body: moves an inline file's bytes into a fresh body file.
     pub(super) fn to_body(&self, of: &mut OpenFile) -> FsResult<()> {
         if let Data::Inline(bytes) = &of.data {
             let f = match self.pool.take(of.inode.ino.0)? {
@@ -496,7 +539,7 @@ impl WorkspaceFs {
         Ok(())
     }
 
-    /// Sets the size of an open file's bytes.
+    /// Sets the size of an open file's bytes (Inline → Body past `inline_max`, `to_body`).
     pub(super) fn resize(&self, of: &mut OpenFile, size: u64) -> FsResult<()> {
         if size > self.opts.inline_max {
             self.to_body(of)?;
