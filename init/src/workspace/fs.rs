@@ -47,7 +47,7 @@ mod xattr;
 pub use error::{FsError, FsResult};
 pub use node::LINGER_MAX;
 pub use rollback::{Inval, RollbackPlan, RollbackReport, RollbackTarget, Target, TargetData};
-pub use xattr::setid_lost;
+pub use xattr::{setid_lost, XattrReply};
 
 use group::{committer, discard_body, Batch};
 use node::{Data, Node, NO_STAMP};

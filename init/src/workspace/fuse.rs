@@ -26,7 +26,9 @@ use fuser::{
 
 use crate::control::metrics::fuse::{self as fuse_metrics, Op};
 
-use super::fs::{Attr, Caller, FsError, OpenInfo, SetAttr, SetIdLoss, SetTime, WorkspaceFs};
+use super::fs::{
+    Attr, Caller, FsError, OpenInfo, SetAttr, SetIdLoss, SetTime, WorkspaceFs, XattrReply,
+};
 use crate::meta::{InodeNo as Ino, Kind, Nanos};
 
 /// Kernel cache lifetimes.
@@ -265,29 +267,6 @@ fn file_attr(a: &Attr) -> FileAttr {
     }
 }
 
-/// What a SETATTR costs a file's set-ID bits under FUSE_HANDLE_KILLPRIV_V2, where the kernel
-/// leaves dropping them to keel. fuser gap: it does not pass FATTR_KILL_SUIDGID, so the
-/// request's shape and caller decide, as the kernel would: a chown or chgrp (uid or gid set,
-/// or nothing set at all but perhaps ctime, which is what `chown(f, -1, -1)` sends) is a
-/// chown; a truncate is a modification (`fs.rs` keeps the bits for a caller with
-/// CAP_FSETID, the case the kernel leaves FATTR_KILL_SUIDGID out for).
-fn setid_on_setattr(
-    c: Caller,
-    mode: Option<u32>,
-    uid: Option<u32>,
-    gid: Option<u32>,
-    size: Option<u64>,
-    times: bool,
-) -> Option<SetIdLoss> {
-    if uid.is_some() || gid.is_some() || (mode.is_none() && size.is_none() && !times) {
-        Some(SetIdLoss::Chown(c))
-    } else if size.is_some() {
-        Some(SetIdLoss::Modify(c))
-    } else {
-        None
-    }
-}
-
 /// FOPEN_NOFLUSH: close(2) sends no FLUSH, one round trip less per file. `release` saves
 /// what FLUSH would have, and the kernel ignores the flag (and flushes its dirty pages) when
 /// the writeback cache is on.
@@ -306,19 +285,6 @@ fn set_time(t: TimeOrNow) -> SetTime {
     match t {
         TimeOrNow::Now => SetTime::Now,
         TimeOrNow::SpecificTime(t) => SetTime::At(from_system_time(t)),
-    }
-}
-
-fn xattr_reply(r: ReplyXattr, v: &[u8], size: u32) {
-    if size == 0 {
-        r.size(v.len() as u32);
-    } else if v.len() > size as usize {
-        r.error(fail(
-            libc::ERANGE,
-            &"xattr value larger than the caller's buffer",
-        ));
-    } else {
-        r.data(v);
     }
 }
 
@@ -441,8 +407,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyAttr,
     ) {
         let _t = self.count(Op::Setattr);
-        let times = atime.is_some() || mtime.is_some();
-        let set = SetAttr {
+        let mut set = SetAttr {
             mode,
             uid,
             gid,
@@ -450,12 +415,11 @@ impl Filesystem for FuseAdapter {
             atime: atime.map(set_time),
             mtime: mtime.map(set_time),
             ctime: ctime.map(from_system_time),
-            drop_setid: if self.killpriv() {
-                setid_on_setattr(caller(req), mode, uid, gid, size, times)
-            } else {
-                None
-            },
+            drop_setid: None,
         };
+        if self.killpriv() {
+            set.drop_setid = set.setid_loss(caller(req));
+        }
         self.reply_attr(reply, self.fs.setattr(Ino(ino.0), &set));
     }
 
@@ -563,13 +527,10 @@ impl Filesystem for FuseAdapter {
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let _t = self.count(Op::Open);
         let (i, flags) = (Ino(ino.0), flags.0);
-        // fuser gap: it does not pass FUSE_OPEN_KILL_SUIDGID, which the kernel sets for an
-        // O_TRUNC open by a caller without CAP_FSETID; `fs.rs` decides that from the caller.
-        if self.killpriv()
-            && flags & libc::O_TRUNC != 0
-            && flags & libc::O_ACCMODE != libc::O_RDONLY
-        {
-            if let Err(e) = self.fs.drop_setid(i, SetIdLoss::Modify(caller(req))) {
+        // fuser gap: it does not pass FUSE_OPEN_KILL_SUIDGID; `fs` decides from the flags
+        // and the caller.
+        if self.killpriv() {
+            if let Err(e) = self.fs.drop_setid_on_open(i, flags, caller(req)) {
                 return reply.error(errno(&e));
             }
         }
@@ -819,16 +780,26 @@ impl Filesystem for FuseAdapter {
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, n: &OsStr, size: u32, reply: ReplyXattr) {
         let _t = self.count(Op::Getxattr);
-        match self.fs.getxattr(Ino(ino.0), name(n)) {
-            Ok(v) => xattr_reply(reply, &v, size),
+        match self
+            .fs
+            .getxattr(Ino(ino.0), name(n))
+            .and_then(|v| XattrReply::fit(v, size))
+        {
+            Ok(XattrReply::Size(n)) => reply.size(n),
+            Ok(XattrReply::Value(v)) => reply.data(&v),
             Err(e) => reply.error(errno(&e)),
         }
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
         let _t = self.count(Op::Listxattr);
-        match self.fs.listxattr(Ino(ino.0)) {
-            Ok(v) => xattr_reply(reply, &v, size),
+        match self
+            .fs
+            .listxattr(Ino(ino.0))
+            .and_then(|v| XattrReply::fit(v, size))
+        {
+            Ok(XattrReply::Size(n)) => reply.size(n),
+            Ok(XattrReply::Value(v)) => reply.data(&v),
             Err(e) => reply.error(errno(&e)),
         }
     }
@@ -941,15 +912,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyLseek,
     ) {
         let _t = self.count(Op::Lseek);
-        let data = match whence {
-            libc::SEEK_DATA => true,
-            libc::SEEK_HOLE => false,
-            _ => return reply.error(fail(libc::EINVAL, &"lseek: only SEEK_DATA and SEEK_HOLE")),
-        };
-        if offset < 0 {
-            return reply.error(fail(libc::ENXIO, &"lseek: negative offset"));
-        }
-        match self.fs.seek(Ino(ino.0), offset as u64, data) {
+        match self.fs.lseek(Ino(ino.0), offset, whence) {
             Ok(o) => reply.offset(o as i64),
             Err(e) => reply.error(errno(&e)),
         }
@@ -1018,28 +981,5 @@ mod tests {
             from_system_time(UNIX_EPOCH - Duration::new(3, 0)),
             Nanos(-3_000_000_000)
         );
-    }
-
-    #[test]
-    fn setattr_shapes() {
-        let c = Caller {
-            uid: 1,
-            gid: 1,
-            pid: 0,
-        };
-        let chown = Some(SetIdLoss::Chown(c));
-        assert_eq!(setid_on_setattr(c, None, Some(2), None, None, false), chown);
-        assert_eq!(setid_on_setattr(c, None, None, Some(2), None, false), chown);
-        // chown(f, -1, -1)
-        assert_eq!(setid_on_setattr(c, None, None, None, None, false), chown);
-        assert_eq!(
-            setid_on_setattr(c, None, None, None, Some(0), false),
-            Some(SetIdLoss::Modify(c))
-        );
-        assert_eq!(
-            setid_on_setattr(c, Some(0o644), None, None, None, false),
-            None
-        );
-        assert_eq!(setid_on_setattr(c, None, None, None, None, true), None);
     }
 }

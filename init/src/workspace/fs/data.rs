@@ -506,6 +506,18 @@ impl WorkspaceFs {
         self.settle(inner, ino)
     }
 
+    /// `lseek(2)` as far as the filesystem sees it: only SEEK_DATA and SEEK_HOLE reach it
+    /// (EINVAL for any other `whence`), and a negative offset has no data after it (ENXIO).
+    pub fn lseek(&self, ino: InodeNo, offset: i64, whence: i32) -> FsResult<u64> {
+        let data = match whence {
+            libc::SEEK_DATA => true,
+            libc::SEEK_HOLE => false,
+            _ => return Err(FsError::Invalid),
+        };
+        let offset = u64::try_from(offset).map_err(|_| FsError::NoData)?;
+        self.seek(ino, offset, data)
+    }
+
     /// SEEK_DATA (`data = true`) or SEEK_HOLE from `offset`.
     pub fn seek(&self, ino: InodeNo, offset: u64, data: bool) -> FsResult<u64> {
         let mut guard = self.lock();

@@ -2,7 +2,7 @@
 //! `security.capability`), and `access(2)`.
 
 use super::group::Batch;
-use super::{now, Caller, FsError, FsResult, Inner, SetIdLoss, WorkspaceFs};
+use super::{now, Caller, FsError, FsResult, Inner, SetAttr, SetIdLoss, WorkspaceFs};
 use super::{XATTR_CREATE, XATTR_NAME_MAX, XATTR_REPLACE, XATTR_SIZE_MAX};
 use crate::meta::{InodeNo, Kind};
 use crate::sys;
@@ -29,6 +29,50 @@ pub fn setid_lost(perm: u32, gid: u32, loss: SetIdLoss, creds: &sys::creds::Cred
         lost |= libc::S_ISGID;
     }
     lost
+}
+
+/// What a SETATTR costs a file's set-ID bits when the kernel leaves dropping them to the
+/// filesystem (FUSE_HANDLE_KILLPRIV_V2), decided from the request's shape as the kernel
+/// would (it does not say, through fuser, whether it set FATTR_KILL_SUIDGID): a chown or
+/// chgrp (uid or gid set, or nothing set at all but perhaps ctime, which is what
+/// `chown(f, -1, -1)` sends) is a chown; a truncate is a modification (which keeps the bits
+/// for a caller with CAP_FSETID, the case the kernel leaves FATTR_KILL_SUIDGID out for).
+impl SetAttr {
+    pub fn setid_loss(&self, caller: Caller) -> Option<SetIdLoss> {
+        let times = self.atime.is_some() || self.mtime.is_some();
+        if self.uid.is_some()
+            || self.gid.is_some()
+            || (self.mode.is_none() && self.size.is_none() && !times)
+        {
+            Some(SetIdLoss::Chown(caller))
+        } else if self.size.is_some() {
+            Some(SetIdLoss::Modify(caller))
+        } else {
+            None
+        }
+    }
+}
+
+/// What getxattr/listxattr return for a caller's buffer of `size` bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub enum XattrReply {
+    /// `size` was 0: the caller asks how large a buffer it needs.
+    Size(u32),
+    /// The value (or name list), which fits the buffer.
+    Value(Vec<u8>),
+}
+
+impl XattrReply {
+    /// The answer to a caller with a `size`-byte buffer: ERANGE when `v` does not fit.
+    pub fn fit(v: Vec<u8>, size: u32) -> FsResult<XattrReply> {
+        if size == 0 {
+            Ok(XattrReply::Size(v.len() as u32))
+        } else if v.len() > size as usize {
+            Err(FsError::Range)
+        } else {
+            Ok(XattrReply::Value(v))
+        }
+    }
 }
 
 impl WorkspaceFs {
@@ -99,6 +143,18 @@ impl WorkspaceFs {
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
         Self::kill_privs_locked(inner, ino, loss)
+    }
+
+    /// An open that truncates (O_TRUNC, writable) is a modification: drops what
+    /// `drop_setid` drops for `caller` (the kernel leaves this to the filesystem under
+    /// FUSE_HANDLE_KILLPRIV_V2, and fuser does not pass FUSE_OPEN_KILL_SUIDGID). Other opens
+    /// change nothing.
+    pub fn drop_setid_on_open(&self, ino: InodeNo, flags: i32, caller: Caller) -> FsResult<()> {
+        if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
+            self.drop_setid(ino, SetIdLoss::Modify(caller))
+        } else {
+            Ok(())
+        }
     }
 
     pub(super) fn kill_privs_locked(
@@ -197,6 +253,7 @@ impl WorkspaceFs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::workspace::fs::SetTime;
 
     #[test]
     fn setid_bits_lost_as_on_ext4() {
@@ -226,5 +283,54 @@ mod tests {
         assert_eq!(setid_lost(0o6745, 7, chown, &root), libc::S_ISUID);
         assert_eq!(setid_lost(0o2745, 7, modify, &user), libc::S_ISGID);
         assert_eq!(setid_lost(0o0755, 7, chown, &user), 0);
+    }
+
+    #[test]
+    fn setattr_shapes() {
+        let c = Caller {
+            uid: 1,
+            gid: 1,
+            pid: 0,
+        };
+        let loss = |mode, uid, gid, size, times: bool| {
+            let t = times.then_some(SetTime::Now);
+            SetAttr {
+                mode,
+                uid,
+                gid,
+                size,
+                atime: t,
+                mtime: t,
+                ..SetAttr::default()
+            }
+            .setid_loss(c)
+        };
+        let chown = Some(SetIdLoss::Chown(c));
+        assert_eq!(loss(None, Some(2), None, None, false), chown);
+        assert_eq!(loss(None, None, Some(2), None, false), chown);
+        // chown(f, -1, -1)
+        assert_eq!(loss(None, None, None, None, false), chown);
+        assert_eq!(
+            loss(None, None, None, Some(0), false),
+            Some(SetIdLoss::Modify(c))
+        );
+        assert_eq!(loss(Some(0o644), None, None, None, false), None);
+        assert_eq!(loss(None, None, None, None, true), None);
+    }
+
+    #[test]
+    fn xattr_replies_fit_the_callers_buffer() {
+        assert_eq!(
+            XattrReply::fit(b"abc".to_vec(), 0).unwrap(),
+            XattrReply::Size(3)
+        );
+        assert_eq!(
+            XattrReply::fit(b"abc".to_vec(), 3).unwrap(),
+            XattrReply::Value(b"abc".to_vec())
+        );
+        assert!(matches!(
+            XattrReply::fit(b"abc".to_vec(), 2),
+            Err(FsError::Range)
+        ));
     }
 }
