@@ -4,6 +4,8 @@
 //! here and never imports from `cli/`. Dependencies point one way: `workspace` → `meta`,
 //! `chunk`; `meta`, `chunk` and `sys` import no sibling.
 
+#![deny(unsafe_code)]
+
 pub mod boot;
 pub mod chunk;
 pub mod config;
@@ -15,5 +17,7 @@ pub mod progress;
 pub mod run;
 pub mod shutdown;
 pub mod supervisor;
+// The one module with unsafe code (syscalls through libc/nix), each block with a SAFETY note.
+#[allow(unsafe_code)]
 pub mod sys;
 pub mod workspace;

@@ -1,5 +1,7 @@
 //! The `keel` binary: `cli` parses the command line and runs the subcommand; the exit code it
-//! returns ends the process. This is the only place that exits.
+//! returns ends the process. This is the only place that exits. No unsafe code: syscalls go through the library's `sys`.
+
+#![deny(unsafe_code)]
 
 mod cli;
 
