@@ -1,7 +1,7 @@
 //! Bulk restore: writes a whole tree into a NEW database file in one pass, for a restore
 //! into an empty state dir. The file is not the workspace until the caller renames it into
 //! place, so it is built the fast way: no rollback journal and no syncs (a crash leaves a
-//! file the caller throws away), one transaction, each statement prepared once, the
+//! file the caller throws away), one transaction, rows inserted 64 to a statement prepared once, the
 //! triggers and secondary indexes dropped while the rows go in and recreated from their own
 //! SQL afterwards (an index built once from sorted rows instead of row by row; no change
 //! rows for a tree that is already on the remote), and the running `inode_totals` set once
@@ -10,23 +10,80 @@
 
 use std::path::Path;
 
-use rusqlite::{params, Connection, Statement};
+use rusqlite::types::Value;
+use rusqlite::{params, params_from_iter, Connection, Statement};
 
-use super::{inode_cols, inode_params, inode_row, Inode, InodeNo, Kind, MetaError, Nanos, Result};
+use super::{inode_cols, inode_row, Inode, InodeNo, Kind, MetaError, Nanos, Result};
 
 /// Page cache of the bulk connection (KiB): rows go in key order, so this only batches
 /// writes; it does not need to hold the tree.
 const BULK_CACHE_KIB: u32 = 65536;
 
-/// The rows of one tree, written through statements prepared once (see [`create_bulk`]).
+/// Rows per INSERT statement: one statement per row spent most of its time starting and
+/// ending the statement (and updating `sqlite_sequence` for the inode table).
+const BATCH: usize = 64;
+
+/// Rows of one table, buffered and inserted `BATCH` at a time.
+struct Batch<'c> {
+    one: Statement<'c>,
+    many: Statement<'c>,
+    cols: usize,
+    buf: Vec<Value>,
+}
+
+impl<'c> Batch<'c> {
+    /// `head`: `INSERT INTO table (columns)`.
+    fn new(conn: &'c Connection, head: &str, cols: usize) -> Result<Batch<'c>> {
+        let row = |k: usize| {
+            let ps: Vec<String> = (1..=cols).map(|i| format!("?{}", k * cols + i)).collect();
+            format!("({})", ps.join(", "))
+        };
+        let all: Vec<String> = (0..BATCH).map(row).collect();
+        Ok(Batch {
+            one: conn.prepare(&format!("{head} VALUES {}", row(0)))?,
+            many: conn.prepare(&format!("{head} VALUES {}", all.join(", ")))?,
+            cols,
+            buf: Vec::with_capacity(BATCH * cols),
+        })
+    }
+
+    fn push<const N: usize>(&mut self, row: [Value; N]) -> Result<()> {
+        debug_assert_eq!(N, self.cols);
+        self.buf.extend(row);
+        if self.buf.len() == BATCH * self.cols {
+            self.many.execute(params_from_iter(self.buf.iter()))?;
+            self.buf.clear();
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        for row in self.buf.chunks(self.cols) {
+            self.one.execute(params_from_iter(row.iter()))?;
+        }
+        self.buf.clear();
+        Ok(())
+    }
+}
+
+fn int(v: u64) -> Value {
+    Value::Integer(v as i64)
+}
+
+fn blob(v: &[u8]) -> Value {
+    Value::Blob(v.to_vec())
+}
+
+/// The rows of one tree, written in batches through statements prepared once (see
+/// [`create_bulk`]).
 pub struct BulkWriter<'c> {
-    inode: Statement<'c>,
-    xattr: Statement<'c>,
-    inline: Statement<'c>,
-    symlink: Statement<'c>,
-    chunk: Statement<'c>,
-    missing: Statement<'c>,
-    dirent: Statement<'c>,
+    inode: Batch<'c>,
+    xattr: Batch<'c>,
+    inline: Batch<'c>,
+    symlink: Batch<'c>,
+    chunk: Batch<'c>,
+    missing: Batch<'c>,
+    dirent: Batch<'c>,
     persist: Statement<'c>,
     /// (rows, live inodes, bytes of live regular files), as `inode_totals` keeps them.
     totals: [i64; 3],
@@ -35,10 +92,7 @@ pub struct BulkWriter<'c> {
 impl BulkWriter<'_> {
     /// An inode under its own number. Each number at most once.
     pub fn inode(&mut self, inode: &Inode) -> Result<()> {
-        self.inode.execute(rusqlite::params_from_iter(inode_row(
-            Some(inode.ino),
-            inode,
-        )))?;
+        self.inode.push(inode_row(Some(inode.ino), inode))?;
         let live = inode.nlink > 0;
         self.totals[0] += 1;
         self.totals[1] += i64::from(live);
@@ -49,50 +103,60 @@ impl BulkWriter<'_> {
     }
 
     pub fn xattr(&mut self, ino: InodeNo, name: &[u8], value: &[u8]) -> Result<()> {
-        self.xattr.execute(params![ino.0 as i64, name, value])?;
-        Ok(())
+        self.xattr.push([int(ino.0), blob(name), blob(value)])
     }
 
     /// An inline file's bytes (nothing is written for an empty one).
     pub fn inline_data(&mut self, ino: InodeNo, data: &[u8]) -> Result<()> {
-        if !data.is_empty() {
-            self.inline.execute(params![ino.0 as i64, data])?;
+        if data.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        self.inline.push([int(ino.0), blob(data)])
     }
 
     pub fn symlink(&mut self, ino: InodeNo, target: &[u8]) -> Result<()> {
-        self.symlink.execute(params![ino.0 as i64, target])?;
-        Ok(())
+        self.symlink.push([int(ino.0), blob(target)])
     }
 
     /// Window `idx` of a file's chunk map (`None`: all zeros).
     pub fn chunk(&mut self, ino: InodeNo, idx: u64, id: Option<&[u8; 32]>) -> Result<()> {
-        self.chunk
-            .execute(params![ino.0 as i64, idx as i64, id.map(|b| &b[..])])?;
-        Ok(())
+        let id = id.map_or(Value::Null, |b| blob(b));
+        self.chunk.push([int(ino.0), int(idx), id])
     }
 
     /// Window `idx` of a file is not fetched yet (lazy restore).
     pub fn missing(&mut self, ino: InodeNo, idx: u64, id: &[u8; 32]) -> Result<()> {
-        self.missing
-            .execute(params![ino.0 as i64, idx as i64, &id[..]])?;
-        Ok(())
+        self.missing.push([int(ino.0), int(idx), blob(id)])
     }
 
     pub fn dirent(&mut self, parent: InodeNo, name: &[u8], ino: InodeNo, kind: Kind) -> Result<()> {
-        self.dirent.execute(params![
-            parent.0 as i64,
-            name,
-            ino.0 as i64,
-            kind.mode_bits()
-        ])?;
-        Ok(())
+        self.dirent.push([
+            int(parent.0),
+            blob(name),
+            int(ino.0),
+            int(u64::from(kind.mode_bits())),
+        ])
     }
 
     /// A checkpoint bookkeeping value (`Tx::persist_set`).
     pub fn persist_set(&mut self, key: &str, value: &str) -> Result<()> {
         self.persist.execute(params![key, value])?;
+        Ok(())
+    }
+
+    /// Inserts what the batches still hold.
+    fn flush(&mut self) -> Result<()> {
+        for b in [
+            &mut self.inode,
+            &mut self.xattr,
+            &mut self.inline,
+            &mut self.symlink,
+            &mut self.chunk,
+            &mut self.missing,
+            &mut self.dirent,
+        ] {
+            b.flush()?;
+        }
         Ok(())
     }
 }
@@ -128,6 +192,7 @@ pub fn create_bulk<E: From<MetaError>>(
     let totals = {
         let mut w = writer(&conn)?;
         fill(&mut w)?;
+        w.flush()?;
         w.totals
     };
     finish(&conn, totals, &dropped)?;
@@ -168,21 +233,13 @@ fn drop_derived(conn: &Connection) -> Result<Vec<(String, String, String)>> {
 
 fn writer(conn: &Connection) -> Result<BulkWriter<'_>> {
     Ok(BulkWriter {
-        inode: conn.prepare(concat!(
-            "INSERT INTO inode (",
-            inode_cols!(),
-            ") VALUES (",
-            inode_params!(),
-            ")"
-        ))?,
-        xattr: conn
-            .prepare("INSERT OR REPLACE INTO xattr (ino, name, value) VALUES (?1, ?2, ?3)")?,
-        inline: conn.prepare("INSERT INTO inline_data (ino, data) VALUES (?1, ?2)")?,
-        symlink: conn.prepare("INSERT INTO symlink (ino, target) VALUES (?1, ?2)")?,
-        chunk: conn.prepare("INSERT INTO file_chunk (ino, idx, id) VALUES (?1, ?2, ?3)")?,
-        missing: conn.prepare("INSERT INTO missing_window (ino, idx, id) VALUES (?1, ?2, ?3)")?,
-        dirent: conn
-            .prepare("INSERT INTO dirent (parent, name, ino, kind) VALUES (?1, ?2, ?3, ?4)")?,
+        inode: Batch::new(conn, concat!("INSERT INTO inode (", inode_cols!(), ")"), 12)?,
+        xattr: Batch::new(conn, "INSERT OR REPLACE INTO xattr (ino, name, value)", 3)?,
+        inline: Batch::new(conn, "INSERT INTO inline_data (ino, data)", 2)?,
+        symlink: Batch::new(conn, "INSERT INTO symlink (ino, target)", 2)?,
+        chunk: Batch::new(conn, "INSERT INTO file_chunk (ino, idx, id)", 3)?,
+        missing: Batch::new(conn, "INSERT INTO missing_window (ino, idx, id)", 3)?,
+        dirent: Batch::new(conn, "INSERT INTO dirent (parent, name, ino, kind)", 4)?,
         persist: conn
             .prepare("INSERT OR REPLACE INTO persist_state (key, value) VALUES (?1, ?2)")?,
         totals: [0; 3],
