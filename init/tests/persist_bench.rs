@@ -178,3 +178,102 @@ fn bench_fsck_100k_files() {
         t.elapsed().as_secs_f64()
     );
 }
+
+/// A fresh host's restore of N files (`KEEL_BENCH_FILES`, default 100,000) of
+/// `KEEL_BENCH_SIZE` bytes (default 100) in directories of 1,000, lazy and eager, with the
+/// time of each phase. The workspace is built without a kernel and checkpointed to a
+/// file:// remote once; `KEEL_BENCH_REMOTE=DIR` keeps that remote between runs.
+#[test]
+#[ignore]
+fn bench_fresh_restore_phases() {
+    let env = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let (n, size) = (
+        env("KEEL_BENCH_FILES", 100_000),
+        env("KEEL_BENCH_SIZE", 100),
+    );
+    let kept = std::env::var("KEEL_BENCH_REMOTE").ok();
+    let tmp = tempfile::tempdir_in("/var/tmp").unwrap();
+    let rpath = kept
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| tmp.path().join("remote"));
+    std::fs::create_dir_all(&rpath).unwrap();
+    let remote: Arc<dyn Remote> = Arc::new(FsRemote::open(&rpath).unwrap());
+    if Repo::new(remote.clone(), "").read_head().unwrap().is_none() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let fs = open_fs(dir.path());
+        let t = Instant::now();
+        let data = vec![b'x'; size as usize];
+        let root = keel::meta::InodeNo::ROOT;
+        let mut parent = root;
+        for i in 0..n {
+            if i % 1000 == 0 {
+                parent = fs
+                    .mkdir(ROOT, root, format!("d{}", i / 1000).as_bytes(), 0o755)
+                    .unwrap()
+                    .inode
+                    .ino;
+            }
+            let (a, fh, _) = fs
+                .create(
+                    ROOT,
+                    parent,
+                    format!("f{i}").as_bytes(),
+                    0o644,
+                    libc::O_RDWR,
+                )
+                .unwrap();
+            fs.write(a.inode.ino, 0, &data).unwrap();
+            fs.release(fh).unwrap();
+        }
+        fs.shutdown().unwrap();
+        drop(fs);
+        println!(
+            "BENCH build {n} files of {size} B: {:.1}s",
+            t.elapsed().as_secs_f64()
+        );
+        let mut p = Persister::open(dir.path(), Repo::new(remote.clone(), ""), params()).unwrap();
+        let t = Instant::now();
+        let r = p.checkpoint(&CheckpointOptions::default()).unwrap();
+        println!(
+            "BENCH checkpoint cold: {:.2}s, snapshot {} bytes",
+            t.elapsed().as_secs_f64(),
+            r.snapshot_bytes
+        );
+    }
+    for mode in [restore::RestoreMode::Lazy, restore::RestoreMode::Eager] {
+        let target = tempfile::tempdir_in("/var/tmp").unwrap();
+        let r = restore::restore_with(
+            &mut Repo::new(remote.clone(), ""),
+            None,
+            target.path(),
+            mode,
+        )
+        .unwrap();
+        let phases: Vec<String> = r
+            .phases
+            .iter()
+            .map(|(p, s)| format!("{p} {s:.3}s"))
+            .collect();
+        println!(
+            "BENCH fresh restore {mode:?} of {n} files of {size} B: {:.3}s ({}), peak RSS {} MiB",
+            r.elapsed_s,
+            phases.join(", "),
+            peak_rss_mib()
+        );
+    }
+}
+
+/// This process's peak RSS so far (VmHWM).
+fn peak_rss_mib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |k| k >> 10)
+}

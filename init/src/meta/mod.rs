@@ -10,10 +10,12 @@
 //! or a writer on another connection of this process waiting for the lock); `sync`,
 //! `checkpoint` and `read_view` commit it first.
 
+mod bulk;
 mod lazy;
 mod persist;
 mod schema;
 
+pub use bulk::{create_bulk, BulkWriter};
 pub use lazy::MissingRow;
 pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 
@@ -133,6 +135,8 @@ pub enum MetaError {
     },
     #[error("corrupt row for inode {0}: {1}")]
     Corrupt(u64, String),
+    #[error("bulk restore into {path}: {reason}")]
+    Bulk { path: String, reason: String },
 }
 
 impl MetaError {

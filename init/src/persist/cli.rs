@@ -73,7 +73,7 @@ pub fn restore_on_start(cfg: &Config) -> Result<Option<String>, String> {
     let mode = restore_mode(cfg, &mut repo);
     match restore::restore_with(&mut repo, None, state, mode) {
         Ok(r) => Ok(Some(format!(
-            "restored snapshot {} from {} ({}): {} files, {} bytes, {} chunks fetched, {} windows left to fetch on first use, in {:.2}s",
+            "restored snapshot {} from {} ({}): {} files, {} bytes, {} chunks fetched, {} windows left to fetch on first use, in {:.2}s ({})",
             r.seq,
             repo.describe(),
             if mode == restore::RestoreMode::Lazy { "lazy" } else { "eager" },
@@ -81,7 +81,12 @@ pub fn restore_on_start(cfg: &Config) -> Result<Option<String>, String> {
             r.file_bytes,
             r.chunks_fetched,
             r.windows_missing,
-            r.elapsed_s
+            r.elapsed_s,
+            r.phases
+                .iter()
+                .map(|(p, s)| format!("{p} {s:.2}s"))
+                .collect::<Vec<_>>()
+                .join(", ")
         ))),
         Err(restore::RestoreError::NoSnapshot(_)) => Ok(None),
         Err(e) => Err(e.to_string()),

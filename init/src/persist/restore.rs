@@ -18,7 +18,7 @@ use super::checkpoint::now_ns;
 use super::format::{Tree, TreeData};
 use super::repo::{Repo, RepoError};
 use crate::chunk::{BodyStore, ChunkId};
-use crate::meta::{InodeNo, Kind, MetaError, Nanos, Store};
+use crate::meta::{create_bulk, BulkWriter, InodeNo, Kind, MetaError, Nanos};
 use crate::sys;
 
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +57,8 @@ pub struct RestoreReport {
     /// Windows left to fetch on first use (lazy mode).
     pub windows_missing: u64,
     pub elapsed_s: f64,
+    /// Where the time went: (phase, seconds), in order (load, bodies, rows, indexes, sync).
+    pub phases: Vec<(&'static str, f64)>,
 }
 
 /// Whether restore fetches file data now or leaves it for first use.
@@ -101,14 +103,105 @@ pub fn restore_with(
     mode: RestoreMode,
 ) -> Result<RestoreReport, RestoreError> {
     let r = restore_inner(repo, seq, state_dir, mode);
-    if r.is_err() && !matches!(r, Err(RestoreError::StateDir { .. })) {
+    if r.is_err() && state_dir.join(UNFINISHED).exists() && !state_dir.join("meta.db").exists() {
         // Leave the state dir empty again.
-        let _ = std::fs::remove_dir_all(state_dir.join("bodies"));
-        for f in ["meta.db", "meta.db-wal", "meta.db-shm"] {
-            let _ = std::fs::remove_file(state_dir.join(f));
+        if remove_restore_output(state_dir).is_ok() {
+            let _ = std::fs::remove_file(state_dir.join(UNFINISHED));
         }
     }
     r
+}
+
+/// Present in a state dir from before a restore writes anything until its database is in
+/// place: a state dir with it and no `meta.db` holds an unfinished restore.
+pub const UNFINISHED: &str = "restore.unfinished";
+
+/// The database a restore builds, renamed to `meta.db` when it is complete and durable.
+const BUILDING_DB: &str = "meta.db.restoring";
+
+/// The time of each phase of a restore.
+struct Laps {
+    at: Instant,
+    done: Vec<(&'static str, f64)>,
+}
+
+impl Laps {
+    /// Phase `name` ended at `end`.
+    fn to(&mut self, name: &'static str, end: Instant) {
+        self.done.push((name, (end - self.at).as_secs_f64()));
+        self.at = end;
+    }
+}
+
+/// Removes what a restore writes before its database is in place (not the marker).
+fn remove_restore_output(state_dir: &Path) -> std::io::Result<()> {
+    match std::fs::remove_dir_all(state_dir.join("bodies")) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    for suffix in ["", "-wal", "-shm", "-journal"] {
+        match std::fs::remove_file(state_dir.join(format!("{BUILDING_DB}{suffix}"))) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// fsync of a file or a directory.
+fn sync_file(path: &Path) -> std::io::Result<()> {
+    std::fs::File::open(path)?.sync_all()
+}
+
+/// Every row of the tree: inodes with their xattrs, inline bytes, symlink targets, chunk
+/// maps (and in lazy mode their missing windows), then the entries, each table in key
+/// order (the tree's maps are sorted), so every insert appends.
+fn write_rows(
+    w: &mut BulkWriter<'_>,
+    tree: &Tree,
+    seq: u64,
+    mode: RestoreMode,
+    report: &mut RestoreReport,
+) -> Result<(), RestoreError> {
+    for t in tree.inodes.values() {
+        let r = &t.rec;
+        let inode = t.inode().ok_or(RestoreError::BadMode {
+            seq,
+            ino: r.ino,
+            mode: r.mode,
+        })?;
+        w.inode(&inode)?;
+        for (n, v) in &r.xattrs {
+            w.xattr(inode.ino, n, v)?;
+        }
+        match &t.data {
+            TreeData::Inline(v) => w.inline_data(inode.ino, v)?,
+            TreeData::Symlink(v) => w.symlink(inode.ino, v)?,
+            TreeData::Chunks(m) => {
+                for (i, id) in m.iter().enumerate() {
+                    w.chunk(inode.ino, i as u64, id.as_ref().map(|c| &c.0))?;
+                }
+                if mode == RestoreMode::Lazy {
+                    for (i, id) in m.iter().enumerate() {
+                        if let Some(id) = id {
+                            w.missing(inode.ino, i as u64, &id.0)?;
+                            report.windows_missing += 1;
+                        }
+                    }
+                }
+            }
+            TreeData::None => {}
+        }
+    }
+    for ((parent, name), (ino, kind)) in &tree.dirents {
+        let k = Kind::from_mode(*kind).ok_or(RestoreError::BadMode {
+            seq,
+            ino: *ino,
+            mode: *kind,
+        })?;
+        w.dirent(InodeNo(*parent), name, InodeNo(*ino), k)?;
+    }
+    Ok(())
 }
 
 fn restore_inner(
@@ -123,22 +216,47 @@ fn restore_inner(
         reason,
     };
     super::secure_state_dir(state_dir).map_err(|e| bad(e.to_string()))?;
+    let unfinished = state_dir.join(UNFINISHED).exists();
+    if unfinished {
+        tracing::warn!(state = %state_dir.display(), "restore: a restore into this state dir did not finish; starting it over");
+        remove_restore_output(state_dir)
+            .map_err(|e| bad(format!("remove what the unfinished restore wrote: {e}")))?;
+    }
     for e in std::fs::read_dir(state_dir)
         .map_err(|e| bad(e.to_string()))?
         .flatten()
     {
         let n = e.file_name().to_string_lossy().into_owned();
-        if !["lock", "lost+found", ".keep", super::LEASE_HOLDER_FILE].contains(&n.as_str()) {
+        if ![
+            "lock",
+            "lost+found",
+            ".keep",
+            super::LEASE_HOLDER_FILE,
+            UNFINISHED,
+        ]
+        .contains(&n.as_str())
+        {
             return Err(bad(format!(
                 "not empty (holds `{n}`); restore only into an empty state dir"
             )));
         }
     }
+    // Durable before anything else is written: a crash from here until meta.db appears
+    // leaves a state dir the next restore recognises and starts over.
+    std::fs::write(state_dir.join(UNFINISHED), b"")
+        .and_then(|()| sync_file(&state_dir.join(UNFINISHED)))
+        .and_then(|()| sync_file(state_dir))
+        .map_err(|e| bad(format!("write {UNFINISHED}: {e}")))?;
     let manifest = repo.manifest().map_err(RestoreError::ReadHead)?;
     let seq = resolve_seq(repo, seq)?;
     let (tree, headers) = repo
         .load_tree(seq)
         .map_err(|source| RestoreError::LoadSnapshot { seq, source })?;
+    let mut laps = Laps {
+        at: t0,
+        done: Vec::new(),
+    };
+    laps.to("load", Instant::now());
     tracing::info!(
         "restore: snapshot {seq}: {} inodes, {} bytes of file data (chain of {})",
         tree.inodes.len(),
@@ -156,68 +274,52 @@ fn restore_inner(
         fetch_bodies(repo, tree.chunk_size, &wanted, &bodies, &mut report)?;
     }
     sys::file::syncfs(state_dir).map_err(|e| bad(format!("sync bodies: {e}")))?;
+    laps.to("bodies", Instant::now());
 
-    let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
-    let tx = store.write()?;
-    for t in tree.inodes.values() {
-        let r = &t.rec;
-        let inode = t.inode().ok_or(RestoreError::BadMode {
-            seq,
-            ino: r.ino,
-            mode: r.mode,
-        })?;
-        tx.put_inode_exact(&inode)?;
-        for (n, v) in &r.xattrs {
-            tx.set_xattr(inode.ino, n, v)?;
-        }
-        match &t.data {
-            TreeData::Inline(v) => tx.set_inline_data(inode.ino, v)?,
-            TreeData::Symlink(v) => tx.set_symlink_target(inode.ino, v)?,
-            TreeData::Chunks(m) => {
-                let rows: Vec<_> = m
-                    .iter()
-                    .enumerate()
-                    .map(|(i, id)| (i as u64, id.map(|c| c.0)))
-                    .collect();
-                tx.set_file_chunks(inode.ino, &rows)?;
-                if mode == RestoreMode::Lazy {
-                    let missing: Vec<_> = m
-                        .iter()
-                        .enumerate()
-                        .filter_map(|(i, id)| id.map(|c| (i as u64, c.0)))
-                        .collect();
-                    tx.add_missing_windows(inode.ino, &missing)?;
-                    report.windows_missing += missing.len() as u64;
-                }
-            }
-            TreeData::None => {}
-        }
-    }
-    for ((parent, name), (ino, kind)) in &tree.dirents {
-        let k = Kind::from_mode(*kind).ok_or(RestoreError::BadMode {
-            seq,
-            ino: *ino,
-            mode: *kind,
-        })?;
-        tx.link(InodeNo(*parent), name, InodeNo(*ino), k)?;
-    }
-    tx.clear_all_changes()?;
+    let building = state_dir.join(BUILDING_DB);
     let last = headers.last().expect("a chain has at least one snapshot");
     let deltas = headers.len() as u64 - 1;
-    tx.persist_set("last_seq", &seq.to_string())?;
-    tx.persist_set("base_seq", &last.base.to_string())?;
-    tx.persist_set("deltas_since_full", &deltas.to_string())?;
-    tx.persist_set("delta_bytes_since_full", "0")?;
-    tx.persist_set("chunk_size", &tree.chunk_size.to_string())?;
-    tx.persist_set("remote", &repo.describe())?;
-    if let Some(m) = &manifest {
-        tx.persist_set("remote_id", &m.id)?;
+    let remote_id = manifest.as_ref().map(|m| m.id.clone());
+    let mut rows_done = None;
+    create_bulk(
+        &building,
+        Nanos(now_ns()),
+        |w| -> Result<(), RestoreError> {
+            write_rows(w, &tree, seq, mode, &mut report)?;
+            rows_done = Some(Instant::now());
+            w.persist_set("last_seq", &seq.to_string())?;
+            w.persist_set("base_seq", &last.base.to_string())?;
+            w.persist_set("deltas_since_full", &deltas.to_string())?;
+            w.persist_set("delta_bytes_since_full", "0")?;
+            w.persist_set("chunk_size", &tree.chunk_size.to_string())?;
+            w.persist_set("remote", &repo.describe())?;
+            if let Some(id) = &remote_id {
+                w.persist_set("remote_id", id)?;
+            }
+            w.persist_set("clean_before", &now_ns().to_string())?;
+            w.persist_set("restored_from", &seq.to_string())?;
+            Ok(())
+        },
+    )?;
+    if let Some(at) = rows_done {
+        laps.to("rows", at);
     }
-    tx.persist_set("clean_before", &now_ns().to_string())?;
-    tx.persist_set("restored_from", &seq.to_string())?;
-    tx.commit()?;
-    store.sync()?;
-    store.checkpoint()?;
+    laps.to("indexes", Instant::now());
+    // The database is durable before it becomes the workspace (the rename), and the rename
+    // before the marker goes.
+    sync_file(&building).map_err(|e| bad(format!("sync {BUILDING_DB}: {e}")))?;
+    sys::file::rename_noreplace(&building, &state_dir.join("meta.db"))
+        .map_err(|e| bad(format!("rename {BUILDING_DB} to meta.db: {e}")))?;
+    // From here on the restore is complete: nothing may fail it (the caller would remove
+    // the workspace). A marker left behind is only noise: meta.db present means done.
+    if let Err(e) = sync_file(state_dir)
+        .and_then(|()| std::fs::remove_file(state_dir.join(UNFINISHED)))
+        .and_then(|()| sync_file(state_dir))
+    {
+        tracing::warn!(state = %state_dir.display(), error = %e, "restore: finishing touches failed");
+    }
+    laps.to("sync", Instant::now());
+    report.phases = laps.done;
     report.elapsed_s = t0.elapsed().as_secs_f64();
     Ok(report)
 }
