@@ -286,8 +286,10 @@ pub(super) struct Worker {
     pub(super) paused: bool,
     /// See `agent::RollbackFn`; `None` until the filesystem sets it.
     pub(super) rollback: Option<super::agent::RollbackFn>,
+    /// Recent snapshots' trees for diffs and rollbacks (`history`); loaded on the first.
+    pub(super) history: Option<super::history::History>,
     busy: Arc<AtomicU8>,
-    mount_point: PathBuf,
+    pub(super) mount_point: PathBuf,
     failures: u32,
     last_error: Option<String>,
     published: Arc<Published>,
@@ -351,6 +353,11 @@ impl Worker {
             .compare_exchange(IDLE, CHECKPOINTING, Ordering::SeqCst, Ordering::SeqCst)
             .is_ok();
         let r = self.checkpoint_once(opts, flush);
+        if let (Ok(Some(seq)), Some(h)) = (r.as_ref().map(|r| r.seq), self.history.as_mut()) {
+            if !matches!(h.advance(self.p.repo(), seq), Ok(true)) {
+                self.history = None;
+            }
+        }
         if mine {
             self.busy.store(IDLE, Ordering::SeqCst);
         }
@@ -707,6 +714,7 @@ impl Service {
             since_gc: 0,
             paused: false,
             rollback: None,
+            history: None,
             busy: busy.clone(),
             mount_point: ws.mount_point.clone(),
             failures: 0,
