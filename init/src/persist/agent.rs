@@ -36,6 +36,20 @@ pub struct SnapshotCreate {
 pub struct Rollback {
     /// `ID|NAME|head`.
     pub to: String,
+    /// Stop the main command (its process group) first and start it again after
+    /// (`keel run` only).
+    #[serde(default)]
+    pub restart: bool,
+}
+
+/// The main command of `keel run`, for `keel rollback --restart` (the supervisor's
+/// `MainHold`).
+pub trait MainCommand: Send + Sync {
+    /// Sends the stop signal to its process group, SIGKILL after the grace, and returns once
+    /// nothing of the group is left.
+    fn stop(&self) -> Result<(), String>;
+    /// Runs it again with the same command line.
+    fn start(&self) -> Result<(), String>;
 }
 
 /// An operation for the worker.
@@ -132,12 +146,15 @@ fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, String> {
             (super::diff::diff_trees(&ta, &tb), "decoded")
         }
     };
+    let text = super::diff::render(&d);
+    let mut v = serde_json::to_value(&d).expect("diff serialises");
+    // How keel got it, for programs that measure (the changes are the same either way).
+    v["trees"] = how.into();
+    v["duration_ms"] = ms(t0).into();
     Ok(serde_json::json!({
-        "text": super::diff::render(&d),
-        "diff": d,
-        "trees": how,
+        "text": text,
+        "diff": v,
         "history_ms": t_hist,
-        "duration_ms": ms(t0),
     }))
 }
 
@@ -211,6 +228,27 @@ fn rollback(w: &mut Worker, req: &Rollback) -> Result<serde_json::Value, String>
     }
     let repo = w.p.repo().clone();
     let target = snapshots::resolve(&repo, &req.to).map_err(|e| e.to_string())?;
+    if !req.restart {
+        return rollback_to(w, target, t0);
+    }
+    let Some(main) = w.main.clone() else {
+        return Err("--restart needs keel run: keel mount supervises no command".into());
+    };
+    main.stop()?;
+    let stopped_ms = ms(t0);
+    let r = rollback_to(w, target, t0);
+    // Started again whether the rollback worked or not.
+    let started = main.start();
+    let mut v = r?;
+    started?;
+    v["main_stopped_ms"] = stopped_ms.into();
+    v["restarted"] = true.into();
+    v["duration_ms"] = ms(t0).into();
+    Ok(v)
+}
+
+fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::Value, String> {
+    let repo = w.p.repo().clone();
     if !w.paused {
         sync_kernel(w);
     }

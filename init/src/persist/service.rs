@@ -97,6 +97,10 @@ pub(crate) enum Cmd {
     SetRollback {
         f: super::agent::RollbackFn,
     },
+    /// `keel run`'s main command, for `rollback --restart`.
+    SetMain {
+        main: std::sync::Arc<dyn super::agent::MainCommand>,
+    },
 }
 
 /// What the worker is doing, for refusing a rollback at once (`CheckpointHandle::agent`).
@@ -288,6 +292,8 @@ pub(super) struct Worker {
     pub(super) rollback: Option<super::agent::RollbackFn>,
     /// Recent snapshots' trees for diffs and rollbacks (`history`); loaded on the first.
     pub(super) history: Option<super::history::History>,
+    /// See `agent::MainCommand`; `None` under `keel mount`.
+    pub(super) main: Option<std::sync::Arc<dyn super::agent::MainCommand>>,
     busy: Arc<AtomicU8>,
     pub(super) mount_point: PathBuf,
     failures: u32,
@@ -604,6 +610,7 @@ impl Worker {
                     let _ = reply.send(self.p.repo().clone());
                 }
                 Ok(Cmd::SetRollback { f }) => self.rollback = Some(f),
+                Ok(Cmd::SetMain { main }) => self.main = Some(main),
                 Ok(Cmd::MountPoint { reply }) => {
                     let _ = reply.send(self.mount_point.clone());
                 }
@@ -715,6 +722,7 @@ impl Service {
             paused: false,
             rollback: None,
             history: None,
+            main: None,
             busy: busy.clone(),
             mount_point: ws.mount_point.clone(),
             failures: 0,
@@ -759,6 +767,11 @@ impl Service {
     /// Lets rollbacks reach the mounted filesystem (see `agent::RollbackFn`).
     pub fn set_rollback(&self, f: super::agent::RollbackFn) {
         let _ = self.tx.send(Cmd::SetRollback { f });
+    }
+
+    /// Lets `rollback --restart` stop and start `keel run`'s main command.
+    pub fn set_main(&self, main: std::sync::Arc<dyn super::agent::MainCommand>) {
+        let _ = self.tx.send(Cmd::SetMain { main });
     }
 
     /// Takes a checkpoint now and waits for it (`fsync = "remote"`, `keel checkpoint`).
