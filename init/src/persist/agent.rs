@@ -208,6 +208,10 @@ fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, Strin
         Some(s) => s,
         None => last_seq(w)?.ok_or("the workspace has no snapshot and nothing to checkpoint")?,
     };
+    if w.history.is_none() {
+        // The workspace's first snapshot: the history starts at it.
+        history_at(w, seq)?;
+    }
     let repo = w.p.repo().clone();
     let rec = snapshots::record(&repo, seq, c.name.as_deref(), &c.message, now_ns())
         .map_err(|e| e.to_string())?;
