@@ -152,6 +152,9 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
         give_fresh_workspace_to_user(&cfg, m.mount_point());
         if let Some(p) = m.persist() {
             publish_checkpoints(control.status(), p);
+            if let Some(h) = supervisor.main_hold() {
+                p.set_main(h);
+            }
         }
     }
     control.status().mounted(&cfg, mounted.as_ref());

@@ -356,3 +356,314 @@ fn diff_lists_what_diff_r_of_the_restored_trees_finds() {
         theirs.len()
     );
 }
+
+/// A running keel diffs from its history of recent snapshots (`persist::history`); a
+/// stopped one decodes both chains. Both must give the same answer for every pair of
+/// snapshots: older to newer and newer to older, by name and by id, across full snapshots
+/// (`compact_every = 3` makes every third one full), and with rollbacks in between.
+#[test]
+fn diff_from_the_history_equals_diff_of_decoded_trees() {
+    if !common::fuse_available() {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("keel-diff-history.")
+        .tempdir()
+        .unwrap();
+    let cfg = tmp.path().join("config.toml");
+    fs::write(&cfg, "[persist]\ncompact_every = 3\n").unwrap();
+    let state_dir = tmp.path().join("state");
+    let mut k = Keel::start_in(tmp, state_dir, &["--config", cfg.to_str().unwrap()]);
+    let state = k.state.to_str().unwrap().to_string();
+    let mut rng = Rng(0x26d1ff);
+    let mut snaps: Vec<String> = Vec::new();
+    let mut fulls = 0;
+    for round in 0..9 {
+        for _ in 0..(2 + rng.below(12)) {
+            random_op(&mut rng, &k.mnt);
+        }
+        if round == 5 {
+            keel(&["rollback", "--state", &state, &snaps[1]]);
+        }
+        let name = format!("h{round}");
+        let out = keel(&[
+            "snapshot", "create", "--state", &state, "--name", &name, "--json",
+        ]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        if v["checkpoint"].as_str().unwrap_or("").contains("(full)") {
+            fulls += 1;
+        }
+        // Every other one by id, to resolve both ways.
+        snaps.push(if round % 2 == 0 {
+            name
+        } else {
+            v["id"].to_string()
+        });
+    }
+    let diff = |a: &str, b: &str| keel(&["diff", a, b, "--json", "--state", &state]);
+    let mut live = Vec::new();
+    for a in &snaps {
+        for b in &snaps {
+            live.push(((a.clone(), b.clone()), diff(a, b)));
+        }
+    }
+    k.stop();
+    let mut nonempty = 0;
+    for ((a, b), got) in &live {
+        let want: serde_json::Value = serde_json::from_str(&diff(a, b)).unwrap();
+        let mut got: serde_json::Value = serde_json::from_str(got).unwrap();
+        assert_eq!(got["trees"], "history", "diff {a} {b} from a running keel");
+        for k in ["trees", "duration_ms"] {
+            got.as_object_mut().unwrap().remove(k);
+        }
+        assert_eq!(
+            got, want,
+            "diff {a} {b}: history (left) vs decoded chains (right)"
+        );
+        let v = want;
+        if !v["changes"].as_array().unwrap().is_empty() {
+            nonempty += 1;
+        }
+    }
+    assert!(fulls >= 2, "compact_every = 3 made {fulls} full snapshots");
+    assert!(nonempty > snaps.len(), "only {nonempty} pairs differ");
+    println!(
+        "diff history vs decoded: {} pairs of {} snapshots ({fulls} full), {nonempty} non-empty",
+        live.len(),
+        snaps.len()
+    );
+}
+
+/// `POST /rollback` (no CLI to syncfs the mount first) under `keel run` with the kernel's
+/// writeback cache (passthrough off): bytes written through a file still open, neither
+/// flushed nor fsynced, are taken into the rollback, and the file then holds the snapshot's
+/// bytes, also after the writer closes it.
+#[test]
+fn api_rollback_takes_writes_still_in_the_kernel_cache() {
+    use std::io::Write;
+    use std::os::unix::fs::FileExt;
+    use std::os::unix::net::UnixStream;
+    use std::time::Duration;
+    if !common::fuse_available() {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("keel-rollback-api.")
+        .tempdir()
+        .unwrap();
+    let base = tmp.path();
+    let (state, ws) = (base.join("state"), base.join("ws"));
+    let cfg = base.join("config.toml");
+    fs::write(
+        &cfg,
+        format!(
+            "[workspace]\nmount_point = \"{}\"\nstate_dir = \"{}\"\npassthrough = \"off\"\nwriteback_cache = true\n[persist]\nremote = \"file://{}/remote\"\n[shutdown]\ngrace = \"2s\"\n",
+            ws.display(),
+            state.display(),
+            base.display()
+        ),
+    )
+    .unwrap();
+    let ready = base.join("ready");
+    let mut child = Command::new(keel_bin())
+        .args(["run", "--config", cfg.to_str().unwrap(), "--", "sh", "-c"])
+        .arg(format!("touch {} && exec sleep 120", ready.display()))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(fs::File::create(base.join("keel.log")).unwrap())
+        .spawn()
+        .expect("spawn keel run");
+    let log = || fs::read_to_string(base.join("keel.log")).unwrap_or_default();
+    let up = common::poll_for(Duration::from_secs(60), || ready.exists().then_some(()));
+    let post = |path: &str| {
+        let mut s = UnixStream::connect(state.join("control.sock")).expect("control socket");
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        assert!(
+            up.is_some(),
+            "keel run never ran its command; log:\n{}",
+            log()
+        );
+        let f = ws.join("f");
+        fs::write(&f, b"the snapshot's bytes\n").unwrap();
+        let r = post("/snapshots?name=good");
+        assert!(r.starts_with("HTTP/1.1 200"), "POST /snapshots: {r}");
+        for round in 0..3 {
+            // Same size, so no size change tells keel; the bytes sit in the page cache.
+            let h = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&f)
+                .unwrap();
+            h.write_all_at(b"THE LATE", 0).unwrap();
+            let r = post("/rollback?to=good");
+            assert!(r.starts_with("HTTP/1.1 200"), "POST /rollback: {r}");
+            assert_eq!(
+                fs::read(&f).unwrap(),
+                b"the snapshot's bytes\n",
+                "round {round}, before the writer closes"
+            );
+            drop(h);
+            assert_eq!(
+                fs::read(&f).unwrap(),
+                b"the snapshot's bytes\n",
+                "round {round}, after the writer closed"
+            );
+        }
+    }));
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let st = common::wait_timeout(&mut child, Duration::from_secs(60));
+    if common::is_fuse_mount(&ws) {
+        common::lazy_unmount(&ws);
+    }
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+    assert!(st.is_some(), "keel run did not stop; log:\n{}", log());
+}
+
+/// `keel rollback --restart` under `keel run`: the main command's group is stopped, the
+/// workspace rolled back, and the command started again (it ran twice, its first process is
+/// gone, and what it wrote into the workspace on its second start lands on the rolled-back
+/// tree). Under `keel mount` it is refused with one line.
+#[test]
+fn rollback_restart_stops_and_starts_the_main_command() {
+    use std::time::Duration;
+    let Some(mut k) = Keel::start(&[]) else {
+        return;
+    };
+    let state = k.state.to_str().unwrap().to_string();
+    let out = Command::new(keel_bin())
+        .args(["rollback", "--restart", "--state", &state, "head"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "--restart under keel mount worked");
+    assert!(
+        err.contains("--restart needs keel run") && err.trim().lines().count() == 1,
+        "{err}"
+    );
+    k.stop();
+
+    let tmp = tempfile::Builder::new()
+        .prefix("keel-rollback-restart.")
+        .tempdir()
+        .unwrap();
+    let base = tmp.path();
+    let (state, ws) = (base.join("state"), base.join("ws"));
+    let cfg = base.join("config.toml");
+    fs::write(
+        &cfg,
+        format!(
+            "[workspace]\nmount_point = \"{}\"\nstate_dir = \"{}\"\n[persist]\nremote = \"file://{}/remote\"\n[shutdown]\ngrace = \"2s\"\n",
+            ws.display(),
+            state.display(),
+            base.display()
+        ),
+    )
+    .unwrap();
+    let starts = base.join("starts");
+    // Ignores SIGTERM, so the SIGKILL after the grace is what stops it.
+    let script = format!(
+        "trap '' TERM; echo started >> {ws}/runs && echo $$ >> {s} && while :; do sleep 0.1; done",
+        ws = ws.display(),
+        s = starts.display()
+    );
+    let mut child = Command::new(keel_bin())
+        .args([
+            "run",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(fs::File::create(base.join("keel.log")).unwrap())
+        .spawn()
+        .expect("spawn keel run");
+    let log = || fs::read_to_string(base.join("keel.log")).unwrap_or_default();
+    let pids = || -> Vec<i32> {
+        fs::read_to_string(&starts)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.parse().ok())
+            .collect()
+    };
+    let cfg_s = cfg.to_str().unwrap();
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let up = common::poll_for(Duration::from_secs(60), || {
+            (pids().len() == 1).then_some(())
+        });
+        assert!(
+            up.is_some(),
+            "the main command never started; log:\n{}",
+            log()
+        );
+        keel(&["snapshot", "create", "--config", cfg_s, "--name", "s1"]);
+        fs::write(ws.join("extra"), b"after s1").unwrap();
+        let v: serde_json::Value = serde_json::from_str(&keel(&[
+            "rollback",
+            "--config",
+            cfg_s,
+            "--restart",
+            "s1",
+            "--json",
+        ]))
+        .unwrap();
+        assert_eq!(v["restarted"], true, "{v}");
+        let again = common::poll_for(Duration::from_secs(30), || {
+            (pids().len() == 2).then_some(())
+        });
+        assert!(
+            again.is_some(),
+            "the main command did not start again; log:\n{}",
+            log()
+        );
+        let first = pids()[0];
+        assert!(
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(first), None).is_err(),
+            "the first main process {first} still runs"
+        );
+        assert!(!ws.join("extra").exists(), "the rollback left a later file");
+        let runs = common::poll_for(Duration::from_secs(10), || {
+            (fs::read_to_string(ws.join("runs")).unwrap_or_default() == "started\nstarted\n")
+                .then_some(())
+        });
+        assert!(
+            runs.is_some(),
+            "runs: {:?}",
+            fs::read_to_string(ws.join("runs"))
+        );
+        println!(
+            "rollback --restart: main stopped in {} ms (SIGKILL after the 2 s grace), whole rollback {} ms",
+            v["main_stopped_ms"], v["duration_ms"]
+        );
+    }));
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let st = common::wait_timeout(&mut child, Duration::from_secs(60));
+    if common::is_fuse_mount(&ws) {
+        common::lazy_unmount(&ws);
+    }
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+    assert!(st.is_some(), "keel run did not stop; log:\n{}", log());
+}

@@ -20,12 +20,22 @@ pub struct RollbackArgs {
     /// Print the answer as JSON
     #[arg(long)]
     json: bool,
+    /// Stop the main command of keel run first (its process group: the stop signal, SIGKILL
+    /// after [shutdown] grace) and start it again after the rollback
+    #[arg(long)]
+    restart: bool,
 }
 
 pub fn main(config: Option<&Path>, a: RollbackArgs) -> i32 {
     report("rollback", || {
         let cfg = persist_config(config, a.state.as_deref(), None, None)?;
-        let v = agent_cmd::rollback(&cfg, &Rollback { to: a.to })?;
+        let v = agent_cmd::rollback(
+            &cfg,
+            &Rollback {
+                to: a.to,
+                restart: a.restart,
+            },
+        )?;
         if a.json {
             print_json(&v);
         } else {
@@ -40,6 +50,9 @@ pub fn main(config: Option<&Path>, a: RollbackArgs) -> i32 {
                 v["applied"]["open_files_kept"],
                 v["duration_ms"]
             );
+            if v["restarted"] == true {
+                println!("the main command was stopped before and started again after");
+            }
         }
         Ok(0)
     })

@@ -8,7 +8,7 @@
 
 use super::api::{Request, Response};
 use super::status::{CheckpointOutcome, StatusHandle};
-use crate::persist::agent::{Op, Rollback, SnapshotCreate};
+use crate::persist::agent::{Diff as AgentDiff, Op, Rollback, SnapshotCreate};
 use crate::persist::{diff, snapshots};
 
 /// Whether `path` is one of these routes.
@@ -115,7 +115,20 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
             let Some(from) = param(q, "from") else {
                 return error(400, "from=ID|NAME is required");
             };
-            let to = match param(q, "to").filter(|t| !t.is_empty() && t != "live") {
+            let to = param(q, "to").filter(|t| !t.is_empty() && t != "live");
+            // The list of changes comes from the worker's history; one file's unified diff
+            // from the remote.
+            if param(q, "path").is_none() {
+                let op = Op::Diff(AgentDiff {
+                    from,
+                    to: to.clone(),
+                });
+                return match agent.agent(op) {
+                    Ok(v) => json(200, &v["diff"]),
+                    Err(e) => error_for(e),
+                };
+            }
+            let to = match to {
                 Some(t) => t,
                 None => match status.checkpoint() {
                     CheckpointOutcome::Done(..) => "head".to_string(),
@@ -126,14 +139,10 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
             let r = repo().and_then(|repo| {
                 let from = snapshots::resolve(&repo, &from).map_err(|e| e.to_string())?;
                 let to = snapshots::resolve(&repo, &to).map_err(|e| e.to_string())?;
-                match param(q, "path") {
-                    Some(p) => diff::file_diff(&repo, from, to, &p)
-                        .map(|t| Response::text(200, &t))
-                        .map_err(|e| e.to_string()),
-                    None => diff::diff(&repo, from, to)
-                        .map(|d| json(200, &serde_json::to_value(&d).unwrap_or_default()))
-                        .map_err(|e| e.to_string()),
-                }
+                let path = param(q, "path").unwrap_or_default();
+                diff::file_diff(&repo, from, to, &path)
+                    .map(|t| Response::text(200, &t))
+                    .map_err(|e| e.to_string())
             });
             r.unwrap_or_else(error_for)
         }
@@ -141,7 +150,8 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
             let Some(to) = param(q, "to").filter(|t| !t.is_empty()) else {
                 return error(400, "to=ID|NAME is required");
             };
-            match agent.agent(Op::Rollback(Rollback { to })) {
+            let restart = param(q, "restart").is_some_and(|v| v == "1" || v == "true");
+            match agent.agent(Op::Rollback(Rollback { to, restart })) {
                 Ok(v) => json(200, &v),
                 Err(e) => error_for(e),
             }

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::checkpoint::{now_ns, CheckpointOptions};
 use super::format::Tree;
+use super::history::{Changed, History, View};
 use super::repo::Repo;
 use super::service::Worker;
 use super::snapshots;
@@ -35,6 +36,20 @@ pub struct SnapshotCreate {
 pub struct Rollback {
     /// `ID|NAME|head`.
     pub to: String,
+    /// Stop the main command (its process group) first and start it again after
+    /// (`keel run` only).
+    #[serde(default)]
+    pub restart: bool,
+}
+
+/// The main command of `keel run`, for `keel rollback --restart` (the supervisor's
+/// `MainHold`).
+pub trait MainCommand: Send + Sync {
+    /// Sends the stop signal to its process group, SIGKILL after the grace, and returns once
+    /// nothing of the group is left.
+    fn stop(&self) -> Result<(), String>;
+    /// Runs it again with the same command line.
+    fn start(&self) -> Result<(), String>;
 }
 
 /// An operation for the worker.
@@ -43,11 +58,25 @@ pub struct Rollback {
 pub enum Op {
     SnapshotCreate(SnapshotCreate),
     Rollback(Rollback),
+    Diff(Diff),
+}
+
+/// `keel diff` and `GET /diff` against a running keel.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Diff {
+    /// `ID|NAME|head`.
+    pub from: String,
+    /// `None`: the live workspace (flushed and checkpointed first).
+    #[serde(default)]
+    pub to: Option<String>,
 }
 
 /// Makes the mounted workspace equal to `target` (the tree at the last checkpoint is
 /// `current`); returns what it did, as JSON.
-pub type RollbackFn = Box<dyn Fn(&Repo, &Tree, &Tree) -> Result<serde_json::Value, String> + Send>;
+/// `changed` names every inode and entry that may differ between the two.
+pub type RollbackFn =
+    Box<dyn Fn(&Repo, &View, &View, &Changed) -> Result<serde_json::Value, String> + Send>;
 
 fn ms(t: Instant) -> f64 {
     (t.elapsed().as_secs_f64() * 1e6).round() / 1e3
@@ -67,19 +96,122 @@ pub(super) fn run(w: &mut Worker, op: Op) -> Result<serde_json::Value, String> {
     match op {
         Op::SnapshotCreate(c) => create(w, &c),
         Op::Rollback(r) => rollback(w, &r),
+        Op::Diff(d) => diff(w, &d),
     }
 }
+
+/// The worker's history at `seq` (the last checkpoint), loaded (one chain decode) when it
+/// is not there yet or no longer follows the checkpoints.
+fn history_at(w: &mut Worker, seq: u64) -> Result<&History, String> {
+    if w.history.as_ref().is_none_or(|h| h.seq() != seq) {
+        let h = History::load(w.p.repo(), seq).map_err(|e| e.to_string())?;
+        w.history = Some(h);
+    }
+    Ok(w.history.as_ref().expect("set above"))
+}
+
+/// A snapshot outside the history, decoded from its chain.
+fn load(repo: &Repo, seq: u64) -> Result<Tree, String> {
+    repo.load_tree(seq)
+        .map(|(t, _)| t)
+        .map_err(|e| format!("load snapshot {seq}: {e}"))
+}
+
+fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, String> {
+    let t0 = Instant::now();
+    let repo = w.p.repo().clone();
+    if req.to.is_none() {
+        if !w.paused {
+            sync_kernel(w);
+        }
+        w.checkpoint(CheckpointOptions::default(), !w.paused)?;
+    }
+    let resolve = |what: &str| snapshots::resolve(&repo, what).map_err(|e| e.to_string());
+    let from = resolve(&req.from)?;
+    let to = resolve(req.to.as_deref().unwrap_or("head"))?;
+    let head = last_seq(w)?.ok_or("the workspace has no snapshot yet")?;
+    let h = history_at(w, head)?;
+    let t_hist = ms(t0);
+    let (d, how) = match (h.view(from), h.view(to), h.changed(from, to)) {
+        (Some(a), Some(b), Some(c)) => (super::diff::diff_views(&a, &b, &c), "history"),
+        (a, b, _) => {
+            let ta = match a {
+                Some(v) => v.to_tree(),
+                None => load(&repo, from)?,
+            };
+            let tb = match b {
+                Some(v) => v.to_tree(),
+                None => load(&repo, to)?,
+            };
+            (super::diff::diff_trees(&ta, &tb), "decoded")
+        }
+    };
+    let text = super::diff::render(&d);
+    let mut v = serde_json::to_value(&d).expect("diff serialises");
+    // How keel got it, for programs that measure (the changes are the same either way).
+    v["trees"] = how.into();
+    v["duration_ms"] = ms(t0).into();
+    Ok(serde_json::json!({
+        "text": text,
+        "diff": v,
+        "history_ms": t_hist,
+    }))
+}
+
+/// Pushes what the kernel holds in its writeback cache for the mount into keel, so that
+/// a write made before the request (the file still open, never fsynced) is part of it. The
+/// `syncfs` runs on a thread of its own: the kernel turns it into FUSE writes that the
+/// session's threads serve while the worker waits; should one of them wait on the worker
+/// (`fsync = "remote"`), the worker goes on after `KERNEL_SYNC_WAIT` with what keel has
+/// rather than deadlock.
+fn sync_kernel(w: &Worker) {
+    let mp = w.mount_point.clone();
+    if mp.as_os_str().is_empty() {
+        return;
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("keel-syncfs".into())
+        .spawn(move || {
+            let _ = tx.send(crate::sys::file::syncfs(&mp));
+        });
+    if spawned.is_err() {
+        tracing::warn!("syncfs of the mount: no thread; going on with what keel has");
+        return;
+    }
+    match rx.recv_timeout(KERNEL_SYNC_WAIT) {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "syncfs of the mount failed; going on with what keel has"),
+        Err(_) => tracing::warn!("syncfs of the mount still runs after {KERNEL_SYNC_WAIT:?}; going on with what keel has"),
+    }
+}
+
+/// How long an agent operation waits for the kernel's writeback (`sync_kernel`).
+const KERNEL_SYNC_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, String> {
     let t0 = Instant::now();
     if let Some(n) = &c.name {
         snapshots::check_name(n).map_err(|e| e.to_string())?;
     }
+    if !w.paused {
+        sync_kernel(w);
+    }
+    // A named snapshot is what diffs and rollbacks name: from the first one on, the worker
+    // keeps the history (one chain decode, here), so that this one and the one before are
+    // in it.
+    if let Some(seq) = last_seq(w)? {
+        history_at(w, seq)?;
+    }
     let r = w.checkpoint(CheckpointOptions::default(), !w.paused)?;
     let seq = match r.seq {
         Some(s) => s,
         None => last_seq(w)?.ok_or("the workspace has no snapshot and nothing to checkpoint")?,
     };
+    if w.history.is_none() {
+        // The workspace's first snapshot: the history starts at it.
+        history_at(w, seq)?;
+    }
     let repo = w.p.repo().clone();
     let rec = snapshots::record(&repo, seq, c.name.as_deref(), &c.message, now_ns())
         .map_err(|e| e.to_string())?;
@@ -100,6 +232,30 @@ fn rollback(w: &mut Worker, req: &Rollback) -> Result<serde_json::Value, String>
     }
     let repo = w.p.repo().clone();
     let target = snapshots::resolve(&repo, &req.to).map_err(|e| e.to_string())?;
+    if !req.restart {
+        return rollback_to(w, target, t0);
+    }
+    let Some(main) = w.main.clone() else {
+        return Err("--restart needs keel run: keel mount supervises no command".into());
+    };
+    main.stop()?;
+    let stopped_ms = ms(t0);
+    let r = rollback_to(w, target, t0);
+    // Started again whether the rollback worked or not.
+    let started = main.start();
+    let mut v = r?;
+    started?;
+    v["main_stopped_ms"] = stopped_ms.into();
+    v["restarted"] = true.into();
+    v["duration_ms"] = ms(t0).into();
+    Ok(v)
+}
+
+fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::Value, String> {
+    let repo = w.p.repo().clone();
+    if !w.paused {
+        sync_kernel(w);
+    }
     let before = w.checkpoint(CheckpointOptions::default(), true)?;
     let current = match before.seq {
         Some(s) => s,
@@ -107,21 +263,23 @@ fn rollback(w: &mut Worker, req: &Rollback) -> Result<serde_json::Value, String>
     };
     let t_ckpt = ms(t0);
     let t1 = Instant::now();
-    let load = |seq: u64| {
-        repo.load_tree(seq)
-            .map(|(t, _)| t)
-            .map_err(|e| format!("load snapshot {seq}: {e}"))
-    };
-    let cur = load(current)?;
-    let tgt = if target == current {
-        cur.clone()
-    } else {
-        load(target)?
+    history_at(w, current)?;
+    let h = w.history.as_ref().expect("loaded above");
+    let cur = View::of(h.tree());
+    let decoded;
+    let (tgt, changed, how) = match (h.view(target), h.changed(current, target)) {
+        (Some(v), Some(c)) => (v, c, "history"),
+        _ => {
+            decoded = load(&repo, target)?;
+            let c = Changed::all(h.tree(), &decoded);
+            (View::of(&decoded), c, "decoded")
+        }
     };
     let t_load = ms(t1);
     let t2 = Instant::now();
     let f = w.rollback.as_ref().expect("checked above");
-    let detail = f(&repo, &cur, &tgt)?;
+    let detail = f(&repo, &cur, &tgt, &changed)?;
+    drop((cur, tgt));
     let t_apply = ms(t2);
     let t3 = Instant::now();
     let after = w.checkpoint(CheckpointOptions::default(), false)?;
@@ -143,6 +301,7 @@ fn rollback(w: &mut Worker, req: &Rollback) -> Result<serde_json::Value, String>
         "applied": detail,
         "checkpoint_before_ms": t_ckpt,
         "load_trees_ms": t_load,
+        "trees": how,
         "apply_ms": t_apply,
         "checkpoint_after_ms": ms(t3),
         "duration_ms": ms(t0),

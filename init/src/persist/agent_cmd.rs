@@ -94,6 +94,23 @@ pub fn snapshot_delete(cfg: &Config, what: &str) -> Result<Vec<String>, String> 
 
 /// `keel diff`: the changes as text or JSON, or a unified diff of one file.
 pub fn diff(cfg: &Config, o: &DiffOptions) -> Result<String, String> {
+    if o.path.is_none() {
+        // A running keel compares from its history of recent snapshots (`history`).
+        if o.to.is_none() {
+            sync_mount(cfg)?;
+        }
+        let op = Op::Diff(super::agent::Diff {
+            from: o.from.clone(),
+            to: o.to.clone(),
+        });
+        if let Some(v) = ask_agent(cfg, &op)? {
+            return Ok(if o.json {
+                serde_json::to_string_pretty(&v["diff"]).expect("diff serialises")
+            } else {
+                v["text"].as_str().unwrap_or_default().to_string()
+            });
+        }
+    }
     let to = match &o.to {
         Some(t) => t.clone(),
         None => {

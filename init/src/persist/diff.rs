@@ -2,12 +2,12 @@
 //! owner, xattrs, symlink target, type) and renamed (the same inode under another path),
 //! with sizes; and a unified diff of one text file.
 //!
-//! Cost: both trees are materialized from their chains (`Repo::load_tree`), because the
-//! snapshot format keeps no index from a delta back to the paths it touches and a chain
-//! starts at a full snapshot. Comparing them is one pass over the inode maps with no I/O:
-//! file contents are compared by their chunk ids, never by reading chunks. So the time is
-//! the decode of two chains (proportional to the workspace's metadata) plus one compare of
-//! the two maps; paths are built only for what changed. Only `-- PATH` fetches chunks, of
+//! Cost: against a running keel (`agent::Op::Diff`), two snapshots in the checkpoint
+//! worker's history (`history`) are compared through `diff_views`: only the inodes and
+//! entries the snapshots between them touched, plus one pass over the entries to name them.
+//! Otherwise (a stopped workspace, or a snapshot older than the history) both trees are
+//! materialized from their chains (`Repo::load_tree`) and compared whole. File contents are
+//! compared by their chunk ids, never by reading chunks; only `-- PATH` fetches chunks, of
 //! that one file.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use serde::Serialize;
 
 use super::format::{Tree, TreeData, TreeInode};
+use super::history::{Changed, View};
 use super::repo::{Repo, RepoError};
 use crate::chunk::ChunkId;
 
@@ -295,7 +296,9 @@ pub fn diff_trees(a: &Tree, b: &Tree) -> Diff {
         let (Some(ia), Some(ib)) = (lookup(a, &path), lookup(b, &path)) else {
             continue;
         };
-        let (ta, tb) = (&a.inodes[&ia], &b.inodes[&ib]);
+        let (Some(ta), Some(tb)) = (a.inodes.get(&ia), b.inodes.get(&ib)) else {
+            continue;
+        };
         let what = what_changed(ta, tb);
         drop[ai] = true;
         if what.is_empty() {
@@ -316,6 +319,13 @@ pub fn diff_trees(a: &Tree, b: &Tree) -> Diff {
         to: b.seq.unwrap_or(0),
         changes,
     }
+}
+
+/// Compares two snapshots seen through the checkpoint worker's history: only the inodes
+/// `changed` names (and the entries that name them and the directories) are looked at.
+pub fn diff_views(a: &View, b: &View, changed: &Changed) -> Diff {
+    let cand = super::history::diff_candidates(a, b, changed);
+    diff_trees(&a.partial(&cand), &b.partial(&cand))
 }
 
 /// Loads both snapshots and compares them.

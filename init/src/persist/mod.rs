@@ -18,6 +18,7 @@ pub mod fork;
 pub mod format;
 pub mod fsck;
 pub mod gc;
+pub mod history;
 pub mod hydrate;
 pub mod lease;
 pub mod objstore;

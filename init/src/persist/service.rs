@@ -97,6 +97,10 @@ pub(crate) enum Cmd {
     SetRollback {
         f: super::agent::RollbackFn,
     },
+    /// `keel run`'s main command, for `rollback --restart`.
+    SetMain {
+        main: std::sync::Arc<dyn super::agent::MainCommand>,
+    },
 }
 
 /// What the worker is doing, for refusing a rollback at once (`CheckpointHandle::agent`).
@@ -286,8 +290,12 @@ pub(super) struct Worker {
     pub(super) paused: bool,
     /// See `agent::RollbackFn`; `None` until the filesystem sets it.
     pub(super) rollback: Option<super::agent::RollbackFn>,
+    /// Recent snapshots' trees for diffs and rollbacks (`history`); loaded on the first.
+    pub(super) history: Option<super::history::History>,
+    /// See `agent::MainCommand`; `None` under `keel mount`.
+    pub(super) main: Option<std::sync::Arc<dyn super::agent::MainCommand>>,
     busy: Arc<AtomicU8>,
-    mount_point: PathBuf,
+    pub(super) mount_point: PathBuf,
     failures: u32,
     last_error: Option<String>,
     published: Arc<Published>,
@@ -351,6 +359,11 @@ impl Worker {
             .compare_exchange(IDLE, CHECKPOINTING, Ordering::SeqCst, Ordering::SeqCst)
             .is_ok();
         let r = self.checkpoint_once(opts, flush);
+        if let (Ok(Some(seq)), Some(h)) = (r.as_ref().map(|r| r.seq), self.history.as_mut()) {
+            if !matches!(h.advance(self.p.repo(), seq), Ok(true)) {
+                self.history = None;
+            }
+        }
         if mine {
             self.busy.store(IDLE, Ordering::SeqCst);
         }
@@ -597,6 +610,7 @@ impl Worker {
                     let _ = reply.send(self.p.repo().clone());
                 }
                 Ok(Cmd::SetRollback { f }) => self.rollback = Some(f),
+                Ok(Cmd::SetMain { main }) => self.main = Some(main),
                 Ok(Cmd::MountPoint { reply }) => {
                     let _ = reply.send(self.mount_point.clone());
                 }
@@ -707,6 +721,8 @@ impl Service {
             since_gc: 0,
             paused: false,
             rollback: None,
+            history: None,
+            main: None,
             busy: busy.clone(),
             mount_point: ws.mount_point.clone(),
             failures: 0,
@@ -751,6 +767,11 @@ impl Service {
     /// Lets rollbacks reach the mounted filesystem (see `agent::RollbackFn`).
     pub fn set_rollback(&self, f: super::agent::RollbackFn) {
         let _ = self.tx.send(Cmd::SetRollback { f });
+    }
+
+    /// Lets `rollback --restart` stop and start `keel run`'s main command.
+    pub fn set_main(&self, main: std::sync::Arc<dyn super::agent::MainCommand>) {
+        let _ = self.tx.send(Cmd::SetMain { main });
     }
 
     /// Takes a checkpoint now and waits for it (`fsync = "remote"`, `keel checkpoint`).

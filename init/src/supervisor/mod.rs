@@ -3,8 +3,11 @@
 //! `waitpid(-1, WNOHANG)` reaper, restarts services with backoff, and drives the ordered stop
 //! (reverse dependency order, grace deadline, SIGKILL, never returning while descendants run).
 
+mod hold;
 mod plan;
 mod probe;
+
+pub use hold::MainHold;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -146,6 +149,8 @@ pub struct Supervisor {
     /// The mount namespace children join; closed when the supervisor ends (before the
     /// workspace is unmounted, so no copy of the mount outlives the stop).
     sandbox_ns: Option<crate::sys::ns::SandboxNs>,
+    /// `keel rollback --restart` stops and starts the main command through it (`hold`).
+    hold: std::sync::Arc<MainHold>,
 }
 
 fn base_env(cfg: &Config) -> Vec<(OsString, OsString)> {
@@ -229,6 +234,7 @@ impl Supervisor {
             if self.stop.is_none() {
                 self.advance_start();
                 self.restart_due();
+                self.advance_hold();
             }
             if self.stop.is_some() {
                 // Reap again so "nothing left" reflects everything that ended so far.
@@ -365,6 +371,7 @@ impl Supervisor {
             _ => None,
         };
         self.stop = Some(Stop::begin(reason, self.grace));
+        self.hold.set(hold::HoldState::Closed);
         for u in &mut self.units {
             u.next_start = None;
             u.finished = true;
@@ -494,6 +501,9 @@ impl Supervisor {
         }
         let mut next: Option<Instant> = None;
         let mut consider = |t: Instant| next = Some(next.map_or(t, |n| n.min(t)));
+        if let Some(t) = self.hold_deadline() {
+            consider(t);
+        }
         for u in &self.units {
             if let Some(t) = u.next_start {
                 consider(t);
@@ -537,6 +547,10 @@ impl Supervisor {
         u.pid = None;
         u.last_exit = Some(exit);
         let ran = u.started_at.elapsed();
+        if u.is_main && !stopping && self.hold.holding() {
+            info!("main command (pid {pid}) ended for rollback --restart: {exit}");
+            return;
+        }
         if u.is_main {
             info!("main command (pid {pid}) ended: {exit} after {}", secs(ran));
             self.code = Some(exit.code());

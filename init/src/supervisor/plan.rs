@@ -171,6 +171,7 @@ impl<'a> Plan<'a> {
             code: None,
             status: None,
             sandbox_ns: None,
+            hold: super::MainHold::new(self.cfg.shutdown.grace),
         }
     }
 }

@@ -13,7 +13,8 @@ use bytes::Bytes;
 use super::fs::{Inval, RollbackPlan, RollbackTarget, Target, TargetData, WorkspaceFs};
 use crate::chunk::{ChunkId, ChunkSource, FetchError};
 use crate::meta::{InodeNo, Kind};
-use crate::persist::format::{Tree, TreeData};
+use crate::persist::format::TreeData;
+use crate::persist::history::{Changed, View};
 use crate::persist::hydrate::RemoteChunks;
 use crate::persist::Repo;
 
@@ -21,36 +22,30 @@ use crate::persist::Repo;
 /// name) is not one.
 pub type Invalidate = Arc<dyn Fn(&Inval) -> std::io::Result<()> + Send + Sync>;
 
-/// The inodes and entries that differ between `cur` and `target`.
-pub fn plan(cur: &Tree, target: &Tree) -> RollbackPlan {
+/// The inodes and entries that differ between `cur` and `target`, among those `changed`
+/// names (a superset: what the snapshots between them touched).
+pub fn plan(cur: &View, target: &View, changed: &Changed) -> RollbackPlan {
     let mut inodes = BTreeSet::new();
     let mut bodies = BTreeSet::new();
-    for (ino, t) in &cur.inodes {
-        if target.inodes.get(ino) != Some(t) {
-            inodes.insert(InodeNo(*ino));
+    for &ino in &changed.inodes {
+        let (before, after) = (cur.inode(ino), target.inode(ino));
+        if before == after {
+            continue;
+        }
+        inodes.insert(InodeNo(ino));
+        if let Some(t) = after {
+            let bytes_differ = before.is_none_or(|b| b.data != t.data || b.rec.size != t.rec.size);
+            if matches!(t.data, TreeData::Chunks(_)) && bytes_differ {
+                bodies.insert(InodeNo(ino));
+            }
         }
     }
-    for (ino, t) in &target.inodes {
-        let before = cur.inodes.get(ino);
-        if before.is_none() {
-            inodes.insert(InodeNo(*ino));
-        }
-        let bytes_differ = before.is_none_or(|b| b.data != t.data || b.rec.size != t.rec.size);
-        if matches!(t.data, TreeData::Chunks(_)) && bytes_differ {
-            bodies.insert(InodeNo(*ino));
-        }
-    }
-    let mut entries = BTreeSet::new();
-    for (k, v) in &cur.dirents {
-        if target.dirents.get(k) != Some(v) {
-            entries.insert((InodeNo(k.0), k.1.clone()));
-        }
-    }
-    for k in target.dirents.keys() {
-        if !cur.dirents.contains_key(k) {
-            entries.insert((InodeNo(k.0), k.1.clone()));
-        }
-    }
+    let entries = changed
+        .dirents
+        .iter()
+        .filter(|(p, n)| cur.dirent(*p, n) != target.dirent(*p, n))
+        .map(|(p, n)| (InodeNo(*p), n.clone()))
+        .collect();
     RollbackPlan {
         inodes,
         bodies,
@@ -58,14 +53,14 @@ pub fn plan(cur: &Tree, target: &Tree) -> RollbackPlan {
     }
 }
 
-struct TreeTarget<'a> {
-    tree: &'a Tree,
+struct TreeTarget<'a, 'b> {
+    tree: &'a View<'b>,
     chunks: RemoteChunks,
 }
 
-impl RollbackTarget for TreeTarget<'_> {
+impl RollbackTarget for TreeTarget<'_, '_> {
     fn inode(&self, ino: InodeNo) -> Option<Target> {
-        let t = self.tree.inodes.get(&ino.0)?;
+        let t = self.tree.inode(ino.0)?;
         let r = &t.rec;
         Some(Target {
             inode: t.inode()?,
@@ -80,8 +75,8 @@ impl RollbackTarget for TreeTarget<'_> {
     }
 
     fn entry(&self, parent: InodeNo, name: &[u8]) -> Option<(InodeNo, Kind)> {
-        let (ino, kind) = self.tree.dirents.get(&(parent.0, name.to_vec()))?;
-        Some((InodeNo(*ino), Kind::from_mode(*kind)?))
+        let (ino, kind) = self.tree.dirent(parent.0, name)?;
+        Some((InodeNo(ino), Kind::from_mode(kind)?))
     }
 
     fn links(&self, inos: &BTreeSet<InodeNo>) -> Vec<(InodeNo, Vec<u8>)> {
@@ -89,15 +84,14 @@ impl RollbackTarget for TreeTarget<'_> {
             return Vec::new();
         }
         self.tree
-            .dirents
-            .iter()
-            .filter(|(_, (ino, _))| inos.contains(&InodeNo(*ino)))
-            .map(|((p, n), _)| (InodeNo(*p), n.clone()))
+            .dirents_where(|(ino, _)| inos.contains(&InodeNo(*ino)))
+            .into_iter()
+            .map(|((p, n), _)| (InodeNo(p), n))
             .collect()
     }
 
     fn chunk_size(&self) -> u64 {
-        self.tree.chunk_size
+        self.tree.chunk_size()
     }
 
     fn fetch(&self, ids: &[ChunkId]) -> Vec<Result<Bytes, FetchError>> {
@@ -107,37 +101,39 @@ impl RollbackTarget for TreeTarget<'_> {
 
 /// What the checkpoint service calls to roll the mounted workspace back.
 pub fn rollback_fn(fs: Arc<WorkspaceFs>, inval: Invalidate) -> crate::persist::agent::RollbackFn {
-    Box::new(move |repo: &Repo, cur: &Tree, target: &Tree| {
-        if cur.chunk_size != target.chunk_size {
-            return Err(format!(
+    Box::new(
+        move |repo: &Repo, cur: &View, target: &View, changed: &Changed| {
+            if cur.chunk_size() != target.chunk_size() {
+                return Err(format!(
                 "the snapshot was cut into {} byte windows, the workspace into {}: restore it with keel snapshot restore instead",
-                target.chunk_size, cur.chunk_size
+                target.chunk_size(), cur.chunk_size()
             ));
-        }
-        let p = plan(cur, target);
-        let t = TreeTarget {
-            tree: target,
-            chunks: RemoteChunks::new(repo.clone()),
-        };
-        let r = fs.rollback(&p, &t).map_err(|e| format!("rollback: {e}"))?;
-        let t0 = Instant::now();
-        let mut inval_failed = 0u64;
-        for i in &r.inval {
-            if inval(i).is_err() {
-                inval_failed += 1;
             }
-        }
-        Ok(serde_json::json!({
-            "inodes": r.inodes,
-            "entries": r.entries,
-            "bodies_rebuilt": r.bodies,
-            "body_bytes": r.body_bytes,
-            "open_files_kept": r.kept_open,
-            "renumbered": r.renumbered,
-            "changed_after_checkpoint": r.late,
-            "invalidations": r.inval.len(),
-            "invalidations_unknown_to_kernel": inval_failed,
-            "invalidate_ms": (t0.elapsed().as_secs_f64() * 1e6).round() / 1e3,
-        }))
-    })
+            let p = plan(cur, target, changed);
+            let t = TreeTarget {
+                tree: target,
+                chunks: RemoteChunks::new(repo.clone()),
+            };
+            let r = fs.rollback(&p, &t).map_err(|e| format!("rollback: {e}"))?;
+            let t0 = Instant::now();
+            let mut inval_failed = 0u64;
+            for i in &r.inval {
+                if inval(i).is_err() {
+                    inval_failed += 1;
+                }
+            }
+            Ok(serde_json::json!({
+                "inodes": r.inodes,
+                "entries": r.entries,
+                "bodies_rebuilt": r.bodies,
+                "body_bytes": r.body_bytes,
+                "open_files_kept": r.kept_open,
+                "renumbered": r.renumbered,
+                "changed_after_checkpoint": r.late,
+                "invalidations": r.inval.len(),
+                "invalidations_unknown_to_kernel": inval_failed,
+                "invalidate_ms": (t0.elapsed().as_secs_f64() * 1e6).round() / 1e3,
+            }))
+        },
+    )
 }

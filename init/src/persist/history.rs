@@ -1,0 +1,335 @@
+//! The checkpoint worker's memory of recent snapshots, so that a diff or a rollback costs
+//! what changed rather than what the workspace holds.
+//!
+//! `History` keeps the decoded tree of the last checkpoint and, for each recent checkpoint,
+//! the records it replaced (an undo step: every inode and entry the snapshot touched, with
+//! its value before). Each checkpoint reads back only its own snapshot and replays it
+//! (`advance`). A snapshot in the window is then seen (`view`) as the last tree with the
+//! undo steps after it laid over, without copying the tree: the work is the changes since
+//! that snapshot. Two snapshots in the window differ at most in the keys the steps between
+//! them touched (`changed`), so a diff of two of them, or a rollback to one, looks only at
+//! those. Anything outside the window (older, or before keel started) falls back to decoding
+//! the snapshot's chain, as before.
+//!
+//! The window is bounded by the records it holds (`MAX_RECORDS`); it starts empty when the
+//! first named snapshot, diff or rollback loads the tree (the one full decode), so a keel
+//! that is never asked for one never holds it.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use super::format::{Tree, TreeInode};
+use super::repo::{Repo, RepoError};
+
+/// Records (inodes + entries) the undo steps may hold together; older steps are dropped
+/// past it. About 100 bytes to a few KB each (an inline file's bytes are in its record).
+pub const MAX_RECORDS: usize = 200_000;
+
+type DirKey = (u64, Vec<u8>);
+type DirVal = (u64, u32);
+
+/// What one snapshot replaced.
+#[derive(Debug, Default)]
+struct Step {
+    /// The snapshot this step leads to, and the one it came from.
+    seq: u64,
+    from: u64,
+    inodes: HashMap<u64, Option<TreeInode>>,
+    dirents: HashMap<DirKey, Option<DirVal>>,
+}
+
+impl Step {
+    fn records(&self) -> usize {
+        self.inodes.len() + self.dirents.len()
+    }
+}
+
+/// A tree as it was at one snapshot: a base tree with some records replaced.
+pub struct View<'a> {
+    pub base: &'a Tree,
+    pub seq: u64,
+    inodes: HashMap<u64, Option<TreeInode>>,
+    dirents: HashMap<DirKey, Option<DirVal>>,
+}
+
+impl<'a> View<'a> {
+    /// The tree itself.
+    pub fn of(base: &'a Tree) -> Self {
+        View {
+            base,
+            seq: base.seq.unwrap_or(0),
+            inodes: HashMap::new(),
+            dirents: HashMap::new(),
+        }
+    }
+
+    pub fn inode(&self, ino: u64) -> Option<&TreeInode> {
+        match self.inodes.get(&ino) {
+            Some(v) => v.as_ref(),
+            None => self.base.inodes.get(&ino),
+        }
+    }
+
+    pub fn dirent(&self, parent: u64, name: &[u8]) -> Option<DirVal> {
+        let k = (parent, name.to_vec());
+        match self.dirents.get(&k) {
+            Some(v) => *v,
+            None => self.base.dirents.get(&k).copied(),
+        }
+    }
+
+    pub fn chunk_size(&self) -> u64 {
+        self.base.chunk_size
+    }
+
+    /// Every entry, filtered by `keep(value)` (one pass over the base's entries).
+    pub fn dirents_where(&self, keep: impl Fn(&DirVal) -> bool) -> Vec<(DirKey, DirVal)> {
+        let mut out: Vec<(DirKey, DirVal)> = self
+            .base
+            .dirents
+            .iter()
+            .filter(|(k, v)| keep(v) && !self.dirents.contains_key(*k))
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
+        for (k, v) in &self.dirents {
+            if let Some(v) = v.filter(|v| keep(v)) {
+                out.push((k.clone(), v));
+            }
+        }
+        out
+    }
+
+    /// The whole tree this view shows (a copy).
+    pub fn to_tree(&self) -> Tree {
+        let mut t = self.base.clone();
+        t.seq = Some(self.seq);
+        for (k, v) in &self.inodes {
+            match v {
+                Some(v) => t.inodes.insert(*k, v.clone()),
+                None => t.inodes.remove(k),
+            };
+        }
+        for (k, v) in &self.dirents {
+            match v {
+                Some(v) => t.dirents.insert(k.clone(), *v),
+                None => t.dirents.remove(k),
+            };
+        }
+        t
+    }
+
+    /// A tree holding only the inodes in `inos` (those this view has) and the entries of
+    /// directories and of those inodes: enough to name them and compare them
+    /// (`diff::diff_trees`).
+    pub fn partial(&self, inos: &BTreeSet<u64>) -> Tree {
+        let dir = |v: &DirVal| v.1 & libc::S_IFMT == libc::S_IFDIR || inos.contains(&v.0);
+        Tree {
+            seq: Some(self.seq),
+            chunk_size: self.base.chunk_size,
+            inodes: inos
+                .iter()
+                .filter_map(|i| self.inode(*i).map(|t| (*i, t.clone())))
+                .collect(),
+            dirents: self
+                .dirents_where(dir)
+                .into_iter()
+                .collect::<BTreeMap<_, _>>(),
+        }
+    }
+}
+
+/// Inodes and entries that may differ between two views (a superset).
+#[derive(Debug, Default, Clone)]
+pub struct Changed {
+    pub inodes: BTreeSet<u64>,
+    pub dirents: BTreeSet<DirKey>,
+}
+
+impl Changed {
+    /// Every key of both trees (when nothing narrower is known).
+    pub fn all(a: &Tree, b: &Tree) -> Self {
+        Changed {
+            inodes: a.inodes.keys().chain(b.inodes.keys()).copied().collect(),
+            dirents: a.dirents.keys().chain(b.dirents.keys()).cloned().collect(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HistoryError {
+    #[error("load snapshot {seq}: {source}")]
+    Load { seq: u64, source: Box<RepoError> },
+    #[error("replay snapshot {seq}: {source}")]
+    Replay {
+        seq: u64,
+        source: super::format::FormatError,
+    },
+}
+
+/// See the module doc.
+#[derive(Debug, Default)]
+pub struct History {
+    tree: Tree,
+    /// Oldest first; each step's `from` is the one before's `seq`, the last's `seq` is the
+    /// tree's.
+    steps: VecDeque<Step>,
+    records: usize,
+}
+
+impl History {
+    /// Decodes the chain of `seq` (the one full decode).
+    pub fn load(repo: &Repo, seq: u64) -> Result<Self, HistoryError> {
+        let (tree, _) = repo.load_tree(seq).map_err(|e| HistoryError::Load {
+            seq,
+            source: Box::new(e),
+        })?;
+        Ok(History {
+            tree,
+            ..Default::default()
+        })
+    }
+
+    /// The snapshot the tree is at.
+    pub fn seq(&self) -> u64 {
+        self.tree.seq.unwrap_or(0)
+    }
+
+    pub fn tree(&self) -> &Tree {
+        &self.tree
+    }
+
+    /// Replays snapshot `seq` (just written by the checkpoint) onto the tree, keeping what
+    /// it replaced. `Ok(false)`: it does not follow the tree (the caller drops the history).
+    pub fn advance(&mut self, repo: &Repo, seq: u64) -> Result<bool, HistoryError> {
+        let (h, body) = repo.read_snapshot(seq).map_err(|e| HistoryError::Load {
+            seq,
+            source: Box::new(e),
+        })?;
+        let from = self.seq();
+        let mut step = Step {
+            seq,
+            from,
+            ..Default::default()
+        };
+        let replay = |e| HistoryError::Replay { seq, source: e };
+        if h.is_full() {
+            // A full snapshot (compaction) describes the same workspace: what it changed
+            // is found by comparing, once.
+            if h.prev != Some(from) {
+                return Ok(false);
+            }
+            let mut new = Tree::default();
+            new.apply(&h, body).map_err(replay)?;
+            for (k, v) in &self.tree.inodes {
+                if new.inodes.get(k) != Some(v) {
+                    step.inodes.insert(*k, Some(v.clone()));
+                }
+            }
+            for k in new.inodes.keys() {
+                if !self.tree.inodes.contains_key(k) {
+                    step.inodes.insert(*k, None);
+                }
+            }
+            for (k, v) in &self.tree.dirents {
+                if new.dirents.get(k) != Some(v) {
+                    step.dirents.insert(k.clone(), Some(*v));
+                }
+            }
+            for k in new.dirents.keys() {
+                if !self.tree.dirents.contains_key(k) {
+                    step.dirents.insert(k.clone(), None);
+                }
+            }
+            self.tree = new;
+        } else {
+            if h.parent != Some(from) {
+                return Ok(false);
+            }
+            for ino in body
+                .deleted
+                .iter()
+                .chain(body.inodes.iter().map(|r| &r.ino))
+            {
+                step.inodes
+                    .entry(*ino)
+                    .or_insert_with(|| self.tree.inodes.get(ino).cloned());
+            }
+            for k in body
+                .unlinked
+                .iter()
+                .cloned()
+                .chain(body.dirents.iter().map(|d| (d.parent, d.name.clone())))
+            {
+                let old = self.tree.dirents.get(&k).copied();
+                step.dirents.entry(k).or_insert(old);
+            }
+            self.tree.apply(&h, body).map_err(replay)?;
+        }
+        self.records += step.records();
+        self.steps.push_back(step);
+        while self.records > MAX_RECORDS {
+            match self.steps.pop_front() {
+                Some(s) => self.records -= s.records(),
+                None => break,
+            }
+        }
+        Ok(true)
+    }
+
+    /// Position of `seq` among the versions the window can show: 0 = the oldest step's
+    /// `from`, `steps.len()` = the tree.
+    fn position(&self, seq: u64) -> Option<usize> {
+        if seq == self.seq() {
+            return Some(self.steps.len());
+        }
+        match self.steps.iter().position(|s| s.seq == seq) {
+            Some(i) => Some(i + 1),
+            None => self.steps.front().filter(|s| s.from == seq).map(|_| 0),
+        }
+    }
+
+    /// Whether `seq` can be seen without decoding its chain.
+    pub fn has(&self, seq: u64) -> bool {
+        self.position(seq).is_some()
+    }
+
+    /// The tree as it was at `seq`; `None` outside the window.
+    pub fn view(&self, seq: u64) -> Option<View<'_>> {
+        let pos = self.position(seq)?;
+        let mut v = View::of(&self.tree);
+        v.seq = seq;
+        // Newest first, so the oldest step after `seq` has the last word.
+        for s in self.steps.iter().skip(pos).rev() {
+            for (k, old) in &s.inodes {
+                v.inodes.insert(*k, old.clone());
+            }
+            for (k, old) in &s.dirents {
+                v.dirents.insert(k.clone(), *old);
+            }
+        }
+        Some(v)
+    }
+
+    /// What may differ between snapshots `a` and `b` (both in the window).
+    pub fn changed(&self, a: u64, b: u64) -> Option<Changed> {
+        let (pa, pb) = (self.position(a)?, self.position(b)?);
+        let (lo, hi) = (pa.min(pb), pa.max(pb));
+        let mut c = Changed::default();
+        for s in self.steps.iter().skip(lo).take(hi - lo) {
+            c.inodes.extend(s.inodes.keys().copied());
+            c.dirents.extend(s.dirents.keys().cloned());
+        }
+        Some(c)
+    }
+}
+
+/// The inodes a diff must look at: the changed inodes and whatever the changed entries
+/// name on either side.
+pub fn diff_candidates(a: &View, b: &View, c: &Changed) -> BTreeSet<u64> {
+    let mut out = c.inodes.clone();
+    for (p, n) in &c.dirents {
+        for v in [a.dirent(*p, n), b.dirent(*p, n)].into_iter().flatten() {
+            out.insert(v.0);
+        }
+    }
+    out
+}
