@@ -20,6 +20,7 @@ pub mod fsck;
 pub mod gc;
 pub mod hydrate;
 pub mod lease;
+pub mod metrics;
 pub mod objstore;
 pub mod private;
 pub mod remote;
