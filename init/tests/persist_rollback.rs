@@ -5,7 +5,7 @@
 //! `keel fsck` is clean at the end. `keel diff` is compared with `diff -r` of the two
 //! snapshots restored side by side.
 
-mod common;
+mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -14,7 +14,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::process::Command;
 
-use common::{keel_bin, Keel};
+use support::mount::{keel_bin, Keel};
 
 /// What the model compares: kind, permission bits, bytes or target.
 type Tree = BTreeMap<String, (String, u32, Vec<u8>)>;
@@ -292,13 +292,17 @@ fn diff_lists_what_diff_r_of_the_restored_trees_finds() {
             &remote,
         ]);
         let mnt = k.scratch().join(format!("mnt-{id}"));
-        let child =
-            match common::spawn_mount(&st, &mnt, &[], &k.scratch().join(format!("{id}.log"))) {
-                common::MountOutcome::Mounted(c) => c,
-                common::MountOutcome::Exited { status, stderr } => {
-                    panic!("mount of restored snapshot {id}: {status}\n{stderr}")
-                }
-            };
+        let child = match support::mount::spawn_mount(
+            &st,
+            &mnt,
+            &[],
+            &k.scratch().join(format!("{id}.log")),
+        ) {
+            support::mount::MountOutcome::Mounted(c) => c,
+            support::mount::MountOutcome::Exited { status, stderr } => {
+                panic!("mount of restored snapshot {id}: {status}\n{stderr}")
+            }
+        };
         roots.push((mnt, child));
     }
     let out = Command::new("diff")
@@ -339,7 +343,7 @@ fn diff_lists_what_diff_r_of_the_restored_trees_finds() {
         // SIGTERM to our own child: it unmounts and exits.
         let _ = Command::new("kill").arg(child.id().to_string()).status();
         let _ = child.wait();
-        common::lazy_unmount(&mnt);
+        support::mount::lazy_unmount(&mnt);
     }
     k.stop();
     // diff -r sees bytes and names, not modes: every path it reports is in ours, and ours
