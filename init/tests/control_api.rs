@@ -3,7 +3,7 @@
 //! reveals nothing, 404 only with a good token), /health gating, checkpoint callbacks, the
 //! Unix socket, and robustness (oversized, malformed, slow and too many connections).
 
-mod control_support;
+mod support;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -13,11 +13,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use control_support::*;
 use keel::config::Config;
 use keel::control::{
     self, CheckpointReport, Control, MountState, PersistStatus, ServiceState, ServiceStatus,
 };
+use support::control::*;
 
 const TOKEN: &str = "t0ken-Very-Secret_123";
 

@@ -4,16 +4,15 @@
 //! fails cleanly once keel is gone, the token from the environment never reaches services, and
 //! control errors stop keel before it starts anything.
 
-mod control_support;
-mod pid1_support;
+mod support;
 
 use std::net::SocketAddr;
 use std::process::Command;
 use std::time::Duration;
 
-use control_support::*;
 use nix::sys::signal::Signal;
-use pid1_support::*;
+use support::control::*;
+use support::pid1::*;
 
 const TOKEN: &str = "e2e-token-0123456789";
 

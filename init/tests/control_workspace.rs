@@ -4,16 +4,15 @@
 //! finds the socket in the state dir, and a socket left by a killed keel does not stop the
 //! next one.
 
-mod control_support;
-mod pid1_support;
+mod support;
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 
-use control_support::*;
 use nix::sys::signal::Signal;
-use pid1_support::*;
+use support::control::*;
+use support::pid1::*;
 
 fn ws_config(state: &Path) -> String {
     format!(

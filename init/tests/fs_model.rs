@@ -2,7 +2,9 @@
 //! model (create / write at offset / copy_file_range / truncate / rename / link / unlink / mkdir / rmdir /
 //! chmod / xattr / fsync / remount) compared against an in-memory model after every step.
 
-mod common;
+mod support;
+
+use support::persist::{read_all, write_at};
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -49,28 +51,6 @@ fn split(path: &str) -> (&str, &str) {
     }
 }
 
-fn write_file(fs: &WorkspaceFs, ino: InodeNo, off: u64, data: &[u8]) {
-    let (fh, _) = fs.open(ino, libc::O_RDWR).unwrap();
-    assert_eq!(fs.write(ino, off, data).unwrap() as usize, data.len());
-    fs.flush(ino).unwrap();
-    fs.release(fh).unwrap();
-}
-
-fn read_all(fs: &WorkspaceFs, ino: InodeNo) -> Vec<u8> {
-    let (fh, _) = fs.open(ino, libc::O_RDONLY).unwrap();
-    let mut out = Vec::new();
-    let mut buf = Vec::new();
-    loop {
-        fs.read(ino, out.len() as u64, 1 << 16, &mut buf).unwrap();
-        if buf.is_empty() {
-            break;
-        }
-        out.extend_from_slice(&buf);
-    }
-    fs.release(fh).unwrap();
-    out
-}
-
 #[test]
 fn create_write_read_across_inline_and_body() {
     let dir = tempfile::tempdir().unwrap();
@@ -83,7 +63,7 @@ fn create_write_read_across_inline_and_body() {
     // Crosses inline_max (64): moves to a body file.
     fs.write(ino, 100, &[7u8; 200]).unwrap();
     fs.release(fh).unwrap();
-    let data = read_all(&fs, ino);
+    let data = read_all(&fs, ino).unwrap();
     assert_eq!(data.len(), 300);
     assert_eq!(&data[..5], b"hello");
     assert!(data[5..100].iter().all(|b| *b == 0));
@@ -127,7 +107,7 @@ fn new_files_with_passthrough_open_modes() {
     // (it counts a file as free only after making it, and stops at `want` free), so the
     // counts below are exact.
     let filled = |fs: &WorkspaceFs, want: usize| {
-        common::poll_for(std::time::Duration::from_secs(20), || {
+        support::mount::poll_for(std::time::Duration::from_secs(20), || {
             (fs.pooled_bodies() == want).then_some(())
         });
         assert_eq!(fs.pooled_bodies(), want, "the pool holds {want} free files");
@@ -143,7 +123,7 @@ fn new_files_with_passthrough_open_modes() {
         (Storage::Inline, 30),
         "small: back inline"
     );
-    assert_eq!(read_all(&fs, small), vec![1u8; 30]);
+    assert_eq!(read_all(&fs, small).unwrap(), vec![1u8; 30]);
     fs.shutdown().unwrap();
     drop(fs);
     assert_eq!(pooled(), POOL_FILL, "its body went back to the pool");
@@ -175,9 +155,9 @@ fn new_files_with_passthrough_open_modes() {
     fs.shutdown().unwrap();
     drop(fs);
     let fs = WorkspaceFs::new(dir.path(), opts()).expect("reopen workspace");
-    assert_eq!(read_all(&fs, small), vec![1u8; 30]);
-    assert_eq!(read_all(&fs, big), vec![2u8; inline_max + 1]);
-    assert_eq!(read_all(&fs, again), b"xyz");
+    assert_eq!(read_all(&fs, small).unwrap(), vec![1u8; 30]);
+    assert_eq!(read_all(&fs, big).unwrap(), vec![2u8; inline_max + 1]);
+    assert_eq!(read_all(&fs, again).unwrap(), b"xyz");
 
     let (_, fh, info) = fs
         .create(ROOT, InodeNo::ROOT, b"rw", 0o644, libc::O_RDWR)
@@ -250,7 +230,7 @@ fn closed_files_stay_loaded_within_a_bound_and_never_past_their_unlink() {
     );
     // A loaded file reopens with its bytes, the earliest (dropped) one too.
     for &i in [0, n - 1].iter() {
-        assert_eq!(read_all(&fs, inos[i]), vec![i as u8; 1000]);
+        assert_eq!(read_all(&fs, inos[i]).unwrap(), vec![i as u8; 1000]);
     }
     // Unlinked, a closed file lets go of its body at once; the body file itself goes to
     // the pool once the deletion is committed, on the discard thread (which holds it open
@@ -263,7 +243,7 @@ fn closed_files_stay_loaded_within_a_bound_and_never_past_their_unlink() {
     let at_name = dir
         .path()
         .join(format!("bodies/{:02x}/{:x}", last.0 & 0xff, last.0));
-    let settled = common::poll_for(std::time::Duration::from_secs(20), || {
+    let settled = support::mount::poll_for(std::time::Duration::from_secs(20), || {
         (!at_name.exists() && body_fds(dir.path()) == held - 1).then_some(())
     });
     assert!(
@@ -709,7 +689,7 @@ fn apply_real(fs: &WorkspaceFs, op: &Op) -> Result<(), FsError> {
             if fs.getattr(ino)?.inode.kind != Kind::File {
                 return Err(FsError::IsDir);
             }
-            write_file(fs, ino, *off, data);
+            write_at(fs, ino, *off, data);
             Ok(())
         }
         Op::Copy(a, ia, b, ib, n) => {
@@ -872,7 +852,7 @@ fn tree_matches_torn(fs: &WorkspaceFs, m: &Model, torn: &[Model]) -> Result<(), 
                     }
                     let (data, mode, xattrs) = &m.files[*id];
                     check_eq!(attr.size as usize, data.len(), "size of {p}");
-                    let got = read_all(fs, e.ino);
+                    let got = read_all(fs, e.ino).unwrap();
                     if torn.is_empty() || attr.storage != Storage::Body {
                         check_eq!(&got, data, "bytes of {p}");
                     } else if let Some(i) =
@@ -956,7 +936,8 @@ fn run_model(ops: &[Op]) {
                         // From here on the model holds the bytes that survived.
                         for (path, node) in m.paths.clone() {
                             if let MNode::File { id } = node {
-                                m.files[id].0 = read_all(&fs, resolve(&fs, &path).unwrap());
+                                m.files[id].0 =
+                                    read_all(&fs, resolve(&fs, &path).unwrap()).unwrap();
                             }
                         }
                     }

@@ -1,15 +1,15 @@
 //! Real-mount tests: POSIX behaviour of a `keel mount` seen through the kernel.
 //! Each test mounts its own workspace on temp dirs (see common/mod.rs for the gate and cleanup).
 
-mod common;
+mod support;
 
 use std::fs::{self, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{symlink, FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
-use common::sys::{self, Ts};
-use common::{assert_errno, pattern};
+use support::mount::{assert_errno, pattern};
+use support::sys::{self, Ts};
 
 /// An old, exact timestamp: set on an inode before an operation, any change is detectable
 /// without depending on the clock.
@@ -18,12 +18,12 @@ const SENTINEL_NS: i128 = 1_000_000_000 * 1_000_000_000;
 
 fn mtime_ns(p: &Path) -> i128 {
     let m = fs::symlink_metadata(p).unwrap();
-    common::ns(m.mtime(), m.mtime_nsec())
+    support::mount::ns(m.mtime(), m.mtime_nsec())
 }
 
 fn ctime_ns(p: &Path) -> i128 {
     let m = fs::symlink_metadata(p).unwrap();
-    common::ns(m.ctime(), m.ctime_nsec())
+    support::mount::ns(m.ctime(), m.ctime_nsec())
 }
 
 fn reset_times(p: &Path) {
@@ -41,7 +41,7 @@ fn ino(p: &Path) -> u64 {
 #[test]
 fn mount_is_fuse_and_empty() {
     let k = keel_or_skip!();
-    assert!(common::is_fuse_mount(&k.mnt));
+    assert!(support::mount::is_fuse_mount(&k.mnt));
     let md = fs::metadata(&k.mnt).unwrap();
     assert!(md.is_dir());
     assert_eq!(
@@ -1036,7 +1036,7 @@ fn files_created_write_only_keep_a_body_only_when_large() {
     drop(f);
     let mut s0 = small[0].clone();
     s0.extend_from_slice(b"appended");
-    let check = |k: &common::Keel| {
+    let check = |k: &support::mount::Keel| {
         assert_eq!(fs::read(k.p("s0")).unwrap(), s0);
         for (i, d) in small.iter().enumerate().skip(1) {
             assert_eq!(&fs::read(k.p(&format!("s{i}"))).unwrap(), d, "s{i}");
@@ -1084,7 +1084,7 @@ fn deleted_files_free_their_bodies_while_mounted() {
     }
     let wait_for = |n: usize| {
         let within = std::time::Duration::from_secs(10);
-        common::poll_for(within, || (named_bodies(&k.state) == n).then_some(n))
+        support::mount::poll_for(within, || (named_bodies(&k.state) == n).then_some(n))
             .unwrap_or_else(|| named_bodies(&k.state))
     };
     assert_eq!(wait_for(1), 1, "29 bodies freed, the open file's kept");

@@ -3,8 +3,7 @@
 //! from the remote on first read; with `[persist] prefetch = true` everything arrives in
 //! the background, after which the files read without the remote at all.
 
-mod common;
-mod persist_util;
+mod support;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt;
@@ -12,11 +11,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::Keel;
 use keel::meta::{Nanos, Store};
 use keel::persist::restore::{restore_with, RestoreMode};
 use keel::persist::{FsRemote, Persister, Remote, Repo};
-use persist_util::*;
+use support::mount::Keel;
+use support::persist::*;
 
 /// Path → bytes of every regular file of the source tree.
 fn source(remote_dir: &Path, src: &Path) -> BTreeMap<&'static str, Vec<u8>> {
@@ -93,7 +92,7 @@ fn lazy_state(
 
 #[test]
 fn lazily_restored_state_reads_through_the_kernel() {
-    if !common::fuse_available() {
+    if !support::mount::fuse_available() {
         return;
     }
     let tmp = tempfile::Builder::new()
@@ -137,7 +136,7 @@ fn lazily_restored_state_reads_through_the_kernel() {
 
 #[test]
 fn prefetch_fetches_everything_in_the_background() {
-    if !common::fuse_available() {
+    if !support::mount::fuse_available() {
         return;
     }
     let tmp = tempfile::Builder::new()

@@ -3,7 +3,7 @@
 //! type, mode, uid, gid, nlink, size, rdev, inode number, mtime and ctime in ns, xattrs, symlink
 //! targets, hard-link groups. (atime is checked separately: reads may legitimately update it.)
 
-mod common;
+mod support;
 
 use std::fs::{self, OpenOptions};
 use std::io::Write;
@@ -11,8 +11,8 @@ use std::os::unix::fs::{symlink, FileExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use common::sys::{self, Ts};
-use common::{assert_same_tree, pattern, snapshot, Keel};
+use support::mount::{assert_same_tree, pattern, snapshot, Keel};
+use support::sys::{self, Ts};
 
 /// A tree using every kind of metadata keel must keep. Returns after every file is closed.
 fn build_rich_tree(root: &Path) {
@@ -101,7 +101,7 @@ fn build_rich_tree(root: &Path) {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_secs() as i64;
-    let mut paths = common::walk(root);
+    let mut paths = support::mount::walk(root);
     paths.reverse();
     for (i, rel) in paths.iter().enumerate() {
         let i = i as i64;
@@ -116,7 +116,7 @@ fn build_rich_tree(root: &Path) {
 }
 
 fn atimes(root: &Path) -> Vec<(std::path::PathBuf, i64, i64)> {
-    let mut v: Vec<_> = common::walk(root)
+    let mut v: Vec<_> = support::mount::walk(root)
         .into_iter()
         .map(|rel| {
             let m = fs::symlink_metadata(root.join(&rel)).unwrap();

@@ -4,14 +4,15 @@
 //! while its connection stays alive (someone else holds the fd), whose dead mount the next
 //! `keel mount` aborts and detaches before anything can wait on it.
 
-mod common;
+mod support;
 
 use std::fs;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::time::Duration;
 
-use common::{pattern, sys};
+use support::mount::pattern;
+use support::sys;
 
 fn cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -117,7 +118,7 @@ fn dev_fuse_workers_serve_every_request_kind_from_every_cpu() {
     // Four workers, each reading its own fd: the connection's and three clones. fuser starts
     // its workers after the mount is up, so the count is polled (bounded), not read once.
     let pid = k.pid();
-    let seen = common::poll_for(std::time::Duration::from_secs(10), || {
+    let seen = support::mount::poll_for(std::time::Duration::from_secs(10), || {
         (fuse_workers(pid) == 4 && fuse_fds(pid).len() == 4).then_some(())
     });
     assert!(
@@ -128,9 +129,13 @@ fn dev_fuse_workers_serve_every_request_kind_from_every_cpu() {
         k.log_text()
     );
     workload(&k.mnt);
-    let before = common::snapshot(&k.mnt, false);
+    let before = support::mount::snapshot(&k.mnt, false);
     k.remount();
-    common::assert_same_tree(&before, &common::snapshot(&k.mnt, false), "after remount");
+    support::mount::assert_same_tree(
+        &before,
+        &support::mount::snapshot(&k.mnt, false),
+        "after remount",
+    );
     assert!(k.log_text().contains("fuse_requests="), "{}", k.log_text());
     assert!(
         k.log_text().contains("fuse_requests_unwaited="),
@@ -171,7 +176,10 @@ fn ends_cleanly_when_the_connection_ends(end: impl FnOnce(&Path)) {
         "keel did not exit 0 after its connection ended ({st:?}); log:\n{log}"
     );
     assert!(log.contains("unmounted from outside"), "{log}");
-    assert!(!common::is_fuse_mount(&k.mnt), "mount left behind:\n{log}");
+    assert!(
+        !support::mount::is_fuse_mount(&k.mnt),
+        "mount left behind:\n{log}"
+    );
     k.start_again();
     assert!(
         fs::read(k.p("a")).unwrap() == data,
@@ -230,7 +238,7 @@ fn dead_keel_with_a_live_connection_is_aborted_by_the_next_mount() {
     let held = sys::steal_fd(k.pid(), fd).expect("pidfd_getfd of keel's /dev/fuse");
     k.kill9_leave_mount();
     assert!(
-        common::is_fuse_mount(&k.mnt),
+        support::mount::is_fuse_mount(&k.mnt),
         "the dead mount is still there"
     );
 

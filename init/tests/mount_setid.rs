@@ -4,7 +4,7 @@
 //! by row (the table is printed). Needs root, /dev/fuse and an ext4 temp dir: without them it
 //! fails when CI is set and skips otherwise.
 
-mod common;
+mod support;
 
 use std::ffi::CString;
 use std::fs;

@@ -1,12 +1,13 @@
 //! Real-mount tests: large and sparse files, SEEK_DATA/SEEK_HOLE, fallocate, copy_file_range.
 
-mod common;
+mod support;
 
 use std::fs::{self, OpenOptions};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 
-use common::{assert_errno, pattern, sys};
+use support::mount::{assert_errno, pattern};
+use support::sys;
 
 const MIB: u64 = 1024 * 1024;
 const GIB: u64 = 1024 * MIB;

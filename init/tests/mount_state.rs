@@ -2,23 +2,26 @@
 //! refused with a one-line reason and left untouched; a full state volume gives the writer
 //! ENOSPC and the store stays usable.
 
-mod common;
+mod support;
 
 use std::collections::BTreeMap;
 use std::fs::{self, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use common::{errno, pattern, spawn_mount, sys, Keel, MountOutcome};
+use support::mount::{errno, pattern, spawn_mount, Keel, MountOutcome};
+use support::sys;
 
 /// path → (len, blake3) of every regular file under `dir`, plus directory names.
 fn file_digests(dir: &Path) -> BTreeMap<PathBuf, Option<(u64, blake3::Hash)>> {
-    common::walk(dir)
+    support::mount::walk(dir)
         .into_iter()
         .map(|rel| {
             let full = dir.join(&rel);
             let md = fs::symlink_metadata(&full).unwrap();
-            let v = md.is_file().then(|| (md.len(), common::hash_file(&full)));
+            let v = md
+                .is_file()
+                .then(|| (md.len(), support::mount::hash_file(&full)));
             (rel, v)
         })
         .collect()
@@ -57,13 +60,13 @@ fn expect_refused(state: &Path, scratch: &Path, what: &str) -> String {
     match spawn_mount(state, &mnt, &[], &log) {
         MountOutcome::Mounted(mut child) => {
             sys::kill(child.id(), libc::SIGTERM);
-            common::wait_timeout(&mut child, common::STOP_TIMEOUT);
-            common::lazy_unmount(&mnt);
+            support::mount::wait_timeout(&mut child, support::mount::STOP_TIMEOUT);
+            support::mount::lazy_unmount(&mnt);
             panic!("{what}: keel mounted it, expected a refusal");
         }
         MountOutcome::Exited { status, stderr } => {
             assert!(!status.success(), "{what}: keel exited 0 without mounting");
-            assert!(!common::is_fuse_mount(&mnt));
+            assert!(!support::mount::is_fuse_mount(&mnt));
             let text = stderr.trim();
             assert!(!text.is_empty(), "{what}: no reason printed");
             assert!(!text.contains("panicked"), "{what}: keel panicked:\n{text}");
@@ -97,7 +100,7 @@ fn second_mount_on_same_state_is_refused() {
 
 #[test]
 fn existing_empty_state_dir_is_accepted() {
-    if !common::fuse_available() {
+    if !support::mount::fuse_available() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -114,7 +117,7 @@ fn corrupt_state_dir_is_refused_and_left_untouched() {
     k.stop();
     // Corrupt every SQLite database in the state dir (keel's metadata store).
     let mut dbs = Vec::new();
-    for rel in common::walk(&k.state) {
+    for rel in support::mount::walk(&k.state) {
         let full = k.state.join(&rel);
         if !full.is_file() {
             continue;
@@ -128,7 +131,7 @@ fn corrupt_state_dir_is_refused_and_left_untouched() {
     assert!(
         !dbs.is_empty(),
         "no SQLite database found in the state dir (test needs updating?): {:?}",
-        common::walk(&k.state)
+        support::mount::walk(&k.state)
     );
     for db in &dbs {
         let f = OpenOptions::new().write(true).open(db).unwrap();
@@ -144,7 +147,7 @@ fn corrupt_state_dir_is_refused_and_left_untouched() {
 
 #[test]
 fn foreign_state_dir_is_refused_and_left_untouched() {
-    if !common::fuse_available() {
+    if !support::mount::fuse_available() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -168,13 +171,13 @@ fn foreign_state_dir_is_refused_and_left_untouched() {
 struct TmpfsGuard(PathBuf);
 impl Drop for TmpfsGuard {
     fn drop(&mut self) {
-        common::lazy_unmount(&self.0);
+        support::mount::lazy_unmount(&self.0);
     }
 }
 
 #[test]
 fn full_state_volume_gives_enospc_and_recovers() {
-    if !common::fuse_available() {
+    if !support::mount::fuse_available() {
         return;
     }
     // Drop order: keel unmounts, then the tmpfs volume, then its (empty) directory.

@@ -4,7 +4,7 @@
 //! in-memory remote to isolate hashing + metadata), restore throughput, and fsck time for a
 //! 100k-file tree.
 
-mod persist_util;
+mod support;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,7 +15,7 @@ use keel::persist::{
     restore, CheckpointOptions, FsRemote, MemRemote, PersistParams, Persister, Remote, Repo,
 };
 use keel::workspace::fs::{FsOptions, WorkspaceFs};
-use persist_util::*;
+use support::persist::*;
 
 const CS: u64 = 512 * 1024;
 

@@ -5,14 +5,14 @@
 //! a remote that fails at every possible step of a checkpoint (backlog reported, nothing lost
 //! once it is back).
 
-mod persist_util;
+mod support;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use keel::persist::fsck::{fsck, FsckOptions, Level};
 use keel::persist::{gc, restore, FsRemote, MemRemote, Remote, Repo};
-use persist_util::*;
+use support::persist::*;
 
 fn restore_dump(remote: Arc<dyn Remote>) -> std::collections::BTreeMap<String, String> {
     let dir = tempfile::tempdir().unwrap();

@@ -4,8 +4,7 @@
 //! the origin's chunks alone; the refusals say what is wrong. Over `file://` URLs (one
 //! store root per workspace directory) and over real S3 (moto), plus the `keel fork` CLI.
 
-mod persist_util;
-mod s3_util;
+mod support;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -25,7 +24,7 @@ use keel::persist::remote::PutMode;
 use keel::persist::{
     gc, open_remote, restore, CheckpointOptions, Counted, Persister, Remote, Repo,
 };
-use persist_util::*;
+use support::persist::*;
 
 fn open(url: &str, cfg: &PersistConfig) -> (Repo, Arc<Counted>) {
     let r = open_remote(url, cfg).unwrap_or_else(|e| panic!("open {url}: {e}"));
@@ -264,10 +263,10 @@ fn fork_file_urls() {
 
 #[test]
 fn fork_s3() {
-    let Some((_moto, port)) = s3_util::start_moto() else {
+    let Some((_moto, port)) = support::s3::start_moto() else {
         return;
     };
-    let cfg = s3_util::s3_config(port);
+    let cfg = support::s3::s3_config(port);
     scenario(
         |n| match n {
             "origin" => "s3://keel/team/origin".into(),

@@ -6,8 +6,7 @@
 //! the body write and its record refetches instead of showing zeros; truncates and whole
 //! window overwrites respect unfetched windows. Over `MemRemote` and over real S3 (moto).
 
-mod persist_util;
-mod s3_util;
+mod support;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,7 +18,7 @@ use keel::persist::hydrate::RemoteChunks;
 use keel::persist::restore::{restore, restore_with, RestoreMode};
 use keel::persist::{MemRemote, Remote, Repo};
 use keel::workspace::fs::{SetAttr, WorkspaceFs};
-use persist_util::*;
+use support::persist::*;
 
 /// Designed readahead: a sequential read fetches this many windows after its own.
 const READAHEAD: u64 = 4;
@@ -233,10 +232,10 @@ fn lazy_restore_fetches_on_demand_mem() {
 
 #[test]
 fn lazy_restore_fetches_on_demand_s3() {
-    let Some((_moto, port)) = s3_util::start_moto() else {
+    let Some((_moto, port)) = support::s3::start_moto() else {
         return;
     };
-    let cfg = s3_util::s3_config(port);
+    let cfg = support::s3::s3_config(port);
     let repo = keel::persist::open_remote("s3://keel", &cfg).unwrap();
     on_demand(repo.remote.clone());
 }

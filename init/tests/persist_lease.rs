@@ -8,9 +8,7 @@
 //! Every test uses the same distinctive secret key (set once for the whole binary), so any
 //! string a test sees can be checked for it.
 
-mod common;
-mod persist_util;
-mod s3_util;
+mod support;
 
 use std::path::Path;
 use std::sync::{Arc, Once};
@@ -19,8 +17,8 @@ use std::time::{Duration, Instant};
 use keel::config::{PersistConfig, Takeover, WorkspaceConfig};
 use keel::persist::lease::LeaseState;
 use keel::persist::{acquire_lease, open_remote, restore, CheckpointOptions, Persister, Service};
-use persist_util::*;
-use s3_util::{start_moto, Proxy};
+use support::persist::*;
+use support::s3::{start_moto, Proxy};
 
 const SECRET: &str = "KeelTestSecretKey0123456789abcdefXYZ";
 const KEY_ID: &str = "KEELTESTACCESSKEYID42";
@@ -427,7 +425,7 @@ fn persist_status(state: &Path) -> String {
 /// the holder named and nothing mounted; once the first stops (and releases) it mounts.
 #[test]
 fn keel_mount_twice_on_one_prefix() {
-    use common::{
+    use support::mount::{
         fuse_available, is_fuse_mount, lazy_unmount, spawn_mount, wait_timeout, MountOutcome,
     };
 
@@ -486,7 +484,7 @@ fn keel_mount_twice_on_one_prefix() {
     }
 
     // SIGTERM: final checkpoint, release; the second writer gets the lease at once.
-    common::sys::kill(first.id(), libc::SIGTERM);
+    support::sys::kill(first.id(), libc::SIGTERM);
     let st = wait_timeout(&mut first, Duration::from_secs(60));
     lazy_unmount(&m1);
     assert!(st.is_some_and(|s| s.success()), "first keel stop: {st:?}");
@@ -509,7 +507,7 @@ fn keel_mount_twice_on_one_prefix() {
 
     // Killed: the lease stays live. Another state dir is still refused, but a keel restarted
     // on the same state dir takes its own lease back at once (no takeover, no waiting).
-    common::sys::kill(second.id(), libc::SIGKILL);
+    support::sys::kill(second.id(), libc::SIGKILL);
     let _ = wait_timeout(&mut second, Duration::from_secs(30));
     lazy_unmount(&m2);
     let (s3, m3) = (tmp.path().join("s3"), tmp.path().join("m3"));
@@ -536,7 +534,7 @@ fn keel_mount_twice_on_one_prefix() {
         status.contains("lease: held") && status.contains("epoch 3"),
         "{status}"
     );
-    common::sys::kill(second.id(), libc::SIGTERM);
+    support::sys::kill(second.id(), libc::SIGTERM);
     let st = wait_timeout(&mut second, Duration::from_secs(60));
     lazy_unmount(&m2);
     assert!(st.is_some_and(|s| s.success()), "second keel stop: {st:?}");

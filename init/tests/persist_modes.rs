@@ -12,8 +12,7 @@
 //! each pass and puts it back; keep it the only test here (other test binaries run as other
 //! processes).
 
-mod common;
-mod persist_util;
+mod support;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -29,7 +28,7 @@ use keel::config::PersistConfig;
 use keel::persist::hydrate::RemoteChunks;
 use keel::persist::restore::{restore, restore_with, RestoreMode};
 use keel::persist::{acquire_lease, fork::fork, gc, open_remote, Persister};
-use persist_util::*;
+use support::persist::*;
 
 /// What a walk saw: entries by kind and name pattern, and every mode that is not private.
 #[derive(Default)]
@@ -238,7 +237,7 @@ fn library_pass(tmp: &Path, walk: &mut Walk) {
 }
 
 fn keel(args: &[&str]) -> std::process::Output {
-    let out = Command::new(common::keel_bin())
+    let out = Command::new(support::mount::keel_bin())
         .args(args)
         .output()
         .expect("run keel");
@@ -275,7 +274,7 @@ fn mount_pass(premade: bool, walk: &mut Walk) {
     .unwrap();
     let c = cfg.to_str().unwrap().to_string();
     let s = state.to_str().unwrap().to_string();
-    let mut k = common::Keel::start_in(tmp, state.clone(), &["--config", &c]);
+    let mut k = support::mount::Keel::start_in(tmp, state.clone(), &["--config", &c]);
     std::fs::create_dir(k.p("d")).unwrap();
     std::fs::write(k.p("d/small"), b"small").unwrap();
     let mut f = std::fs::OpenOptions::new()
@@ -340,7 +339,7 @@ fn run_pass(walk: &mut Walk) {
         ws = ws.display(),
         r = ready.display()
     );
-    let mut child = Command::new(common::keel_bin())
+    let mut child = Command::new(support::mount::keel_bin())
         .arg("run")
         .arg("--config")
         .arg(&cfg)
@@ -350,12 +349,12 @@ fn run_pass(walk: &mut Walk) {
         .stderr(std::fs::File::create(base.join("keel.log")).unwrap())
         .spawn()
         .expect("spawn keel run");
-    let up = common::poll_for(Duration::from_secs(60), || ready.exists().then_some(()));
+    let up = support::mount::poll_for(Duration::from_secs(60), || ready.exists().then_some(()));
     let log = || std::fs::read_to_string(base.join("keel.log")).unwrap_or_default();
     if up.is_none() {
         let _ = child.kill();
         let _ = child.wait();
-        common::lazy_unmount(&ws);
+        support::mount::lazy_unmount(&ws);
         panic!(
             "keel run: the main command never got ready; log:\n{}",
             log()
@@ -368,9 +367,9 @@ fn run_pass(walk: &mut Walk) {
         nix::sys::signal::Signal::SIGTERM,
     )
     .unwrap();
-    let st = common::wait_timeout(&mut child, Duration::from_secs(60));
-    if common::is_fuse_mount(&ws) {
-        common::lazy_unmount(&ws);
+    let st = support::mount::wait_timeout(&mut child, Duration::from_secs(60));
+    if support::mount::is_fuse_mount(&ws) {
+        support::mount::lazy_unmount(&ws);
     }
     assert!(st.is_some(), "keel run did not stop; log:\n{}", log());
     walk.tree("run-state", &state);
@@ -383,8 +382,8 @@ fn run_pass(walk: &mut Walk) {
 #[test]
 fn state_and_remote_are_private_under_umask_000_and_022() {
     // Checked first: without root and /dev/fuse the binary pass is skipped (it panics when
-    // CI is set, see `common::fuse_available`).
-    let fuse = common::fuse_available();
+    // CI is set, see `support::mount::fuse_available`).
+    let fuse = support::mount::fuse_available();
     for mask in [0o000, 0o022] {
         let old = umask(Mode::from_bits_truncate(mask));
         println!("umask {mask:03o}:");

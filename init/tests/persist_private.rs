@@ -4,8 +4,7 @@
 //! with one log line each, and a start on a private one walks nothing. Also prints what the
 //! tightening walk costs per entry, and what the check costs on a private root.
 
-mod common;
-mod persist_util;
+mod support;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
@@ -14,7 +13,7 @@ use std::time::Instant;
 
 use keel::persist::private::{loose_paths, secure_dir};
 use keel::persist::{open_remote, Persister};
-use persist_util::*;
+use support::persist::*;
 
 fn chmod(p: &Path, m: u32) {
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
@@ -57,7 +56,7 @@ fn loosen_all(root: &Path) {
 }
 
 fn keel(args: &[&str]) -> (i32, String) {
-    let out = Command::new(common::keel_bin())
+    let out = Command::new(support::mount::keel_bin())
         .args(args)
         .output()
         .expect("run keel");
@@ -174,7 +173,7 @@ fn fsck_warns_about_loose_modes_and_repair_fixes_them() {
 
 #[test]
 fn a_start_tightens_what_an_older_keel_left_once() {
-    if !common::fuse_available() {
+    if !support::mount::fuse_available() {
         return;
     }
     let tmp = tempfile::Builder::new()
@@ -198,7 +197,7 @@ fn a_start_tightens_what_an_older_keel_left_once() {
     )
     .unwrap();
     let c = cfg.to_str().unwrap().to_string();
-    let mut k = common::Keel::start_in(tmp, state.clone(), &["--config", &c]);
+    let mut k = support::mount::Keel::start_in(tmp, state.clone(), &["--config", &c]);
     assert_eq!(std::fs::read(k.p("d/small")).unwrap(), b"small");
     let log = k.log_text();
     let lines: Vec<&str> = log.lines().filter(|l| l.contains("tightened")).collect();
@@ -290,14 +289,14 @@ fn someone_elses_directory_is_left_alone() {
         assert_eq!(mode_of(&d.join(".bashrc")), 0o644);
         assert_eq!(mode_of(&d.join("sub/notes")), 0o644);
     }
-    if common::fuse_available() {
+    if support::mount::fuse_available() {
         let log = tmp.path().join("keel.log");
-        match common::spawn_mount(&home, &tmp.path().join("mnt"), &[], &log) {
-            common::MountOutcome::Exited { status, stderr } => {
+        match support::mount::spawn_mount(&home, &tmp.path().join("mnt"), &[], &log) {
+            support::mount::MountOutcome::Exited { status, stderr } => {
                 assert!(!status.success());
                 assert!(stderr.contains("not a keel state dir"), "{stderr}");
             }
-            common::MountOutcome::Mounted(_) => panic!("mounted someone else's directory"),
+            support::mount::MountOutcome::Mounted(_) => panic!("mounted someone else's directory"),
         }
         assert_eq!(mode_of(&home), 0o755);
         assert_eq!(mode_of(&home.join(".bashrc")), 0o644);

@@ -4,7 +4,7 @@
 //! leaves a state dir that is never taken for a workspace and that the next restore
 //! recognises and starts over.
 
-mod persist_util;
+mod support;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
@@ -14,7 +14,7 @@ use keel::meta::{Nanos, Store};
 use keel::persist::fsck::{fsck, FsckOptions};
 use keel::persist::restore::{self, RestoreMode, UNFINISHED};
 use keel::persist::{MemRemote, Remote, Repo};
-use persist_util::*;
+use support::persist::*;
 
 /// A remote holding the rich tree plus a directory of 300 small files, and its dump.
 fn source() -> (

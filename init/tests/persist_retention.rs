@@ -6,7 +6,7 @@
 //! checkpoint and gc (here `keel gc` reaches it over its socket).
 //! No root or /dev/fuse needed: the workspace is driven through `WorkspaceFs` directly.
 
-mod persist_util;
+mod support;
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use keel::config::{PersistConfig, WorkspaceConfig};
 use keel::persist::{open_remote, snapshots, CheckpointOptions, Persister, Repo, Service};
-use persist_util::*;
+use support::persist::*;
 
 /// Each round rewrites `big` whole: 16 chunks of its own.
 const BIG: usize = 16 * CHUNK as usize;

@@ -5,7 +5,7 @@
 //! `keel fsck` is clean at the end. `keel diff` is compared with `diff -r` of the two
 //! snapshots restored side by side.
 
-mod common;
+mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -14,7 +14,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::process::Command;
 
-use common::{keel_bin, Keel};
+use support::mount::{keel_bin, Keel};
 
 /// What the model compares: kind, permission bits, bytes or target.
 type Tree = BTreeMap<String, (String, u32, Vec<u8>)>;
@@ -292,13 +292,17 @@ fn diff_lists_what_diff_r_of_the_restored_trees_finds() {
             &remote,
         ]);
         let mnt = k.scratch().join(format!("mnt-{id}"));
-        let child =
-            match common::spawn_mount(&st, &mnt, &[], &k.scratch().join(format!("{id}.log"))) {
-                common::MountOutcome::Mounted(c) => c,
-                common::MountOutcome::Exited { status, stderr } => {
-                    panic!("mount of restored snapshot {id}: {status}\n{stderr}")
-                }
-            };
+        let child = match support::mount::spawn_mount(
+            &st,
+            &mnt,
+            &[],
+            &k.scratch().join(format!("{id}.log")),
+        ) {
+            support::mount::MountOutcome::Mounted(c) => c,
+            support::mount::MountOutcome::Exited { status, stderr } => {
+                panic!("mount of restored snapshot {id}: {status}\n{stderr}")
+            }
+        };
         roots.push((mnt, child));
     }
     let out = Command::new("diff")
@@ -339,7 +343,7 @@ fn diff_lists_what_diff_r_of_the_restored_trees_finds() {
         // SIGTERM to our own child: it unmounts and exits.
         let _ = Command::new("kill").arg(child.id().to_string()).status();
         let _ = child.wait();
-        common::lazy_unmount(&mnt);
+        support::mount::lazy_unmount(&mnt);
     }
     k.stop();
     // diff -r sees bytes and names, not modes: every path it reports is in ours, and ours
@@ -363,7 +367,7 @@ fn diff_lists_what_diff_r_of_the_restored_trees_finds() {
 /// (`compact_every = 3` makes every third one full), and with rollbacks in between.
 #[test]
 fn diff_from_the_history_equals_diff_of_decoded_trees() {
-    if !common::fuse_available() {
+    if !support::mount::fuse_available() {
         return;
     }
     let tmp = tempfile::Builder::new()
@@ -444,7 +448,7 @@ fn api_rollback_takes_writes_still_in_the_kernel_cache() {
     use std::os::unix::fs::FileExt;
     use std::os::unix::net::UnixStream;
     use std::time::Duration;
-    if !common::fuse_available() {
+    if !support::mount::fuse_available() {
         return;
     }
     let tmp = tempfile::Builder::new()
@@ -474,7 +478,7 @@ fn api_rollback_takes_writes_still_in_the_kernel_cache() {
         .spawn()
         .expect("spawn keel run");
     let log = || fs::read_to_string(base.join("keel.log")).unwrap_or_default();
-    let up = common::poll_for(Duration::from_secs(60), || ready.exists().then_some(()));
+    let up = support::mount::poll_for(Duration::from_secs(60), || ready.exists().then_some(()));
     let post = |path: &str| {
         let mut s = UnixStream::connect(state.join("control.sock")).expect("control socket");
         s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
@@ -524,9 +528,9 @@ fn api_rollback_takes_writes_still_in_the_kernel_cache() {
         nix::unistd::Pid::from_raw(child.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
     );
-    let st = common::wait_timeout(&mut child, Duration::from_secs(60));
-    if common::is_fuse_mount(&ws) {
-        common::lazy_unmount(&ws);
+    let st = support::mount::wait_timeout(&mut child, Duration::from_secs(60));
+    if support::mount::is_fuse_mount(&ws) {
+        support::mount::lazy_unmount(&ws);
     }
     if let Err(e) = result {
         std::panic::resume_unwind(e);
@@ -606,7 +610,7 @@ fn rollback_restart_stops_and_starts_the_main_command() {
     };
     let cfg_s = cfg.to_str().unwrap();
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let up = common::poll_for(Duration::from_secs(60), || {
+        let up = support::mount::poll_for(Duration::from_secs(60), || {
             (pids().len() == 1).then_some(())
         });
         assert!(
@@ -626,7 +630,7 @@ fn rollback_restart_stops_and_starts_the_main_command() {
         ]))
         .unwrap();
         assert_eq!(v["restarted"], true, "{v}");
-        let again = common::poll_for(Duration::from_secs(30), || {
+        let again = support::mount::poll_for(Duration::from_secs(30), || {
             (pids().len() == 2).then_some(())
         });
         assert!(
@@ -640,7 +644,7 @@ fn rollback_restart_stops_and_starts_the_main_command() {
             "the first main process {first} still runs"
         );
         assert!(!ws.join("extra").exists(), "the rollback left a later file");
-        let runs = common::poll_for(Duration::from_secs(10), || {
+        let runs = support::mount::poll_for(Duration::from_secs(10), || {
             (fs::read_to_string(ws.join("runs")).unwrap_or_default() == "started\nstarted\n")
                 .then_some(())
         });
@@ -658,9 +662,9 @@ fn rollback_restart_stops_and_starts_the_main_command() {
         nix::unistd::Pid::from_raw(child.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
     );
-    let st = common::wait_timeout(&mut child, Duration::from_secs(60));
-    if common::is_fuse_mount(&ws) {
-        common::lazy_unmount(&ws);
+    let st = support::mount::wait_timeout(&mut child, Duration::from_secs(60));
+    if support::mount::is_fuse_mount(&ws) {
+        support::mount::lazy_unmount(&ws);
     }
     if let Err(e) = result {
         std::panic::resume_unwind(e);

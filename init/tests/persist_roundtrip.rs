@@ -3,12 +3,12 @@
 //! snapshots, across deltas and compactions; a restore over a flipped chunk byte fails
 //! naming the chunk.
 
-mod persist_util;
+mod support;
 
 use std::sync::Arc;
 
 use keel::persist::{restore, MemRemote, Remote, Repo};
-use persist_util::*;
+use support::persist::*;
 
 fn restore_into(
     remote: Arc<dyn Remote>,

@@ -5,8 +5,7 @@
 //! Needs `moto_server` and python3 with boto3 (`pip install "moto[server]"`); without them
 //! the test prints a skip line, or panics when `KEEL_REQUIRE_S3` is set.
 
-mod persist_util;
-mod s3_util;
+mod support;
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -14,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use keel::persist::repo::Head;
 use keel::persist::{open_remote, restore, Counted, PersistParams, Persister, Remote, RemoteError};
-use persist_util::*;
-use s3_util::{s3_config, start_moto};
+use support::persist::*;
+use support::s3::{s3_config, start_moto};
 
 #[test]
 fn s3_checkpoint_restore_gc_and_stale_head() {

@@ -1,10 +1,10 @@
 //! `keel run` black-box: exit codes, missing/non-executable commands, working directories,
 //! the inherited signal mask and ignored set, [init] settings, and config errors.
 
-mod pid1_support;
+mod support;
 
 use nix::sys::signal::Signal;
-use pid1_support::*;
+use support::pid1::*;
 
 #[test]
 fn exit_codes_0_to_255_pass_through() {

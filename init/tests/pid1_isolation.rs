@@ -6,10 +6,10 @@
 //! checkpoint` still work from inside over the control socket, for whom `[control] group`
 //! allows; a mount keel makes after the start still reaches the sandbox (PID 1).
 
-mod pid1_support;
+mod support;
 
-use pid1_support::*;
 use std::path::Path;
+use support::pid1::*;
 
 const FILE_SECRET: &str = "file-secret-Zq8Xw2";
 const ENV_SECRET: &str = "env-secret-Pk4Rt7";

@@ -2,11 +2,11 @@
 //! of the whole namespace are reaped, leftovers are killed with kill(-1) at the grace
 //! deadline, and the hostname is set in keel's own UTS namespace.
 
-mod pid1_support;
+mod support;
 
 use nix::sys::signal::Signal;
-use pid1_support::*;
 use std::time::{Duration, Instant};
+use support::pid1::*;
 
 fn pid1(init: &str, rest: &str, argv: &[&str]) -> Option<Keel> {
     if !require_root("PID-1 namespace test") {

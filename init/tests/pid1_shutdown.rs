@@ -2,11 +2,11 @@
 //! grace deadline, a second stop signal escalating, reverse dependency order, readiness
 //! probes gating dependents, and restart policies with backoff.
 
-mod pid1_support;
+mod support;
 
 use nix::sys::signal::Signal;
-use pid1_support::*;
 use std::time::{Duration, Instant};
+use support::pid1::*;
 
 /// Sends SIGTERM once the main command runs; returns (exit code, time from the signal).
 fn term_and_wait(k: &mut Keel) -> (i32, Duration) {

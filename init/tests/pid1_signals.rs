@@ -2,11 +2,11 @@
 //! main service, group vs process forwarding of a pipeline, orphans reaped with no zombie
 //! left, and leftover processes stopped before keel exits.
 
-mod pid1_support;
+mod support;
 
 use nix::sys::signal::Signal;
-use pid1_support::*;
 use std::time::Duration;
+use support::pid1::*;
 
 #[test]
 fn every_catchable_signal_reaches_the_child() {

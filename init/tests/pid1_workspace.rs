@@ -2,11 +2,11 @@
 //! what the main command writes survives keel's exit and a fresh mount, the stop flushes and
 //! unmounts, and sandboxed processes cannot unmount the workspace.
 
-mod pid1_support;
+mod support;
 
 use nix::sys::signal::Signal;
-use pid1_support::*;
 use std::path::Path;
+use support::pid1::*;
 
 /// A config mounting the workspace at $D/ws with state in `state` (kept across runs).
 fn ws_config(state: &Path) -> String {

@@ -342,7 +342,7 @@ impl Persister {
         let r = self.take_checkpoint(opts);
         let done = r.as_ref().ok();
         let outcome = done.map(|r| (r.seq.is_some(), r.chunks_uploaded, r.chunk_bytes_uploaded));
-        crate::control::metrics::persist::checkpoint(outcome, t0.elapsed());
+        super::metrics::checkpoint(outcome, t0.elapsed());
         r
     }
 

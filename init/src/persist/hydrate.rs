@@ -135,7 +135,7 @@ impl Hydrator {
                 })?;
             n += len as u64;
         }
-        crate::control::metrics::persist::hydrated(idx.len(), n);
+        super::metrics::hydrated(idx.len(), n);
         Ok(n)
     }
 }

@@ -21,6 +21,7 @@ pub mod gc;
 pub mod history;
 pub mod hydrate;
 pub mod lease;
+pub mod metrics;
 pub mod objstore;
 pub mod private;
 pub mod remote;

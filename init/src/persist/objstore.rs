@@ -140,7 +140,7 @@ where
                 let sleep = policy.backoff(retry);
                 let late = deadline.is_some_and(|d| Instant::now() + sleep >= d);
                 let give_up = retry + 1 >= policy.attempts || late;
-                crate::control::metrics::persist::remote_error(op, &e, !give_up);
+                super::metrics::remote_error(op, &e, !give_up);
                 if give_up {
                     return Err(match e {
                         RemoteError::Temporary { op, key, reason } => RemoteError::Temporary {
@@ -161,7 +161,7 @@ where
                 retry += 1;
             }
             Err(e) => {
-                crate::control::metrics::persist::remote_error(op, &e, false);
+                super::metrics::remote_error(op, &e, false);
                 return Err(e);
             }
             r => return r,

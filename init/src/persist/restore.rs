@@ -407,7 +407,7 @@ fn fetch_bodies(
             report.bytes_fetched += r.len() as u64;
         }
         let (chunks, bytes) = (report.chunks_fetched, report.bytes_fetched);
-        crate::control::metrics::persist::restore_progress(chunks, bytes, wanted.len());
+        super::metrics::restore_progress(chunks, bytes, wanted.len());
         if open.len() > 256 {
             open.clear();
         }

@@ -144,6 +144,37 @@ pub fn redact(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::credentials;
+
+    /// The one test in this process that loads a credentials file (the load is process-wide):
+    /// the values it holds are redacted from error strings.
+    #[test]
+    fn values_from_the_loaded_file_are_redacted_from_error_strings() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("creds");
+        std::fs::write(
+            &f,
+            "AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI-file-secret\nAWS_SESSION_TOKEN='tok/en+value=='\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let c = credentials::load(&f).unwrap();
+        assert_eq!(c.get("AWS_SESSION_TOKEN"), Some("tok/en+value=="));
+        assert!(credentials::loaded().is_some());
+        let msg = "put chunks/ab: Error performing PUT http://h/b/k in 3ms - Server returned non-2xx status code: 403: signature for wJalrXUtnFEMI-file-secret with token tok/en+value== does not match";
+        let r = redact(msg);
+        assert!(!r.contains("wJalrXUtnFEMI-file-secret"), "{r}");
+        assert!(!r.contains("tok/en+value=="), "{r}");
+        assert!(
+            r.contains("[redacted]") && r.contains("status code: 403"),
+            "{r}"
+        );
+        assert_eq!(
+            credentials::value("AWS_SESSION_TOKEN").as_deref(),
+            Some("tok/en+value==")
+        );
+    }
 
     #[test]
     fn backoff_is_bounded_and_jittered() {

@@ -24,7 +24,7 @@ use fuser::{
     WriteFlags,
 };
 
-use crate::control::metrics::fuse::{self as fuse_metrics, Op};
+use super::metrics::{self as fuse_metrics, Op};
 
 use super::fs::{
     Attr, Caller, FsError, OpenInfo, SetAttr, SetIdLoss, SetTime, WorkspaceFs, XattrReply,

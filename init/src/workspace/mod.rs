@@ -6,6 +6,7 @@ pub mod cli;
 pub mod fs;
 pub mod fuse;
 pub mod live;
+pub mod metrics;
 pub mod session;
 
 pub use session::{mount, mount_persistent, Mounted, MountedHandle, SessionError};

@@ -13,7 +13,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::persist::remote::RemoteError;
+use super::remote::RemoteError;
 
 type Labels1 = [(&'static str, &'static str); 1];
 type Labels2 = [(&'static str, &'static str); 2];
@@ -48,7 +48,7 @@ static M: LazyLock<Persist> = LazyLock::new(|| Persist {
 });
 
 /// Adds the persistence metrics to `r` (names without `_total`: the encoder adds it).
-pub(super) fn register(r: &mut Registry) {
+pub fn register(r: &mut Registry) {
     let m = &*M;
     r.register(
         "keel_checkpoints",

@@ -10,10 +10,7 @@
 //! `KEEL_TEST_BIN` overrides the binary (e.g. `ci/dev/fake-keel` to develop the harness).
 //! Timeouts here only bound how long a hung daemon is waited for; no outcome depends on them.
 
-#![allow(dead_code)] // each test crate uses a different subset
-
-pub mod sys;
-
+use super::sys;
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::fs;
@@ -50,13 +47,13 @@ pub fn fuse_available() -> bool {
 #[macro_export]
 macro_rules! keel_or_skip {
     () => {
-        match $crate::common::Keel::start(&[]) {
+        match $crate::support::mount::Keel::start(&[]) {
             Some(k) => k,
             None => return,
         }
     };
     ($($arg:expr),+ $(,)?) => {
-        match $crate::common::Keel::start(&[$($arg),+]) {
+        match $crate::support::mount::Keel::start(&[$($arg),+]) {
             Some(k) => k,
             None => return,
         }

@@ -2,7 +2,6 @@
 //! `keel`, killed when the guard drops, and a `[persist]` config that points at it.
 //! Without `moto_server` `start_moto` prints a skip line and returns `None`, or panics
 //! when `KEEL_REQUIRE_S3` is set (CI sets it).
-#![allow(dead_code)]
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};

@@ -1,7 +1,6 @@
 //! Shared helpers for the control API tests: a deliberately independent, minimal HTTP client
 //! over real TCP and Unix sockets (so the server is checked against bytes, not against its
 //! own parser), and JSON access.
-#![allow(dead_code)]
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};

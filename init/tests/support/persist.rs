@@ -1,7 +1,6 @@
 //! Helpers shared by the persist tests: a workspace opened without a kernel, tree
 //! building, a full dump of a tree (paths, inode numbers, metadata, xattrs, bytes) for
 //! comparisons, and checkpoint plumbing over a counted remote.
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::ops::Range;

@@ -1,7 +1,6 @@
 //! Shared helpers for the PID-1 integration tests: start the built `keel` binary with a config
 //! in a temp dir, capture its stderr, poll for outcomes with deadlines, and never leave a
 //! process behind (a failed test kills keel's whole tree).
-#![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;
@@ -159,16 +158,9 @@ pub fn start_with(config_text: &str, argv: &[&str], opts: Opts) -> Keel {
     }
 }
 
-/// Polls `f` until it returns Some or `LIMIT` passes.
-pub fn poll<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let end = Instant::now() + LIMIT;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+/// Polls `f` until it returns Some; panics naming `what` after `LIMIT`.
+pub fn poll<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
+    super::mount::poll_for(LIMIT, f).unwrap_or_else(|| panic!("timed out waiting for {what}"))
 }
 
 impl Keel {

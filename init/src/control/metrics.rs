@@ -6,8 +6,8 @@
 //! series; the persistence gauges published through the status model appear only once
 //! persistence has published them. Units are in the names (`_seconds`, `_bytes`).
 
-pub mod fuse;
-pub mod persist;
+use crate::persist::metrics as persist;
+use crate::workspace::metrics as fuse;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
