@@ -456,8 +456,10 @@ EOF
 # of a good git repo, an "agent" breaks the repo (objects deleted, a file garbled, one removed,
 # junk added), the host rolls the live /workspace back with POST /rollback while the container
 # runs, and git fsck, the files and `git status` are clean again; the rollback can be undone.
+# Then the sandboxed command itself runs keel snapshot create / diff / rollback / list (the
+# state dir is covered there: they go through the control socket).
 case_agent_rollback() {
-    local c="$prefix-agent" code logs undo
+    local c="$prefix-agent" code logs undo i
     cat >"$tmp/agent.toml" <<'EOF'
 [control]
 listen = "127.0.0.1:8788"
@@ -471,6 +473,16 @@ EOF
         mkdir -p src && seq 1 2000 > src/main.txt
         git add -A && git commit -q -m good
         echo READY
+        # The same commands from inside the sandbox (the state dir is covered here, so they
+        # go through the control socket): once the host touches /tmp/go.
+        while [ ! -e /tmp/go ]; do sleep 0.1; done
+        (set -e; cd /workspace; test ! -e /var/lib/keel/meta.db
+         keel snapshot create --name inside -m "from the sandbox"
+         echo new > inside.txt
+         keel diff inside | tee /dev/stderr | grep -q "^A /inside.txt"
+         keel rollback inside; test ! -e inside.txt
+         keel snapshot list | grep -q "inside") >/tmp/inside.out 2>&1
+        echo $? >/tmp/inside.rc
         exec sleep infinity' >/dev/null 2>"$tmp/agent-run.err" || { fail "container did not start"; show "$tmp/agent-run.err" run; return; }
     api() {   # api METHOD PATH → prints the status code; body in $tmp/api-body
         pm exec "$c" curl -s -m 60 -o /dev/stdout -w '\n%{http_code}' -X "$1" \
@@ -501,6 +513,11 @@ EOF
         else
             fail "the rollback's answer names no undo snapshot: $(head -c 300 "$tmp/api-body")"
         fi
+        pm exec "$c" touch /tmp/go
+        for ((i = 0; i < 300; i++)); do pm exec "$c" test -e /tmp/inside.rc && break; sleep 0.2; done
+        pm exec "$c" cat /tmp/inside.out >"$tmp/inside.out" 2>&1
+        [ "$(pm exec "$c" cat /tmp/inside.rc 2>/dev/null)" = 0 ] \
+            || { fail "keel snapshot create / diff / rollback / list from inside the sandbox"; show "$tmp/inside.out" inside; }
     else
         fail "the agent's repo was not made"
     fi

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use keel::persist::agent_cmd::{self, DiffOptions};
+use keel::persist::agent_cmd::DiffOptions;
 
 use super::{persist_config, report};
 
@@ -29,7 +29,7 @@ pub struct DiffArgs {
 pub fn main(config: Option<&Path>, a: DiffArgs) -> i32 {
     report("diff", || {
         let cfg = persist_config(config, a.state.as_deref(), None, None)?;
-        let out = agent_cmd::diff(
+        let out = keel::control::agent_client::diff(
             &cfg,
             &DiffOptions {
                 from: a.from,

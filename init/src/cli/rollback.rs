@@ -3,7 +3,6 @@
 use std::path::{Path, PathBuf};
 
 use keel::persist::agent::Rollback;
-use keel::persist::agent_cmd;
 
 use super::{persist_config, print_json, report};
 
@@ -29,7 +28,7 @@ pub struct RollbackArgs {
 pub fn main(config: Option<&Path>, a: RollbackArgs) -> i32 {
     report("rollback", || {
         let cfg = persist_config(config, a.state.as_deref(), None, None)?;
-        let v = agent_cmd::rollback(
+        let v = keel::control::agent_client::rollback(
             &cfg,
             &Rollback {
                 to: a.to,

@@ -3,7 +3,6 @@
 use std::path::{Path, PathBuf};
 
 use keel::persist::agent::SnapshotCreate;
-use keel::persist::agent_cmd;
 
 use super::{persist_config, print_json, progress, report, Failed};
 
@@ -72,7 +71,10 @@ pub fn main(config: Option<&Path>, c: SnapshotCommand) -> i32 {
             json,
         } => {
             let cfg = persist_config(config, state.as_deref(), None, None)?;
-            let v = agent_cmd::snapshot_create(&cfg, &SnapshotCreate { name, message })?;
+            let v = keel::control::agent_client::snapshot_create(
+                &cfg,
+                &SnapshotCreate { name, message },
+            )?;
             if json {
                 print_json(&v);
             } else {
@@ -86,12 +88,10 @@ pub fn main(config: Option<&Path>, c: SnapshotCommand) -> i32 {
             json,
         } => {
             let cfg = persist_config(config, state.as_deref(), remote.as_deref(), None)?;
-            let l = agent_cmd::snapshot_list(&cfg)?;
-            if json {
-                print_json(&l);
-            } else {
-                println!("{}", keel::persist::snapshots::render(&l));
-            }
+            println!(
+                "{}",
+                keel::control::agent_client::snapshot_list(&cfg, json)?
+            );
             Ok(0)
         }
         SnapshotCommand::Delete {
@@ -100,7 +100,7 @@ pub fn main(config: Option<&Path>, c: SnapshotCommand) -> i32 {
             remote,
         } => {
             let cfg = persist_config(config, state.as_deref(), remote.as_deref(), None)?;
-            for n in agent_cmd::snapshot_delete(&cfg, &what)? {
+            for n in keel::control::agent_client::snapshot_delete(&cfg, &what)? {
                 println!("deleted name {n}");
             }
             Ok(0)

@@ -34,6 +34,17 @@ pub enum ClientError {
 
 /// Sends `METHOD route` over the Unix socket at `path`; returns the status code and body.
 pub fn request(path: &Path, method: &str, route: &str) -> Result<(u16, String), ClientError> {
+    request_within(path, method, route, TIMEOUT)
+}
+
+/// `request` with its own read and write timeout (a rollback with `restart=1` waits for the
+/// main command to stop).
+pub fn request_within(
+    path: &Path,
+    method: &str,
+    route: &str,
+    timeout: Duration,
+) -> Result<(u16, String), ClientError> {
     let p = || path.to_path_buf();
     let mut s = UnixStream::connect(path).map_err(|source| match source.kind() {
         io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => {
@@ -42,8 +53,8 @@ pub fn request(path: &Path, method: &str, route: &str) -> Result<(u16, String), 
         io::ErrorKind::PermissionDenied => ClientError::Denied { path: p() },
         _ => ClientError::Connect { path: p(), source },
     })?;
-    let _ = s.set_read_timeout(Some(TIMEOUT));
-    let _ = s.set_write_timeout(Some(TIMEOUT));
+    let _ = s.set_read_timeout(Some(timeout));
+    let _ = s.set_write_timeout(Some(timeout));
     let req = format!(
         "{method} {route} HTTP/1.1\r\nHost: keel\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
     );

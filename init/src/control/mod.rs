@@ -5,6 +5,7 @@
 //! `metrics` is the Prometheus exposition; `client` is `keel status`. Everything here runs on
 //! its own threads and never blocks the supervisor.
 
+pub mod agent_client;
 pub mod api;
 pub mod auth;
 pub mod client;

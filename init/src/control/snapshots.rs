@@ -90,6 +90,9 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
     match (req.method.as_str(), req.path.as_str()) {
         (_, "/snapshots") if get => {
             match repo().and_then(|r| snapshots::list(&r).map_err(|e| e.to_string())) {
+                Ok(l) if param(q, "format").as_deref() == Some("text") => {
+                    Response::text(200, &format!("{}\n", snapshots::render(&l)))
+                }
                 Ok(l) => json(200, &serde_json::to_value(&l).unwrap_or_default()),
                 Err(e) => error_for(e),
             }
@@ -124,6 +127,9 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
                     to: to.clone(),
                 });
                 return match agent.agent(op) {
+                    Ok(v) if param(q, "format").as_deref() == Some("text") => {
+                        Response::text(200, v["text"].as_str().unwrap_or_default())
+                    }
                     Ok(v) => json(200, &v["diff"]),
                     Err(e) => error_for(e),
                 };

@@ -1,0 +1,159 @@
+//! The agent commands (`keel snapshot create|list|delete`, `keel diff`, `keel rollback`)
+//! from wherever they are typed: through the running keel's `persist.sock` when the state
+//! dir is visible (`persist::agent_cmd`, which also works on a stopped state dir), and
+//! otherwise through the control API's Unix socket. Inside the sandbox the state dir is
+//! covered by an empty tmpfs, so there the control socket (`/run/keel/control.sock`, root
+//! and keel's user only) is the way in: the same routes, the same checks as `GET /snapshots`
+//! and `POST /rollback` over HTTP.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::client::{request_within, ClientError};
+use crate::config::Config;
+use crate::persist::agent::{Rollback, SnapshotCreate};
+use crate::persist::agent_cmd::{self, DiffOptions};
+use crate::persist::snapshots;
+
+/// A rollback with `restart` waits for the main command to stop: allow for it.
+const API_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// The control socket to use, when the state dir's `persist.sock` is not visible and the
+/// control API's socket is.
+fn api_socket(cfg: &Config) -> Option<PathBuf> {
+    let persist_sock = cfg
+        .workspace
+        .state_dir
+        .join(crate::persist::control::SOCKET_NAME);
+    if persist_sock.exists() {
+        return None;
+    }
+    let s = super::default_socket(cfg);
+    s.exists().then_some(s)
+}
+
+/// Percent-encodes a query value (everything but RFC 3986's unreserved characters).
+fn enc(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for b in v.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// One request; the body on 200, else the API's `error` (or the body) as the error.
+fn call(sock: &PathBuf, method: &str, route: &str) -> Result<String, String> {
+    let (code, body) = request_within(sock, method, route, API_TIMEOUT).map_err(|e| match e {
+        ClientError::Denied { .. } => {
+            format!("{e} (the control socket admits root, keel's user and [control] group only)")
+        }
+        e => e.to_string(),
+    })?;
+    if code == 200 {
+        return Ok(body);
+    }
+    let why = serde_json::from_str::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v["error"].as_str().map(str::to_string))
+        .unwrap_or_else(|| body.trim().to_string());
+    Err(why)
+}
+
+fn json(body: &str) -> Result<serde_json::Value, String> {
+    serde_json::from_str(body).map_err(|e| format!("unexpected answer from keel: {e}"))
+}
+
+pub fn snapshot_create(cfg: &Config, c: &SnapshotCreate) -> Result<serde_json::Value, String> {
+    let Some(sock) = api_socket(cfg) else {
+        return agent_cmd::snapshot_create(cfg, c);
+    };
+    if let Some(n) = &c.name {
+        snapshots::check_name(n).map_err(|e| e.to_string())?;
+    }
+    let mut route = format!("/snapshots?message={}", enc(&c.message));
+    if let Some(n) = &c.name {
+        route.push_str(&format!("&name={}", enc(n)));
+    }
+    json(&call(&sock, "POST", &route)?)
+}
+
+/// The listing, as JSON or as the text table.
+pub fn snapshot_list(cfg: &Config, as_json: bool) -> Result<String, String> {
+    let Some(sock) = api_socket(cfg) else {
+        let l = agent_cmd::snapshot_list(cfg)?;
+        return Ok(if as_json {
+            serde_json::to_string_pretty(&l).expect("listing serialises")
+        } else {
+            snapshots::render(&l)
+        });
+    };
+    let route = if as_json {
+        "/snapshots"
+    } else {
+        "/snapshots?format=text"
+    };
+    Ok(call(&sock, "GET", route)?.trim_end().to_string())
+}
+
+/// The names removed.
+pub fn snapshot_delete(cfg: &Config, what: &str) -> Result<Vec<String>, String> {
+    let Some(sock) = api_socket(cfg) else {
+        return agent_cmd::snapshot_delete(cfg, what);
+    };
+    let v = json(&call(
+        &sock,
+        "DELETE",
+        &format!("/snapshots/{}", enc(what)),
+    )?)?;
+    Ok(v["deleted"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|n| n.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+pub fn diff(cfg: &Config, o: &DiffOptions) -> Result<String, String> {
+    let Some(sock) = api_socket(cfg) else {
+        return agent_cmd::diff(cfg, o);
+    };
+    let mut route = format!("/diff?from={}", enc(&o.from));
+    if let Some(t) = &o.to {
+        route.push_str(&format!("&to={}", enc(t)));
+    }
+    if let Some(p) = &o.path {
+        route.push_str(&format!("&path={}", enc(p)));
+    } else if !o.json {
+        route.push_str("&format=text");
+    }
+    call(&sock, "GET", &route)
+}
+
+pub fn rollback(cfg: &Config, r: &Rollback) -> Result<serde_json::Value, String> {
+    let Some(sock) = api_socket(cfg) else {
+        return agent_cmd::rollback(cfg, r);
+    };
+    let mut route = format!("/rollback?to={}", enc(&r.to));
+    if r.restart {
+        route.push_str("&restart=1");
+    }
+    json(&call(&sock, "POST", &route)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::enc;
+
+    #[test]
+    fn query_values_are_percent_encoded() {
+        assert_eq!(enc("before-step_3.x~"), "before-step_3.x~");
+        assert_eq!(enc("tests pass & more=1"), "tests%20pass%20%26%20more%3D1");
+        assert_eq!(enc("é/"), "%C3%A9%2F");
+    }
+}
