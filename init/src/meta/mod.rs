@@ -963,6 +963,16 @@ impl Tx<'_> {
         Ok((n.max(0) as u64, b.max(0) as u64))
     }
 
+    /// The highest inode number in the table (0: none); an index lookup, no scan (fsck's
+    /// sample draws from 1..=this).
+    pub fn max_ino(&self) -> Result<u64> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT coalesce(max(ino), 0) FROM inode")?
+            .query_row([], |r| r.get::<_, i64>(0))?
+            .max(0) as u64)
+    }
+
     /// Every inode (for fsck and tests).
     pub fn all_inodes(&self) -> Result<Vec<Inode>> {
         let mut st = self.conn.prepare_cached(concat!(
