@@ -33,7 +33,10 @@ use crate::meta::{
 use crate::sys;
 
 mod lazy;
+mod nodes;
 mod rollback;
+
+use nodes::NodeMap;
 
 pub use rollback::{Inval, RollbackPlan, RollbackReport, RollbackTarget, Target, TargetData};
 
@@ -423,7 +426,7 @@ enum Handle {
 
 struct Inner {
     store: Store,
-    nodes: HashMap<InodeNo, Node>,
+    nodes: NodeMap<Node>,
     handles: HashMap<u64, Handle>,
     next_fh: u64,
     /// Bodies of deleted inodes, handed to a background thread (`None` after shutdown).
@@ -622,7 +625,7 @@ impl<'a> Batch<'a> {
     }
 
     /// Writes an inode (and, for an open file, its inline bytes and dirty windows).
-    fn save(&mut self, nodes: &HashMap<InodeNo, Node>, inode: &Inode) -> FsResult<()> {
+    fn save(&mut self, nodes: &NodeMap<Node>, inode: &Inode) -> FsResult<()> {
         if let Some(of) = nodes.get(&inode.ino).and_then(|n| n.open.as_ref()) {
             if inode.storage == Storage::Body {
                 of.name_body()?;
@@ -642,7 +645,7 @@ impl<'a> Batch<'a> {
         Ok(())
     }
 
-    fn commit(self, nodes: &mut HashMap<InodeNo, Node>) -> FsResult<()> {
+    fn commit(self, nodes: &mut NodeMap<Node>) -> FsResult<()> {
         self.tx.commit()?;
         for inode in self.saved {
             if let Some(of) = nodes.get_mut(&inode.ino).and_then(|n| n.open.as_mut()) {
@@ -822,7 +825,7 @@ impl WorkspaceFs {
         pool.request_fill();
         let inner = Arc::new(Mutex::new(Inner {
             store,
-            nodes: HashMap::new(),
+            nodes: NodeMap::new(),
             handles: HashMap::new(),
             next_fh: 1,
             discard: Some(discard_tx),
@@ -1127,13 +1130,8 @@ impl WorkspaceFs {
         let node = inner.nodes.get_mut(&ino).expect("node present");
         if node.lookups == 0 {
             let inode = inner.store.read().get(ino)?;
+            // The table gives its memory back by itself (see `nodes`).
             inner.nodes.remove(&ino);
-            // Give back the table's memory once the kernel has forgotten most of what it
-            // held (a find over a large tree, then memory pressure); amortised O(1).
-            let cap = inner.nodes.capacity();
-            if cap > 4096 && inner.nodes.len() < cap / 4 {
-                inner.nodes.shrink_to(inner.nodes.len() * 2);
-            }
             // Already deleted (unlinked while nobody had it open) or still linked: done.
             if inode.is_some_and(|i| i.nlink == 0) {
                 self.purge(inner, ino)?;
