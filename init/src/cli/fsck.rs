@@ -20,7 +20,7 @@ pub struct FsckArgs {
     #[arg(long)]
     repair: bool,
     /// Check a sample, in a time independent of the workspace's size: the directories
-    /// touched by the last 256 changes, the root and 32 random directories (entries, link
+    /// of up to 256 changes since the last checkpoint, the root and 32 random directories (entries, link
     /// counts, parents up to the root, bodies, up to 64 windows re-hashed), the running
     /// totals against the last snapshot's header, the remote's snapshot header chains and up
     /// to 256 chunks of the sampled files. No SQLite integrity check, no whole-table checks
@@ -55,7 +55,7 @@ pub fn main(config: Option<&Path>, a: FsckArgs) -> i32 {
         }
         if let Some(s) = &r.sample {
             println!(
-                "fsck --quick checked a sample: {} directories (the root, those of the last {} changes, up to 32 at random), {} snapshot headers; keel fsck without --quick checks everything",
+                "fsck --quick checked a sample: {} directories (the root, those of {} changes since the last checkpoint, up to 32 at random), {} snapshot headers; keel fsck without --quick checks everything",
                 s.dirs, s.changed, s.snapshots
             );
         }

@@ -2,8 +2,8 @@
 //!
 //! Local: the root is a directory; the running inode totals are consistent (and, when
 //! nothing changed since the last checkpoint, equal the totals in that snapshot's header);
-//! a sample of directories, namely every directory touched by the last `CHANGES` recorded
-//! changes, the root, and `RANDOM_DIRS` drawn at random, gets the full per-directory checks:
+//! a sample of directories, namely those of up to `CHANGES` inodes and `CHANGES` entries
+//! changed since the last checkpoint (the lowest-numbered), the root, and `RANDOM_DIRS` drawn at random, gets the full per-directory checks:
 //! each entry names an existing inode of the right kind with a link, subdirectories point
 //! back at it, its link count matches, it is named by its parent all the way up to the
 //! root, symlinks have targets, and the bodies of its files exist with the right size and
