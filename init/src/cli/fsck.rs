@@ -19,7 +19,12 @@ pub struct FsckArgs {
     /// Fix what can be fixed without losing data
     #[arg(long)]
     repair: bool,
-    /// Skip re-hashing local bodies and downloading remote chunks
+    /// Check a sample, in a time independent of the workspace's size: the directories
+    /// of up to 256 changes since the last checkpoint, the root and 32 random directories (entries, link
+    /// counts, parents up to the root, bodies, up to 64 windows re-hashed), the running
+    /// totals against the last snapshot's header, the remote's snapshot header chains and up
+    /// to 256 chunks of the sampled files. No SQLite integrity check, no whole-table checks
+    /// (unreachable inodes, file link counts, orphan bodies). With --repair: the full check
     #[arg(long)]
     quick: bool,
     /// Do not check the remote
@@ -46,6 +51,12 @@ pub fn main(config: Option<&Path>, a: FsckArgs) -> i32 {
                 "{lvl}: {}{}",
                 f.what,
                 if f.repaired { " [repaired]" } else { "" }
+            );
+        }
+        if let Some(s) = &r.sample {
+            println!(
+                "fsck --quick checked a sample: {} directories (the root, those of {} changes since the last checkpoint, up to 32 at random), {} snapshot headers; keel fsck without --quick checks everything",
+                s.dirs, s.changed, s.snapshots
             );
         }
         println!(

@@ -300,6 +300,22 @@ mod tests {
     }
 
     #[test]
+    fn meta_cache_is_a_size_within_bounds() {
+        let c = Config::parse("[workspace]\nmeta_cache = \"8MiB\"\n", Path::new("x.toml")).unwrap();
+        assert_eq!(c.workspace.meta_cache, 8 << 20);
+        for bad in ["\"512KiB\"", "\"2GiB\"", "\"lots\""] {
+            let err = Config::parse(
+                &format!("[workspace]\nmeta_cache = {bad}\n"),
+                Path::new("x.toml"),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("workspace.meta_cache"), "{err}");
+            assert_eq!(err.lines().count(), 1, "{err}");
+        }
+    }
+
+    #[test]
     fn service_keys_are_named() {
         let p = Path::new("c.toml");
         let err = Config::parse(

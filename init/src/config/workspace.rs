@@ -104,6 +104,9 @@ pub struct WorkspaceConfig {
     /// Chunk window for checkpoints (power of two, 64 KiB – 8 MiB).
     #[serde(with = "size_str")]
     pub chunk_size: u64,
+    /// Ceiling of SQLite's page cache on each connection to meta.db (1 MiB – 1 GiB).
+    #[serde(with = "size_str")]
+    pub meta_cache: u64,
     pub on_fuse_unavailable: FuseUnavailable,
 }
 
@@ -123,6 +126,7 @@ impl Default for WorkspaceConfig {
             removed_ring_sched: None,
             inline_max: 4096,
             chunk_size: 512 * 1024,
+            meta_cache: 32 << 20,
             on_fuse_unavailable: FuseUnavailable::Fail,
         }
     }
@@ -166,6 +170,12 @@ impl WorkspaceConfig {
                     "{} must be a power of two between 64KiB and 8MiB",
                     self.chunk_size
                 ),
+            );
+        }
+        if !(1 << 20..=1 << 30).contains(&self.meta_cache) {
+            return bad(
+                "meta_cache",
+                format!("{} must be between 1MiB and 1GiB", self.meta_cache),
             );
         }
         if self.inline_max > 64 * 1024 {

@@ -22,7 +22,7 @@ pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -220,6 +220,20 @@ impl DirCache {
     }
 }
 
+/// Ceiling of SQLite's page cache per connection, KiB (`[workspace] meta_cache`).
+static CACHE_KIB: AtomicU32 = AtomicU32::new(32 * 1024);
+
+/// Sets the page cache ceiling of every connection opened from now on in this process (and
+/// caps `limit_cache`). Set once, before the workspace opens its store.
+pub fn set_cache_ceiling(bytes: u64) {
+    let kib = (bytes / 1024).clamp(1024, u64::from(u32::MAX)) as u32;
+    CACHE_KIB.store(kib, Ordering::SeqCst);
+}
+
+fn cache_ceiling_kib() -> u32 {
+    CACHE_KIB.load(Ordering::SeqCst)
+}
+
 /// Writers on connections without group commit that are waiting to start a transaction, in
 /// this process: a grouping store commits its open group as soon as it sees one, and stops
 /// grouping until they are through.
@@ -291,13 +305,15 @@ impl Store {
         })
     }
 
-    /// Caps this connection's SQLite page cache at `kib` KiB (the schema default is 32 MiB,
-    /// sized for the filesystem's connection). A connection that reads the database once
+    /// Caps this connection's SQLite page cache at `kib` KiB (never above the ceiling,
+    /// `set_cache_ceiling`, 32 MiB unless configured). A connection that reads the database once
     /// per pass, like the checkpointer's, gains little from more: its pages stay in the
     /// kernel's page cache anyway.
     pub fn limit_cache(&self, kib: u32) -> Result<()> {
-        self.conn
-            .execute_batch(&format!("PRAGMA cache_size=-{kib}"))?;
+        self.conn.execute_batch(&format!(
+            "PRAGMA cache_size=-{}",
+            kib.min(cache_ceiling_kib())
+        ))?;
         Ok(())
     }
 
@@ -965,6 +981,16 @@ impl Tx<'_> {
             .prepare_cached("SELECT live, bytes FROM inode_totals")?
             .query_row([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
         Ok((n.max(0) as u64, b.max(0) as u64))
+    }
+
+    /// The highest inode number in the table (0: none); an index lookup, no scan (fsck's
+    /// sample draws from 1..=this).
+    pub fn max_ino(&self) -> Result<u64> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT coalesce(max(ino), 0) FROM inode")?
+            .query_row([], |r| r.get::<_, i64>(0))?
+            .max(0) as u64)
     }
 
     /// Every inode (for fsck and tests).

@@ -15,8 +15,12 @@ pub(super) fn configure(conn: &Connection) -> rusqlite::Result<()> {
          PRAGMA wal_autocheckpoint=4000;
          PRAGMA foreign_keys=OFF;
          PRAGMA temp_store=MEMORY;
-         PRAGMA cache_size=-32768;",
+         PRAGMA mmap_size=0;",
     )?;
+    conn.execute_batch(&format!(
+        "PRAGMA cache_size=-{}",
+        super::cache_ceiling_kib()
+    ))?;
     // Reading one row forces SQLite to look at the file header.
     conn.query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))?;
     Ok(())

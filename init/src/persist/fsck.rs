@@ -3,11 +3,13 @@
 //! Local: SQLite's integrity check; the running inode totals match the table; every entry
 //! names an existing inode of the right kind in an existing directory; link counts and
 //! directory parents agree with the entries; every directory is reachable from the root;
-//! bodies exist with the size the metadata says; chunk maps fit their files, and (unless
-//! `quick`) every window not changed since the last checkpoint still hashes to its
-//! recorded chunk. Remote: the manifest, head and snapshot chains decode; every chunk the
-//! head and the local state reference exists and
-//! (unless `quick`) hashes to its name.
+//! bodies exist with the size the metadata says; chunk maps fit their files, and every
+//! window not changed since the last checkpoint still hashes to its recorded chunk.
+//! Remote: the manifest, head and snapshot chains decode; every chunk the head and the
+//! local state reference exists and hashes to its name. All of it reads every row.
+//!
+//! `quick` (without `repair`) checks a sample instead, at a cost independent of the
+//! workspace's size: see [`quick`].
 //!
 //! Modes: every file and directory of the state dir and of a local `file://` remote that
 //! group or others may access is a warning (`repair` makes it 0600/0700).
@@ -32,7 +34,11 @@ use super::remote::PutMode;
 use super::repo::Repo;
 use crate::chunk::chunker::{window_count, window_range};
 use crate::chunk::{BodyStore, ChunkId};
-use crate::meta::{Inode, InodeNo, Kind, MetaError, Nanos, Storage, Store};
+pub use quick::Sample;
+
+mod quick;
+
+use crate::meta::{ChunkRow, Inode, InodeNo, Kind, MetaError, Nanos, Storage, Store, Tx};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FsckError {
@@ -65,6 +71,8 @@ pub struct FsckReport {
     pub windows_hashed: u64,
     pub chunks_checked: u64,
     pub elapsed_s: f64,
+    /// `quick`: what was sampled (the counts above are of the sample).
+    pub sample: Option<Sample>,
 }
 
 impl FsckReport {
@@ -92,7 +100,8 @@ impl FsckReport {
 #[derive(Clone, Default)]
 pub struct FsckOptions {
     pub repair: bool,
-    /// Skip re-hashing local bodies and downloading remote chunks.
+    /// Check a sample, at a cost independent of the workspace's size (see `quick`);
+    /// ignored with `repair`.
     pub quick: bool,
     pub chunk_size: u64,
     /// The remote to check too.
@@ -119,6 +128,11 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
     }
     let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
     let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| bad(e.to_string()))?;
+    if opts.quick && !opts.repair {
+        rep.sample = Some(quick::check(&store, &bodies, &mut rep, opts)?);
+        rep.elapsed_s = t0.elapsed().as_secs_f64();
+        return Ok(rep);
+    }
     for p in store.integrity_check()? {
         rep.add(Level::Error, format!("sqlite integrity: {p}"), false);
     }
@@ -485,6 +499,13 @@ fn check_bodies(
         "local file bodies checked",
         Some(inodes.values().filter(is_body).count() as u64),
     );
+    let ctx = BodyCtx {
+        cs,
+        maps_fit: map_cs == Some(cs),
+        unclean,
+        repair: opts.repair,
+    };
+    let mut budget = u64::MAX;
     for i in inodes.values().filter(is_body) {
         rep.bodies += 1;
         crate::progress::set(rep.bodies);
@@ -492,7 +513,56 @@ fn check_bodies(
         if !present.contains(&ino.0) && lazy_files.contains(&ino) {
             continue;
         }
-        if !present.contains(&ino.0) {
+        let skip = |idx: u64| dirty.contains(&(ino, idx)) || missing.contains(&(ino, idx));
+        if opts.quick {
+            budget = 0;
+        }
+        check_body(
+            bodies,
+            i,
+            maps.get(&ino).map(|m| m.as_slice()),
+            &skip,
+            &ctx,
+            &mut budget,
+            rep,
+            tx.as_ref(),
+        )?;
+    }
+    if let Some(tx) = tx {
+        tx.commit()?;
+    }
+    Ok(())
+}
+
+/// What checking one file's body needs besides the file.
+struct BodyCtx {
+    cs: u64,
+    /// The chunk maps were made with `cs` (else their window numbers mean other ranges).
+    maps_fit: bool,
+    /// keel was killed while mounted: a window that no longer hashes to its chunk was
+    /// written without a record, not damaged.
+    unclean: bool,
+    repair: bool,
+}
+
+/// One file's body (`i` has `Storage::Body`): present unless `i` is empty, no longer or
+/// shorter than `i.size`, a chunk map that fits, and up to `budget` windows not `skip`ped
+/// (dirty or not fetched yet) re-hashed against their recorded chunk.
+#[allow(clippy::too_many_arguments)]
+fn check_body(
+    bodies: &BodyStore,
+    i: &Inode,
+    map: Option<&[ChunkRow]>,
+    skip: &dyn Fn(u64) -> bool,
+    ctx: &BodyCtx,
+    budget: &mut u64,
+    rep: &mut FsckReport,
+    tx: Option<&Tx>,
+) -> Result<(), FsckError> {
+    let ino = i.ino;
+    let len = match bodies.stat(ino.0) {
+        Ok(Some((l, _))) => l,
+        Ok(None) => {
             if i.size > 0 {
                 rep.add(
                     Level::Error,
@@ -503,107 +573,104 @@ fn check_bodies(
                     false,
                 );
             }
-            continue;
+            return Ok(());
         }
-        let len = bodies
-            .stat(ino.0)
-            .ok()
-            .flatten()
-            .map(|(l, _)| l)
-            .unwrap_or(0);
-        if len > i.size {
+        Err(_) => 0,
+    };
+    if len > i.size {
+        rep.add(
+            Level::Warning,
+            format!("file {}: body holds {} bytes past its size {} (writes never acknowledged; trimmed at next open)", ino.0, len - i.size, i.size),
+            false,
+        );
+    } else if len < i.size {
+        rep.add(
+            Level::Warning,
+            format!(
+                "file {}: body is {} bytes shorter than its size {} (reads as zeros)",
+                ino.0,
+                i.size - len,
+                i.size
+            ),
+            false,
+        );
+    }
+    let cs = ctx.cs;
+    let nwin = window_count(i.size, cs);
+    let Some(map) = map else { return Ok(()) };
+    if !ctx.maps_fit {
+        return Ok(());
+    }
+    if map.iter().any(|(x, _)| *x >= nwin) {
+        if let Some(tx) = tx {
+            tx.truncate_file_chunks(ino, nwin)?;
+        }
+        rep.add(
+            Level::Note,
+            format!("file {}: chunk map longer than the file", ino.0),
+            ctx.repair,
+        );
+    }
+    if *budget == 0 {
+        return Ok(());
+    }
+    let f = match std::fs::File::open(bodies.path(ino.0)) {
+        Ok(f) => f,
+        Err(e) => {
             rep.add(
-                Level::Warning,
-                format!("file {}: body holds {} bytes past its size {} (writes never acknowledged; trimmed at next open)", ino.0, len - i.size, i.size),
+                Level::Error,
+                format!("file {}: cannot read body: {e}", ino.0),
                 false,
             );
-        } else if len < i.size {
-            rep.add(
-                Level::Warning,
-                format!(
-                    "file {}: body is {} bytes shorter than its size {} (reads as zeros)",
-                    ino.0,
-                    i.size - len,
-                    i.size
-                ),
-                false,
-            );
+            return Ok(());
         }
-        let nwin = window_count(i.size, cs);
-        let Some(map) = maps.get(&ino) else { continue };
-        if map_cs != Some(cs) {
+    };
+    let mut unrecorded = false;
+    for (idx, id) in map.iter().filter(|(x, _)| *x < nwin) {
+        if skip(*idx) {
             continue;
         }
-        if map.iter().any(|(x, _)| *x >= nwin) {
-            if let Some(tx) = &tx {
-                tx.truncate_file_chunks(ino, nwin)?;
+        if *budget == 0 {
+            break;
+        }
+        *budget -= 1;
+        let range = window_range(*idx, i.size, cs);
+        let mut buf = vec![0u8; (range.end - range.start) as usize];
+        let mut n = 0;
+        while n < buf.len() {
+            match f.read_at(&mut buf[n..], range.start + n as u64) {
+                Ok(0) => break,
+                Ok(k) => n += k,
+                Err(_) => break,
             }
-            rep.add(
-                Level::Note,
-                format!("file {}: chunk map longer than the file", ino.0),
-                opts.repair,
-            );
         }
-        if opts.quick {
-            continue;
-        }
-        let f = match std::fs::File::open(bodies.path(ino.0)) {
-            Ok(f) => f,
-            Err(e) => {
+        rep.windows_hashed += 1;
+        let actual = if crate::chunk::chunker::is_zero(&buf) {
+            None
+        } else {
+            Some(ChunkId::of(&buf).0)
+        };
+        if actual != *id {
+            if ctx.unclean {
+                unrecorded = true;
+            } else {
                 rep.add(
                     Level::Error,
-                    format!("file {}: cannot read body: {e}", ino.0),
+                    format!("file {}: window {idx} no longer matches its checkpointed chunk (local body damaged or written behind keel's back)", ino.0),
                     false,
                 );
-                continue;
             }
-        };
-        let mut unrecorded = false;
-        for (idx, id) in map.iter().filter(|(x, _)| *x < nwin) {
-            if dirty.contains(&(ino, *idx)) || missing.contains(&(ino, *idx)) {
-                continue;
-            }
-            let range = window_range(*idx, i.size, cs);
-            let mut buf = vec![0u8; (range.end - range.start) as usize];
-            let mut n = 0;
-            while n < buf.len() {
-                match f.read_at(&mut buf[n..], range.start + n as u64) {
-                    Ok(0) => break,
-                    Ok(k) => n += k,
-                    Err(_) => break,
-                }
-            }
-            rep.windows_hashed += 1;
-            let actual = if crate::chunk::chunker::is_zero(&buf) {
-                None
-            } else {
-                Some(ChunkId::of(&buf).0)
-            };
-            if actual != *id {
-                if unclean {
-                    unrecorded = true;
-                } else {
-                    rep.add(
-                        Level::Error,
-                        format!("file {}: window {idx} no longer matches its checkpointed chunk (local body damaged or written behind keel's back)", ino.0),
-                        false,
-                    );
-                }
-            }
-        }
-        if unrecorded {
-            if let Some(tx) = &tx {
-                tx.mark_whole_file_dirty(ino, nwin)?;
-            }
-            rep.add(
-                Level::Warning,
-                format!("file {}: written after the last checkpoint without a record (keel was killed); re-hashed at the next checkpoint", ino.0),
-                opts.repair,
-            );
         }
     }
-    if let Some(tx) = tx {
-        tx.commit()?;
+    if unrecorded {
+        if let Some(tx) = tx {
+            tx.mark_whole_file_dirty(ino, nwin)?;
+        }
+        rep.add(
+            Level::Warning,
+            format!("file {}: written after the last checkpoint without a record (keel was killed); re-hashed at the next checkpoint", ino.0),
+            ctx.repair,
+        );
     }
     Ok(())
 }

@@ -41,6 +41,7 @@ mod group;
 mod lazy;
 mod namespace;
 mod node;
+mod nodes;
 mod rollback;
 mod xattr;
 
@@ -51,6 +52,7 @@ pub use xattr::{setid_lost, XattrReply};
 
 use group::{committer, discard_body, Batch};
 use node::{Data, Node, NO_STAMP};
+use nodes::NodeMap;
 
 /// Longest name of a directory entry, in bytes.
 pub const NAME_MAX: usize = 255;
@@ -165,7 +167,7 @@ enum Handle {
 
 struct Inner {
     store: Store,
-    nodes: HashMap<InodeNo, Node>,
+    nodes: NodeMap<Node>,
     handles: HashMap<u64, Handle>,
     next_fh: u64,
     /// Bodies of deleted inodes, handed to a background thread (`None` after shutdown).
@@ -328,7 +330,7 @@ impl WorkspaceFs {
         pool.request_fill();
         let inner = Arc::new(Mutex::new(Inner {
             store,
-            nodes: HashMap::new(),
+            nodes: NodeMap::new(),
             handles: HashMap::new(),
             next_fh: 1,
             discard: Some(discard_tx),

@@ -232,6 +232,7 @@ fn mount_with(
         None => None,
     };
     let passthrough_on = Arc::new(AtomicBool::new(false));
+    crate::meta::set_cache_ceiling(cfg.meta_cache);
     let fs = WorkspaceFs::new(
         state,
         FsOptions {

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use super::node::{Data, Node};
+use super::nodes::NodeMap;
 use super::{FsResult, Guard, Inner};
 use crate::chunk::BodyPool;
 use crate::meta::{GroupLimits, Inode, InodeNo, MetaError, Storage, Store, Tx};
@@ -174,7 +175,7 @@ impl<'a> Batch<'a> {
     }
 
     /// Writes an inode (and, for an open file, its inline bytes and dirty windows).
-    pub(super) fn save(&mut self, nodes: &HashMap<InodeNo, Node>, inode: &Inode) -> FsResult<()> {
+    pub(super) fn save(&mut self, nodes: &NodeMap<Node>, inode: &Inode) -> FsResult<()> {
         if let Some(of) = nodes.get(&inode.ino).and_then(|n| n.open.as_ref()) {
             if inode.storage == Storage::Body {
                 of.name_body()?;
@@ -194,7 +195,7 @@ impl<'a> Batch<'a> {
         Ok(())
     }
 
-    pub(super) fn commit(self, nodes: &mut HashMap<InodeNo, Node>) -> FsResult<()> {
+    pub(super) fn commit(self, nodes: &mut NodeMap<Node>) -> FsResult<()> {
         self.tx.commit()?;
         for inode in self.saved {
             if let Some(of) = nodes.get_mut(&inode.ino).and_then(|n| n.open.as_mut()) {

@@ -423,13 +423,8 @@ impl WorkspaceFs {
         let node = inner.nodes.get_mut(&ino).expect("node present");
         if node.lookups == 0 {
             let inode = inner.store.read().get(ino)?;
+            // The table gives its memory back by itself (see `nodes`).
             inner.nodes.remove(&ino);
-            // Give back the table's memory once the kernel has forgotten most of what it
-            // held (a find over a large tree, then memory pressure); amortised O(1).
-            let cap = inner.nodes.capacity();
-            if cap > 4096 && inner.nodes.len() < cap / 4 {
-                inner.nodes.shrink_to(inner.nodes.len() * 2);
-            }
             // Already deleted (unlinked while nobody had it open) or still linked: done.
             if inode.is_some_and(|i| i.nlink == 0) {
                 self.purge(inner, ino)?;
