@@ -1,8 +1,19 @@
 //! keel: a PID-1 init and a durable FUSE workspace for Linux sandboxes.
 //!
 //! `main.rs` and `cli/` (the binary) parse the command line and exit; everything else lives
-//! here and never imports from `cli/`. Dependencies point one way: `workspace` → `meta`,
-//! `chunk`; `meta`, `chunk` and `sys` import no sibling.
+//! here and never imports from `cli/`. The layers, each importing only those below it:
+//!
+//! ```text
+//! run · boot · supervisor · control · shutdown     start, supervise, stop, the API
+//! workspace · persist                              the FUSE fs; checkpoints and remotes
+//! meta · chunk · config                            the SQLite store; bodies and chunks
+//! sys · logging · progress                         syscalls and unsafe; leaves
+//! ```
+//!
+//! `workspace` and `persist` do not import each other, and there is no circle between
+//! modules; `tests/layers.rs` checks both and lists the two edges not fixed yet (the start
+//! sequence that wires persist into the mount still lives in `workspace/session.rs`, and
+//! `persist/cli.rs` still falls back to the control socket).
 
 #![deny(unsafe_code)]
 

@@ -6,7 +6,7 @@
 //! and keel's user only) is the way in: the same routes, the same checks as `GET /snapshots`
 //! and `POST /rollback` over HTTP.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::client::{request_within, ClientError};
@@ -46,7 +46,7 @@ fn enc(v: &str) -> String {
 }
 
 /// One request; the body on 200, else the API's `error` (or the body) as the error.
-fn call(sock: &PathBuf, method: &str, route: &str) -> Result<String, String> {
+fn call(sock: &Path, method: &str, route: &str) -> Result<String, String> {
     let (code, body) = request_within(sock, method, route, API_TIMEOUT).map_err(|e| match e {
         ClientError::Denied { .. } => {
             format!("{e} (the control socket admits root, keel's user and [control] group only)")

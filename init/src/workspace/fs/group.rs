@@ -4,7 +4,6 @@
 //! operation's part of it. Bodies of inodes deleted in the open group are removed only once
 //! it commits.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -13,7 +12,7 @@ use super::node::{Data, Node};
 use super::nodes::NodeMap;
 use super::{FsResult, Guard, Inner};
 use crate::chunk::BodyPool;
-use crate::meta::{GroupLimits, Inode, InodeNo, MetaError, Storage, Store, Tx};
+use crate::meta::{GroupLimits, Inode, MetaError, Storage, Store, Tx};
 use crate::sys;
 
 /// The body of a deleted inode goes to the pool (or away when the pool is full).
