@@ -675,6 +675,51 @@ fn check_body(
     Ok(())
 }
 
+/// The snapshot this state dir last checkpointed, and the remote's head.
+pub(super) type RemoteStart = (Option<u64>, Option<u64>);
+
+/// Where every check of the remote starts: the snapshot this state dir last checkpointed
+/// (`last_seq`) and the remote's head. `None` (reported) when the remote cannot be checked
+/// further: no manifest, unreadable, or (with `stop_on_foreign`) not the remote this state
+/// dir checkpointed to, which the full check only warns about.
+pub(super) fn remote_start(
+    r: &Tx,
+    repo: &mut Repo,
+    rep: &mut FsckReport,
+    stop_on_foreign: bool,
+) -> Result<Option<RemoteStart>, FsckError> {
+    let local_seq: Option<u64> = r.persist_get("last_seq")?.and_then(|v| v.parse().ok());
+    let remote_id = r.persist_get("remote_id")?;
+    let where_ = repo.describe();
+    match repo.manifest() {
+        Ok(Some(m)) => {
+            if remote_id.is_some() && remote_id.as_deref() != Some(m.id.as_str()) {
+                rep.add(Level::Warning, format!("remote {where_} is not the one this state dir checkpointed to (next checkpoint writes a full snapshot)"), false);
+                if stop_on_foreign {
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(None) => {
+            if local_seq.is_some() {
+                rep.add(Level::Error, format!("remote {where_} has no workspace manifest but snapshot {local_seq:?} was checkpointed there"), false);
+            }
+            return Ok(None);
+        }
+        Err(e) => {
+            rep.add(Level::Error, format!("remote {where_}: {e}"), false);
+            return Ok(None);
+        }
+    }
+    match repo.read_head() {
+        Ok(h) => Ok(Some((local_seq, h.map(|h| h.0.seq)))),
+        Err(e) => {
+            rep.add(Level::Error, format!("remote head: {e}"), false);
+            Ok(None)
+        }
+    }
+}
+
 fn check_remote(
     store: &Store,
     bodies: &BodyStore,
@@ -683,32 +728,8 @@ fn check_remote(
     opts: &FsckOptions,
 ) -> Result<(), FsckError> {
     let r = store.read();
-    let local_seq: Option<u64> = r.persist_get("last_seq")?.and_then(|v| v.parse().ok());
-    let remote_id = r.persist_get("remote_id")?;
-    let where_ = repo.describe();
-    match repo.manifest() {
-        Ok(Some(m)) => {
-            if remote_id.is_some() && remote_id.as_deref() != Some(m.id.as_str()) {
-                rep.add(Level::Warning, format!("remote {where_} is not the one this state dir checkpointed to (next checkpoint writes a full snapshot)"), false);
-            }
-        }
-        Ok(None) => {
-            if local_seq.is_some() {
-                rep.add(Level::Error, format!("remote {where_} has no workspace manifest but snapshot {local_seq:?} was checkpointed there"), false);
-            }
-            return Ok(());
-        }
-        Err(e) => {
-            rep.add(Level::Error, format!("remote {where_}: {e}"), false);
-            return Ok(());
-        }
-    }
-    let head = match repo.read_head() {
-        Ok(h) => h.map(|h| h.0.seq),
-        Err(e) => {
-            rep.add(Level::Error, format!("remote head: {e}"), false);
-            return Ok(());
-        }
+    let Some((local_seq, head)) = remote_start(&r, &mut repo, rep, false)? else {
+        return Ok(());
     };
     let mut wanted: BTreeSet<ChunkId> = BTreeSet::new();
     let seqs: BTreeSet<u64> = head.into_iter().chain(local_seq).collect();

@@ -287,33 +287,8 @@ fn check_remote(
     rep: &mut FsckReport,
     sample: &mut Sample,
 ) -> Result<Option<Header>, FsckError> {
-    let local_seq: Option<u64> = r.persist_get("last_seq")?.and_then(|v| v.parse().ok());
-    let remote_id = r.persist_get("remote_id")?;
-    let where_ = repo.describe();
-    match repo.manifest() {
-        Ok(Some(m)) => {
-            if remote_id.is_some() && remote_id.as_deref() != Some(m.id.as_str()) {
-                rep.add(Level::Warning, format!("remote {where_} is not the one this state dir checkpointed to (next checkpoint writes a full snapshot)"), false);
-                return Ok(None);
-            }
-        }
-        Ok(None) => {
-            if local_seq.is_some() {
-                rep.add(Level::Error, format!("remote {where_} has no workspace manifest but snapshot {local_seq:?} was checkpointed there"), false);
-            }
-            return Ok(None);
-        }
-        Err(e) => {
-            rep.add(Level::Error, format!("remote {where_}: {e}"), false);
-            return Ok(None);
-        }
-    }
-    let head = match repo.read_head() {
-        Ok(h) => h.map(|h| h.0.seq),
-        Err(e) => {
-            rep.add(Level::Error, format!("remote head: {e}"), false);
-            return Ok(None);
-        }
+    let Some((local_seq, head)) = super::remote_start(r, &mut repo, rep, true)? else {
+        return Ok(None);
     };
     let mut local_header = None;
     let mut walked: HashSet<u64> = HashSet::new();
