@@ -143,3 +143,27 @@ fn every_subcommand_uses_the_configured_values() {
     assert_eq!(o.status.code(), Some(1), "{all}");
     assert!(err.contains(remote.to_str().unwrap()), "{all}");
 }
+
+/// A command that prints and exits (`keel completions`, `keel status | head`) whose reader
+/// has gone ends quietly by SIGPIPE, like any Unix filter, not with a panic from `println!`.
+#[test]
+fn a_closed_stdout_ends_a_printing_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let (r, w) = nix::unistd::pipe().unwrap();
+    drop(r); // nobody reads: the first write fails with EPIPE
+    let out = Command::new(KEEL)
+        .args(["completions", "bash"])
+        .env_remove("KEEL_CONFIG")
+        .stdout(std::process::Stdio::from(w))
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?}: {err}",
+        out.status
+    );
+}

@@ -73,6 +73,14 @@ enum Command {
 pub fn main() -> i32 {
     let cli = Cli::parse();
     let config = cli.config.as_deref().map(Path::new);
+    // Commands that print and exit stop quietly when their reader goes away
+    // (`keel status | head`); the init and the mount keep std's SIGPIPE handling.
+    if !matches!(
+        cli.command,
+        None | Some(Command::Run(_)) | Some(Command::Mount(_))
+    ) {
+        let _ = keel::sys::signal::default_sigpipe();
+    }
     match cli.command {
         None => run::main(config, cli.run),
         Some(Command::Run(a)) => run::main(config, a),

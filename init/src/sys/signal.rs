@@ -89,6 +89,17 @@ fn bit(sig: i32) -> u64 {
     1 << (sig - 1)
 }
 
+/// For the commands that print and exit (`keel status | head`): a closed stdout ends the
+/// process quietly by SIGPIPE, as it ends any Unix filter, instead of a panic in `println!`
+/// (std ignores SIGPIPE). Call before any thread exists; never in `keel run` or `keel mount`.
+pub fn default_sigpipe() -> std::io::Result<()> {
+    // SAFETY: setting SIGPIPE's disposition to SIG_DFL is always valid.
+    if unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) } == libc::SIG_ERR {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// In a forked child, before exec: restore the inherited mask and the inherited SIG_IGN of
 /// SIGPIPE (std's Command resets it to SIG_DFL) and SIGCHLD (keel resets it for itself).
 /// Every other disposition survives exec untouched because keel never installs handlers.
