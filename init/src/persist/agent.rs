@@ -225,6 +225,9 @@ fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, Strin
     }))
 }
 
+/// Why `rollback --restart` is refused under `keel mount`.
+pub const NO_MAIN: &str = "--restart needs keel run: keel mount supervises no command";
+
 fn rollback(w: &mut Worker, req: &Rollback) -> Result<serde_json::Value, String> {
     let t0 = Instant::now();
     if w.rollback.is_none() {
@@ -236,7 +239,7 @@ fn rollback(w: &mut Worker, req: &Rollback) -> Result<serde_json::Value, String>
         return rollback_to(w, target, t0);
     }
     let Some(main) = w.main.clone() else {
-        return Err("--restart needs keel run: keel mount supervises no command".into());
+        return Err(NO_MAIN.into());
     };
     main.stop()?;
     let stopped_ms = ms(t0);

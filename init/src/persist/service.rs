@@ -8,7 +8,7 @@
 //! the service owns it: renewed in the background, released when the service closes.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -114,6 +114,8 @@ const ROLLING_BACK: u8 = 2;
 pub struct CheckpointHandle {
     tx: Sender<Cmd>,
     busy: Arc<AtomicU8>,
+    /// Set once `keel run` hands over its main command (`Service::set_main`).
+    has_main: Arc<AtomicBool>,
 }
 
 /// What the service reports for `/status`.
@@ -223,6 +225,12 @@ impl CheckpointHandle {
     /// refused at once while a checkpoint or another rollback runs.
     pub fn agent(&self, op: super::agent::Op) -> Result<serde_json::Value, String> {
         let rollback = matches!(op, super::agent::Op::Rollback(_));
+        // A request that can never work says so, whatever else is running.
+        if matches!(&op, super::agent::Op::Rollback(r) if r.restart)
+            && !self.has_main.load(Ordering::SeqCst)
+        {
+            return Err(super::agent::NO_MAIN.into());
+        }
         if rollback {
             if let Err(now) =
                 self.busy
@@ -280,6 +288,7 @@ pub struct Service {
     lease: Option<Lease>,
     published: Arc<Published>,
     busy: Arc<AtomicU8>,
+    has_main: Arc<AtomicBool>,
 }
 
 pub(super) struct Worker {
@@ -644,6 +653,7 @@ impl Service {
         CheckpointHandle {
             tx: self.tx.clone(),
             busy: self.busy.clone(),
+            has_main: self.has_main.clone(),
         }
     }
 
@@ -714,6 +724,7 @@ impl Service {
         };
         let (tx, rx) = mpsc::channel();
         let busy = Arc::new(AtomicU8::new(IDLE));
+        let has_main = Arc::new(AtomicBool::new(false));
         let worker = Worker {
             p,
             cfg: cfg.clone(),
@@ -744,6 +755,7 @@ impl Service {
             CheckpointHandle {
                 tx: tx.clone(),
                 busy: busy.clone(),
+                has_main: has_main.clone(),
             },
         )
         .map_err(|source| ServiceError::Control {
@@ -761,6 +773,7 @@ impl Service {
             lease,
             published,
             busy,
+            has_main,
         }))
     }
 
@@ -771,6 +784,7 @@ impl Service {
 
     /// Lets `rollback --restart` stop and start `keel run`'s main command.
     pub fn set_main(&self, main: std::sync::Arc<dyn super::agent::MainCommand>) {
+        self.has_main.store(true, Ordering::SeqCst);
         let _ = self.tx.send(Cmd::SetMain { main });
     }
 
