@@ -19,7 +19,7 @@ const TOKEN: &str = "e2e-token-0123456789";
 /// The address keel logged as "control API on http://ADDR ...".
 fn control_addr(k: &Keel) -> SocketAddr {
     k.wait_log("control API on http://");
-    let log = k.stderr();
+    let log = k.log_text();
     let rest = &log[log.find("control API on http://").unwrap() + 22..];
     let addr = rest.split(|c: char| c.is_whitespace()).next().unwrap();
     addr.parse()
@@ -187,7 +187,7 @@ fn health_status_metrics_and_keel_status_follow_the_real_processes() {
     let v = get(addr, "/status", Some(TOKEN)).json();
     assert_eq!(v["phase"], "stopping");
     assert_eq!(v["stopping"], "received SIGTERM");
-    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.wait().0, 0, "{}", k.log_text());
 
     // Gone: the socket file is removed, keel status says so in one line, the port is closed.
     assert!(!sock.exists(), "control socket left behind");
@@ -201,7 +201,7 @@ fn health_status_metrics_and_keel_status_follow_the_real_processes() {
     );
     assert!(std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_err());
     // keel's own log never carries the token.
-    assert!(!k.stderr().contains(TOKEN));
+    assert!(!k.log_text().contains(TOKEN));
 }
 
 #[test]
@@ -227,7 +227,7 @@ fn env_token_overrides_the_file_and_never_reaches_services() {
     assert!(!body.contains("from-the"), "{body}");
     k.signal(Signal::SIGTERM);
     assert_eq!(k.wait().0, 143);
-    assert!(!k.stderr().contains("from-the"), "{}", k.stderr());
+    assert!(!k.log_text().contains("from-the"), "{}", k.log_text());
 }
 
 #[test]
@@ -237,12 +237,12 @@ fn control_errors_stop_keel_before_anything_starts() {
     let port = taken.local_addr().unwrap().port();
     let rest = format!("[control]\nlisten = \"127.0.0.1:{port}\"\n");
     let mut k = start(&config("", &rest), &["touch", "$D/ran"]);
-    assert_eq!(k.wait().0, 1, "{}", k.stderr());
+    assert_eq!(k.wait().0, 1, "{}", k.log_text());
     assert!(
-        k.stderr()
+        k.log_text()
             .contains(&format!("control.listen: listen on 127.0.0.1:{port}")),
         "{}",
-        k.stderr()
+        k.log_text()
     );
     assert!(!k.path("ran").exists(), "the command ran anyway");
 
@@ -252,7 +252,7 @@ fn control_errors_stop_keel_before_anything_starts() {
         &["touch", "$D/ran"],
     );
     assert_eq!(k.wait().0, 2);
-    assert!(k.stderr().contains("control.listen"), "{}", k.stderr());
+    assert!(k.log_text().contains("control.listen"), "{}", k.log_text());
     assert!(!k.path("ran").exists());
 
     // A bad token in the environment: exit 2 naming the variable, not echoing it.
@@ -265,16 +265,20 @@ fn control_errors_stop_keel_before_anything_starts() {
         },
     );
     assert_eq!(k.wait().0, 2);
-    assert!(k.stderr().contains("KEEL_CONTROL_TOKEN"), "{}", k.stderr());
-    assert!(!k.stderr().contains("has spaces"), "{}", k.stderr());
+    assert!(
+        k.log_text().contains("KEEL_CONTROL_TOKEN"),
+        "{}",
+        k.log_text()
+    );
+    assert!(!k.log_text().contains("has spaces"), "{}", k.log_text());
     assert!(!k.path("ran").exists());
 }
 
 #[test]
 fn no_control_table_means_no_listener_and_no_socket() {
     let mut k = start(&config("", ""), &["sh", "-c", "ls -A $D > $D/ls"]);
-    assert_eq!(k.wait().0, 0, "{}", k.stderr());
-    assert!(!k.stderr().contains("control API"), "{}", k.stderr());
+    assert_eq!(k.wait().0, 0, "{}", k.log_text());
+    assert!(!k.log_text().contains("control API"), "{}", k.log_text());
     assert!(!read(&k.path("ls")).contains(".sock"));
 }
 

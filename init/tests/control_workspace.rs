@@ -24,7 +24,7 @@ fn ws_config(state: &Path) -> String {
 
 fn control_addr(k: &Keel) -> SocketAddr {
     k.wait_log("control API on http://");
-    let log = k.stderr();
+    let log = k.log_text();
     let rest = &log[log.find("control API on http://").unwrap() + 22..];
     rest.split(char::is_whitespace)
         .next()
@@ -61,7 +61,7 @@ fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
     });
     assert_eq!(r.body, "ok\n");
     // 200 means the mount is really there.
-    assert!(is_mount_point(&k.path("ws")), "{}", k.stderr());
+    assert!(is_mount_point(&k.path("ws")), "{}", k.log_text());
     k.wait_file("wrote");
 
     let v = get(addr, "/status", None).json();
@@ -148,7 +148,7 @@ fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
     assert_eq!(v["mount"]["mounted"], true);
 
     k.signal(Signal::SIGTERM);
-    assert_eq!(k.wait().0, 143, "{}", k.stderr());
+    assert_eq!(k.wait().0, 143, "{}", k.log_text());
     assert!(!sock.exists(), "control socket left in the state dir");
     assert!(!is_mount_point(&k.path("ws")));
 }
@@ -165,7 +165,7 @@ fn a_stale_socket_in_a_fresh_state_dir_does_not_block_the_next_keel() {
         &ws_config(state.path()),
         &["sh", "-c", "echo hi > $D/ws/f && cat $D/ws/f"],
     );
-    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.wait().0, 0, "{}", k.log_text());
     assert_eq!(k.stdout(), "hi\n");
     assert!(!state.path().join("control.sock").exists());
 }

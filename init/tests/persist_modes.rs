@@ -316,62 +316,17 @@ fn mount_pass(premade: bool, walk: &mut Walk) {
 /// `keel run` (as a subreaper here): lease, restore-on-start check, the control socket, the
 /// mount; walked from outside while the main command waits, then after the stop.
 fn run_pass(walk: &mut Walk) {
-    let tmp = tempfile::Builder::new()
-        .prefix("keel-modes-run.")
-        .tempdir()
-        .unwrap();
-    let base = tmp.path();
-    let (state, remote, ws) = (base.join("state"), base.join("remote"), base.join("ws"));
-    let cfg = base.join("config.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[workspace]\nmount_point = \"{}\"\nstate_dir = \"{}\"\n[persist]\nremote = \"file://{}\"\n[shutdown]\ngrace = \"2s\"\n",
-            ws.display(),
-            state.display(),
-            remote.display()
-        ),
-    )
-    .unwrap();
-    let ready = base.join("ready");
-    let script = format!(
-        "head -c 300000 /dev/urandom > {ws}/big && echo small > {ws}/small && sync {ws}/big && touch {r} && exec sleep 60",
-        ws = ws.display(),
-        r = ready.display()
+    let config = format!(
+        "{}[shutdown]\ngrace = \"2s\"\n",
+        support::keel::workspace_config("")
     );
-    let mut child = Command::new(support::mount::keel_bin())
-        .arg("run")
-        .arg("--config")
-        .arg(&cfg)
-        .args(["--", "sh", "-c", &script])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(base.join("keel.log")).unwrap())
-        .spawn()
-        .expect("spawn keel run");
-    let up = support::mount::poll_for(Duration::from_secs(60), || ready.exists().then_some(()));
-    let log = || std::fs::read_to_string(base.join("keel.log")).unwrap_or_default();
-    if up.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-        support::mount::lazy_unmount(&ws);
-        panic!(
-            "keel run: the main command never got ready; log:\n{}",
-            log()
-        );
-    }
+    let script = "head -c 300000 /dev/urandom > $D/ws/big && echo small > $D/ws/small && sync $D/ws/big && touch $D/ready && exec sleep 60";
+    let mut k = support::pid1::start_with(&config, &["sh", "-c", script], Default::default());
+    k.wait_file("ready");
+    let (state, remote) = (k.state.clone(), k.path("remote"));
     walk.tree("run-state", &state);
     walk.tree("run-remote", &remote);
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    let st = support::mount::wait_timeout(&mut child, Duration::from_secs(60));
-    if support::mount::is_fuse_mount(&ws) {
-        support::mount::lazy_unmount(&ws);
-    }
-    assert!(st.is_some(), "keel run did not stop; log:\n{}", log());
+    k.terminate(libc::SIGTERM);
     walk.tree("run-state", &state);
     walk.tree("run-remote", &remote);
     walk.expect("run-state socket");

@@ -451,36 +451,18 @@ fn api_rollback_takes_writes_still_in_the_kernel_cache() {
     if !support::mount::fuse_available() {
         return;
     }
-    let tmp = tempfile::Builder::new()
-        .prefix("keel-rollback-api.")
-        .tempdir()
-        .unwrap();
-    let base = tmp.path();
-    let (state, ws) = (base.join("state"), base.join("ws"));
-    let cfg = base.join("config.toml");
-    fs::write(
-        &cfg,
-        format!(
-            "[workspace]\nmount_point = \"{}\"\nstate_dir = \"{}\"\npassthrough = \"off\"\nwriteback_cache = true\n[persist]\nremote = \"file://{}/remote\"\n[shutdown]\ngrace = \"2s\"\n",
-            ws.display(),
-            state.display(),
-            base.display()
-        ),
-    )
-    .unwrap();
-    let ready = base.join("ready");
-    let mut child = Command::new(keel_bin())
-        .args(["run", "--config", cfg.to_str().unwrap(), "--", "sh", "-c"])
-        .arg(format!("touch {} && exec sleep 120", ready.display()))
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(fs::File::create(base.join("keel.log")).unwrap())
-        .spawn()
-        .expect("spawn keel run");
-    let log = || fs::read_to_string(base.join("keel.log")).unwrap_or_default();
-    let up = support::mount::poll_for(Duration::from_secs(60), || ready.exists().then_some(()));
+    let config = format!(
+        "{}[shutdown]\ngrace = \"2s\"\n",
+        support::keel::workspace_config("passthrough = \"off\"\nwriteback_cache = true")
+    );
+    let mut k = support::pid1::start_with(
+        &config,
+        &["sh", "-c", "touch $D/ready && exec sleep 120"],
+        Default::default(),
+    );
+    k.wait_file("ready");
     let post = |path: &str| {
-        let mut s = UnixStream::connect(state.join("control.sock")).expect("control socket");
+        let mut s = UnixStream::connect(k.state.join("control.sock")).expect("control socket");
         s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
         write!(
             s,
@@ -491,51 +473,33 @@ fn api_rollback_takes_writes_still_in_the_kernel_cache() {
         let _ = s.read_to_string(&mut out);
         out
     };
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        assert!(
-            up.is_some(),
-            "keel run never ran its command; log:\n{}",
-            log()
+    let f = k.p("f");
+    fs::write(&f, b"the snapshot's bytes\n").unwrap();
+    let r = post("/snapshots?name=good");
+    assert!(r.starts_with("HTTP/1.1 200"), "POST /snapshots: {r}");
+    for round in 0..3 {
+        // Same size, so no size change tells keel; the bytes sit in the page cache.
+        let h = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&f)
+            .unwrap();
+        h.write_all_at(b"THE LATE", 0).unwrap();
+        let r = post("/rollback?to=good");
+        assert!(r.starts_with("HTTP/1.1 200"), "POST /rollback: {r}");
+        assert_eq!(
+            fs::read(&f).unwrap(),
+            b"the snapshot's bytes\n",
+            "round {round}, before the writer closes"
         );
-        let f = ws.join("f");
-        fs::write(&f, b"the snapshot's bytes\n").unwrap();
-        let r = post("/snapshots?name=good");
-        assert!(r.starts_with("HTTP/1.1 200"), "POST /snapshots: {r}");
-        for round in 0..3 {
-            // Same size, so no size change tells keel; the bytes sit in the page cache.
-            let h = fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&f)
-                .unwrap();
-            h.write_all_at(b"THE LATE", 0).unwrap();
-            let r = post("/rollback?to=good");
-            assert!(r.starts_with("HTTP/1.1 200"), "POST /rollback: {r}");
-            assert_eq!(
-                fs::read(&f).unwrap(),
-                b"the snapshot's bytes\n",
-                "round {round}, before the writer closes"
-            );
-            drop(h);
-            assert_eq!(
-                fs::read(&f).unwrap(),
-                b"the snapshot's bytes\n",
-                "round {round}, after the writer closed"
-            );
-        }
-    }));
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    );
-    let st = support::mount::wait_timeout(&mut child, Duration::from_secs(60));
-    if support::mount::is_fuse_mount(&ws) {
-        support::mount::lazy_unmount(&ws);
+        drop(h);
+        assert_eq!(
+            fs::read(&f).unwrap(),
+            b"the snapshot's bytes\n",
+            "round {round}, after the writer closed"
+        );
     }
-    if let Err(e) = result {
-        std::panic::resume_unwind(e);
-    }
-    assert!(st.is_some(), "keel run did not stop; log:\n{}", log());
+    k.terminate(libc::SIGTERM);
 }
 
 /// `keel rollback --restart` under `keel run`: the main command's group is stopped, the
@@ -561,46 +525,14 @@ fn rollback_restart_stops_and_starts_the_main_command() {
     );
     k.stop();
 
-    let tmp = tempfile::Builder::new()
-        .prefix("keel-rollback-restart.")
-        .tempdir()
-        .unwrap();
-    let base = tmp.path();
-    let (state, ws) = (base.join("state"), base.join("ws"));
-    let cfg = base.join("config.toml");
-    fs::write(
-        &cfg,
-        format!(
-            "[workspace]\nmount_point = \"{}\"\nstate_dir = \"{}\"\n[persist]\nremote = \"file://{}/remote\"\n[shutdown]\ngrace = \"2s\"\n",
-            ws.display(),
-            state.display(),
-            base.display()
-        ),
-    )
-    .unwrap();
-    let starts = base.join("starts");
     // Ignores SIGTERM, so the SIGKILL after the grace is what stops it.
-    let script = format!(
-        "trap '' TERM; echo started >> {ws}/runs && echo $$ >> {s} && while :; do sleep 0.1; done",
-        ws = ws.display(),
-        s = starts.display()
+    let script = "trap '' TERM; echo started >> $D/ws/runs && echo $$ >> $D/starts && while :; do sleep 0.1; done";
+    let config = format!(
+        "{}[shutdown]\ngrace = \"2s\"\n",
+        support::keel::workspace_config("")
     );
-    let mut child = Command::new(keel_bin())
-        .args([
-            "run",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--",
-            "sh",
-            "-c",
-            &script,
-        ])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(fs::File::create(base.join("keel.log")).unwrap())
-        .spawn()
-        .expect("spawn keel run");
-    let log = || fs::read_to_string(base.join("keel.log")).unwrap_or_default();
+    let mut k = support::pid1::start_with(&config, &["sh", "-c", script], Default::default());
+    let (ws, starts) = (k.mnt.clone(), k.path("starts"));
     let pids = || -> Vec<i32> {
         fs::read_to_string(&starts)
             .unwrap_or_default()
@@ -608,66 +540,54 @@ fn rollback_restart_stops_and_starts_the_main_command() {
             .filter_map(|l| l.parse().ok())
             .collect()
     };
+    let cfg = k.path("config.toml");
     let cfg_s = cfg.to_str().unwrap();
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let up = support::mount::poll_for(Duration::from_secs(60), || {
-            (pids().len() == 1).then_some(())
-        });
-        assert!(
-            up.is_some(),
-            "the main command never started; log:\n{}",
-            log()
-        );
-        keel(&["snapshot", "create", "--config", cfg_s, "--name", "s1"]);
-        fs::write(ws.join("extra"), b"after s1").unwrap();
-        let v: serde_json::Value = serde_json::from_str(&keel(&[
-            "rollback",
-            "--config",
-            cfg_s,
-            "--restart",
-            "s1",
-            "--json",
-        ]))
-        .unwrap();
-        assert_eq!(v["restarted"], true, "{v}");
-        let again = support::mount::poll_for(Duration::from_secs(30), || {
-            (pids().len() == 2).then_some(())
-        });
-        assert!(
-            again.is_some(),
-            "the main command did not start again; log:\n{}",
-            log()
-        );
-        let first = pids()[0];
-        assert!(
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(first), None).is_err(),
-            "the first main process {first} still runs"
-        );
-        assert!(!ws.join("extra").exists(), "the rollback left a later file");
-        let runs = support::mount::poll_for(Duration::from_secs(10), || {
-            (fs::read_to_string(ws.join("runs")).unwrap_or_default() == "started\nstarted\n")
-                .then_some(())
-        });
-        assert!(
-            runs.is_some(),
-            "runs: {:?}",
-            fs::read_to_string(ws.join("runs"))
-        );
-        println!(
-            "rollback --restart: main stopped in {} ms (SIGKILL after the 2 s grace), whole rollback {} ms",
-            v["main_stopped_ms"], v["duration_ms"]
-        );
-    }));
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
+    let up = support::mount::poll_for(Duration::from_secs(60), || {
+        (pids().len() == 1).then_some(())
+    });
+    assert!(
+        up.is_some(),
+        "the main command never started; log:\n{}",
+        k.log_text()
     );
-    let st = support::mount::wait_timeout(&mut child, Duration::from_secs(60));
-    if support::mount::is_fuse_mount(&ws) {
-        support::mount::lazy_unmount(&ws);
-    }
-    if let Err(e) = result {
-        std::panic::resume_unwind(e);
-    }
-    assert!(st.is_some(), "keel run did not stop; log:\n{}", log());
+    keel(&["snapshot", "create", "--config", cfg_s, "--name", "s1"]);
+    fs::write(ws.join("extra"), b"after s1").unwrap();
+    let v: serde_json::Value = serde_json::from_str(&keel(&[
+        "rollback",
+        "--config",
+        cfg_s,
+        "--restart",
+        "s1",
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(v["restarted"], true, "{v}");
+    let again = support::mount::poll_for(Duration::from_secs(30), || {
+        (pids().len() == 2).then_some(())
+    });
+    assert!(
+        again.is_some(),
+        "the main command did not start again; log:\n{}",
+        k.log_text()
+    );
+    let first = pids()[0];
+    assert!(
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(first), None).is_err(),
+        "the first main process {first} still runs"
+    );
+    assert!(!ws.join("extra").exists(), "the rollback left a later file");
+    let runs = support::mount::poll_for(Duration::from_secs(10), || {
+        (fs::read_to_string(ws.join("runs")).unwrap_or_default() == "started\nstarted\n")
+            .then_some(())
+    });
+    assert!(
+        runs.is_some(),
+        "runs: {:?}",
+        fs::read_to_string(ws.join("runs"))
+    );
+    println!(
+        "rollback --restart: main stopped in {} ms (SIGKILL after the 2 s grace), whole rollback {} ms",
+        v["main_stopped_ms"], v["duration_ms"]
+    );
+    k.terminate(libc::SIGTERM);
 }

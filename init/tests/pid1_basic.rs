@@ -21,7 +21,7 @@ fn exit_codes_0_to_255_pass_through() {
             })
             .collect();
         for (c, k) in ks.iter_mut() {
-            assert_eq!(k.wait().0, **c, "log:\n{}", k.stderr());
+            assert_eq!(k.wait().0, **c, "log:\n{}", k.log_text());
         }
     }
 }
@@ -51,23 +51,27 @@ fn option_parsing_stops_at_first_non_option() {
 fn missing_command_is_127_and_not_executable_is_126() {
     let mut k = start(&config("", ""), &["/nonexistent/cmd"]);
     assert_eq!(k.wait().0, 127);
-    assert!(k.stderr().contains("/nonexistent/cmd"), "{}", k.stderr());
+    assert!(
+        k.log_text().contains("/nonexistent/cmd"),
+        "{}",
+        k.log_text()
+    );
     let mut k = start(&config("", ""), &["no-such-command-on-path"]);
     assert_eq!(k.wait().0, 127);
     let dir = tempfile::tempdir().unwrap();
     let plain = dir.path().join("plain");
     std::fs::write(&plain, "echo hi\n").unwrap();
     let mut k = start(&config("", ""), &[plain.to_str().unwrap()]);
-    assert_eq!(k.wait().0, 126, "{}", k.stderr());
+    assert_eq!(k.wait().0, 126, "{}", k.log_text());
     let mut k = start(&config("", ""), &["/"]);
-    assert_eq!(k.wait().0, 126, "{}", k.stderr());
+    assert_eq!(k.wait().0, 126, "{}", k.log_text());
 }
 
 #[test]
 fn killed_child_gives_128_plus_n() {
     for (sig, n) in [("KILL", 9), ("SEGV", 11), ("ABRT", 6)] {
         let mut k = start(&config("", ""), &["sh", "-c", &format!("kill -{sig} $$")]);
-        assert_eq!(k.wait().0, 128 + n, "SIG{sig}: {}", k.stderr());
+        assert_eq!(k.wait().0, 128 + n, "SIG{sig}: {}", k.log_text());
     }
 }
 
@@ -83,7 +87,7 @@ fn signals_to_keel_end_main_with_128_plus_n() {
         k.wait_log("started main command");
         k.signal(sig);
         let (code, took) = k.wait();
-        assert_eq!(code, 128 + sig as i32, "{sig}: {}", k.stderr());
+        assert_eq!(code, 128 + sig as i32, "{sig}: {}", k.log_text());
         assert!(took.as_secs_f64() < 4.0, "{sig} took {took:?}");
     }
 }
@@ -150,7 +154,7 @@ fn init_table_sets_limits_umask_and_env() {
         &config(init, ""),
         &["sh", "-c", "ulimit -n; umask; echo $KEEL_TEST_VAR"],
     );
-    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.wait().0, 0, "{}", k.log_text());
     assert_eq!(k.stdout(), "1234\n0027\nhello\n");
 }
 
@@ -183,7 +187,7 @@ fn services_lose_cap_sys_admin_and_can_run_as_a_user() {
             "id -u; grep -E '^(NoNewPrivs|CapEff)' /proc/self/status",
         ],
     );
-    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.wait().0, 0, "{}", k.log_text());
     let s = k.stdout();
     assert!(s.starts_with("65534\n"), "{s}");
     assert!(s.contains("NoNewPrivs:\t1"), "{s}");
@@ -202,7 +206,7 @@ fn bad_config_is_rejected_naming_file_and_key_and_nothing_starts() {
     for (text, key) in cases {
         let mut k = start(text, &["touch", "$D/started"]);
         let (code, _) = k.wait();
-        let log = k.stderr();
+        let log = k.log_text();
         assert_eq!(code, 2, "{key}: {log}");
         assert!(
             log.contains(key) && log.contains("config.toml"),
@@ -235,10 +239,10 @@ fn missing_config_user_and_service_binary_are_one_line_errors() {
     );
     assert_eq!(k.wait().0, 1);
     assert!(
-        k.stderr()
+        k.log_text()
             .contains("user `no-such-user-keel` does not exist"),
         "{}",
-        k.stderr()
+        k.log_text()
     );
     assert!(!k.path("started").exists());
 
@@ -249,11 +253,12 @@ fn missing_config_user_and_service_binary_are_one_line_errors() {
         [[service]]\nname = \"b\"\ncommand = [\"/nonexistent/b\"]\ndepends_on = [\"a\"]\n";
     let mut k = start(&config("", svcs), &["touch", "$D/started"]);
     let (code, took) = k.wait();
-    assert_eq!(code, 127, "{}", k.stderr());
+    assert_eq!(code, 127, "{}", k.log_text());
     assert!(
-        k.stderr().contains("service b: cannot run /nonexistent/b"),
+        k.log_text()
+            .contains("service b: cannot run /nonexistent/b"),
         "{}",
-        k.stderr()
+        k.log_text()
     );
     assert!(!k.path("started").exists());
     let a: i32 = read(&k.path("a.pid")).trim().parse().unwrap();
@@ -274,7 +279,11 @@ fn workspace_checks_name_the_problem() {
     );
     let mut k = start(&text, &["touch", "$D/started"]);
     assert_eq!(k.wait().0, 1);
-    assert!(k.stderr().contains("is not a directory"), "{}", k.stderr());
+    assert!(
+        k.log_text().contains("is not a directory"),
+        "{}",
+        k.log_text()
+    );
     assert!(!k.path("started").exists());
 }
 
@@ -335,12 +344,12 @@ fn services_get_their_user_workdir_and_env_and_output_passes_through() {
     );
     let main = format!("while [ ! -e {s}/done ]; do sleep 0.01; done");
     let mut k = start(&config("", &rest), &["sh", "-c", &main]);
-    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.wait().0, 0, "{}", k.log_text());
     assert_eq!(k.stdout(), format!("svc 65534 {s} svc nobody\n"));
     assert!(
-        k.stderr().lines().any(|l| l == "to-stderr"),
+        k.log_text().lines().any(|l| l == "to-stderr"),
         "{}",
-        k.stderr()
+        k.log_text()
     );
 }
 
@@ -442,7 +451,7 @@ fn exit_status_survives_an_inherited_ignored_sigchld() {
         ..Default::default()
     };
     let mut k = start_with(&config("", ""), &["sh", "-c", "exit 7"], opts());
-    assert_eq!(k.wait().0, 7, "{}", k.stderr());
+    assert_eq!(k.wait().0, 7, "{}", k.log_text());
     let mut k = start_with(&config("", ""), &["cat", "/proc/self/status"], opts());
     assert_eq!(k.wait().0, 0);
     let s = k.stdout();

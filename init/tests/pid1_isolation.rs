@@ -115,7 +115,7 @@ fn the_sandbox_sees_no_state_no_credentials_and_cannot_read_keel() {
     let mut k = start_keel(state.path(), &script, "", "", false);
     let (code, _) = k.wait();
     let out = k.stdout();
-    let log = k.stderr();
+    let log = k.log_text();
     assert_eq!(code, 0, "stdout:\n{out}\nlog:\n{log}");
     assert!(out.contains("state-entries=0\n"), "{out}");
     assert!(!out.contains("ATTEMPT"), "an attempt succeeded:\n{out}");
@@ -174,12 +174,12 @@ fn keel_status_and_checkpoint_work_from_inside_for_root_and_the_configured_group
     let mut k = start_keel(state.path(), &script, "", "group = \"65533\"", false);
     let (code, _) = k.wait();
     let out = k.stdout();
-    assert_eq!(code, 0, "stdout:\n{out}\nlog:\n{}", k.stderr());
+    assert_eq!(code, 0, "stdout:\n{out}\nlog:\n{}", k.log_text());
     for want in ["root-status-ok", "root-checkpoint-ok", "group-status-ok"] {
         assert!(
             out.contains(want),
             "{want} missing:\n{out}\nlog:\n{}",
-            k.stderr()
+            k.log_text()
         );
     }
     assert!(!out.contains("ATTEMPT"), "{out}");
@@ -222,7 +222,7 @@ fn a_mount_keel_makes_later_reaches_the_sandbox_as_pid_1() {
         .unwrap();
     assert!(st.success());
     let (code, _) = k.wait();
-    assert_eq!(code, 0, "stdout:\n{}\nlog:\n{}", k.stdout(), k.stderr());
+    assert_eq!(code, 0, "stdout:\n{}\nlog:\n{}", k.stdout(), k.log_text());
     assert!(k.stdout().contains("saw-late-mount"));
 }
 
@@ -238,7 +238,7 @@ fn a_malformed_credentials_file_stops_the_start_before_anything_is_mounted() {
     let text = config(state.path(), "", "").replace("$D/creds", creds.path().to_str().unwrap());
     let mut k = start(&text, &["sh", "-c", "touch $D/ran"]);
     let (code, _) = k.wait();
-    let log = k.stderr();
+    let log = k.log_text();
     assert_eq!(code, 2, "{log}");
     let want = format!(
         "credentials file {}: line 3: not KEY=VALUE",

@@ -44,14 +44,14 @@ fn reaps_a_hundred_orphans_as_pid_1() {
         return;
     };
     let (code, took) = k.wait();
-    assert_eq!(code, 42, "stdout: {} log:\n{}", k.stdout(), k.stderr());
+    assert_eq!(code, 42, "stdout: {} log:\n{}", k.stdout(), k.log_text());
     assert_eq!(
         read(&k.path("ppid")).trim(),
         "1",
         "keel is PID 1 in the namespace"
     );
     assert!(took < Duration::from_secs(10), "{took:?}");
-    assert!(k.stderr().contains("(PID 1)"), "{}", k.stderr());
+    assert!(k.log_text().contains("(PID 1)"), "{}", k.log_text());
 }
 
 #[test]
@@ -63,7 +63,7 @@ fn hostname_is_set_as_pid_1() {
     ) else {
         return;
     };
-    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.wait().0, 0, "{}", k.log_text());
     assert_eq!(k.stdout().trim(), "keel-pid1-test");
 }
 
@@ -87,10 +87,10 @@ fn stop_as_pid_1_kills_leftovers_in_other_sessions_at_the_grace_deadline() {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(keel), Signal::SIGTERM).unwrap();
     let (code, _) = k.wait();
     let took = t.elapsed();
-    assert_eq!(code, 143, "{}", k.stderr());
+    assert_eq!(code, 143, "{}", k.log_text());
     assert!(
         took >= Duration::from_millis(950) && took < Duration::from_secs(3),
         "{took:?}"
     );
-    assert!(k.stderr().contains("SIGKILL"), "{}", k.stderr());
+    assert!(k.log_text().contains("SIGKILL"), "{}", k.log_text());
 }

@@ -25,12 +25,12 @@ fn stop_waits_only_as_long_as_the_service_needs() {
         &["sh", "-c", script],
     );
     let (code, took) = term_and_wait(&mut k);
-    assert_eq!(code, 0, "{}", k.stderr());
+    assert_eq!(code, 0, "{}", k.log_text());
     assert!(
         took >= Duration::from_millis(950) && took < Duration::from_millis(2500),
         "{took:?}"
     );
-    assert!(!k.stderr().contains("SIGKILL"), "{}", k.stderr());
+    assert!(!k.log_text().contains("SIGKILL"), "{}", k.log_text());
 }
 
 #[test]
@@ -41,15 +41,15 @@ fn service_ignoring_sigterm_is_killed_at_the_grace_deadline() {
         &["sh", "-c", script],
     );
     let (code, took) = term_and_wait(&mut k);
-    assert_eq!(code, 137, "{}", k.stderr());
+    assert_eq!(code, 137, "{}", k.log_text());
     assert!(
         took >= Duration::from_millis(950) && took < Duration::from_millis(2500),
         "{took:?}"
     );
     assert!(
-        k.stderr().contains("grace 1.000s expired"),
+        k.log_text().contains("grace 1.000s expired"),
         "{}",
-        k.stderr()
+        k.log_text()
     );
 }
 
@@ -66,9 +66,13 @@ fn second_stop_signal_escalates_at_once() {
     let t = Instant::now();
     k.signal(Signal::SIGINT);
     let (code, _) = k.wait();
-    assert_eq!(code, 137, "{}", k.stderr());
+    assert_eq!(code, 137, "{}", k.log_text());
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
-    assert!(k.stderr().contains("second stop signal"), "{}", k.stderr());
+    assert!(
+        k.log_text().contains("second stop signal"),
+        "{}",
+        k.log_text()
+    );
 }
 
 /// A service that records its start and, on SIGTERM, its stop in $D/log.
@@ -99,7 +103,7 @@ fn services_start_in_dependency_order_after_readiness_and_stop_in_reverse() {
         code,
         0,
         "main ran before its services were ready: {}",
-        k.stderr()
+        k.log_text()
     );
     assert!(took < Duration::from_secs(4), "{took:?}");
     let log = read(&k.path("log"));
@@ -125,12 +129,12 @@ fn a_straggler_in_mains_group_does_not_delay_stopping_services() {
     let mut k = start(&config("", &rest), &["sh", "-c", main]);
     k.wait_file("up-db");
     let (code, took) = term_and_wait(&mut k);
-    assert_eq!(code, 143, "{}", k.stderr());
+    assert_eq!(code, 143, "{}", k.log_text());
     assert!(
         took >= Duration::from_millis(1400),
         "the straggler needs SIGKILL: {took:?}"
     );
-    let log = k.stderr();
+    let log = k.log_text();
     let line = log
         .lines()
         .find(|l| l.contains("stop: sent SIGTERM to service db"))
@@ -176,9 +180,13 @@ fn readiness_http_probe_gates_the_main_command() {
         k.wait().0,
         0,
         "main started before the probe answered 200: {}",
-        k.stderr()
+        k.log_text()
     );
-    assert!(k.stderr().contains("service web ready"), "{}", k.stderr());
+    assert!(
+        k.log_text().contains("service web ready"),
+        "{}",
+        k.log_text()
+    );
 }
 
 #[test]
@@ -186,12 +194,12 @@ fn readiness_timeout_stops_everything() {
     let rest = "[[service]]\nname = \"slow\"\ncommand = \"exec sleep 30\"\nready = { file = \"/nonexistent/x\", timeout = \"300ms\" }\n";
     let mut k = start(&config("", rest), &["touch", "$D/started"]);
     let (code, took) = k.wait();
-    assert_eq!(code, 1, "{}", k.stderr());
+    assert_eq!(code, 1, "{}", k.log_text());
     assert!(took < Duration::from_secs(3), "{took:?}");
     assert!(
-        k.stderr().contains("service slow not ready after 0.300s"),
+        k.log_text().contains("service slow not ready after 0.300s"),
         "{}",
-        k.stderr()
+        k.log_text()
     );
     assert!(!k.path("started").exists());
 }
@@ -202,12 +210,12 @@ fn readiness_timeout_applies_to_a_service_that_keeps_crashing() {
                 ready = { file = \"/nonexistent/x\", timeout = \"400ms\" }\n";
     let mut k = start(&config("", rest), &["touch", "$D/started"]);
     let (code, took) = k.wait();
-    assert_eq!(code, 1, "{}", k.stderr());
+    assert_eq!(code, 1, "{}", k.log_text());
     assert!(took < Duration::from_secs(3), "{took:?}");
     assert!(
-        k.stderr().contains("service crashy not ready"),
+        k.log_text().contains("service crashy not ready"),
         "{}",
-        k.stderr()
+        k.log_text()
     );
     assert!(!k.path("started").exists());
 }
@@ -218,7 +226,7 @@ fn stop_signal_before_main_starts_reports_128_plus_n() {
                 ready = { file = \"/nonexistent/x\" }\n";
     let mut k = start(&config("", rest), &["touch", "$D/started"]);
     let (code, took) = term_and_wait(&mut k);
-    assert_eq!(code, 128 + 15, "{}", k.stderr());
+    assert_eq!(code, 128 + 15, "{}", k.log_text());
     assert!(took < Duration::from_secs(3), "{took:?}");
     assert!(!k.path("started").exists());
 }
@@ -232,7 +240,7 @@ fn restarts(policy: &str, exit: i32, max: u32, lines: usize) -> Vec<f64> {
     );
     let main = format!("while [ $(cat $D/starts 2>/dev/null | wc -l) -lt {lines} ]; do sleep 0.02; done; sleep 0.8");
     let mut k = start(&config("", &rest), &["sh", "-c", &main]);
-    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.wait().0, 0, "{}", k.log_text());
     read(&k.path("starts"))
         .lines()
         .map(|l| l.parse().unwrap())

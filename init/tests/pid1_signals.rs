@@ -35,14 +35,14 @@ fn every_catchable_signal_reaches_the_child() {
         .unwrap();
         let got = k.path("got");
         poll(
-            &format!("signal {s} at the child; log:\n{}", k.stderr()),
+            &format!("signal {s} at the child; log:\n{}", k.log_text()),
             || (read(&got).lines().count() > n).then_some(()),
         );
         assert_eq!(read(&got).lines().nth(n), Some(s.to_string().as_str()));
     }
     // The child traps SIGTERM too, so the stop ends with SIGKILL at the grace deadline.
     let (code, _) = k.wait();
-    assert_eq!(code, 137, "{}", k.stderr());
+    assert_eq!(code, 137, "{}", k.log_text());
 }
 
 fn pipeline(forward_to: &str) -> (i32, String) {
@@ -62,7 +62,7 @@ fn pipeline(forward_to: &str) -> (i32, String) {
     k.wait_file("rb");
     k.signal(Signal::SIGUSR1);
     let (code, took) = k.wait();
-    assert!(took < Duration::from_secs(4), "{took:?}: {}", k.stderr());
+    assert!(took < Duration::from_secs(4), "{took:?}: {}", k.log_text());
     let mut got: Vec<String> = read(&k.path("got")).lines().map(String::from).collect();
     got.sort();
     (code, got.join(","))
@@ -102,11 +102,11 @@ fn hundred_orphans_are_reaped_as_subreaper() {
         .count();
     assert_eq!(zombies, 0);
     std::fs::write(k.path("done"), "").unwrap();
-    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.wait().0, 0, "{}", k.log_text());
     assert!(
-        k.stderr().contains("reaped pid"),
+        k.log_text().contains("reaped pid"),
         "orphans were reaped by keel: {}",
-        k.stderr()
+        k.log_text()
     );
 }
 
@@ -122,7 +122,7 @@ fn keel_never_exits_while_descendants_run() {
         &["sh", "-c", script],
     );
     let (code, took) = k.wait();
-    assert_eq!(code, 7, "{}", k.stderr());
+    assert_eq!(code, 7, "{}", k.log_text());
     for f in ["a", "b"] {
         let pid: i32 = read(&k.path(f)).trim().parse().unwrap();
         assert!(!alive(pid), "{f} ({pid}) outlived keel");
@@ -132,6 +132,6 @@ fn keel_never_exits_while_descendants_run() {
         "the TERM-ignoring orphan needs the grace: {took:?}"
     );
     assert!(took < Duration::from_secs(4), "{took:?}");
-    let log = k.stderr();
+    let log = k.log_text();
     assert!(log.contains("leftover") && log.contains("SIGKILL"), "{log}");
 }

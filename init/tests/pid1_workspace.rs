@@ -31,21 +31,21 @@ fn written_data_survives_exit_and_remount_and_nothing_stays_mounted() {
     let script = "echo hello > $D/ws/file && mkdir $D/ws/dir && echo ok; \
                   umount $D/ws 2>/dev/null && echo UNMOUNTED; true";
     let mut k = start(&ws_config(state.path()), &["sh", "-c", script]);
-    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.wait().0, 0, "{}", k.log_text());
     // Root in the sandbox lacks CAP_SYS_ADMIN: the unmount attempt failed.
-    assert_eq!(k.stdout(), "ok\n", "{}", k.stderr());
+    assert_eq!(k.stdout(), "ok\n", "{}", k.log_text());
     assert!(!mounted(&k.path("ws")), "keel left the workspace mounted");
     assert!(
-        k.stderr().contains("workspace flush + unmount took"),
+        k.log_text().contains("workspace flush + unmount took"),
         "{}",
-        k.stderr()
+        k.log_text()
     );
 
     let mut k = start(
         &ws_config(state.path()),
         &["sh", "-c", "cat $D/ws/file; test -d $D/ws/dir"],
     );
-    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.wait().0, 0, "{}", k.log_text());
     assert_eq!(k.stdout(), "hello\n");
 }
 
@@ -59,11 +59,11 @@ fn sigterm_flushes_a_file_still_open_for_writing() {
     let mut k = start(&ws_config(state.path()), &["sh", "-c", script]);
     k.wait_file("ready");
     k.signal(Signal::SIGTERM);
-    assert_eq!(k.wait().0, 143, "{}", k.stderr());
+    assert_eq!(k.wait().0, 143, "{}", k.log_text());
     assert!(!mounted(&k.path("ws")));
 
     let mut k = start(&ws_config(state.path()), &["cat", "$D/ws/open"]);
-    assert_eq!(k.wait().0, 0, "{}", k.stderr());
+    assert_eq!(k.wait().0, 0, "{}", k.log_text());
     assert_eq!(k.stdout(), "part1\n");
 }
 
@@ -79,11 +79,11 @@ fn a_second_keel_on_the_same_state_dir_is_refused_before_starting_anything() {
     );
     first.wait_file("ready");
     let mut second = start(&ws_config(state.path()), &["touch", "$D/started"]);
-    assert_eq!(second.wait().0, 1, "{}", second.stderr());
+    assert_eq!(second.wait().0, 1, "{}", second.log_text());
     assert!(
-        second.stderr().contains("already in use"),
+        second.log_text().contains("already in use"),
         "{}",
-        second.stderr()
+        second.log_text()
     );
     assert!(!second.path("started").exists());
     first.signal(Signal::SIGTERM);

@@ -1,7 +1,8 @@
 //! What the integration tests share, one module each test crate includes with `mod support;`:
-//! `mount` starts a real `keel mount` (and cleans it up even when a test panics), compares
-//! trees and waits (`poll_for`); `pid1` starts `keel run` as a subreaper or a true PID 1 and
-//! watches its processes; `persist` opens a `WorkspaceFs` without a kernel and drives
+//! `keel` is the one harness for a running keel (`keel mount` or `keel run`, cleaned up even
+//! when a test panics); `mount` gates on root + `/dev/fuse`, compares trees and waits
+//! (`poll_for`); `pid1` starts `keel run` as a subreaper or a true PID 1 and watches its
+//! processes; `persist` opens a `WorkspaceFs` without a kernel and drives
 //! checkpoints over a counted remote; `control` speaks HTTP to the control API; `s3` runs
 //! moto as a real S3 endpoint; `sys` holds the raw syscalls the tests make. The gates (root,
 //! `/dev/fuse`) fail loudly when `CI` is set.
@@ -9,6 +10,7 @@
 #![allow(dead_code)] // each test crate uses a different subset
 
 pub mod control;
+pub mod keel;
 pub mod mount;
 pub mod persist;
 pub mod pid1;

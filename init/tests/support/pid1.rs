@@ -1,6 +1,6 @@
-//! Shared helpers for the PID-1 integration tests: start the built `keel` binary with a config
-//! in a temp dir, capture its stderr, poll for outcomes with deadlines, and never leave a
-//! process behind (a failed test kills keel's whole tree).
+//! Helpers for the PID-1 integration tests: start `keel run` (through the one harness,
+//! `support::keel`) with a config in a temp dir, poll for outcomes with deadlines, and read
+//! the process tree from /proc.
 
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;
@@ -10,9 +10,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub const KEEL: &str = env!("CARGO_BIN_EXE_keel");
-
-/// Every wait in these tests gives up after this long.
-pub const LIMIT: Duration = Duration::from_secs(20);
 
 /// A config with the workspace disabled (no FUSE in these tests), a short grace, plus `init`
 /// extra lines for `[init]` and `rest` appended (other tables).
@@ -49,199 +46,21 @@ pub fn require_root_and_fuse(what: &str) -> bool {
     true
 }
 
-pub struct Keel {
-    pub child: Child,
-    pub dir: tempfile::TempDir,
-    stderr: Arc<Mutex<String>>,
-    stdout: Arc<Mutex<String>>,
-    pub started: Instant,
-    pub status: Option<std::process::ExitStatus>,
-}
+pub use super::keel::{Keel, Opts, LIMIT};
 
-#[derive(Default)]
-pub struct Opts<'a> {
-    pub cwd: Option<&'a Path>,
-    /// Run inside `unshare --pid --fork --mount-proc` so keel is a real PID 1.
-    pub pid1: bool,
-    /// Signals blocked / ignored when keel starts.
-    pub block: &'a [nix::sys::signal::Signal],
-    pub ignore: &'a [nix::sys::signal::Signal],
-    /// Extra environment for keel.
-    pub env: &'a [(&'a str, &'a str)],
-}
-
-/// Starts keel with `config_text` (written to DIR/config.toml) and `argv` after `--`.
+/// Starts `keel run` with `config_text` (written to DIR/config.toml) and `argv` after `--`.
 /// `$D` in argv and config is replaced by the temp dir path.
 pub fn start(config_text: &str, argv: &[&str]) -> Keel {
-    start_with(config_text, argv, Opts::default())
+    Keel::run(config_text, argv, Opts::default())
 }
 
 pub fn start_with(config_text: &str, argv: &[&str], opts: Opts) -> Keel {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let d = dir.path().to_str().unwrap().to_string();
-    let cfg = dir.path().join("config.toml");
-    std::fs::write(&cfg, config_text.replace("$D", &d)).unwrap();
-    let mut cmd = if opts.pid1 {
-        let mut c = Command::new("unshare");
-        c.args([
-            "--pid",
-            "--fork",
-            "--mount-proc",
-            "--uts",
-            "--kill-child",
-            KEEL,
-        ]);
-        c
-    } else {
-        Command::new(KEEL)
-    };
-    cmd.arg("run").arg("--config").arg(&cfg).arg("--");
-    cmd.args(argv.iter().map(|a| a.replace("$D", &d)));
-    cmd.current_dir(opts.cwd.unwrap_or(dir.path()));
-    cmd.env("D", &d)
-        .env_remove("KEEL_LOG_FORMAT")
-        .env("KEEL_LOG", "debug");
-    for (k, v) in opts.env {
-        cmd.env(k, v.replace("$D", &d));
-    }
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let block: Vec<_> = opts.block.to_vec();
-    let ignore: Vec<_> = opts.ignore.to_vec();
-    // SAFETY: the closure only changes the signal mask and dispositions of the forked child
-    // (async-signal-safe syscalls on data prepared before fork).
-    unsafe {
-        cmd.pre_exec(move || {
-            use nix::sys::signal::{pthread_sigmask, signal, SigHandler, SigSet, SigmaskHow};
-            let mut set = SigSet::empty();
-            for s in &block {
-                set.add(*s);
-            }
-            pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&set), None)?;
-            for s in &ignore {
-                signal(*s, SigHandler::SigIgn)?;
-            }
-            Ok(())
-        })
-    };
-    let mut child = cmd.spawn().expect("spawn keel");
-    let stderr = Arc::new(Mutex::new(String::new()));
-    let stdout = Arc::new(Mutex::new(String::new()));
-    let e = child.stderr.take().unwrap();
-    let se = stderr.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(e).lines().map_while(Result::ok) {
-            se.lock().unwrap().push_str(&(line + "\n"));
-        }
-    });
-    let mut o = child.stdout.take().unwrap();
-    let so = stdout.clone();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 4096];
-        while let Ok(n) = o.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            so.lock()
-                .unwrap()
-                .push_str(&String::from_utf8_lossy(&buf[..n]));
-        }
-    });
-    Keel {
-        child,
-        dir,
-        stderr,
-        stdout,
-        started: Instant::now(),
-        status: None,
-    }
+    Keel::run(config_text, argv, opts)
 }
 
 /// Polls `f` until it returns Some; panics naming `what` after `LIMIT`.
 pub fn poll<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
     super::mount::poll_for(LIMIT, f).unwrap_or_else(|| panic!("timed out waiting for {what}"))
-}
-
-impl Keel {
-    pub fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-    pub fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-    pub fn stderr(&self) -> String {
-        self.stderr.lock().unwrap().clone()
-    }
-    pub fn stdout(&self) -> String {
-        self.stdout.lock().unwrap().clone()
-    }
-    /// Waits until keel's log contains `text`.
-    pub fn wait_log(&self, text: &str) {
-        let end = Instant::now() + LIMIT;
-        while !self.stderr().contains(text) {
-            assert!(
-                Instant::now() < end,
-                "keel never logged {text:?}; log:\n{}",
-                self.stderr()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-    /// Waits until the file DIR/name exists.
-    pub fn wait_file(&self, name: &str) {
-        let p = self.path(name);
-        poll(
-            &format!("file {}; log:\n{}", p.display(), self.stderr()),
-            || p.exists().then_some(()),
-        );
-    }
-    pub fn signal(&self, sig: nix::sys::signal::Signal) {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig).unwrap();
-    }
-    /// Waits for keel to exit; returns (exit code, time since start). Panics after `LIMIT`.
-    pub fn wait(&mut self) -> (i32, Duration) {
-        let end = Instant::now() + LIMIT;
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                self.status = Some(st);
-                let code = st.code().unwrap_or_else(|| {
-                    panic!(
-                        "keel itself died of a signal: {st:?}; log:\n{}",
-                        self.stderr()
-                    )
-                });
-                // Let the reader threads catch up with the last lines.
-                std::thread::sleep(Duration::from_millis(20));
-                return (code, self.started.elapsed());
-            }
-            if Instant::now() > end {
-                let log = self.stderr();
-                self.kill_tree();
-                panic!("keel did not exit within {LIMIT:?}; log:\n{log}");
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-    /// Kills keel and everything below it (used when a test fails).
-    pub fn kill_tree(&mut self) {
-        for p in descendants(self.pid()) {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(p),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Keel {
-    fn drop(&mut self) {
-        if self.status.is_none() && matches!(self.child.try_wait(), Ok(None)) {
-            self.kill_tree();
-        }
-    }
 }
 
 /// (pid, ppid, state) of every process, from /proc.
