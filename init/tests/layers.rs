@@ -32,19 +32,11 @@ const LAYERS: &[(&str, u8)] = &[
 const SIBLINGS: &[(&str, &str)] = &[("workspace", "persist"), ("persist", "workspace")];
 
 /// Edges that break the rule today (from, to, where and why); each one is a debt of issue 27.
-const KNOWN: &[(&str, &str, &str)] = &[
-    (
-        "persist",
-        "control",
-        "persist/cli.rs: `checkpoint` falls back to the HTTP control socket (belongs above both)",
-    ),
-    (
-        "workspace",
-        "persist",
-        "workspace/{cli,session,live}.rs: the lease, restore and checkpoint service are wired \
-         into the mount (the start sequence belongs in boot/)",
-    ),
-];
+const KNOWN: &[(&str, &str, &str)] = &[(
+    "persist",
+    "control",
+    "persist/cli.rs: `checkpoint` falls back to the HTTP control socket (belongs above both)",
+)];
 
 fn src_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
