@@ -15,14 +15,11 @@ use crate::boot::{self, WorkspacePlan};
 use crate::config::Config;
 use crate::supervisor::Supervisor;
 
-/// Exit code for usage and config errors.
-pub const EXIT_USAGE: i32 = 2;
-/// Exit code when keel itself fails to set up.
-pub const EXIT_SETUP: i32 = 1;
-
 /// Why `keel run` stopped before supervising anything.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
+    #[error(transparent)]
+    Signals(#[from] crate::sys::signal::SignalError),
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
     #[error(transparent)]
@@ -51,17 +48,6 @@ impl From<boot::workspace::StartError> for RunError {
     }
 }
 
-impl RunError {
-    /// keel's exit code for this failure: 2 for usage and config, 1 for setup.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            RunError::Config(_) | RunError::Credentials(_) => EXIT_USAGE,
-            RunError::Control(crate::control::ControlError::Token(_)) => EXIT_USAGE,
-            _ => EXIT_SETUP,
-        }
-    }
-}
-
 /// What `keel run` was asked for on its command line.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct RunOptions {
@@ -73,15 +59,16 @@ pub struct RunOptions {
     pub command: Vec<OsString>,
 }
 
-/// Entry point of `keel run`; returns the process exit code.
-pub fn main(args: RunOptions) -> i32 {
+/// Entry point of `keel run`: the main command's exit code once everything has stopped,
+/// or why nothing was started (already logged; `cli` turns it into keel's exit code).
+pub fn main(args: RunOptions) -> Result<i32, RunError> {
     let t0 = Instant::now();
     // First, before any thread can exist: every signal to keel arrives on the signalfd.
     let signals = match crate::sys::signal::block_all() {
         Ok(s) => s,
         Err(e) => {
             eprintln!("keel: error: {e}");
-            return EXIT_SETUP;
+            return Err(e.into());
         }
     };
     crate::logging::init();
@@ -94,7 +81,7 @@ pub fn main(args: RunOptions) -> i32 {
         Ok(v) => v,
         Err(e) => {
             error!("{e}");
-            return e.exit_code();
+            return Err(e);
         }
     };
     info!(
@@ -119,7 +106,7 @@ pub fn main(args: RunOptions) -> i32 {
         Some(e) => error!("exit {code} after {took}: {e}"),
         None => info!("exit {code} after {took}"),
     }
-    code
+    Ok(code)
 }
 
 type Setup = (
@@ -145,9 +132,10 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
     // Before anything creates files in the state dir (control socket): the state dir's lock,
     // the single-writer lease before anything reads or writes the remote, the restore of an
     // empty state dir. Released if the start fails from here on.
-    let prepared = match cfg.init.workspace {
-        true => Some(boot::workspace::prepare(&cfg)?),
-        false => None,
+    let prepared = if cfg.init.workspace {
+        Some(boot::workspace::prepare(&cfg)?)
+    } else {
+        None
     };
     // The control API runs on its own threads, which inherit the blocked signal mask.
     let control = crate::control::start(&cfg)?;

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use keel::config::{CacheMode, Config, Switch, Takeover};
+use keel::config::{CacheMode, Config, Switch};
 
 use super::{absolute, report, Failed};
 
@@ -38,15 +38,8 @@ pub struct MountArgs {
     /// How long the kernel caches a name's absence
     #[arg(long, value_name = "D", value_parser = duration)]
     negative_timeout: Option<Duration>,
-    /// Take the workspace's lease from a keel that still holds it (bare: force)
-    #[arg(
-        long,
-        value_name = "MODE",
-        num_args = 0..=1,
-        require_equals = true,
-        default_missing_value = "force"
-    )]
-    takeover: Option<Takeover>,
+    #[command(flatten)]
+    lease: super::TakeoverArg,
     /// Gone: keel serves FUSE over /dev/fuse only
     #[arg(long, hide = true, num_args = 0..=1, value_name = "X")]
     io_uring: Option<Option<String>>,
@@ -77,9 +70,7 @@ fn config(config: Option<&Path>, a: &MountArgs) -> Result<Config, Failed> {
         }
     }
     let mut cfg = Config::resolve(config).map_err(Failed::usage)?;
-    if let Some(t) = a.takeover {
-        cfg.persist.takeover = t;
-    }
+    a.lease.apply(&mut cfg);
     let ws = &mut cfg.workspace;
     if let Some(s) = &a.state {
         ws.state_dir = absolute(s);

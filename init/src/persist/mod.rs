@@ -11,7 +11,6 @@
 pub mod agent;
 pub mod agent_cmd;
 pub mod checkpoint;
-pub mod cli;
 pub mod control;
 pub mod diff;
 pub mod fork;
@@ -23,6 +22,7 @@ pub mod hydrate;
 pub mod lease;
 pub mod metrics;
 pub mod objstore;
+pub mod ops;
 pub mod private;
 pub mod remote;
 pub mod repo;

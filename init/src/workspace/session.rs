@@ -1,6 +1,9 @@
-//! Mounting and unmounting the workspace: locks the state dir, opens the store, mounts a
-//! `/dev/fuse` connection with mount(2), serves it through fuser (`Session::from_fd`, its
-//! worker threads each on a cloned fd), and on shutdown syncs and unmounts.
+//! Mounting and unmounting the workspace, in two phases: `lock_state` checks and locks the
+//! state dir; `mount_locked` opens the store, mounts a `/dev/fuse` connection with mount(2)
+//! and serves it through fuser (`Session::from_fd`, its worker threads each on a cloned
+//! fd). Between the two the caller does what needs the lock but no open store (`boot`: the
+//! lease, a restore). On shutdown it syncs, lets a `Finisher` (the checkpoint service) do
+//! its last work, and unmounts.
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};

@@ -1,6 +1,7 @@
-//! What the persist subcommands do, on a config the command line has made: `keel
-//! checkpoint`, `gc`, `fsck`, `snapshot list|restore`, `fork`. Each talks to the running keel over the
-//! control socket when the state dir is mounted, and otherwise locks the state dir and works
+//! One-shot persistence operations for the command line, on a config it has made: `keel
+//! checkpoint` (its `persist.sock` and offline halves; `control::agent_client` routes it),
+//! `gc`, `fsck`, `snapshot restore`, `fork`. Each talks to the running keel over
+//! `persist.sock` when the state dir is mounted, and otherwise locks the state dir and works
 //! on it directly. Long work reports to `crate::progress`.
 
 use std::path::Path;
@@ -61,8 +62,10 @@ pub struct Answer {
     pub ok: bool,
 }
 
-/// `keel checkpoint [--full]`: by the running keel if there is one, else offline.
-pub fn checkpoint(cfg: &Config, full: bool) -> Result<Answer, String> {
+/// `keel checkpoint [--full]` by the keel running on the state dir, over its
+/// `persist.sock`; `None`: no keel answers there (see `control::agent_client::checkpoint`
+/// for the other ways).
+pub fn checkpoint_running(cfg: &Config, full: bool) -> Result<Option<Answer>, String> {
     let state = &cfg.workspace.state_dir;
     let cmd = if full {
         "checkpoint full"
@@ -76,19 +79,12 @@ pub fn checkpoint(cfg: &Config, full: bool) -> Result<Answer, String> {
             eprintln!("keel: checkpoint: syncfs {mp}: {e} (checkpointing what keel has)");
         }
     }
-    if let Some(r) = control::request(state, cmd, Duration::from_secs(3600))? {
-        return Ok(Answer { text: r, ok: true });
-    }
-    // keel run without persist.sock: its HTTP control API may still take the request.
-    let http = crate::control::default_socket(cfg);
-    if http.exists() {
-        if let Ok((code, body)) = crate::control::client::request(&http, "POST", "/checkpoint") {
-            return Ok(Answer {
-                text: body.trim().to_string(),
-                ok: code == 200,
-            });
-        }
-    }
+    Ok(control::request(state, cmd, Duration::from_secs(3600))?
+        .map(|r| Answer { text: r, ok: true }))
+}
+
+/// `keel checkpoint [--full]` of a stopped state dir, as its one writer.
+pub fn checkpoint_offline(cfg: &Config, full: bool) -> Result<Answer, String> {
     with_offline_writer(cfg, |p| {
         match p.checkpoint(&CheckpointOptions {
             full,
