@@ -132,6 +132,7 @@ fn mount_foreground(cfg: &Config) -> Result<(), String> {
 mod tests {
     use super::*;
     use clap::Parser;
+    use keel::config::Takeover;
 
     #[derive(Parser)]
     struct T {
