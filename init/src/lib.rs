@@ -1,19 +1,27 @@
 //! keel: a PID-1 init and a durable FUSE workspace for Linux sandboxes.
 //!
-//! `main.rs` and `cli/` (the binary) parse the command line and exit; everything else lives
-//! here and never imports from `cli/`. The layers, each importing only those below it:
+//! `main.rs` and `cli/` (the binary) parse the command line, run a command and turn its
+//! outcome into an exit code; everything else lives here and never imports from `cli/`.
+//! The layers, each importing only those below it (`tests/layers.rs` checks every
+//! `crate::` path):
 //!
 //! ```text
-//! run · boot · supervisor · control · shutdown     start, supervise, stop, the API
-//! workspace · persist                              the FUSE fs; checkpoints and remotes
-//! meta · chunk · config                            the SQLite store; bodies and chunks
-//! sys · logging · progress                         syscalls and unsafe; leaves
+//! cli                                               the binary: commands, exit codes
+//!  │
+//! run · boot · supervisor · control · shutdown      start, supervise, stop, the API
+//!  │     └ boot::workspace: lock → lease → restore → mount → checkpoints → rollback
+//!  │
+//! workspace      persist                            the FUSE fs │ checkpoints, remotes
+//!  │                │                               (never each other)
+//! meta · chunk · config                             the SQLite store; bodies, chunks
+//!  │
+//! sys · logging · progress                          syscalls and unsafe; leaves
 //! ```
 //!
-//! `workspace` and `persist` do not import each other, and there is no circle between
-//! modules; `tests/layers.rs` checks both and lists the two edges not fixed yet (the start
-//! sequence that wires persist into the mount still lives in `workspace/session.rs`, and
-//! `persist/cli.rs` still falls back to the control socket).
+//! Within the top layer: `run` uses `boot`, `supervisor`, `control` and `shutdown`;
+//! `shutdown` uses `boot` (the workspace it stops); `control` uses `workspace` and
+//! `persist` for `/status`, `/checkpoint` and the agent routes, never `run`. No circle
+//! between modules, no exception listed.
 
 #![deny(unsafe_code)]
 

@@ -10,18 +10,16 @@ use std::time::Instant;
 
 use tracing::{error, info};
 
+use crate::boot::workspace::Workspace;
 use crate::boot::{self, WorkspacePlan};
 use crate::config::Config;
 use crate::supervisor::Supervisor;
 
-/// Exit code for usage and config errors.
-pub const EXIT_USAGE: i32 = 2;
-/// Exit code when keel itself fails to set up.
-pub const EXIT_SETUP: i32 = 1;
-
 /// Why `keel run` stopped before supervising anything.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
+    #[error(transparent)]
+    Signals(#[from] crate::sys::signal::SignalError),
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
     #[error(transparent)]
@@ -29,24 +27,23 @@ pub enum RunError {
     #[error(transparent)]
     Supervisor(#[from] crate::supervisor::SupervisorError),
     #[error("workspace: {0}")]
-    Workspace(String),
+    Workspace(#[source] boot::workspace::StartError),
+    #[error(transparent)]
+    Lease(crate::persist::lease::LeaseError),
     #[error(transparent)]
     Control(#[from] crate::control::ControlError),
-    #[error(transparent)]
-    Lease(#[from] crate::persist::lease::LeaseError),
     #[error(transparent)]
     Credentials(#[from] crate::config::credentials::CredentialsError),
     #[error("{0} (or set [init] isolate_state = false)")]
     Isolate(crate::sys::ns::NsError),
 }
 
-impl RunError {
-    /// keel's exit code for this failure: 2 for usage and config, 1 for setup.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            RunError::Config(_) | RunError::Credentials(_) => EXIT_USAGE,
-            RunError::Control(crate::control::ControlError::Token(_)) => EXIT_USAGE,
-            _ => EXIT_SETUP,
+impl From<boot::workspace::StartError> for RunError {
+    /// A refused lease says so on its own (it names the holder and the way out).
+    fn from(e: boot::workspace::StartError) -> Self {
+        match e {
+            boot::workspace::StartError::Lease(l) => RunError::Lease(l),
+            e => RunError::Workspace(e),
         }
     }
 }
@@ -62,15 +59,16 @@ pub struct RunOptions {
     pub command: Vec<OsString>,
 }
 
-/// Entry point of `keel run`; returns the process exit code.
-pub fn main(args: RunOptions) -> i32 {
+/// Entry point of `keel run`: the main command's exit code once everything has stopped,
+/// or why nothing was started (already logged; `cli` turns it into keel's exit code).
+pub fn main(args: RunOptions) -> Result<i32, RunError> {
     let t0 = Instant::now();
     // First, before any thread can exist: every signal to keel arrives on the signalfd.
     let signals = match crate::sys::signal::block_all() {
         Ok(s) => s,
         Err(e) => {
             eprintln!("keel: error: {e}");
-            return EXIT_SETUP;
+            return Err(e.into());
         }
     };
     crate::logging::init();
@@ -83,7 +81,7 @@ pub fn main(args: RunOptions) -> i32 {
         Ok(v) => v,
         Err(e) => {
             error!("{e}");
-            return e.exit_code();
+            return Err(e);
         }
     };
     info!(
@@ -108,14 +106,14 @@ pub fn main(args: RunOptions) -> i32 {
         Some(e) => error!("exit {code} after {took}: {e}"),
         None => info!("exit {code} after {took}"),
     }
-    code
+    Ok(code)
 }
 
 type Setup = (
     Config,
     boot::Booted,
     Supervisor,
-    Option<crate::workspace::Mounted>,
+    Option<Workspace>,
     crate::control::Control,
 );
 
@@ -131,33 +129,32 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
     // Read once, before anything is mounted: a bad file stops the start here.
     crate::config::credentials::for_config(&cfg.persist)?;
     let booted = boot::boot(&cfg)?;
-    // The single-writer lease before anything reads or writes the remote; released if the
-    // start fails from here on.
-    let mut lease = crate::persist::lease::ReleaseOnDrop::new(None);
-    // Before anything creates files in the state dir (control socket, lock).
-    if cfg.init.workspace {
-        use crate::persist::cli::{lease_and_restore, StartError};
-        lease = lease_and_restore(&cfg).map_err(|e| match e {
-            StartError::Lease(l) => RunError::Lease(l),
-            e @ StartError::Restore(_) => RunError::Workspace(e.to_string()),
-        })?;
-    }
+    // Before anything creates files in the state dir (control socket): the state dir's lock,
+    // the single-writer lease before anything reads or writes the remote, the restore of an
+    // empty state dir. Released if the start fails from here on.
+    let prepared = if cfg.init.workspace {
+        Some(boot::workspace::prepare(&cfg)?)
+    } else {
+        None
+    };
     // The control API runs on its own threads, which inherit the blocked signal mask.
     let control = crate::control::start(&cfg)?;
     let mut supervisor = Supervisor::new(&cfg, args.command, &booted, signals)?;
     supervisor.set_status(control.status().clone());
     control.status().mounting(&cfg);
-    let mounted = mount_workspace(&cfg, &mut lease)?;
-    if let Some(m) = &mounted {
-        give_fresh_workspace_to_user(&cfg, m.mount_point());
-        if let Some(p) = m.persist() {
+    let main = supervisor
+        .main_hold()
+        .map(|h| h as std::sync::Arc<dyn crate::persist::agent::MainCommand>);
+    let mounted = mount_workspace(&cfg, prepared, main)?;
+    if let Some(w) = &mounted {
+        give_fresh_workspace_to_user(&cfg, w.mounted().mount_point());
+        if let Some(p) = w.persist() {
             publish_checkpoints(control.status(), p);
-            if let Some(h) = supervisor.main_hold() {
-                p.set_main(h);
-            }
         }
     }
-    control.status().mounted(&cfg, mounted.as_ref());
+    control
+        .status()
+        .mounted(&cfg, mounted.as_ref().map(|w| w.mounted()));
     if let Some(ns) = sandbox_namespace(&cfg, &booted, mounted.as_ref())? {
         supervisor.set_sandbox_ns(ns);
     }
@@ -195,7 +192,7 @@ pub fn sandbox_covers(cfg: &Config) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
 fn sandbox_namespace(
     cfg: &Config,
     booted: &boot::Booted,
-    mounted: Option<&crate::workspace::Mounted>,
+    mounted: Option<&Workspace>,
 ) -> Result<Option<crate::sys::ns::SandboxNs>, RunError> {
     if !cfg.init.isolate_state || !cfg.init.workspace {
         return Ok(None);
@@ -331,39 +328,31 @@ fn give_fresh_workspace_to_user(cfg: &Config, mount_point: &std::path::Path) {
     }
 }
 
-/// Checks the prerequisites and mounts the workspace; `None` when disabled or a plain dir.
-/// The lease (taken by `setup`) goes to the checkpoint service.
+/// Checks the prerequisites and mounts the workspace `prepared` (locked, leased,
+/// restored); `None` when disabled or a plain dir.
 fn mount_workspace(
     cfg: &Config,
-    lease: &mut crate::persist::lease::ReleaseOnDrop,
-) -> Result<Option<crate::workspace::Mounted>, RunError> {
+    prepared: Option<boot::workspace::Prepared>,
+    main: Option<std::sync::Arc<dyn crate::persist::agent::MainCommand>>,
+) -> Result<Option<Workspace>, RunError> {
     match boot::check_workspace(cfg)? {
         WorkspacePlan::Disabled | WorkspacePlan::PlainDir(_) => Ok(None),
         WorkspacePlan::Fuse => {
-            match crate::workspace::session::mount_persistent_leased(
-                &cfg.workspace,
-                &cfg.persist,
-                lease.take(),
-            ) {
-                Ok(mut m) => {
-                    if let Some(p) = m.persist_mut() {
+            let Some(prepared) = prepared else {
+                return Ok(None);
+            };
+            match prepared.mount(cfg, main) {
+                Ok(mut w) => {
+                    if let Some(p) = w.persist_mut() {
                         // Leave a quarter of the flush budget to report what did not get out.
                         p.set_final_budget(cfg.shutdown.flush_timeout * 3 / 4);
                     }
-                    Ok(Some(m))
+                    Ok(Some(w))
                 }
-                Err(e) => {
-                    let hint = match &e {
-                        crate::workspace::SessionError::Mount { source, .. } => {
-                            boot::mount_denied_hint(source)
-                        }
-                        _ => None,
-                    };
-                    match hint {
-                        Some(h) => Ok(boot::unavailable(cfg, format!("{e}: {h}")).map(|_| None)?),
-                        None => Err(RunError::Workspace(e.to_string())),
-                    }
-                }
+                Err(e) => match e.mount_source().and_then(boot::mount_denied_hint) {
+                    Some(h) => Ok(boot::unavailable(cfg, format!("{e}: {h}")).map(|_| None)?),
+                    None => Err(e.into()),
+                },
             }
         }
     }

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use tracing::{error, info, warn};
 
+use crate::boot::workspace::Workspace;
 use crate::sys::process::Exit;
-use crate::workspace::Mounted;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ShutdownError {
@@ -86,21 +86,22 @@ pub fn secs(d: Duration) -> String {
 /// Flushes and unmounts the workspace within `budget`. The work runs on its own thread so a
 /// hung flush cannot keep keel (PID 1) from exiting; on timeout the mount is detached.
 pub fn finish_workspace(
-    mounted: Mounted,
+    ws: Workspace,
     budget: Duration,
     since: Instant,
 ) -> Result<(), ShutdownError> {
-    let mount_point = mounted.mount_point().to_path_buf();
+    let mount_point = ws.mounted().mount_point().to_path_buf();
     let (tx, rx) = mpsc::channel();
     let worker = std::thread::Builder::new()
         .name("keel-flush".into())
         .spawn(move || {
-            let r = mounted
+            let r = ws
+                .mounted()
                 .flush()
                 .map_err(ShutdownError::Flush)
                 .and_then(|()| {
                     info!("workspace flushed");
-                    mounted.unmount().map_err(ShutdownError::Unmount)
+                    ws.unmount().map_err(ShutdownError::Unmount)
                 });
             let _ = tx.send(r);
         });

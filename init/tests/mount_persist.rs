@@ -316,3 +316,21 @@ fn every_cache_mode_and_thread_count_persists() {
         );
     }
 }
+
+/// `[persist] remote = "none"` on a fresh state dir: nothing to restore from, so `keel mount`
+/// mounts (before the start sequence moved into `boot/`, it failed with "restore from the
+/// remote: no remote configured") and what is written survives a remount.
+#[test]
+fn a_fresh_state_dir_without_a_remote_mounts() {
+    let cfg = tempfile::tempdir().unwrap();
+    let file = cfg.path().join("keel.toml");
+    fs::write(&file, "[persist]\nremote = \"none\"\n").unwrap();
+    let mut k = keel_or_skip!("--config", file.to_str().unwrap());
+    fs::write(k.p("f"), b"kept").unwrap();
+    k.remount();
+    assert_eq!(fs::read(k.p("f")).unwrap(), b"kept");
+    assert!(
+        !k.state.join("remote").exists(),
+        "remote = \"none\" made no default remote"
+    );
+}

@@ -209,9 +209,15 @@ fn remote_cut_mid_checkpoint_is_retried_and_nothing_is_lost() {
         write_file(&fs, &format!("big/f{i}"), &noise(i, 1 << 20));
     }
     let lease = acquire_lease(dir.path(), &c, false).unwrap();
-    let svc = Service::start(&service_cfg(dir.path()), &c, Box::new(|| Ok(())), lease)
-        .unwrap()
-        .unwrap();
+    let svc = Service::start(
+        &service_cfg(dir.path()),
+        &c,
+        Box::new(|| Ok(())),
+        lease,
+        None,
+    )
+    .unwrap()
+    .unwrap();
     // The first checkpoint starts at once (nothing was ever uploaded): cut it mid-upload.
     let t0 = Instant::now();
     while proxy.bytes_up() < 4 << 20 {
@@ -353,9 +359,15 @@ fn service_state_reports_failures_and_the_lost_lease() {
     write_file(&fs, "x", b"x");
     let lease = acquire_lease(dir.path(), &c, false).unwrap();
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let svc = Service::start(&service_cfg(dir.path()), &c, Box::new(|| Ok(())), lease)
-        .unwrap()
-        .unwrap();
+    let svc = Service::start(
+        &service_cfg(dir.path()),
+        &c,
+        Box::new(|| Ok(())),
+        lease,
+        None,
+    )
+    .unwrap()
+    .unwrap();
     let s2 = seen.clone();
     svc.set_observer(Arc::new(move |st| s2.lock().unwrap().push(st.clone())));
     svc.checkpoint_now().unwrap();

@@ -229,7 +229,7 @@ fn status_shows_the_file_remote_disk_use_after_checkpoints_and_gc() {
         gc_every: 0,
         ..Default::default()
     };
-    let svc = Service::start(&ws, &cfg, Box::new(|| Ok(())), None)
+    let svc = Service::start(&ws, &cfg, Box::new(|| Ok(())), None, None)
         .unwrap()
         .unwrap();
     let wait_for = |what: &str, ok: &dyn Fn(u64) -> bool| -> u64 {

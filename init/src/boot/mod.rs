@@ -2,7 +2,12 @@
 //! caller's cwd, become a subreaper unless PID 1, `chdir /`, mount /proc, /dev/shm and /run
 //! where the runtime did not (PID 1 only: never touch the host), hostname, rlimits, umask, and
 //! the pre-mount checks of the workspace (mount point, /dev/fuse, CAP_SYS_ADMIN) that name the
-//! missing `docker run`/`podman run` flag.
+//! missing `docker run`/`podman run` flag. Then the workspace's start sequence
+//! (`workspace`: lock, lease, restore, mount, checkpoint service, rollback) and the bridge
+//! from persist's snapshot trees to the mounted filesystem (`live`).
+
+pub mod live;
+pub mod workspace;
 
 use std::path::{Path, PathBuf};
 

@@ -2,8 +2,6 @@
 
 use std::path::{Path, PathBuf};
 
-use keel::config::Takeover;
-
 use super::{persist_config, progress, report};
 
 /// Checkpoint the workspace to its remote now (through the running keel if there is one)
@@ -18,22 +16,15 @@ pub struct CheckpointArgs {
     /// Write a full snapshot, not a delta
     #[arg(long)]
     full: bool,
-    /// Take the workspace's lease from a keel that still holds it (bare: force)
-    #[arg(
-        long,
-        value_name = "MODE",
-        num_args = 0..=1,
-        require_equals = true,
-        default_missing_value = "force"
-    )]
-    takeover: Option<Takeover>,
+    #[command(flatten)]
+    lease: super::TakeoverArg,
 }
 
 pub fn main(config: Option<&Path>, a: CheckpointArgs) -> i32 {
     report("checkpoint", || {
-        let cfg = persist_config(config, a.state.as_deref(), a.remote.as_deref(), a.takeover)?;
+        let cfg = persist_config(config, a.state.as_deref(), a.remote.as_deref(), a.lease)?;
         let r = progress::show("checkpoint", || {
-            keel::persist::cli::checkpoint(&cfg, a.full)
+            keel::control::agent_client::checkpoint(&cfg, a.full)
         })?;
         println!("{}", r.text);
         Ok(if r.ok { 0 } else { super::EXIT_FAILED })

@@ -28,7 +28,12 @@ pub struct DiffArgs {
 
 pub fn main(config: Option<&Path>, a: DiffArgs) -> i32 {
     report("diff", || {
-        let cfg = persist_config(config, a.state.as_deref(), None, None)?;
+        let cfg = persist_config(
+            config,
+            a.state.as_deref(),
+            None,
+            super::TakeoverArg::default(),
+        )?;
         let out = keel::control::agent_client::diff(
             &cfg,
             &DiffOptions {

@@ -26,9 +26,14 @@ pub struct ForkArgs {
 
 pub fn main(config: Option<&Path>, a: ForkArgs) -> i32 {
     report("fork", || {
-        let cfg = persist_config(config, a.state.as_deref(), None, None)?;
+        let cfg = persist_config(
+            config,
+            a.state.as_deref(),
+            None,
+            super::TakeoverArg::default(),
+        )?;
         if let Some(url) = &a.delete {
-            let r = keel::persist::cli::fork_delete(&cfg, url)?;
+            let r = keel::persist::ops::fork_delete(&cfg, url)?;
             println!(
                 "deleted fork {url} (workspace id {}): {} objects removed; chunks only it used go at the next gc of a workspace sharing the store",
                 r.id, r.objects_deleted
@@ -37,7 +42,7 @@ pub fn main(config: Option<&Path>, a: ForkArgs) -> i32 {
         }
         let to = a.to.as_deref().unwrap_or_default();
         let r = progress::show("fork", || {
-            keel::persist::cli::fork(&cfg, to, a.from.as_deref(), a.seq)
+            keel::persist::ops::fork(&cfg, to, a.from.as_deref(), a.seq)
         })?;
         let from = a
             .from

@@ -2,8 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
-use keel::persist::cli::FsckFlags;
 use keel::persist::fsck::Level;
+use keel::persist::ops::FsckFlags;
 
 use super::{persist_config, progress, report};
 
@@ -34,13 +34,18 @@ pub struct FsckArgs {
 
 pub fn main(config: Option<&Path>, a: FsckArgs) -> i32 {
     report("fsck", || {
-        let cfg = persist_config(config, Some(&a.state), a.remote.as_deref(), None)?;
+        let cfg = persist_config(
+            config,
+            Some(&a.state),
+            a.remote.as_deref(),
+            super::TakeoverArg::default(),
+        )?;
         let flags = FsckFlags {
             repair: a.repair,
             quick: a.quick,
             no_remote: a.no_remote,
         };
-        let r = progress::show("fsck", || keel::persist::cli::fsck(&cfg, flags))?;
+        let r = progress::show("fsck", || keel::persist::ops::fsck(&cfg, flags))?;
         for f in &r.findings {
             let lvl = match f.level {
                 Level::Error => "error",

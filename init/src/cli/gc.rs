@@ -17,8 +17,13 @@ pub struct GcArgs {
 
 pub fn main(config: Option<&Path>, a: GcArgs) -> i32 {
     report("gc", || {
-        let cfg = persist_config(config, a.state.as_deref(), a.remote.as_deref(), None)?;
-        println!("{}", progress::show("gc", || keel::persist::cli::gc(&cfg))?);
+        let cfg = persist_config(
+            config,
+            a.state.as_deref(),
+            a.remote.as_deref(),
+            super::TakeoverArg::default(),
+        )?;
+        println!("{}", progress::show("gc", || keel::persist::ops::gc(&cfg))?);
         Ok(0)
     })
 }

@@ -98,9 +98,11 @@ pub fn main() -> i32 {
 }
 
 /// Exit code of usage and config errors.
-const EXIT_USAGE: i32 = keel::run::EXIT_USAGE;
+const EXIT_USAGE: i32 = 2;
 /// Exit code of a command that failed.
 const EXIT_FAILED: i32 = 1;
+/// Exit code when `keel run` itself fails to set up.
+const EXIT_SETUP: i32 = 1;
 
 /// How a subcommand failed: the exit code and the one line that says why.
 #[derive(Debug)]
@@ -161,13 +163,37 @@ fn absolute(p: &Path) -> PathBuf {
     }
 }
 
+/// `--takeover[=MODE]`, the same on `keel run`, `keel mount` and `keel checkpoint`.
+#[derive(clap::Args, Debug, Clone, Copy, Default)]
+pub struct TakeoverArg {
+    /// Take the workspace's lease from a keel that still holds it: wait for it, or force
+    /// (the bare flag) [overrides [persist] takeover = refuse|wait|force]
+    #[arg(
+        long,
+        value_name = "MODE",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "force"
+    )]
+    pub takeover: Option<Takeover>,
+}
+
+impl TakeoverArg {
+    /// The flag over `[persist] takeover`.
+    pub fn apply(self, cfg: &mut Config) {
+        if let Some(t) = self.takeover {
+            cfg.persist.takeover = t;
+        }
+    }
+}
+
 /// The config of a persist command: the config file, then `--state`, `--remote` and
 /// `--takeover` over it, its `[persist]` table checked.
 fn persist_config(
     config: Option<&Path>,
     state: Option<&Path>,
     remote: Option<&str>,
-    takeover: Option<Takeover>,
+    lease: TakeoverArg,
 ) -> Result<Config, Failed> {
     let mut cfg = Config::resolve(config).map_err(Failed::usage)?;
     if let Some(s) = state {
@@ -176,9 +202,7 @@ fn persist_config(
     if let Some(r) = remote {
         cfg.persist.remote = r.to_string();
     }
-    if let Some(t) = takeover {
-        cfg.persist.takeover = t;
-    }
+    lease.apply(&mut cfg);
     cfg.persist
         .validate()
         .map_err(|(k, r)| Failed::usage(format!("{k}: {r}")))?;
@@ -208,7 +232,7 @@ mod tests {
         assert_eq!(c.config.as_deref(), Some("/x".as_ref()));
         assert_eq!(c.run.command, ["sh", "--config", "y"]);
         let c = parse(&["--takeover", "ls", "-l"]).unwrap();
-        assert_eq!(c.run.takeover, Some(Takeover::Force));
+        assert_eq!(c.run.lease.takeover, Some(Takeover::Force));
         assert_eq!(c.run.command, ["ls", "-l"]);
         assert!(parse(&["--bogus", "ls"]).is_err());
     }
@@ -219,7 +243,7 @@ mod tests {
         let Some(Command::Run(r)) = c.command else {
             panic!("not run")
         };
-        assert_eq!(r.takeover, Some(Takeover::Wait));
+        assert_eq!(r.lease.takeover, Some(Takeover::Wait));
         assert_eq!(r.command, ["ls", "--takeover", "-c", "x"]);
         let c = parse(&["run", "-c", "/c", "--", "--help"]).unwrap();
         assert_eq!(c.config.as_deref(), Some("/c".as_ref()));

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use keel::config::{CacheMode, Config, Switch, Takeover};
+use keel::config::{CacheMode, Config, Switch};
 
 use super::{absolute, report, Failed};
 
@@ -38,15 +38,8 @@ pub struct MountArgs {
     /// How long the kernel caches a name's absence
     #[arg(long, value_name = "D", value_parser = duration)]
     negative_timeout: Option<Duration>,
-    /// Take the workspace's lease from a keel that still holds it (bare: force)
-    #[arg(
-        long,
-        value_name = "MODE",
-        num_args = 0..=1,
-        require_equals = true,
-        default_missing_value = "force"
-    )]
-    takeover: Option<Takeover>,
+    #[command(flatten)]
+    lease: super::TakeoverArg,
     /// Gone: keel serves FUSE over /dev/fuse only
     #[arg(long, hide = true, num_args = 0..=1, value_name = "X")]
     io_uring: Option<Option<String>>,
@@ -77,9 +70,7 @@ fn config(config: Option<&Path>, a: &MountArgs) -> Result<Config, Failed> {
         }
     }
     let mut cfg = Config::resolve(config).map_err(Failed::usage)?;
-    if let Some(t) = a.takeover {
-        cfg.persist.takeover = t;
-    }
+    a.lease.apply(&mut cfg);
     let ws = &mut cfg.workspace;
     if let Some(s) = &a.state {
         ws.state_dir = absolute(s);
@@ -100,15 +91,48 @@ fn config(config: Option<&Path>, a: &MountArgs) -> Result<Config, Failed> {
 pub fn main(config_file: Option<&Path>, a: MountArgs) -> i32 {
     report("mount", || {
         let cfg = config(config_file, &a)?;
-        keel::workspace::cli::mount_foreground(&cfg)?;
+        mount_foreground(&cfg)?;
         Ok(0)
     })
+}
+
+/// Mounts `cfg`'s workspace like `keel run` does (lock, lease, restore of an empty state
+/// dir, checkpoints: `boot::workspace`) and serves it until a stop signal or an unmount from
+/// outside, then saves and unmounts; SIGUSR1 logs the count of FUSE requests served.
+fn mount_foreground(cfg: &Config) -> Result<(), String> {
+    use keel::sys::fgsig::{Stop, StopSignals};
+    let signals = StopSignals::block().map_err(|e| format!("block signals: {e}"))?;
+    let ws = keel::boot::workspace::start(cfg).map_err(|e| e.to_string())?;
+    let mounted = ws.mounted();
+    loop {
+        match signals.wait_or(mounted.ended().fd()) {
+            // SIGUSR1: the counters (benchmarks divide keel's CPU time by the requests).
+            Ok(Stop::Signal("SIGUSR1")) => {
+                let h = mounted.handle();
+                tracing::info!(
+                    fuse_requests = h.fuse_requests(),
+                    fuse_requests_unwaited = h.fuse_requests_unwaited(),
+                    "counters"
+                );
+                continue;
+            }
+            Ok(Stop::Signal(sig)) => tracing::info!(signal = sig, "stopping"),
+            Ok(Stop::Ended) => tracing::warn!(
+                mount_point = %mounted.mount_point().display(),
+                "the workspace was unmounted from outside (or its connection aborted); saving and stopping"
+            ),
+            Err(e) => tracing::warn!(error = %e, "waiting for signals failed; unmounting"),
+        }
+        break;
+    }
+    ws.unmount().map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+    use keel::config::Takeover;
 
     #[derive(Parser)]
     struct T {

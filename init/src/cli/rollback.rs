@@ -27,7 +27,12 @@ pub struct RollbackArgs {
 
 pub fn main(config: Option<&Path>, a: RollbackArgs) -> i32 {
     report("rollback", || {
-        let cfg = persist_config(config, a.state.as_deref(), None, None)?;
+        let cfg = persist_config(
+            config,
+            a.state.as_deref(),
+            None,
+            super::TakeoverArg::default(),
+        )?;
         let v = keel::control::agent_client::rollback(
             &cfg,
             &Rollback {

@@ -70,7 +70,12 @@ pub fn main(config: Option<&Path>, c: SnapshotCommand) -> i32 {
             message,
             json,
         } => {
-            let cfg = persist_config(config, state.as_deref(), None, None)?;
+            let cfg = persist_config(
+                config,
+                state.as_deref(),
+                None,
+                super::TakeoverArg::default(),
+            )?;
             let v = keel::control::agent_client::snapshot_create(
                 &cfg,
                 &SnapshotCreate { name, message },
@@ -87,7 +92,12 @@ pub fn main(config: Option<&Path>, c: SnapshotCommand) -> i32 {
             remote,
             json,
         } => {
-            let cfg = persist_config(config, state.as_deref(), remote.as_deref(), None)?;
+            let cfg = persist_config(
+                config,
+                state.as_deref(),
+                remote.as_deref(),
+                super::TakeoverArg::default(),
+            )?;
             println!(
                 "{}",
                 keel::control::agent_client::snapshot_list(&cfg, json)?
@@ -99,7 +109,12 @@ pub fn main(config: Option<&Path>, c: SnapshotCommand) -> i32 {
             state,
             remote,
         } => {
-            let cfg = persist_config(config, state.as_deref(), remote.as_deref(), None)?;
+            let cfg = persist_config(
+                config,
+                state.as_deref(),
+                remote.as_deref(),
+                super::TakeoverArg::default(),
+            )?;
             for n in keel::control::agent_client::snapshot_delete(&cfg, &what)? {
                 println!("deleted name {n}");
             }
@@ -113,9 +128,14 @@ pub fn main(config: Option<&Path>, c: SnapshotCommand) -> i32 {
                         .map_err(|_| Failed::usage(format!("`{id}` is not a snapshot id")))?,
                 ),
             };
-            let cfg = persist_config(config, Some(&state), remote.as_deref(), None)?;
+            let cfg = persist_config(
+                config,
+                Some(&state),
+                remote.as_deref(),
+                super::TakeoverArg::default(),
+            )?;
             let r = progress::show("restore", || {
-                keel::persist::cli::snapshot_restore(&cfg, seq)
+                keel::persist::ops::snapshot_restore(&cfg, seq)
             })?;
             println!(
                 "restored snapshot {} into {}: {} inodes, {} files, {} bytes, {} chunks fetched ({} bytes) in {:.2}s",

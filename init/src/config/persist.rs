@@ -8,6 +8,12 @@ use std::time::Duration;
 
 use super::units::{duration_str, opt_duration_str, opt_size_str};
 
+/// The file in the state dir that remembers the holder id of the lease its keel took, so a
+/// keel restarted on the same state dir after a crash takes its own lease back at once
+/// (here, below both `persist` that writes it and `workspace` that accepts it in a fresh
+/// state dir).
+pub const LEASE_HOLDER_FILE: &str = "lease.holder";
+
 /// When `fsync` returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]

@@ -4,7 +4,9 @@
 //! otherwise through the control API's Unix socket. Inside the sandbox the state dir is
 //! covered by an empty tmpfs, so there the control socket (`/run/keel/control.sock`, root
 //! and keel's user only) is the way in: the same routes, the same checks as `GET /snapshots`
-//! and `POST /rollback` over HTTP.
+//! and `POST /rollback` over HTTP. `keel checkpoint` goes the same ways: `persist.sock`,
+//! the control API's `POST /checkpoint` (a `keel run` without checkpoints to a remote),
+//! else the stopped state dir directly.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -13,6 +15,7 @@ use super::client::{request_within, ClientError};
 use crate::config::Config;
 use crate::persist::agent::{Rollback, SnapshotCreate};
 use crate::persist::agent_cmd::{self, DiffOptions};
+use crate::persist::ops;
 use crate::persist::snapshots;
 
 /// A rollback with `restart` waits for the main command to stop: allow for it.
@@ -30,6 +33,25 @@ fn api_socket(cfg: &Config) -> Option<PathBuf> {
     }
     let s = super::default_socket(cfg);
     s.exists().then_some(s)
+}
+
+/// `keel checkpoint [--full]`: by the running keel over `persist.sock` if there is one,
+/// else over its control API (`POST /checkpoint`: a flush when no remote is configured),
+/// else offline on the stopped state dir.
+pub fn checkpoint(cfg: &Config, full: bool) -> Result<ops::Answer, String> {
+    if let Some(a) = ops::checkpoint_running(cfg, full)? {
+        return Ok(a);
+    }
+    let http = super::default_socket(cfg);
+    if http.exists() {
+        if let Ok((code, body)) = super::client::request(&http, "POST", "/checkpoint") {
+            return Ok(ops::Answer {
+                text: body.trim().to_string(),
+                ok: code == 200,
+            });
+        }
+    }
+    ops::checkpoint_offline(cfg, full)
 }
 
 /// Percent-encodes a query value (everything but RFC 3986's unreserved characters).

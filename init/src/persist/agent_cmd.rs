@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::agent::{Op, Rollback, SnapshotCreate};
 use super::checkpoint::{now_ns, CheckpointOptions};
-use super::cli::{ask, repo_of, with_offline_writer};
+use super::ops::{ask, repo_of, with_offline_writer};
 use super::{control, diff, snapshots};
 use crate::config::Config;
 use crate::sys;

@@ -391,7 +391,7 @@ impl Lease {
                                     remote: remote.describe(),
                                     who: r.who(),
                                     epoch: r.epoch,
-                                    expires: super::cli::fmt_time(r.expires_ns),
+                                    expires: super::ops::fmt_time(r.expires_ns),
                                     in_s: ((r.expires_ns - now).max(0) as u64)
                                         .div_ceil(1_000_000_000),
                                 })

@@ -11,7 +11,6 @@
 pub mod agent;
 pub mod agent_cmd;
 pub mod checkpoint;
-pub mod cli;
 pub mod control;
 pub mod diff;
 pub mod fork;
@@ -23,6 +22,7 @@ pub mod hydrate;
 pub mod lease;
 pub mod metrics;
 pub mod objstore;
+pub mod ops;
 pub mod private;
 pub mod remote;
 pub mod repo;
@@ -124,9 +124,7 @@ pub fn secure_remote(url: &str) -> std::io::Result<()> {
     }
 }
 
-/// The file in the state dir that remembers the holder id of the lease its keel took, so a
-/// keel restarted on the same state dir after a crash takes its own lease back at once.
-pub const LEASE_HOLDER_FILE: &str = "lease.holder";
+pub use crate::config::persist::LEASE_HOLDER_FILE;
 
 /// Takes the single-writer lease of the workspace's remote (with its own connection, so
 /// renewals never queue behind a checkpoint's uploads). `Ok(None)` when the lease is off

@@ -8,7 +8,7 @@
 //! the service owns it: renewed in the background, released when the service closes.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -97,10 +97,6 @@ pub(crate) enum Cmd {
     SetRollback {
         f: super::agent::RollbackFn,
     },
-    /// `keel run`'s main command, for `rollback --restart`.
-    SetMain {
-        main: std::sync::Arc<dyn super::agent::MainCommand>,
-    },
 }
 
 /// What the worker is doing, for refusing a rollback at once (`CheckpointHandle::agent`).
@@ -114,8 +110,8 @@ const ROLLING_BACK: u8 = 2;
 pub struct CheckpointHandle {
     tx: Sender<Cmd>,
     busy: Arc<AtomicU8>,
-    /// Set once `keel run` hands over its main command (`Service::set_main`).
-    has_main: Arc<AtomicBool>,
+    /// `keel run` handed over its main command (`Service::start`): the worker's `main`.
+    has_main: bool,
 }
 
 /// What the service reports for `/status`.
@@ -226,9 +222,7 @@ impl CheckpointHandle {
     pub fn agent(&self, op: super::agent::Op) -> Result<serde_json::Value, String> {
         let rollback = matches!(op, super::agent::Op::Rollback(_));
         // A request that can never work says so, whatever else is running.
-        if matches!(&op, super::agent::Op::Rollback(r) if r.restart)
-            && !self.has_main.load(Ordering::SeqCst)
-        {
+        if matches!(&op, super::agent::Op::Rollback(r) if r.restart) && !self.has_main {
             return Err(super::agent::NO_MAIN.into());
         }
         if rollback {
@@ -288,7 +282,7 @@ pub struct Service {
     lease: Option<Lease>,
     published: Arc<Published>,
     busy: Arc<AtomicU8>,
-    has_main: Arc<AtomicBool>,
+    has_main: bool,
 }
 
 pub(super) struct Worker {
@@ -619,7 +613,6 @@ impl Worker {
                     let _ = reply.send(self.p.repo().clone());
                 }
                 Ok(Cmd::SetRollback { f }) => self.rollback = Some(f),
-                Ok(Cmd::SetMain { main }) => self.main = Some(main),
                 Ok(Cmd::MountPoint { reply }) => {
                     let _ = reply.send(self.mount_point.clone());
                 }
@@ -653,7 +646,7 @@ impl Service {
         CheckpointHandle {
             tx: self.tx.clone(),
             busy: self.busy.clone(),
-            has_main: self.has_main.clone(),
+            has_main: self.has_main,
         }
     }
 
@@ -686,12 +679,14 @@ impl Service {
 
     /// Starts checkpoints for a mounted workspace; `None` when `[persist] remote = "none"`.
     /// `lease`, when given, fences every checkpoint; the service renews it and releases it
-    /// when it closes.
+    /// when it closes. `main`: `keel run`'s main command, which `rollback --restart` stops
+    /// and starts again (`None` under `keel mount`, which refuses it).
     pub fn start(
         ws: &WorkspaceConfig,
         cfg: &PersistConfig,
         flush: FlushFn,
         mut lease: Option<Lease>,
+        main: Option<std::sync::Arc<dyn super::agent::MainCommand>>,
     ) -> Result<Option<Service>, ServiceError> {
         let state = &ws.state_dir;
         let Some(url) = cfg.remote_url(state) else {
@@ -724,7 +719,7 @@ impl Service {
         };
         let (tx, rx) = mpsc::channel();
         let busy = Arc::new(AtomicU8::new(IDLE));
-        let has_main = Arc::new(AtomicBool::new(false));
+        let has_main = main.is_some();
         let worker = Worker {
             p,
             cfg: cfg.clone(),
@@ -733,7 +728,7 @@ impl Service {
             paused: false,
             rollback: None,
             history: None,
-            main: None,
+            main,
             busy: busy.clone(),
             mount_point: ws.mount_point.clone(),
             failures: 0,
@@ -755,7 +750,7 @@ impl Service {
             CheckpointHandle {
                 tx: tx.clone(),
                 busy: busy.clone(),
-                has_main: has_main.clone(),
+                has_main,
             },
         )
         .map_err(|source| ServiceError::Control {
@@ -780,12 +775,6 @@ impl Service {
     /// Lets rollbacks reach the mounted filesystem (see `agent::RollbackFn`).
     pub fn set_rollback(&self, f: super::agent::RollbackFn) {
         let _ = self.tx.send(Cmd::SetRollback { f });
-    }
-
-    /// Lets `rollback --restart` stop and start `keel run`'s main command.
-    pub fn set_main(&self, main: std::sync::Arc<dyn super::agent::MainCommand>) {
-        self.has_main.store(true, Ordering::SeqCst);
-        let _ = self.tx.send(Cmd::SetMain { main });
     }
 
     /// Takes a checkpoint now and waits for it (`fsync = "remote"`, `keel checkpoint`).

@@ -1,6 +1,9 @@
-//! Mounting and unmounting the workspace: locks the state dir, opens the store, mounts a
-//! `/dev/fuse` connection with mount(2), serves it through fuser (`Session::from_fd`, its
-//! worker threads each on a cloned fd), and on shutdown syncs and unmounts.
+//! Mounting and unmounting the workspace, in two phases: `lock_state` checks and locks the
+//! state dir; `mount_locked` opens the store, mounts a `/dev/fuse` connection with mount(2)
+//! and serves it through fuser (`Session::from_fd`, its worker threads each on a cloned
+//! fd). Between the two the caller does what needs the lock but no open store (`boot`: the
+//! lease, a restore). On shutdown it syncs, lets a `Finisher` (the checkpoint service) do
+//! its last work, and unmounts.
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -9,12 +12,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use crate::config::{CacheMode, Passthrough, PersistConfig, WorkspaceConfig};
-use crate::persist::lease::ReleaseOnDrop;
+use crate::config::{CacheMode, Passthrough, WorkspaceConfig};
 use crate::sys;
 use crate::sys::eventfd::EventFd;
 
-use super::fs::{FsOptions, WorkspaceFs};
+use super::fs::{FsOptions, Inval, WorkspaceFs};
 use super::fuse::{FuseAdapter, KernelFeatures, RequestCounters, Timeouts};
 
 #[derive(Debug, thiserror::Error)]
@@ -31,10 +33,9 @@ pub enum SessionError {
     Flush(String),
     #[error("unmount {path}: {source}")]
     Unmount { path: PathBuf, source: io::Error },
-    #[error("checkpoints: {0}")]
-    Persist(String),
+    /// The finisher's last work (the final checkpoint) failed.
     #[error("{0}")]
-    Lease(crate::persist::lease::LeaseError),
+    Finish(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// A mounted workspace. Dropping it unmounts too, but only `unmount` reports errors.
@@ -44,10 +45,8 @@ pub struct Mounted {
     session: Option<FuseSession>,
     passthrough: Arc<AtomicBool>,
     requests: Arc<RequestCounters>,
-    persist: Option<crate::persist::Service>,
-    /// Background fetch of lazily restored windows.
-    prefetch: Option<Prefetch>,
-    _lock: sys::file::LockFile,
+    /// Held until the filesystem has shut down (see `release_lock`).
+    lock: Option<StateLock>,
 }
 
 /// A cloneable handle on a mounted workspace for other threads (the control API's
@@ -104,7 +103,7 @@ const HARMLESS: &[&str] = &[
     "reserve",
     "reserve.boot",
     "control.sock",
-    crate::persist::LEASE_HOLDER_FILE,
+    crate::config::persist::LEASE_HOLDER_FILE,
 ];
 
 fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
@@ -112,7 +111,15 @@ fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
         path: dir.to_path_buf(),
         reason,
     };
-    crate::persist::secure_state_dir(dir).map_err(|e| bad(format!("cannot create: {e}")))?;
+    // Private (0700) when created here; `boot` tightens an existing one first.
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| bad(format!("cannot create: {e}")))?;
+    }
     if !dir.join("meta.db").exists() {
         let entries = std::fs::read_dir(dir).map_err(|e| bad(format!("cannot read: {e}")))?;
         for e in entries.flatten() {
@@ -173,41 +180,23 @@ fn prepare_mount_point(p: &Path) -> Result<(), SessionError> {
     }
 }
 
-/// Mounts the workspace described by `cfg` and returns once the kernel has accepted it.
-/// No checkpoints (see `mount_persistent`).
-pub fn mount(cfg: &WorkspaceConfig) -> Result<Mounted, SessionError> {
-    mount_with(cfg, None)
+/// The state dir, checked and locked for this process: the first phase of a mount. What
+/// must happen before the filesystem opens (the lease, a restore into an empty state dir)
+/// runs while this is held; [`mount_locked`] is the second phase.
+pub struct StateLock {
+    state_dir: PathBuf,
+    _lock: sys::file::LockFile,
 }
 
-/// Mounts the workspace and starts checkpoints to the `[persist]` remote: periodic, on
-/// request over `<state>/control.sock`, and a final one in `unmount`. Takes the remote's
-/// single-writer lease first (when on): a refused lease fails here with nothing mounted.
-pub fn mount_persistent(
-    cfg: &WorkspaceConfig,
-    persist: &PersistConfig,
-) -> Result<Mounted, SessionError> {
-    mount_with(cfg, Some((persist, None)))
+impl StateLock {
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
 }
 
-/// `mount_persistent` with a lease the caller already took (`keel run` takes it before
-/// restoring from the remote); `None` when the lease is off.
-pub fn mount_persistent_leased(
-    cfg: &WorkspaceConfig,
-    persist: &PersistConfig,
-    lease: Option<crate::persist::lease::Lease>,
-) -> Result<Mounted, SessionError> {
-    mount_with(cfg, Some((persist, Some(lease))))
-}
-
-type PersistPlan<'a> = (
-    &'a PersistConfig,
-    Option<Option<crate::persist::lease::Lease>>,
-);
-
-fn mount_with(
-    cfg: &WorkspaceConfig,
-    persist: Option<PersistPlan<'_>>,
-) -> Result<Mounted, SessionError> {
+/// Checks that `cfg`'s state dir is keel's (or empty) and takes its lock; a second keel on
+/// the same state dir stops here.
+pub fn lock_state(cfg: &WorkspaceConfig) -> Result<StateLock, SessionError> {
     let state = &cfg.state_dir;
     check_state_dir(state)?;
     let lock_path = state.join("lock");
@@ -220,17 +209,16 @@ fn mount_with(
             path: state.clone(),
             lock: lock_path.clone(),
         })?;
-    // The lease before anything is mounted: a second writer stops here.
-    let persist = match persist {
-        Some((p, Some(lease))) => Some((p, ReleaseOnDrop::new(lease))),
-        Some((p, None)) => Some((
-            p,
-            ReleaseOnDrop::new(
-                crate::persist::acquire_lease(state, p, true).map_err(SessionError::Lease)?,
-            ),
-        )),
-        None => None,
-    };
+    Ok(StateLock {
+        state_dir: state.clone(),
+        _lock: lock,
+    })
+}
+
+/// Opens the store of the locked state dir and mounts it on `cfg`'s mount point; returns
+/// once the kernel has accepted the mount. The lock is held until the `Mounted` is gone.
+pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, SessionError> {
+    let state = &cfg.state_dir;
     let passthrough_on = Arc::new(AtomicBool::new(false));
     crate::meta::set_cache_ceiling(cfg.meta_cache);
     let fs = WorkspaceFs::new(
@@ -273,7 +261,6 @@ fn mount_with(
     let requests = adapter.requests();
     let session = FuseSession::start(adapter, &cfg.mount_point, cfg.effective_threads())
         .map_err(mount_err)?;
-    let notifier = session.notifier.clone();
     tracing::info!(
         mount_point = %cfg.mount_point.display(),
         state = %state.display(),
@@ -282,73 +269,28 @@ fn mount_with(
         passthrough = passthrough_on.load(Ordering::Relaxed),
         "workspace mounted"
     );
-    let mut mounted = Mounted {
+    Ok(Mounted {
         mount_point: cfg.mount_point.clone(),
         fs,
         session: Some(session),
         passthrough: passthrough_on,
         requests,
-        persist: None,
-        prefetch: None,
-        _lock: lock,
-    };
-    if let Some((p, mut lease)) = persist {
-        mounted.prefetch = start_lazy(cfg, p, &mounted.fs)?;
-        mounted.persist = start_persist(cfg, p, &mounted, lease.take())?;
-        if let (Some(svc), Some(n)) = (&mounted.persist, notifier) {
-            svc.set_rollback(super::live::rollback_fn(
-                mounted.fs.clone(),
-                invalidate_through(n),
-            ));
-        }
-    } else if mounted.fs.lazy_active() {
-        tracing::warn!("this state dir was restored lazily but no remote is configured: reads of data not fetched yet fail with EIO");
-    }
-    Ok(mounted)
+        lock: Some(lock),
+    })
 }
 
-/// A lazily restored state dir: wires the remote in as the source of windows not fetched
-/// yet, and with `[persist] prefetch` starts fetching all of them in the background.
-fn start_lazy(
-    cfg: &WorkspaceConfig,
-    p: &PersistConfig,
-    fs: &Arc<WorkspaceFs>,
-) -> Result<Option<Prefetch>, SessionError> {
-    if !fs.lazy_active() {
-        return Ok(None);
-    }
-    let Some(url) = p.remote_url(&cfg.state_dir) else {
-        tracing::warn!("this state dir was restored lazily but [persist] remote = \"none\": reads of data not fetched yet fail with EIO");
-        return Ok(None);
-    };
-    let mut repo = crate::persist::open_remote(&url, p)
-        .map_err(|e| SessionError::Persist(format!("open remote for lazy restore: {e}")))?;
-    // Where the chunks live (a fork's manifest may point elsewhere).
-    repo.manifest()
-        .map_err(|e| SessionError::Persist(format!("read remote manifest: {e}")))?;
-    fs.set_chunk_source(Arc::new(crate::persist::hydrate::RemoteChunks::new(repo)));
-    if !p.prefetch {
-        return Ok(None);
-    }
-    let stop = Arc::new(AtomicBool::new(false));
-    let (fs2, stop2, batch) = (fs.clone(), stop.clone(), p.concurrency);
-    let t = std::thread::Builder::new()
-        .name("keel-prefetch".into())
-        .spawn(move || {
-            fs2.prefetch_all(&stop2, batch);
-        })
-        .map_err(|e| SessionError::Persist(format!("start prefetch: {e}")))?;
-    Ok(Some((stop, t)))
-}
+/// Sends one invalidation to the kernel; an error (the kernel no longer knows the inode or
+/// name) is not one.
+pub type Invalidate = Arc<dyn Fn(&Inval) -> std::io::Result<()> + Send + Sync>;
 
 /// Invalidations for a rollback, through the session's notifier (the kernel answers
 /// ENOENT for an inode or name it does not cache: not an error here).
-fn invalidate_through(n: fuser::Notifier) -> super::live::Invalidate {
+fn invalidate_through(n: fuser::Notifier) -> Invalidate {
     use std::os::unix::ffi::OsStrExt;
-    Arc::new(move |i: &super::fs::Inval| {
+    Arc::new(move |i: &Inval| {
         let r = match i {
-            super::fs::Inval::Inode(ino) => n.inval_inode(fuser::INodeNo(ino.0), 0, 0),
-            super::fs::Inval::Entry(parent, name) => {
+            Inval::Inode(ino) => n.inval_inode(fuser::INodeNo(ino.0), 0, 0),
+            Inval::Entry(parent, name) => {
                 n.inval_entry(fuser::INodeNo(parent.0), std::ffi::OsStr::from_bytes(name))
             }
         };
@@ -359,41 +301,14 @@ fn invalidate_through(n: fuser::Notifier) -> super::live::Invalidate {
     })
 }
 
-/// The prefetch thread and its stop flag.
-type Prefetch = (Arc<AtomicBool>, std::thread::JoinHandle<()>);
-
-fn stop_prefetch(p: Option<Prefetch>) {
-    if let Some((stop, t)) = p {
-        stop.store(true, Ordering::Relaxed);
-        let _ = t.join();
-    }
-}
-
-/// Starts the checkpoint service; its flush makes every acknowledged write visible in the
-/// store before a checkpoint claims the changes.
-fn start_persist(
-    cfg: &WorkspaceConfig,
-    p: &PersistConfig,
-    m: &Mounted,
-    lease: Option<crate::persist::lease::Lease>,
-) -> Result<Option<crate::persist::Service>, SessionError> {
-    let fs = m.fs.clone();
-    // Never touch the mount point from inside the daemon here (no syncfs of the mount): a
-    // thread blocked on its own mount keeps a killed keel from ever exiting. Pages still in
-    // the kernel's writeback cache reach the store at their writeback, `keel checkpoint`
-    // syncs the mount from its own process first, and the final checkpoint follows
-    // `Mounted::flush`.
-    let flush: crate::persist::service::FlushFn =
-        Box::new(move || fs.sync_all().map_err(|e| e.to_string()));
-    let service = crate::persist::Service::start(cfg, p, flush, lease)
-        .map_err(|e| SessionError::Persist(e.to_string()))?;
-    if let Some(svc) = &service {
-        if p.fsync == crate::config::persist::FsyncMode::Remote {
-            let h = svc.handle();
-            m.fs.set_fsync_hook(Box::new(move || h.checkpoint_now().map(|_| ())));
-        }
-    }
-    Ok(service)
+/// What stops with the mount and is not the filesystem's (the checkpoint service, wired
+/// in by `boot`): `finish` runs right after the flush, before the unmount (the final
+/// checkpoint); `close` after the filesystem has shut down.
+pub trait Finisher: Send {
+    /// The last work on the flushed filesystem; an error is reported after the unmount.
+    fn finish(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
+    /// Stops for good. `clean`: the filesystem shut down and recorded every write.
+    fn close(self: Box<Self>, clean: bool);
 }
 
 impl Mounted {
@@ -426,22 +341,31 @@ impl Mounted {
         }
     }
 
-    /// The checkpoint service, when checkpoints are on.
-    pub fn persist(&self) -> Option<&crate::persist::Service> {
-        self.persist.as_ref()
+    /// The filesystem, for what `boot` wires into it (the remote as the source of windows
+    /// not fetched yet, the fsync hook, rollback).
+    pub fn fs(&self) -> &Arc<WorkspaceFs> {
+        &self.fs
     }
 
-    /// The checkpoint service, e.g. to set the final checkpoint's budget.
-    pub fn persist_mut(&mut self) -> Option<&mut crate::persist::Service> {
-        self.persist.as_mut()
+    /// Tells the kernel to drop what it caches of an inode or name (after a rollback).
+    pub fn invalidator(&self) -> Option<Invalidate> {
+        let s = self.session.as_ref()?;
+        s.notifier.clone().map(invalidate_through)
     }
 
-    /// Flushes (every open handle's dirty data into the store), takes the final checkpoint
-    /// (within `[persist] flush_timeout`), then unmounts and waits for the FUSE workers.
-    /// A checkpoint that could not finish is reported (what did not reach the remote) after
-    /// the unmount; its changes stay pending in the local state.
-    pub fn unmount(mut self) -> Result<(), SessionError> {
-        stop_prefetch(self.prefetch.take());
+    /// Drops the mount like `Drop` does (sync, unmount, shut the filesystem down) and hands
+    /// back the state dir's lock, so what used the state dir can stop before it is released.
+    pub fn release_lock(mut self) -> Option<StateLock> {
+        let lock = self.lock.take();
+        drop(self);
+        lock
+    }
+
+    /// Flushes (every open handle's dirty data into the store), lets `finisher` do its last
+    /// work (the final checkpoint), then unmounts and waits for the FUSE workers, shuts the
+    /// filesystem down and closes `finisher`. A `finish` that failed is reported after the
+    /// unmount (its changes stay pending in the local state).
+    pub fn unmount(mut self, mut finisher: Option<Box<dyn Finisher>>) -> Result<(), SessionError> {
         let flushed = if self.ended().is_set() {
             // The kernel wrote its dirty pages back before it ended the connection; the
             // mount point is no longer this mount.
@@ -451,8 +375,8 @@ impl Mounted {
         } else {
             self.flush()
         };
-        let final_cp = match (&flushed, self.persist.as_mut()) {
-            (Ok(()), Some(p)) => Some(p.finish()),
+        let finished = match (&flushed, finisher.as_mut()) {
+            (Ok(()), Some(f)) => Some(f.finish()),
             _ => None,
         };
         let session = self.session.take().expect("session present until unmount");
@@ -482,13 +406,11 @@ impl Mounted {
                 .shutdown()
                 .map_err(|e| SessionError::Flush(e.to_string()))
         });
-        if let Some(p) = self.persist.take() {
-            p.close(shut.is_ok() && unmounted.is_ok());
+        if let Some(f) = finisher {
+            f.close(shut.is_ok() && unmounted.is_ok());
         }
-        match final_cp {
-            Some(Ok(r)) => tracing::info!(report = %r, "final checkpoint"),
-            Some(Err(e)) => return Err(SessionError::Persist(e.to_string())),
-            None => {}
+        if let Some(Err(e)) = finished {
+            return Err(SessionError::Finish(e));
         }
         unmounted?;
         shut?;
@@ -504,7 +426,6 @@ impl Mounted {
 
 impl Drop for Mounted {
     fn drop(&mut self) {
-        stop_prefetch(self.prefetch.take());
         if let Some(s) = self.session.take() {
             let _ = self.fs.sync_all();
             if s.unmount().is_ok() {

@@ -1,8 +1,9 @@
 //! The bridge between a snapshot tree (`persist::format::Tree`) and the mounted
 //! filesystem's rollback (`fs::WorkspaceFs::rollback`): what differs between the tree at
 //! the last checkpoint and the target, the target as the filesystem asks for it, and the
-//! kernel invalidations once it is applied (through the FUSE session's notifier, wired in
-//! by `session`).
+//! kernel invalidations once it is applied (through the FUSE session's notifier,
+//! `workspace::Invalidate`). Part of the start sequence: it joins persist's trees to the
+//! workspace's filesystem, which know nothing of each other.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -10,17 +11,14 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::fs::{Inval, RollbackPlan, RollbackTarget, Target, TargetData, WorkspaceFs};
 use crate::chunk::{ChunkId, ChunkSource, FetchError};
 use crate::meta::{InodeNo, Kind};
 use crate::persist::format::TreeData;
 use crate::persist::history::{Changed, View};
 use crate::persist::hydrate::RemoteChunks;
 use crate::persist::Repo;
-
-/// Sends one invalidation to the kernel; an error (the kernel no longer knows the inode or
-/// name) is not one.
-pub type Invalidate = Arc<dyn Fn(&Inval) -> std::io::Result<()> + Send + Sync>;
+use crate::workspace::fs::{RollbackPlan, RollbackTarget, Target, TargetData, WorkspaceFs};
+use crate::workspace::Invalidate;
 
 /// The inodes and entries that differ between `cur` and `target`, among those `changed`
 /// names (a superset: what the snapshots between them touched).

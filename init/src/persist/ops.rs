@@ -1,7 +1,7 @@
-//! What the persist subcommands do, on a config the command line has made: `keel
-//! checkpoint`, `gc`, `fsck`, `snapshot list|restore`, `fork`, and the lease and restore
-//! `keel run` and `keel mount` take before mounting. Each talks to the running keel over the
-//! control socket when the state dir is mounted, and otherwise locks the state dir and works
+//! One-shot persistence operations for the command line, on a config it has made: `keel
+//! checkpoint` (its `persist.sock` and offline halves; `control::agent_client` routes it),
+//! `gc`, `fsck`, `snapshot restore`, `fork`. Each talks to the running keel over
+//! `persist.sock` when the state dir is mounted, and otherwise locks the state dir and works
 //! on it directly. Long work reports to `crate::progress`.
 
 use std::path::Path;
@@ -20,100 +20,6 @@ pub(super) fn repo_of(cfg: &Config) -> Result<Repo, String> {
         .remote_url(&cfg.workspace.state_dir)
         .ok_or_else(|| "no remote configured ([persist] remote = \"none\")".to_string())?;
     open_remote(&url, &cfg.persist).map_err(|e| e.to_string())
-}
-
-/// A remote is configured and the state dir has no workspace yet: `restore_on_start` asks
-/// the remote for a snapshot.
-pub fn restore_wanted(cfg: &Config) -> bool {
-    !cfg.persist.remote.is_empty() && !cfg.workspace.state_dir.join("meta.db").exists()
-}
-
-/// Why `lease_and_restore` failed.
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    #[error(transparent)]
-    Lease(#[from] super::lease::LeaseError),
-    #[error("restore from the remote: {0}")]
-    Restore(String),
-}
-
-/// What `keel run` and `keel mount` do before mounting: take the single-writer lease before
-/// anything reads or writes the remote, then give an empty state dir the remote's latest
-/// snapshot (`restore_on_start`). The lease is released on drop unless taken out of it.
-pub fn lease_and_restore(cfg: &Config) -> Result<super::lease::ReleaseOnDrop, StartError> {
-    // Private before anything is written there; a dir that cannot be made is reported by
-    // the steps that need it.
-    if let Err(e) = super::secure_at_start(&cfg.workspace.state_dir, Some(&cfg.persist)) {
-        tracing::warn!(state = %cfg.workspace.state_dir.display(), error = %e, "cannot make the state dir private");
-    }
-    let lease = super::lease::ReleaseOnDrop::new(super::acquire_lease(
-        &cfg.workspace.state_dir,
-        &cfg.persist,
-        false,
-    )?);
-    let log = crate::progress::Logged::new("restore", super::service::LOG_EVERY);
-    match crate::progress::scope(log, || restore_on_start(cfg)) {
-        Ok(Some(what)) => tracing::info!("{what}"),
-        Ok(None) => {}
-        Err(e) => return Err(StartError::Restore(e)),
-    }
-    Ok(lease)
-}
-
-/// At start with an empty state dir and a configured remote that holds a snapshot, restores
-/// the remote's head first: a fresh container with no state volume gets its workspace back.
-/// `Ok(None)`: nothing to do (state present, default remote, or an empty remote).
-pub fn restore_on_start(cfg: &Config) -> Result<Option<String>, String> {
-    let state = &cfg.workspace.state_dir;
-    if !restore_wanted(cfg) {
-        return Ok(None);
-    }
-    let _lock = lock_offline(state)?;
-    let mut repo = repo_of(cfg)?;
-    let mode = restore_mode(cfg, &mut repo);
-    match restore::restore_with(&mut repo, None, state, mode) {
-        Ok(r) => Ok(Some(format!(
-            "restored snapshot {} from {} ({}): {} files, {} bytes, {} chunks fetched, {} windows left to fetch on first use, in {:.2}s ({})",
-            r.seq,
-            repo.describe(),
-            if mode == restore::RestoreMode::Lazy { "lazy" } else { "eager" },
-            r.files,
-            r.file_bytes,
-            r.chunks_fetched,
-            r.windows_missing,
-            r.elapsed_s,
-            r.phases
-                .iter()
-                .map(|(p, s)| format!("{p} {s:.2}s"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ))),
-        Err(restore::RestoreError::NoSnapshot(_)) => Ok(None),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
-/// The configured restore mode; lazy needs the snapshot's window size to be the configured
-/// one (the filesystem fetches by window), else the restore is eager.
-fn restore_mode(cfg: &Config, repo: &mut Repo) -> restore::RestoreMode {
-    if cfg.persist.restore == crate::config::persist::RestoreMode::Eager {
-        return restore::RestoreMode::Eager;
-    }
-    let cs = restore::resolve_seq(repo, None)
-        .ok()
-        .and_then(|seq| repo.read_header(seq).ok())
-        .map(|h| h.chunk_size);
-    match cs {
-        Some(cs) if cs != cfg.workspace.chunk_size => {
-            tracing::warn!(
-                snapshot_chunk_size = cs,
-                chunk_size = cfg.workspace.chunk_size,
-                "the snapshot was cut into other windows than [workspace] chunk_size: restoring eagerly"
-            );
-            restore::RestoreMode::Eager
-        }
-        _ => restore::RestoreMode::Lazy,
-    }
 }
 
 /// Locks a state dir that no running keel holds.
@@ -156,8 +62,10 @@ pub struct Answer {
     pub ok: bool,
 }
 
-/// `keel checkpoint [--full]`: by the running keel if there is one, else offline.
-pub fn checkpoint(cfg: &Config, full: bool) -> Result<Answer, String> {
+/// `keel checkpoint [--full]` by the keel running on the state dir, over its
+/// `persist.sock`; `None`: no keel answers there (see `control::agent_client::checkpoint`
+/// for the other ways).
+pub fn checkpoint_running(cfg: &Config, full: bool) -> Result<Option<Answer>, String> {
     let state = &cfg.workspace.state_dir;
     let cmd = if full {
         "checkpoint full"
@@ -171,19 +79,12 @@ pub fn checkpoint(cfg: &Config, full: bool) -> Result<Answer, String> {
             eprintln!("keel: checkpoint: syncfs {mp}: {e} (checkpointing what keel has)");
         }
     }
-    if let Some(r) = control::request(state, cmd, Duration::from_secs(3600))? {
-        return Ok(Answer { text: r, ok: true });
-    }
-    // keel run without persist.sock: its HTTP control API may still take the request.
-    let http = crate::control::default_socket(cfg);
-    if http.exists() {
-        if let Ok((code, body)) = crate::control::client::request(&http, "POST", "/checkpoint") {
-            return Ok(Answer {
-                text: body.trim().to_string(),
-                ok: code == 200,
-            });
-        }
-    }
+    Ok(control::request(state, cmd, Duration::from_secs(3600))?
+        .map(|r| Answer { text: r, ok: true }))
+}
+
+/// `keel checkpoint [--full]` of a stopped state dir, as its one writer.
+pub fn checkpoint_offline(cfg: &Config, full: bool) -> Result<Answer, String> {
     with_offline_writer(cfg, |p| {
         match p.checkpoint(&CheckpointOptions {
             full,

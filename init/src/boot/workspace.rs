@@ -1,0 +1,323 @@
+//! The workspace's start sequence, in the order it runs, and its stop: make the state dir
+//! private → take its lock (`workspace::lock_state`) → take the remote's single-writer
+//! lease → give an empty state dir the remote's latest snapshot → open the store and mount
+//! (`workspace::mount_locked`) → wire a lazily restored state dir to the remote (and start
+//! the prefetch) → start the checkpoint service → let rollbacks reach the mounted
+//! filesystem (`live`). The lock comes before the lease: a keel restarted on the same state
+//! dir takes its own lease back at once, trusting the lock. The stop keeps the reverse:
+//! prefetch stopped → flush → final checkpoint → unmount → filesystem shut down → service
+//! closed (the lease released) → lock released. `workspace` and `persist` know nothing of
+//! each other; this module joins them for `keel run` and `keel mount`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use crate::config::persist::FsyncMode;
+use crate::config::Config;
+use crate::persist::agent::MainCommand;
+use crate::persist::lease::{LeaseError, ReleaseOnDrop};
+use crate::persist::restore::{self, RestoreError, RestoreMode};
+use crate::persist::service::{FlushFn, ServiceError};
+use crate::persist::{RemoteError, Repo, Service};
+use crate::workspace::fs::WorkspaceFs;
+use crate::workspace::{Finisher, Mounted, SessionError, StateLock};
+
+/// The step of the start sequence that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Lock(SessionError),
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    #[error("restore from the remote: open {url}: {source}")]
+    RestoreOpen { url: String, source: RemoteError },
+    #[error("restore from the remote: {0}")]
+    Restore(#[source] RestoreError),
+    #[error(transparent)]
+    Mount(SessionError),
+    #[error("lazy restore: open the remote {url}: {source}")]
+    LazyOpen { url: String, source: RemoteError },
+    #[error("lazy restore: read the remote's manifest: {0}")]
+    LazyManifest(#[source] crate::persist::repo::RepoError),
+    #[error("start prefetch: {0}")]
+    Prefetch(#[source] std::io::Error),
+    #[error("checkpoints: {0}")]
+    Checkpoints(#[source] ServiceError),
+}
+
+impl StartError {
+    /// The mount(2) itself failed (not the checks before it).
+    pub fn mount_source(&self) -> Option<&std::io::Error> {
+        match self {
+            StartError::Mount(SessionError::Mount { source, .. }) => Some(source),
+            _ => None,
+        }
+    }
+}
+
+/// The first half of the start sequence, done before `keel run` starts its control API and
+/// supervisor: the state dir locked, the lease held (released on drop), an empty state dir
+/// restored. [`Prepared::mount`] is the second half.
+pub struct Prepared {
+    lock: StateLock,
+    lease: ReleaseOnDrop,
+}
+
+/// Makes the state dir private, locks it, takes the lease and restores an empty state dir
+/// from the remote (lazily by default), so a fresh state dir never starts empty and
+/// checkpoints an empty tree over the workspace.
+pub fn prepare(cfg: &Config) -> Result<Prepared, StartError> {
+    // Private before anything is written there; a dir that cannot be made is reported by
+    // the lock that needs it.
+    if let Err(e) = crate::persist::secure_at_start(&cfg.workspace.state_dir, Some(&cfg.persist)) {
+        tracing::warn!(state = %cfg.workspace.state_dir.display(), error = %e, "cannot make the state dir private");
+    }
+    let lock = crate::workspace::lock_state(&cfg.workspace).map_err(StartError::Lock)?;
+    // The lease before anything reads or writes the remote; the lock is ours, so a lease
+    // this state dir recorded is taken back at once.
+    let lease = ReleaseOnDrop::new(crate::persist::acquire_lease(
+        &cfg.workspace.state_dir,
+        &cfg.persist,
+        true,
+    )?);
+    let log = crate::progress::Logged::new("restore", crate::persist::service::LOG_EVERY);
+    if let Some(what) = crate::progress::scope(log, || restore_on_start(cfg))? {
+        tracing::info!("{what}");
+    }
+    Ok(Prepared { lock, lease })
+}
+
+/// A remote is configured and the state dir has no workspace yet: `restore_on_start` asks
+/// the remote for a snapshot.
+pub fn restore_wanted(cfg: &Config) -> bool {
+    !cfg.persist.remote.is_empty()
+        && cfg.persist.remote_url(&cfg.workspace.state_dir).is_some()
+        && !cfg.workspace.state_dir.join("meta.db").exists()
+}
+
+/// With an empty (locked) state dir and a configured remote that holds a snapshot,
+/// restores the remote's head: a fresh container with no state volume gets its workspace
+/// back. `Ok(None)`: nothing to do (state present, default remote, or an empty remote).
+fn restore_on_start(cfg: &Config) -> Result<Option<String>, StartError> {
+    let state = &cfg.workspace.state_dir;
+    if !restore_wanted(cfg) {
+        return Ok(None);
+    }
+    let Some(url) = cfg.persist.remote_url(state) else {
+        return Ok(None);
+    };
+    let mut repo = crate::persist::open_remote(&url, &cfg.persist)
+        .map_err(|source| StartError::RestoreOpen { url, source })?;
+    let mode = restore_mode(cfg, &mut repo);
+    match restore::restore_with(&mut repo, None, state, mode) {
+        Ok(r) => Ok(Some(format!(
+            "restored snapshot {} from {} ({}): {} files, {} bytes, {} chunks fetched, {} windows left to fetch on first use, in {:.2}s ({})",
+            r.seq,
+            repo.describe(),
+            if mode == RestoreMode::Lazy { "lazy" } else { "eager" },
+            r.files,
+            r.file_bytes,
+            r.chunks_fetched,
+            r.windows_missing,
+            r.elapsed_s,
+            r.phases
+                .iter()
+                .map(|(p, s)| format!("{p} {s:.2}s"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+        Err(RestoreError::NoSnapshot(_)) => Ok(None),
+        Err(e) => Err(StartError::Restore(e)),
+    }
+}
+
+/// The configured restore mode; lazy needs the snapshot's window size to be the configured
+/// one (the filesystem fetches by window), else the restore is eager.
+fn restore_mode(cfg: &Config, repo: &mut Repo) -> RestoreMode {
+    if cfg.persist.restore == crate::config::persist::RestoreMode::Eager {
+        return RestoreMode::Eager;
+    }
+    let cs = restore::resolve_seq(repo, None)
+        .ok()
+        .and_then(|seq| repo.read_header(seq).ok())
+        .map(|h| h.chunk_size);
+    match cs {
+        Some(cs) if cs != cfg.workspace.chunk_size => {
+            tracing::warn!(
+                snapshot_chunk_size = cs,
+                chunk_size = cfg.workspace.chunk_size,
+                "the snapshot was cut into other windows than [workspace] chunk_size: restoring eagerly"
+            );
+            RestoreMode::Eager
+        }
+        _ => RestoreMode::Lazy,
+    }
+}
+
+/// The prefetch thread and its stop flag.
+type Prefetch = (Arc<AtomicBool>, std::thread::JoinHandle<()>);
+
+fn stop_prefetch(p: Option<Prefetch>) {
+    if let Some((stop, t)) = p {
+        stop.store(true, Ordering::Relaxed);
+        let _ = t.join();
+    }
+}
+
+/// A mounted workspace with what `persist` adds to it. Dropping it unmounts too, but only
+/// [`Workspace::unmount`] takes the final checkpoint and reports errors.
+pub struct Workspace {
+    /// `None` only once unmounted or dropped.
+    mounted: Option<Mounted>,
+    /// The checkpoint service, when checkpoints are on.
+    persist: Option<Service>,
+    /// Background fetch of lazily restored windows.
+    prefetch: Option<Prefetch>,
+}
+
+impl Prepared {
+    /// Mounts the locked state dir, then wires the remote in: windows not fetched yet, the
+    /// checkpoint service (with the lease and `main`, `keel run`'s main command for
+    /// `rollback --restart`), rollback of the mounted filesystem.
+    pub fn mount(
+        mut self,
+        cfg: &Config,
+        main: Option<Arc<dyn MainCommand>>,
+    ) -> Result<Workspace, StartError> {
+        let mounted =
+            crate::workspace::mount_locked(&cfg.workspace, self.lock).map_err(StartError::Mount)?;
+        let mut ws = Workspace {
+            mounted: Some(mounted),
+            persist: None,
+            prefetch: None,
+        };
+        let (fs, inval) = {
+            let m = ws.mounted();
+            (m.fs().clone(), m.invalidator())
+        };
+        ws.prefetch = start_lazy(cfg, &fs)?;
+        ws.persist = start_persist(cfg, &fs, self.lease.take(), main)?;
+        if let (Some(svc), Some(inval)) = (&ws.persist, inval) {
+            svc.set_rollback(super::live::rollback_fn(fs, inval));
+        }
+        Ok(ws)
+    }
+}
+
+/// A lazily restored state dir: wires the remote in as the source of windows not fetched
+/// yet, and with `[persist] prefetch` starts fetching all of them in the background.
+fn start_lazy(cfg: &Config, fs: &Arc<WorkspaceFs>) -> Result<Option<Prefetch>, StartError> {
+    if !fs.lazy_active() {
+        return Ok(None);
+    }
+    let p = &cfg.persist;
+    let Some(url) = p.remote_url(&cfg.workspace.state_dir) else {
+        tracing::warn!("this state dir was restored lazily but [persist] remote = \"none\": reads of data not fetched yet fail with EIO");
+        return Ok(None);
+    };
+    let mut repo = crate::persist::open_remote(&url, p)
+        .map_err(|source| StartError::LazyOpen { url, source })?;
+    // Where the chunks live (a fork's manifest may point elsewhere).
+    repo.manifest().map_err(StartError::LazyManifest)?;
+    fs.set_chunk_source(Arc::new(crate::persist::hydrate::RemoteChunks::new(repo)));
+    if !p.prefetch {
+        return Ok(None);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let (fs2, stop2, batch) = (fs.clone(), stop.clone(), p.concurrency);
+    let t = std::thread::Builder::new()
+        .name("keel-prefetch".into())
+        .spawn(move || {
+            fs2.prefetch_all(&stop2, batch);
+        })
+        .map_err(StartError::Prefetch)?;
+    Ok(Some((stop, t)))
+}
+
+/// Starts the checkpoint service; its flush makes every acknowledged write visible in the
+/// store before a checkpoint claims the changes.
+fn start_persist(
+    cfg: &Config,
+    fs: &Arc<WorkspaceFs>,
+    lease: Option<crate::persist::lease::Lease>,
+    main: Option<Arc<dyn MainCommand>>,
+) -> Result<Option<Service>, StartError> {
+    let fs2 = fs.clone();
+    // Never touch the mount point from inside the daemon here (no syncfs of the mount): a
+    // thread blocked on its own mount keeps a killed keel from ever exiting. Pages still in
+    // the kernel's writeback cache reach the store at their writeback, `keel checkpoint`
+    // syncs the mount from its own process first, and the final checkpoint follows
+    // `Mounted::flush`.
+    let flush: FlushFn = Box::new(move || fs2.sync_all().map_err(|e| e.to_string()));
+    let service = Service::start(&cfg.workspace, &cfg.persist, flush, lease, main)
+        .map_err(StartError::Checkpoints)?;
+    if let Some(svc) = &service {
+        if cfg.persist.fsync == FsyncMode::Remote {
+            let h = svc.handle();
+            fs.set_fsync_hook(Box::new(move || h.checkpoint_now().map(|_| ())));
+        }
+    }
+    Ok(service)
+}
+
+/// The whole start sequence at once (`keel mount`, which has no main command).
+pub fn start(cfg: &Config) -> Result<Workspace, StartError> {
+    prepare(cfg)?.mount(cfg, None)
+}
+
+impl Workspace {
+    /// The mounted filesystem.
+    pub fn mounted(&self) -> &Mounted {
+        self.mounted.as_ref().expect("mounted until unmount")
+    }
+
+    /// The checkpoint service, when checkpoints are on.
+    pub fn persist(&self) -> Option<&Service> {
+        self.persist.as_ref()
+    }
+
+    /// The checkpoint service, e.g. to set the final checkpoint's budget.
+    pub fn persist_mut(&mut self) -> Option<&mut Service> {
+        self.persist.as_mut()
+    }
+
+    /// Stops the prefetch, flushes, takes the final checkpoint (within `[persist]
+    /// flush_timeout`), unmounts, shuts the filesystem down and closes the service (see
+    /// `Mounted::unmount`).
+    pub fn unmount(mut self) -> Result<(), SessionError> {
+        stop_prefetch(self.prefetch.take());
+        let m = self.mounted.take().expect("mounted until unmount");
+        let fin = self
+            .persist
+            .take()
+            .map(|s| Box::new(s) as Box<dyn Finisher>);
+        m.unmount(fin)
+    }
+}
+
+impl Drop for Workspace {
+    /// Like the unmount without a final checkpoint; the service stops before the state
+    /// dir's lock is released.
+    fn drop(&mut self) {
+        stop_prefetch(self.prefetch.take());
+        if let Some(m) = self.mounted.take() {
+            let lock = m.release_lock();
+            drop(self.persist.take());
+            drop(lock);
+        }
+    }
+}
+
+/// The checkpoint service stops with the mount: its final checkpoint on the flushed
+/// filesystem, then (after the unmount) the worker, the control socket and the lease.
+impl Finisher for Service {
+    fn finish(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let r = Service::finish(self)?;
+        tracing::info!(report = %r, "final checkpoint");
+        Ok(())
+    }
+
+    fn close(self: Box<Self>, clean: bool) {
+        Service::close(*self, clean)
+    }
+}
