@@ -197,6 +197,8 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
         Self::remember(inner, inode.ino);
+        // Created with no xattr (keel inherits no ACLs): a lost group forgets this too.
+        Self::has_no_xattrs(inner, inode.ino);
         self.attr(inode, None)
     }
 
