@@ -20,7 +20,7 @@ pub use lazy::MissingRow;
 pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -266,6 +266,11 @@ struct Group {
     on_open: Box<dyn Fn() + Send>,
     /// One transaction per operation for now (e.g. the volume is nearly full).
     paused: Cell<bool>,
+    /// Inodes whose `changed` row an operation released into the open group wrote: no
+    /// other connection can claim it before the group commits, so the open group need not
+    /// write it again (every create, unlink and close in a directory marked the directory
+    /// once more). Emptied when a group begins or is lost.
+    marked: RefCell<HashSet<InodeNo>>,
 }
 
 /// When a group commit is due.
@@ -331,6 +336,7 @@ impl Store {
             lost: Cell::new(false),
             on_open,
             paused: Cell::new(false),
+            marked: RefCell::default(),
         });
     }
 
@@ -411,6 +417,7 @@ impl Store {
             group: None,
             dirs: &self.dirs,
             changes: RefCell::default(),
+            marked: RefCell::default(),
         }
     }
 
@@ -422,6 +429,7 @@ impl Store {
             if open || (!g.paused.get() && WRITERS_WAITING.load(Ordering::SeqCst) == 0) {
                 if !open {
                     self.conn.execute_batch("BEGIN IMMEDIATE")?;
+                    g.marked.borrow_mut().clear();
                     g.since.set(Some(Instant::now()));
                     g.ops.set(0);
                     (g.on_open)();
@@ -436,6 +444,7 @@ impl Store {
                     group: Some(g),
                     dirs: &self.dirs,
                     changes: RefCell::default(),
+                    marked: RefCell::default(),
                 });
             }
             // Paused, or another connection wants the lock: one transaction per operation.
@@ -454,6 +463,7 @@ impl Store {
             group: None,
             dirs: &self.dirs,
             changes: RefCell::default(),
+            marked: RefCell::default(),
         })
     }
 
@@ -570,6 +580,9 @@ pub struct Tx<'a> {
     /// Inodes written by this transaction, for `dirs` once it commits (`None`: deleted, or
     /// not a directory).
     changes: RefCell<Vec<(InodeNo, Option<Inode>)>>,
+    /// Inodes this savepoint of the group marked changed, for the group's `marked` once it
+    /// is released (a savepoint rolled back takes its rows with it).
+    marked: RefCell<Vec<InodeNo>>,
 }
 
 impl Drop for Tx<'_> {
@@ -598,6 +611,7 @@ fn group_gone(conn: &Connection, g: &Group, dirs: &DirCache) {
         g.since.set(None);
         g.ops.set(0);
         g.lost.set(true);
+        g.marked.borrow_mut().clear();
         dirs.clear();
     }
 }
@@ -690,6 +704,7 @@ impl Tx<'_> {
             }
             self.open = false;
             g.ops.set(g.ops.get() + 1);
+            g.marked.borrow_mut().extend(self.marked.take());
             self.dirs.apply(self.changes.take());
             return Ok(());
         }
@@ -755,6 +770,12 @@ impl Tx<'_> {
 
     /// Records that an inode's metadata, entries or xattrs changed since the last checkpoint.
     pub fn mark_changed(&self, ino: InodeNo) -> Result<()> {
+        if let Some(g) = self.group {
+            if g.marked.borrow().contains(&ino) {
+                return Ok(());
+            }
+            self.marked.borrow_mut().push(ino);
+        }
         self.conn
             .prepare_cached("INSERT OR IGNORE INTO changed (ino) VALUES (?1)")?
             .execute([ino.0 as i64])?;
@@ -778,14 +799,26 @@ impl Tx<'_> {
 
     /// Deletes an inode with its xattrs, inline data and symlink target.
     pub fn delete(&self, ino: InodeNo) -> Result<()> {
-        for sql in [
-            "DELETE FROM inode WHERE ino = ?1",
-            "DELETE FROM xattr WHERE ino = ?1",
-            "DELETE FROM inline_data WHERE ino = ?1",
-            "DELETE FROM symlink WHERE ino = ?1",
-            "DELETE FROM dirty_window WHERE ino = ?1",
+        self.delete_known(ino, None, true)
+    }
+
+    /// Deletes an inode of a known kind (`None`: unknown), with only the rows an inode of
+    /// that kind can have (inline bytes and dirty windows: regular files; a target:
+    /// symlinks); its xattrs too unless the caller knows it has none. Each statement that
+    /// finds nothing still costs an index search, and `rm` runs this once per file.
+    pub fn delete_known(&self, ino: InodeNo, kind: Option<Kind>, xattrs: bool) -> Result<()> {
+        let file = kind.is_none_or(|k| k == Kind::File);
+        let symlink = kind.is_none_or(|k| k == Kind::Symlink);
+        for (sql, needed) in [
+            ("DELETE FROM inode WHERE ino = ?1", true),
+            ("DELETE FROM xattr WHERE ino = ?1", xattrs),
+            ("DELETE FROM inline_data WHERE ino = ?1", file),
+            ("DELETE FROM symlink WHERE ino = ?1", symlink),
+            ("DELETE FROM dirty_window WHERE ino = ?1", file),
         ] {
-            self.conn.prepare_cached(sql)?.execute([ino.0 as i64])?;
+            if needed {
+                self.conn.prepare_cached(sql)?.execute([ino.0 as i64])?;
+            }
         }
         self.wrote(ino, None);
         self.mark_changed(ino)

@@ -51,6 +51,7 @@ impl Store {
             group: None,
             dirs: &self.dirs,
             changes: std::cell::RefCell::default(),
+            marked: std::cell::RefCell::default(),
         })
     }
 }

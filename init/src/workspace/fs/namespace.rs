@@ -323,7 +323,8 @@ impl WorkspaceFs {
         let mut tx = Batch::new(&inner.store)?;
         tx.unlink(parent, name)?;
         if delete_now {
-            tx.delete(child.ino)?;
+            let xattrs = !inner.no_xattrs.contains(&child.ino);
+            tx.delete_known(child.ino, Some(child.kind), xattrs)?;
         } else {
             tx.save(&inner.nodes, &child)?;
         }
