@@ -17,6 +17,7 @@ pub fn mount_foreground(cfg: &Config) -> Result<(), String> {
                 tracing::info!(
                     fuse_requests = h.fuse_requests(),
                     fuse_requests_unwaited = h.fuse_requests_unwaited(),
+                    sql_statements = crate::meta::statements_run(),
                     by_op = %crate::workspace::metrics::requests_by_op(),
                     "counters"
                 );
