@@ -36,7 +36,9 @@
 #   CPU time in that run (user+sys of all its threads, /proc/PID/task/*/schedstat, from the
 #   settled counters before to the settled counters after, so work done off the request path
 #   counts) divided by all its requests (it moves with the load on the machine: compare
-#   runs made side by side).
+#   runs made side by side), and the SQL statements keel's stores started in that run per
+#   request (`sql_statements` on the same line; "-" from a keel that does not count them):
+#   a count, which the load does not move.
 # --cpu (needs the target keel; keel-old too for the comparison): a third table, keel's CPU
 #   time per FUSE request for create, stat (statx forcing a GETATTR), 4 KiB write (open,
 #   write, close of an existing file) and unlink, each op CPU_N times (default 2000) in one
@@ -224,8 +226,9 @@ evict() {
     "$REPO/script/evict-cache.sh" "${dirs[@]}"
 }
 
-# counters TARGET -> "all<TAB>unwaited": the FUSE requests keel served so far, and of those
-# the ones no caller waits for (FORGET, one per inode; RELEASE; RELEASEDIR), from the line
+# counters TARGET -> "all<TAB>unwaited<TAB>sql": the FUSE requests keel served so far, of those
+# the ones no caller waits for (FORGET, one per inode; RELEASE; RELEASEDIR), and the SQL
+# statements its stores started (0 from a keel that does not count them), from the line
 # SIGUSR1 makes `keel mount` log; or "-" (keel-old may predate the counters, and SIGUSR1
 # would kill it).
 counters() {
@@ -236,8 +239,15 @@ counters() {
     kill -USR1 "$pid"
     for ((i = 0; i < 100; i++)); do
         if [ "$(grep -c 'counters fuse_requests=' "$log")" -gt "$n" ]; then
-            grep -o 'counters fuse_requests=[0-9]* fuse_requests_unwaited=[0-9]*' "$log" |
-                tail -n1 | sed 's/[^=]*=\([0-9]*\)[^=]*=\([0-9]*\)/\1\t\2/'
+            grep 'counters fuse_requests=' "$log" | tail -n1 | awk '{
+                a = u = q = 0
+                for (i = 1; i <= NF; i++) {
+                    split($i, kv, "=")
+                    if (kv[1] == "fuse_requests") a = kv[2]
+                    else if (kv[1] == "fuse_requests_unwaited") u = kv[2]
+                    else if (kv[1] == "sql_statements") q = kv[2]
+                }
+                printf "%d\t%d\t%d\n", a, u, q }'
             return
         fi
         sleep 0.02
@@ -293,7 +303,8 @@ run_one() {
         [ "$c1" != - ] || { echo "fs-bench: no request counters from $t" >&2; return 1; }
         n1=$(cpu_ns "$pid")
         counts=$(awk -v a="$c0" -v b="$c1" -v n=$((n1 - n0)) 'BEGIN { split(a, x, "\t")
-            split(b, y, "\t"); all = y[1] - x[1]; printf "%d\t%d\t%d\n", all, all - (y[2] - x[2]), n }')
+            split(b, y, "\t"); all = y[1] - x[1]
+            printf "%d\t%d\t%d\t%d\n", all, all - (y[2] - x[2]), n, y[3] - x[3] }')
     fi
     if [ "$rc" != 0 ]; then
         echo "FAILED: $name on $t (exit $rc):" >&2
@@ -482,15 +493,16 @@ if os.path.exists(floors) and os.path.getsize(floors):
           f"{ext4_rtt:.2f} us (the same statx on ext4) = **{rtt:.2f} us**. "
           "floor = the faster of tmpfs and ext4 + waited-for requests x round trip.")
     print()
-    print("| scenario | keel FUSE requests | waited for | keel CPU us/request | floor ms | ext4 ms | floor/ext4 | keel ms | keel/floor |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for i, _traced_ms, total, waited, cpu_ns in rows[1:]:
+    print("| scenario | keel FUSE requests | waited for | keel CPU us/request | SQL statements/request | floor ms | ext4 ms | floor/ext4 | keel ms | keel/floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for i, _traced_ms, total, waited, cpu_ns, *sql in rows[1:]:
         tmpfs, ext4, keel = (medians.get((i, t)) for t in ("tmpfs", "ext4", "keel"))
         if tmpfs is None or ext4 is None or keel is None:
             continue
         floor = min(tmpfs, ext4) + int(waited) * rtt / 1000
         per = int(cpu_ns) / 1000 / max(int(total), 1)
-        print(f"| {name[i]} | {int(total)} | {int(waited)} | {per:.2f} | {floor:.1f} | {ext4:.1f} | "
+        stmts = f"{int(sql[0]) / max(int(total), 1):.2f}" if sql and int(sql[0]) else "-"
+        print(f"| {name[i]} | {int(total)} | {int(waited)} | {per:.2f} | {stmts} | {floor:.1f} | {ext4:.1f} | "
               f"{floor / ext4:.2f}x | {keel:.1f} | {keel / floor:.2f}x |")
 if os.path.exists(cpus) and os.path.getsize(cpus):
     cpu, req = {}, {}
