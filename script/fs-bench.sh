@@ -32,7 +32,13 @@
 #   trip: the same syscalls on the faster local filesystem, plus the protocol keel cannot skip
 #   (which requests are sent is the kernel's choice, given keel's mount options). RELEASE,
 #   RELEASEDIR and FORGET are not waited for (keel counts them apart; a BATCH_FORGET counts
-#   one per inode, as fuser hands it over; INTERRUPT never reaches keel).
+#   one per inode, as fuser hands it over; INTERRUPT never reaches keel). Beside them: keel's
+#   CPU time in that run (user+sys of all its threads, /proc/PID/task/*/schedstat, from the
+#   settled counters before to the settled counters after, so work done off the request path
+#   counts) divided by all its requests (it moves with the load on the machine: compare
+#   runs made side by side), and the SQL statements keel's stores started in that run per
+#   request (`sql_statements` on the same line; "-" from a keel that does not count them):
+#   a count, which the load does not move.
 # --cpu (needs the target keel; keel-old too for the comparison): a third table, keel's CPU
 #   time per FUSE request for create, stat (statx forcing a GETATTR), 4 KiB write (open,
 #   write, close of an existing file) and unlink, each op CPU_N times (default 2000) in one
@@ -220,8 +226,9 @@ evict() {
     "$REPO/script/evict-cache.sh" "${dirs[@]}"
 }
 
-# counters TARGET -> "all<TAB>unwaited": the FUSE requests keel served so far, and of those
-# the ones no caller waits for (FORGET, one per inode; RELEASE; RELEASEDIR), from the line
+# counters TARGET -> "all<TAB>unwaited<TAB>sql": the FUSE requests keel served so far, of those
+# the ones no caller waits for (FORGET, one per inode; RELEASE; RELEASEDIR), and the SQL
+# statements its stores started (0 from a keel that does not count them), from the line
 # SIGUSR1 makes `keel mount` log; or "-" (keel-old may predate the counters, and SIGUSR1
 # would kill it).
 counters() {
@@ -232,13 +239,24 @@ counters() {
     kill -USR1 "$pid"
     for ((i = 0; i < 100; i++)); do
         if [ "$(grep -c 'counters fuse_requests=' "$log")" -gt "$n" ]; then
-            grep -o 'counters fuse_requests=[0-9]* fuse_requests_unwaited=[0-9]*' "$log" |
-                tail -n1 | sed 's/[^=]*=\([0-9]*\)[^=]*=\([0-9]*\)/\1\t\2/'
+            grep 'counters fuse_requests=' "$log" | tail -n1 | awk '{
+                a = u = q = 0
+                for (i = 1; i <= NF; i++) {
+                    split($i, kv, "=")
+                    if (kv[1] == "fuse_requests") a = kv[2]
+                    else if (kv[1] == "fuse_requests_unwaited") u = kv[2]
+                    else if (kv[1] == "sql_statements") q = kv[2]
+                }
+                printf "%d\t%d\t%d\n", a, u, q }'
             return
         fi
         sleep 0.02
     done
     echo -
+}
+
+cpu_ns() {   # cpu_ns PID -> ns on CPU (user+sys) of all its threads so far
+    cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{ s += $1 } END { printf "%.0f\n", s }'
 }
 
 # settled TARGET -> counters once they stop moving: the kernel sends RELEASE (after the last
@@ -258,7 +276,7 @@ settled() {
 }
 
 # run_one SCENARIO_INDEX TARGET REP [trace] -> prints elapsed ms (and, with `trace`, keel's
-# requests and waited-for requests during the scenario after a tab), or returns 1
+# requests, waited-for requests and CPU ns during the scenario, tab-separated), or returns 1
 run_one() {
     local spec=${SCENARIOS[$1]} t=$2 rep=$3 trace=${4:-}
     local name=${spec%%|*} rest=${spec#*|}
@@ -269,10 +287,12 @@ run_one() {
         (cd "$d" && eval "$prep") >/dev/null 2>&1 || { echo "prep failed: $name on $t" >&2; return 1; }
     fi
     if [[ $name == cold* ]]; then evict "$d" || return 1; else sync; fi
-    local t0 t1 rc counts='' c0 c1
+    local t0 t1 rc counts='' c0 c1 n0 n1 pid
     if [ -n "$trace" ]; then
         c0=$(settled "$t")
         [ "$c0" != - ] || { echo "fs-bench: no request counters from $t" >&2; return 1; }
+        pid=$(cat "$RUN/$t-state.pid")
+        n0=$(cpu_ns "$pid")
     fi
     t0=$EPOCHREALTIME
     (cd "$d" && eval "$timed") >"$RUN/last.out" 2>&1
@@ -281,8 +301,10 @@ run_one() {
     if [ -n "$trace" ]; then
         c1=$(settled "$t")
         [ "$c1" != - ] || { echo "fs-bench: no request counters from $t" >&2; return 1; }
-        counts=$(awk -v a="$c0" -v b="$c1" 'BEGIN { split(a, x, "\t"); split(b, y, "\t")
-            all = y[1] - x[1]; printf "%d\t%d\n", all, all - (y[2] - x[2]) }')
+        n1=$(cpu_ns "$pid")
+        counts=$(awk -v a="$c0" -v b="$c1" -v n=$((n1 - n0)) 'BEGIN { split(a, x, "\t")
+            split(b, y, "\t"); all = y[1] - x[1]
+            printf "%d\t%d\t%d\t%d\n", all, all - (y[2] - x[2]), n, y[3] - x[3] }')
     fi
     if [ "$rc" != 0 ]; then
         echo "FAILED: $name on $t (exit $rc):" >&2
@@ -373,9 +395,6 @@ fi
 # --cpu: keel's CPU time per FUSE request for four ops, keel and keel-old interleaved.
 CPUS=$RUN/cpu.tsv
 : >"$CPUS"
-cpu_ns() {   # cpu_ns PID -> ns on CPU (user+sys) of all its threads so far
-    cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{ s += $1 } END { printf "%.0f\n", s }'
-}
 served() {   # served TARGET -> FUSE requests keel counted so far (SIGUSR1 logs them), or -
     counters "$1" | cut -f1
 }
@@ -474,14 +493,16 @@ if os.path.exists(floors) and os.path.getsize(floors):
           f"{ext4_rtt:.2f} us (the same statx on ext4) = **{rtt:.2f} us**. "
           "floor = the faster of tmpfs and ext4 + waited-for requests x round trip.")
     print()
-    print("| scenario | keel FUSE requests | waited for | floor ms | ext4 ms | floor/ext4 | keel ms | keel/floor |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for i, _traced_ms, total, waited in rows[1:]:
+    print("| scenario | keel FUSE requests | waited for | keel CPU us/request | SQL statements/request | floor ms | ext4 ms | floor/ext4 | keel ms | keel/floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for i, _traced_ms, total, waited, cpu_ns, *sql in rows[1:]:
         tmpfs, ext4, keel = (medians.get((i, t)) for t in ("tmpfs", "ext4", "keel"))
         if tmpfs is None or ext4 is None or keel is None:
             continue
         floor = min(tmpfs, ext4) + int(waited) * rtt / 1000
-        print(f"| {name[i]} | {int(total)} | {int(waited)} | {floor:.1f} | {ext4:.1f} | "
+        per = int(cpu_ns) / 1000 / max(int(total), 1)
+        stmts = f"{int(sql[0]) / max(int(total), 1):.2f}" if sql and int(sql[0]) else "-"
+        print(f"| {name[i]} | {int(total)} | {int(waited)} | {per:.2f} | {stmts} | {floor:.1f} | {ext4:.1f} | "
               f"{floor / ext4:.2f}x | {keel:.1f} | {keel / floor:.2f}x |")
 if os.path.exists(cpus) and os.path.getsize(cpus):
     cpu, req = {}, {}

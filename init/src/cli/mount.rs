@@ -112,6 +112,8 @@ fn mount_foreground(cfg: &Config) -> Result<(), String> {
                 tracing::info!(
                     fuse_requests = h.fuse_requests(),
                     fuse_requests_unwaited = h.fuse_requests_unwaited(),
+                    sql_statements = keel::meta::statements_run(),
+                    by_op = %keel::workspace::metrics::requests_by_op(),
                     "counters"
                 );
                 continue;

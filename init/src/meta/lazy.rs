@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::{InodeNo, Result, Store, Tx};
+use super::{Counted, InodeNo, Result, Store, Tx};
 
 /// One not-yet-fetched window: (window index, chunk id).
 pub type MissingRow = (u64, [u8; 32]);
@@ -41,7 +41,7 @@ impl Store {
     pub fn any_missing_windows(&self) -> Result<bool> {
         Ok(self
             .conn
-            .prepare_cached("SELECT 1 FROM missing_window LIMIT 1")?
+            .counted("SELECT 1 FROM missing_window LIMIT 1")?
             .query_row([], |_| Ok(()))
             .optional()?
             .is_some())
@@ -53,7 +53,7 @@ impl Tx<'_> {
     pub fn missing_windows(&self, ino: InodeNo) -> Result<Vec<MissingRow>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT idx, id FROM missing_window WHERE ino = ?1 ORDER BY idx")?;
+            .counted("SELECT idx, id FROM missing_window WHERE ino = ?1 ORDER BY idx")?;
         rows_of(&mut st, ino.0 as i64)
     }
 
@@ -61,7 +61,7 @@ impl Tx<'_> {
     pub fn all_missing_windows(&self) -> Result<HashMap<InodeNo, Vec<MissingRow>>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT ino, idx, id FROM missing_window ORDER BY ino, idx")?;
+            .counted("SELECT ino, idx, id FROM missing_window ORDER BY ino, idx")?;
         let rows = st.query_map([], |r| {
             Ok((
                 r.get::<_, i64>(0)? as u64,
@@ -83,7 +83,7 @@ impl Tx<'_> {
     pub fn files_with_missing_windows(&self) -> Result<Vec<InodeNo>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT DISTINCT ino FROM missing_window ORDER BY ino")?;
+            .counted("SELECT DISTINCT ino FROM missing_window ORDER BY ino")?;
         let rows = st.query_map([], |r| r.get::<_, i64>(0))?;
         Ok(rows
             .map(|r| r.map(|i| InodeNo(i as u64)))
@@ -94,15 +94,15 @@ impl Tx<'_> {
     pub fn missing_window_count(&self) -> Result<u64> {
         Ok(self
             .conn
-            .prepare_cached("SELECT count(*) FROM missing_window")?
+            .counted("SELECT count(*) FROM missing_window")?
             .query_row([], |r| r.get::<_, i64>(0))? as u64)
     }
 
     /// Records windows of a file as not fetched yet (lazy restore).
     pub fn add_missing_windows(&self, ino: InodeNo, rows: &[MissingRow]) -> Result<()> {
-        let mut st = self.conn.prepare_cached(
-            "INSERT OR REPLACE INTO missing_window (ino, idx, id) VALUES (?1, ?2, ?3)",
-        )?;
+        let mut st = self
+            .conn
+            .counted("INSERT OR REPLACE INTO missing_window (ino, idx, id) VALUES (?1, ?2, ?3)")?;
         for (idx, id) in rows {
             st.execute(params![ino.0 as i64, *idx as i64, &id[..]])?;
         }
@@ -117,7 +117,7 @@ impl Tx<'_> {
     ) -> Result<()> {
         let mut st = self
             .conn
-            .prepare_cached("DELETE FROM missing_window WHERE ino = ?1 AND idx = ?2")?;
+            .counted("DELETE FROM missing_window WHERE ino = ?1 AND idx = ?2")?;
         for i in idx {
             st.execute(params![ino.0 as i64, i as i64])?;
         }
@@ -127,7 +127,7 @@ impl Tx<'_> {
     /// Forgets missing windows `from..` of a file (it got shorter).
     pub fn truncate_missing_windows(&self, ino: InodeNo, from: u64) -> Result<()> {
         self.conn
-            .prepare_cached("DELETE FROM missing_window WHERE ino = ?1 AND idx >= ?2")?
+            .counted("DELETE FROM missing_window WHERE ino = ?1 AND idx >= ?2")?
             .execute(params![ino.0 as i64, from as i64])?;
         Ok(())
     }

@@ -20,9 +20,9 @@ pub use lazy::MissingRow;
 pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -220,6 +220,28 @@ impl DirCache {
     }
 }
 
+/// SQL statements this process's stores started (`Counted::counted`), for the counters
+/// `keel mount` logs on SIGUSR1: a benchmark divides them by the FUSE requests served.
+static STATEMENTS: AtomicU64 = AtomicU64::new(0);
+
+/// SQL statements started so far through the stores' statement cache (every operation's
+/// statements go through it; a group's BEGIN and COMMIT do not).
+pub fn statements_run() -> u64 {
+    STATEMENTS.load(Ordering::Relaxed)
+}
+
+/// `prepare_cached`, counted in [`statements_run`].
+pub(crate) trait Counted {
+    fn counted(&self, sql: &str) -> rusqlite::Result<rusqlite::CachedStatement<'_>>;
+}
+
+impl Counted for Connection {
+    fn counted(&self, sql: &str) -> rusqlite::Result<rusqlite::CachedStatement<'_>> {
+        STATEMENTS.fetch_add(1, Ordering::Relaxed);
+        self.prepare_cached(sql)
+    }
+}
+
 /// Ceiling of SQLite's page cache per connection, KiB (`[workspace] meta_cache`).
 static CACHE_KIB: AtomicU32 = AtomicU32::new(32 * 1024);
 
@@ -266,6 +288,11 @@ struct Group {
     on_open: Box<dyn Fn() + Send>,
     /// One transaction per operation for now (e.g. the volume is nearly full).
     paused: Cell<bool>,
+    /// Inodes whose `changed` row an operation released into the open group wrote: no
+    /// other connection can claim it before the group commits, so the open group need not
+    /// write it again (every create, unlink and close in a directory marked the directory
+    /// once more). Emptied when a group begins or is lost.
+    marked: RefCell<HashSet<InodeNo>>,
 }
 
 /// When a group commit is due.
@@ -331,6 +358,7 @@ impl Store {
             lost: Cell::new(false),
             on_open,
             paused: Cell::new(false),
+            marked: RefCell::default(),
         });
     }
 
@@ -411,6 +439,7 @@ impl Store {
             group: None,
             dirs: &self.dirs,
             changes: RefCell::default(),
+            marked: RefCell::default(),
         }
     }
 
@@ -422,6 +451,7 @@ impl Store {
             if open || (!g.paused.get() && WRITERS_WAITING.load(Ordering::SeqCst) == 0) {
                 if !open {
                     self.conn.execute_batch("BEGIN IMMEDIATE")?;
+                    g.marked.borrow_mut().clear();
                     g.since.set(Some(Instant::now()));
                     g.ops.set(0);
                     (g.on_open)();
@@ -436,6 +466,7 @@ impl Store {
                     group: Some(g),
                     dirs: &self.dirs,
                     changes: RefCell::default(),
+                    marked: RefCell::default(),
                 });
             }
             // Paused, or another connection wants the lock: one transaction per operation.
@@ -454,6 +485,7 @@ impl Store {
             group: None,
             dirs: &self.dirs,
             changes: RefCell::default(),
+            marked: RefCell::default(),
         })
     }
 
@@ -469,7 +501,7 @@ impl Store {
                 self.write()?
             };
             tx.conn
-                .prepare_cached("UPDATE meta SET value = value + 1 WHERE key = 'syncs'")?
+                .counted("UPDATE meta SET value = value + 1 WHERE key = 'syncs'")?
                 .execute([])?;
             tx.commit()
         })();
@@ -570,6 +602,9 @@ pub struct Tx<'a> {
     /// Inodes written by this transaction, for `dirs` once it commits (`None`: deleted, or
     /// not a directory).
     changes: RefCell<Vec<(InodeNo, Option<Inode>)>>,
+    /// Inodes this savepoint of the group marked changed, for the group's `marked` once it
+    /// is released (a savepoint rolled back takes its rows with it).
+    marked: RefCell<Vec<InodeNo>>,
 }
 
 impl Drop for Tx<'_> {
@@ -598,6 +633,7 @@ fn group_gone(conn: &Connection, g: &Group, dirs: &DirCache) {
         g.since.set(None);
         g.ops.set(0);
         g.lost.set(true);
+        g.marked.borrow_mut().clear();
         dirs.clear();
     }
 }
@@ -672,7 +708,7 @@ const STATEMENT_CACHE: usize = 128;
 /// A statement run on every operation (the group's savepoints): prepared once, not parsed
 /// each time as `execute_batch` would.
 fn run_cached(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
-    conn.prepare_cached(sql)?.execute([]).map(|_| ())
+    conn.counted(sql)?.execute([]).map(|_| ())
 }
 
 fn finish_inode((ino, mode, mut inode): (u64, u32, Inode)) -> Result<Inode> {
@@ -690,6 +726,7 @@ impl Tx<'_> {
             }
             self.open = false;
             g.ops.set(g.ops.get() + 1);
+            g.marked.borrow_mut().extend(self.marked.take());
             self.dirs.apply(self.changes.take());
             return Ok(());
         }
@@ -716,7 +753,7 @@ impl Tx<'_> {
     }
 
     pub fn get(&self, ino: InodeNo) -> Result<Option<Inode>> {
-        let mut st = self.conn.prepare_cached(concat!(
+        let mut st = self.conn.counted(concat!(
             "SELECT ",
             inode_cols!(),
             " FROM inode WHERE ino = ?1"
@@ -729,7 +766,7 @@ impl Tx<'_> {
     pub fn insert(&self, inode: &Inode) -> Result<InodeNo> {
         // ino NULL: SQLite picks the next number (AUTOINCREMENT: never one used before).
         self.conn
-            .prepare_cached(concat!(
+            .counted(concat!(
                 "INSERT INTO inode (",
                 inode_cols!(),
                 ") VALUES (",
@@ -744,7 +781,7 @@ impl Tx<'_> {
 
     pub fn update(&self, inode: &Inode) -> Result<()> {
         self.conn
-            .prepare_cached(
+            .counted(
                 "UPDATE inode SET mode=?2, uid=?3, gid=?4, nlink=?5, size=?6, atime=?7, mtime=?8,
                  ctime=?9, rdev=?10, parent=?11, storage=?12 WHERE ino=?1",
             )?
@@ -755,8 +792,14 @@ impl Tx<'_> {
 
     /// Records that an inode's metadata, entries or xattrs changed since the last checkpoint.
     pub fn mark_changed(&self, ino: InodeNo) -> Result<()> {
+        if let Some(g) = self.group {
+            if g.marked.borrow().contains(&ino) {
+                return Ok(());
+            }
+            self.marked.borrow_mut().push(ino);
+        }
         self.conn
-            .prepare_cached("INSERT OR IGNORE INTO changed (ino) VALUES (?1)")?
+            .counted("INSERT OR IGNORE INTO changed (ino) VALUES (?1)")?
             .execute([ino.0 as i64])?;
         Ok(())
     }
@@ -769,7 +812,7 @@ impl Tx<'_> {
     ) -> Result<()> {
         let mut st = self
             .conn
-            .prepare_cached("INSERT OR IGNORE INTO dirty_window (ino, idx) VALUES (?1, ?2)")?;
+            .counted("INSERT OR IGNORE INTO dirty_window (ino, idx) VALUES (?1, ?2)")?;
         for i in idx {
             st.execute(params![ino.0 as i64, i as i64])?;
         }
@@ -778,14 +821,26 @@ impl Tx<'_> {
 
     /// Deletes an inode with its xattrs, inline data and symlink target.
     pub fn delete(&self, ino: InodeNo) -> Result<()> {
-        for sql in [
-            "DELETE FROM inode WHERE ino = ?1",
-            "DELETE FROM xattr WHERE ino = ?1",
-            "DELETE FROM inline_data WHERE ino = ?1",
-            "DELETE FROM symlink WHERE ino = ?1",
-            "DELETE FROM dirty_window WHERE ino = ?1",
+        self.delete_known(ino, None, true)
+    }
+
+    /// Deletes an inode of a known kind (`None`: unknown), with only the rows an inode of
+    /// that kind can have (inline bytes and dirty windows: regular files; a target:
+    /// symlinks); its xattrs too unless the caller knows it has none. Each statement that
+    /// finds nothing still costs an index search, and `rm` runs this once per file.
+    pub fn delete_known(&self, ino: InodeNo, kind: Option<Kind>, xattrs: bool) -> Result<()> {
+        let file = kind.is_none_or(|k| k == Kind::File);
+        let symlink = kind.is_none_or(|k| k == Kind::Symlink);
+        for (sql, needed) in [
+            ("DELETE FROM inode WHERE ino = ?1", true),
+            ("DELETE FROM xattr WHERE ino = ?1", xattrs),
+            ("DELETE FROM inline_data WHERE ino = ?1", file),
+            ("DELETE FROM symlink WHERE ino = ?1", symlink),
+            ("DELETE FROM dirty_window WHERE ino = ?1", file),
         ] {
-            self.conn.prepare_cached(sql)?.execute([ino.0 as i64])?;
+            if needed {
+                self.conn.counted(sql)?.execute([ino.0 as i64])?;
+            }
         }
         self.wrote(ino, None);
         self.mark_changed(ino)
@@ -794,7 +849,7 @@ impl Tx<'_> {
     pub fn lookup(&self, parent: InodeNo, name: &[u8]) -> Result<Option<Dirent>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT ino, kind FROM dirent WHERE parent = ?1 AND name = ?2")?;
+            .counted("SELECT ino, kind FROM dirent WHERE parent = ?1 AND name = ?2")?;
         let r = st
             .query_row(params![parent.0 as i64, name], |r| {
                 Ok((r.get::<_, i64>(0)?, r.get::<_, u32>(1)?))
@@ -813,7 +868,7 @@ impl Tx<'_> {
 
     pub fn link(&self, parent: InodeNo, name: &[u8], ino: InodeNo, kind: Kind) -> Result<()> {
         self.conn
-            .prepare_cached("INSERT INTO dirent (parent, name, ino, kind) VALUES (?1, ?2, ?3, ?4)")?
+            .counted("INSERT INTO dirent (parent, name, ino, kind) VALUES (?1, ?2, ?3, ?4)")?
             .execute(params![
                 parent.0 as i64,
                 name,
@@ -826,9 +881,7 @@ impl Tx<'_> {
     /// Points an existing entry at another inode (rename over, exchange).
     pub fn relink(&self, parent: InodeNo, name: &[u8], ino: InodeNo, kind: Kind) -> Result<()> {
         self.conn
-            .prepare_cached(
-                "UPDATE dirent SET ino = ?3, kind = ?4 WHERE parent = ?1 AND name = ?2",
-            )?
+            .counted("UPDATE dirent SET ino = ?3, kind = ?4 WHERE parent = ?1 AND name = ?2")?
             .execute(params![
                 parent.0 as i64,
                 name,
@@ -840,7 +893,7 @@ impl Tx<'_> {
 
     pub fn unlink(&self, parent: InodeNo, name: &[u8]) -> Result<()> {
         self.conn
-            .prepare_cached("DELETE FROM dirent WHERE parent = ?1 AND name = ?2")?
+            .counted("DELETE FROM dirent WHERE parent = ?1 AND name = ?2")?
             .execute(params![parent.0 as i64, name])?;
         Ok(())
     }
@@ -848,7 +901,7 @@ impl Tx<'_> {
     pub fn dir_is_empty(&self, dir: InodeNo) -> Result<bool> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT 1 FROM dirent WHERE parent = ?1 LIMIT 1")?;
+            .counted("SELECT 1 FROM dirent WHERE parent = ?1 LIMIT 1")?;
         Ok(st
             .query_row([dir.0 as i64], |_| Ok(()))
             .optional()?
@@ -859,7 +912,7 @@ impl Tx<'_> {
     pub fn list(&self, dir: InodeNo) -> Result<Vec<Dirent>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT name, ino, kind FROM dirent WHERE parent = ?1 ORDER BY name")?;
+            .counted("SELECT name, ino, kind FROM dirent WHERE parent = ?1 ORDER BY name")?;
         let rows = st.query_map([dir.0 as i64], |r| {
             Ok((
                 r.get::<_, Vec<u8>>(0)?,
@@ -883,14 +936,14 @@ impl Tx<'_> {
     pub fn symlink_target(&self, ino: InodeNo) -> Result<Option<Vec<u8>>> {
         Ok(self
             .conn
-            .prepare_cached("SELECT target FROM symlink WHERE ino = ?1")?
+            .counted("SELECT target FROM symlink WHERE ino = ?1")?
             .query_row([ino.0 as i64], |r| r.get(0))
             .optional()?)
     }
 
     pub fn set_symlink_target(&self, ino: InodeNo, target: &[u8]) -> Result<()> {
         self.conn
-            .prepare_cached("INSERT OR REPLACE INTO symlink (ino, target) VALUES (?1, ?2)")?
+            .counted("INSERT OR REPLACE INTO symlink (ino, target) VALUES (?1, ?2)")?
             .execute(params![ino.0 as i64, target])?;
         Ok(())
     }
@@ -898,7 +951,7 @@ impl Tx<'_> {
     pub fn inline_data(&self, ino: InodeNo) -> Result<Vec<u8>> {
         Ok(self
             .conn
-            .prepare_cached("SELECT data FROM inline_data WHERE ino = ?1")?
+            .counted("SELECT data FROM inline_data WHERE ino = ?1")?
             .query_row([ino.0 as i64], |r| r.get(0))
             .optional()?
             .unwrap_or_default())
@@ -907,11 +960,11 @@ impl Tx<'_> {
     pub fn set_inline_data(&self, ino: InodeNo, data: &[u8]) -> Result<()> {
         if data.is_empty() {
             self.conn
-                .prepare_cached("DELETE FROM inline_data WHERE ino = ?1")?
+                .counted("DELETE FROM inline_data WHERE ino = ?1")?
                 .execute([ino.0 as i64])?;
         } else {
             self.conn
-                .prepare_cached("INSERT OR REPLACE INTO inline_data (ino, data) VALUES (?1, ?2)")?
+                .counted("INSERT OR REPLACE INTO inline_data (ino, data) VALUES (?1, ?2)")?
                 .execute(params![ino.0 as i64, data])?;
         }
         Ok(())
@@ -920,14 +973,14 @@ impl Tx<'_> {
     pub fn xattr(&self, ino: InodeNo, name: &[u8]) -> Result<Option<Vec<u8>>> {
         Ok(self
             .conn
-            .prepare_cached("SELECT value FROM xattr WHERE ino = ?1 AND name = ?2")?
+            .counted("SELECT value FROM xattr WHERE ino = ?1 AND name = ?2")?
             .query_row(params![ino.0 as i64, name], |r| r.get(0))
             .optional()?)
     }
 
     pub fn set_xattr(&self, ino: InodeNo, name: &[u8], value: &[u8]) -> Result<()> {
         self.conn
-            .prepare_cached("INSERT OR REPLACE INTO xattr (ino, name, value) VALUES (?1, ?2, ?3)")?
+            .counted("INSERT OR REPLACE INTO xattr (ino, name, value) VALUES (?1, ?2, ?3)")?
             .execute(params![ino.0 as i64, name, value])?;
         Ok(())
     }
@@ -936,7 +989,7 @@ impl Tx<'_> {
     pub fn remove_xattr(&self, ino: InodeNo, name: &[u8]) -> Result<bool> {
         let n = self
             .conn
-            .prepare_cached("DELETE FROM xattr WHERE ino = ?1 AND name = ?2")?
+            .counted("DELETE FROM xattr WHERE ino = ?1 AND name = ?2")?
             .execute(params![ino.0 as i64, name])?;
         Ok(n > 0)
     }
@@ -944,14 +997,14 @@ impl Tx<'_> {
     pub fn xattr_names(&self, ino: InodeNo) -> Result<Vec<Vec<u8>>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT name FROM xattr WHERE ino = ?1 ORDER BY name")?;
+            .counted("SELECT name FROM xattr WHERE ino = ?1 ORDER BY name")?;
         let rows = st.query_map([ino.0 as i64], |r| r.get::<_, Vec<u8>>(0))?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
     /// Inodes with no remaining links (left over when keel stopped while files were open).
     pub fn orphans(&self) -> Result<Vec<Inode>> {
-        let mut st = self.conn.prepare_cached(concat!(
+        let mut st = self.conn.counted(concat!(
             "SELECT ",
             inode_cols!(),
             " FROM inode WHERE nlink = 0"
@@ -968,7 +1021,7 @@ impl Tx<'_> {
     pub fn inode_count(&self) -> Result<u64> {
         Ok(self
             .conn
-            .prepare_cached("SELECT rows FROM inode_totals")?
+            .counted("SELECT rows FROM inode_totals")?
             .query_row([], |r| r.get::<_, i64>(0))?
             .max(0) as u64)
     }
@@ -978,7 +1031,7 @@ impl Tx<'_> {
     pub fn live_totals(&self) -> Result<(u64, u64)> {
         let (n, b) = self
             .conn
-            .prepare_cached("SELECT live, bytes FROM inode_totals")?
+            .counted("SELECT live, bytes FROM inode_totals")?
             .query_row([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
         Ok((n.max(0) as u64, b.max(0) as u64))
     }
@@ -988,14 +1041,14 @@ impl Tx<'_> {
     pub fn max_ino(&self) -> Result<u64> {
         Ok(self
             .conn
-            .prepare_cached("SELECT coalesce(max(ino), 0) FROM inode")?
+            .counted("SELECT coalesce(max(ino), 0) FROM inode")?
             .query_row([], |r| r.get::<_, i64>(0))?
             .max(0) as u64)
     }
 
     /// Every inode (for fsck and tests).
     pub fn all_inodes(&self) -> Result<Vec<Inode>> {
-        let mut st = self.conn.prepare_cached(concat!(
+        let mut st = self.conn.counted(concat!(
             "SELECT ",
             inode_cols!(),
             " FROM inode ORDER BY ino"
@@ -1012,7 +1065,7 @@ impl Tx<'_> {
     pub fn all_dirents(&self) -> Result<Vec<(InodeNo, Dirent)>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT parent, name, ino, kind FROM dirent ORDER BY parent, name")?;
+            .counted("SELECT parent, name, ino, kind FROM dirent ORDER BY parent, name")?;
         let rows = st.query_map([], |r| {
             Ok((
                 r.get::<_, i64>(0)?,

@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use rusqlite::{params, params_from_iter, OptionalExtension};
 
 use super::{
-    finish_inode, inode_cols, inode_params, inode_row, row_to_inode, Inode, InodeNo, Result, Store,
-    Tx,
+    finish_inode, inode_cols, inode_params, inode_row, row_to_inode, Counted, Inode, InodeNo,
+    Result, Store, Tx,
 };
 
 /// One window of a file's chunk map: `None` is an all-zero window (a hole).
@@ -51,6 +51,7 @@ impl Store {
             group: None,
             dirs: &self.dirs,
             changes: std::cell::RefCell::default(),
+            marked: std::cell::RefCell::default(),
         })
     }
 }
@@ -59,7 +60,7 @@ impl Tx<'_> {
     fn count(&self, sql: &str) -> Result<u64> {
         Ok(self
             .conn
-            .prepare_cached(sql)?
+            .counted(sql)?
             .query_row([], |r| r.get::<_, i64>(0))? as u64)
     }
 
@@ -114,7 +115,7 @@ impl Tx<'_> {
     pub fn pending_inodes(&self) -> Result<Vec<InodeNo>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT ino FROM pending_inode ORDER BY ino")?;
+            .counted("SELECT ino FROM pending_inode ORDER BY ino")?;
         let rows = st.query_map([], |r| r.get::<_, i64>(0))?;
         Ok(rows
             .map(|r| r.map(|i| InodeNo(i as u64)))
@@ -124,7 +125,7 @@ impl Tx<'_> {
     pub fn pending_windows(&self) -> Result<Vec<(InodeNo, u64)>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT ino, idx FROM pending_window ORDER BY ino, idx")?;
+            .counted("SELECT ino, idx FROM pending_window ORDER BY ino, idx")?;
         let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
         let mut out = Vec::new();
         for r in rows {
@@ -137,7 +138,7 @@ impl Tx<'_> {
     pub fn pending_dirents(&self) -> Result<Vec<(InodeNo, Vec<u8>)>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT parent, name FROM pending_dirent ORDER BY parent, name")?;
+            .counted("SELECT parent, name FROM pending_dirent ORDER BY parent, name")?;
         let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?)))?;
         let mut out = Vec::new();
         for r in rows {
@@ -149,7 +150,7 @@ impl Tx<'_> {
 
     /// Every changed or dirty window, claimed or not: (ino, idx), for backlog reports.
     pub fn backlog_windows(&self) -> Result<Vec<(InodeNo, u64)>> {
-        let mut st = self.conn.prepare_cached(
+        let mut st = self.conn.counted(
             "SELECT ino, idx FROM pending_window UNION SELECT ino, idx FROM dirty_window",
         )?;
         let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
@@ -165,7 +166,7 @@ impl Tx<'_> {
     pub fn backlog_inodes(&self) -> Result<Vec<InodeNo>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT ino FROM pending_inode UNION SELECT ino FROM changed")?;
+            .counted("SELECT ino FROM pending_inode UNION SELECT ino FROM changed")?;
         let rows = st.query_map([], |r| r.get::<_, i64>(0))?;
         Ok(rows
             .map(|r| r.map(|i| InodeNo(i as u64)))
@@ -174,7 +175,7 @@ impl Tx<'_> {
 
     /// Entries changed since the last checkpoint, claimed by one or not.
     pub fn backlog_dirents(&self) -> Result<Vec<(InodeNo, Vec<u8>)>> {
-        let mut st = self.conn.prepare_cached(
+        let mut st = self.conn.counted(
             "SELECT parent, name FROM pending_dirent UNION SELECT parent, name FROM changed_dirent",
         )?;
         let rows = st.query_map([], |r| {
@@ -194,7 +195,7 @@ impl Tx<'_> {
     pub fn file_chunks(&self, ino: InodeNo) -> Result<Vec<ChunkRow>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT idx, id FROM file_chunk WHERE ino = ?1 ORDER BY idx")?;
+            .counted("SELECT idx, id FROM file_chunk WHERE ino = ?1 ORDER BY idx")?;
         let rows = st.query_map([ino.0 as i64], |r| {
             Ok((
                 r.get::<_, i64>(0)? as u64,
@@ -208,7 +209,7 @@ impl Tx<'_> {
     pub fn all_file_chunks(&self) -> Result<HashMap<InodeNo, Vec<ChunkRow>>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT ino, idx, id FROM file_chunk ORDER BY ino, idx")?;
+            .counted("SELECT ino, idx, id FROM file_chunk ORDER BY ino, idx")?;
         let rows = st.query_map([], |r| {
             Ok((
                 r.get::<_, i64>(0)? as u64,
@@ -226,9 +227,9 @@ impl Tx<'_> {
 
     /// Sets windows of a file's chunk map.
     pub fn set_file_chunks(&self, ino: InodeNo, rows: &[ChunkRow]) -> Result<()> {
-        let mut st = self.conn.prepare_cached(
-            "INSERT OR REPLACE INTO file_chunk (ino, idx, id) VALUES (?1, ?2, ?3)",
-        )?;
+        let mut st = self
+            .conn
+            .counted("INSERT OR REPLACE INTO file_chunk (ino, idx, id) VALUES (?1, ?2, ?3)")?;
         for (idx, id) in rows {
             st.execute(params![
                 ino.0 as i64,
@@ -242,7 +243,7 @@ impl Tx<'_> {
     /// Drops windows `count..` of a file's chunk map (the file got shorter).
     pub fn truncate_file_chunks(&self, ino: InodeNo, count: u64) -> Result<()> {
         self.conn
-            .prepare_cached("DELETE FROM file_chunk WHERE ino = ?1 AND idx >= ?2")?
+            .counted("DELETE FROM file_chunk WHERE ino = ?1 AND idx >= ?2")?
             .execute(params![ino.0 as i64, count as i64])?;
         Ok(())
     }
@@ -259,7 +260,7 @@ impl Tx<'_> {
     pub fn has_chunk(&self, id: &[u8; 32]) -> Result<bool> {
         Ok(self
             .conn
-            .prepare_cached(
+            .counted(
                 "SELECT 1 FROM file_chunk c JOIN inode i ON i.ino = c.ino
                  WHERE c.id = ?1 AND i.nlink > 0 LIMIT 1",
             )?
@@ -272,7 +273,7 @@ impl Tx<'_> {
     pub fn all_xattrs(&self) -> Result<HashMap<InodeNo, Xattrs>> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT ino, name, value FROM xattr ORDER BY ino, name")?;
+            .counted("SELECT ino, name, value FROM xattr ORDER BY ino, name")?;
         let rows = st.query_map([], |r| {
             Ok((
                 r.get::<_, i64>(0)?,
@@ -292,16 +293,14 @@ impl Tx<'_> {
     pub fn xattrs_of(&self, ino: InodeNo) -> Result<Xattrs> {
         let mut st = self
             .conn
-            .prepare_cached("SELECT name, value FROM xattr WHERE ino = ?1 ORDER BY name")?;
+            .counted("SELECT name, value FROM xattr WHERE ino = ?1 ORDER BY name")?;
         let rows = st.query_map([ino.0 as i64], |r| Ok((r.get(0)?, r.get(1)?)))?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
     /// Every inline file's bytes (for full snapshots).
     pub fn all_inline_data(&self) -> Result<HashMap<InodeNo, Vec<u8>>> {
-        let mut st = self
-            .conn
-            .prepare_cached("SELECT ino, data FROM inline_data")?;
+        let mut st = self.conn.counted("SELECT ino, data FROM inline_data")?;
         let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?)))?;
         let mut out = HashMap::new();
         for r in rows {
@@ -313,9 +312,7 @@ impl Tx<'_> {
 
     /// Every symlink target (for full snapshots).
     pub fn all_symlinks(&self) -> Result<HashMap<InodeNo, Vec<u8>>> {
-        let mut st = self
-            .conn
-            .prepare_cached("SELECT ino, target FROM symlink")?;
+        let mut st = self.conn.counted("SELECT ino, target FROM symlink")?;
         let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?)))?;
         let mut out = HashMap::new();
         for r in rows {
@@ -329,7 +326,7 @@ impl Tx<'_> {
     /// (restore writes a tree that is already on the remote).
     pub fn put_inode_exact(&self, inode: &Inode) -> Result<()> {
         self.conn
-            .prepare_cached(concat!(
+            .counted(concat!(
                 "INSERT INTO inode (",
                 inode_cols!(),
                 ") VALUES (",
@@ -348,7 +345,7 @@ impl Tx<'_> {
 
     /// Every inode, streamed in inode order (for snapshots of large trees).
     pub fn for_each_inode(&self, mut f: impl FnMut(Inode) -> Result<()>) -> Result<()> {
-        let mut st = self.conn.prepare_cached(concat!(
+        let mut st = self.conn.counted(concat!(
             "SELECT ",
             inode_cols!(),
             " FROM inode ORDER BY ino"
@@ -363,21 +360,21 @@ impl Tx<'_> {
     pub fn persist_get(&self, key: &str) -> Result<Option<String>> {
         Ok(self
             .conn
-            .prepare_cached("SELECT value FROM persist_state WHERE key = ?1")?
+            .counted("SELECT value FROM persist_state WHERE key = ?1")?
             .query_row([key], |r| r.get::<_, String>(0))
             .optional()?)
     }
 
     pub fn persist_set(&self, key: &str, value: &str) -> Result<()> {
         self.conn
-            .prepare_cached("INSERT OR REPLACE INTO persist_state (key, value) VALUES (?1, ?2)")?
+            .counted("INSERT OR REPLACE INTO persist_state (key, value) VALUES (?1, ?2)")?
             .execute(params![key, value])?;
         Ok(())
     }
 
     pub fn persist_remove(&self, key: &str) -> Result<()> {
         self.conn
-            .prepare_cached("DELETE FROM persist_state WHERE key = ?1")?
+            .counted("DELETE FROM persist_state WHERE key = ?1")?
             .execute([key])?;
         Ok(())
     }
@@ -386,7 +383,7 @@ impl Tx<'_> {
     /// and as the running totals say (fsck compares them).
     pub fn inode_totals_both(&self) -> Result<([u64; 3], [u64; 3])> {
         let q = |sql: &str| -> Result<[u64; 3]> {
-            Ok(self.conn.prepare_cached(sql)?.query_row([], |r| {
+            Ok(self.conn.counted(sql)?.query_row([], |r| {
                 Ok([
                     r.get::<_, i64>(0)?.max(0) as u64,
                     r.get::<_, i64>(1)?.max(0) as u64,
@@ -406,7 +403,7 @@ impl Tx<'_> {
     pub fn recount_inode_totals(&self) -> Result<()> {
         let (counted, _) = self.inode_totals_both()?;
         self.conn
-            .prepare_cached("UPDATE inode_totals SET rows = ?1, live = ?2, bytes = ?3")?
+            .counted("UPDATE inode_totals SET rows = ?1, live = ?2, bytes = ?3")?
             .execute(params![
                 counted[0] as i64,
                 counted[1] as i64,
@@ -418,7 +415,7 @@ impl Tx<'_> {
     /// Sets an inode's link count (fsck repair).
     pub fn set_nlink(&self, ino: InodeNo, nlink: u32) -> Result<()> {
         self.conn
-            .prepare_cached("UPDATE inode SET nlink = ?2 WHERE ino = ?1")?
+            .counted("UPDATE inode SET nlink = ?2 WHERE ino = ?1")?
             .execute(params![ino.0 as i64, nlink])?;
         self.wrote(ino, None);
         self.mark_changed(ino)

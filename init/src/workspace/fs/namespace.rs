@@ -197,6 +197,8 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
         Self::remember(inner, inode.ino);
+        // Created with no xattr (keel inherits no ACLs): a lost group forgets this too.
+        Self::has_no_xattrs(inner, inode.ino);
         self.attr(inode, None)
     }
 
@@ -321,7 +323,8 @@ impl WorkspaceFs {
         let mut tx = Batch::new(&inner.store)?;
         tx.unlink(parent, name)?;
         if delete_now {
-            tx.delete(child.ino)?;
+            let xattrs = !inner.no_xattrs.contains(&child.ino);
+            tx.delete_known(child.ino, Some(child.kind), xattrs)?;
         } else {
             tx.save(&inner.nodes, &child)?;
         }

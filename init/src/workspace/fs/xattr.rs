@@ -126,12 +126,19 @@ impl WorkspaceFs {
         }
         let v = inner.store.read().xattr(ino, name)?;
         if v.is_none() && inner.store.read().xattr_names(ino)?.is_empty() {
-            if inner.no_xattrs.len() >= NO_XATTRS_MAX {
-                inner.no_xattrs.clear();
-            }
-            inner.no_xattrs.insert(ino);
+            Self::has_no_xattrs(inner, ino);
         }
         Ok(v)
+    }
+
+    /// Remembers that `ino` has no xattr at all (known from the store, or because keel just
+    /// created it with none): the kernel's `security.capability` probe before the first
+    /// write of every new file then costs no SQLite query.
+    pub(super) fn has_no_xattrs(inner: &mut Inner, ino: InodeNo) {
+        if inner.no_xattrs.len() >= NO_XATTRS_MAX {
+            inner.no_xattrs.clear();
+        }
+        inner.no_xattrs.insert(ino);
     }
 
     /// Drops from a regular file what `loss` costs it on ext4: the set-ID bits the kernel
