@@ -366,6 +366,7 @@ impl Mounted {
     /// filesystem down and closes `finisher`. A `finish` that failed is reported after the
     /// unmount (its changes stay pending in the local state).
     pub fn unmount(mut self, mut finisher: Option<Box<dyn Finisher>>) -> Result<(), SessionError> {
+        let started = std::time::Instant::now();
         let flushed = if self.ended().is_set() {
             // The kernel wrote its dirty pages back before it ended the connection; the
             // mount point is no longer this mount.
@@ -379,7 +380,12 @@ impl Mounted {
             (Ok(()), Some(f)) => Some(f.finish()),
             _ => None,
         };
+        // Everything acknowledged is in the store (and past the final checkpoint) from here;
+        // what follows is the kernel's: `umount2` tears down every inode and name it cached,
+        // which takes seconds at a million (tmpfs takes as long, see BENCHMARKS.md).
+        let durable_ms = started.elapsed().as_millis() as u64;
         let session = self.session.take().expect("session present until unmount");
+        let unmounting = std::time::Instant::now();
         let unmounted = match session.unmount() {
             Ok(()) => Ok(()),
             Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
@@ -401,6 +407,7 @@ impl Mounted {
                 source,
             }),
         };
+        let kernel_unmount_ms = unmounting.elapsed().as_millis() as u64;
         let shut = flushed.and_then(|()| {
             self.fs
                 .shutdown()
@@ -418,6 +425,8 @@ impl Mounted {
             mount_point = %self.mount_point.display(),
             fuse_requests = self.requests.all(),
             fuse_requests_unwaited = self.requests.unwaited(),
+            durable_ms,
+            kernel_unmount_ms,
             "workspace unmounted"
         );
         Ok(())
