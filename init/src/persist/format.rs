@@ -399,6 +399,46 @@ mod tests {
         }
     }
 
+    /// The header as keel wrote and read it before metadata images.
+    #[derive(Debug, Serialize, Deserialize, PartialEq)]
+    struct HeaderV1 {
+        format: u32,
+        seq: u64,
+        parent: Option<u64>,
+        base: u64,
+        prev: Option<u64>,
+        created_ns: i64,
+        chunk_size: u64,
+        inodes: u64,
+        file_bytes: u64,
+    }
+
+    #[test]
+    fn the_image_reference_is_invisible_to_older_readers_and_absent_in_older_headers() {
+        let mut h = header(7, None);
+        h.image = Some(ImageRef {
+            hash: [9; 32],
+            size: 1234,
+        });
+        let bytes = encode(&h, &Body::default()).unwrap();
+        let (back, _) = decode_header("k", &bytes).unwrap();
+        assert_eq!(back, h);
+        // An older keel decodes the same header bytes (postcard ignores what follows).
+        let n = u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize;
+        let old: HeaderV1 = postcard::from_bytes(&bytes[12..12 + n]).unwrap();
+        assert_eq!((old.seq, old.parent, old.chunk_size), (7, None, 4));
+        // A header an older keel wrote has no image.
+        h.image = None;
+        let plain = encode(&h, &Body::default()).unwrap();
+        let v1 = postcard::to_stdvec(&old).unwrap();
+        assert_eq!(&plain[12..12 + v1.len()], &v1[..]);
+        assert_eq!(decode_header("k", &plain).unwrap().0.image, None);
+        // A damaged image reference is an error, not a silent `None`.
+        let mut bad = bytes.clone();
+        bad[12 + n - 1] = 0xff;
+        assert!(decode_header("k", &bad).is_err());
+    }
+
     #[test]
     fn roundtrip_and_chain() {
         let a = [1u8; 32];
