@@ -72,7 +72,7 @@ fn s3_checkpoint_restore_gc_and_stale_head() {
     assert!(lr.windows_missing > 0, "{lr:?}");
     let fs_lazy = open_fs(lazy_target.path());
     let f3 = resolve(&fs_lazy, "f3");
-    assert_eq!(fs_lazy.getattr(f3).unwrap().size, 13);
+    assert_eq!(fs_lazy.getattr(f3).unwrap().inode.size, 13);
     assert_eq!(
         read_all(&fs_lazy, resolve(&fs_lazy, "d/small")).unwrap(),
         b"hello"

@@ -374,36 +374,32 @@ impl<'c> Amender<'c> {
         self.w.persist_set(key, value)
     }
 
-    /// (ino, size) of every body file with no window left to fetch, in inode order: the
-    /// files a lazy restore creates a (sparse) body for.
-    pub fn complete_bodies(&mut self) -> Result<Vec<(InodeNo, u64)>> {
+    /// One pass over the inodes: (ino, size) of every body file with no window left to
+    /// fetch, in inode order (the files a lazy restore creates a sparse body for), and
+    /// (files with a body, their bytes, windows left to fetch).
+    pub fn bodies(&mut self) -> Result<(Vec<(InodeNo, u64)>, [u64; 3])> {
         self.w.flush()?;
         let mut st = self.conn.prepare(
-            "SELECT ino, size FROM inode WHERE storage = 1 AND nlink > 0
-             AND NOT EXISTS (SELECT 1 FROM missing_window m WHERE m.ino = inode.ino)
-             ORDER BY ino",
+            "SELECT ino, size, EXISTS (SELECT 1 FROM missing_window m WHERE m.ino = inode.ino)
+             FROM inode WHERE storage = 1 AND nlink > 0 ORDER BY ino",
         )?;
-        let rows = st.query_map([], |r| {
-            Ok((
-                InodeNo(r.get::<_, i64>(0)? as u64),
-                r.get::<_, i64>(1)? as u64,
-            ))
-        })?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
-    }
-
-    /// (files with a body, their bytes, windows left to fetch).
-    pub fn counts(&mut self) -> Result<(u64, u64, u64)> {
-        self.w.flush()?;
-        let (files, bytes): (i64, i64) = self.conn.query_row(
-            "SELECT count(*), coalesce(sum(size), 0) FROM inode WHERE storage = 1 AND nlink > 0",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )?;
-        let missing: i64 = self
+        let mut rows = st.query([])?;
+        let mut complete = Vec::new();
+        let mut counts = [0u64; 3];
+        while let Some(r) = rows.next()? {
+            let (ino, size) = (r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64);
+            counts[0] += 1;
+            counts[1] += size;
+            if !r.get::<_, bool>(2)? {
+                complete.push((InodeNo(ino), size));
+            }
+        }
+        counts[2] = self
             .conn
-            .query_row("SELECT count(*) FROM missing_window", [], |r| r.get(0))?;
-        Ok((files as u64, bytes as u64, missing as u64))
+            .query_row("SELECT count(*) FROM missing_window", [], |r| {
+                r.get::<_, i64>(0)
+            })? as u64;
+        Ok((complete, counts))
     }
 }
 

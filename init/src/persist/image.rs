@@ -238,7 +238,7 @@ pub(super) fn restore(
     laps("image");
 
     let mut complete = Vec::new();
-    let mut counts = (0, 0, 0);
+    let mut counts = [0; 3];
     amend_bulk(building, |a| -> Result<(), ImageError> {
         for h in &headers[1..] {
             let (dh, b) = repo
@@ -250,8 +250,7 @@ pub(super) fn restore(
         for (k, v) in state {
             a.persist_set(k, v)?;
         }
-        complete = a.complete_bodies()?;
-        counts = a.counts()?;
+        (complete, counts) = a.bodies()?;
         Ok(())
     })?;
     laps("deltas");
@@ -261,9 +260,7 @@ pub(super) fn restore(
             .and_then(|f| f.set_len(size))
             .map_err(|source| ImageError::Body { ino: ino.0, source })?;
     }
-    report.files = counts.0;
-    report.file_bytes = counts.1;
-    report.windows_missing = counts.2;
+    [report.files, report.file_bytes, report.windows_missing] = counts;
     report.inodes = headers.last().map_or(0, |h| h.inodes);
     Ok(())
 }
