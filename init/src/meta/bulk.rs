@@ -282,6 +282,9 @@ impl super::Store {
     }
 }
 
+/// (ino, size) of a file.
+pub type FileSize = (InodeNo, u64);
+
 /// Changes to a database built by [`create_bulk`], before it becomes a workspace (see
 /// [`amend_bulk`]). Every method that deletes or reads first inserts the rows the
 /// writer still buffers, so operations apply in the order they are called.
@@ -377,7 +380,7 @@ impl<'c> Amender<'c> {
     /// One pass over the inodes: (ino, size) of every body file with no window left to
     /// fetch, in inode order (the files a lazy restore creates a sparse body for), and
     /// (files with a body, their bytes, windows left to fetch).
-    pub fn bodies(&mut self) -> Result<(Vec<(InodeNo, u64)>, [u64; 3])> {
+    pub fn bodies(&mut self) -> Result<(Vec<FileSize>, [u64; 3])> {
         self.w.flush()?;
         let mut st = self.conn.prepare(
             "SELECT ino, size, EXISTS (SELECT 1 FROM missing_window m WHERE m.ino = inode.ino)
