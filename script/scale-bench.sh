@@ -8,19 +8,25 @@
 # play a fresh host), with ext4 (a directory under BENCH_DIR) and tmpfs beside it where the
 # step exists there. Steps, in order, each timed on its own:
 #   create         write the N files (one process, open/write/close each)
+#   ckpt full      the first `keel checkpoint`: the full snapshot and its metadata image
 #   stat-all       lstat every file (walk + stat)
 #   find           `find DIR | wc -l` (readdir only)
 #   ckpt 1         append to 1 file, `keel checkpoint` (wall time of the command)
 #   ckpt 1000      append to 1,000 files, `keel checkpoint`
+#   snapshot create  `keel snapshot create` (loads the history window), then ckpt after snap:
+#                  a 1-file checkpoint after it
 #   stop           SIGTERM to exit, nothing dirty (after the checkpoint)
 #   warm restart   `keel mount` on the same state dir to a stat of one file
 #   fsck --quick   `keel fsck --quick` of the stopped state dir; fsck: the full one
 #   gc             `keel gc` of the stopped state dir
 #   fresh restore  `keel mount` on an EMPTY state dir (same remote) to a stat of one file
+#                  (from the full snapshot's metadata image and the deltas after it)
+#   fresh, no image  the same with the images moved away (the restore decodes the chain)
 #   read-all       read every file once after that fresh restore
 # keel's RSS (VmRSS) after each step and its peak (VmHWM) of that daemon so far; for the
 # offline commands (fsck, gc) their own peak RSS. --short: 20,000 files (the test command
-# runs it: it fails if a step fails, asserts nothing about time). Needs root and /dev/fuse.
+# runs it: it fails if a step fails, asserts nothing about time). --keel-only: skip ext4 and
+# tmpfs. Needs root and /dev/fuse.
 # Prints a markdown table (and '#' facts), raw rows to --out. Nothing on the host changes.
 set -uo pipefail
 
@@ -28,13 +34,14 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 KEEL_BIN=${KEEL_BIN:-$REPO/target/release/keel}
 export KEEL_BIN KEEL_READY_TIMEOUT=${KEEL_READY_TIMEOUT:-900}
 BENCH_DIR=${BENCH_DIR:-$REPO/.bench}
-FILES=1000000 SIZE=100 OUT=
+FILES=1000000 SIZE=100 OUT= KEEL_ONLY=
 while [ $# -gt 0 ]; do
     case $1 in
         --short) FILES=20000 ;;
         --files) FILES=$2; shift ;;
         --size) SIZE=$2; shift ;;
         --out) OUT=$2; shift ;;
+        --keel-only) KEEL_ONLY=1 ;;
         -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
         *) echo "scale-bench: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -112,7 +119,7 @@ timed() {
 }
 
 declare -A R SEEN  # R[step,fs] = seconds; R[step,rss] = "RSS / peak"
-STEPS=()
+STEPS=() FACTS=()
 put() { # put STEP FS VALUE
     [ -n "${SEEN[$1]:-}" ] || { STEPS+=("$1"); SEEN[$1]=1; }
     R[$1,$2]=$3
@@ -166,11 +173,16 @@ echo "scale-bench: keel create..." >&2
 timed create python3 "$RUN/w.py" create "$K" "$FILES" "$SIZE"; put create keel "$T"; rss_keel create
 timed stat-all python3 "$RUN/w.py" stat "$K" "$FILES" "$SIZE"; put stat-all keel "$T"; rss_keel stat-all
 timed find bash -c "[ \$(find '$K' | wc -l) = $((FILES + (FILES + 999) / 1000 + 1)) ]"; put find keel "$T"; rss_keel find
-ckpt >/dev/null 2>&1 || die "first checkpoint failed"
+timed "ckpt full" ckpt; put "ckpt full" keel "$T"; rss_keel "ckpt full"
 python3 "$RUN/w.py" touch "$K" "$FILES" "$SIZE" 1 || die "touch failed"
 timed "ckpt 1" ckpt; put "ckpt 1" keel "$T"; rss_keel "ckpt 1"
 python3 "$RUN/w.py" touch "$K" "$FILES" "$SIZE" 1000 || die "touch failed"
 timed "ckpt 1000" ckpt; put "ckpt 1000" keel "$T"; rss_keel "ckpt 1000"
+# A named snapshot loads the history window (persist/history.rs); one more checkpoint after it.
+timed "snapshot create" "$KEEL_BIN" snapshot create --name scale --state "$RUN/keel-state" --config "$RUN/keel.toml"
+put "snapshot create" keel "$T"; rss_keel "snapshot create"
+python3 "$RUN/w.py" touch "$K" "$FILES" "$SIZE" 1 || die "touch failed"
+timed "ckpt after snap" ckpt; put "ckpt after snap" keel "$T"; rss_keel "ckpt after snap"
 put stop rss "$(mib "$PID" VmRSS) / $(mib "$PID" VmHWM)"
 stop_keel "$RUN/keel-state"; put stop keel "$T"
 t0=$(now); start_keel "$RUN/keel-state"; first_stat || die "stat after warm restart failed"
@@ -181,22 +193,33 @@ offline fsck "$KEEL_BIN" fsck --state "$RUN/keel-state" --config "$RUN/keel.toml
 offline gc "$KEEL_BIN" gc --state "$RUN/keel-state" --config "$RUN/keel.toml"
 t0=$(now); start_keel "$RUN/fresh-state"; first_stat || die "stat after fresh restore failed"
 put "fresh restore" keel "$(secs "$t0" "$(now)")"; rss_keel "fresh restore"
-# every file has its 100 B; 1 + 1000 (overlapping at file 0) appends of 2 B each
-appended=$(python3 -c "n=$FILES; s=max(1,n//1000); print(2*(1000 + (0 in range(0, s*1000, s))))")
+FACTS+=("metadata image: $(du -cb "$RUN"/remote/images/* 2>/dev/null | tail -n 1 | cut -f1) bytes compressed")
+FACTS+=("fresh restore, keel's own log: $(grep -ho 'restore: .*' "$RUN/fresh-state.log" | grep -E 'metadata image|restored|snapshot' | tr '\n' ' ' | cut -c1-400)")
+# every file has its 100 B; 1 + 1000 + 1 appends of 2 B each (file 0 gets three)
+appended=$((2 * 1002))
 timed read-all python3 "$RUN/w.py" read "$K" "$FILES" "$SIZE" "$appended"; put read-all keel "$T"; rss_keel read-all
 stop_keel "$RUN/fresh-state"
-rm -rf "$RUN/keel-state" "$RUN/fresh-state" "$RUN/remote"
+# The same fresh restore without the image: what it was before images (the chain decoded).
+mv "$RUN/remote/images" "$RUN/images.aside"
+t0=$(now); start_keel "$RUN/chain-state"; first_stat || die "stat after fresh restore (no image) failed"
+put "fresh, no image" keel "$(secs "$t0" "$(now)")"; rss_keel "fresh, no image"
+stop_keel "$RUN/chain-state"
+mv "$RUN/images.aside" "$RUN/remote/images"
+rm -rf "$RUN/keel-state" "$RUN/fresh-state" "$RUN/chain-state" "$RUN/remote"
 
 # --- ext4 and tmpfs beside it -----------------------------------------------------------------
+COMPARE=(ext4 tmpfs)
+[ -n "$KEEL_ONLY" ] && COMPARE=()
 mkdir -p "$RUN/ext4" "$RUN/tmpfs"
 mount -t tmpfs -o size=50%,nr_inodes=0 keel-scale "$RUN/tmpfs" || die "tmpfs mount failed"
-for fs in ext4 tmpfs; do
+for fs in "${COMPARE[@]}"; do
     echo "scale-bench: $fs..." >&2
     D=$RUN/$fs
     timed create python3 "$RUN/w.py" create "$D" "$FILES" "$SIZE"; put create "$fs" "$T"
     timed stat-all python3 "$RUN/w.py" stat "$D" "$FILES" "$SIZE"; put stat-all "$fs" "$T"
     timed find bash -c "[ \$(find '$D' | wc -l) = $((FILES + (FILES + 999) / 1000 + 1)) ]"; put find "$fs" "$T"
-    python3 "$RUN/w.py" touch "$D" "$FILES" "$SIZE" 1 && python3 "$RUN/w.py" touch "$D" "$FILES" "$SIZE" 1000
+    python3 "$RUN/w.py" touch "$D" "$FILES" "$SIZE" 1 && python3 "$RUN/w.py" touch "$D" "$FILES" "$SIZE" 1000 &&
+        python3 "$RUN/w.py" touch "$D" "$FILES" "$SIZE" 1
     timed read-all python3 "$RUN/w.py" read "$D" "$FILES" "$SIZE" "$appended"; put read-all "$fs" "$T"
 done
 umount -l "$RUN/tmpfs"
@@ -205,6 +228,7 @@ umount -l "$RUN/tmpfs"
 echo "# $FILES files of $SIZE B in directories of 1,000; keel mount with a file:// remote on the same disk, ext4 and tmpfs beside it; one run, seconds of wall time"
 echo "# keel RSS: VmRSS after the step / the daemon's VmHWM so far, MiB (offline commands: their own peak)"
 echo "# read-all on keel follows the fresh restore (every file's metadata and body fetched from the remote)"
+for f in "${FACTS[@]}"; do echo "# $f"; done
 echo "| step | keel s | ext4 s | tmpfs s | keel/ext4 | keel/tmpfs | keel RSS MiB |"
 echo "|---|---:|---:|---:|---:|---:|---:|"
 [ -n "$OUT" ] && printf 'files\tsize\tstep\tkeel_s\text4_s\ttmpfs_s\tkeel_rss\n' >"$OUT"

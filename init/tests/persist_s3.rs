@@ -58,6 +58,25 @@ fn s3_checkpoint_restore_gc_and_stale_head() {
     let mut r2 = repo.clone();
     restore::restore(&mut r2, None, target.path()).expect("restore from s3");
     assert_eq!(dump(&open_fs(target.path())), dump(&fs));
+    // A lazy one starts from the full snapshot's metadata image, fetched through S3, and
+    // replays the delta after it.
+    let lazy_target = tempfile::tempdir().unwrap();
+    let lr = restore::restore_with(
+        &mut repo.clone(),
+        None,
+        lazy_target.path(),
+        restore::RestoreMode::Lazy,
+    )
+    .expect("lazy restore from s3");
+    assert!(lr.phases.iter().any(|(p, _)| *p == "image"), "{lr:?}");
+    assert!(lr.windows_missing > 0, "{lr:?}");
+    let fs_lazy = open_fs(lazy_target.path());
+    let f3 = resolve(&fs_lazy, "f3");
+    assert_eq!(fs_lazy.getattr(f3).unwrap().inode.size, 13);
+    assert_eq!(
+        read_all(&fs_lazy, resolve(&fs_lazy, "d/small")).unwrap(),
+        b"hello"
+    );
 
     // A writer working from a stale head is refused by the conditional PUT.
     let (head, version) = repo.read_head().unwrap().unwrap();

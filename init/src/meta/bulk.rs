@@ -7,6 +7,12 @@
 //! rows for a tree that is already on the remote), and the running `inode_totals` set once
 //! from what was written. The file is left in WAL mode, like every state database, with
 //! nothing in its WAL; the caller makes it durable (syncfs) before renaming it.
+//!
+//! [`amend_bulk`] changes such a database before it is renamed into place (a restore from a
+//! metadata image replays the delta snapshots after the image onto it): the same fast
+//! connection, with the triggers that record directory changes for the next checkpoint
+//! dropped while it runs (the running totals and the cleanup triggers stay: they keep the
+//! database consistent row by row).
 
 use std::path::Path;
 
@@ -145,7 +151,7 @@ impl BulkWriter<'_> {
     }
 
     /// Inserts what the batches still hold.
-    fn flush(&mut self) -> Result<()> {
+    pub fn flush(&mut self) -> Result<()> {
         for b in [
             &mut self.inode,
             &mut self.xattr,
@@ -264,5 +270,211 @@ fn finish(conn: &Connection, totals: [i64; 3], derived: &[(String, String, Strin
             reason: format!("could not switch it to WAL (journal mode is {mode})"),
         });
     }
+    Ok(())
+}
+
+impl super::Store {
+    /// A scratch file next to this store's database (`<db>.<suffix>`), e.g. where a metadata
+    /// image is built.
+    pub fn scratch_path(&self, suffix: &str) -> Option<std::path::PathBuf> {
+        let db = self.conn.path().filter(|p| !p.is_empty())?;
+        Some(std::path::PathBuf::from(format!("{db}.{suffix}")))
+    }
+}
+
+/// (ino, size) of a file.
+pub type FileSize = (InodeNo, u64);
+
+/// Changes to a database built by [`create_bulk`], before it becomes a workspace (see
+/// [`amend_bulk`]). Every method that deletes or reads first inserts the rows the
+/// writer still buffers, so operations apply in the order they are called.
+pub struct Amender<'c> {
+    conn: &'c Connection,
+    w: BulkWriter<'c>,
+}
+
+impl<'c> Amender<'c> {
+    /// The writer for new rows (inodes, their xattrs and data, missing windows).
+    pub fn writer(&mut self) -> &mut BulkWriter<'c> {
+        &mut self.w
+    }
+
+    /// Removes an inode with its xattrs, data, chunk map and missing windows (nothing when
+    /// it does not exist).
+    pub fn delete_inode(&mut self, ino: InodeNo) -> Result<()> {
+        self.w.flush()?;
+        for t in [
+            "inode",
+            "xattr",
+            "inline_data",
+            "symlink",
+            "file_chunk",
+            "missing_window",
+        ] {
+            self.conn
+                .prepare_cached(&format!("DELETE FROM {t} WHERE ino = ?1"))?
+                .execute([ino.0 as i64])?;
+        }
+        Ok(())
+    }
+
+    /// A file's chunk map, window by window (`None`: all zeros); empty when it has none.
+    pub fn chunk_map(&mut self, ino: InodeNo) -> Result<Vec<Option<[u8; 32]>>> {
+        self.w.flush()?;
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT idx, id FROM file_chunk WHERE ino = ?1 ORDER BY idx")?;
+        let rows = st.query_map([ino.0 as i64], |r| {
+            Ok((
+                r.get::<_, i64>(0)? as usize,
+                r.get::<_, Option<Vec<u8>>>(1)?,
+            ))
+        })?;
+        let mut map = Vec::new();
+        for r in rows {
+            let (idx, id) = r?;
+            if map.len() <= idx {
+                map.resize(idx + 1, None);
+            }
+            map[idx] = id.and_then(|v| v.try_into().ok());
+        }
+        Ok(map)
+    }
+
+    /// Adds or repoints a directory entry.
+    pub fn put_dirent(
+        &mut self,
+        parent: InodeNo,
+        name: &[u8],
+        ino: InodeNo,
+        kind: Kind,
+    ) -> Result<()> {
+        self.w.flush()?;
+        self.conn
+            .prepare_cached(
+                "INSERT OR REPLACE INTO dirent (parent, name, ino, kind) VALUES (?1, ?2, ?3, ?4)",
+            )?
+            .execute(params![
+                parent.0 as i64,
+                name,
+                ino.0 as i64,
+                kind.mode_bits()
+            ])?;
+        Ok(())
+    }
+
+    /// Removes a directory entry (nothing when it does not exist).
+    pub fn remove_dirent(&mut self, parent: InodeNo, name: &[u8]) -> Result<()> {
+        self.w.flush()?;
+        self.conn
+            .prepare_cached("DELETE FROM dirent WHERE parent = ?1 AND name = ?2")?
+            .execute(params![parent.0 as i64, name])?;
+        Ok(())
+    }
+
+    /// A checkpoint bookkeeping value (`Tx::persist_set`).
+    pub fn persist_set(&mut self, key: &str, value: &str) -> Result<()> {
+        self.w.persist_set(key, value)
+    }
+
+    /// One pass over the inodes: (ino, size) of every body file with no window left to
+    /// fetch, in inode order (the files a lazy restore creates a sparse body for), and
+    /// (files with a body, their bytes, windows left to fetch).
+    pub fn bodies(&mut self) -> Result<(Vec<FileSize>, [u64; 3])> {
+        self.w.flush()?;
+        let mut st = self.conn.prepare(
+            "SELECT ino, size, EXISTS (SELECT 1 FROM missing_window m WHERE m.ino = inode.ino)
+             FROM inode WHERE storage = 1 AND nlink > 0 ORDER BY ino",
+        )?;
+        let mut rows = st.query([])?;
+        let mut complete = Vec::new();
+        let mut counts = [0u64; 3];
+        while let Some(r) = rows.next()? {
+            let (ino, size) = (r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64);
+            counts[0] += 1;
+            counts[1] += size;
+            if !r.get::<_, bool>(2)? {
+                complete.push((InodeNo(ino), size));
+            }
+        }
+        counts[2] = self
+            .conn
+            .query_row("SELECT count(*) FROM missing_window", [], |r| {
+                r.get::<_, i64>(0)
+            })? as u64;
+        Ok((complete, counts))
+    }
+}
+
+/// Opens the database at `path`, built by [`create_bulk`] and not yet a workspace, and lets
+/// `change` amend it in one transaction, with no journal and no syncs (a crash leaves a file
+/// the caller throws away). The triggers on `dirent` (they record changes for the next
+/// checkpoint, and the amended tree is already on the remote) are dropped meanwhile and
+/// recreated from their own SQL. The file is left in WAL mode with nothing in its WAL; the
+/// caller makes it durable before renaming it.
+pub fn amend_bulk<E: From<MetaError>>(
+    path: &Path,
+    change: impl FnOnce(&mut Amender<'_>) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let p = path.display().to_string();
+    let conn = Connection::open_with_flags(
+        path,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(|source| MetaError::Open {
+        path: p.clone(),
+        source,
+    })?;
+    super::schema::check(&conn, &p)?;
+    conn.execute_batch(&format!(
+        "PRAGMA journal_mode=OFF;
+         PRAGMA synchronous=OFF;
+         PRAGMA foreign_keys=OFF;
+         PRAGMA temp_store=MEMORY;
+         PRAGMA cache_size=-{BULK_CACHE_KIB};"
+    ))
+    .map_err(MetaError::from)?;
+    let dropped: Vec<(String, String)> = {
+        let mut st = conn
+            .prepare(
+                "SELECT name, sql FROM sqlite_master
+                 WHERE type = 'trigger' AND tbl_name = 'dirent' AND sql IS NOT NULL ORDER BY name",
+            )
+            .map_err(MetaError::from)?;
+        let v = st
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .map_err(MetaError::from)?
+            .collect::<rusqlite::Result<_>>()
+            .map_err(MetaError::from)?;
+        v
+    };
+    conn.execute_batch("BEGIN").map_err(MetaError::from)?;
+    for (name, _) in &dropped {
+        conn.execute_batch(&format!("DROP TRIGGER \"{name}\""))
+            .map_err(MetaError::from)?;
+    }
+    {
+        let mut a = Amender {
+            conn: &conn,
+            w: writer(&conn)?,
+        };
+        change(&mut a)?;
+        a.w.flush()?;
+    }
+    for (_, sql) in &dropped {
+        conn.execute_batch(sql).map_err(MetaError::from)?;
+    }
+    conn.execute_batch("COMMIT").map_err(MetaError::from)?;
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+        .map_err(MetaError::from)?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(MetaError::Bulk {
+            path: p,
+            reason: format!("could not switch it to WAL (journal mode is {mode})"),
+        }
+        .into());
+    }
+    conn.close().map_err(|(_, e)| MetaError::from(e))?;
     Ok(())
 }

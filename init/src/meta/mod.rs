@@ -15,7 +15,7 @@ mod lazy;
 mod persist;
 mod schema;
 
-pub use bulk::{create_bulk, BulkWriter};
+pub use bulk::{amend_bulk, create_bulk, Amender, BulkWriter};
 pub use lazy::MissingRow;
 pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 

@@ -93,11 +93,17 @@ fn last_seq(w: &Worker) -> Result<Option<u64>, String> {
 }
 
 pub(super) fn run(w: &mut Worker, op: Op) -> Result<serde_json::Value, String> {
-    match op {
+    let r = match op {
         Op::SnapshotCreate(c) => create(w, &c),
         Op::Rollback(r) => rollback(w, &r),
         Op::Diff(d) => diff(w, &d),
+    };
+    // A large workspace's tree is not kept between operations (history::MAX_TREE_RECORDS).
+    if w.history.as_ref().is_some_and(|h| !h.worth_keeping()) {
+        w.history = None;
+        crate::sys::mem::release_free_heap();
     }
+    r
 }
 
 /// The worker's history at `seq` (the last checkpoint), loaded (one chain decode) when it

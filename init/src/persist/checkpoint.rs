@@ -648,6 +648,11 @@ impl Persister {
             .unwrap_or(0)
             .max(head.as_ref().map(|h| h.0.seq).unwrap_or(0))
             + 1;
+        // A full snapshot's metadata image, named in its header (see `image`); not under
+        // a deadline (the stop's last checkpoint): building it takes seconds at 1M files.
+        let image = (full && opts.deadline.is_none())
+            .then(|| super::image::publish(&self.repo, &self.store, &body, cs))
+            .flatten();
         let header = |seq| Header {
             format: format::FORMAT,
             seq,
@@ -658,6 +663,7 @@ impl Persister {
             chunk_size: cs,
             inodes: inode_total,
             file_bytes,
+            image,
         };
         let mut data;
         loop {

@@ -310,6 +310,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
             chunk_size: tree.chunk_size,
             inodes: tree.inodes.len() as u64,
             file_bytes: tree.file_bytes(),
+            image: None,
         };
         let bytes = format::encode(&header, &full_body(&tree))?;
         dst.put_snapshot(seq, bytes)

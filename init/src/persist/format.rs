@@ -57,6 +57,21 @@ pub struct Header {
     /// Totals of the tree this snapshot describes.
     pub inodes: u64,
     pub file_bytes: u64,
+    /// The compact metadata image of this (full) snapshot's tree, if one was uploaded
+    /// (see `image`). Encoded after the fields above, inside the header's length, so a keel
+    /// that predates it reads the header and ignores it, and a header without it (older
+    /// snapshots, deltas) decodes as `None`.
+    #[serde(skip)]
+    pub image: Option<ImageRef>,
+}
+
+/// Where a full snapshot's metadata image is and how to check it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageRef {
+    /// blake3 of the compressed image object (also its name on the remote).
+    pub hash: [u8; 32],
+    /// Bytes of the compressed image object.
+    pub size: u64,
 }
 
 impl Header {
@@ -142,7 +157,11 @@ mod serde_bytes_compat {
 
 /// Encodes a snapshot object.
 pub fn encode(h: &Header, b: &Body) -> Result<Vec<u8>, FormatError> {
-    let hb = postcard::to_stdvec(h).map_err(|e| FormatError::Encode(e.to_string()))?;
+    let mut hb = postcard::to_stdvec(h).map_err(|e| FormatError::Encode(e.to_string()))?;
+    if h.image.is_some() {
+        let ext = postcard::to_stdvec(&h.image).map_err(|e| FormatError::Encode(e.to_string()))?;
+        hb.extend_from_slice(&ext);
+    }
     let bb = postcard::to_stdvec(b).map_err(|e| FormatError::Encode(e.to_string()))?;
     let z = zstd::bulk::compress(&bb, 3).map_err(|e| FormatError::Encode(e.to_string()))?;
     let mut out = Vec::with_capacity(12 + hb.len() + z.len());
@@ -166,11 +185,19 @@ pub fn decode_header(key: &str, data: &[u8]) -> Result<(Header, usize), FormatEr
         part: "header",
         reason: "truncated".into(),
     })?;
-    let h: Header = postcard::from_bytes(hb).map_err(|e| FormatError::Decode {
-        key: key.to_string(),
-        part: "header",
-        reason: e.to_string(),
-    })?;
+    let (mut h, rest): (Header, &[u8]) =
+        postcard::take_from_bytes(hb).map_err(|e| FormatError::Decode {
+            key: key.to_string(),
+            part: "header",
+            reason: e.to_string(),
+        })?;
+    if !rest.is_empty() {
+        h.image = postcard::from_bytes(rest).map_err(|e| FormatError::Decode {
+            key: key.to_string(),
+            part: "header (image)",
+            reason: e.to_string(),
+        })?;
+    }
     if h.format > FORMAT {
         return Err(FormatError::Version {
             key: key.to_string(),
@@ -199,6 +226,33 @@ pub enum TreeData {
     Inline(Vec<u8>),
     Symlink(Vec<u8>),
     Chunks(Vec<Option<ChunkId>>),
+}
+
+impl TreeData {
+    /// What a record's data makes of the inode's data `old` (its previous data in the
+    /// tree, for a chunk-map patch) for a file of `size` bytes cut in `chunk_size` windows.
+    pub fn of(data: DataRec, old: Option<TreeData>, size: u64, chunk_size: u64) -> TreeData {
+        match data {
+            DataRec::None => TreeData::None,
+            DataRec::Inline(v) => TreeData::Inline(v),
+            DataRec::Symlink(v) => TreeData::Symlink(v),
+            DataRec::Chunks { complete, patch } => {
+                let mut map = match (complete, old) {
+                    (false, Some(TreeData::Chunks(m))) => m,
+                    _ => Vec::new(),
+                };
+                for (idx, id) in patch {
+                    let i = idx as usize;
+                    if map.len() <= i {
+                        map.resize(i + 1, None);
+                    }
+                    map[i] = id.map(ChunkId);
+                }
+                map.resize(window_count(size, chunk_size) as usize, None);
+                TreeData::Chunks(map)
+            }
+        }
+    }
 }
 
 /// One inode of a materialized tree (the record without its data, plus the data).
@@ -266,26 +320,7 @@ impl Tree {
         for mut rec in b.inodes {
             let data = std::mem::replace(&mut rec.data, DataRec::None);
             let old = self.inodes.remove(&rec.ino).map(|t| t.data);
-            let data = match data {
-                DataRec::None => TreeData::None,
-                DataRec::Inline(v) => TreeData::Inline(v),
-                DataRec::Symlink(v) => TreeData::Symlink(v),
-                DataRec::Chunks { complete, patch } => {
-                    let mut map = match (complete, old) {
-                        (false, Some(TreeData::Chunks(m))) => m,
-                        _ => Vec::new(),
-                    };
-                    for (idx, id) in patch {
-                        let i = idx as usize;
-                        if map.len() <= i {
-                            map.resize(i + 1, None);
-                        }
-                        map[i] = id.map(ChunkId);
-                    }
-                    map.resize(window_count(rec.size, h.chunk_size) as usize, None);
-                    TreeData::Chunks(map)
-                }
-            };
+            let data = TreeData::of(data, old, rec.size, h.chunk_size);
             self.inodes.insert(rec.ino, TreeInode { rec, data });
         }
         for (p, n) in b.unlinked {
@@ -360,7 +395,48 @@ mod tests {
             chunk_size: 4,
             inodes: 0,
             file_bytes: 0,
+            image: None,
         }
+    }
+
+    /// The header as keel wrote and read it before metadata images.
+    #[derive(Debug, Serialize, Deserialize, PartialEq)]
+    struct HeaderV1 {
+        format: u32,
+        seq: u64,
+        parent: Option<u64>,
+        base: u64,
+        prev: Option<u64>,
+        created_ns: i64,
+        chunk_size: u64,
+        inodes: u64,
+        file_bytes: u64,
+    }
+
+    #[test]
+    fn the_image_reference_is_invisible_to_older_readers_and_absent_in_older_headers() {
+        let mut h = header(7, None);
+        h.image = Some(ImageRef {
+            hash: [9; 32],
+            size: 1234,
+        });
+        let bytes = encode(&h, &Body::default()).unwrap();
+        let (back, _) = decode_header("k", &bytes).unwrap();
+        assert_eq!(back, h);
+        // An older keel decodes the same header bytes (postcard ignores what follows).
+        let n = u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize;
+        let old: HeaderV1 = postcard::from_bytes(&bytes[12..12 + n]).unwrap();
+        assert_eq!((old.seq, old.parent, old.chunk_size), (7, None, 4));
+        // A header an older keel wrote has no image.
+        h.image = None;
+        let plain = encode(&h, &Body::default()).unwrap();
+        let v1 = postcard::to_stdvec(&old).unwrap();
+        assert_eq!(&plain[12..12 + v1.len()], &v1[..]);
+        assert_eq!(decode_header("k", &plain).unwrap().0.image, None);
+        // A damaged image reference is an error, not a silent `None`.
+        let mut bad = bytes.clone();
+        bad[12 + n - 1] = 0xff;
+        assert!(decode_header("k", &bad).is_err());
     }
 
     #[test]

@@ -733,11 +733,18 @@ fn check_remote(
     };
     let mut wanted: BTreeSet<ChunkId> = BTreeSet::new();
     let seqs: BTreeSet<u64> = head.into_iter().chain(local_seq).collect();
+    let mut fulls = Vec::new();
     for s in seqs {
         match repo.load_tree(s) {
-            Ok((t, _)) => wanted.extend(t.chunk_ids()),
+            Ok((t, hs)) => {
+                wanted.extend(t.chunk_ids());
+                fulls.extend(hs.into_iter().take(1));
+            }
             Err(e) => rep.add(Level::Error, format!("snapshot {s}: {e}"), false),
         }
+    }
+    for what in super::image::check(&repo, &fulls, true) {
+        rep.add(Level::Warning, what, false);
     }
     // Local chunk maps describe the last checkpoint: the remote must hold them too.
     let maps = r.all_file_chunks()?;

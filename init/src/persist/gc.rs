@@ -51,6 +51,8 @@ pub enum GcError {
     Meta(#[from] MetaError),
     #[error("read the snapshot names: {0}")]
     Names(String),
+    #[error("metadata images: {0}")]
+    Images(super::image::ImageError),
     #[error("read the other workspaces on the chunk store: {0}")]
     ReadSharers(RepoError),
 }
@@ -242,7 +244,9 @@ pub struct GcReport {
     pub snapshots_deleted: u64,
     pub chunks_kept: u64,
     pub chunks_deleted: u64,
-    /// Bytes of the deleted objects (snapshots and chunks).
+    /// Metadata images no kept snapshot names any more (see `image`).
+    pub images_deleted: u64,
+    /// Bytes of the deleted objects (snapshots, chunks and images).
     pub bytes_deleted: u64,
     /// Bytes the kept snapshots hold on the remote (see the module doc).
     pub kept_bytes: u64,
@@ -400,6 +404,10 @@ pub fn gc_with(
             Fate::Young | Fate::Gone => {}
         }
     }
+    // Metadata images go with the last kept snapshot that names them.
+    let (n, bytes) = super::image::sweep(repo, &closed, grace).map_err(GcError::Images)?;
+    report.images_deleted = n;
+    report.bytes_deleted += bytes;
     tracing::info!(report = %report, "gc");
     Ok(report)
 }

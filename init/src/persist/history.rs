@@ -13,7 +13,9 @@
 //!
 //! The window is bounded by the records it holds (`MAX_RECORDS`); it starts empty when the
 //! first named snapshot, diff or rollback loads the tree (the one full decode), so a keel
-//! that is never asked for one never holds it.
+//! that is never asked for one never holds it. The tree itself is kept only while it is
+//! small (`MAX_TREE_RECORDS`): a large workspace's tree would hold more memory than keel's
+//! whole budget, so there each operation decodes the chains it needs and drops them.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
@@ -23,6 +25,13 @@ use super::repo::{Repo, RepoError};
 /// Records (inodes + entries) the undo steps may hold together; older steps are dropped
 /// past it. About 100 bytes to a few KB each (an inline file's bytes are in its record).
 pub const MAX_RECORDS: usize = 200_000;
+
+/// Records (inodes + entries) of the tree above which the history is not kept between
+/// operations (`History::worth_keeping`). A record of the decoded tree costs about 250-300
+/// bytes of heap (the inode record, its map node, an entry's name and key), so 200,000 is
+/// ~50-60 MiB: about 100,000 files. Issue 25 bounds keel's RSS at 150 MiB at 1,000,000
+/// files, which a kept tree of that size (~550 MiB) would break many times over.
+pub const MAX_TREE_RECORDS: usize = 200_000;
 
 type DirKey = (u64, Vec<u8>);
 type DirVal = (u64, u32);
@@ -197,6 +206,16 @@ impl History {
         &self.tree
     }
 
+    /// Whether to keep the history after the operation that loaded or used it: only while
+    /// its tree holds at most `MAX_TREE_RECORDS` records (see the module doc).
+    pub fn worth_keeping(&self) -> bool {
+        self.worth_keeping_under(MAX_TREE_RECORDS)
+    }
+
+    fn worth_keeping_under(&self, limit: usize) -> bool {
+        self.tree.inodes.len() + self.tree.dirents.len() <= limit
+    }
+
     /// Replays snapshot `seq` (just written by the checkpoint) onto the tree, keeping what
     /// it replaced. `Ok(false)`: it does not follow the tree (the caller drops the history).
     pub fn advance(&mut self, repo: &Repo, seq: u64) -> Result<bool, HistoryError> {
@@ -205,6 +224,9 @@ impl History {
             source: Box::new(e),
         })?;
         let from = self.seq();
+        if !self.worth_keeping() {
+            return Ok(false);
+        }
         let mut step = Step {
             seq,
             from,
@@ -332,4 +354,56 @@ pub fn diff_candidates(a: &View, b: &View, c: &Changed) -> BTreeSet<u64> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::persist::format::{DataRec, InodeRec, TreeData};
+
+    fn tree(n: u64) -> Tree {
+        let mut t = Tree {
+            seq: Some(1),
+            chunk_size: 4,
+            ..Default::default()
+        };
+        for ino in 1..=n {
+            let rec = InodeRec {
+                ino,
+                mode: libc::S_IFREG | 0o644,
+                uid: 0,
+                gid: 0,
+                nlink: 1,
+                size: 0,
+                atime: 0,
+                mtime: 0,
+                ctime: 0,
+                rdev: 0,
+                parent: 1,
+                xattrs: Vec::new(),
+                data: DataRec::None,
+            };
+            t.inodes.insert(
+                ino,
+                TreeInode {
+                    rec,
+                    data: TreeData::Inline(Vec::new()),
+                },
+            );
+            t.dirents
+                .insert((1, ino.to_string().into_bytes()), (ino, libc::S_IFREG));
+        }
+        t
+    }
+
+    #[test]
+    fn only_a_small_tree_is_worth_keeping() {
+        let h = History {
+            tree: tree(10),
+            ..Default::default()
+        };
+        assert!(h.worth_keeping_under(20));
+        assert!(!h.worth_keeping_under(19));
+        assert!(h.worth_keeping());
+    }
 }

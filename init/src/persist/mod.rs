@@ -19,6 +19,7 @@ pub mod fsck;
 pub mod gc;
 pub mod history;
 pub mod hydrate;
+pub mod image;
 pub mod lease;
 pub mod metrics;
 pub mod objstore;

@@ -5,6 +5,7 @@
 //! <ws>/head                     {"seq": N, "epoch": E, ...}: the latest snapshot (conditional writes)
 //! <ws>/lease                    the single-writer lease (see `lease`)
 //! <ws>/snapshots/<seq:016x>     snapshot objects (full or delta, see `format`)
+//! <ws>/images/<blake3>.db.zst  metadata images of full snapshots (see `image`)
 //! <chunks>/<aa>/<64 hex>        chunk objects, named by blake3, shared by all snapshots
 //! ```
 //!

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::checkpoint::now_ns;
-use super::format::{Tree, TreeData};
+use super::format::{Header, Tree, TreeData, TreeInode};
 use super::repo::{Repo, RepoError};
 use crate::chunk::{BodyStore, ChunkId};
 use crate::meta::{create_bulk, BulkWriter, InodeNo, Kind, MetaError, Nanos};
@@ -164,34 +164,7 @@ fn write_rows(
     report: &mut RestoreReport,
 ) -> Result<(), RestoreError> {
     for t in tree.inodes.values() {
-        let r = &t.rec;
-        let inode = t.inode().ok_or(RestoreError::BadMode {
-            seq,
-            ino: r.ino,
-            mode: r.mode,
-        })?;
-        w.inode(&inode)?;
-        for (n, v) in &r.xattrs {
-            w.xattr(inode.ino, n, v)?;
-        }
-        match &t.data {
-            TreeData::Inline(v) => w.inline_data(inode.ino, v)?,
-            TreeData::Symlink(v) => w.symlink(inode.ino, v)?,
-            TreeData::Chunks(m) => {
-                for (i, id) in m.iter().enumerate() {
-                    w.chunk(inode.ino, i as u64, id.as_ref().map(|c| &c.0))?;
-                }
-                if mode == RestoreMode::Lazy {
-                    for (i, id) in m.iter().enumerate() {
-                        if let Some(id) = id {
-                            w.missing(inode.ino, i as u64, &id.0)?;
-                            report.windows_missing += 1;
-                        }
-                    }
-                }
-            }
-            TreeData::None => {}
-        }
+        write_inode(w, t, seq, mode, report)?;
     }
     for ((parent, name), (ino, kind)) in &tree.dirents {
         let k = Kind::from_mode(*kind).ok_or(RestoreError::BadMode {
@@ -200,6 +173,46 @@ fn write_rows(
             mode: *kind,
         })?;
         w.dirent(InodeNo(*parent), name, InodeNo(*ino), k)?;
+    }
+    Ok(())
+}
+
+/// The rows of one inode of snapshot `seq`'s tree: the inode, its xattrs, its data (and
+/// in lazy mode its missing windows). Also what a metadata image holds (see `image`).
+pub(super) fn write_inode(
+    w: &mut BulkWriter<'_>,
+    t: &TreeInode,
+    seq: u64,
+    mode: RestoreMode,
+    report: &mut RestoreReport,
+) -> Result<(), RestoreError> {
+    let r = &t.rec;
+    let inode = t.inode().ok_or(RestoreError::BadMode {
+        seq,
+        ino: r.ino,
+        mode: r.mode,
+    })?;
+    w.inode(&inode)?;
+    for (n, v) in &r.xattrs {
+        w.xattr(inode.ino, n, v)?;
+    }
+    match &t.data {
+        TreeData::Inline(v) => w.inline_data(inode.ino, v)?,
+        TreeData::Symlink(v) => w.symlink(inode.ino, v)?,
+        TreeData::Chunks(m) => {
+            for (i, id) in m.iter().enumerate() {
+                w.chunk(inode.ino, i as u64, id.as_ref().map(|c| &c.0))?;
+            }
+            if mode == RestoreMode::Lazy {
+                for (i, id) in m.iter().enumerate() {
+                    if let Some(id) = id {
+                        w.missing(inode.ino, i as u64, &id.0)?;
+                        report.windows_missing += 1;
+                    }
+                }
+            }
+        }
+        TreeData::None => {}
     }
     Ok(())
 }
@@ -249,13 +262,20 @@ fn restore_inner(
         .map_err(|e| bad(format!("write {UNFINISHED}: {e}")))?;
     let manifest = repo.manifest().map_err(RestoreError::ReadHead)?;
     let seq = resolve_seq(repo, seq)?;
-    let (tree, headers) = repo
-        .load_tree(seq)
-        .map_err(|source| RestoreError::LoadSnapshot { seq, source })?;
+    let remote_id = manifest.as_ref().map(|m| m.id.clone());
     let mut laps = Laps {
         at: t0,
         done: Vec::new(),
     };
+    let building = state_dir.join(BUILDING_DB);
+    if mode == RestoreMode::Lazy {
+        if let Some(report) = from_image(repo, seq, state_dir, remote_id.as_deref(), &mut laps) {
+            return finish(state_dir, report, laps, t0);
+        }
+    }
+    let (tree, headers) = repo
+        .load_tree(seq)
+        .map_err(|source| RestoreError::LoadSnapshot { seq, source })?;
     laps.to("load", Instant::now());
     tracing::info!(
         "restore: snapshot {seq}: {} inodes, {} bytes of file data (chain of {})",
@@ -276,10 +296,7 @@ fn restore_inner(
     sys::file::syncfs(state_dir).map_err(|e| bad(format!("sync bodies: {e}")))?;
     laps.to("bodies", Instant::now());
 
-    let building = state_dir.join(BUILDING_DB);
-    let last = headers.last().expect("a chain has at least one snapshot");
-    let deltas = headers.len() as u64 - 1;
-    let remote_id = manifest.as_ref().map(|m| m.id.clone());
+    let state = state_rows(repo, &headers, remote_id.as_deref());
     let mut rows_done = None;
     create_bulk(
         &building,
@@ -287,17 +304,9 @@ fn restore_inner(
         |w| -> Result<(), RestoreError> {
             write_rows(w, &tree, seq, mode, &mut report)?;
             rows_done = Some(Instant::now());
-            w.persist_set("last_seq", &seq.to_string())?;
-            w.persist_set("base_seq", &last.base.to_string())?;
-            w.persist_set("deltas_since_full", &deltas.to_string())?;
-            w.persist_set("delta_bytes_since_full", "0")?;
-            w.persist_set("chunk_size", &tree.chunk_size.to_string())?;
-            w.persist_set("remote", &repo.describe())?;
-            if let Some(id) = &remote_id {
-                w.persist_set("remote_id", id)?;
+            for (k, v) in &state {
+                w.persist_set(k, v)?;
             }
-            w.persist_set("clean_before", &now_ns().to_string())?;
-            w.persist_set("restored_from", &seq.to_string())?;
             Ok(())
         },
     )?;
@@ -305,6 +314,106 @@ fn restore_inner(
         laps.to("rows", at);
     }
     laps.to("indexes", Instant::now());
+    finish(state_dir, report, laps, t0)
+}
+
+/// The checkpoint bookkeeping a restored database starts with: it is at the chain's last
+/// snapshot (`headers`, full snapshot first).
+fn state_rows(
+    repo: &Repo,
+    headers: &[Header],
+    remote_id: Option<&str>,
+) -> Vec<(&'static str, String)> {
+    let last = headers.last().expect("a chain has at least one snapshot");
+    let seq = last.seq;
+    let deltas = headers.len() as u64 - 1;
+    let mut v = vec![
+        ("last_seq", seq.to_string()),
+        ("base_seq", last.base.to_string()),
+        ("deltas_since_full", deltas.to_string()),
+        ("delta_bytes_since_full", "0".to_string()),
+        ("chunk_size", last.chunk_size.to_string()),
+        ("remote", repo.describe()),
+    ];
+    if let Some(id) = remote_id {
+        v.push(("remote_id", id.to_string()));
+    }
+    v.push(("clean_before", now_ns().to_string()));
+    v.push(("restored_from", seq.to_string()));
+    v
+}
+
+/// A lazy restore from the metadata image of the chain's full snapshot (see `image`):
+/// `None` when the snapshot has none, or after a one-line warning when it cannot be used
+/// (what it wrote is removed; the caller decodes the chain instead).
+fn from_image(
+    repo: &Repo,
+    seq: u64,
+    state_dir: &Path,
+    remote_id: Option<&str>,
+    laps: &mut Laps,
+) -> Option<RestoreReport> {
+    let headers = match super::image::chain_headers(repo, seq) {
+        Ok(h) => h,
+        // The chain decode reports it properly.
+        Err(_) => return None,
+    };
+    headers.first()?.image?;
+    let mut report = RestoreReport {
+        seq,
+        ..Default::default()
+    };
+    let r = (|| -> Result<(), String> {
+        let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| e.to_string())?;
+        let state = state_rows(repo, &headers, remote_id);
+        super::image::restore(
+            repo,
+            &headers,
+            &state_dir.join(BUILDING_DB),
+            &bodies,
+            &state,
+            &mut report,
+            &mut |name| laps.to(name, Instant::now()),
+        )
+        .map_err(|e| e.to_string())?;
+        sys::file::syncfs(state_dir).map_err(|e| format!("sync: {e}"))?;
+        laps.to("bodies", Instant::now());
+        Ok(())
+    })();
+    match r {
+        Ok(()) => {
+            tracing::info!(
+                "restore: snapshot {seq} from the metadata image of snapshot {} and {} deltas: {} inodes, {} windows to fetch",
+                headers[0].seq,
+                headers.len() - 1,
+                report.inodes,
+                report.windows_missing
+            );
+            Some(report)
+        }
+        Err(e) => {
+            tracing::warn!(state = %state_dir.display(), "restore: metadata image of snapshot {} not used ({e}); decoding the snapshot chain instead", headers[0].seq);
+            if let Err(e) = remove_restore_output(state_dir) {
+                tracing::warn!(state = %state_dir.display(), error = %e, "restore: remove what the image restore wrote");
+            }
+            laps.to("image (not used)", Instant::now());
+            None
+        }
+    }
+}
+
+/// Makes the built database durable, renames it to `meta.db` and drops the marker.
+fn finish(
+    state_dir: &Path,
+    mut report: RestoreReport,
+    mut laps: Laps,
+    t0: Instant,
+) -> Result<RestoreReport, RestoreError> {
+    let bad = |reason: String| RestoreError::StateDir {
+        path: state_dir.to_path_buf(),
+        reason,
+    };
+    let building = state_dir.join(BUILDING_DB);
     // The database is durable before it becomes the workspace (the rename), and the rename
     // before the marker goes.
     sync_file(&building).map_err(|e| bad(format!("sync {BUILDING_DB}: {e}")))?;

@@ -292,6 +292,7 @@ fn check_remote(
     };
     let mut local_header = None;
     let mut walked: HashSet<u64> = HashSet::new();
+    let mut fulls = Vec::new();
     for s in head.into_iter().chain(local_seq) {
         let mut at = Some(s);
         while let Some(seq) = at {
@@ -309,6 +310,9 @@ fn check_remote(
                 }
                 Ok(h) => {
                     sample.snapshots += 1;
+                    if h.is_full() {
+                        fulls.push(h.clone());
+                    }
                     if Some(seq) == local_seq {
                         local_header = Some(h.clone());
                     }
@@ -333,6 +337,9 @@ fn check_remote(
                 }
             }
         }
+    }
+    for what in crate::persist::image::check(&repo, &fulls, false) {
+        rep.add(Level::Warning, what, false);
     }
     let mut probed = 0;
     'files: for i in files {

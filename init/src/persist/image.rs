@@ -1,0 +1,392 @@
+//! Metadata images: with every full snapshot the checkpoint also uploads the database a
+//! lazy restore of that snapshot writes (`images/<blake3>.db.zst` in the workspace: the
+//! SQLite file `meta::create_bulk` builds from the snapshot's rows, zstd-compressed), and
+//! records its hash and size in the snapshot's header. A fresh host then restores by
+//! downloading one object, checking its hash and decompressing it, and replays only the
+//! delta snapshots after it onto the database: no decode of the full snapshot, no row by
+//! row insert of a million inodes.
+//!
+//! The image is an optimisation, never the only copy: a checkpoint that cannot build or
+//! upload one writes its snapshot without it, and a restore that finds the image missing,
+//! corrupt or unusable warns in one line and decodes the snapshot chain as before. Names
+//! are content hashes, so a retried checkpoint that uploads the same image again is a
+//! no-op. gc keeps an image while a kept snapshot names it; fsck checks that the images of
+//! the checked chains are there (the full check also re-hashes them).
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::Bytes;
+
+use super::format::{Body, DataRec, Header, ImageRef, InodeRec, TreeData, TreeInode};
+use super::remote::{PutMode, RemoteError};
+use super::repo::{Repo, RepoError};
+use super::restore::{write_inode, RestoreError, RestoreMode, RestoreReport};
+use crate::chunk::{BodyStore, ChunkId};
+use crate::meta::{amend_bulk, create_bulk, Amender, InodeNo, Kind, MetaError, Nanos, Store};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("the state database has no file to build the image beside")]
+    NoScratch,
+    #[error("build the image database: {0}")]
+    Build(String),
+    #[error("read or compress {path}: {source}")]
+    Compress {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("upload {key}: {source}")]
+    Upload { key: String, source: RemoteError },
+    #[error("fetch {key}: {source}")]
+    Fetch { key: String, source: RemoteError },
+    #[error("{key} is corrupt: {reason}")]
+    Corrupt { key: String, reason: String },
+    #[error("decompress {key} into {path}: {source}")]
+    Decompress {
+        key: String,
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("read delta snapshot {seq}: {source}")]
+    ReadDelta { seq: u64, source: RepoError },
+    #[error("apply delta snapshot {seq}: {reason}")]
+    ApplyDelta { seq: u64, reason: String },
+    #[error("image database: {0}")]
+    Db(#[from] MetaError),
+    #[error("create the body of inode {ino}: {source}")]
+    Body { ino: u64, source: std::io::Error },
+    #[error("list images: {0}")]
+    List(RemoteError),
+    #[error("delete {key}: {source}")]
+    Delete { key: String, source: RemoteError },
+}
+
+/// Key of the image object with blake3 `hash`.
+pub fn key(repo: &Repo, hash: &[u8; 32]) -> String {
+    repo.key(&format!("images/{}.db.zst", ChunkId(*hash).to_hex()))
+}
+
+/// zstd level of an image: 3 compresses a metadata database about 4-5x at several hundred
+/// MB/s; higher levels cost the checkpoint far more time than they save the restore.
+const LEVEL: i32 = 3;
+
+/// Builds the image of a full snapshot's `body` and uploads it; `None` (after a one-line
+/// warning) when that fails: the snapshot is then written without an image.
+pub fn publish(repo: &Repo, store: &Store, body: &Body, chunk_size: u64) -> Option<ImageRef> {
+    let t0 = Instant::now();
+    match build_and_upload(repo, store, body, chunk_size) {
+        Ok((r, raw)) => {
+            tracing::info!(
+                "checkpoint: metadata image {} ({} bytes, {raw} uncompressed) in {:.2} s",
+                ChunkId(r.hash),
+                r.size,
+                t0.elapsed().as_secs_f64()
+            );
+            Some(r)
+        }
+        Err(e) => {
+            tracing::warn!("checkpoint: no metadata image for this full snapshot (restores decode it instead): {e}");
+            None
+        }
+    }
+}
+
+fn build_and_upload(
+    repo: &Repo,
+    store: &Store,
+    body: &Body,
+    cs: u64,
+) -> Result<(ImageRef, u64), ImageError> {
+    let path = store.scratch_path("image").ok_or(ImageError::NoScratch)?;
+    let _ = std::fs::remove_file(&path);
+    let built = build(&path, body, cs);
+    let packed = built.and_then(|()| compress(&path));
+    let _ = std::fs::remove_file(&path);
+    let (data, raw) = packed?;
+    let r = ImageRef {
+        hash: ChunkId::of(&data).0,
+        size: data.len() as u64,
+    };
+    let key = key(repo, &r.hash);
+    match repo.remote.put(&key, Bytes::from(data), PutMode::Create) {
+        // Same name, same bytes: a retry uploaded it already.
+        Ok(_) | Err(RemoteError::AlreadyExists { .. }) => Ok((r, raw)),
+        Err(source) => Err(ImageError::Upload { key, source }),
+    }
+}
+
+/// `rec` as a tree holds it: the record without its data, and the data on top of `old`
+/// (the inode's previous data, for a chunk-map patch).
+fn tree_inode(rec: &InodeRec, old: Option<TreeData>, cs: u64) -> TreeInode {
+    TreeInode {
+        rec: InodeRec {
+            xattrs: rec.xattrs.clone(),
+            data: DataRec::None,
+            ..*rec
+        },
+        data: TreeData::of(rec.data.clone(), old, rec.size, cs),
+    }
+}
+
+/// Writes the rows a lazy restore of the full snapshot `body` writes into a new database.
+fn build(path: &Path, body: &Body, cs: u64) -> Result<(), ImageError> {
+    let mut scratch = RestoreReport::default();
+    create_bulk(path, Nanos(0), |w| -> Result<(), RestoreError> {
+        for rec in &body.inodes {
+            write_inode(
+                w,
+                &tree_inode(rec, None, cs),
+                0,
+                RestoreMode::Lazy,
+                &mut scratch,
+            )?;
+        }
+        for d in &body.dirents {
+            let k = Kind::from_mode(d.kind).ok_or(RestoreError::BadMode {
+                seq: 0,
+                ino: d.ino,
+                mode: d.kind,
+            })?;
+            w.dirent(InodeNo(d.parent), &d.name, InodeNo(d.ino), k)?;
+        }
+        Ok(())
+    })
+    .map_err(|e| ImageError::Build(e.to_string()))
+}
+
+/// The file at `path`, zstd-compressed, and its uncompressed size.
+fn compress(path: &Path) -> Result<(Vec<u8>, u64), ImageError> {
+    let io = |source| ImageError::Compress {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let raw = f.metadata().map_err(io)?.len();
+    let mut enc =
+        zstd::stream::Encoder::new(Vec::with_capacity(raw as usize / 4), LEVEL).map_err(io)?;
+    std::io::copy(&mut f, &mut enc).map_err(io)?;
+    Ok((enc.finish().map_err(io)?, raw))
+}
+
+/// The headers of the chain of snapshot `seq`, full snapshot first (headers only).
+pub fn chain_headers(repo: &Repo, seq: u64) -> Result<Vec<Header>, RepoError> {
+    let mut out = Vec::new();
+    let mut at = Some(seq);
+    while let Some(s) = at {
+        let h = repo.read_header(s)?;
+        at = h.parent;
+        out.push(h);
+    }
+    out.reverse();
+    Ok(out)
+}
+
+/// Restores a chain (`headers`, full snapshot first, which must name an image) lazily
+/// into `building`: the image, then the deltas; creates the bodies of the files with no
+/// window to fetch. `state` holds the bookkeeping rows to set. Fills the counts of `report`.
+pub(super) fn restore(
+    repo: &Repo,
+    headers: &[Header],
+    building: &Path,
+    bodies: &BodyStore,
+    state: &[(&'static str, String)],
+    report: &mut RestoreReport,
+    laps: &mut dyn FnMut(&'static str),
+) -> Result<(), ImageError> {
+    let full = &headers[0];
+    let r = full.image.expect("the caller checked");
+    let key = key(repo, &r.hash);
+    let data = repo.remote.get(&key).map_err(|source| ImageError::Fetch {
+        key: key.clone(),
+        source,
+    })?;
+    let corrupt = |reason: String| ImageError::Corrupt {
+        key: key.clone(),
+        reason,
+    };
+    if data.len() as u64 != r.size {
+        return Err(corrupt(format!(
+            "{} bytes, the header of snapshot {} says {}",
+            data.len(),
+            full.seq,
+            r.size
+        )));
+    }
+    let actual = ChunkId::of(&data);
+    if actual.0 != r.hash {
+        return Err(corrupt(format!("its bytes hash to {actual}")));
+    }
+    let dec = |source| ImageError::Decompress {
+        key: key.clone(),
+        path: building.display().to_string(),
+        source,
+    };
+    let mut out = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(building)
+        .map_err(dec)?;
+    zstd::stream::copy_decode(&data[..], &mut out).map_err(dec)?;
+    out.flush().map_err(dec)?;
+    drop(out);
+    drop(data);
+    laps("image");
+
+    let mut complete = Vec::new();
+    let mut counts = [0; 3];
+    amend_bulk(building, |a| -> Result<(), ImageError> {
+        for h in &headers[1..] {
+            let (dh, b) = repo
+                .read_snapshot(h.seq)
+                .map_err(|source| ImageError::ReadDelta { seq: h.seq, source })?;
+            apply_delta(a, &b, dh.chunk_size)
+                .map_err(|reason| ImageError::ApplyDelta { seq: h.seq, reason })?;
+        }
+        for (k, v) in state {
+            a.persist_set(k, v)?;
+        }
+        (complete, counts) = a.bodies()?;
+        Ok(())
+    })?;
+    laps("deltas");
+    for (ino, size) in complete {
+        bodies
+            .open_rw(ino.0)
+            .and_then(|f| f.set_len(size))
+            .map_err(|source| ImageError::Body { ino: ino.0, source })?;
+    }
+    [report.files, report.file_bytes, report.windows_missing] = counts;
+    report.inodes = headers.last().map_or(0, |h| h.inodes);
+    Ok(())
+}
+
+/// Replays one delta snapshot onto the database, as `Tree::apply` replays it onto a tree.
+fn apply_delta(a: &mut Amender<'_>, b: &Body, cs: u64) -> Result<(), String> {
+    let e = |e: MetaError| e.to_string();
+    for ino in &b.deleted {
+        a.delete_inode(InodeNo(*ino)).map_err(e)?;
+    }
+    for rec in &b.inodes {
+        let ino = InodeNo(rec.ino);
+        let old = match &rec.data {
+            DataRec::Chunks {
+                complete: false, ..
+            } => Some(TreeData::Chunks(
+                a.chunk_map(ino)
+                    .map_err(e)?
+                    .into_iter()
+                    .map(|c| c.map(ChunkId))
+                    .collect(),
+            )),
+            _ => None,
+        };
+        a.delete_inode(ino).map_err(e)?;
+        let t = tree_inode(rec, old, cs);
+        let mut scratch = RestoreReport::default();
+        write_inode(a.writer(), &t, 0, RestoreMode::Lazy, &mut scratch)
+            .map_err(|x| x.to_string())?;
+    }
+    for (p, n) in &b.unlinked {
+        a.remove_dirent(InodeNo(*p), n).map_err(e)?;
+    }
+    for d in &b.dirents {
+        let k = Kind::from_mode(d.kind).ok_or(format!(
+            "entry {:?} has a bad kind {:o}",
+            String::from_utf8_lossy(&d.name),
+            d.kind
+        ))?;
+        a.put_dirent(InodeNo(d.parent), &d.name, InodeNo(d.ino), k)
+            .map_err(e)?;
+    }
+    Ok(())
+}
+
+/// gc: deletes every image object that no kept snapshot (`kept`) names and that is older
+/// than `grace` (younger ones may belong to a checkpoint in progress). Returns (deleted,
+/// bytes deleted).
+pub fn sweep(repo: &Repo, kept: &BTreeSet<u64>, grace: Duration) -> Result<(u64, u64), ImageError> {
+    let mut named = BTreeSet::new();
+    for s in kept {
+        // A kept snapshot whose header cannot be read protects nothing here: its own
+        // problem is gc's and fsck's to report.
+        if let Ok(Some(r)) = repo.read_header(*s).map(|h| h.image) {
+            named.insert(key(repo, &r.hash));
+        }
+    }
+    let now = SystemTime::now();
+    let old = |t: SystemTime| now.duration_since(t).map(|d| d >= grace).unwrap_or(false);
+    let (mut n, mut bytes) = (0, 0);
+    for info in repo
+        .remote
+        .list(&repo.key("images/"))
+        .map_err(ImageError::List)?
+    {
+        if named.contains(&info.key) || !old(info.modified) {
+            continue;
+        }
+        match repo.remote.head(&info.key) {
+            Ok(Some(again)) if old(again.modified) => {}
+            _ => continue,
+        }
+        repo.remote
+            .delete(&info.key)
+            .map_err(|source| ImageError::Delete {
+                key: info.key.clone(),
+                source,
+            })?;
+        n += 1;
+        bytes += info.size;
+    }
+    Ok((n, bytes))
+}
+
+/// fsck: problems with the images the headers of full snapshots (`fulls`) name: missing,
+/// or (with `rehash`, which downloads them) not the size or hash the header records.
+pub fn check(repo: &Repo, fulls: &[Header], rehash: bool) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut seen = BTreeSet::new();
+    for h in fulls {
+        let Some(r) = h.image else { continue };
+        if !seen.insert(r.hash) {
+            continue;
+        }
+        let key = key(repo, &r.hash);
+        let what = format!("metadata image {key} of snapshot {}", h.seq);
+        if rehash {
+            match repo.remote.get(&key) {
+                Ok(b) if b.len() as u64 != r.size => out.push(format!(
+                    "{what} holds {} bytes, its header says {} (restores decode the snapshot instead)",
+                    b.len(),
+                    r.size
+                )),
+                Ok(b) if ChunkId::of(&b).0 != r.hash => out.push(format!(
+                    "{what} is corrupt: its bytes hash to {} (restores decode the snapshot instead)",
+                    ChunkId::of(&b)
+                )),
+                Ok(_) => {}
+                Err(e) if e.is_not_found() => out.push(format!(
+                    "{what} is missing on the remote (restores decode the snapshot instead)"
+                )),
+                Err(e) => out.push(format!("{what}: {e}")),
+            }
+        } else {
+            match repo.remote.head(&key) {
+                Ok(Some(i)) if i.size != r.size => out.push(format!(
+                    "{what} holds {} bytes, its header says {} (restores decode the snapshot instead)",
+                    i.size, r.size
+                )),
+                Ok(Some(_)) => {}
+                Ok(None) => out.push(format!(
+                    "{what} is missing on the remote (restores decode the snapshot instead)"
+                )),
+                Err(e) => out.push(format!("{what}: {e}")),
+            }
+        }
+    }
+    out
+}
