@@ -15,7 +15,9 @@
 #   ckpt 1000      append to 1,000 files, `keel checkpoint`
 #   snapshot create  `keel snapshot create` (loads the history window), then ckpt after snap:
 #                  a 1-file checkpoint after it
-#   stop           SIGTERM to exit, nothing dirty (after the checkpoint)
+#   stop           SIGTERM to exit, nothing dirty (after the checkpoint); keel's log splits it
+#                  into 'to durable' (final checkpoint done) and 'umount2' (the kernel's
+#                  teardown of what it cached; tmpfs's umount beside it)
 #   warm restart   `keel mount` on the same state dir to a stat of one file
 #   fsck --quick   `keel fsck --quick` of the stopped state dir; fsck: the full one
 #   gc             `keel gc` of the stopped state dir
@@ -185,6 +187,12 @@ python3 "$RUN/w.py" touch "$K" "$FILES" "$SIZE" 1 || die "touch failed"
 timed "ckpt after snap" ckpt; put "ckpt after snap" keel "$T"; rss_keel "ckpt after snap"
 put stop rss "$(mib "$PID" VmRSS) / $(mib "$PID" VmHWM)"
 stop_keel "$RUN/keel-state"; put stop keel "$T"
+# keel's log splits the stop: up to the final checkpoint (everything durable), then umount2,
+# the kernel tearing down the inodes and names it cached (tmpfs's umount beside it).
+ms_field() { grep 'workspace unmounted' "$RUN/keel-state.log" | tail -n 1 | grep -o "$1=[0-9]*" | cut -d= -f2; }
+d=$(ms_field durable_ms) u=$(ms_field kernel_unmount_ms)
+[ -n "$d" ] && put "stop: to durable" keel "$(awk -v m="$d" 'BEGIN { printf "%.3f", m / 1000 }')"
+[ -n "$u" ] && put "stop: umount2" keel "$(awk -v m="$u" 'BEGIN { printf "%.3f", m / 1000 }')"
 t0=$(now); start_keel "$RUN/keel-state"; first_stat || die "stat after warm restart failed"
 put "warm restart" keel "$(secs "$t0" "$(now)")"; rss_keel "warm restart"
 stop_keel "$RUN/keel-state"
@@ -222,7 +230,8 @@ for fs in "${COMPARE[@]}"; do
         python3 "$RUN/w.py" touch "$D" "$FILES" "$SIZE" 1
     timed read-all python3 "$RUN/w.py" read "$D" "$FILES" "$SIZE" "$appended"; put read-all "$fs" "$T"
 done
-umount -l "$RUN/tmpfs"
+# tmpfs's "stop": unmounting it with every file cached, as keel's umount2 above.
+if [ -n "$KEEL_ONLY" ]; then umount -l "$RUN/tmpfs"; else timed "stop: umount2" umount "$RUN/tmpfs"; put "stop: umount2" tmpfs "$T"; fi
 
 # --- report -------------------------------------------------------------------------------------
 echo "# $FILES files of $SIZE B in directories of 1,000; keel mount with a file:// remote on the same disk, ext4 and tmpfs beside it; one run, seconds of wall time"
