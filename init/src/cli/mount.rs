@@ -57,7 +57,7 @@ fn on_off(v: &str) -> Result<bool, String> {
 }
 
 fn duration(v: &str) -> Result<Duration, String> {
-    keel::config::units::parse_duration(v)
+    keel::config::units::parse_duration(v).map_err(|e| e.to_string())
 }
 
 /// The config with the flags over its `[workspace]` table, checked.

@@ -3,17 +3,32 @@
 
 use std::time::Duration;
 
+/// Why a duration or size in the config (or on the command line) is not one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UnitError {
+    #[error("`{0}` is not a duration (expected e.g. \"500ms\", \"6s\", \"2m\")")]
+    NotADuration(String),
+    #[error("`{input}`: unknown duration unit `{unit}` (use ms, s, m, h or d)")]
+    DurationUnit { input: String, unit: String },
+    #[error("`{0}` is not a size (expected e.g. \"512KiB\", \"4MiB\")")]
+    NotASize(String),
+    #[error("`{input}`: unknown size unit `{unit}` (use KiB, MiB, GiB)")]
+    SizeUnit { input: String, unit: String },
+    #[error("`{0}` is out of range")]
+    OutOfRange(String),
+}
+
 /// Parses a duration such as `"500ms"`, `"6s"`, `"2m"`, `"1h"`, `"7d"` or a bare number of
 /// seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+pub fn parse_duration(s: &str) -> Result<Duration, UnitError> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| {
-        format!("`{s}` is not a duration (expected e.g. \"500ms\", \"6s\", \"2m\")")
-    })?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| UnitError::NotADuration(s.to_string()))?;
     let secs = match unit.trim() {
         "" | "s" | "sec" | "secs" => n,
         "ms" => n / 1000.0,
@@ -22,25 +37,26 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "h" => n * 3600.0,
         "d" => n * 86400.0,
         other => {
-            return Err(format!(
-                "`{s}`: unknown duration unit `{other}` (use ms, s, m, h or d)"
-            ))
+            return Err(UnitError::DurationUnit {
+                input: s.to_string(),
+                unit: other.to_string(),
+            })
         }
     };
     if !secs.is_finite() || !(0.0..=1e9).contains(&secs) {
-        return Err(format!("`{s}` is out of range"));
+        return Err(UnitError::OutOfRange(s.to_string()));
     }
     Ok(Duration::from_secs_f64(secs))
 }
 
 /// Parses a byte size such as `"512KiB"`, `"4MiB"`, `"1GiB"`, `"4096"`.
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, UnitError> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let n: u64 = num
         .parse()
-        .map_err(|_| format!("`{s}` is not a size (expected e.g. \"512KiB\", \"4MiB\")"))?;
+        .map_err(|_| UnitError::NotASize(s.to_string()))?;
     let mult: u64 = match unit.trim() {
         "" | "B" => 1,
         "K" | "KiB" | "k" => 1 << 10,
@@ -48,13 +64,14 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "G" | "GiB" => 1 << 30,
         "T" | "TiB" => 1 << 40,
         other => {
-            return Err(format!(
-                "`{s}`: unknown size unit `{other}` (use KiB, MiB, GiB)"
-            ))
+            return Err(UnitError::SizeUnit {
+                input: s.to_string(),
+                unit: other.to_string(),
+            })
         }
     };
     n.checked_mul(mult)
-        .ok_or_else(|| format!("`{s}` is out of range"))
+        .ok_or_else(|| UnitError::OutOfRange(s.to_string()))
 }
 
 /// serde helpers so config structs can hold `Duration` written as strings.

@@ -15,10 +15,65 @@ use serde::{Deserialize, Serialize};
 
 use super::checkpoint::{now_ns, CheckpointOptions};
 use super::format::Tree;
-use super::history::{Changed, History, View};
-use super::repo::Repo;
+use super::history::{Changed, History, HistoryError, View};
+use super::repo::{Repo, RepoError};
 use super::service::Worker;
-use super::snapshots;
+use super::snapshots::{self, SnapshotsError};
+use crate::meta::MetaError;
+
+/// Why an agent operation (snapshot create, diff, rollback) failed. The messages are the
+/// ones `keel snapshot`, `keel diff` and `keel rollback` print.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    ReadState(#[from] MetaError),
+    #[error(transparent)]
+    LoadHistory(#[from] HistoryError),
+    #[error("load snapshot {seq}: {source}")]
+    LoadSnapshot {
+        seq: u64,
+        #[source]
+        source: RepoError,
+    },
+    #[error(transparent)]
+    ResolveSnapshot(SnapshotsError),
+    #[error(transparent)]
+    CheckName(SnapshotsError),
+    #[error(transparent)]
+    RecordSnapshot(SnapshotsError),
+    /// The checkpoint worker's own message (its errors are strings for its callers).
+    #[error("{0}")]
+    Checkpoint(String),
+    #[error("{0}")]
+    NoSnapshot(&'static str),
+    #[error("rollback needs the mounted workspace (keel run or keel mount)")]
+    NotMounted,
+    #[error("{}", NO_MAIN)]
+    NoMain,
+    #[error(transparent)]
+    Main(#[from] MainCommandError),
+    /// The mounted filesystem's rollback (`RollbackFn`) failed.
+    #[error("{0}")]
+    Apply(String),
+}
+
+/// Why the supervisor could not stop or start the main command.
+#[derive(Debug, thiserror::Error)]
+pub enum MainCommandError {
+    #[error("stop the main command: {0}")]
+    Stop(#[source] HoldFailure),
+    #[error("start the main command again: {0}")]
+    Start(#[source] HoldFailure),
+}
+
+/// Why a hold of the main command did not reach the state asked for.
+#[derive(Debug, thiserror::Error)]
+pub enum HoldFailure {
+    #[error("keel is stopping")]
+    Stopping,
+    #[error("the supervisor did not answer within {0:?}")]
+    NoAnswer(std::time::Duration),
+}
 
 /// `keel snapshot create`, `POST /snapshots`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,9 +102,9 @@ pub struct Rollback {
 pub trait MainCommand: Send + Sync {
     /// Sends the stop signal to its process group, SIGKILL after the grace, and returns once
     /// nothing of the group is left.
-    fn stop(&self) -> Result<(), String>;
+    fn stop(&self) -> Result<(), MainCommandError>;
     /// Runs it again with the same command line.
-    fn start(&self) -> Result<(), String>;
+    fn start(&self) -> Result<(), MainCommandError>;
 }
 
 /// An operation for the worker.
@@ -83,16 +138,15 @@ fn ms(t: Instant) -> f64 {
 }
 
 /// The snapshot the local state was last checkpointed as.
-fn last_seq(w: &Worker) -> Result<Option<u64>, String> {
+fn last_seq(w: &Worker) -> Result<Option<u64>, AgentError> {
     Ok(w.p
         .store()
         .read()
-        .persist_get("last_seq")
-        .map_err(|e| e.to_string())?
+        .persist_get("last_seq")?
         .and_then(|v| v.parse().ok()))
 }
 
-pub(super) fn run(w: &mut Worker, op: Op) -> Result<serde_json::Value, String> {
+pub(super) fn run(w: &mut Worker, op: Op) -> Result<serde_json::Value, AgentError> {
     let r = match op {
         Op::SnapshotCreate(c) => create(w, &c),
         Op::Rollback(r) => rollback(w, &r),
@@ -108,34 +162,35 @@ pub(super) fn run(w: &mut Worker, op: Op) -> Result<serde_json::Value, String> {
 
 /// The worker's history at `seq` (the last checkpoint), loaded (one chain decode) when it
 /// is not there yet or no longer follows the checkpoints.
-fn history_at(w: &mut Worker, seq: u64) -> Result<&History, String> {
+fn history_at(w: &mut Worker, seq: u64) -> Result<&History, AgentError> {
     if w.history.as_ref().is_none_or(|h| h.seq() != seq) {
-        let h = History::load(w.p.repo(), seq).map_err(|e| e.to_string())?;
+        let h = History::load(w.p.repo(), seq)?;
         w.history = Some(h);
     }
     Ok(w.history.as_ref().expect("set above"))
 }
 
 /// A snapshot outside the history, decoded from its chain.
-fn load(repo: &Repo, seq: u64) -> Result<Tree, String> {
+fn load(repo: &Repo, seq: u64) -> Result<Tree, AgentError> {
     repo.load_tree(seq)
         .map(|(t, _)| t)
-        .map_err(|e| format!("load snapshot {seq}: {e}"))
+        .map_err(|source| AgentError::LoadSnapshot { seq, source })
 }
 
-fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, String> {
+fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, AgentError> {
     let t0 = Instant::now();
     let repo = w.p.repo().clone();
     if req.to.is_none() {
         if !w.paused {
             sync_kernel(w);
         }
-        w.checkpoint(CheckpointOptions::default(), !w.paused)?;
+        w.checkpoint(CheckpointOptions::default(), !w.paused)
+            .map_err(AgentError::Checkpoint)?;
     }
-    let resolve = |what: &str| snapshots::resolve(&repo, what).map_err(|e| e.to_string());
+    let resolve = |what: &str| snapshots::resolve(&repo, what).map_err(AgentError::ResolveSnapshot);
     let from = resolve(&req.from)?;
     let to = resolve(req.to.as_deref().unwrap_or("head"))?;
-    let head = last_seq(w)?.ok_or("the workspace has no snapshot yet")?;
+    let head = last_seq(w)?.ok_or(AgentError::NoSnapshot("the workspace has no snapshot yet"))?;
     let h = history_at(w, head)?;
     let t_hist = ms(t0);
     let (d, how) = match (h.view(from), h.view(to), h.changed(from, to)) {
@@ -195,10 +250,10 @@ fn sync_kernel(w: &Worker) {
 /// How long an agent operation waits for the kernel's writeback (`sync_kernel`).
 const KERNEL_SYNC_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
-fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, String> {
+fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, AgentError> {
     let t0 = Instant::now();
     if let Some(n) = &c.name {
-        snapshots::check_name(n).map_err(|e| e.to_string())?;
+        snapshots::check_name(n).map_err(AgentError::CheckName)?;
     }
     if !w.paused {
         sync_kernel(w);
@@ -209,10 +264,14 @@ fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, Strin
     if let Some(seq) = last_seq(w)? {
         history_at(w, seq)?;
     }
-    let r = w.checkpoint(CheckpointOptions::default(), !w.paused)?;
+    let r = w
+        .checkpoint(CheckpointOptions::default(), !w.paused)
+        .map_err(AgentError::Checkpoint)?;
     let seq = match r.seq {
         Some(s) => s,
-        None => last_seq(w)?.ok_or("the workspace has no snapshot and nothing to checkpoint")?,
+        None => last_seq(w)?.ok_or(AgentError::NoSnapshot(
+            "the workspace has no snapshot and nothing to checkpoint",
+        ))?,
     };
     if w.history.is_none() {
         // The workspace's first snapshot: the history starts at it.
@@ -220,7 +279,7 @@ fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, Strin
     }
     let repo = w.p.repo().clone();
     let rec = snapshots::record(&repo, seq, c.name.as_deref(), &c.message, now_ns())
-        .map_err(|e| e.to_string())?;
+        .map_err(AgentError::RecordSnapshot)?;
     Ok(serde_json::json!({
         "id": seq,
         "name": rec.name,
@@ -234,18 +293,18 @@ fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, Strin
 /// Why `rollback --restart` is refused under `keel mount`.
 pub const NO_MAIN: &str = "--restart needs keel run: keel mount supervises no command";
 
-fn rollback(w: &mut Worker, req: &Rollback) -> Result<serde_json::Value, String> {
+fn rollback(w: &mut Worker, req: &Rollback) -> Result<serde_json::Value, AgentError> {
     let t0 = Instant::now();
     if w.rollback.is_none() {
-        return Err("rollback needs the mounted workspace (keel run or keel mount)".into());
+        return Err(AgentError::NotMounted);
     }
     let repo = w.p.repo().clone();
-    let target = snapshots::resolve(&repo, &req.to).map_err(|e| e.to_string())?;
+    let target = snapshots::resolve(&repo, &req.to).map_err(AgentError::ResolveSnapshot)?;
     if !req.restart {
         return rollback_to(w, target, t0);
     }
     let Some(main) = w.main.clone() else {
-        return Err(NO_MAIN.into());
+        return Err(AgentError::NoMain);
     };
     main.stop()?;
     let stopped_ms = ms(t0);
@@ -260,15 +319,17 @@ fn rollback(w: &mut Worker, req: &Rollback) -> Result<serde_json::Value, String>
     Ok(v)
 }
 
-fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::Value, String> {
+fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::Value, AgentError> {
     let repo = w.p.repo().clone();
     if !w.paused {
         sync_kernel(w);
     }
-    let before = w.checkpoint(CheckpointOptions::default(), true)?;
+    let before = w
+        .checkpoint(CheckpointOptions::default(), true)
+        .map_err(AgentError::Checkpoint)?;
     let current = match before.seq {
         Some(s) => s,
-        None => last_seq(w)?.ok_or("the workspace has no snapshot yet")?,
+        None => last_seq(w)?.ok_or(AgentError::NoSnapshot("the workspace has no snapshot yet"))?,
     };
     let t_ckpt = ms(t0);
     let t1 = Instant::now();
@@ -287,11 +348,13 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
     let t_load = ms(t1);
     let t2 = Instant::now();
     let f = w.rollback.as_ref().expect("checked above");
-    let detail = f(&repo, &cur, &tgt, &changed)?;
+    let detail = f(&repo, &cur, &tgt, &changed).map_err(AgentError::Apply)?;
     drop((cur, tgt));
     let t_apply = ms(t2);
     let t3 = Instant::now();
-    let after = w.checkpoint(CheckpointOptions::default(), false)?;
+    let after = w
+        .checkpoint(CheckpointOptions::default(), false)
+        .map_err(AgentError::Checkpoint)?;
     let new = after.seq.unwrap_or(current);
     let undo = format!("before-rollback-{new}");
     snapshots::record(
@@ -301,7 +364,7 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
         &format!("the workspace before the rollback to snapshot {target}"),
         now_ns(),
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(AgentError::RecordSnapshot)?;
     Ok(serde_json::json!({
         "from": current,
         "to": target,

@@ -120,7 +120,8 @@ pub fn diff(cfg: &Config, o: &DiffOptions) -> Result<String, String> {
                 &cfg.workspace.state_dir,
                 "checkpoint",
                 Duration::from_secs(3600),
-            )?;
+            )
+            .map_err(|e| e.to_string())?;
             if running.is_none() {
                 checkpoint_offline(cfg)?;
             }

@@ -150,24 +150,59 @@ impl Drop for Server {
     }
 }
 
+/// Why a request to the keel running on a state dir failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("{source}")]
+    SetTimeout {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("send to {}: {source}", path.display())]
+    Send {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("no answer on {}: {source}", path.display())]
+    NoAnswer {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The running keel's own `error ...` answer.
+    #[error("{0}")]
+    Refused(String),
+    #[error("unexpected answer `{0}`")]
+    Unexpected(String),
+}
+
 /// Sends a command to the keel running on `state_dir`. `Ok(None)`: nobody is listening.
-pub fn request(state_dir: &Path, cmd: &str, timeout: Duration) -> Result<Option<String>, String> {
+pub fn request(
+    state_dir: &Path,
+    cmd: &str,
+    timeout: Duration,
+) -> Result<Option<String>, RequestError> {
     let path = state_dir.join(SOCKET_NAME);
     let Ok(mut s) = UnixStream::connect(&path) else {
         return Ok(None);
     };
-    s.set_read_timeout(Some(timeout))
-        .map_err(|e| e.to_string())?;
-    writeln!(s, "{cmd}").map_err(|e| format!("send to {}: {e}", path.display()))?;
+    if let Err(source) = s.set_read_timeout(Some(timeout)) {
+        return Err(RequestError::SetTimeout { path, source });
+    }
+    if let Err(source) = writeln!(s, "{cmd}") {
+        return Err(RequestError::Send { path, source });
+    }
     let mut line = String::new();
-    BufReader::new(&s)
-        .read_line(&mut line)
-        .map_err(|e| format!("no answer on {}: {e}", path.display()))?;
+    if let Err(source) = BufReader::new(&s).read_line(&mut line) {
+        return Err(RequestError::NoAnswer { path, source });
+    }
     let line = line.trim_end();
     match line.split_once(' ') {
         Some(("ok", rest)) => Ok(Some(rest.to_string())),
-        Some(("error", rest)) => Err(rest.to_string()),
+        Some(("error", rest)) => Err(RequestError::Refused(rest.to_string())),
         _ if line == "ok" => Ok(Some(String::new())),
-        _ => Err(format!("unexpected answer `{line}`")),
+        _ => Err(RequestError::Unexpected(line.to_string())),
     }
 }

@@ -85,6 +85,31 @@ pub enum LeaseError {
     Lost(String),
 }
 
+/// Why the lease stopped being ours (its message becomes `LeaseError::Lost`'s).
+#[derive(Debug, thiserror::Error)]
+pub enum LostReason {
+    #[error("the workspace was taken over by {who} with epoch {epoch} (ours was {ours})")]
+    TakenOver { who: String, epoch: u64, ours: u64 },
+    #[error("our lease was marked released")]
+    Released,
+    #[error("the lease object was deleted from the remote")]
+    Deleted,
+    /// Not lost for sure: the remote could not be asked.
+    #[error("cannot read the lease: {0}")]
+    Unreadable(#[source] Box<LeaseError>),
+    #[error("could not renew the lease before it expired (last error: {0})")]
+    RenewFailed(#[source] RemoteError),
+    #[error("the lease expired before a renewal got through")]
+    Expired,
+    #[error("the lease ran out: no renewal got through in time")]
+    RanOut,
+    #[error("the remote head was written by epoch {head} (ours is {ours})")]
+    NewerHead { head: u64, ours: u64 },
+    /// Renewal asked of a lease no longer held: why it was not (or "not held").
+    #[error("{0}")]
+    NotHeld(String),
+}
+
 /// Where the lease stands, for `/status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LeaseState {
@@ -171,7 +196,8 @@ impl Shared {
     }
 
     /// Marks the lease lost (once: the first reason wins) and says so loudly.
-    fn lose(&self, why: String) {
+    fn lose(&self, why: LostReason) {
+        let why = why.to_string();
         {
             let mut st = lock(&self.st);
             if st.state != LeaseState::Held {
@@ -192,30 +218,33 @@ impl Shared {
 
     /// Is the object on the remote still the one we wrote (a renewal whose reply was lost
     /// counts)? `Err(why)` names who holds it instead.
-    fn still_ours(&self) -> Result<Option<String>, String> {
+    fn still_ours(&self) -> Result<Option<String>, LostReason> {
         let (holder, epoch) = {
             let st = lock(&self.st);
             (st.record.holder.clone(), st.record.epoch)
         };
         match self.read() {
             Ok(Some((r, v))) if r.holder == holder && r.epoch == epoch && !r.released => Ok(v),
-            Ok(Some((r, _))) if r.epoch > epoch || r.holder != holder => Err(format!(
-                "the workspace was taken over by {} with epoch {} (ours was {epoch})",
-                r.who(),
-                r.epoch
-            )),
-            Ok(Some(_)) => Err("our lease was marked released".into()),
-            Ok(None) => Err("the lease object was deleted from the remote".into()),
-            Err(e) => Err(format!("cannot read the lease: {e}")),
+            Ok(Some((r, _))) if r.epoch > epoch || r.holder != holder => {
+                Err(LostReason::TakenOver {
+                    who: r.who(),
+                    epoch: r.epoch,
+                    ours: epoch,
+                })
+            }
+            Ok(Some(_)) => Err(LostReason::Released),
+            Ok(None) => Err(LostReason::Deleted),
+            Err(e) => Err(LostReason::Unreadable(Box::new(e))),
         }
     }
 
     /// One renewal. `Ok(false)`: a temporary failure, try again soon.
-    fn renew(&self) -> Result<bool, String> {
+    fn renew(&self) -> Result<bool, LostReason> {
         let (mut record, version, valid_until) = {
             let st = lock(&self.st);
             if st.state != LeaseState::Held {
-                return Err(st.error.clone().unwrap_or_else(|| "not held".into()));
+                let why = st.error.clone().unwrap_or_else(|| "not held".into());
+                return Err(LostReason::NotHeld(why));
             }
             (st.record.clone(), st.version.clone(), st.valid_until)
         };
@@ -260,9 +289,7 @@ impl Shared {
             Err(e) => {
                 tracing::warn!(lease = %self.key, error = %e, "lease renewal failed; retrying");
                 if Instant::now() + self.margin() >= valid_until {
-                    return Err(format!(
-                        "could not renew the lease before it expired (last error: {e})"
-                    ));
+                    return Err(LostReason::RenewFailed(e));
                 }
                 Ok(false)
             }
@@ -302,7 +329,7 @@ impl Shared {
             // Out of time without a renewal: we can no longer prove we hold it.
             let valid_until = lock(&self.st).valid_until;
             if Instant::now() + self.margin() >= valid_until {
-                self.lose("the lease expired before a renewal got through".into());
+                self.lose(LostReason::Expired);
                 return;
             }
         }
@@ -613,9 +640,10 @@ impl LeaseHandle {
         match state {
             LeaseState::Held if Instant::now() + s.margin() < valid_until => Ok(epoch),
             LeaseState::Held => {
-                let why = "the lease ran out: no renewal got through in time".to_string();
-                s.lose(why.clone());
-                Err(LeaseError::Lost(why))
+                let why = LostReason::RanOut;
+                let msg = why.to_string();
+                s.lose(why);
+                Err(LeaseError::Lost(msg))
             }
             LeaseState::Lost => Err(LeaseError::Lost(error.unwrap_or_default())),
             LeaseState::Released => Err(LeaseError::Lost("it was released".into())),
@@ -629,10 +657,11 @@ impl LeaseHandle {
         let epoch = self.check()?;
         match self.0.still_ours() {
             Ok(_) => Ok(epoch),
-            Err(why) if why.starts_with("cannot read") => Err(LeaseError::Lost(why)),
+            Err(why @ LostReason::Unreadable(_)) => Err(LeaseError::Lost(why.to_string())),
             Err(why) => {
-                self.0.lose(why.clone());
-                Err(LeaseError::Lost(why))
+                let msg = why.to_string();
+                self.0.lose(why);
+                Err(LeaseError::Lost(msg))
             }
         }
     }
@@ -641,9 +670,13 @@ impl LeaseHandle {
     pub fn check_head_epoch(&self, head_epoch: u64) -> Result<(), LeaseError> {
         let ours = lock(&self.0.st).record.epoch;
         if head_epoch > ours {
-            let why = format!("the remote head was written by epoch {head_epoch} (ours is {ours})");
-            self.0.lose(why.clone());
-            return Err(LeaseError::Lost(why));
+            let why = LostReason::NewerHead {
+                head: head_epoch,
+                ours,
+            };
+            let msg = why.to_string();
+            self.0.lose(why);
+            return Err(LeaseError::Lost(msg));
         }
         Ok(())
     }

@@ -40,7 +40,9 @@ pub(super) fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> 
 pub(super) fn ask(state: &Path, cmd: &str) -> Result<Option<String>, String> {
     let t0 = std::time::Instant::now();
     loop {
-        if let Some(r) = control::request(state, cmd, Duration::from_secs(3600))? {
+        if let Some(r) =
+            control::request(state, cmd, Duration::from_secs(3600)).map_err(|e| e.to_string())?
+        {
             return Ok(Some(r));
         }
         let held = state.join("lock").exists()
@@ -79,7 +81,8 @@ pub fn checkpoint_running(cfg: &Config, full: bool) -> Result<Option<Answer>, St
             eprintln!("keel: checkpoint: syncfs {mp}: {e} (checkpointing what keel has)");
         }
     }
-    Ok(control::request(state, cmd, Duration::from_secs(3600))?
+    Ok(control::request(state, cmd, Duration::from_secs(3600))
+        .map_err(|e| e.to_string())?
         .map(|r| Answer { text: r, ok: true }))
 }
 
@@ -213,12 +216,16 @@ pub fn fork(
     };
     // A keel serving the source here checkpoints first, so the fork holds the latest state.
     if seq.is_none() && configured.as_deref() == Some(from.as_str()) {
-        if let Some(mp) = control::request(state, "mount-point", Duration::from_secs(10))? {
+        if let Some(mp) = control::request(state, "mount-point", Duration::from_secs(10))
+            .map_err(|e| e.to_string())?
+        {
             if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
                 eprintln!("keel: fork: syncfs {mp}: {e} (checkpointing what keel has)");
             }
         }
-        if let Some(r) = control::request(state, "checkpoint", Duration::from_secs(3600))? {
+        if let Some(r) = control::request(state, "checkpoint", Duration::from_secs(3600))
+            .map_err(|e| e.to_string())?
+        {
             eprintln!("keel: fork: checkpointed the running workspace first: {r}");
         }
     }

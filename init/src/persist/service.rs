@@ -607,7 +607,7 @@ impl Worker {
                     let _ = reply.send(self.state());
                 }
                 Ok(Cmd::Agent { op, reply }) => {
-                    let _ = reply.send(super::agent::run(&mut self, op));
+                    let _ = reply.send(super::agent::run(&mut self, op).map_err(|e| e.to_string()));
                 }
                 Ok(Cmd::Repo { reply }) => {
                     let _ = reply.send(self.p.repo().clone());

@@ -8,6 +8,7 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::persist::agent::{HoldFailure, MainCommand, MainCommandError};
 use crate::sys::signal;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,11 +62,11 @@ impl MainHold {
 
     /// Asks for `to` and waits until the state is one of `until` (or `Closed`), at most
     /// `wait`.
-    fn ask(&self, to: HoldState, until: &[HoldState], wait: Duration) -> Result<(), String> {
+    fn ask(&self, to: HoldState, until: &[HoldState], wait: Duration) -> Result<(), HoldFailure> {
         {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             if *s == HoldState::Closed {
-                return Err("keel is stopping".into());
+                return Err(HoldFailure::Stopping);
             }
             *s = to;
         }
@@ -76,7 +77,7 @@ impl MainHold {
         while !until.contains(&s) && *s != HoldState::Closed {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(format!("the supervisor did not answer within {wait:?}"));
+                return Err(HoldFailure::NoAnswer(wait));
             }
             s = self
                 .cv
@@ -85,27 +86,27 @@ impl MainHold {
                 .0;
         }
         match *s {
-            HoldState::Closed => Err("keel is stopping".into()),
+            HoldState::Closed => Err(HoldFailure::Stopping),
             _ => Ok(()),
         }
     }
 }
 
-impl crate::persist::agent::MainCommand for MainHold {
-    fn stop(&self) -> Result<(), String> {
+impl MainCommand for MainHold {
+    fn stop(&self) -> Result<(), MainCommandError> {
         // The grace, the SIGKILL after it, and time to reap.
         let wait = self.grace + Duration::from_secs(10);
         self.ask(HoldState::StopAsked, &[HoldState::Stopped], wait)
-            .map_err(|e| format!("stop the main command: {e}"))
+            .map_err(MainCommandError::Stop)
     }
 
-    fn start(&self) -> Result<(), String> {
+    fn start(&self) -> Result<(), MainCommandError> {
         self.ask(
             HoldState::StartAsked,
             &[HoldState::Idle],
             Duration::from_secs(30),
         )
-        .map_err(|e| format!("start the main command again: {e}"))
+        .map_err(MainCommandError::Start)
     }
 }
 

@@ -1,0 +1,741 @@
+//! The steps of one checkpoint, in the order `Persister::take_checkpoint` calls them. What
+//! the early steps find (the prior record, the change set, the windows to hash) travels to
+//! the later ones (upload, snapshot, head, local record) in one `Pass`. Each step is
+//! either a pure decision (`wants_full`, `lazy_windows_carry_over`), a change to the `Pass`
+//! alone, or one kind of I/O (the state database or the remote), so each is tested alone.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::{kv_u64, now_ns, CheckpointError, CheckpointReport, PersistParams, Persister};
+use crate::chunk::chunker::{is_zero, window_count, window_range};
+use crate::chunk::ChunkId;
+use crate::meta::{ChunkRow, Inode, InodeNo, Kind, MissingRow, Nanos, Storage, Tx};
+use crate::persist::format::{self, Body, DataRec, DirentRec, Header, InodeRec};
+use crate::persist::remote::RemoteError;
+use crate::persist::repo::Head;
+
+/// Bytes of windows hashed per batch (bounds memory while uploading: keel's peak RSS during
+/// a checkpoint is about this plus the snapshot's trees).
+const BATCH_BYTES: u64 = 32 << 20;
+/// Deltas may add up to the size of the last full snapshot (at least this) before the next
+/// checkpoint compacts them into a full one.
+pub(super) const COMPACT_FLOOR: u64 = 256 << 10;
+
+/// A hashed window: its id and bytes (`None` for an all-zero window).
+type Hashed = (Option<ChunkId>, Option<Bytes>);
+
+/// One window to hash.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Job {
+    pub ino: InodeNo,
+    pub idx: u64,
+    pub range: std::ops::Range<u64>,
+}
+
+/// A file's part of a checkpoint.
+pub(super) struct FileWork {
+    pub inode: Inode,
+    /// The chunk map before this checkpoint.
+    pub old: BTreeMap<u64, Option<[u8; 32]>>,
+}
+
+/// What the local record and the remote's identity say before a checkpoint.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Prior {
+    /// The remote's id (from its manifest), recorded locally when the checkpoint commits.
+    pub remote_id: String,
+    pub last_seq: Option<u64>,
+    /// The remote is the one the local chunk maps were uploaded to.
+    pub trusted: bool,
+    pub deltas: u64,
+    pub delta_bytes: u64,
+    pub full_bytes: u64,
+    /// The chunk size of the local chunk maps (`None`: never checkpointed).
+    pub chunk_size: Option<u64>,
+    pub base: Option<u64>,
+    /// Windows of lazily restored files not fetched yet, and the chunk each holds.
+    pub missing: HashMap<InodeNo, Vec<MissingRow>>,
+}
+
+/// One checkpoint in progress: what each step leaves for the next.
+pub(super) struct Pass {
+    pub prior: Prior,
+    pub full: bool,
+    /// The remote head before this checkpoint, and its version for the conditional write.
+    pub head: Option<(Head, Option<String>)>,
+    /// The snapshot being built.
+    pub body: Body,
+    pub files: HashMap<InodeNo, FileWork>,
+    pub jobs: Vec<Job>,
+    /// Live inodes and file bytes of the whole tree (the snapshot header's totals).
+    pub inode_total: u64,
+    pub file_bytes: u64,
+    /// The new chunk map rows of each file.
+    pub hashed: HashMap<InodeNo, Vec<ChunkRow>>,
+    /// A full snapshot's metadata image, named in its header (see `persist::image`).
+    pub image: Option<format::ImageRef>,
+    pub report: CheckpointReport,
+}
+
+impl Pass {
+    pub fn new(prior: Prior, full: bool, head: Option<(Head, Option<String>)>) -> Pass {
+        Pass {
+            prior,
+            full,
+            head,
+            body: Body::default(),
+            files: HashMap::new(),
+            jobs: Vec::new(),
+            inode_total: 0,
+            file_bytes: 0,
+            hashed: HashMap::new(),
+            image: None,
+            report: CheckpointReport {
+                full,
+                ..Default::default()
+            },
+        }
+    }
+
+    /// Adds one live inode to the snapshot (its data record via `data_of`).
+    fn add_inode(
+        &mut self,
+        i: &Inode,
+        xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+        found: &mut Found,
+        dirty: &BTreeMap<InodeNo, BTreeSet<u64>>,
+        chunk_size: u64,
+    ) {
+        let data = self.data_of(i, found, dirty, chunk_size);
+        self.body.inodes.push(rec_of(i, xattrs, data));
+    }
+
+    /// The snapshot record of a file's data; queues the windows of a body that need
+    /// hashing (dirty ones and ones never hashed).
+    fn data_of(
+        &mut self,
+        i: &Inode,
+        found: &mut Found,
+        dirty: &BTreeMap<InodeNo, BTreeSet<u64>>,
+        cs: u64,
+    ) -> DataRec {
+        match (i.kind, i.storage) {
+            (Kind::File, Storage::Inline) => {
+                let mut v = found.inline.get(&i.ino).cloned().unwrap_or_default();
+                v.resize(i.size as usize, 0);
+                DataRec::Inline(v)
+            }
+            (Kind::File, Storage::Body) => {
+                let nwin = window_count(i.size, cs);
+                let old: BTreeMap<u64, Option<[u8; 32]>> = found
+                    .maps
+                    .remove(&i.ino)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|(x, _)| *x < nwin)
+                    .collect();
+                let empty = BTreeSet::new();
+                let d = dirty.get(&i.ino).unwrap_or(&empty);
+                for idx in 0..nwin {
+                    if d.contains(&idx) || !old.contains_key(&idx) {
+                        self.jobs.push(Job {
+                            ino: i.ino,
+                            idx,
+                            range: window_range(idx, i.size, cs),
+                        });
+                    }
+                }
+                self.files.insert(
+                    i.ino,
+                    FileWork {
+                        inode: i.clone(),
+                        old,
+                    },
+                );
+                // Filled in once the windows are hashed (`fill_chunk_maps`).
+                DataRec::Chunks {
+                    complete: false,
+                    patch: Vec::new(),
+                }
+            }
+            (Kind::Symlink, _) => {
+                DataRec::Symlink(found.links.get(&i.ino).cloned().unwrap_or_default())
+            }
+            _ => DataRec::None,
+        }
+    }
+
+    /// A window not fetched yet (lazy restore) holds its chunk by definition: every change
+    /// to it fetches it first. Its chunk goes to the new map as is; its sparse zeros are
+    /// never hashed.
+    pub fn reuse_unfetched_windows(&mut self) {
+        let missing = &self.prior.missing;
+        if missing.is_empty() {
+            return;
+        }
+        let hashed = &mut self.hashed;
+        self.jobs.retain(|j| {
+            let id = missing
+                .get(&j.ino)
+                .and_then(|m| m.binary_search_by_key(&j.idx, |r| r.0).ok().map(|k| m[k].1));
+            match id {
+                Some(id) => {
+                    hashed.entry(j.ino).or_default().push((j.idx, Some(id)));
+                    false
+                }
+                None => true,
+            }
+        });
+    }
+
+    /// Fills in the chunk maps of the snapshot's file records from the hashed windows: the
+    /// whole map for a full snapshot or a file new to the remote, else the changed windows.
+    pub fn fill_chunk_maps(&mut self, cs: u64) {
+        for rec in &mut self.body.inodes {
+            let Some(fw) = self.files.get(&InodeNo(rec.ino)) else {
+                continue;
+            };
+            let nwin = window_count(fw.inode.size, cs);
+            let new: BTreeMap<u64, Option<[u8; 32]>> = self
+                .hashed
+                .get(&fw.inode.ino)
+                .map(|v| v.iter().copied().collect())
+                .unwrap_or_default();
+            let complete = self.full || fw.old.is_empty();
+            let patch: Vec<(u64, Option<[u8; 32]>)> = if complete {
+                (0..nwin)
+                    .map(|i| (i, new.get(&i).or_else(|| fw.old.get(&i)).copied().flatten()))
+                    .collect()
+            } else {
+                new.iter()
+                    .filter(|(i, id)| fw.old.get(i) != Some(id))
+                    .map(|(i, id)| (*i, *id))
+                    .collect()
+            };
+            rec.data = DataRec::Chunks { complete, patch };
+        }
+    }
+
+    /// The snapshot's header for sequence number `seq`.
+    pub fn header(&self, seq: u64, cs: u64) -> Header {
+        let (full, last_seq) = (self.full, self.prior.last_seq);
+        Header {
+            format: format::FORMAT,
+            seq,
+            parent: if full { None } else { last_seq },
+            base: if full {
+                seq
+            } else {
+                self.prior.base.unwrap_or(seq)
+            },
+            prev: last_seq,
+            created_ns: now_ns(),
+            chunk_size: cs,
+            inodes: self.inode_total,
+            file_bytes: self.file_bytes,
+            image: self.image.clone(),
+        }
+    }
+
+    /// The first sequence number to try: past both the local record and the remote head.
+    pub fn next_seq(&self) -> u64 {
+        self.prior
+            .last_seq
+            .unwrap_or(0)
+            .max(self.head.as_ref().map(|h| h.0.seq).unwrap_or(0))
+            + 1
+    }
+}
+
+/// Data of the inodes a snapshot names, read from the state database up front.
+#[derive(Default)]
+struct Found {
+    inline: HashMap<InodeNo, Vec<u8>>,
+    links: HashMap<InodeNo, Vec<u8>>,
+    maps: HashMap<InodeNo, Vec<ChunkRow>>,
+}
+
+/// Whether windows not fetched yet can be carried over as they are: only to the remote they
+/// were restored from, in the chunk size they were cut in.
+pub(super) fn lazy_windows_carry_over(prior: &Prior, cs: u64) -> Result<(), CheckpointError> {
+    if prior.missing.is_empty() || (prior.chunk_size == Some(cs) && prior.trusted) {
+        return Ok(());
+    }
+    Err(CheckpointError::LazyIncomplete {
+        windows: prior.missing.values().map(|v| v.len() as u64).sum(),
+        why: if prior.chunk_size != Some(cs) {
+            "the chunk size changed"
+        } else {
+            "the remote is not the one they were restored from"
+        },
+    })
+}
+
+/// Whether this checkpoint writes a full snapshot rather than a delta.
+pub(super) fn wants_full(prior: &Prior, asked: bool, params: &PersistParams) -> bool {
+    asked
+        || prior.last_seq.is_none()
+        || !prior.trusted
+        || prior.chunk_size != Some(params.chunk_size)
+        || prior.deltas + 1 >= u64::from(params.compact_every)
+        || prior.delta_bytes > prior.full_bytes.max(COMPACT_FLOOR)
+}
+
+impl Persister {
+    /// Moves the unclaimed changes to the pending set (where they stay until
+    /// `record_locally`) and records that every write before `synced_at` is in it.
+    pub(super) fn claim_changes(&self, synced_at: Nanos) -> Result<(), CheckpointError> {
+        let tx = self.store.write()?;
+        tx.claim_changes()?;
+        tx.persist_set("clean_before", &synced_at.0.to_string())?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The local record of past checkpoints, and whether the remote is the one it names: a
+    /// replaced or different remote cannot be trusted to hold the chunks the maps name.
+    pub(super) fn read_prior(&mut self) -> Result<Prior, CheckpointError> {
+        let manifest = self
+            .repo
+            .ensure_manifest(now_ns())
+            .map_err(CheckpointError::Manifest)?;
+        let r = self.store.read();
+        let recorded = r.persist_get("remote_id")?;
+        Ok(Prior {
+            trusted: recorded.as_deref() == Some(manifest.id.as_str()),
+            remote_id: manifest.id,
+            last_seq: kv_u64(&r, "last_seq")?,
+            deltas: kv_u64(&r, "deltas_since_full")?.unwrap_or(0),
+            delta_bytes: kv_u64(&r, "delta_bytes_since_full")?.unwrap_or(0),
+            full_bytes: kv_u64(&r, "full_bytes")?.unwrap_or(0),
+            chunk_size: kv_u64(&r, "chunk_size")?,
+            base: kv_u64(&r, "base_seq")?,
+            missing: r.all_missing_windows()?,
+        })
+    }
+
+    /// Windows changed size, or this remote is not the one the chunk maps were uploaded to
+    /// (a new remote, a restored state dir, a wiped bucket): every chunk map is void, so
+    /// every window is hashed and offered to the remote again (chunks it already holds are
+    /// not rewritten).
+    pub(super) fn void_stale_chunk_maps(&self, prior: &Prior) -> Result<(), CheckpointError> {
+        let cs = self.params.chunk_size;
+        if prior.chunk_size.is_some_and(|c| c != cs) || (!prior.trusted && prior.last_seq.is_some())
+        {
+            let tx = self.store.write()?;
+            tx.clear_file_chunks()?;
+            tx.commit()?;
+        }
+        Ok(())
+    }
+
+    /// The remote head, refused if a later lease epoch wrote it.
+    pub(super) fn read_fenced_head(
+        &self,
+    ) -> Result<Option<(Head, Option<String>)>, CheckpointError> {
+        let head = self.repo.read_head().map_err(CheckpointError::ReadHead)?;
+        if let (Some(l), Some((h, _))) = (&self.lease, &head) {
+            l.check_head_epoch(h.epoch)?;
+        }
+        Ok(head)
+    }
+
+    /// Builds the snapshot's records (the whole tree, or the changed inodes and dirents)
+    /// from one consistent view, and queues the windows to hash.
+    pub(super) fn collect_changes(&self, pass: &mut Pass) -> Result<(), CheckpointError> {
+        let view = self.store.read_view()?;
+        let mut dirty: BTreeMap<InodeNo, BTreeSet<u64>> = BTreeMap::new();
+        for (ino, idx) in view.pending_windows()? {
+            dirty.entry(ino).or_default().insert(idx);
+        }
+        if pass.full {
+            self.collect_tree(&view, &dirty, pass)
+        } else {
+            self.collect_delta(&view, &dirty, pass)
+        }
+    }
+
+    /// A full snapshot's records: every live inode and every dirent.
+    fn collect_tree(
+        &self,
+        view: &Tx<'_>,
+        dirty: &BTreeMap<InodeNo, BTreeSet<u64>>,
+        pass: &mut Pass,
+    ) -> Result<(), CheckpointError> {
+        let cs = self.params.chunk_size;
+        let xattrs = view.all_xattrs()?;
+        let mut found = Found {
+            inline: view.all_inline_data()?,
+            links: view.all_symlinks()?,
+            maps: view.all_file_chunks()?,
+        };
+        let mut inodes = Vec::new();
+        view.for_each_inode(|i| {
+            inodes.push(i);
+            Ok(())
+        })?;
+        // Unlinked but still open: not part of the tree.
+        for i in inodes.into_iter().filter(|i| i.nlink > 0) {
+            pass.inode_total += 1;
+            if i.kind == Kind::File {
+                pass.file_bytes += i.size;
+            }
+            let x = xattrs.get(&i.ino).cloned().unwrap_or_default();
+            pass.add_inode(&i, x, &mut found, dirty, cs);
+        }
+        for (parent, d) in view.all_dirents()? {
+            pass.body.dirents.push(DirentRec {
+                parent: parent.0,
+                name: d.name,
+                ino: d.ino.0,
+                kind: d.kind.mode_bits(),
+            });
+        }
+        Ok(())
+    }
+
+    /// A delta's records: the changed inodes (or their deletion) and dirents (or their
+    /// removal).
+    fn collect_delta(
+        &self,
+        view: &Tx<'_>,
+        dirty: &BTreeMap<InodeNo, BTreeSet<u64>>,
+        pass: &mut Pass,
+    ) -> Result<(), CheckpointError> {
+        let cs = self.params.chunk_size;
+        let mut touched: BTreeSet<InodeNo> = view.pending_inodes()?.into_iter().collect();
+        touched.extend(dirty.keys().copied());
+        for ino in touched {
+            let Some(i) = view.get(ino)?.filter(|i| i.nlink > 0) else {
+                pass.body.deleted.push(ino.0);
+                continue;
+            };
+            let x = view.xattrs_of(ino)?;
+            let mut found = Found::default();
+            match (i.kind, i.storage) {
+                (Kind::File, Storage::Inline) => {
+                    found.inline.insert(ino, view.inline_data(ino)?);
+                }
+                (Kind::File, Storage::Body) => {
+                    found.maps.insert(ino, view.file_chunks(ino)?);
+                }
+                (Kind::Symlink, _) => {
+                    if let Some(t) = view.symlink_target(ino)? {
+                        found.links.insert(ino, t);
+                    }
+                }
+                _ => {}
+            }
+            pass.add_inode(&i, x, &mut found, dirty, cs);
+        }
+        for (parent, name) in view.pending_dirents()? {
+            match view.lookup(parent, &name)? {
+                Some(d) => pass.body.dirents.push(DirentRec {
+                    parent: parent.0,
+                    name,
+                    ino: d.ino.0,
+                    kind: d.kind.mode_bits(),
+                }),
+                None => pass.body.unlinked.push((parent.0, name)),
+            }
+        }
+        (pass.inode_total, pass.file_bytes) = view.live_totals()?;
+        Ok(())
+    }
+
+    /// Hashes the queued windows batch by batch and uploads the chunks the remote lacks,
+    /// giving up (everything stays pending) once `deadline` passed.
+    pub(super) fn hash_and_upload(
+        &self,
+        pass: &mut Pass,
+        deadline: Option<Instant>,
+    ) -> Result<(), CheckpointError> {
+        pass.report.inodes = pass.body.inodes.len() as u64;
+        let mut seen: HashSet<ChunkId> = HashSet::new();
+        let total = pass.jobs.len();
+        let mut done = 0usize;
+        crate::progress::stage("windows hashed", Some(total as u64));
+        // Whether reused chunks need a fresh age (asked once, at the first upload).
+        let mut shared: Option<bool> = None;
+        while done < total {
+            if deadline.is_some_and(|d| Instant::now() > d) {
+                return Err(CheckpointError::Deadline { done, total });
+            }
+            let mut end = done;
+            let mut bytes = 0;
+            while end < total && (bytes < BATCH_BYTES || end == done) {
+                bytes += pass.jobs[end].range.end - pass.jobs[end].range.start;
+                end += 1;
+            }
+            let results = self.hash_batch(&pass.jobs[done..end])?;
+            let mut upload: Vec<(String, Bytes)> = Vec::new();
+            for (job, (id, data)) in pass.jobs[done..end].iter().zip(results) {
+                pass.report.windows_hashed += 1;
+                pass.report.bytes_hashed += job.range.end - job.range.start;
+                pass.hashed
+                    .entry(job.ino)
+                    .or_default()
+                    .push((job.idx, id.map(|c| c.0)));
+                // A chunk the local chunk maps name is in the last snapshot, which keeps it
+                // on the remote. Any other may be there already but unreferenced (every
+                // snapshot dropped it, on this workspace or on one sharing the store) and
+                // old: on a shared store, the gc of another workspace may delete it before
+                // the head names it again, so it is refreshed, not skipped. (This
+                // workspace's own gc runs under its lease, never during a checkpoint.)
+                if let (Some(id), Some(data)) = (id, data) {
+                    if seen.insert(id)
+                        && !(pass.prior.trusted && self.store.read().has_chunk(&id.0)?)
+                    {
+                        upload.push((self.repo.chunk_key(&id), data));
+                    }
+                }
+            }
+            if !upload.is_empty() {
+                self.upload_chunks(upload, &mut shared, &mut pass.report)?;
+            }
+            done = end;
+            crate::progress::set(done as u64);
+        }
+        Ok(())
+    }
+
+    /// Uploads one batch of chunks: only the absent ones, or every one with a fresh age
+    /// when the store is shared (`shared` is asked of the remote once, then remembered).
+    fn upload_chunks(
+        &self,
+        upload: Vec<(String, Bytes)>,
+        shared: &mut Option<bool>,
+        report: &mut CheckpointReport,
+    ) -> Result<(), CheckpointError> {
+        let sizes: Vec<u64> = upload.iter().map(|(_, d)| d.len() as u64).collect();
+        let fresh = match *shared {
+            Some(s) => s,
+            None => *shared.insert(
+                crate::persist::fork::store_is_shared(&self.repo)
+                    .map_err(CheckpointError::Manifest)?,
+            ),
+        };
+        let remote = &self.repo.remote;
+        let written = if fresh {
+            remote.put_many_fresh(upload)
+        } else {
+            remote.put_many_absent(upload)
+        }
+        .map_err(CheckpointError::UploadChunks)?;
+        for (w, n) in written.iter().zip(sizes) {
+            if *w {
+                report.chunks_uploaded += 1;
+                report.chunk_bytes_uploaded += n;
+            } else if fresh {
+                report.chunks_refreshed += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Uploads the snapshot (full or delta) once the chunks it names are durable, under the
+    /// first free sequence number, and makes it durable. Returns its sequence number.
+    pub(super) fn upload_snapshot(
+        &self,
+        pass: &mut Pass,
+        deadline: Option<Instant>,
+    ) -> Result<u64, CheckpointError> {
+        let cs = self.params.chunk_size;
+        self.repo
+            .remote
+            .flush()
+            .map_err(CheckpointError::FlushRemote)?;
+        // A full snapshot's metadata image first (its hash goes in the header); not under a
+        // deadline (the stop's last checkpoint): building it takes seconds at 1M files.
+        if pass.full && deadline.is_none() {
+            pass.image = super::super::image::publish(&self.repo, &self.store, &pass.body, cs);
+        }
+        let mut seq = pass.next_seq();
+        let data = loop {
+            if deadline.is_some_and(|d| Instant::now() > d) {
+                let total = pass.jobs.len();
+                return Err(CheckpointError::Deadline { done: total, total });
+            }
+            let data = format::encode(&pass.header(seq, cs), &pass.body)?;
+            let len = data.len();
+            match self.repo.put_snapshot(seq, data) {
+                Ok(()) => break len,
+                // Left behind by a checkpoint that died before recording it: skip the number.
+                Err(RemoteError::AlreadyExists { .. }) => seq += 1,
+                Err(source) => return Err(CheckpointError::WriteSnapshot { seq, source }),
+            }
+        };
+        pass.report.snapshot_bytes = data as u64;
+        self.repo
+            .remote
+            .flush()
+            .map_err(CheckpointError::FlushRemote)?;
+        Ok(seq)
+    }
+
+    /// Points the remote head at snapshot `seq`, after the lease is confirmed still ours,
+    /// and only if the head is still the one this checkpoint read.
+    pub(super) fn advance_head(&self, pass: &Pass, seq: u64) -> Result<(), CheckpointError> {
+        let epoch = match &self.lease {
+            Some(l) => l.check_remote()?,
+            None => 0,
+        };
+        let new_head = Head {
+            seq,
+            created_ns: now_ns(),
+            writer: writer_name(),
+            epoch,
+        };
+        let expected = pass.head.as_ref().and_then(|h| h.1.clone());
+        self.repo
+            .write_head(&new_head, expected)
+            .map_err(|source| CheckpointError::AdvanceHead { seq, source })?;
+        self.repo
+            .remote
+            .flush()
+            .map_err(CheckpointError::FlushRemote)?;
+        Ok(())
+    }
+
+    /// Commits the checkpoint locally: the new chunk maps, the pending set done, and the
+    /// counters that decide the next checkpoint's kind.
+    pub(super) fn record_locally(&self, pass: &Pass, seq: u64) -> Result<(), CheckpointError> {
+        let cs = self.params.chunk_size;
+        let size = pass.report.snapshot_bytes;
+        let tx = self.store.write()?;
+        for (ino, fw) in &pass.files {
+            if let Some(rows) = pass.hashed.get(ino) {
+                tx.set_file_chunks(*ino, rows)?;
+            }
+            tx.truncate_file_chunks(*ino, window_count(fw.inode.size, cs))?;
+        }
+        tx.clear_pending()?;
+        tx.persist_set("last_seq", &seq.to_string())?;
+        tx.persist_set("chunk_size", &cs.to_string())?;
+        tx.persist_set("remote_id", &pass.prior.remote_id)?;
+        tx.persist_set("remote", &self.repo.describe())?;
+        tx.persist_set("last_checkpoint_ns", &now_ns().to_string())?;
+        if pass.full {
+            tx.persist_set("base_seq", &seq.to_string())?;
+            tx.persist_set("deltas_since_full", "0")?;
+            tx.persist_set("delta_bytes_since_full", "0")?;
+            tx.persist_set("full_bytes", &size.to_string())?;
+        } else {
+            tx.persist_set("deltas_since_full", &(pass.prior.deltas + 1).to_string())?;
+            tx.persist_set(
+                "delta_bytes_since_full",
+                &(pass.prior.delta_bytes + size).to_string(),
+            )?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Reads and hashes windows on several threads: (id, bytes) per job; `None` id for an
+    /// all-zero window (no bytes kept).
+    fn hash_batch(&self, jobs: &[Job]) -> Result<Vec<Hashed>, CheckpointError> {
+        let next = AtomicUsize::new(0);
+        let out: Mutex<Vec<Option<Hashed>>> = Mutex::new(vec![None; jobs.len()]);
+        let err: Mutex<Option<CheckpointError>> = Mutex::new(None);
+        let files: Mutex<HashMap<InodeNo, Option<Arc<File>>>> = Mutex::new(HashMap::new());
+        let threads = self.params.threads.clamp(1, 16).min(jobs.len().max(1));
+        let bodies = &self.bodies;
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    if k >= jobs.len() {
+                        break;
+                    }
+                    let job = &jobs[k];
+                    let f = {
+                        let mut m = files.lock().unwrap();
+                        m.entry(job.ino)
+                            .or_insert_with(|| {
+                                File::open(bodies.path(job.ino.0)).ok().map(Arc::new)
+                            })
+                            .clone()
+                    };
+                    // A window that is one hole in the body (sparse file) is all zeros:
+                    // no need to read or hash it.
+                    if let Some(f) = &f {
+                        let hole = match crate::sys::file::seek_data_hole(f, job.range.start, true)
+                        {
+                            Ok(data_at) => data_at >= job.range.end,
+                            Err(e) => e.raw_os_error() == Some(libc::ENXIO),
+                        };
+                        if hole {
+                            out.lock().unwrap()[k] = Some((None, None));
+                            continue;
+                        }
+                    }
+                    let mut buf = vec![0u8; (job.range.end - job.range.start) as usize];
+                    if let Some(f) = f {
+                        let mut n = 0;
+                        while n < buf.len() {
+                            match f.read_at(&mut buf[n..], job.range.start + n as u64) {
+                                // Shorter body: the rest reads as zeros (sparse tail).
+                                Ok(0) => break,
+                                Ok(r) => n += r,
+                                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                                Err(source) => {
+                                    *err.lock().unwrap() = Some(CheckpointError::ReadBody {
+                                        ino: job.ino.0,
+                                        source,
+                                    });
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                    let r = if is_zero(&buf) {
+                        (None, None)
+                    } else {
+                        let id = ChunkId::of(&buf);
+                        (Some(id), Some(Bytes::from(buf)))
+                    };
+                    out.lock().unwrap()[k] = Some(r);
+                });
+            }
+        });
+        if let Some(e) = err.into_inner().unwrap() {
+            return Err(e);
+        }
+        Ok(out
+            .into_inner()
+            .unwrap()
+            .into_iter()
+            .map(|r| r.expect("every job ran"))
+            .collect())
+    }
+}
+
+fn rec_of(i: &Inode, xattrs: Vec<(Vec<u8>, Vec<u8>)>, data: DataRec) -> InodeRec {
+    InodeRec {
+        ino: i.ino.0,
+        mode: i.kind.mode_bits() | i.perm,
+        uid: i.uid,
+        gid: i.gid,
+        nlink: i.nlink,
+        size: i.size,
+        atime: i.atime.0,
+        mtime: i.mtime.0,
+        ctime: i.ctime.0,
+        rdev: i.rdev,
+        parent: i.parent.0,
+        xattrs,
+        data,
+    }
+}
+
+fn writer_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{}:{}", host.trim(), std::process::id())
+}

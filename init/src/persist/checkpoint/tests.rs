@@ -1,0 +1,417 @@
+//! Unit tests of the checkpoint's steps, each on a fresh state dir and an in-memory remote
+//! (the whole checkpoint is tested end to end in `tests/persist_checkpoint.rs`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::steps::{lazy_windows_carry_over, wants_full, Job, Pass, Prior, COMPACT_FLOOR};
+use super::*;
+use crate::chunk::ChunkId;
+use crate::persist::format::DataRec;
+use crate::persist::repo::Head;
+use crate::persist::{MemRemote, Remote};
+
+/// Window size of the test state dirs: small, so a few bytes make several windows.
+const CS: u64 = 4096;
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    p: Persister,
+    remote: Arc<MemRemote>,
+}
+
+fn params() -> PersistParams {
+    PersistParams {
+        chunk_size: CS,
+        compact_every: 10,
+        threads: 2,
+    }
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    drop(Store::open(&dir.path().join("meta.db"), Nanos(1)).unwrap());
+    let remote = Arc::new(MemRemote::new());
+    let repo = Repo::new(remote.clone(), "ws");
+    let p = Persister::open(dir.path(), repo, params()).unwrap();
+    Fixture {
+        _dir: dir,
+        p,
+        remote,
+    }
+}
+
+/// A file under the root whose body holds `data`, every window dirty.
+fn add_file(p: &Persister, name: &[u8], data: &[u8]) -> InodeNo {
+    let tx = p.store.write().unwrap();
+    let ino = tx
+        .insert(&Inode {
+            ino: InodeNo(0),
+            kind: Kind::File,
+            perm: 0o644,
+            uid: 0,
+            gid: 0,
+            nlink: 1,
+            size: data.len() as u64,
+            atime: Nanos(1),
+            mtime: Nanos(1),
+            ctime: Nanos(1),
+            rdev: 0,
+            parent: InodeNo::ROOT,
+            storage: Storage::Body,
+        })
+        .unwrap();
+    tx.link(InodeNo::ROOT, name, ino, Kind::File).unwrap();
+    tx.mark_dirty_windows(ino, 0..window_count(data.len() as u64, CS))
+        .unwrap();
+    tx.commit().unwrap();
+    std::fs::write(p.bodies.path(ino.0), data).unwrap();
+    ino
+}
+
+/// Three windows: two of distinct bytes, the last all zeros.
+fn three_windows() -> Vec<u8> {
+    let mut v = vec![1u8; CS as usize];
+    v.extend(vec![2u8; CS as usize]);
+    v.extend(vec![0u8; CS as usize]);
+    v
+}
+
+fn first(p: &mut Persister) -> CheckpointReport {
+    p.checkpoint(&CheckpointOptions::default()).unwrap()
+}
+
+/// A `Pass` as the steps before collection leave it, for the state dir as it is.
+fn pass_for(p: &mut Persister, full: bool) -> Pass {
+    p.claim_changes(Nanos(now_ns())).unwrap();
+    let prior = p.read_prior().unwrap();
+    let head = p.read_fenced_head().unwrap();
+    let mut pass = Pass::new(prior, full, head);
+    p.collect_changes(&mut pass).unwrap();
+    pass
+}
+
+#[test]
+fn claim_changes_moves_recorded_changes_to_the_pending_set() {
+    let f = fixture();
+    add_file(&f.p, b"a", b"x");
+    assert!(!f.p.store.read().unclaimed_changes().unwrap().is_empty());
+    f.p.claim_changes(Nanos(42)).unwrap();
+    let r = f.p.store.read();
+    assert!(r.unclaimed_changes().unwrap().is_empty());
+    let pending = r.pending_changes().unwrap();
+    assert_eq!(pending.windows, 1);
+    assert!(pending.inodes >= 1 && pending.dirents == 1, "{pending:?}");
+    assert_eq!(
+        r.persist_get("clean_before").unwrap().as_deref(),
+        Some("42")
+    );
+}
+
+#[test]
+fn read_prior_trusts_only_the_remote_it_checkpointed_to() {
+    let mut f = fixture();
+    let prior = f.p.read_prior().unwrap();
+    assert_eq!(prior.last_seq, None);
+    assert!(!prior.trusted, "a remote never checkpointed to");
+    assert!(!prior.remote_id.is_empty());
+    add_file(&f.p, b"a", &three_windows());
+    assert_eq!(first(&mut f.p).seq, Some(1));
+    let prior = f.p.read_prior().unwrap();
+    assert_eq!(prior.last_seq, Some(1));
+    assert!(prior.trusted);
+    assert_eq!(
+        (prior.chunk_size, prior.base, prior.deltas),
+        (Some(CS), Some(1), 0)
+    );
+    assert!(prior.full_bytes > 0);
+    // Another remote (another id) is not trusted with the same local record.
+    f.p.repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+    assert!(!f.p.read_prior().unwrap().trusted);
+}
+
+#[test]
+fn lazy_windows_carry_over_only_to_their_remote_in_their_chunk_size() {
+    let mut prior = Prior {
+        trusted: true,
+        chunk_size: Some(CS),
+        ..Default::default()
+    };
+    assert!(
+        lazy_windows_carry_over(&prior, CS * 2).is_ok(),
+        "none missing"
+    );
+    prior.missing = HashMap::from([(InodeNo(5), vec![(0, [7; 32]), (3, [8; 32])])]);
+    assert!(lazy_windows_carry_over(&prior, CS).is_ok());
+    let e = lazy_windows_carry_over(&prior, CS * 2).unwrap_err();
+    assert!(e.to_string().contains("2 windows"), "{e}");
+    assert!(e.to_string().contains("chunk size changed"), "{e}");
+    prior.trusted = false;
+    let e = lazy_windows_carry_over(&prior, CS).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("not the one they were restored from"),
+        "{e}"
+    );
+}
+
+#[test]
+fn wants_full_when_asked_new_untrusted_resized_or_deltas_add_up() {
+    let params = params();
+    let delta = Prior {
+        last_seq: Some(3),
+        trusted: true,
+        chunk_size: Some(CS),
+        deltas: 2,
+        delta_bytes: 10,
+        full_bytes: 100,
+        ..Default::default()
+    };
+    assert!(!wants_full(&delta, false, &params));
+    assert!(wants_full(&delta, true, &params));
+    let cases = [
+        Prior {
+            last_seq: None,
+            ..delta.clone()
+        },
+        Prior {
+            trusted: false,
+            ..delta.clone()
+        },
+        Prior {
+            chunk_size: Some(CS * 2),
+            ..delta.clone()
+        },
+        Prior {
+            deltas: 9,
+            ..delta.clone()
+        },
+        Prior {
+            delta_bytes: COMPACT_FLOOR + 1,
+            ..delta.clone()
+        },
+    ];
+    for c in &cases {
+        assert!(wants_full(c, false, &params), "{c:?}");
+    }
+}
+
+#[test]
+fn void_stale_chunk_maps_clears_maps_of_another_remote_or_chunk_size() {
+    let mut f = fixture();
+    let ino = add_file(&f.p, b"a", &three_windows());
+    first(&mut f.p);
+    let maps = |p: &Persister| p.store.read().file_chunks(ino).unwrap().len();
+    assert_eq!(maps(&f.p), 3);
+    let prior = f.p.read_prior().unwrap();
+    f.p.void_stale_chunk_maps(&prior).unwrap();
+    assert_eq!(maps(&f.p), 3, "same remote, same chunk size: kept");
+    let resized = Prior {
+        chunk_size: Some(CS * 2),
+        ..prior.clone()
+    };
+    f.p.void_stale_chunk_maps(&resized).unwrap();
+    assert_eq!(maps(&f.p), 0);
+}
+
+#[test]
+fn read_fenced_head_reads_the_remote_head() {
+    let mut f = fixture();
+    assert!(f.p.read_fenced_head().unwrap().is_none());
+    add_file(&f.p, b"a", b"x");
+    first(&mut f.p);
+    let (h, _) = f.p.read_fenced_head().unwrap().unwrap();
+    assert_eq!(h.seq, 1);
+    assert_eq!(h.epoch, 0, "no lease");
+}
+
+#[test]
+fn collect_changes_takes_the_whole_tree_or_just_the_changes() {
+    let mut f = fixture();
+    let a = add_file(&f.p, b"a", &three_windows());
+    let pass = pass_for(&mut f.p, true);
+    assert_eq!(pass.body.inodes.len(), 2, "root and a");
+    assert_eq!(pass.body.dirents.len(), 1);
+    assert_eq!((pass.inode_total, pass.file_bytes), (2, 3 * CS));
+    let idx: Vec<u64> = pass.jobs.iter().map(|j| j.idx).collect();
+    assert_eq!(idx, [0, 1, 2], "windows never hashed");
+    first(&mut f.p);
+
+    // A delta: one window rewritten, one file added, `a` then removed.
+    let tx = f.p.store.write().unwrap();
+    tx.mark_dirty_windows(a, [1]).unwrap();
+    tx.commit().unwrap();
+    let b = add_file(&f.p, b"b", b"hello");
+    let pass = pass_for(&mut f.p, false);
+    let jobs: Vec<(InodeNo, u64)> = pass.jobs.iter().map(|j| (j.ino, j.idx)).collect();
+    assert_eq!(jobs, [(a, 1), (b, 0)]);
+    assert!(pass.body.inodes.iter().any(|r| r.ino == b.0));
+    assert!(pass.body.dirents.iter().any(|d| d.name == b"b"));
+    assert_eq!(pass.inode_total, 3);
+
+    let tx = f.p.store.write().unwrap();
+    tx.unlink(InodeNo::ROOT, b"a").unwrap();
+    tx.delete(a).unwrap();
+    tx.commit().unwrap();
+    let pass = pass_for(&mut f.p, false);
+    assert!(pass.body.deleted.contains(&a.0));
+    assert!(pass
+        .body
+        .unlinked
+        .contains(&(InodeNo::ROOT.0, b"a".to_vec())));
+}
+
+#[test]
+fn reuse_unfetched_windows_takes_their_chunk_without_hashing() {
+    let prior = Prior {
+        missing: HashMap::from([(InodeNo(9), vec![(1, [7; 32])])]),
+        ..Default::default()
+    };
+    let mut pass = Pass::new(prior, false, None);
+    pass.jobs = (0..3)
+        .map(|idx| Job {
+            ino: InodeNo(9),
+            idx,
+            range: idx * CS..(idx + 1) * CS,
+        })
+        .collect();
+    pass.reuse_unfetched_windows();
+    let left: Vec<u64> = pass.jobs.iter().map(|j| j.idx).collect();
+    assert_eq!(left, [0, 2]);
+    assert_eq!(pass.hashed[&InodeNo(9)], [(1, Some([7; 32]))]);
+}
+
+#[test]
+fn hash_and_upload_sends_each_distinct_nonzero_chunk_once() {
+    let mut f = fixture();
+    let mut data = three_windows();
+    data.extend(vec![1u8; CS as usize]); // the first window again
+    add_file(&f.p, b"a", &data);
+    let mut pass = pass_for(&mut f.p, true);
+    f.p.hash_and_upload(&mut pass, None).unwrap();
+    let r = &pass.report;
+    assert_eq!((r.windows_hashed, r.bytes_hashed), (4, 4 * CS));
+    assert_eq!((r.chunks_uploaded, r.chunk_bytes_uploaded), (2, 2 * CS));
+    let one = ChunkId::of(&vec![1u8; CS as usize]);
+    assert!(f.remote.head(&f.p.repo.chunk_key(&one)).unwrap().is_some());
+    let rows = &pass.hashed.values().next().unwrap();
+    assert_eq!(rows.len(), 4);
+    assert_eq!(
+        rows.iter().filter(|(_, id)| id.is_none()).count(),
+        1,
+        "zeros"
+    );
+
+    // A deadline already passed: nothing hashed, everything left pending.
+    let mut pass = pass_for(&mut f.p, true);
+    let e =
+        f.p.hash_and_upload(&mut pass, Some(Instant::now()))
+            .unwrap_err();
+    assert!(
+        matches!(e, CheckpointError::Deadline { done: 0, total: 4 }),
+        "{e}"
+    );
+}
+
+#[test]
+fn fill_chunk_maps_writes_whole_maps_for_new_files_and_patches_for_old() {
+    let mut f = fixture();
+    let a = add_file(&f.p, b"a", &three_windows());
+    first(&mut f.p);
+    let tx = f.p.store.write().unwrap();
+    tx.mark_dirty_windows(a, [0]).unwrap();
+    tx.commit().unwrap();
+    std::fs::write(f.p.bodies.path(a.0), {
+        let mut v = three_windows();
+        v[0] = 9;
+        v
+    })
+    .unwrap();
+    let b = add_file(&f.p, b"b", b"new");
+    let mut pass = pass_for(&mut f.p, false);
+    f.p.hash_and_upload(&mut pass, None).unwrap();
+    pass.fill_chunk_maps(CS);
+    let data = |pass: &Pass, ino: InodeNo| {
+        let rec = pass.body.inodes.iter().find(|r| r.ino == ino.0).unwrap();
+        match &rec.data {
+            DataRec::Chunks { complete, patch } => (*complete, patch.len()),
+            d => panic!("{d:?}"),
+        }
+    };
+    assert_eq!(data(&pass, a), (false, 1), "one window patched");
+    assert_eq!(data(&pass, b), (true, 1), "a new file's whole map");
+    pass.full = true;
+    pass.fill_chunk_maps(CS);
+    assert_eq!(
+        data(&pass, a),
+        (true, 3),
+        "a full snapshot names every window"
+    );
+}
+
+#[test]
+fn upload_snapshot_skips_numbers_left_by_a_dead_checkpoint() {
+    let mut f = fixture();
+    add_file(&f.p, b"a", b"x");
+    let mut pass = pass_for(&mut f.p, true);
+    f.p.hash_and_upload(&mut pass, None).unwrap();
+    pass.fill_chunk_maps(CS);
+    f.p.repo.put_snapshot(1, b"left behind".to_vec()).unwrap();
+    let seq = f.p.upload_snapshot(&mut pass, None).unwrap();
+    assert_eq!(seq, 2);
+    assert!(pass.report.snapshot_bytes > 0);
+    let (h, body) = f.p.repo.read_snapshot(2).unwrap();
+    assert_eq!((h.seq, h.base, h.parent), (2, 2, None));
+    assert_eq!(body.inodes.len(), 2);
+}
+
+#[test]
+fn advance_head_writes_only_over_the_head_it_read() {
+    let mut f = fixture();
+    add_file(&f.p, b"a", b"x");
+    let pass = pass_for(&mut f.p, true);
+    f.p.advance_head(&pass, 7).unwrap();
+    assert_eq!(f.p.repo.read_head().unwrap().unwrap().0.seq, 7);
+    // `pass` read no head: writing again would overwrite one written meanwhile.
+    let e = f.p.advance_head(&pass, 8).unwrap_err();
+    assert!(
+        matches!(e, CheckpointError::AdvanceHead { seq: 8, .. }),
+        "{e}"
+    );
+    let pass = Pass::new(Prior::default(), true, f.p.read_fenced_head().unwrap());
+    f.p.advance_head(&pass, 8).unwrap();
+    let h: Head = f.p.repo.read_head().unwrap().unwrap().0;
+    assert_eq!(h.seq, 8);
+}
+
+#[test]
+fn record_locally_commits_maps_counters_and_clears_pending() {
+    let mut f = fixture();
+    let a = add_file(&f.p, b"a", &three_windows());
+    let mut pass = pass_for(&mut f.p, false);
+    f.p.hash_and_upload(&mut pass, None).unwrap();
+    pass.report.snapshot_bytes = 123;
+    pass.prior.deltas = 4;
+    pass.prior.delta_bytes = 1000;
+    f.p.record_locally(&pass, 5).unwrap();
+    let r = f.p.store.read();
+    assert!(r.pending_changes().unwrap().is_empty());
+    assert_eq!(r.file_chunks(a).unwrap().len(), 3);
+    let kv = |k: &str| r.persist_get(k).unwrap().unwrap_or_default();
+    assert_eq!(kv("last_seq"), "5");
+    assert_eq!(kv("deltas_since_full"), "5");
+    assert_eq!(kv("delta_bytes_since_full"), "1123");
+    assert_eq!(kv("remote_id"), pass.prior.remote_id);
+}
+
+#[test]
+fn checkpoint_runs_the_steps_in_order_and_then_has_nothing_to_do() {
+    let mut f = fixture();
+    add_file(&f.p, b"a", &three_windows());
+    let r = first(&mut f.p);
+    assert_eq!((r.seq, r.full, r.chunks_uploaded), (Some(1), true, 2));
+    assert!(!f.p.has_changes().unwrap());
+    let r = first(&mut f.p);
+    assert_eq!(r.seq, None, "{r}");
+}
