@@ -90,7 +90,7 @@ fn workload(root: &Path) {
 }
 
 /// keel's open `/dev/fuse` fds (the connection's first and its clones).
-fn fuse_fds(pid: u32) -> Vec<i32> {
+fn fuse_fds(pid: i32) -> Vec<i32> {
     let mut fds: Vec<i32> = fs::read_dir(format!("/proc/{pid}/fd"))
         .unwrap()
         .flatten()
@@ -102,7 +102,7 @@ fn fuse_fds(pid: u32) -> Vec<i32> {
 }
 
 /// Names of keel's threads that serve FUSE requests (fuser's `fuser-N`).
-fn fuse_workers(pid: u32) -> usize {
+fn fuse_workers(pid: i32) -> usize {
     fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()
         .flatten()

@@ -205,6 +205,7 @@ pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> 
     }
 }
 
+#[allow(unused_imports)] // not every test crate starts a keel
 pub use super::keel::Keel;
 
 // ---------------------------------------------------------------------------------------------

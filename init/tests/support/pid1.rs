@@ -2,12 +2,7 @@
 //! `support::keel`) with a config in a temp dir, poll for outcomes with deadlines, and read
 //! the process tree from /proc.
 
-use std::io::{BufRead, BufReader, Read};
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::path::Path;
 
 pub const KEEL: &str = env!("CARGO_BIN_EXE_keel");
 

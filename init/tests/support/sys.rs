@@ -274,7 +274,7 @@ pub fn pin_to_cpu(cpu: usize) -> io::Result<()> {
 
 /// A duplicate of file descriptor `fd` of process `pid` (pidfd_getfd; needs ptrace rights
 /// over it, which root has).
-pub fn steal_fd(pid: u32, fd: i32) -> io::Result<std::os::fd::OwnedFd> {
+pub fn steal_fd(pid: i32, fd: i32) -> io::Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;
     // SAFETY: pidfd_open takes a pid and flags; no pointers.
     let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };

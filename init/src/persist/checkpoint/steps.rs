@@ -240,7 +240,7 @@ impl Pass {
             chunk_size: cs,
             inodes: self.inode_total,
             file_bytes: self.file_bytes,
-            image: self.image.clone(),
+            image: self.image,
         }
     }
 
