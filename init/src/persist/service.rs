@@ -81,7 +81,7 @@ pub enum ServiceError {
 #[derive(Debug, thiserror::Error)]
 #[error("final checkpoint failed ({reason}): {backlog}; they stay in the local state and are uploaded first at the next start")]
 pub struct FinalError {
-    pub reason: ServiceError,
+    pub reason: Box<ServiceError>,
     pub backlog: Backlog,
 }
 
@@ -844,7 +844,10 @@ impl Service {
                     _ => ServiceError::FinalTimeout(self.flush_timeout),
                 };
                 let backlog = read_backlog(&self.state_dir, self.chunk_size).unwrap_or_default();
-                Err(FinalError { reason, backlog })
+                Err(FinalError {
+                    reason: Box::new(reason),
+                    backlog,
+                })
             }
         }
     }
