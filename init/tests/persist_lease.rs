@@ -398,7 +398,7 @@ fn service_state_reports_failures_and_the_lost_lease() {
         "{lost:?}"
     );
     write_file(&fs, "y", b"y");
-    let e = svc.checkpoint_now().unwrap_err();
+    let e = svc.checkpoint_now().unwrap_err().to_string();
     assert!(e.contains("lease lost"), "{e}");
     let st = svc.published_state();
     assert_eq!(st.consecutive_failures, 1);

@@ -97,22 +97,32 @@ impl RollbackTarget for TreeTarget<'_, '_> {
     }
 }
 
+/// Why the mounted workspace could not be rolled back.
+#[derive(Debug, thiserror::Error)]
+pub enum LiveRollbackError {
+    #[error("the snapshot was cut into {snapshot} byte windows, the workspace into {workspace}: restore it with keel snapshot restore instead")]
+    WindowSize { snapshot: u64, workspace: u64 },
+    #[error("rollback: {0}")]
+    Apply(#[source] crate::workspace::fs::FsError),
+}
+
 /// What the checkpoint service calls to roll the mounted workspace back.
 pub fn rollback_fn(fs: Arc<WorkspaceFs>, inval: Invalidate) -> crate::persist::agent::RollbackFn {
     Box::new(
         move |repo: &Repo, cur: &View, target: &View, changed: &Changed| {
             if cur.chunk_size() != target.chunk_size() {
-                return Err(format!(
-                "the snapshot was cut into {} byte windows, the workspace into {}: restore it with keel snapshot restore instead",
-                target.chunk_size(), cur.chunk_size()
-            ));
+                return Err(LiveRollbackError::WindowSize {
+                    snapshot: target.chunk_size(),
+                    workspace: cur.chunk_size(),
+                }
+                .into());
             }
             let p = plan(cur, target, changed);
             let t = TreeTarget {
                 tree: target,
                 chunks: RemoteChunks::new(repo.clone()),
             };
-            let r = fs.rollback(&p, &t).map_err(|e| format!("rollback: {e}"))?;
+            let r = fs.rollback(&p, &t).map_err(LiveRollbackError::Apply)?;
             let t0 = Instant::now();
             let mut inval_failed = 0u64;
             for i in &r.inval {

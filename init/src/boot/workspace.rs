@@ -248,13 +248,15 @@ fn start_persist(
     // the kernel's writeback cache reach the store at their writeback, `keel checkpoint`
     // syncs the mount from its own process first, and the final checkpoint follows
     // `Mounted::flush`.
-    let flush: FlushFn = Box::new(move || fs2.sync_all().map_err(|e| e.to_string()));
+    let flush: FlushFn = Box::new(move || fs2.sync_all().map_err(Into::into));
     let service = Service::start(&cfg.workspace, &cfg.persist, flush, lease, main)
         .map_err(StartError::Checkpoints)?;
     if let Some(svc) = &service {
         if cfg.persist.fsync == FsyncMode::Remote {
             let h = svc.handle();
-            fs.set_fsync_hook(Box::new(move || h.checkpoint_now().map(|_| ())));
+            fs.set_fsync_hook(Box::new(move || {
+                h.checkpoint_now().map(|_| ()).map_err(Into::into)
+            }));
         }
     }
     Ok(service)

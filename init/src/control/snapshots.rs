@@ -86,7 +86,7 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
     };
     let q = req.query.as_str();
     let get = matches!(req.method.as_str(), "GET" | "HEAD");
-    let repo = || agent.repo();
+    let repo = || agent.repo().map_err(|e| e.to_string());
     match (req.method.as_str(), req.path.as_str()) {
         (_, "/snapshots") if get => {
             match repo().and_then(|r| snapshots::list(&r).map_err(|e| e.to_string())) {
@@ -94,7 +94,7 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
                     Response::text(200, &format!("{}\n", snapshots::render(&l)))
                 }
                 Ok(l) => json(200, &serde_json::to_value(&l).unwrap_or_default()),
-                Err(e) => error_for(e),
+                Err(e) => error_for(e.to_string()),
             }
         }
         ("POST", "/snapshots") => {
@@ -104,14 +104,14 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
             };
             match agent.agent(Op::SnapshotCreate(c)) {
                 Ok(v) => json(200, &v),
-                Err(e) => error_for(e),
+                Err(e) => error_for(e.to_string()),
             }
         }
         ("DELETE", p) if p.starts_with("/snapshots/") => {
             let what = decode(&p["/snapshots/".len()..]);
             match repo().and_then(|r| snapshots::delete(&r, &what).map_err(|e| e.to_string())) {
                 Ok(names) => json(200, &serde_json::json!({ "ok": true, "deleted": names })),
-                Err(e) => error_for(e),
+                Err(e) => error_for(e.to_string()),
             }
         }
         (_, "/diff") if get => {
@@ -131,7 +131,7 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
                         Response::text(200, v["text"].as_str().unwrap_or_default())
                     }
                     Ok(v) => json(200, &v["diff"]),
-                    Err(e) => error_for(e),
+                    Err(e) => error_for(e.to_string()),
                 };
             }
             let to = match to {
@@ -159,7 +159,7 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
             let restart = param(q, "restart").is_some_and(|v| v == "1" || v == "true");
             match agent.agent(Op::Rollback(Rollback { to, restart })) {
                 Ok(v) => json(200, &v),
-                Err(e) => error_for(e),
+                Err(e) => error_for(e.to_string()),
             }
         }
         (_, "/snapshots") => {

@@ -12,7 +12,9 @@ use serde::Serialize;
 use crate::workspace::MountedHandle;
 
 /// What `POST /checkpoint` runs. Returns once the checkpoint is durable, or why it failed.
-pub type CheckpointFn = Box<dyn Fn() -> Result<CheckpointReport, String> + Send + Sync>;
+pub type CheckpointFn = Box<
+    dyn Fn() -> Result<CheckpointReport, Box<dyn std::error::Error + Send + Sync>> + Send + Sync,
+>;
 
 /// What a checkpoint did; serialized as the body of `POST /checkpoint`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -514,7 +516,7 @@ impl StatusHandle {
         if let Some(f) = callback {
             return match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f())) {
                 Ok(Ok(r)) => CheckpointOutcome::Done(r, t0.elapsed()),
-                Ok(Err(e)) => CheckpointOutcome::Failed(e),
+                Ok(Err(e)) => CheckpointOutcome::Failed(e.to_string()),
                 Err(_) => CheckpointOutcome::Failed("the checkpoint panicked".into()),
             };
         }

@@ -41,9 +41,10 @@ pub enum AgentError {
     CheckName(SnapshotsError),
     #[error(transparent)]
     RecordSnapshot(SnapshotsError),
-    /// The checkpoint worker's own message (its errors are strings for its callers).
+    /// The checkpoint the operation takes first (boxed: a service error may carry an
+    /// agent error).
     #[error("{0}")]
-    Checkpoint(String),
+    Checkpoint(#[source] Box<super::service::ServiceError>),
     #[error("{0}")]
     NoSnapshot(&'static str),
     #[error("rollback needs the mounted workspace (keel run or keel mount)")]
@@ -54,7 +55,7 @@ pub enum AgentError {
     Main(#[from] MainCommandError),
     /// The mounted filesystem's rollback (`RollbackFn`) failed.
     #[error("{0}")]
-    Apply(String),
+    Apply(#[source] super::service::BoxError),
 }
 
 /// Why the supervisor could not stop or start the main command.
@@ -130,8 +131,10 @@ pub struct Diff {
 /// Makes the mounted workspace equal to `target` (the tree at the last checkpoint is
 /// `current`); returns what it did, as JSON.
 /// `changed` names every inode and entry that may differ between the two.
-pub type RollbackFn =
-    Box<dyn Fn(&Repo, &View, &View, &Changed) -> Result<serde_json::Value, String> + Send>;
+pub type RollbackFn = Box<
+    dyn Fn(&Repo, &View, &View, &Changed) -> Result<serde_json::Value, super::service::BoxError>
+        + Send,
+>;
 
 fn ms(t: Instant) -> f64 {
     (t.elapsed().as_secs_f64() * 1e6).round() / 1e3
@@ -185,7 +188,7 @@ fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, AgentError> {
             sync_kernel(w);
         }
         w.checkpoint(CheckpointOptions::default(), !w.paused)
-            .map_err(AgentError::Checkpoint)?;
+            .map_err(|e| AgentError::Checkpoint(Box::new(e)))?;
     }
     let resolve = |what: &str| snapshots::resolve(&repo, what).map_err(AgentError::ResolveSnapshot);
     let from = resolve(&req.from)?;
@@ -266,7 +269,7 @@ fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, Agent
     }
     let r = w
         .checkpoint(CheckpointOptions::default(), !w.paused)
-        .map_err(AgentError::Checkpoint)?;
+        .map_err(|e| AgentError::Checkpoint(Box::new(e)))?;
     let seq = match r.seq {
         Some(s) => s,
         None => last_seq(w)?.ok_or(AgentError::NoSnapshot(
@@ -326,7 +329,7 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
     }
     let before = w
         .checkpoint(CheckpointOptions::default(), true)
-        .map_err(AgentError::Checkpoint)?;
+        .map_err(|e| AgentError::Checkpoint(Box::new(e)))?;
     let current = match before.seq {
         Some(s) => s,
         None => last_seq(w)?.ok_or(AgentError::NoSnapshot("the workspace has no snapshot yet"))?,
@@ -354,7 +357,7 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
     let t3 = Instant::now();
     let after = w
         .checkpoint(CheckpointOptions::default(), false)
-        .map_err(AgentError::Checkpoint)?;
+        .map_err(|e| AgentError::Checkpoint(Box::new(e)))?;
     let new = after.seq.unwrap_or(current);
     let undo = format!("before-rollback-{new}");
     snapshots::record(

@@ -26,8 +26,14 @@ use crate::meta::{Nanos, Store};
 
 /// Makes every write the filesystem acknowledged visible in the state database (the
 /// mounted filesystem's `flush`).
-pub type FlushFn = Box<dyn Fn() -> Result<(), String> + Send>;
+pub type FlushFn = Box<dyn Fn() -> Result<(), BoxError> + Send>;
 
+/// The error of a closure handed across layers (the filesystem's flush, its rollback).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why the service did not start, or why a request to it (a checkpoint, a gc, a named
+/// snapshot or a rollback) failed. The messages are the one-liners `/status`,
+/// `keel checkpoint` and the control socket show.
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
     #[error("open remote {url}: {source}")]
@@ -44,23 +50,48 @@ pub enum ServiceError {
     },
     #[error("spawn worker: {0}")]
     Spawn(std::io::Error),
+    #[error("checkpoint service stopped")]
+    Stopped,
+    #[error("refused: another rollback is running")]
+    RollbackRunning,
+    #[error("refused: a checkpoint is running; try again when it is done")]
+    CheckpointRunning,
+    /// The filesystem could not make its acknowledged writes visible (`FlushFn`).
+    #[error("{0}")]
+    Flush(#[source] BoxError),
+    #[error("{0}")]
+    Checkpoint(#[source] super::CheckpointError),
+    #[error("{0}")]
+    Gc(#[source] super::gc::GcError),
+    #[error("free space of {}: {source}", path.display())]
+    FreeSpace {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("checkpoint skipped: the remote is on the state volume, which has {} free; this checkpoint needs up to {} and {} must stay free for the workspace (the workspace is safe on the volume; checkpoints resume once there is room, or lower [persist] keep / use another remote)", mib(*avail), mib(*need), mib(*floor))]
+    NoRoom { avail: u64, need: u64, floor: u64 },
+    #[error("did not finish within {:.1}s", .0.as_secs_f64())]
+    FinalTimeout(Duration),
+    #[error(transparent)]
+    Agent(#[from] super::agent::AgentError),
 }
 
 /// The final checkpoint did not complete.
 #[derive(Debug, thiserror::Error)]
 #[error("final checkpoint failed ({reason}): {backlog}; they stay in the local state and are uploaded first at the next start")]
 pub struct FinalError {
-    pub reason: String,
+    pub reason: Box<ServiceError>,
     pub backlog: Backlog,
 }
 
 pub(crate) enum Cmd {
     Checkpoint {
         full: bool,
-        reply: Sender<Result<CheckpointReport, String>>,
+        reply: Sender<Result<CheckpointReport, ServiceError>>,
     },
     Gc {
-        reply: Sender<Result<GcReport, String>>,
+        reply: Sender<Result<GcReport, ServiceError>>,
     },
     Status {
         reply: Sender<String>,
@@ -78,7 +109,7 @@ pub(crate) enum Cmd {
     /// The last checkpoint: pauses periodic work, no flush (the caller just flushed).
     Final {
         deadline: Instant,
-        reply: Sender<Result<CheckpointReport, String>>,
+        reply: Sender<Result<CheckpointReport, ServiceError>>,
     },
     /// Exit; `clean`: every write of the filesystem is recorded in the store.
     Close {
@@ -87,7 +118,7 @@ pub(crate) enum Cmd {
     /// A named snapshot or a rollback (`agent`).
     Agent {
         op: super::agent::Op,
-        reply: Sender<Result<serde_json::Value, String>>,
+        reply: Sender<Result<serde_json::Value, ServiceError>>,
     },
     /// The remote, for listings and diffs.
     Repo {
@@ -208,22 +239,21 @@ pub fn retry_delay(failures: u32, interval: Duration) -> Duration {
 
 impl CheckpointHandle {
     /// Flushes the filesystem, takes a checkpoint and waits for it.
-    pub fn checkpoint_now(&self) -> Result<CheckpointReport, String> {
+    pub fn checkpoint_now(&self) -> Result<CheckpointReport, ServiceError> {
         let (reply, rx) = mpsc::channel();
         self.tx
             .send(Cmd::Checkpoint { full: false, reply })
-            .map_err(|_| "checkpoint service stopped".to_string())?;
-        rx.recv()
-            .map_err(|_| "checkpoint service stopped".to_string())?
+            .map_err(|_| ServiceError::Stopped)?;
+        rx.recv().map_err(|_| ServiceError::Stopped)?
     }
 
     /// Runs a named snapshot or a rollback on the worker and waits for it. A rollback is
     /// refused at once while a checkpoint or another rollback runs.
-    pub fn agent(&self, op: super::agent::Op) -> Result<serde_json::Value, String> {
+    pub fn agent(&self, op: super::agent::Op) -> Result<serde_json::Value, ServiceError> {
         let rollback = matches!(op, super::agent::Op::Rollback(_));
         // A request that can never work says so, whatever else is running.
         if matches!(&op, super::agent::Op::Rollback(r) if r.restart) && !self.has_main {
-            return Err(super::agent::NO_MAIN.into());
+            return Err(super::agent::AgentError::NoMain.into());
         }
         if rollback {
             if let Err(now) =
@@ -231,19 +261,16 @@ impl CheckpointHandle {
                     .compare_exchange(IDLE, ROLLING_BACK, Ordering::SeqCst, Ordering::SeqCst)
             {
                 return Err(if now == ROLLING_BACK {
-                    "refused: another rollback is running".into()
+                    ServiceError::RollbackRunning
                 } else {
-                    "refused: a checkpoint is running; try again when it is done".into()
+                    ServiceError::CheckpointRunning
                 });
             }
         }
         let (reply, rx) = mpsc::channel();
         let r = match self.tx.send(Cmd::Agent { op, reply }) {
-            Ok(()) => rx
-                .recv()
-                .map_err(|_| "checkpoint service stopped".to_string())
-                .and_then(|r| r),
-            Err(_) => Err("checkpoint service stopped".to_string()),
+            Ok(()) => rx.recv().map_err(|_| ServiceError::Stopped).and_then(|r| r),
+            Err(_) => Err(ServiceError::Stopped),
         };
         if rollback {
             self.busy.store(IDLE, Ordering::SeqCst);
@@ -252,23 +279,21 @@ impl CheckpointHandle {
     }
 
     /// The workspace's remote (for listings and diffs, which only read it).
-    pub fn repo(&self) -> Result<super::Repo, String> {
+    pub fn repo(&self) -> Result<super::Repo, ServiceError> {
         let (reply, rx) = mpsc::channel();
         self.tx
             .send(Cmd::Repo { reply })
-            .map_err(|_| "checkpoint service stopped".to_string())?;
-        rx.recv()
-            .map_err(|_| "checkpoint service stopped".to_string())
+            .map_err(|_| ServiceError::Stopped)?;
+        rx.recv().map_err(|_| ServiceError::Stopped)
     }
 
     /// Backlog and last checkpoint (waits for a checkpoint in progress).
-    pub fn state(&self) -> Result<PersistState, String> {
+    pub fn state(&self) -> Result<PersistState, ServiceError> {
         let (reply, rx) = mpsc::channel();
         self.tx
             .send(Cmd::State { reply })
-            .map_err(|_| "checkpoint service stopped".to_string())?;
-        rx.recv()
-            .map_err(|_| "checkpoint service stopped".to_string())
+            .map_err(|_| ServiceError::Stopped)?;
+        rx.recv().map_err(|_| ServiceError::Stopped)
     }
 }
 
@@ -323,18 +348,13 @@ const SMALL_CHECKPOINT: u64 = 1 << 20;
 
 /// Whether a checkpoint of at most `need` bytes fits on a volume with `avail` bytes free,
 /// leaving `floor` free; if not, why.
-fn space_verdict(avail: u64, floor: u64, need: u64) -> Result<(), String> {
+fn space_verdict(avail: u64, floor: u64, need: u64) -> Result<(), ServiceError> {
     if avail.checked_sub(need).is_some_and(|left| left >= floor)
         || (need <= SMALL_CHECKPOINT && avail >= 4 * SMALL_CHECKPOINT)
     {
         return Ok(());
     }
-    Err(format!(
-        "checkpoint skipped: the remote is on the state volume, which has {} free; this checkpoint needs up to {} and {} must stay free for the workspace (the workspace is safe on the volume; checkpoints resume once there is room, or lower [persist] keep / use another remote)",
-        mib(avail),
-        mib(need),
-        mib(floor)
-    ))
+    Err(ServiceError::NoRoom { avail, need, floor })
 }
 
 fn mib(bytes: u64) -> String {
@@ -355,7 +375,7 @@ impl Worker {
         &mut self,
         opts: CheckpointOptions,
         flush: bool,
-    ) -> Result<CheckpointReport, String> {
+    ) -> Result<CheckpointReport, ServiceError> {
         // Marked busy unless a rollback (which checkpoints too) already is.
         let mine = self
             .busy
@@ -377,7 +397,7 @@ impl Worker {
             }
             Err(e) => {
                 self.failures += 1;
-                self.last_error = Some(e.clone());
+                self.last_error = Some(e.to_string());
             }
         }
         // A checkpoint's batches and snapshot trees are large and short-lived; without this
@@ -408,10 +428,10 @@ impl Worker {
         &mut self,
         opts: CheckpointOptions,
         flush: bool,
-    ) -> Result<CheckpointReport, String> {
+    ) -> Result<CheckpointReport, ServiceError> {
         let synced_at = Nanos(now_ns());
         if flush {
-            (self.flush)()?;
+            (self.flush)().map_err(ServiceError::Flush)?;
         }
         if let Some(root) = self.same_volume.clone() {
             self.make_room(&root)?;
@@ -422,7 +442,7 @@ impl Worker {
                 synced_at: Some(synced_at),
                 ..opts
             })
-            .map_err(|e| e.to_string())?;
+            .map_err(ServiceError::Checkpoint)?;
         if r.seq.is_some() {
             if let Some(d) = &self.disk_use {
                 d.refresh();
@@ -438,14 +458,14 @@ impl Worker {
         Ok(r)
     }
 
-    fn gc(&mut self) -> Result<GcReport, String> {
+    fn gc(&mut self) -> Result<GcReport, ServiceError> {
         self.gc_keeping(Retention::of(&self.cfg))
     }
 
-    fn gc_keeping(&mut self, rules: Retention) -> Result<GcReport, String> {
+    fn gc_keeping(&mut self, rules: Retention) -> Result<GcReport, ServiceError> {
         let mut repo = self.p.repo().clone();
         let r = gc_with(&mut repo, Some(self.p.store()), &rules, self.cfg.gc_grace)
-            .map_err(|e| e.to_string());
+            .map_err(ServiceError::Gc);
         if let Some(d) = &self.disk_use {
             d.refresh();
         }
@@ -458,12 +478,14 @@ impl Worker {
     /// Once paused (the workspace is being stopped and takes no more writes) the floor is
     /// not kept: the checkpoint is skipped only when it cannot fit at all, rather than
     /// leaving half its chunks on a full volume.
-    fn make_room(&mut self, root: &Path) -> Result<(), String> {
-        let need = self.p.backlog().map_err(|e| e.to_string())?.bytes;
+    fn make_room(&mut self, root: &Path) -> Result<(), ServiceError> {
+        let need = self.p.backlog().map_err(ServiceError::Checkpoint)?.bytes;
         let stopping = self.paused;
-        let verdict = || -> Result<(), String> {
-            let s = crate::sys::file::statvfs(root)
-                .map_err(|e| format!("free space of {}: {e}", root.display()))?;
+        let verdict = || -> Result<(), ServiceError> {
+            let s = crate::sys::file::statvfs(root).map_err(|source| ServiceError::FreeSpace {
+                path: root.to_path_buf(),
+                source,
+            })?;
             let unit = s.fragment_size.max(1);
             let floor = if stopping {
                 0
@@ -607,7 +629,8 @@ impl Worker {
                     let _ = reply.send(self.state());
                 }
                 Ok(Cmd::Agent { op, reply }) => {
-                    let _ = reply.send(super::agent::run(&mut self, op).map_err(|e| e.to_string()));
+                    let _ =
+                        reply.send(super::agent::run(&mut self, op).map_err(ServiceError::from));
                 }
                 Ok(Cmd::Repo { reply }) => {
                     let _ = reply.send(self.p.repo().clone());
@@ -778,13 +801,12 @@ impl Service {
     }
 
     /// Takes a checkpoint now and waits for it (`fsync = "remote"`, `keel checkpoint`).
-    pub fn checkpoint_now(&self) -> Result<CheckpointReport, String> {
+    pub fn checkpoint_now(&self) -> Result<CheckpointReport, ServiceError> {
         let (reply, rx) = mpsc::channel();
         self.tx
             .send(Cmd::Checkpoint { full: false, reply })
-            .map_err(|_| "checkpoint service stopped".to_string())?;
-        rx.recv()
-            .map_err(|_| "checkpoint service stopped".to_string())?
+            .map_err(|_| ServiceError::Stopped)?;
+        rx.recv().map_err(|_| ServiceError::Stopped)?
     }
 
     /// Stops periodic checkpoints (before the filesystem is unmounted).
@@ -819,13 +841,13 @@ impl Service {
             other => {
                 let reason = match other {
                     Some(Err(e)) => e,
-                    _ => format!(
-                        "did not finish within {:.1}s",
-                        self.flush_timeout.as_secs_f64()
-                    ),
+                    _ => ServiceError::FinalTimeout(self.flush_timeout),
                 };
                 let backlog = read_backlog(&self.state_dir, self.chunk_size).unwrap_or_default();
-                Err(FinalError { reason, backlog })
+                Err(FinalError {
+                    reason: Box::new(reason),
+                    backlog,
+                })
             }
         }
     }
@@ -890,7 +912,9 @@ mod tests {
         let floor = space_floor(100 * M);
         assert!(space_verdict(50 * M, floor, 40 * M).is_ok());
         assert!(space_verdict(50 * M, floor, 41 * M).is_err());
-        let e = space_verdict(20 * M, floor, 36 * M).unwrap_err();
+        let e = space_verdict(20 * M, floor, 36 * M)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("20.0 MiB free") && e.contains("36.0 MiB"), "{e}");
         // Small ones go through on a volume the workspace itself fills, down to 4 MiB free.
         assert!(space_verdict(5 * M, floor, M).is_ok());

@@ -238,7 +238,8 @@ impl Drop for WorkspaceFs {
 
 /// What `fsync` must also do once the local store is durable, e.g. a checkpoint to the
 /// remote. An error fails the fsync (EIO): the data did not get where it was promised.
-pub type FsyncHook = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
+pub type FsyncHook =
+    Box<dyn Fn() -> Result<(), Box<dyn std::error::Error + Send + Sync>> + Send + Sync>;
 
 /// Space kept free for metadata commits on a full volume.
 const RESERVE_BYTES: u64 = 1 << 20;
