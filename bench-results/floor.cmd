@@ -1,1 +1,1 @@
-script/fs-bench.sh --floor --out /work/wt-25d/bench-results/floor.tsv --only 'create|stat|rm|mkdir|find|git' keel ext4 tmpfs 
+script/fs-bench.sh --floor --out /work/main/bench-results/floor.tsv --only 'create|stat|rm|mkdir|find|git' keel ext4 tmpfs 
