@@ -338,7 +338,7 @@ impl Keel {
     /// SIGKILLs keel and everything below it (what is left after a failed test).
     pub fn kill_tree(&mut self) {
         if let Some(child) = &self.child {
-            for p in super::pid1::descendants(child.id() as i32) {
+            for p in super::procs::descendants(child.id() as i32) {
                 let _ = nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(p),
                     nix::sys::signal::Signal::SIGKILL,
