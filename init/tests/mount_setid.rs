@@ -1,8 +1,10 @@
 //! Set-user-ID and set-group-ID bits as ext4 keeps them: the same operations, by root and by
 //! an unprivileged user (`nobody`, in a forked child that dropped to uid/gid 65534), on a
 //! keel mount and on an ext4 directory of this machine, and the resulting modes compared row
-//! by row (the table is printed). Needs root, /dev/fuse and an ext4 temp dir: without them it
-//! fails when CI is set and skips otherwise.
+//! by row (the table is printed). Also: names the kernel already caches beneath a directory
+//! that denies `nobody` search permission stay out of its reach (keel relies on the kernel's
+//! `default_permissions`, which checks every path walk, cached or not). Needs root, /dev/fuse
+//! and an ext4 temp dir: without them it fails when CI is set and skips otherwise.
 
 mod support;
 
@@ -29,6 +31,10 @@ enum Op {
     Truncate,
     /// open O_WRONLY|O_TRUNC, close
     OpenTrunc,
+    /// stat(path)
+    Stat,
+    /// open O_RDONLY, read one byte, close
+    Read,
 }
 
 struct Row {
@@ -197,6 +203,21 @@ fn run_as(actor: u32, op: Op, path: &Path) -> i32 {
                 Op::Chgrp(g) => libc::chown(c.as_ptr(), none, g),
                 Op::Chown(u) => libc::chown(c.as_ptr(), u, none),
                 Op::Truncate => libc::truncate(c.as_ptr(), 0),
+                Op::Stat => {
+                    let mut st: libc::stat = std::mem::zeroed();
+                    libc::stat(c.as_ptr(), &mut st)
+                }
+                Op::Read => {
+                    let fd = libc::open(c.as_ptr(), libc::O_RDONLY);
+                    if fd < 0 {
+                        libc::_exit(err());
+                    }
+                    let mut b = [0u8; 1];
+                    if libc::read(fd, b.as_mut_ptr().cast(), 1) != 1 {
+                        libc::_exit(err());
+                    }
+                    libc::close(fd)
+                }
                 Op::Write | Op::OpenTrunc => {
                     let flags = match op {
                         Op::Write => libc::O_WRONLY,
@@ -301,4 +322,36 @@ fn setid_bits_after_chown_write_truncate_match_ext4() {
         differ.is_empty(),
         "keel differs from ext4 in {differ:?}:\n{table}"
     );
+}
+
+/// Without `default_permissions` the kernel would check nothing on a walk through a
+/// directory and reach a cached name without asking keel (BENCHMARKS.md, "What
+/// `default_permissions` costs"); this pins that the mount keeps the kernel's checks.
+#[test]
+fn cached_names_beneath_a_private_directory_stay_private() {
+    let k = keel_or_skip!();
+    for d in [k.scratch(), k.mnt.as_path()] {
+        fs::set_permissions(d, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let secret = k.mnt.join("secret");
+    fs::create_dir(&secret).unwrap();
+    fs::set_permissions(&secret, fs::Permissions::from_mode(0o700)).unwrap();
+    fs::write(secret.join("f"), b"topsecret").unwrap();
+    fs::write(secret.join("g"), b"other").unwrap();
+    // Root walks to both names: the kernel now caches their dentries and attributes.
+    assert_eq!(fs::read(secret.join("f")).unwrap(), b"topsecret");
+    assert!(fs::metadata(secret.join("g")).is_ok());
+    assert_eq!(run_as(0, Op::Read, &secret.join("f")), 0, "root reads f");
+    for (op, name) in [(Op::Stat, "g"), (Op::Read, "f"), (Op::Stat, "f")] {
+        let e = run_as(NOBODY, op, &secret.join(name));
+        assert_eq!(
+            e,
+            libc::EACCES,
+            "nobody's {op:?} of secret/{name} through a 0700 directory: errno {e}"
+        );
+    }
+    // And once the directory lets others search, the same names are reachable.
+    fs::set_permissions(&secret, fs::Permissions::from_mode(0o711)).unwrap();
+    assert_eq!(run_as(NOBODY, Op::Stat, &secret.join("g")), 0);
+    assert_eq!(run_as(NOBODY, Op::Read, &secret.join("f")), 0);
 }
