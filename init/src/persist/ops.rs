@@ -302,23 +302,32 @@ pub fn fork_delete(cfg: &Config, url: &str) -> Result<super::fork::DeleteReport,
     super::fork::delete_fork(&mut repo).map_err(OpsError::Fork)
 }
 
+/// `YYYY-MM-DD HH:MM:SSZ` (UTC) of a time in nanoseconds since the epoch.
 pub(crate) fn fmt_time(ns: i64) -> String {
     let s = ns.div_euclid(1_000_000_000);
     let (days, rem) = (s.div_euclid(86400), s.rem_euclid(86400));
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
+    let (y, m, d) = crate::time::civil_from_days(days);
     format!(
         "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}Z",
         rem / 3600,
         rem % 3600 / 60,
         rem % 60
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fmt_time;
+
+    #[test]
+    fn fmt_time_known_times() {
+        const S: i64 = 1_000_000_000;
+        assert_eq!(fmt_time(0), "1970-01-01 00:00:00Z");
+        assert_eq!(fmt_time(-1), "1969-12-31 23:59:59Z");
+        assert_eq!(
+            fmt_time((951_782_400 + 3661) * S + 999),
+            "2000-02-29 01:01:01Z"
+        );
+        assert_eq!(fmt_time(4_102_444_799 * S), "2099-12-31 23:59:59Z");
+    }
 }
