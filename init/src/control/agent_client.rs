@@ -23,10 +23,11 @@ use crate::persist::snapshots::{self, SnapshotsError};
 /// the command line's.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentClientError {
+    /// Boxed, as `AgentCmd`: the steps' errors are large.
     #[error(transparent)]
-    Ops(#[from] OpsError),
+    Ops(Box<OpsError>),
     #[error(transparent)]
-    AgentCmd(#[from] AgentCmdError),
+    AgentCmd(Box<AgentCmdError>),
     #[error("{0}")]
     CheckName(#[source] SnapshotsError),
     #[error("{0} (the control socket admits root, keel's user and [control] group only)")]
@@ -38,6 +39,18 @@ pub enum AgentClientError {
     Refused(String),
     #[error("unexpected answer from keel: {0}")]
     Answer(#[source] serde_json::Error),
+}
+
+impl From<OpsError> for AgentClientError {
+    fn from(e: OpsError) -> Self {
+        AgentClientError::Ops(Box::new(e))
+    }
+}
+
+impl From<AgentCmdError> for AgentClientError {
+    fn from(e: AgentCmdError) -> Self {
+        AgentClientError::AgentCmd(Box::new(e))
+    }
 }
 
 /// A rollback with `restart` waits for the main command to stop: allow for it.

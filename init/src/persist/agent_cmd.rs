@@ -21,9 +21,10 @@ use crate::sys;
 /// keel (its own refusals arrive as its answer). The messages are the command line's.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentCmdError {
-    /// Finding the running keel, opening the remote or the stopped state dir.
+    /// Finding the running keel, opening the remote or the stopped state dir (boxed: the
+    /// steps' errors are large).
     #[error(transparent)]
-    Ops(#[from] OpsError),
+    Ops(Box<OpsError>),
     #[error("unexpected answer from keel: {0}")]
     Answer(#[source] serde_json::Error),
     #[error("{0}")]
@@ -60,6 +61,12 @@ pub struct DiffOptions {
     pub json: bool,
     /// A unified diff of this one file instead of the list of changes.
     pub path: Option<String>,
+}
+
+impl From<OpsError> for AgentCmdError {
+    fn from(e: OpsError) -> Self {
+        AgentCmdError::Ops(Box::new(e))
+    }
 }
 
 /// Sends `op` to the keel running on the state dir; `Ok(None)`: none runs there.
