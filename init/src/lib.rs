@@ -39,4 +39,5 @@ pub mod supervisor;
 // The one module with unsafe code (syscalls through libc/nix), each block with a SAFETY note.
 #[allow(unsafe_code)]
 pub mod sys;
+pub mod time;
 pub mod workspace;

@@ -131,6 +131,21 @@ impl From<String> for Failed {
     }
 }
 
+/// A typed error of the library: the command itself failed (exit 1), the error's one line.
+macro_rules! failed_from {
+    ($($t:ty),* $(,)?) => {$(
+        impl From<$t> for Failed {
+            fn from(e: $t) -> Self {
+                Failed::from(e.to_string())
+            }
+        }
+    )*};
+}
+failed_from!(
+    keel::persist::ops::OpsError,
+    keel::control::agent_client::AgentClientError,
+);
+
 /// Runs a subcommand's body with logging set up: `keel: WHAT: why` and its exit code on
 /// failure.
 fn report(what: &str, f: impl FnOnce() -> Result<i32, Failed>) -> i32 {

@@ -48,16 +48,35 @@ pub struct MountArgs {
     ring_sched: Option<Option<String>>,
 }
 
-fn on_off(v: &str) -> Result<bool, String> {
-    match v {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        _ => Err("expected on or off".into()),
+/// Why a `keel mount` flag's value is not one, or the mount failed.
+#[derive(Debug, thiserror::Error)]
+enum MountError {
+    #[error("expected on or off")]
+    NotOnOff,
+    #[error("block signals: {0}")]
+    BlockSignals(#[source] std::io::Error),
+    #[error("{0}")]
+    Start(#[source] keel::boot::workspace::StartError),
+    #[error("{0}")]
+    Unmount(#[source] keel::workspace::SessionError),
+}
+
+impl From<MountError> for Failed {
+    fn from(e: MountError) -> Self {
+        Failed::from(e.to_string())
     }
 }
 
-fn duration(v: &str) -> Result<Duration, String> {
-    keel::config::units::parse_duration(v).map_err(|e| e.to_string())
+fn on_off(v: &str) -> Result<bool, MountError> {
+    match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(MountError::NotOnOff),
+    }
+}
+
+fn duration(v: &str) -> Result<Duration, keel::config::units::UnitError> {
+    keel::config::units::parse_duration(v)
 }
 
 /// The config with the flags over its `[workspace]` table, checked.
@@ -99,10 +118,10 @@ pub fn main(config_file: Option<&Path>, a: MountArgs) -> i32 {
 /// Mounts `cfg`'s workspace like `keel run` does (lock, lease, restore of an empty state
 /// dir, checkpoints: `boot::workspace`) and serves it until a stop signal or an unmount from
 /// outside, then saves and unmounts; SIGUSR1 logs the count of FUSE requests served.
-fn mount_foreground(cfg: &Config) -> Result<(), String> {
+fn mount_foreground(cfg: &Config) -> Result<(), MountError> {
     use keel::sys::fgsig::{Stop, StopSignals};
-    let signals = StopSignals::block().map_err(|e| format!("block signals: {e}"))?;
-    let ws = keel::boot::workspace::start(cfg).map_err(|e| e.to_string())?;
+    let signals = StopSignals::block().map_err(MountError::BlockSignals)?;
+    let ws = keel::boot::workspace::start(cfg).map_err(MountError::Start)?;
     let mounted = ws.mounted();
     loop {
         match signals.wait_or(mounted.ended().fd()) {
@@ -127,7 +146,7 @@ fn mount_foreground(cfg: &Config) -> Result<(), String> {
         }
         break;
     }
-    ws.unmount().map_err(|e| e.to_string())
+    ws.unmount().map_err(MountError::Unmount)
 }
 
 #[cfg(test)]

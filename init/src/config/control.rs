@@ -16,6 +16,28 @@ pub const SOCKET_NAME: &str = "control.sock";
 /// The control socket of a keel that is PID 1 (a container), outside the state dir.
 pub const RUN_SOCKET: &str = "/run/keel/control.sock";
 
+/// Why a `[control]` value (or `KEEL_CONTROL_TOKEN`) is not usable; the config error names
+/// the key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ControlConfigError {
+    #[error("`{0}` is not host:port (e.g. \"0.0.0.0:8787\" or \"127.0.0.1:8787\")")]
+    NotHostPort(String),
+    #[error("`{listen}`: `{port}` is not a port number")]
+    BadPort { listen: String, port: String },
+    #[error("is empty (leave the key out for no token)")]
+    EmptyToken,
+    #[error("is longer than 1024 bytes")]
+    LongToken,
+    #[error("must be visible ASCII without spaces")]
+    TokenChars,
+    /// `KEEL_CONTROL_TOKEN` from the credentials file is not a usable token.
+    #[error("{TOKEN_ENV} (credentials file): {0}")]
+    CredentialsToken(#[source] Box<ControlConfigError>),
+    /// `KEEL_CONTROL_TOKEN` from the environment is not a usable token.
+    #[error("{TOKEN_ENV}: {0}")]
+    EnvToken(#[source] Box<ControlConfigError>),
+}
+
 /// A secret string: never shown by `Debug`, so a logged config cannot leak it.
 #[derive(Clone, PartialEq, Eq, Deserialize)]
 #[serde(transparent)]
@@ -58,12 +80,12 @@ impl ControlConfig {
         let bad = |k: &str, why: String| Err((format!("control.{k}"), why));
         if let Some(l) = &self.listen {
             if let Err(why) = check_listen(l) {
-                return bad("listen", why);
+                return bad("listen", why.to_string());
             }
         }
         if let Some(t) = &self.token {
             if let Err(why) = check_token(t.expose()) {
-                return bad("token", why);
+                return bad("token", why.to_string());
             }
         }
         if let Some(g) = &self.group {
@@ -91,14 +113,14 @@ impl ControlConfig {
 
     /// The token in effect: `KEEL_CONTROL_TOKEN` from the credentials file read at start,
     /// else from the environment when set and non-empty, else `token`.
-    pub fn effective_token(&self) -> Result<Option<Secret>, String> {
+    pub fn effective_token(&self) -> Result<Option<Secret>, ControlConfigError> {
         if let Some(v) = super::credentials::loaded().and_then(|c| c.get(TOKEN_ENV)) {
-            check_token(v).map_err(|why| format!("{TOKEN_ENV} (credentials file): {why}"))?;
+            check_token(v).map_err(|why| ControlConfigError::CredentialsToken(Box::new(why)))?;
             return Ok(Some(Secret(v.to_string())));
         }
         match super::credentials::value(TOKEN_ENV) {
             Some(v) if !v.is_empty() => {
-                check_token(&v).map_err(|why| format!("{TOKEN_ENV}: {why}"))?;
+                check_token(&v).map_err(|why| ControlConfigError::EnvToken(Box::new(why)))?;
                 Ok(Some(Secret(v)))
             }
             _ => Ok(self.token.clone()),
@@ -118,36 +140,35 @@ impl ControlConfig {
 }
 
 /// `host:port` with a numeric port; the host may be an IP, `[v6]` or a name.
-fn check_listen(l: &str) -> Result<(), String> {
+fn check_listen(l: &str) -> Result<(), ControlConfigError> {
     if l.parse::<std::net::SocketAddr>().is_ok() {
         return Ok(());
     }
     let Some((host, port)) = l.rsplit_once(':') else {
-        return Err(format!(
-            "`{l}` is not host:port (e.g. \"0.0.0.0:8787\" or \"127.0.0.1:8787\")"
-        ));
+        return Err(ControlConfigError::NotHostPort(l.to_string()));
     };
     if port.parse::<u16>().is_err() {
-        return Err(format!("`{l}`: `{port}` is not a port number"));
+        return Err(ControlConfigError::BadPort {
+            listen: l.to_string(),
+            port: port.to_string(),
+        });
     }
     if host.is_empty() || host.contains(':') || host.contains(char::is_whitespace) {
-        return Err(format!(
-            "`{l}` is not host:port (e.g. \"0.0.0.0:8787\" or \"127.0.0.1:8787\")"
-        ));
+        return Err(ControlConfigError::NotHostPort(l.to_string()));
     }
     Ok(())
 }
 
 /// A token must be usable in an `Authorization: Bearer` header: visible ASCII, 1–1024 bytes.
-fn check_token(t: &str) -> Result<(), String> {
+fn check_token(t: &str) -> Result<(), ControlConfigError> {
     if t.is_empty() {
-        return Err("is empty (leave the key out for no token)".into());
+        return Err(ControlConfigError::EmptyToken);
     }
     if t.len() > 1024 {
-        return Err("is longer than 1024 bytes".into());
+        return Err(ControlConfigError::LongToken);
     }
     if !t.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err("must be visible ASCII without spaces".into());
+        return Err(ControlConfigError::TokenChars);
     }
     Ok(())
 }
@@ -158,8 +179,8 @@ mod tests {
     use crate::config::Config;
     use std::path::Path;
 
-    fn parse(t: &str) -> Result<Config, String> {
-        Config::parse(t, Path::new("c.toml")).map_err(|e| e.to_string())
+    fn parse(t: &str) -> Result<Config, crate::config::ConfigError> {
+        Config::parse(t, Path::new("c.toml"))
     }
 
     #[test]
@@ -193,7 +214,7 @@ mod tests {
             ("[control]\ngroup = \"a b\"\n", "control.group"),
             ("[control]\nport = 1\n", "control.port"),
         ] {
-            let e = parse(text).unwrap_err();
+            let e = parse(text).unwrap_err().to_string();
             assert!(e.contains(key), "{text:?}: {e}");
         }
         for ok in ["0.0.0.0:8787", "127.0.0.1:0", "[::]:8787", "localhost:8787"] {

@@ -37,14 +37,19 @@ pub enum Takeover {
     Force,
 }
 
+/// A `--takeover=MODE` that is not one of the modes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not one of refuse, wait, force")]
+pub struct ParseTakeoverError(pub String);
+
 impl std::str::FromStr for Takeover {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = ParseTakeoverError;
+    fn from_str(s: &str) -> Result<Self, ParseTakeoverError> {
         match s {
             "refuse" => Ok(Takeover::Refuse),
             "wait" => Ok(Takeover::Wait),
             "force" => Ok(Takeover::Force),
-            other => Err(format!("`{other}` is not one of refuse, wait, force")),
+            other => Err(ParseTakeoverError(other.to_string())),
         }
     }
 }

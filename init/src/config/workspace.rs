@@ -19,14 +19,24 @@ pub enum CacheMode {
     None,
 }
 
+/// A mode given on the command line (`keel mount --cache`, `--passthrough`) that is not one
+/// of its values.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseModeError {
+    #[error("cache mode `{0}` is not one of auto, kernel, none")]
+    CacheMode(String),
+    #[error("`{0}` is not one of auto, on, off")]
+    Switch(String),
+}
+
 impl std::str::FromStr for CacheMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = ParseModeError;
+    fn from_str(s: &str) -> Result<Self, ParseModeError> {
         match s {
             "auto" => Ok(Self::Auto),
             "kernel" => Ok(Self::Kernel),
             "none" => Ok(Self::None),
-            _ => Err(format!("cache mode `{s}` is not one of auto, kernel, none")),
+            _ => Err(ParseModeError::CacheMode(s.to_string())),
         }
     }
 }
@@ -51,13 +61,13 @@ pub enum Switch {
 }
 
 impl std::str::FromStr for Switch {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = ParseModeError;
+    fn from_str(s: &str) -> Result<Self, ParseModeError> {
         match s {
             "auto" => Ok(Self::Auto),
             "on" => Ok(Self::On),
             "off" => Ok(Self::Off),
-            _ => Err(format!("`{s}` is not one of auto, on, off")),
+            _ => Err(ParseModeError::Switch(s.to_string())),
         }
     }
 }

@@ -14,9 +14,44 @@ use std::time::Duration;
 use super::client::{request_within, ClientError};
 use crate::config::Config;
 use crate::persist::agent::{Rollback, SnapshotCreate};
-use crate::persist::agent_cmd::{self, DiffOptions};
-use crate::persist::ops;
-use crate::persist::snapshots;
+use crate::persist::agent_cmd::{self, AgentCmdError, DiffOptions};
+use crate::persist::ops::{self, OpsError};
+use crate::persist::snapshots::{self, SnapshotsError};
+
+/// Why an agent command or `keel checkpoint` failed, by the way it went: `persist.sock`
+/// and the stopped state dir (`Ops`, `AgentCmd`), or the control socket. The messages are
+/// the command line's.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentClientError {
+    /// Boxed, as `AgentCmd`: the steps' errors are large.
+    #[error(transparent)]
+    Ops(Box<OpsError>),
+    #[error(transparent)]
+    AgentCmd(Box<AgentCmdError>),
+    #[error("{0}")]
+    CheckName(#[source] SnapshotsError),
+    #[error("{0} (the control socket admits root, keel's user and [control] group only)")]
+    Denied(#[source] ClientError),
+    #[error("{0}")]
+    Request(#[source] ClientError),
+    /// The API answered with an error: its `error` (or the body).
+    #[error("{0}")]
+    Refused(String),
+    #[error("unexpected answer from keel: {0}")]
+    Answer(#[source] serde_json::Error),
+}
+
+impl From<OpsError> for AgentClientError {
+    fn from(e: OpsError) -> Self {
+        AgentClientError::Ops(Box::new(e))
+    }
+}
+
+impl From<AgentCmdError> for AgentClientError {
+    fn from(e: AgentCmdError) -> Self {
+        AgentClientError::AgentCmd(Box::new(e))
+    }
+}
 
 /// A rollback with `restart` waits for the main command to stop: allow for it.
 const API_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -38,7 +73,7 @@ fn api_socket(cfg: &Config) -> Option<PathBuf> {
 /// `keel checkpoint [--full]`: by the running keel over `persist.sock` if there is one,
 /// else over its control API (`POST /checkpoint`: a flush when no remote is configured),
 /// else offline on the stopped state dir.
-pub fn checkpoint(cfg: &Config, full: bool) -> Result<ops::Answer, String> {
+pub fn checkpoint(cfg: &Config, full: bool) -> Result<ops::Answer, AgentClientError> {
     if let Some(a) = ops::checkpoint_running(cfg, full)? {
         return Ok(a);
     }
@@ -51,7 +86,7 @@ pub fn checkpoint(cfg: &Config, full: bool) -> Result<ops::Answer, String> {
             });
         }
     }
-    ops::checkpoint_offline(cfg, full)
+    Ok(ops::checkpoint_offline(cfg, full)?)
 }
 
 /// Percent-encodes a query value (everything but RFC 3986's unreserved characters).
@@ -68,12 +103,10 @@ fn enc(v: &str) -> String {
 }
 
 /// One request; the body on 200, else the API's `error` (or the body) as the error.
-fn call(sock: &Path, method: &str, route: &str) -> Result<String, String> {
+fn call(sock: &Path, method: &str, route: &str) -> Result<String, AgentClientError> {
     let (code, body) = request_within(sock, method, route, API_TIMEOUT).map_err(|e| match e {
-        ClientError::Denied { .. } => {
-            format!("{e} (the control socket admits root, keel's user and [control] group only)")
-        }
-        e => e.to_string(),
+        ClientError::Denied { .. } => AgentClientError::Denied(e),
+        e => AgentClientError::Request(e),
     })?;
     if code == 200 {
         return Ok(body);
@@ -82,19 +115,22 @@ fn call(sock: &Path, method: &str, route: &str) -> Result<String, String> {
         .ok()
         .and_then(|v| v["error"].as_str().map(str::to_string))
         .unwrap_or_else(|| body.trim().to_string());
-    Err(why)
+    Err(AgentClientError::Refused(why))
 }
 
-fn json(body: &str) -> Result<serde_json::Value, String> {
-    serde_json::from_str(body).map_err(|e| format!("unexpected answer from keel: {e}"))
+fn json(body: &str) -> Result<serde_json::Value, AgentClientError> {
+    serde_json::from_str(body).map_err(AgentClientError::Answer)
 }
 
-pub fn snapshot_create(cfg: &Config, c: &SnapshotCreate) -> Result<serde_json::Value, String> {
+pub fn snapshot_create(
+    cfg: &Config,
+    c: &SnapshotCreate,
+) -> Result<serde_json::Value, AgentClientError> {
     let Some(sock) = api_socket(cfg) else {
-        return agent_cmd::snapshot_create(cfg, c);
+        return Ok(agent_cmd::snapshot_create(cfg, c)?);
     };
     if let Some(n) = &c.name {
-        snapshots::check_name(n).map_err(|e| e.to_string())?;
+        snapshots::check_name(n).map_err(AgentClientError::CheckName)?;
     }
     let mut route = format!("/snapshots?message={}", enc(&c.message));
     if let Some(n) = &c.name {
@@ -104,7 +140,7 @@ pub fn snapshot_create(cfg: &Config, c: &SnapshotCreate) -> Result<serde_json::V
 }
 
 /// The listing, as JSON or as the text table.
-pub fn snapshot_list(cfg: &Config, as_json: bool) -> Result<String, String> {
+pub fn snapshot_list(cfg: &Config, as_json: bool) -> Result<String, AgentClientError> {
     let Some(sock) = api_socket(cfg) else {
         let l = agent_cmd::snapshot_list(cfg)?;
         return Ok(if as_json {
@@ -122,9 +158,9 @@ pub fn snapshot_list(cfg: &Config, as_json: bool) -> Result<String, String> {
 }
 
 /// The names removed.
-pub fn snapshot_delete(cfg: &Config, what: &str) -> Result<Vec<String>, String> {
+pub fn snapshot_delete(cfg: &Config, what: &str) -> Result<Vec<String>, AgentClientError> {
     let Some(sock) = api_socket(cfg) else {
-        return agent_cmd::snapshot_delete(cfg, what);
+        return Ok(agent_cmd::snapshot_delete(cfg, what)?);
     };
     let v = json(&call(
         &sock,
@@ -141,9 +177,9 @@ pub fn snapshot_delete(cfg: &Config, what: &str) -> Result<Vec<String>, String> 
         .unwrap_or_default())
 }
 
-pub fn diff(cfg: &Config, o: &DiffOptions) -> Result<String, String> {
+pub fn diff(cfg: &Config, o: &DiffOptions) -> Result<String, AgentClientError> {
     let Some(sock) = api_socket(cfg) else {
-        return agent_cmd::diff(cfg, o);
+        return Ok(agent_cmd::diff(cfg, o)?);
     };
     let mut route = format!("/diff?from={}", enc(&o.from));
     if let Some(t) = &o.to {
@@ -157,9 +193,9 @@ pub fn diff(cfg: &Config, o: &DiffOptions) -> Result<String, String> {
     call(&sock, "GET", &route)
 }
 
-pub fn rollback(cfg: &Config, r: &Rollback) -> Result<serde_json::Value, String> {
+pub fn rollback(cfg: &Config, r: &Rollback) -> Result<serde_json::Value, AgentClientError> {
     let Some(sock) = api_socket(cfg) else {
-        return agent_cmd::rollback(cfg, r);
+        return Ok(agent_cmd::rollback(cfg, r)?);
     };
     let mut route = format!("/rollback?to={}", enc(&r.to));
     if r.restart {

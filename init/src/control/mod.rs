@@ -31,7 +31,7 @@ use server::{Server, ServerError};
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
     #[error("control.token: {0}")]
-    Token(String),
+    Token(#[source] crate::config::control::ControlConfigError),
     #[error("control.listen: {0}")]
     Listen(ServerError),
     #[error("control.socket: {0}")]

@@ -8,8 +8,61 @@
 
 use super::api::{Request, Response};
 use super::status::{CheckpointOutcome, StatusHandle};
-use crate::persist::agent::{Diff as AgentDiff, Op, Rollback, SnapshotCreate};
-use crate::persist::{diff, snapshots};
+use crate::persist::agent::{AgentError, Diff as AgentDiff, Op, Rollback, SnapshotCreate};
+use crate::persist::diff::{self, DiffError};
+use crate::persist::service::ServiceError;
+use crate::persist::snapshots::{self, SnapshotsError};
+
+/// Why an agent route failed: the body's `error` is its message, the status code comes from
+/// its variant (never from the message's wording).
+#[derive(Debug, thiserror::Error)]
+enum RouteError {
+    #[error(transparent)]
+    Service(#[from] ServiceError),
+    #[error(transparent)]
+    Snapshots(#[from] SnapshotsError),
+    #[error(transparent)]
+    Diff(#[from] DiffError),
+}
+
+impl RouteError {
+    /// 409: refused while a checkpoint or rollback runs; 404: no such snapshot, or no such
+    /// file in one; 400: a bad snapshot name; 500: anything else.
+    fn http_status(&self) -> u16 {
+        match self {
+            RouteError::Service(e) => service_status(e),
+            RouteError::Snapshots(e) => snapshots_status(e),
+            RouteError::Diff(DiffError::NoPath { .. }) => 404,
+            RouteError::Diff(_) => 500,
+        }
+    }
+}
+
+fn service_status(e: &ServiceError) -> u16 {
+    match e {
+        ServiceError::RollbackRunning | ServiceError::CheckpointRunning => 409,
+        ServiceError::Agent(a) => agent_status(a),
+        _ => 500,
+    }
+}
+
+fn agent_status(e: &AgentError) -> u16 {
+    match e {
+        AgentError::ResolveSnapshot(s)
+        | AgentError::CheckName(s)
+        | AgentError::RecordSnapshot(s) => snapshots_status(s),
+        AgentError::Checkpoint(s) => service_status(s),
+        _ => 500,
+    }
+}
+
+fn snapshots_status(e: &SnapshotsError) -> u16 {
+    match e {
+        SnapshotsError::BadName(_) => 400,
+        SnapshotsError::Unknown(_) => 404,
+        _ => 500,
+    }
+}
 
 /// Whether `path` is one of these routes.
 pub fn is_route(path: &str) -> bool {
@@ -29,18 +82,10 @@ fn error(code: u16, why: &str) -> Response {
     json(code, &serde_json::json!({ "ok": false, "error": why }))
 }
 
-/// The status for an error text from the service.
-fn error_for(why: String) -> Response {
-    let code = if why.starts_with("refused") {
-        409
-    } else if why.starts_with("no snapshot") || why.contains("no such file") {
-        404
-    } else if why.starts_with("snapshot name") {
-        400
-    } else {
-        500
-    };
-    error(code, &why)
+/// The error answer for a failed route.
+fn error_for(e: impl Into<RouteError>) -> Response {
+    let e = e.into();
+    error(e.http_status(), &e.to_string())
 }
 
 /// `%XX` and `+` decoded.
@@ -86,15 +131,15 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
     };
     let q = req.query.as_str();
     let get = matches!(req.method.as_str(), "GET" | "HEAD");
-    let repo = || agent.repo().map_err(|e| e.to_string());
+    let repo = || agent.repo().map_err(RouteError::from);
     match (req.method.as_str(), req.path.as_str()) {
         (_, "/snapshots") if get => {
-            match repo().and_then(|r| snapshots::list(&r).map_err(|e| e.to_string())) {
+            match repo().and_then(|r| snapshots::list(&r).map_err(RouteError::from)) {
                 Ok(l) if param(q, "format").as_deref() == Some("text") => {
                     Response::text(200, &format!("{}\n", snapshots::render(&l)))
                 }
                 Ok(l) => json(200, &serde_json::to_value(&l).unwrap_or_default()),
-                Err(e) => error_for(e.to_string()),
+                Err(e) => error_for(e),
             }
         }
         ("POST", "/snapshots") => {
@@ -104,14 +149,14 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
             };
             match agent.agent(Op::SnapshotCreate(c)) {
                 Ok(v) => json(200, &v),
-                Err(e) => error_for(e.to_string()),
+                Err(e) => error_for(e),
             }
         }
         ("DELETE", p) if p.starts_with("/snapshots/") => {
             let what = decode(&p["/snapshots/".len()..]);
-            match repo().and_then(|r| snapshots::delete(&r, &what).map_err(|e| e.to_string())) {
+            match repo().and_then(|r| snapshots::delete(&r, &what).map_err(RouteError::from)) {
                 Ok(names) => json(200, &serde_json::json!({ "ok": true, "deleted": names })),
-                Err(e) => error_for(e.to_string()),
+                Err(e) => error_for(e),
             }
         }
         (_, "/diff") if get => {
@@ -131,7 +176,7 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
                         Response::text(200, v["text"].as_str().unwrap_or_default())
                     }
                     Ok(v) => json(200, &v["diff"]),
-                    Err(e) => error_for(e.to_string()),
+                    Err(e) => error_for(e),
                 };
             }
             let to = match to {
@@ -143,12 +188,13 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
                 },
             };
             let r = repo().and_then(|repo| {
-                let from = snapshots::resolve(&repo, &from).map_err(|e| e.to_string())?;
-                let to = snapshots::resolve(&repo, &to).map_err(|e| e.to_string())?;
+                let from = snapshots::resolve(&repo, &from)?;
+                let to = snapshots::resolve(&repo, &to)?;
                 let path = param(q, "path").unwrap_or_default();
-                diff::file_diff(&repo, from, to, &path)
-                    .map(|t| Response::text(200, &t))
-                    .map_err(|e| e.to_string())
+                Ok(Response::text(
+                    200,
+                    &diff::file_diff(&repo, from, to, &path)?,
+                ))
             });
             r.unwrap_or_else(error_for)
         }
@@ -159,7 +205,7 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
             let restart = param(q, "restart").is_some_and(|v| v == "1" || v == "true");
             match agent.agent(Op::Rollback(Rollback { to, restart })) {
                 Ok(v) => json(200, &v),
-                Err(e) => error_for(e.to_string()),
+                Err(e) => error_for(e),
             }
         }
         (_, "/snapshots") => {
@@ -188,5 +234,91 @@ mod tests {
         );
         assert_eq!(param("a=1", "b"), None);
         assert_eq!(decode("100%"), "100%");
+    }
+
+    /// The status code follows the error's variant, the body keeps its message.
+    #[test]
+    fn route_errors_map_to_status_codes_by_variant() {
+        let unknown = || SnapshotsError::Unknown("x".into());
+        let cases: Vec<(RouteError, u16, &str)> = vec![
+            (
+                ServiceError::CheckpointRunning.into(),
+                409,
+                "refused: a checkpoint is running",
+            ),
+            (
+                ServiceError::RollbackRunning.into(),
+                409,
+                "refused: another rollback is running",
+            ),
+            (
+                ServiceError::Stopped.into(),
+                500,
+                "checkpoint service stopped",
+            ),
+            (unknown().into(), 404, "no snapshot `x`"),
+            (
+                SnapshotsError::BadName("-a".into()).into(),
+                400,
+                "snapshot name `-a`",
+            ),
+            (
+                SnapshotsError::NoHead.into(),
+                500,
+                "the remote has no snapshot yet",
+            ),
+            (
+                ServiceError::Agent(AgentError::ResolveSnapshot(unknown())).into(),
+                404,
+                "no snapshot `x`",
+            ),
+            (
+                ServiceError::Agent(AgentError::CheckName(SnapshotsError::BadName("-a".into())))
+                    .into(),
+                400,
+                "snapshot name `-a`",
+            ),
+            (
+                ServiceError::Agent(AgentError::Checkpoint(Box::new(
+                    ServiceError::CheckpointRunning,
+                )))
+                .into(),
+                409,
+                "refused: a checkpoint is running",
+            ),
+            (
+                ServiceError::Agent(AgentError::NoSnapshot("the workspace has no snapshot yet"))
+                    .into(),
+                500,
+                "the workspace has no snapshot yet",
+            ),
+            (
+                DiffError::NoPath {
+                    path: "a/b".into(),
+                    seq: 3,
+                }
+                .into(),
+                404,
+                "a/b: no such file in snapshot 3",
+            ),
+            (
+                DiffError::NotFile {
+                    path: "a".into(),
+                    seq: 3,
+                }
+                .into(),
+                500,
+                "a: not a regular file in snapshot 3",
+            ),
+        ];
+        for (e, code, text) in cases {
+            let (got, msg) = (e.http_status(), e.to_string());
+            assert_eq!(got, code, "{msg}");
+            assert!(msg.starts_with(text), "{msg}");
+            let r = error_for(e);
+            assert_eq!(r.status, code);
+            let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+            assert_eq!(body["error"].as_str(), Some(msg.as_str()));
+        }
     }
 }

@@ -499,13 +499,13 @@ mod tests {
         rules: Retention,
         pinned: &[u64],
         present: &[u64],
-    ) -> Result<(Decision, Vec<u64>), String> {
+    ) -> Result<(Decision, Vec<u64>), u64> {
         let mut h = history();
         h.retain(|s, _| present.contains(s));
         let mut loaded = Vec::new();
-        let mut load = |s: u64| -> Result<SnapFacts, String> {
+        let mut load = |s: u64| -> Result<SnapFacts, u64> {
             loaded.push(s);
-            h.get(&s).cloned().ok_or(format!("no {s}"))
+            h.get(&s).cloned().ok_or(s)
         };
         let d = decide(
             Some(10),
@@ -642,6 +642,6 @@ mod tests {
         // A kept delta whose parent is gone is an error, not a silent partial keep.
         let present: Vec<u64> = (6..=10).filter(|s| *s != 8).collect();
         let e = try_run(Retention::count(100), &[], &present).unwrap_err();
-        assert_eq!(e, "no 8");
+        assert_eq!(e, 8, "the snapshot that could not be read");
     }
 }

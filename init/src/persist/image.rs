@@ -53,8 +53,12 @@ pub enum ImageError {
     },
     #[error("read delta snapshot {seq}: {source}")]
     ReadDelta { seq: u64, source: RepoError },
-    #[error("apply delta snapshot {seq}: {reason}")]
-    ApplyDelta { seq: u64, reason: String },
+    #[error("apply delta snapshot {seq}: {source}")]
+    ApplyDelta {
+        seq: u64,
+        #[source]
+        source: DeltaError,
+    },
     #[error("image database: {0}")]
     Db(#[from] MetaError),
     #[error("create the body of inode {ino}: {source}")]
@@ -63,6 +67,17 @@ pub enum ImageError {
     List(RemoteError),
     #[error("delete {key}: {source}")]
     Delete { key: String, source: RemoteError },
+}
+
+/// Which step of replaying one delta snapshot onto the image database failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DeltaError {
+    #[error("{0}")]
+    Db(#[source] MetaError),
+    #[error("{0}")]
+    WriteInode(#[source] Box<RestoreError>),
+    #[error("entry {name:?} has a bad kind {kind:o}")]
+    BadKind { name: String, kind: u32 },
 }
 
 /// Key of the image object with blake3 `hash`.
@@ -245,7 +260,7 @@ pub(super) fn restore(
                 .read_snapshot(h.seq)
                 .map_err(|source| ImageError::ReadDelta { seq: h.seq, source })?;
             apply_delta(a, &b, dh.chunk_size)
-                .map_err(|reason| ImageError::ApplyDelta { seq: h.seq, reason })?;
+                .map_err(|source| ImageError::ApplyDelta { seq: h.seq, source })?;
         }
         for (k, v) in state {
             a.persist_set(k, v)?;
@@ -266,8 +281,8 @@ pub(super) fn restore(
 }
 
 /// Replays one delta snapshot onto the database, as `Tree::apply` replays it onto a tree.
-fn apply_delta(a: &mut Amender<'_>, b: &Body, cs: u64) -> Result<(), String> {
-    let e = |e: MetaError| e.to_string();
+fn apply_delta(a: &mut Amender<'_>, b: &Body, cs: u64) -> Result<(), DeltaError> {
+    let e = DeltaError::Db;
     for ino in &b.deleted {
         a.delete_inode(InodeNo(*ino)).map_err(e)?;
     }
@@ -289,17 +304,16 @@ fn apply_delta(a: &mut Amender<'_>, b: &Body, cs: u64) -> Result<(), String> {
         let t = tree_inode(rec, old, cs);
         let mut scratch = RestoreReport::default();
         write_inode(a.writer(), &t, 0, RestoreMode::Lazy, &mut scratch)
-            .map_err(|x| x.to_string())?;
+            .map_err(|x| DeltaError::WriteInode(Box::new(x)))?;
     }
     for (p, n) in &b.unlinked {
         a.remove_dirent(InodeNo(*p), n).map_err(e)?;
     }
     for d in &b.dirents {
-        let k = Kind::from_mode(d.kind).ok_or(format!(
-            "entry {:?} has a bad kind {:o}",
-            String::from_utf8_lossy(&d.name),
-            d.kind
-        ))?;
+        let k = Kind::from_mode(d.kind).ok_or_else(|| DeltaError::BadKind {
+            name: String::from_utf8_lossy(&d.name).into_owned(),
+            kind: d.kind,
+        })?;
         a.put_dirent(InodeNo(d.parent), &d.name, InodeNo(d.ino), k)
             .map_err(e)?;
     }

@@ -4,44 +4,104 @@
 //! `persist.sock` when the state dir is mounted, and otherwise locks the state dir and works
 //! on it directly. Long work reports to `crate::progress`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::checkpoint::{CheckpointOptions, Persister};
-use super::fsck::FsckReport;
-use super::restore::RestoreReport;
-use super::{control, gc, open_remote, params, restore, Repo};
+use super::checkpoint::{CheckpointError, CheckpointOptions, Persister};
+use super::control::RequestError;
+use super::fork::ForkError;
+use super::fsck::{FsckError, FsckReport};
+use super::gc::GcError;
+use super::lease::LeaseError;
+use super::restore::{RestoreError, RestoreReport};
+use super::{control, gc, open_remote, params, restore, RemoteError, Repo};
 use crate::config::Config;
+use crate::meta::MetaError;
 use crate::sys;
 
-pub(super) fn repo_of(cfg: &Config) -> Result<Repo, String> {
+/// Why a one-shot persistence command failed. The messages are the one-liners the command
+/// line prints after `keel: <command>: `; the steps' own errors print as they are.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    #[error("no remote configured ([persist] remote = \"none\")")]
+    NoRemote,
+    #[error("{0}")]
+    OpenRemote(#[source] RemoteError),
+    #[error("{}: {source}", path.display())]
+    CreateStateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("lock {}: {source}", path.display())]
+    Lock {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("state dir {} is in use by a running keel that does not answer on persist.sock (checkpoints off, or still starting)", .0.display())]
+    InUse(PathBuf),
+    /// Talking to the running keel over `persist.sock`.
+    #[error("{0}")]
+    Ask(#[source] RequestError),
+    #[error("{0}")]
+    OpenState(#[source] Box<CheckpointError>),
+    #[error("{0}")]
+    AcquireLease(#[source] LeaseError),
+    #[error("start lease renewal: {0}")]
+    StartRenewal(#[source] std::io::Error),
+    /// The checkpoint failed; `backlog` is what stays local.
+    #[error("{source}; {backlog}")]
+    Checkpoint {
+        #[source]
+        source: Box<CheckpointError>,
+        backlog: String,
+    },
+    #[error("{0}")]
+    OpenStore(#[source] MetaError),
+    #[error("{0}")]
+    Gc(#[source] GcError),
+    #[error("{0}")]
+    Fsck(#[source] FsckError),
+    #[error("--remote URL (or [persist] remote) is required: the default remote lives inside the state dir being restored")]
+    RestoreNeedsRemote,
+    #[error("{0}")]
+    Restore(#[source] RestoreError),
+    #[error("no source: pass --from URL or configure [persist] remote")]
+    NoForkSource,
+    #[error("{0}")]
+    Fork(#[source] ForkError),
+}
+
+pub(super) fn repo_of(cfg: &Config) -> Result<Repo, OpsError> {
     let url = cfg
         .persist
         .remote_url(&cfg.workspace.state_dir)
-        .ok_or_else(|| "no remote configured ([persist] remote = \"none\")".to_string())?;
-    open_remote(&url, &cfg.persist).map_err(|e| e.to_string())
+        .ok_or(OpsError::NoRemote)?;
+    open_remote(&url, &cfg.persist).map_err(OpsError::OpenRemote)
 }
 
 /// Locks a state dir that no running keel holds.
-pub(super) fn lock_offline(state: &Path) -> Result<sys::file::LockFile, String> {
-    super::private::create_dir_all(state).map_err(|e| format!("{}: {e}", state.display()))?;
+pub(super) fn lock_offline(state: &Path) -> Result<sys::file::LockFile, OpsError> {
+    super::private::create_dir_all(state).map_err(|source| OpsError::CreateStateDir {
+        path: state.to_path_buf(),
+        source,
+    })?;
     sys::file::try_lock(&state.join("lock"))
-        .map_err(|e| format!("lock {}: {e}", state.display()))?
-        .ok_or_else(|| {
-            format!(
-                "state dir {} is in use by a running keel that does not answer on persist.sock (checkpoints off, or still starting)",
-                state.display()
-            )
-        })
+        .map_err(|source| OpsError::Lock {
+            path: state.to_path_buf(),
+            source,
+        })?
+        .ok_or_else(|| OpsError::InUse(state.to_path_buf()))
 }
 
 /// Asks the running keel; while the state dir is locked but the socket is not up yet (keel
 /// is starting), retries for a few seconds. `None`: no keel runs there.
-pub(super) fn ask(state: &Path, cmd: &str) -> Result<Option<String>, String> {
+pub(super) fn ask(state: &Path, cmd: &str) -> Result<Option<String>, OpsError> {
     let t0 = std::time::Instant::now();
     loop {
         if let Some(r) =
-            control::request(state, cmd, Duration::from_secs(3600)).map_err(|e| e.to_string())?
+            control::request(state, cmd, Duration::from_secs(3600)).map_err(OpsError::Ask)?
         {
             return Ok(Some(r));
         }
@@ -67,7 +127,7 @@ pub struct Answer {
 /// `keel checkpoint [--full]` by the keel running on the state dir, over its
 /// `persist.sock`; `None`: no keel answers there (see `control::agent_client::checkpoint`
 /// for the other ways).
-pub fn checkpoint_running(cfg: &Config, full: bool) -> Result<Option<Answer>, String> {
+pub fn checkpoint_running(cfg: &Config, full: bool) -> Result<Option<Answer>, OpsError> {
     let state = &cfg.workspace.state_dir;
     let cmd = if full {
         "checkpoint full"
@@ -82,12 +142,12 @@ pub fn checkpoint_running(cfg: &Config, full: bool) -> Result<Option<Answer>, St
         }
     }
     Ok(control::request(state, cmd, Duration::from_secs(3600))
-        .map_err(|e| e.to_string())?
+        .map_err(OpsError::Ask)?
         .map(|r| Answer { text: r, ok: true }))
 }
 
 /// `keel checkpoint [--full]` of a stopped state dir, as its one writer.
-pub fn checkpoint_offline(cfg: &Config, full: bool) -> Result<Answer, String> {
+pub fn checkpoint_offline(cfg: &Config, full: bool) -> Result<Answer, OpsError> {
     with_offline_writer(cfg, |p| {
         match p.checkpoint(&CheckpointOptions {
             full,
@@ -98,8 +158,11 @@ pub fn checkpoint_offline(cfg: &Config, full: bool) -> Result<Answer, String> {
                 ok: true,
             }),
             Err(e) => {
-                let b = p.backlog().map(|b| b.to_string()).unwrap_or_default();
-                Err(format!("{e}; {b}"))
+                let backlog = p.backlog().map(|b| b.to_string()).unwrap_or_default();
+                Err(OpsError::Checkpoint {
+                    source: Box::new(e),
+                    backlog,
+                })
             }
         }
     })
@@ -107,18 +170,19 @@ pub fn checkpoint_offline(cfg: &Config, full: bool) -> Result<Answer, String> {
 
 /// Runs `f` on the persister of a stopped state dir as the workspace's one writer: the state
 /// dir locked and the lease held (and renewed) until `f` returns, since the head may move.
-pub(super) fn with_offline_writer<T>(
+/// `f`'s error type is the caller's, one that can say why the writer did not open.
+pub(super) fn with_offline_writer<T, E: From<OpsError>>(
     cfg: &Config,
-    f: impl FnOnce(&mut Persister) -> Result<T, String>,
-) -> Result<T, String> {
+    f: impl FnOnce(&mut Persister) -> Result<T, E>,
+) -> Result<T, E> {
     let state = &cfg.workspace.state_dir;
     let _lock = lock_offline(state)?;
     let mut p = Persister::open(state, repo_of(cfg)?, params(&cfg.workspace, &cfg.persist))
-        .map_err(|e| e.to_string())?;
-    let mut lease = super::acquire_lease(state, &cfg.persist, true).map_err(|e| e.to_string())?;
+        .map_err(|e| OpsError::OpenState(Box::new(e)))?;
+    let mut lease =
+        super::acquire_lease(state, &cfg.persist, true).map_err(OpsError::AcquireLease)?;
     if let Some(l) = lease.as_mut() {
-        l.start_renewal()
-            .map_err(|e| format!("start lease renewal: {e}"))?;
+        l.start_renewal().map_err(OpsError::StartRenewal)?;
         p.set_lease(Some(l.handle()));
     }
     let _lease = super::lease::ReleaseOnDrop::new(lease);
@@ -126,7 +190,7 @@ pub(super) fn with_offline_writer<T>(
 }
 
 /// `keel gc`: by the running keel if there is one, else offline.
-pub fn gc(cfg: &Config) -> Result<String, String> {
+pub fn gc(cfg: &Config) -> Result<String, OpsError> {
     let state = &cfg.workspace.state_dir;
     if let Some(r) = ask(state, "gc")? {
         return Ok(r);
@@ -139,7 +203,7 @@ pub fn gc(cfg: &Config) -> Result<String, String> {
                 &state.join("meta.db"),
                 crate::meta::Nanos(super::checkpoint::now_ns()),
             )
-            .map_err(|e| e.to_string())?,
+            .map_err(OpsError::OpenStore)?,
         )
     } else {
         None
@@ -150,7 +214,7 @@ pub fn gc(cfg: &Config) -> Result<String, String> {
         &gc::Retention::of(&cfg.persist),
         cfg.persist.gc_grace,
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(OpsError::Gc)?;
     Ok(r.to_string())
 }
 
@@ -164,7 +228,7 @@ pub struct FsckFlags {
 }
 
 /// `keel fsck` of a stopped state dir (and, unless `no_remote`, its remote).
-pub fn fsck(cfg: &Config, flags: FsckFlags) -> Result<FsckReport, String> {
+pub fn fsck(cfg: &Config, flags: FsckFlags) -> Result<FsckReport, OpsError> {
     let state = &cfg.workspace.state_dir;
     let _lock = lock_offline(state)?;
     let remote = if flags.no_remote {
@@ -176,7 +240,7 @@ pub fn fsck(cfg: &Config, flags: FsckFlags) -> Result<FsckReport, String> {
             .filter(|u| !u.starts_with("file://") || Path::new(&u[7..]).exists())
             .map(|u| open_remote(&u, &cfg.persist))
             .transpose()
-            .map_err(|e| e.to_string())?
+            .map_err(OpsError::OpenRemote)?
     };
     let opts = super::fsck::FsckOptions {
         repair: flags.repair,
@@ -184,18 +248,18 @@ pub fn fsck(cfg: &Config, flags: FsckFlags) -> Result<FsckReport, String> {
         chunk_size: cfg.workspace.chunk_size,
         remote,
     };
-    super::fsck::fsck(state, &opts).map_err(|e| e.to_string())
+    super::fsck::fsck(state, &opts).map_err(OpsError::Fsck)
 }
 
 /// `keel snapshot restore`: snapshot `seq` (default: the head) into the empty state dir.
-pub fn snapshot_restore(cfg: &Config, seq: Option<u64>) -> Result<RestoreReport, String> {
+pub fn snapshot_restore(cfg: &Config, seq: Option<u64>) -> Result<RestoreReport, OpsError> {
     let state = &cfg.workspace.state_dir;
     if cfg.persist.remote.is_empty() {
-        return Err("--remote URL (or [persist] remote) is required: the default remote lives inside the state dir being restored".into());
+        return Err(OpsError::RestoreNeedsRemote);
     }
     let _lock = lock_offline(state)?;
     let mut repo = repo_of(cfg)?;
-    restore::restore(&mut repo, seq, state).map_err(|e| e.to_string())
+    restore::restore(&mut repo, seq, state).map_err(OpsError::Restore)
 }
 
 /// `keel fork --to URL [--from URL] [--seq N]`: a new workspace from a snapshot of the
@@ -205,58 +269,65 @@ pub fn fork(
     to: &str,
     from: Option<&str>,
     seq: Option<u64>,
-) -> Result<super::fork::ForkReport, String> {
+) -> Result<super::fork::ForkReport, OpsError> {
     let state = &cfg.workspace.state_dir;
     let configured = cfg.persist.remote_url(state);
     let from = match from {
         Some(f) => f.to_string(),
-        None => configured.clone().ok_or_else(|| {
-            "no source: pass --from URL or configure [persist] remote".to_string()
-        })?,
+        None => configured.clone().ok_or(OpsError::NoForkSource)?,
     };
     // A keel serving the source here checkpoints first, so the fork holds the latest state.
     if seq.is_none() && configured.as_deref() == Some(from.as_str()) {
         if let Some(mp) = control::request(state, "mount-point", Duration::from_secs(10))
-            .map_err(|e| e.to_string())?
+            .map_err(OpsError::Ask)?
         {
             if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
                 eprintln!("keel: fork: syncfs {mp}: {e} (checkpointing what keel has)");
             }
         }
         if let Some(r) = control::request(state, "checkpoint", Duration::from_secs(3600))
-            .map_err(|e| e.to_string())?
+            .map_err(OpsError::Ask)?
         {
             eprintln!("keel: fork: checkpointed the running workspace first: {r}");
         }
     }
-    let mut src = open_remote(&from, &cfg.persist).map_err(|e| e.to_string())?;
-    let mut dst = open_remote(to, &cfg.persist).map_err(|e| e.to_string())?;
-    super::fork::fork(&mut src, &mut dst, seq).map_err(|e| e.to_string())
+    let mut src = open_remote(&from, &cfg.persist).map_err(OpsError::OpenRemote)?;
+    let mut dst = open_remote(to, &cfg.persist).map_err(OpsError::OpenRemote)?;
+    super::fork::fork(&mut src, &mut dst, seq).map_err(OpsError::Fork)
 }
 
 /// `keel fork --delete URL`.
-pub fn fork_delete(cfg: &Config, url: &str) -> Result<super::fork::DeleteReport, String> {
-    let mut repo = open_remote(url, &cfg.persist).map_err(|e| e.to_string())?;
-    super::fork::delete_fork(&mut repo).map_err(|e| e.to_string())
+pub fn fork_delete(cfg: &Config, url: &str) -> Result<super::fork::DeleteReport, OpsError> {
+    let mut repo = open_remote(url, &cfg.persist).map_err(OpsError::OpenRemote)?;
+    super::fork::delete_fork(&mut repo).map_err(OpsError::Fork)
 }
 
+/// `YYYY-MM-DD HH:MM:SSZ` (UTC) of a time in nanoseconds since the epoch.
 pub(crate) fn fmt_time(ns: i64) -> String {
     let s = ns.div_euclid(1_000_000_000);
     let (days, rem) = (s.div_euclid(86400), s.rem_euclid(86400));
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
+    let (y, m, d) = crate::time::civil_from_days(days);
     format!(
         "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}Z",
         rem / 3600,
         rem % 3600 / 60,
         rem % 60
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fmt_time;
+
+    #[test]
+    fn fmt_time_known_times() {
+        const S: i64 = 1_000_000_000;
+        assert_eq!(fmt_time(0), "1970-01-01 00:00:00Z");
+        assert_eq!(fmt_time(-1), "1969-12-31 23:59:59Z");
+        assert_eq!(
+            fmt_time((951_782_400 + 3661) * S + 999),
+            "2000-02-29 01:01:01Z"
+        );
+        assert_eq!(fmt_time(4_102_444_799 * S), "2099-12-31 23:59:59Z");
+    }
 }

@@ -44,6 +44,13 @@ pub enum RestoreError {
     Meta(#[from] MetaError),
     #[error("snapshot {seq}: inode {ino} has a bad mode {mode:o}")]
     BadMode { seq: u64, ino: u64, mode: u32 },
+    /// Restoring from the metadata image (a failure falls back to the snapshot chain).
+    #[error("{0}")]
+    ImageBodies(#[source] crate::chunk::BodyError),
+    #[error("{0}")]
+    Image(#[source] Box<super::image::ImageError>),
+    #[error("sync: {0}")]
+    ImageSync(#[source] std::io::Error),
 }
 
 #[derive(Debug, Clone, Default)]
@@ -363,8 +370,9 @@ fn from_image(
         seq,
         ..Default::default()
     };
-    let r = (|| -> Result<(), String> {
-        let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| e.to_string())?;
+    let r = (|| -> Result<(), RestoreError> {
+        let bodies =
+            BodyStore::open(&state_dir.join("bodies")).map_err(RestoreError::ImageBodies)?;
         let state = state_rows(repo, &headers, remote_id);
         super::image::restore(
             repo,
@@ -375,8 +383,8 @@ fn from_image(
             &mut report,
             &mut |name| laps.to(name, Instant::now()),
         )
-        .map_err(|e| e.to_string())?;
-        sys::file::syncfs(state_dir).map_err(|e| format!("sync: {e}"))?;
+        .map_err(|e| RestoreError::Image(Box::new(e)))?;
+        sys::file::syncfs(state_dir).map_err(RestoreError::ImageSync)?;
         laps.to("bodies", Instant::now());
         Ok(())
     })();
