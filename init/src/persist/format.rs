@@ -775,6 +775,11 @@ pub fn object_chunk_ids(
     out: &mut dyn FnMut(ChunkId),
 ) -> Result<Header, FormatError> {
     let (h, mut r) = reader(key, data)?;
+    chunk_ids_of(&mut r, out)?;
+    Ok(h)
+}
+
+fn chunk_ids_of(r: &mut BodyReader<'_>, out: &mut dyn FnMut(ChunkId)) -> Result<(), FormatError> {
     while let Some(rec) = r.next_inode()? {
         if let DataRec::Chunks { patch, .. } = rec.data {
             patch
@@ -783,6 +788,21 @@ pub fn object_chunk_ids(
                 .for_each(|id| out(ChunkId(id)));
         }
     }
+    Ok(())
+}
+
+/// Like [`object_chunk_ids`], but decodes every record of the body to its end (fsck: the
+/// whole object must read, not only its file records).
+pub fn check_object(
+    key: &str,
+    data: &[u8],
+    out: &mut dyn FnMut(ChunkId),
+) -> Result<Header, FormatError> {
+    let (h, mut r) = reader(key, data)?;
+    chunk_ids_of(&mut r, out)?;
+    while r.next_deleted()?.is_some() {}
+    while r.next_dirent()?.is_some() {}
+    while r.next_unlinked()?.is_some() {}
     Ok(h)
 }
 
