@@ -466,14 +466,14 @@ impl<'de, R: std::io::Read + 'de> postcard::de_flavors::Flavor<'de> for StreamFl
     }
 }
 
+/// A compressed body being decompressed, buffered for postcard's byte-at-a-time reads.
+type Unzip<'a> = std::io::BufReader<zstd::stream::Decoder<'a, std::io::BufReader<&'a [u8]>>>;
+
 /// Reads a snapshot body one record at a time (see [`BodyWriter`]); memory is one record
 /// plus the decompressor's window, whatever the tree's size. Sections are read in order:
 /// asking for a later one skips (decodes and drops) what is left of the earlier ones.
 pub struct BodyReader<'a> {
-    de: postcard::Deserializer<
-        'a,
-        StreamFlavor<std::io::BufReader<zstd::stream::Decoder<'a, std::io::BufReader<&'a [u8]>>>>,
-    >,
+    de: postcard::Deserializer<'a, StreamFlavor<Unzip<'a>>>,
     key: String,
     /// The section being read (`None`: none yet) and its records still due.
     at: Option<Section>,
