@@ -19,7 +19,7 @@ use std::path::Path;
 use rusqlite::types::Value;
 use rusqlite::{params, params_from_iter, Connection, Statement};
 
-use super::{inode_cols, inode_row, Inode, InodeNo, Kind, MetaError, Nanos, Result};
+use super::{inode_cols, inode_row, Counted, Inode, InodeNo, Kind, MetaError, Nanos, Result};
 
 /// Page cache of the bulk connection (KiB): rows go in key order, so this only batches
 /// writes; it does not need to hold the tree.
@@ -279,6 +279,61 @@ impl super::Store {
     pub fn scratch_path(&self, suffix: &str) -> Option<std::path::PathBuf> {
         let db = self.conn.path().filter(|p| !p.is_empty())?;
         Some(std::path::PathBuf::from(format!("{db}.{suffix}")))
+    }
+}
+
+impl super::Tx<'_> {
+    /// Every live inode (`nlink > 0`) in inode order, with its inline data or symlink
+    /// target when it has one: one pass over the tables, for a full snapshot that streams
+    /// its records instead of loading the tree.
+    pub fn for_each_live_inode_with_data<E: From<MetaError>>(
+        &self,
+        mut f: impl FnMut(Inode, Option<Vec<u8>>) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let mut st = self
+            .conn
+            .counted(concat!(
+                "SELECT ",
+                "i.ino, i.mode, i.uid, i.gid, i.nlink, i.size, i.atime, i.mtime, i.ctime, ",
+                "i.rdev, i.parent, i.storage, coalesce(d.data, s.target) ",
+                "FROM inode i LEFT JOIN inline_data d ON d.ino = i.ino ",
+                "LEFT JOIN symlink s ON s.ino = i.ino WHERE i.nlink > 0 ORDER BY i.ino"
+            ))
+            .map_err(MetaError::from)?;
+        let mut rows = st.query([]).map_err(MetaError::from)?;
+        while let Some(r) = rows.next().map_err(MetaError::from)? {
+            let inode = super::finish_inode(super::row_to_inode(r).map_err(MetaError::from)?)?;
+            let data: Option<Vec<u8>> = r.get(12).map_err(MetaError::from)?;
+            f(inode, data)?;
+        }
+        Ok(())
+    }
+
+    /// Every directory entry as (parent, name, ino, kind), streamed in (parent, name) order.
+    pub fn for_each_dirent<E: From<MetaError>>(
+        &self,
+        mut f: impl FnMut(InodeNo, Vec<u8>, InodeNo, Kind) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let mut st = self
+            .conn
+            .counted("SELECT parent, name, ino, kind FROM dirent ORDER BY parent, name")
+            .map_err(MetaError::from)?;
+        let mut rows = st.query([]).map_err(MetaError::from)?;
+        while let Some(r) = rows.next().map_err(MetaError::from)? {
+            let (p, name, ino, kind) = (|| {
+                Ok::<_, rusqlite::Error>((
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, Vec<u8>>(1)?,
+                    r.get::<_, i64>(2)?,
+                    r.get::<_, u32>(3)?,
+                ))
+            })()
+            .map_err(MetaError::from)?;
+            let kind = Kind::from_mode(kind)
+                .ok_or_else(|| MetaError::Corrupt(ino as u64, "bad dirent kind".into()))?;
+            f(InodeNo(p as u64), name, InodeNo(ino as u64), kind)?;
+        }
+        Ok(())
     }
 }
 

@@ -27,7 +27,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use super::checkpoint::now_ns;
-use super::format::{self, body_chunk_ids, Body, DataRec, DirentRec, Header, Tree, TreeData};
+use super::format::{self, Body, DataRec, DirentRec, Header, Tree, TreeData};
 use super::remote::{PutMode, RemoteError};
 use super::repo::{random_id, Head, Manifest, Repo, RepoError};
 use crate::chunk::ChunkId;
@@ -461,11 +461,19 @@ fn chain_chunks(
         if !seen.insert(s) {
             return Ok(true);
         }
-        match repo.read_snapshot(s) {
-            Ok((h, b)) => {
-                out.extend(body_chunk_ids(&b));
-                at = h.parent;
-            }
+        let key = repo.snapshot_key(s);
+        let read = repo
+            .remote
+            .get(&key)
+            .map_err(RepoError::from)
+            .and_then(|data| {
+                format::object_chunk_ids(&key, &data, &mut |c| {
+                    out.insert(c);
+                })
+                .map_err(RepoError::from)
+            });
+        match read {
+            Ok(h) => at = h.parent,
             Err(RepoError::Remote(e)) if e.is_not_found() => return Ok(false),
             Err(e) => return Err(e),
         }

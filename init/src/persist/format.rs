@@ -32,6 +32,11 @@ pub enum FormatError {
     },
     #[error("snapshot encode: {0}")]
     Encode(String),
+    #[error("snapshot records spilled to {path}: {source}")]
+    Spill {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("snapshot {seq}: delta applies to {parent:?} but the chain is at {at:?}")]
     Chain {
         seq: u64,
@@ -151,25 +156,435 @@ mod serde_bytes_compat {
                 Ok(v)
             }
         }
-        d.deserialize_bytes(V)
+        // `byte_buf`, not `bytes`: the same bytes on the wire, but postcard then copies
+        // them out of a scratch buffer, which the streaming `BodyReader` reuses.
+        d.deserialize_byte_buf(V)
     }
 }
 
-/// Encodes a snapshot object.
-pub fn encode(h: &Header, b: &Body) -> Result<Vec<u8>, FormatError> {
+/// The object's start: magic, header length, header (with the image reference after it).
+fn header_bytes(h: &Header) -> Result<Vec<u8>, FormatError> {
     let mut hb = postcard::to_stdvec(h).map_err(|e| FormatError::Encode(e.to_string()))?;
     if h.image.is_some() {
         let ext = postcard::to_stdvec(&h.image).map_err(|e| FormatError::Encode(e.to_string()))?;
         hb.extend_from_slice(&ext);
     }
-    let bb = postcard::to_stdvec(b).map_err(|e| FormatError::Encode(e.to_string()))?;
-    let z = zstd::bulk::compress(&bb, 3).map_err(|e| FormatError::Encode(e.to_string()))?;
-    let mut out = Vec::with_capacity(12 + hb.len() + z.len());
+    let mut out = Vec::with_capacity(12 + hb.len());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&(hb.len() as u32).to_le_bytes());
     out.extend_from_slice(&hb);
+    Ok(out)
+}
+
+/// Encodes a snapshot object.
+pub fn encode(h: &Header, b: &Body) -> Result<Vec<u8>, FormatError> {
+    let mut out = header_bytes(h)?;
+    let bb = postcard::to_stdvec(b).map_err(|e| FormatError::Encode(e.to_string()))?;
+    let z = zstd::bulk::compress(&bb, 3).map_err(|e| FormatError::Encode(e.to_string()))?;
     out.extend_from_slice(&z);
     Ok(out)
+}
+
+/// The four record lists of a body, in the order they are encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Section {
+    Inodes,
+    Deleted,
+    Dirents,
+    Unlinked,
+}
+
+const SECTIONS: [Section; 4] = [
+    Section::Inodes,
+    Section::Deleted,
+    Section::Dirents,
+    Section::Unlinked,
+];
+
+/// Writes a snapshot object one record at a time: each section's count first, then its
+/// records, compressed as they come. The body bytes are exactly `postcard`'s encoding of
+/// the `Body` holding the same records (a `Vec` is its varint length, then its elements),
+/// so objects written this way and by [`encode`] read the same. Memory: the compressed
+/// object so far plus one record.
+pub struct BodyWriter {
+    z: zstd::stream::Encoder<'static, Vec<u8>>,
+    /// The section being written (`None`: none begun yet) and its records still due.
+    at: Option<Section>,
+    left: u64,
+    buf: Vec<u8>,
+}
+
+impl BodyWriter {
+    pub fn new(h: &Header) -> Result<BodyWriter, FormatError> {
+        let z = zstd::stream::Encoder::new(header_bytes(h)?, 3)
+            .map_err(|e| FormatError::Encode(e.to_string()))?;
+        Ok(BodyWriter {
+            z,
+            at: None,
+            left: 0,
+            buf: Vec::new(),
+        })
+    }
+
+    fn write(&mut self, v: &(impl Serialize + ?Sized)) -> Result<(), FormatError> {
+        use std::io::Write;
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        let buf = postcard::to_extend(v, buf).map_err(|e| FormatError::Encode(e.to_string()))?;
+        self.z
+            .write_all(&buf)
+            .map_err(|e| FormatError::Encode(e.to_string()))?;
+        self.buf = buf;
+        Ok(())
+    }
+
+    /// Starts section `s` with `count` records (sections skipped before it are empty).
+    pub fn begin(&mut self, s: Section, count: u64) -> Result<(), FormatError> {
+        if self.at.is_some_and(|a| a >= s) {
+            return Err(FormatError::Encode(format!(
+                "section {s:?} begun after {:?}",
+                self.at
+            )));
+        }
+        self.close()?;
+        let from = self.at;
+        for skipped in SECTIONS
+            .into_iter()
+            .filter(|x| from.is_none_or(|a| *x > a) && *x < s)
+        {
+            self.write(&0u64)?;
+            self.at = Some(skipped);
+        }
+        self.write(&count)?;
+        self.at = Some(s);
+        self.left = count;
+        Ok(())
+    }
+
+    /// Checks the current section got every record its count promised.
+    fn close(&self) -> Result<(), FormatError> {
+        match self.left {
+            0 => Ok(()),
+            n => Err(FormatError::Encode(format!(
+                "section {:?}: {n} records fewer than its count",
+                self.at
+            ))),
+        }
+    }
+
+    fn record(&mut self, s: Section, v: &(impl Serialize + ?Sized)) -> Result<(), FormatError> {
+        if self.at != Some(s) || self.left == 0 {
+            return Err(FormatError::Encode(format!(
+                "a {s:?} record past its section's count"
+            )));
+        }
+        self.left -= 1;
+        self.write(v)
+    }
+
+    pub fn inode(&mut self, r: &InodeRec) -> Result<(), FormatError> {
+        self.record(Section::Inodes, r)
+    }
+
+    pub fn deleted(&mut self, ino: u64) -> Result<(), FormatError> {
+        self.record(Section::Deleted, &ino)
+    }
+
+    pub fn dirent(&mut self, d: &DirentRec) -> Result<(), FormatError> {
+        self.record(Section::Dirents, d)
+    }
+
+    pub fn unlinked(&mut self, parent: u64, name: &[u8]) -> Result<(), FormatError> {
+        self.record(Section::Unlinked, &(parent, name))
+    }
+
+    /// Copies the records of `spill` into the current section `s` (they count against it).
+    pub fn splice(&mut self, s: Section, spill: Spill) -> Result<(), FormatError> {
+        if self.at != Some(s) || self.left < spill.n {
+            return Err(FormatError::Encode(format!(
+                "{} spilled {s:?} records past their section's count",
+                spill.n
+            )));
+        }
+        let n = spill.n;
+        let path = spill.path.clone();
+        let err = |source| FormatError::Spill {
+            path: path.display().to_string(),
+            source,
+        };
+        let copied = spill.finish().and_then(|file| {
+            let mut z = zstd::stream::Decoder::new(file)?;
+            std::io::copy(&mut z, &mut self.z)
+        });
+        let _ = std::fs::remove_file(&path);
+        copied.map_err(err)?;
+        self.left -= n;
+        Ok(())
+    }
+
+    /// Ends the body (sections never begun are empty); the whole object.
+    pub fn finish(mut self) -> Result<Vec<u8>, FormatError> {
+        self.close()?;
+        if self.at != Some(Section::Unlinked) {
+            self.begin(Section::Unlinked, 0)?;
+        }
+        self.z
+            .finish()
+            .map_err(|e| FormatError::Encode(e.to_string()))
+    }
+}
+
+/// Puts header `h` in place of an encoded object's header (a retry under another
+/// sequence number, or once the metadata image is known), without copying the body.
+pub fn replace_header(obj: &mut Vec<u8>, h: &Header) -> Result<(), FormatError> {
+    let (_, off) = decode_header("(being written)", obj)?;
+    obj.splice(..off, header_bytes(h)?);
+    Ok(())
+}
+
+/// Records of one section set aside in a file beside the state database while their
+/// section's count is not known yet (a full snapshot writes its directory records while
+/// the file records' chunk maps are still to be hashed), compressed as they come; then
+/// [`BodyWriter::splice`]d in. The file is removed once spliced or dropped.
+pub struct Spill {
+    path: std::path::PathBuf,
+    z: Option<zstd::stream::Encoder<'static, std::io::BufWriter<std::fs::File>>>,
+    n: u64,
+    buf: Vec<u8>,
+}
+
+impl Spill {
+    pub fn create(path: std::path::PathBuf) -> Result<Spill, FormatError> {
+        let err = |source| FormatError::Spill {
+            path: path.display().to_string(),
+            source,
+        };
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(err)?;
+        let z = zstd::stream::Encoder::new(std::io::BufWriter::new(f), 1).map_err(err)?;
+        Ok(Spill {
+            path,
+            z: Some(z),
+            n: 0,
+            buf: Vec::new(),
+        })
+    }
+
+    /// Records set aside so far.
+    pub fn len(&self) -> u64 {
+        self.n
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    pub fn push(&mut self, v: &(impl Serialize + ?Sized)) -> Result<(), FormatError> {
+        use std::io::Write;
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        let buf = postcard::to_extend(v, buf).map_err(|e| FormatError::Encode(e.to_string()))?;
+        let z = self.z.as_mut().expect("open until finished");
+        z.write_all(&buf).map_err(|source| FormatError::Spill {
+            path: self.path.display().to_string(),
+            source,
+        })?;
+        self.buf = buf;
+        self.n += 1;
+        Ok(())
+    }
+
+    /// Ends the compressed stream; the file, at its start.
+    fn finish(mut self) -> std::io::Result<std::fs::File> {
+        use std::io::Seek;
+        let z = self.z.take().expect("open until finished");
+        let mut f = z.finish()?.into_inner().map_err(|e| e.into_error())?;
+        f.rewind()?;
+        Ok(f)
+    }
+}
+
+impl Drop for Spill {
+    fn drop(&mut self) {
+        if self.z.is_some() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// A postcard source over a reader, for owned values: byte strings are copied through one
+/// scratch buffer that grows only as far as the data really present.
+struct StreamFlavor<R> {
+    r: R,
+    scratch: Vec<u8>,
+}
+
+impl<'de, R: std::io::Read + 'de> postcard::de_flavors::Flavor<'de> for StreamFlavor<R> {
+    type Remainder = R;
+    type Source = R;
+
+    fn pop(&mut self) -> postcard::Result<u8> {
+        let mut b = [0u8; 1];
+        self.r
+            .read_exact(&mut b)
+            .map_err(|_| postcard::Error::DeserializeUnexpectedEnd)?;
+        Ok(b[0])
+    }
+
+    fn size_hint(&self) -> Option<usize> {
+        None
+    }
+
+    /// Borrowed bytes cannot outlive a stream; no body field asks for them.
+    fn try_take_n(&mut self, _ct: usize) -> postcard::Result<&'de [u8]> {
+        Err(postcard::Error::DeserializeBadEncoding)
+    }
+
+    fn try_take_n_temp<'a>(&'a mut self, ct: usize) -> postcard::Result<&'a [u8]>
+    where
+        'de: 'a,
+    {
+        use std::io::Read;
+        self.scratch.clear();
+        (&mut self.r)
+            .take(ct as u64)
+            .read_to_end(&mut self.scratch)
+            .map_err(|_| postcard::Error::DeserializeUnexpectedEnd)?;
+        if self.scratch.len() != ct {
+            return Err(postcard::Error::DeserializeUnexpectedEnd);
+        }
+        Ok(&self.scratch)
+    }
+
+    fn finalize(self) -> postcard::Result<R> {
+        Ok(self.r)
+    }
+}
+
+/// A compressed body being decompressed, buffered for postcard's byte-at-a-time reads.
+type Unzip<'a> = std::io::BufReader<zstd::stream::Decoder<'a, std::io::BufReader<&'a [u8]>>>;
+
+/// Reads a snapshot body one record at a time (see [`BodyWriter`]); memory is one record
+/// plus the decompressor's window, whatever the tree's size. Sections are read in order:
+/// asking for a later one skips (decodes and drops) what is left of the earlier ones.
+pub struct BodyReader<'a> {
+    de: postcard::Deserializer<'a, StreamFlavor<Unzip<'a>>>,
+    key: String,
+    /// The section being read (`None`: none yet) and its records still due.
+    at: Option<Section>,
+    left: u64,
+}
+
+/// Opens a snapshot object for streaming: its header and a reader of its body.
+pub fn reader<'a>(key: &str, data: &'a [u8]) -> Result<(Header, BodyReader<'a>), FormatError> {
+    let (h, off) = decode_header(key, data)?;
+    let z = zstd::stream::Decoder::new(&data[off..]).map_err(|e| FormatError::Decode {
+        key: key.to_string(),
+        part: "body",
+        reason: e.to_string(),
+    })?;
+    let flavor = StreamFlavor {
+        r: std::io::BufReader::with_capacity(64 << 10, z),
+        scratch: Vec::new(),
+    };
+    Ok((
+        h,
+        BodyReader {
+            de: postcard::Deserializer::from_flavor(flavor),
+            key: key.to_string(),
+            at: None,
+            left: 0,
+        },
+    ))
+}
+
+impl BodyReader<'_> {
+    fn err(&self, e: postcard::Error) -> FormatError {
+        FormatError::Decode {
+            key: self.key.clone(),
+            part: "body",
+            reason: e.to_string(),
+        }
+    }
+
+    fn take<T: serde::de::DeserializeOwned>(&mut self) -> Result<T, FormatError> {
+        T::deserialize(&mut self.de).map_err(|e| self.err(e))
+    }
+
+    /// Drops one record of section `s`.
+    fn skip(&mut self, s: Section) -> Result<(), FormatError> {
+        match s {
+            Section::Inodes => self.take::<InodeRec>().map(drop),
+            Section::Deleted => self.take::<u64>().map(drop),
+            Section::Dirents => self.take::<DirentRec>().map(drop),
+            Section::Unlinked => self.take::<(u64, Vec<u8>)>().map(drop),
+        }
+    }
+
+    /// Moves to section `s` (skipping the rest of the earlier ones); whether a record of
+    /// it is left to read.
+    fn enter(&mut self, s: Section) -> Result<bool, FormatError> {
+        if self.at.is_some_and(|a| a > s) {
+            return Err(FormatError::Decode {
+                key: self.key.clone(),
+                part: "body",
+                reason: format!("{s:?} asked for after {:?}", self.at),
+            });
+        }
+        while self.at != Some(s) {
+            if let Some(a) = self.at {
+                while self.left > 0 {
+                    self.skip(a)?;
+                    self.left -= 1;
+                }
+            }
+            let next = match self.at {
+                None => Section::Inodes,
+                Some(a) => SECTIONS[SECTIONS.iter().position(|x| *x == a).expect("a section") + 1],
+            };
+            self.left = self.take::<u64>()?;
+            self.at = Some(next);
+        }
+        Ok(self.left > 0)
+    }
+
+    fn next<T: serde::de::DeserializeOwned>(
+        &mut self,
+        s: Section,
+    ) -> Result<Option<T>, FormatError> {
+        if !self.enter(s)? {
+            return Ok(None);
+        }
+        self.left -= 1;
+        self.take().map(Some)
+    }
+
+    /// How many records section `s` has left (moving to it).
+    pub fn remaining(&mut self, s: Section) -> Result<u64, FormatError> {
+        self.enter(s)?;
+        Ok(self.left)
+    }
+
+    pub fn next_inode(&mut self) -> Result<Option<InodeRec>, FormatError> {
+        self.next(Section::Inodes)
+    }
+
+    pub fn next_deleted(&mut self) -> Result<Option<u64>, FormatError> {
+        self.next(Section::Deleted)
+    }
+
+    pub fn next_dirent(&mut self) -> Result<Option<DirentRec>, FormatError> {
+        self.next(Section::Dirents)
+    }
+
+    pub fn next_unlinked(&mut self) -> Result<Option<(u64, Vec<u8>)>, FormatError> {
+        self.next(Section::Unlinked)
+    }
 }
 
 /// Decodes the header only (also from a prefix of the object, for listings).
@@ -352,14 +767,43 @@ impl Tree {
     }
 }
 
-/// Chunk ids mentioned anywhere in a snapshot body (gc: what a kept snapshot protects).
-pub fn body_chunk_ids(b: &Body) -> impl Iterator<Item = ChunkId> + '_ {
-    b.inodes.iter().flat_map(|r| match &r.data {
-        DataRec::Chunks { patch, .. } => {
-            patch.iter().filter_map(|(_, id)| id.map(ChunkId)).collect()
+/// Chunk ids a snapshot object's body names, read one record at a time (gc and forks:
+/// what a kept snapshot protects, without the body in memory); the object's header.
+pub fn object_chunk_ids(
+    key: &str,
+    data: &[u8],
+    out: &mut dyn FnMut(ChunkId),
+) -> Result<Header, FormatError> {
+    let (h, mut r) = reader(key, data)?;
+    chunk_ids_of(&mut r, out)?;
+    Ok(h)
+}
+
+fn chunk_ids_of(r: &mut BodyReader<'_>, out: &mut dyn FnMut(ChunkId)) -> Result<(), FormatError> {
+    while let Some(rec) = r.next_inode()? {
+        if let DataRec::Chunks { patch, .. } = rec.data {
+            patch
+                .into_iter()
+                .filter_map(|(_, id)| id)
+                .for_each(|id| out(ChunkId(id)));
         }
-        _ => Vec::new(),
-    })
+    }
+    Ok(())
+}
+
+/// Like [`object_chunk_ids`], but decodes every record of the body to its end (fsck: the
+/// whole object must read, not only its file records).
+pub fn check_object(
+    key: &str,
+    data: &[u8],
+    out: &mut dyn FnMut(ChunkId),
+) -> Result<Header, FormatError> {
+    let (h, mut r) = reader(key, data)?;
+    chunk_ids_of(&mut r, out)?;
+    while r.next_deleted()?.is_some() {}
+    while r.next_dirent()?.is_some() {}
+    while r.next_unlinked()?.is_some() {}
+    Ok(h)
 }
 
 #[cfg(test)]
@@ -437,6 +881,134 @@ mod tests {
         let mut bad = bytes.clone();
         bad[12 + n - 1] = 0xff;
         assert!(decode_header("k", &bad).is_err());
+    }
+
+    /// A body with records in every section and every kind of data.
+    fn mixed_body() -> Body {
+        let mut inodes: Vec<InodeRec> = (2..40)
+            .map(|i| {
+                let data = match i % 4 {
+                    0 => DataRec::None,
+                    1 => DataRec::Inline(vec![i as u8; i as usize * 3]),
+                    2 => DataRec::Symlink(b"../target".to_vec()),
+                    _ => DataRec::Chunks {
+                        complete: i % 8 == 3,
+                        patch: vec![(0, Some([i as u8; 32])), (1, None)],
+                    },
+                };
+                rec(i, i * 10, data)
+            })
+            .collect();
+        inodes[3]
+            .xattrs
+            .push((b"user.big".to_vec(), vec![7; 70_000]));
+        Body {
+            inodes,
+            deleted: vec![90, 91, 1 << 40],
+            dirents: (2..40)
+                .map(|i| DirentRec {
+                    parent: 1,
+                    name: format!("name-{i}").into_bytes(),
+                    ino: i,
+                    kind: libc::S_IFREG,
+                })
+                .collect(),
+            unlinked: vec![(1, b"gone".to_vec()), (5, vec![0xff; 255])],
+        }
+    }
+
+    /// Writes `b` through a `BodyWriter`.
+    fn streamed(h: &Header, b: &Body) -> Vec<u8> {
+        let mut w = BodyWriter::new(h).unwrap();
+        w.begin(Section::Inodes, b.inodes.len() as u64).unwrap();
+        b.inodes.iter().for_each(|r| w.inode(r).unwrap());
+        w.begin(Section::Deleted, b.deleted.len() as u64).unwrap();
+        b.deleted.iter().for_each(|d| w.deleted(*d).unwrap());
+        w.begin(Section::Dirents, b.dirents.len() as u64).unwrap();
+        b.dirents.iter().for_each(|d| w.dirent(d).unwrap());
+        w.begin(Section::Unlinked, b.unlinked.len() as u64).unwrap();
+        b.unlinked
+            .iter()
+            .for_each(|(p, n)| w.unlinked(*p, n).unwrap());
+        w.finish().unwrap()
+    }
+
+    /// Reads a whole body through a `BodyReader`.
+    fn read_streamed(data: &[u8]) -> (Header, Body) {
+        let (h, mut r) = reader("k", data).unwrap();
+        let mut b = Body::default();
+        while let Some(x) = r.next_inode().unwrap() {
+            b.inodes.push(x);
+        }
+        while let Some(x) = r.next_deleted().unwrap() {
+            b.deleted.push(x);
+        }
+        while let Some(x) = r.next_dirent().unwrap() {
+            b.dirents.push(x);
+        }
+        while let Some(x) = r.next_unlinked().unwrap() {
+            b.unlinked.push(x);
+        }
+        (h, b)
+    }
+
+    #[test]
+    fn streamed_bodies_are_byte_identical_to_the_whole_body_encoding() {
+        let mut h = header(3, None);
+        h.image = Some(ImageRef {
+            hash: [4; 32],
+            size: 9,
+        });
+        for body in [mixed_body(), Body::default()] {
+            let whole = encode(&h, &body).unwrap();
+            let stream = streamed(&h, &body);
+            let (_, off) = decode_header("k", &stream).unwrap();
+            assert_eq!(stream[..off], whole[..off], "the same header");
+            let raw = zstd::stream::decode_all(&stream[off..]).unwrap();
+            assert_eq!(raw, postcard::to_stdvec(&body).unwrap());
+            // Each reads what the other wrote.
+            assert_eq!(decode("k", &stream).unwrap(), (h.clone(), body.clone()));
+            assert_eq!(read_streamed(&whole), (h.clone(), body.clone()));
+        }
+        // Sections left out are empty; a later section skips what is left of earlier ones.
+        let body = mixed_body();
+        let mut w = BodyWriter::new(&h).unwrap();
+        w.begin(Section::Dirents, 1).unwrap();
+        w.dirent(&body.dirents[0]).unwrap();
+        let (_, b) = read_streamed(&w.finish().unwrap());
+        assert_eq!(b.dirents, body.dirents[..1]);
+        assert!(b.inodes.is_empty() && b.deleted.is_empty() && b.unlinked.is_empty());
+        let whole = encode(&h, &body).unwrap();
+        let (_, mut r) = reader("k", &whole).unwrap();
+        assert_eq!(r.remaining(Section::Unlinked).unwrap(), 2);
+        assert_eq!(r.next_unlinked().unwrap(), Some(body.unlinked[0].clone()));
+        assert!(r.next_inode().is_err(), "sections are read in order");
+        let mut ids = Vec::new();
+        object_chunk_ids("k", &whole, &mut |c| ids.push(c)).unwrap();
+        assert_eq!(ids.len(), 10, "one id per chunked inode: {ids:?}");
+        // A count the records do not match is an encode error, not a bad object.
+        let mut w = BodyWriter::new(&h).unwrap();
+        w.begin(Section::Inodes, 2).unwrap();
+        w.inode(&body.inodes[0]).unwrap();
+        assert!(w.begin(Section::Deleted, 0).is_err());
+        let mut w = BodyWriter::new(&h).unwrap();
+        w.begin(Section::Deleted, 0).unwrap();
+        assert!(w.deleted(1).is_err());
+        // A truncated body is an error naming the object.
+        let cut = &whole[..whole.len() - 20];
+        let (_, mut r) = reader("snap-9", cut).unwrap();
+        let e = loop {
+            match r.next_dirent() {
+                Ok(Some(_)) => continue,
+                Ok(None) => match r.next_unlinked() {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => panic!("a truncated body read to its end"),
+                    Err(e) => break e,
+                },
+                Err(e) => break e,
+            }
+        };
+        assert!(e.to_string().contains("snap-9"), "{e}");
     }
 
     #[test]

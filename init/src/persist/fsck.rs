@@ -282,6 +282,30 @@ pub(super) fn remote_start(
     }
 }
 
+/// Reads every snapshot of the chain that `seq` ends, each decoded one record at a time
+/// (never a whole tree in memory), adding the chunk ids they name to `wanted`; the chain's
+/// full snapshot's header (`None` when it was read already, as part of an earlier chain).
+fn chain_chunks(
+    repo: &Repo,
+    seq: u64,
+    wanted: &mut BTreeSet<ChunkId>,
+    read: &mut BTreeSet<u64>,
+) -> Result<Option<super::format::Header>, super::repo::RepoError> {
+    let mut at = Some(seq);
+    while let Some(s) = at.filter(|s| read.insert(*s)) {
+        let key = repo.snapshot_key(s);
+        let data = repo.remote.get(&key)?;
+        let h = super::format::check_object(&key, &data, &mut |c| {
+            wanted.insert(c);
+        })?;
+        if h.is_full() {
+            return Ok(Some(h));
+        }
+        at = h.parent;
+    }
+    Ok(None)
+}
+
 fn check_remote(
     store: &Store,
     bodies: &BodyStore,
@@ -296,12 +320,11 @@ fn check_remote(
     let mut wanted: BTreeSet<ChunkId> = BTreeSet::new();
     let seqs: BTreeSet<u64> = head.into_iter().chain(local_seq).collect();
     let mut fulls = Vec::new();
+    let mut read = BTreeSet::new();
     for s in seqs {
-        match repo.load_tree(s) {
-            Ok((t, hs)) => {
-                wanted.extend(t.chunk_ids());
-                fulls.extend(hs.into_iter().take(1));
-            }
+        match chain_chunks(&repo, s, &mut wanted, &mut read) {
+            Ok(Some(full)) => fulls.push(full),
+            Ok(None) => {}
             Err(e) => rep.add(Level::Error, format!("snapshot {s}: {e}"), false),
         }
     }

@@ -25,7 +25,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::{Duration, SystemTime};
 
-use super::format::body_chunk_ids;
+use super::format::object_chunk_ids;
 use super::remote::ObjectInfo;
 use super::repo::{Repo, RepoError};
 use crate::chunk::ChunkId;
@@ -342,15 +342,19 @@ pub fn gc_with(
         .unwrap_or(0);
     let repo_ref: &Repo = repo;
     let mut load = |s: u64| -> Result<SnapFacts, GcError> {
-        let (h, b) = repo_ref
-            .read_snapshot(s)
-            .map_err(|source| GcError::ReadSnapshot { seq: s, source })?;
+        // The body is read one record at a time: only its chunk ids stay.
+        let err = |source| GcError::ReadSnapshot { seq: s, source };
+        let key = repo_ref.snapshot_key(s);
+        let data = repo_ref.remote.get(&key).map_err(|e| err(e.into()))?;
+        let mut chunks = Vec::new();
+        let h =
+            object_chunk_ids(&key, &data, &mut |c| chunks.push(c)).map_err(|e| err(e.into()))?;
         Ok(SnapFacts {
             prev: h.prev,
             parent: h.parent,
             created_ns: h.created_ns,
             bytes: snap_bytes.get(&s).copied().unwrap_or(0),
-            chunks: body_chunk_ids(&b).collect(),
+            chunks,
         })
     };
     let decision = decide(

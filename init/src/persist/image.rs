@@ -91,9 +91,11 @@ const LEVEL: i32 = 3;
 
 /// Builds the image of a full snapshot's `body` and uploads it; `None` (after a one-line
 /// warning) when that fails: the snapshot is then written without an image.
-pub fn publish(repo: &Repo, store: &Store, body: &Body, chunk_size: u64) -> Option<ImageRef> {
+/// Builds the image of the full snapshot object `obj` (its body read one record at a
+/// time) and uploads it.
+pub fn publish(repo: &Repo, store: &Store, obj: &[u8], chunk_size: u64) -> Option<ImageRef> {
     let t0 = Instant::now();
-    match build_and_upload(repo, store, body, chunk_size) {
+    match build_and_upload(repo, store, obj, chunk_size) {
         Ok((r, raw)) => {
             tracing::info!(
                 "checkpoint: metadata image {} ({} bytes, {raw} uncompressed) in {:.2} s",
@@ -113,12 +115,12 @@ pub fn publish(repo: &Repo, store: &Store, body: &Body, chunk_size: u64) -> Opti
 fn build_and_upload(
     repo: &Repo,
     store: &Store,
-    body: &Body,
+    obj: &[u8],
     cs: u64,
 ) -> Result<(ImageRef, u64), ImageError> {
     let path = store.scratch_path("image").ok_or(ImageError::NoScratch)?;
     let _ = std::fs::remove_file(&path);
-    let built = build(&path, body, cs);
+    let built = build(&path, obj, cs);
     let packed = built.and_then(|()| compress(&path));
     let _ = std::fs::remove_file(&path);
     let (data, raw) = packed?;
@@ -148,19 +150,25 @@ fn tree_inode(rec: &InodeRec, old: Option<TreeData>, cs: u64) -> TreeInode {
 }
 
 /// Writes the rows a lazy restore of the full snapshot `body` writes into a new database.
-fn build(path: &Path, body: &Body, cs: u64) -> Result<(), ImageError> {
+fn build(path: &Path, obj: &[u8], cs: u64) -> Result<(), ImageError> {
     let mut scratch = RestoreReport::default();
+    let (h, mut r) = super::format::reader("(snapshot being written)", obj)
+        .map_err(|e| ImageError::Build(e.to_string()))?;
     create_bulk(path, Nanos(0), |w| -> Result<(), RestoreError> {
-        for rec in &body.inodes {
+        let fmt = |e: super::format::FormatError| RestoreError::LoadSnapshot {
+            seq: h.seq,
+            source: e.into(),
+        };
+        while let Some(rec) = r.next_inode().map_err(fmt)? {
             write_inode(
                 w,
-                &tree_inode(rec, None, cs),
+                &tree_inode(&rec, None, cs),
                 0,
                 RestoreMode::Lazy,
                 &mut scratch,
             )?;
         }
-        for d in &body.dirents {
+        while let Some(d) = r.next_dirent().map_err(fmt)? {
             let k = Kind::from_mode(d.kind).ok_or(RestoreError::BadMode {
                 seq: 0,
                 ino: d.ino,

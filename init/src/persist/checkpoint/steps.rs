@@ -17,8 +17,10 @@ use super::{kv_u64, now_ns, CheckpointError, CheckpointReport, PersistParams, Pe
 use crate::chunk::chunker::{is_zero, window_count, window_range};
 use crate::chunk::ChunkId;
 use crate::meta::{ChunkRow, Inode, InodeNo, Kind, MissingRow, Nanos, Storage, Tx};
-use crate::persist::format::{self, Body, DataRec, DirentRec, Header, InodeRec};
-use crate::persist::remote::RemoteError;
+use crate::persist::format::{
+    self, Body, BodyWriter, DataRec, DirentRec, Header, InodeRec, Section, Spill,
+};
+use crate::persist::remote::{PutMode, RemoteError};
 use crate::persist::repo::Head;
 
 /// Bytes of windows hashed per batch (bounds memory while uploading: keel's peak RSS during
@@ -70,8 +72,12 @@ pub(super) struct Pass {
     pub full: bool,
     /// The remote head before this checkpoint, and its version for the conditional write.
     pub head: Option<(Head, Option<String>)>,
-    /// The snapshot being built.
+    /// The snapshot being built. A full snapshot keeps only its chunked files' records
+    /// here (their maps are filled in after hashing); the rest are in `spill`.
     pub body: Body,
+    /// A full snapshot's other records, set aside on disk as they are read (see
+    /// `collect_tree`), so the tree is never in memory at once.
+    pub spill: Option<FullSpill>,
     pub files: HashMap<InodeNo, FileWork>,
     pub jobs: Vec<Job>,
     /// Live inodes and file bytes of the whole tree (the snapshot header's totals).
@@ -91,6 +97,7 @@ impl Pass {
             full,
             head,
             body: Body::default(),
+            spill: None,
             files: HashMap::new(),
             jobs: Vec::new(),
             inode_total: 0,
@@ -254,6 +261,40 @@ impl Pass {
     }
 }
 
+/// A full snapshot's records other than its chunked files', in the order they will be
+/// written.
+pub(super) struct FullSpill {
+    pub inodes: Spill,
+    pub dirents: Spill,
+}
+
+impl Pass {
+    /// Inode records in the snapshot being built.
+    pub fn inode_records(&self) -> u64 {
+        self.body.inodes.len() as u64 + self.spill.as_ref().map_or(0, |s| s.inodes.len())
+    }
+
+    /// Encodes the snapshot object (under a provisional header: see `upload_snapshot`).
+    fn encode(&mut self, seq: u64, cs: u64) -> Result<Vec<u8>, CheckpointError> {
+        let h = self.header(seq, cs);
+        let Some(sp) = self.spill.take() else {
+            return Ok(format::encode(&h, &self.body)?);
+        };
+        let mut w = BodyWriter::new(&h)?;
+        w.begin(
+            Section::Inodes,
+            sp.inodes.len() + self.body.inodes.len() as u64,
+        )?;
+        w.splice(Section::Inodes, sp.inodes)?;
+        for r in &self.body.inodes {
+            w.inode(r)?;
+        }
+        w.begin(Section::Dirents, sp.dirents.len())?;
+        w.splice(Section::Dirents, sp.dirents)?;
+        Ok(w.finish()?)
+    }
+}
+
 /// Data of the inodes a snapshot names, read from the state database up front.
 #[derive(Default)]
 struct Found {
@@ -362,7 +403,10 @@ impl Persister {
         }
     }
 
-    /// A full snapshot's records: every live inode and every dirent.
+    /// A full snapshot's records: every live inode and every dirent, streamed from the
+    /// view. Chunked files' records wait in `pass.body` for their maps; every other record
+    /// goes to a spill file beside the database as it is read, so memory does not grow with
+    /// the tree (what grows is per chunked file, and the xattrs).
     fn collect_tree(
         &self,
         view: &Tx<'_>,
@@ -370,34 +414,56 @@ impl Persister {
         pass: &mut Pass,
     ) -> Result<(), CheckpointError> {
         let cs = self.params.chunk_size;
-        let xattrs = view.all_xattrs()?;
-        let mut found = Found {
-            inline: view.all_inline_data()?,
-            links: view.all_symlinks()?,
-            maps: view.all_file_chunks()?,
+        let spill = |name: &str| -> Result<Spill, CheckpointError> {
+            let path = self
+                .store
+                .scratch_path(name)
+                .ok_or_else(|| format::FormatError::Spill {
+                    path: name.to_string(),
+                    source: std::io::Error::other("the state database has no file to spill beside"),
+                })?;
+            Ok(Spill::create(path)?)
         };
-        let mut inodes = Vec::new();
-        view.for_each_inode(|i| {
-            inodes.push(i);
-            Ok(())
-        })?;
-        // Unlinked but still open: not part of the tree.
-        for i in inodes.into_iter().filter(|i| i.nlink > 0) {
+        let mut sp = FullSpill {
+            inodes: spill("snapshot-inodes")?,
+            dirents: spill("snapshot-dirents")?,
+        };
+        let mut xattrs = view.all_xattrs()?;
+        view.for_each_live_inode_with_data(|i, data| -> Result<(), CheckpointError> {
             pass.inode_total += 1;
             if i.kind == Kind::File {
                 pass.file_bytes += i.size;
             }
-            let x = xattrs.get(&i.ino).cloned().unwrap_or_default();
-            pass.add_inode(&i, x, &mut found, dirty, cs);
-        }
-        for (parent, d) in view.all_dirents()? {
-            pass.body.dirents.push(DirentRec {
+            let x = xattrs.remove(&i.ino).unwrap_or_default();
+            let mut found = Found::default();
+            match (i.kind, i.storage, data) {
+                (Kind::File, Storage::Body, _) => {
+                    found.maps.insert(i.ino, view.file_chunks(i.ino)?);
+                    pass.add_inode(&i, x, &mut found, dirty, cs);
+                    return Ok(());
+                }
+                (Kind::File, _, Some(d)) => {
+                    found.inline.insert(i.ino, d);
+                }
+                (Kind::Symlink, _, Some(t)) => {
+                    found.links.insert(i.ino, t);
+                }
+                _ => {}
+            }
+            let data = pass.data_of(&i, &mut found, dirty, cs);
+            sp.inodes.push(&rec_of(&i, x, data))?;
+            Ok(())
+        })?;
+        view.for_each_dirent(|parent, name, ino, kind| -> Result<(), CheckpointError> {
+            sp.dirents.push(&DirentRec {
                 parent: parent.0,
-                name: d.name,
-                ino: d.ino.0,
-                kind: d.kind.mode_bits(),
-            });
-        }
+                name,
+                ino: ino.0,
+                kind: kind.mode_bits(),
+            })?;
+            Ok(())
+        })?;
+        pass.spill = Some(sp);
         Ok(())
     }
 
@@ -457,7 +523,7 @@ impl Persister {
         pass: &mut Pass,
         deadline: Option<Instant>,
     ) -> Result<(), CheckpointError> {
-        pass.report.inodes = pass.body.inodes.len() as u64;
+        pass.report.inodes = pass.inode_records();
         let mut seen: HashSet<ChunkId> = HashSet::new();
         let total = pass.jobs.len();
         let mut done = 0usize;
@@ -552,23 +618,30 @@ impl Persister {
             .remote
             .flush()
             .map_err(CheckpointError::FlushRemote)?;
-        // A full snapshot's metadata image first (its hash goes in the header); not under a
-        // deadline (the stop's last checkpoint): building it takes seconds at 1M files.
-        if pass.full && deadline.is_none() {
-            pass.image = super::super::image::publish(&self.repo, &self.store, &pass.body, cs);
-        }
         let mut seq = pass.next_seq();
+        let mut obj = pass.encode(seq, cs)?;
+        // A full snapshot's metadata image, built from the object's records, then named in
+        // its header. Not under a deadline (the stop's last checkpoint): building it takes
+        // seconds at 1M files.
+        if pass.full && deadline.is_none() {
+            pass.image = super::super::image::publish(&self.repo, &self.store, &obj, cs);
+        }
         let data = loop {
             if deadline.is_some_and(|d| Instant::now() > d) {
                 let total = pass.jobs.len();
                 return Err(CheckpointError::Deadline { done: total, total });
             }
-            let data = format::encode(&pass.header(seq, cs), &pass.body)?;
-            let len = data.len();
-            match self.repo.put_snapshot(seq, data) {
-                Ok(()) => break len,
+            format::replace_header(&mut obj, &pass.header(seq, cs))?;
+            let len = obj.len();
+            let bytes = Bytes::from(obj);
+            let key = self.repo.snapshot_key(seq);
+            match self.repo.remote.put(&key, bytes.clone(), PutMode::Create) {
+                Ok(_) => break len,
                 // Left behind by a checkpoint that died before recording it: skip the number.
-                Err(RemoteError::AlreadyExists { .. }) => seq += 1,
+                Err(RemoteError::AlreadyExists { .. }) => {
+                    obj = Vec::from(bytes);
+                    seq += 1;
+                }
                 Err(source) => return Err(CheckpointError::WriteSnapshot { seq, source }),
             }
         };

@@ -27,15 +27,12 @@ pub(super) fn check_tree(
     rep: &mut FsckReport,
     repair: bool,
 ) -> Result<(), FsckError> {
-    let mut scan = TreeScan {
-        inodes: store
-            .read()
-            .all_inodes()?
-            .into_iter()
-            .map(|i| (i.ino, i))
-            .collect(),
-        ..Default::default()
-    };
+    // Streamed into the map: never the whole table as a Vec beside it.
+    let mut scan = TreeScan::default();
+    store.read().for_each_inode(|i| {
+        scan.inodes.insert(i.ino, i);
+        Ok(())
+    })?;
     let dirents = store.read().all_dirents()?;
     rep.inodes = scan.inodes.len() as u64;
     rep.entries = dirents.len() as u64;
