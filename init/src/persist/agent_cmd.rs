@@ -45,7 +45,7 @@ pub enum AgentCmdError {
     ResolveSnapshot(#[source] SnapshotsError),
     /// Asking the running keel to checkpoint before a diff against the live workspace.
     #[error("{0}")]
-    CheckpointRunning(#[source] RequestError),
+    AskCheckpoint(#[source] RequestError),
     #[error("{0}")]
     Diff(#[source] DiffError),
     #[error("no keel runs on {}: rollback works on a mounted workspace (a stopped one is restored with keel snapshot restore)", .0.display())]
@@ -169,7 +169,7 @@ pub fn diff(cfg: &Config, o: &DiffOptions) -> Result<String, AgentCmdError> {
                 "checkpoint",
                 Duration::from_secs(3600),
             )
-            .map_err(AgentCmdError::CheckpointRunning)?;
+            .map_err(AgentCmdError::AskCheckpoint)?;
             if running.is_none() {
                 checkpoint_offline(cfg)?;
             }
