@@ -58,6 +58,7 @@ pub fn poll<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
     super::mount::poll_for(LIMIT, f).unwrap_or_else(|| panic!("timed out waiting for {what}"))
 }
 
+#[allow(unused_imports)] // each test crate uses a different subset
 pub use super::procs::{alive, descendants, processes};
 
 pub fn read(path: &Path) -> String {
