@@ -15,7 +15,7 @@
 //!  │                │                               (never each other)
 //! meta · chunk · config                             the SQLite store; bodies, chunks
 //!  │
-//! sys · logging · progress                          syscalls and unsafe; leaves
+//! sys · logging · progress · time                   syscalls and unsafe; leaves
 //! ```
 //!
 //! Within the top layer: `run` uses `boot`, `supervisor`, `control` and `shutdown`;
