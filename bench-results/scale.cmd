@@ -1,1 +1,1 @@
-script/scale-bench.sh --out /work/wt-25/bench-results/scale.tsv
+script/scale-bench.sh --out /work/main/bench-results/scale.tsv 

@@ -181,7 +181,7 @@ timed "ckpt 1" ckpt; put "ckpt 1" keel "$T"; rss_keel "ckpt 1"
 python3 "$RUN/w.py" touch "$K" "$FILES" "$SIZE" 1000 || die "touch failed"
 timed "ckpt 1000" ckpt; put "ckpt 1000" keel "$T"; rss_keel "ckpt 1000"
 # A named snapshot loads the history window (persist/history.rs); one more checkpoint after it.
-timed "snapshot create" "$KEEL_BIN" snapshot create --name scale --state "$RUN/keel-state" --config "$RUN/keel.toml"
+timed "snapshot create" "$KEEL_BIN" snapshot create --name scale --state "$RUN/keel-state" --config "$RUN/keel.toml" >&2  # it prints the new seq
 put "snapshot create" keel "$T"; rss_keel "snapshot create"
 python3 "$RUN/w.py" touch "$K" "$FILES" "$SIZE" 1 || die "touch failed"
 timed "ckpt after snap" ckpt; put "ckpt after snap" keel "$T"; rss_keel "ckpt after snap"
