@@ -282,13 +282,6 @@ impl BodyPool {
     /// if the file goes back inline), or, when `id` has a held body of its own or the pool
     /// is empty, what [`BodyPool::create`] gives.
     pub fn take(&self, id: u64) -> io::Result<Fresh> {
-        self.take_stat(id).map(|(f, _)| f)
-    }
-
-    /// [`BodyPool::take`], with the slot's metadata as it hands the file out when it
-    /// looked at it anyway (a slot found empty): a caller that needs the body's times
-    /// need not ask again.
-    pub fn take_stat(&self, id: u64) -> io::Result<(Fresh, Option<std::fs::Metadata>)> {
         let slot = {
             let mut st = self.lock();
             let own =
@@ -308,12 +301,10 @@ impl BodyPool {
             {
                 Ok(f) => {
                     // A crash may have left bytes in it (see `create`).
-                    let m = f.metadata()?;
-                    if m.len() != 0 {
+                    if f.metadata()?.len() != 0 {
                         f.set_len(0)?;
-                        return Ok((Fresh::Slot(n, f), None));
                     }
-                    return Ok((Fresh::Slot(n, f), Some(m)));
+                    return Ok(Fresh::Slot(n, f));
                 }
                 // Gone from the pool directory: a new body it is.
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -323,7 +314,7 @@ impl BodyPool {
                 }
             }
         }
-        Ok((Fresh::Named(self.create(id)?), None))
+        self.create(id).map(Fresh::Named)
     }
 
     /// Moves a taken slot to the name of `id`. Whatever is at that name is stale (the store
