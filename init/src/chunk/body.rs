@@ -282,6 +282,13 @@ impl BodyPool {
     /// if the file goes back inline), or, when `id` has a held body of its own or the pool
     /// is empty, what [`BodyPool::create`] gives.
     pub fn take(&self, id: u64) -> io::Result<Fresh> {
+        self.take_stat(id).map(|(f, _)| f)
+    }
+
+    /// [`BodyPool::take`], with the slot's metadata as it hands the file out when it
+    /// looked at it anyway (a slot found empty): a caller that needs the body's times
+    /// need not ask again.
+    pub fn take_stat(&self, id: u64) -> io::Result<(Fresh, Option<std::fs::Metadata>)> {
         let slot = {
             let mut st = self.lock();
             let own =
@@ -301,10 +308,12 @@ impl BodyPool {
             {
                 Ok(f) => {
                     // A crash may have left bytes in it (see `create`).
-                    if f.metadata()?.len() != 0 {
+                    let m = f.metadata()?;
+                    if m.len() != 0 {
                         f.set_len(0)?;
+                        return Ok((Fresh::Slot(n, f), None));
                     }
-                    return Ok(Fresh::Slot(n, f));
+                    return Ok((Fresh::Slot(n, f), Some(m)));
                 }
                 // Gone from the pool directory: a new body it is.
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -314,7 +323,7 @@ impl BodyPool {
                 }
             }
         }
-        self.create(id).map(Fresh::Named)
+        Ok((Fresh::Named(self.create(id)?), None))
     }
 
     /// Moves a taken slot to the name of `id`. Whatever is at that name is stale (the store

@@ -144,7 +144,17 @@ impl WorkspaceFs {
         fresh: bool,
     ) -> FsResult<(u64, OpenInfo)> {
         let mut guard = self.lock();
-        let inner: &mut Inner = &mut guard;
+        self.open_locked(&mut guard, ino, flags, fresh)
+    }
+
+    /// `open_as` with the lock held.
+    fn open_locked(
+        &self,
+        inner: &mut Inner,
+        ino: InodeNo,
+        flags: i32,
+        fresh: bool,
+    ) -> FsResult<(u64, OpenInfo)> {
         self.ensure_open(inner, ino)?;
         if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
             self.sync_from_body(inner, ino)?;
@@ -179,13 +189,17 @@ impl WorkspaceFs {
             && !(privileged && node.opens == 0)
         {
             let of = node.open.as_mut().expect("loaded");
+            let mut known = None;
             if flags & libc::O_ACCMODE != libc::O_RDONLY && matches!(of.data, Data::Inline(_)) {
-                self.to_body(of)?;
+                known = self.to_body(of)?;
                 of.pt_body = true;
             }
             if let Data::Body(f) = &of.data {
                 if of.pt_base.is_none() {
-                    of.pt_base = Some(body_stamp(f)?);
+                    of.pt_base = Some(match known {
+                        Some(stamp) => stamp,
+                        None => body_stamp(f)?,
+                    });
                 }
                 backing = Some(f.clone());
                 node.pt_opens += 1;
@@ -223,7 +237,12 @@ impl WorkspaceFs {
         mode: u32,
         flags: i32,
     ) -> FsResult<(Attr, u64, OpenInfo)> {
-        let attr = self.make(
+        // One lock for both: nothing can come between the insert and the open, so the new
+        // file is loaded from what was inserted instead of read back from the store.
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let attr = self.make_locked(
+            inner,
             caller,
             parent,
             name,
@@ -234,7 +253,8 @@ impl WorkspaceFs {
                 target: None,
             },
         )?;
-        let (fh, info) = self.open_as(attr.inode.ino, flags, true)?;
+        Self::load_created(inner, attr.inode.clone());
+        let (fh, info) = self.open_locked(inner, attr.inode.ino, flags, true)?;
         Ok((attr, fh, info))
     }
 

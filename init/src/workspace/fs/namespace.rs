@@ -162,6 +162,19 @@ impl WorkspaceFs {
         name: &[u8],
         new: New<'_>,
     ) -> FsResult<Attr> {
+        let mut guard = self.lock();
+        self.make_locked(&mut guard, caller, parent, name, new)
+    }
+
+    /// `make` with the lock held (`create` goes on to open the new file under it).
+    pub(super) fn make_locked(
+        &self,
+        inner: &mut Inner,
+        caller: Caller,
+        parent: InodeNo,
+        name: &[u8],
+        new: New<'_>,
+    ) -> FsResult<Attr> {
         let New {
             kind,
             perm,
@@ -169,8 +182,6 @@ impl WorkspaceFs {
             target,
         } = new;
         check_name(name)?;
-        let mut guard = self.lock();
-        let inner: &mut Inner = &mut guard;
         let mut p = Self::load_dir(inner, parent)?;
         if p.nlink == 0 {
             return Err(FsError::NotFound);

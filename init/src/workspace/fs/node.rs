@@ -164,13 +164,16 @@ pub(super) struct BodyStamp {
 }
 
 pub(super) fn body_stamp(f: &File) -> io::Result<BodyStamp> {
+    Ok(stamp_of(&f.metadata()?))
+}
+
+fn stamp_of(m: &std::fs::Metadata) -> BodyStamp {
     use std::os::unix::fs::MetadataExt;
-    let m = f.metadata()?;
-    Ok(BodyStamp {
+    BodyStamp {
         size: m.len(),
         mtime: Nanos(m.mtime() * 1_000_000_000 + m.mtime_nsec()),
         ctime: Nanos(m.ctime() * 1_000_000_000 + m.ctime_nsec()),
-    })
+    }
 }
 
 /// Closed files kept loaded at most (see `WorkspaceFs::linger`): each may hold a body open.
@@ -384,6 +387,13 @@ impl WorkspaceFs {
         if let Data::Inline(v) = &mut data {
             v.resize(inode.size as usize, 0);
         }
+        Self::load_as(inner, inode, data);
+        Ok(())
+    }
+
+    /// Stored/Known → Loaded with what the store holds for `inode` (clean).
+    fn load_as(inner: &mut Inner, inode: Inode, data: Data) {
+        let ino = inode.ino;
         inner.nodes.entry(ino).or_default().open = Some(Box::new(OpenFile {
             inode,
             data,
@@ -393,7 +403,15 @@ impl WorkspaceFs {
             pt_base: None,
             pt_body: false,
         }));
-        Ok(())
+    }
+
+    /// Known → Loaded for a regular file `make_locked` just inserted (empty, inline, no
+    /// inline-data row), with the lock held since: what `ensure_open` would read back from
+    /// the store (a row and its inline bytes) without reading it.
+    pub(super) fn load_created(inner: &mut Inner, inode: Inode) {
+        debug_assert!(inode.kind == Kind::File && inode.size == 0);
+        debug_assert!(inode.storage == Storage::Inline);
+        Self::load_as(inner, inode, Data::Inline(Vec::new()));
     }
 
     /// Loaded, with no handle open → Lingering, Known, Stored or Deleted: writes back and
@@ -509,10 +527,17 @@ impl WorkspaceFs {
         Ok(!of.drop_provisional())
     }
 
-    /// Inline → Body: moves an inline file's bytes into a fresh body file.
-    pub(super) fn to_body(&self, of: &mut OpenFile) -> FsResult<()> {
+    /// Inline → Body: moves an inline file's bytes into a fresh body file. Returns the
+    /// body's stamp when it is known without asking (an empty file moved to a pool slot
+    /// the pool found empty: nothing was written to it since the pool looked).
+    pub(super) fn to_body(&self, of: &mut OpenFile) -> FsResult<Option<BodyStamp>> {
+        let mut stamp = None;
         if let Data::Inline(bytes) = &of.data {
-            let f = match self.pool.take(of.inode.ino.0)? {
+            let (fresh, seen) = self.pool.take_stat(of.inode.ino.0)?;
+            if bytes.is_empty() && of.inode.size == 0 {
+                stamp = seen.as_ref().map(stamp_of);
+            }
+            let f = match fresh {
                 Fresh::Named(f) => f,
                 Fresh::Slot(slot, f) => {
                     of.provisional.set(Some(Provisional {
@@ -531,7 +556,7 @@ impl WorkspaceFs {
             of.inode.storage = Storage::Body;
             of.dirty = true;
         }
-        Ok(())
+        Ok(stamp)
     }
 
     /// Sets the size of an open file's bytes (Inline → Body past `inline_max`, `to_body`).
