@@ -8,7 +8,6 @@
 //! before 1970 (see `from_system_time`), the single lifetime of READDIRPLUS and CREATE
 //! replies (see `readdirplus`), and its private `ForgetOne` (see `RequestCounters`).
 
-use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -24,6 +23,7 @@ use fuser::{
     WriteFlags,
 };
 
+use super::backing::Backings;
 use super::metrics::{self as fuse_metrics, Op};
 
 use super::fs::{
@@ -56,9 +56,9 @@ pub struct FuseAdapter {
     fs: Arc<WorkspaceFs>,
     timeouts: Timeouts,
     features: KernelFeatures,
-    /// Backing files registered with the kernel, per inode, with their handle count (an
-    /// `Arc`, so a reply can carry the id after the lock is let go).
-    backing: Mutex<HashMap<u64, (Arc<BackingId>, u32)>>,
+    /// Backing files registered with the kernel, per passthrough handle (an `Arc`, so a
+    /// reply can carry the id after the lock is let go).
+    backing: Mutex<Backings<BackingId>>,
     /// FUSE_HANDLE_KILLPRIV_V2 is on: keel drops setuid/setgid itself.
     killpriv: AtomicBool,
     /// Requests served, all of them and those the caller does not wait for.
@@ -98,7 +98,7 @@ impl FuseAdapter {
             fs,
             timeouts,
             features,
-            backing: Mutex::new(HashMap::new()),
+            backing: Mutex::new(Backings::default()),
             killpriv: AtomicBool::new(false),
             requests: Arc::new(RequestCounters::default()),
         }
@@ -121,7 +121,7 @@ impl FuseAdapter {
         self.count(op)
     }
 
-    fn backing(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (Arc<BackingId>, u32)>> {
+    fn backing(&self) -> std::sync::MutexGuard<'_, Backings<BackingId>> {
         self.backing.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -156,28 +156,6 @@ impl FuseAdapter {
         match res {
             Ok(a) => r.attr(&self.timeouts.attr, &self.file_attr(&a)),
             Err(e) => r.error(errno(&e)),
-        }
-    }
-}
-
-/// The kernel wants one backing id per inode for all its passthrough handles: reuse the
-/// registered one, or register `file` with `open` for the first handle.
-fn acquire_backing(
-    map: &mut HashMap<u64, (Arc<BackingId>, u32)>,
-    ino: u64,
-    file: &std::fs::File,
-    open: impl FnOnce(&std::fs::File) -> std::io::Result<BackingId>,
-) -> std::io::Result<Arc<BackingId>> {
-    use std::collections::hash_map::Entry;
-    match map.entry(ino) {
-        Entry::Occupied(e) => {
-            let (id, n) = e.into_mut();
-            *n += 1;
-            Ok(id.clone())
-        }
-        Entry::Vacant(v) => {
-            let id = Arc::new(open(file)?);
-            Ok(v.insert((id, 1)).0.clone())
         }
     }
 }
@@ -538,8 +516,9 @@ impl Filesystem for FuseAdapter {
             Ok((fh, info)) => match &info.backing {
                 None => reply.opened(FileHandle(fh), fopen_flags(&info)),
                 Some(file) => {
-                    let got =
-                        acquire_backing(&mut self.backing(), i.0, file, |f| reply.open_backing(f));
+                    let got = self
+                        .backing()
+                        .acquire(i.0, fh, file, |f| reply.open_backing(f));
                     match got {
                         Ok(id) => {
                             fuse_metrics::passthrough_open();
@@ -642,13 +621,7 @@ impl Filesystem for FuseAdapter {
         match self.fs.release(fh.0) {
             Ok(passthrough) => {
                 if passthrough {
-                    let mut map = self.backing();
-                    if let Some((_, n)) = map.get_mut(&ino.0) {
-                        *n -= 1;
-                        if *n == 0 {
-                            map.remove(&ino.0);
-                        }
-                    }
+                    self.backing().release(ino.0, fh.0);
                 }
                 reply.ok();
             }
@@ -844,9 +817,9 @@ impl Filesystem for FuseAdapter {
                     ),
                     Some(file) => {
                         let ino = a.inode.ino.0;
-                        let got = acquire_backing(&mut self.backing(), ino, file, |f| {
-                            reply.open_backing(f)
-                        });
+                        let got = self
+                            .backing()
+                            .acquire(ino, fh, file, |f| reply.open_backing(f));
                         match got {
                             Ok(id) => {
                                 fuse_metrics::passthrough_open();
