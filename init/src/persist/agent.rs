@@ -173,6 +173,20 @@ fn history_at(w: &mut Worker, seq: u64) -> Result<&History, AgentError> {
     Ok(w.history.as_ref().expect("set above"))
 }
 
+/// Whether the worker keeps (or would keep, by its header's inode count) the history at
+/// `seq`: past `history::MAX_TREE_RECORDS` an operation decodes only the trees it needs,
+/// since loading the history there would cost a whole tree for nothing kept.
+fn keeps_history(w: &Worker, seq: u64) -> Result<bool, AgentError> {
+    if w.history.as_ref().is_some_and(|h| h.seq() == seq) {
+        return Ok(true);
+    }
+    let h =
+        w.p.repo()
+            .read_header(seq)
+            .map_err(|source| AgentError::LoadSnapshot { seq, source })?;
+    Ok(History::would_keep(h.inodes))
+}
+
 /// A snapshot outside the history, decoded from its chain.
 fn load(repo: &Repo, seq: u64) -> Result<Tree, AgentError> {
     repo.load_tree(seq)
@@ -194,6 +208,19 @@ fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, AgentError> {
     let from = resolve(&req.from)?;
     let to = resolve(req.to.as_deref().unwrap_or("head"))?;
     let head = last_seq(w)?.ok_or(AgentError::NoSnapshot("the workspace has no snapshot yet"))?;
+    if !keeps_history(w, head)? {
+        // A large workspace: the two trees, decoded (no history tree beside them).
+        let ta = load(&repo, from)?;
+        let tb = if to == from {
+            None
+        } else {
+            Some(load(&repo, to)?)
+        };
+        let t_hist = ms(t0);
+        let d = super::diff::diff_trees(&ta, tb.as_ref().unwrap_or(&ta));
+        drop((ta, tb));
+        return Ok(diff_json(&d, "decoded", t0, t_hist));
+    }
     let h = history_at(w, head)?;
     let t_hist = ms(t0);
     let (d, how) = match (h.view(from), h.view(to), h.changed(from, to)) {
@@ -210,16 +237,21 @@ fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, AgentError> {
             (super::diff::diff_trees(&ta, &tb), "decoded")
         }
     };
-    let text = super::diff::render(&d);
-    let mut v = serde_json::to_value(&d).expect("diff serialises");
-    // How keel got it, for programs that measure (the changes are the same either way).
+    Ok(diff_json(&d, how, t0, t_hist))
+}
+
+/// The answer to a diff: its text, the changes, and how keel got them (`how`: from the
+/// history or from decoded trees, for programs that measure; the changes are the same).
+fn diff_json(d: &super::diff::Diff, how: &str, t0: Instant, t_hist: f64) -> serde_json::Value {
+    let text = super::diff::render(d);
+    let mut v = serde_json::to_value(d).expect("diff serialises");
     v["trees"] = how.into();
     v["duration_ms"] = ms(t0).into();
-    Ok(serde_json::json!({
+    serde_json::json!({
         "text": text,
         "diff": v,
         "history_ms": t_hist,
-    }))
+    })
 }
 
 /// Pushes what the kernel holds in its writeback cache for the mount into keel, so that
@@ -264,9 +296,13 @@ fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, Agent
     // A named snapshot is what diffs and rollbacks name: from the first one on, the worker
     // keeps the history (one chain decode, here), so that this one and the one before are
     // in it.
+    // A large workspace's history is not kept (`keeps_history`): none is loaded.
     if let Some(seq) = last_seq(w)? {
-        history_at(w, seq)?;
+        if keeps_history(w, seq)? {
+            history_at(w, seq)?;
+        }
     }
+    let rss_history = crate::sys::mem::rss_mib();
     let r = w
         .checkpoint(CheckpointOptions::default(), !w.paused)
         .map_err(|e| AgentError::Checkpoint(Box::new(e)))?;
@@ -276,7 +312,7 @@ fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, Agent
             "the workspace has no snapshot and nothing to checkpoint",
         ))?,
     };
-    if w.history.is_none() {
+    if w.history.is_none() && keeps_history(w, seq)? {
         // The workspace's first snapshot: the history starts at it.
         history_at(w, seq)?;
     }
@@ -290,6 +326,12 @@ fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, Agent
         "new_snapshot": r.seq.is_some(),
         "checkpoint": r.to_string(),
         "duration_ms": ms(t0),
+        // keel's memory (MiB, now / peak so far) after the history step and at the end,
+        // for programs that measure.
+        "rss_mib": {
+            "history": rss_history,
+            "end": crate::sys::mem::rss_mib(),
+        },
     }))
 }
 
@@ -344,7 +386,7 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
         (Some(v), Some(c)) => (v, c, "history"),
         _ => {
             decoded = load(&repo, target)?;
-            let c = Changed::all(h.tree(), &decoded);
+            let c = Changed::between(h.tree(), &decoded);
             (View::of(&decoded), c, "decoded")
         }
     };

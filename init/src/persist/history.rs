@@ -15,7 +15,10 @@
 //! first named snapshot, diff or rollback loads the tree (the one full decode), so a keel
 //! that is never asked for one never holds it. The tree itself is kept only while it is
 //! small (`MAX_TREE_RECORDS`): a large workspace's tree would hold more memory than keel's
-//! whole budget, so there each operation decodes the chains it needs and drops them.
+//! whole budget, so there each operation decodes the chains it needs and drops them, and
+//! one that loads the history only to keep it (a named snapshot) does not load it at all
+//! (`History::would_keep`, from the head's header). Snapshots are read a record at a time
+//! (`Tree::apply_object`, `format::reader`), never decoded whole.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
@@ -154,13 +157,48 @@ pub struct Changed {
 }
 
 impl Changed {
-    /// Every key of both trees (when nothing narrower is known).
-    pub fn all(a: &Tree, b: &Tree) -> Self {
+    /// The keys whose records differ between two trees (when nothing narrower is known):
+    /// one merged walk of both trees' maps, holding only what differs.
+    pub fn between(a: &Tree, b: &Tree) -> Self {
         Changed {
-            inodes: a.inodes.keys().chain(b.inodes.keys()).copied().collect(),
-            dirents: a.dirents.keys().chain(b.dirents.keys()).cloned().collect(),
+            inodes: differing(&a.inodes, &b.inodes),
+            dirents: differing(&a.dirents, &b.dirents),
         }
     }
+}
+
+/// The keys of two sorted maps whose values differ (or that only one has).
+fn differing<K: Ord + Clone, V: PartialEq>(a: &BTreeMap<K, V>, b: &BTreeMap<K, V>) -> BTreeSet<K> {
+    use std::cmp::Ordering;
+    let mut out = BTreeSet::new();
+    let (mut x, mut y) = (a.iter().peekable(), b.iter().peekable());
+    loop {
+        match (x.peek(), y.peek()) {
+            (None, None) => break,
+            (Some((k, _)), None) | (None, Some((k, _))) => {
+                out.insert((*k).clone());
+                x.next().or_else(|| y.next());
+            }
+            (Some((ka, va)), Some((kb, vb))) => match ka.cmp(kb) {
+                Ordering::Less => {
+                    out.insert((*ka).clone());
+                    x.next();
+                }
+                Ordering::Greater => {
+                    out.insert((*kb).clone());
+                    y.next();
+                }
+                Ordering::Equal => {
+                    if va != vb {
+                        out.insert((*ka).clone());
+                    }
+                    x.next();
+                    y.next();
+                }
+            },
+        }
+    }
+    out
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -206,6 +244,13 @@ impl History {
         &self.tree
     }
 
+    /// Whether the history of a snapshot of `inodes` inodes (its header's count) would be
+    /// kept (`worth_keeping`): an inode is about two records, itself and its entry. Lets
+    /// an operation that loads the history only to keep it skip the load.
+    pub fn would_keep(inodes: u64) -> bool {
+        inodes.saturating_mul(2) <= MAX_TREE_RECORDS as u64
+    }
+
     /// Whether to keep the history after the operation that loaded or used it: only while
     /// its tree holds at most `MAX_TREE_RECORDS` records (see the module doc).
     pub fn worth_keeping(&self) -> bool {
@@ -217,30 +262,36 @@ impl History {
     }
 
     /// Replays snapshot `seq` (just written by the checkpoint) onto the tree, keeping what
-    /// it replaced. `Ok(false)`: it does not follow the tree (the caller drops the history).
+    /// it replaced. `Ok(false)`: it does not follow the tree, or the tree is past
+    /// `MAX_TREE_RECORDS` (the caller drops the history). The snapshot is read a record at
+    /// a time (`format::reader`), never decoded whole.
     pub fn advance(&mut self, repo: &Repo, seq: u64) -> Result<bool, HistoryError> {
-        let (h, body) = repo.read_snapshot(seq).map_err(|e| HistoryError::Load {
-            seq,
-            source: Box::new(e),
-        })?;
-        let from = self.seq();
         if !self.worth_keeping() {
             return Ok(false);
         }
+        let load = |e: RepoError| HistoryError::Load {
+            seq,
+            source: Box::new(e),
+        };
+        let key = repo.snapshot_key(seq);
+        let data = repo.remote.get(&key).map_err(|e| load(e.into()))?;
+        let replay = |e| HistoryError::Replay { seq, source: e };
+        let (h, mut r) = super::format::reader(&key, &data).map_err(replay)?;
+        let from = self.seq();
         let mut step = Step {
             seq,
             from,
             ..Default::default()
         };
-        let replay = |e| HistoryError::Replay { seq, source: e };
         if h.is_full() {
             // A full snapshot (compaction) describes the same workspace: what it changed
             // is found by comparing, once.
             if h.prev != Some(from) {
                 return Ok(false);
             }
+            drop(r);
             let mut new = Tree::default();
-            new.apply(&h, body).map_err(replay)?;
+            new.apply_object(&key, &data).map_err(replay)?;
             for (k, v) in &self.tree.inodes {
                 if new.inodes.get(k) != Some(v) {
                     step.inodes.insert(*k, Some(v.clone()));
@@ -266,25 +317,32 @@ impl History {
             if h.parent != Some(from) {
                 return Ok(false);
             }
-            for ino in body
-                .deleted
-                .iter()
-                .chain(body.inodes.iter().map(|r| &r.ino))
-            {
+            // What the delta touches, with its value before (one pass over the body), then
+            // the delta replayed.
+            let tree = &self.tree;
+            let mut ino = |i: u64| {
                 step.inodes
-                    .entry(*ino)
-                    .or_insert_with(|| self.tree.inodes.get(ino).cloned());
+                    .entry(i)
+                    .or_insert_with(|| tree.inodes.get(&i).cloned());
+            };
+            while let Some(rec) = r.next_inode().map_err(replay)? {
+                ino(rec.ino);
             }
-            for k in body
-                .unlinked
-                .iter()
-                .cloned()
-                .chain(body.dirents.iter().map(|d| (d.parent, d.name.clone())))
-            {
-                let old = self.tree.dirents.get(&k).copied();
+            while let Some(i) = r.next_deleted().map_err(replay)? {
+                ino(i);
+            }
+            let mut dirent = |k: DirKey| {
+                let old = tree.dirents.get(&k).copied();
                 step.dirents.entry(k).or_insert(old);
+            };
+            while let Some(d) = r.next_dirent().map_err(replay)? {
+                dirent((d.parent, d.name));
             }
-            self.tree.apply(&h, body).map_err(replay)?;
+            while let Some(k) = r.next_unlinked().map_err(replay)? {
+                dirent(k);
+            }
+            drop(r);
+            self.tree.apply_object(&key, &data).map_err(replay)?;
         }
         self.records += step.records();
         self.steps.push_back(step);
@@ -359,7 +417,12 @@ pub fn diff_candidates(a: &View, b: &View, c: &Changed) -> BTreeSet<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::persist::format::{DataRec, InodeRec, TreeData};
+    use std::sync::Arc;
+
+    use crate::persist::format::{
+        encode, Body, DataRec, DirentRec, Header, InodeRec, TreeData, FORMAT,
+    };
+    use crate::persist::remote::MemRemote;
 
     fn tree(n: u64) -> Tree {
         let mut t = Tree {
@@ -396,8 +459,141 @@ mod tests {
         t
     }
 
+    fn dirent(parent: u64, name: &str, ino: u64) -> DirentRec {
+        DirentRec {
+            parent,
+            name: name.as_bytes().to_vec(),
+            ino,
+            kind: libc::S_IFREG,
+        }
+    }
+
+    fn header(seq: u64, parent: Option<u64>) -> Header {
+        Header {
+            format: FORMAT,
+            seq,
+            parent,
+            base: 1,
+            prev: Some(seq - 1).filter(|p| *p > 0),
+            created_ns: 0,
+            chunk_size: 4,
+            inodes: 0,
+            file_bytes: 0,
+            image: None,
+        }
+    }
+
+    #[test]
+    fn the_streamed_chain_and_steps_show_every_snapshot_as_decoded() {
+        let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+        let put = |h: &Header, b: &Body| repo.put_snapshot(h.seq, encode(h, b).unwrap()).unwrap();
+        let t = tree(20);
+        let full = Body {
+            inodes: t.inodes.values().map(|i| i.rec.clone()).collect(),
+            dirents: (1..=20).map(|i| dirent(1, &i.to_string(), i)).collect(),
+            ..Default::default()
+        };
+        put(&header(1, None), &full);
+        let mut d2 = Body {
+            inodes: vec![t.inodes[&3].rec.clone(), t.inodes[&4].rec.clone()],
+            deleted: vec![5],
+            unlinked: vec![(1, b"5".to_vec())],
+            dirents: vec![dirent(1, "new", 3)],
+        };
+        d2.inodes[0].size = 7;
+        put(&header(2, Some(1)), &d2);
+        let d3 = Body {
+            deleted: vec![6],
+            unlinked: vec![(1, b"6".to_vec()), (1, b"new".to_vec())],
+            ..Default::default()
+        };
+        put(&header(3, Some(2)), &d3);
+        // A compaction: the tree of 3 again, as a full snapshot.
+        let (t3, _) = repo.load_tree(3).unwrap();
+        let f4 = Body {
+            inodes: t3.inodes.values().map(|i| i.rec.clone()).collect(),
+            dirents: t3
+                .dirents
+                .iter()
+                .map(|((p, n), (i, k))| DirentRec {
+                    parent: *p,
+                    name: n.clone(),
+                    ino: *i,
+                    kind: *k,
+                })
+                .collect(),
+            ..Default::default()
+        };
+        put(&header(4, None), &f4);
+
+        // Each tree as the whole-body decode makes it.
+        let whole = |seq: u64| {
+            let mut chain = Vec::new();
+            let mut at = Some(seq);
+            while let Some(s) = at {
+                let (h, b) = repo.read_snapshot(s).unwrap();
+                at = h.parent;
+                chain.push((h, b));
+            }
+            let mut t = Tree::default();
+            for (h, b) in chain.into_iter().rev() {
+                t.apply(&h, b).unwrap();
+            }
+            t
+        };
+        for seq in 1..=4 {
+            assert_eq!(
+                repo.load_tree(seq).unwrap().0,
+                whole(seq),
+                "load_tree({seq})"
+            );
+        }
+        assert_eq!(t3.inodes[&3].rec.size, 7);
+        assert!(!t3.inodes.contains_key(&5) && !t3.dirents.contains_key(&(1, b"new".to_vec())));
+
+        // The history from 1, advanced by each, shows each.
+        let mut h = History::load(&repo, 1).unwrap();
+        for seq in 2..=4 {
+            assert!(h.advance(&repo, seq).unwrap(), "advance to {seq}");
+        }
+        for seq in 1..=4 {
+            let v = h.view(seq).unwrap();
+            let mut want = whole(seq);
+            want.seq = Some(seq);
+            let mut got = v.to_tree();
+            got.chunk_size = want.chunk_size;
+            assert_eq!(got, want, "view({seq})");
+        }
+        let c = h.changed(1, 3).unwrap();
+        assert_eq!(c.inodes, [3, 4, 5, 6].into_iter().collect());
+        // A snapshot that does not follow the tree ends the history.
+        put(&header(6, Some(5)), &Body::default());
+        assert!(!h.advance(&repo, 6).unwrap());
+    }
+
+    #[test]
+    fn changed_between_two_trees_is_exactly_what_differs() {
+        let a = tree(10);
+        let mut b = tree(12);
+        b.inodes.remove(&2);
+        b.inodes.get_mut(&5).unwrap().rec.size = 9;
+        b.dirents.remove(&(1, b"3".to_vec()));
+        b.dirents.insert((1, b"4".to_vec()), (7, libc::S_IFREG));
+        let c = Changed::between(&a, &b);
+        assert_eq!(c.inodes, [2, 5, 11, 12].into_iter().collect());
+        let names: BTreeSet<DirKey> = ["3", "4", "11", "12"]
+            .iter()
+            .map(|n| (1, n.as_bytes().to_vec()))
+            .collect();
+        assert_eq!(c.dirents, names);
+        assert_eq!(Changed::between(&b, &a).inodes, c.inodes);
+        assert!(Changed::between(&a, &a).inodes.is_empty());
+        assert!(Changed::between(&Tree::default(), &a).inodes.len() == 10);
+    }
+
     #[test]
     fn only_a_small_tree_is_worth_keeping() {
+        assert!(History::would_keep(100_000) && !History::would_keep(100_001));
         let h = History {
             tree: tree(10),
             ..Default::default()

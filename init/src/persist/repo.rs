@@ -242,20 +242,23 @@ impl Repo {
     }
 
     /// Materializes the tree of snapshot `seq` by replaying its chain from the full
-    /// snapshot it builds on. Returns the tree and the headers of the chain.
+    /// snapshot it builds on. Returns the tree and the headers of the chain. The chain's
+    /// objects are held as fetched (compressed) and each body is replayed a record at a
+    /// time (`Tree::apply_object`), so the memory is the tree's and the objects', never a
+    /// decoded body's.
     pub fn load_tree(&self, seq: u64) -> Result<(Tree, Vec<Header>), RepoError> {
         let mut chain = Vec::new();
         let mut at = Some(seq);
         while let Some(s) = at {
-            let (h, b) = self.read_snapshot(s)?;
-            at = h.parent;
-            chain.push((h, b));
+            let key = self.snapshot_key(s);
+            let b = self.remote.get(&key)?;
+            at = format::decode_header(&key, &b)?.0.parent;
+            chain.push((key, b));
         }
         let mut tree = Tree::default();
         let mut headers = Vec::new();
-        for (h, b) in chain.into_iter().rev() {
-            tree.apply(&h, b)?;
-            headers.push(h);
+        while let Some((key, b)) = chain.pop() {
+            headers.push(tree.apply_object(&key, &b)?);
         }
         Ok((tree, headers))
     }

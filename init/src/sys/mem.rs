@@ -10,3 +10,20 @@ pub fn release_free_heap() {
         libc::malloc_trim(0);
     }
 }
+
+/// This process's resident memory now and its peak so far (`VmRSS`, `VmHWM` of
+/// `/proc/self/status`), in MiB; `None` where the kernel does not say.
+pub fn rss_mib() -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let l = s.lines().find(|l| l.starts_with(name))?;
+        let kib: u64 = l[name.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib / 1024)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
