@@ -328,8 +328,10 @@ impl WorkspaceFs {
         child.ctime = t;
         p.mtime = t;
         p.ctime = t;
-        // Nobody has it open: the inode goes in the same transaction as its last name. (The
-        // kernel may still hold a lookup reference; `forget` then finds nothing to do.)
+        // Nobody has it open: the inode goes in the same transaction as its last name, and
+        // its `Node` with it (Deleted: row and node gone). The kernel may still hold a
+        // lookup reference; its `forget` then finds no node and has nothing to do (no
+        // `SELECT` of the row this deleted).
         let delete_now = child.nlink == 0 && !Self::is_open(inner, child.ino);
         let mut tx = Batch::new(&inner.store)?;
         tx.unlink(parent, name)?;
@@ -342,9 +344,7 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
         if delete_now {
-            if let Some(n) = inner.nodes.get_mut(&child.ino) {
-                n.open = None;
-            }
+            inner.nodes.remove(&child.ino);
             if child.storage == Storage::Body {
                 Self::discard_body(inner, child.ino);
             }
