@@ -878,6 +878,22 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// `link` of a name that must be new: false, and nothing inserted, when `parent`
+    /// already has an entry `name` (the table's primary key is the check, so a create needs
+    /// no `SELECT` of the name first and stays exact whoever wrote the entry). The caller
+    /// drops the transaction then, which undoes what it did before.
+    pub fn link_new(&self, parent: InodeNo, name: &[u8], ino: InodeNo, kind: Kind) -> Result<bool> {
+        match self.link(parent, name, ino, kind) {
+            Ok(()) => Ok(true),
+            Err(MetaError::Sql(rusqlite::Error::SqliteFailure(e, _)))
+                if e.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_PRIMARYKEY =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Points an existing entry at another inode (rename over, exchange).
     pub fn relink(&self, parent: InodeNo, name: &[u8], ino: InodeNo, kind: Kind) -> Result<()> {
         self.conn
@@ -1309,6 +1325,42 @@ mod tests {
         assert!(r.lookup(InodeNo::ROOT, b"c").unwrap().is_none());
         assert!(r.lookup(InodeNo::ROOT, b"d").unwrap().is_none());
         assert!(r.lookup(InodeNo::ROOT, b"a").unwrap().is_some());
+    }
+
+    /// A create checks its name by inserting the entry: a taken name fails only that
+    /// operation, inside a group or alone, and leaves no inode row behind.
+    #[test]
+    fn link_new_refuses_a_taken_name_and_the_dropped_operation_leaves_nothing() {
+        for group in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut s = Store::open(&dir.path().join("meta.db"), Nanos(5)).unwrap();
+            if group {
+                s.enable_group_commit(Box::new(|| {}));
+            }
+            let tx = s.write().unwrap();
+            let a = tx.insert(&file(0o600)).unwrap();
+            assert!(tx.link_new(InodeNo::ROOT, b"a", a, Kind::File).unwrap());
+            tx.commit().unwrap();
+            let rows = s.read().inode_count().unwrap();
+            {
+                let tx = s.write().unwrap();
+                let b = tx.insert(&file(0o600)).unwrap();
+                assert!(!tx.link_new(InodeNo::ROOT, b"a", b, Kind::File).unwrap());
+            }
+            assert_eq!(s.read().inode_count().unwrap(), rows, "group {group}");
+            assert_eq!(
+                s.read().lookup(InodeNo::ROOT, b"a").unwrap().unwrap().ino,
+                a
+            );
+            // The transaction (and the group) go on working.
+            let tx = s.write().unwrap();
+            let c = tx.insert(&file(0o600)).unwrap();
+            assert!(tx.link_new(InodeNo::ROOT, b"c", c, Kind::File).unwrap());
+            tx.commit().unwrap();
+            s.commit_group().unwrap();
+            assert!(s.read().orphans().unwrap().is_empty());
+            assert_eq!(s.read().inode_count().unwrap(), rows + 1, "group {group}");
+        }
     }
 
     #[test]

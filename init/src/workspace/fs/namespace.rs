@@ -186,9 +186,6 @@ impl WorkspaceFs {
         if p.nlink == 0 {
             return Err(FsError::NotFound);
         }
-        if inner.store.read().lookup(parent, name)?.is_some() {
-            return Err(FsError::Exists);
-        }
         let mut inode = Self::new_inode(caller, &p, kind, perm, rdev);
         if let Some(t) = target {
             inode.size = t.len() as u64;
@@ -196,7 +193,11 @@ impl WorkspaceFs {
         let t = inode.ctime;
         let mut tx = Batch::new(&inner.store)?;
         inode.ino = tx.insert(&inode)?;
-        tx.link(parent, name, inode.ino, kind)?;
+        // The name's existence is checked by the entry's insert (its primary key), in the
+        // same transaction: dropping `tx` on EEXIST takes the inserted row back with it.
+        if !tx.link_new(parent, name, inode.ino, kind)? {
+            return Err(FsError::Exists);
+        }
         if let Some(target) = target {
             tx.set_symlink_target(inode.ino, target)?;
         }
