@@ -866,6 +866,21 @@ impl Tx<'_> {
         }
     }
 
+    /// The inode entry `name` of `parent` points at, in one statement (`lookup`, then
+    /// `get`, is two): a LOOKUP or an unlink of a name whose inode is not loaded needs both.
+    /// `None` when there is no such entry (or, in a corrupt store, no row for its inode).
+    pub fn lookup_inode(&self, parent: InodeNo, name: &[u8]) -> Result<Option<Inode>> {
+        let mut st = self.conn.counted(
+            "SELECT i.ino, i.mode, i.uid, i.gid, i.nlink, i.size, i.atime, i.mtime, i.ctime,
+                    i.rdev, i.parent, i.storage
+             FROM dirent d JOIN inode i ON i.ino = d.ino WHERE d.parent = ?1 AND d.name = ?2",
+        )?;
+        let row = st
+            .query_row(params![parent.0 as i64, name], row_to_inode)
+            .optional()?;
+        row.map(finish_inode).transpose()
+    }
+
     pub fn link(&self, parent: InodeNo, name: &[u8], ino: InodeNo, kind: Kind) -> Result<()> {
         self.conn
             .counted("INSERT INTO dirent (parent, name, ino, kind) VALUES (?1, ?2, ?3, ?4)")?
@@ -1325,6 +1340,27 @@ mod tests {
         assert!(r.lookup(InodeNo::ROOT, b"c").unwrap().is_none());
         assert!(r.lookup(InodeNo::ROOT, b"d").unwrap().is_none());
         assert!(r.lookup(InodeNo::ROOT, b"a").unwrap().is_some());
+    }
+
+    #[test]
+    fn lookup_inode_joins_the_entry_to_its_row() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("meta.db"), Nanos(5)).unwrap();
+        let tx = s.write().unwrap();
+        let a = tx.insert(&file(0o640)).unwrap();
+        tx.link(InodeNo::ROOT, b"a", a, Kind::File).unwrap();
+        tx.commit().unwrap();
+        let r = s.read();
+        assert_eq!(
+            r.lookup_inode(InodeNo::ROOT, b"a").unwrap(),
+            r.get(a).unwrap()
+        );
+        assert_eq!(
+            r.lookup_inode(InodeNo::ROOT, b"a").unwrap().unwrap().perm,
+            0o640
+        );
+        assert!(r.lookup_inode(InodeNo::ROOT, b"b").unwrap().is_none());
+        assert!(r.lookup_inode(a, b"a").unwrap().is_none());
     }
 
     /// A create checks its name by inserting the entry: a taken name fails only that

@@ -40,12 +40,20 @@ impl WorkspaceFs {
             b"." => parent,
             b".." => p.parent,
             _ => {
-                inner
+                // The entry and its inode's row in one statement; a loaded file's
+                // attributes in memory are newer than its row, so they win.
+                let row = inner
                     .store
                     .read()
-                    .lookup(parent, name)?
-                    .ok_or(FsError::NotFound)?
-                    .ino
+                    .lookup_inode(parent, name)?
+                    .ok_or(FsError::NotFound)?;
+                let ino = row.ino;
+                if inner.nodes.get(&ino).is_none_or(|n| n.open.is_none()) {
+                    let attr = self.attr(row, None)?;
+                    Self::remember(inner, ino);
+                    return Ok(attr);
+                }
+                ino
             }
         };
         let attr = self.fresh_attr(inner, ino)?;
@@ -304,18 +312,23 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         let mut p = Self::load_dir(inner, parent)?;
-        let d = inner
+        // The entry and its inode's row in one statement (a loaded file's attributes in
+        // memory are newer than its row: they win).
+        let row = inner
             .store
             .read()
-            .lookup(parent, name)?
+            .lookup_inode(parent, name)?
             .ok_or(FsError::NotFound)?;
-        let mut child = Self::load(inner, d.ino)?;
+        let mut child = match inner.nodes.get(&row.ino).and_then(|n| n.open.as_ref()) {
+            Some(of) => of.inode.clone(),
+            None => row,
+        };
         let t = now();
         if dir {
             if child.kind != Kind::Dir {
                 return Err(FsError::NotDir);
             }
-            if !inner.store.read().dir_is_empty(d.ino)? {
+            if !inner.store.read().dir_is_empty(child.ino)? {
                 return Err(FsError::NotEmpty);
             }
             child.nlink = 0;
