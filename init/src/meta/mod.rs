@@ -866,6 +866,21 @@ impl Tx<'_> {
         }
     }
 
+    /// The inode entry `name` of `parent` points at, in one statement (`lookup`, then
+    /// `get`, is two): a LOOKUP or an unlink of a name whose inode is not loaded needs both.
+    /// `None` when there is no such entry (or, in a corrupt store, no row for its inode).
+    pub fn lookup_inode(&self, parent: InodeNo, name: &[u8]) -> Result<Option<Inode>> {
+        let mut st = self.conn.counted(
+            "SELECT i.ino, i.mode, i.uid, i.gid, i.nlink, i.size, i.atime, i.mtime, i.ctime,
+                    i.rdev, i.parent, i.storage
+             FROM dirent d JOIN inode i ON i.ino = d.ino WHERE d.parent = ?1 AND d.name = ?2",
+        )?;
+        let row = st
+            .query_row(params![parent.0 as i64, name], row_to_inode)
+            .optional()?;
+        row.map(finish_inode).transpose()
+    }
+
     pub fn link(&self, parent: InodeNo, name: &[u8], ino: InodeNo, kind: Kind) -> Result<()> {
         self.conn
             .counted("INSERT INTO dirent (parent, name, ino, kind) VALUES (?1, ?2, ?3, ?4)")?
@@ -876,6 +891,22 @@ impl Tx<'_> {
                 kind.mode_bits()
             ])?;
         Ok(())
+    }
+
+    /// `link` of a name that must be new: false, and nothing inserted, when `parent`
+    /// already has an entry `name` (the table's primary key is the check, so a create needs
+    /// no `SELECT` of the name first and stays exact whoever wrote the entry). The caller
+    /// drops the transaction then, which undoes what it did before.
+    pub fn link_new(&self, parent: InodeNo, name: &[u8], ino: InodeNo, kind: Kind) -> Result<bool> {
+        match self.link(parent, name, ino, kind) {
+            Ok(()) => Ok(true),
+            Err(MetaError::Sql(rusqlite::Error::SqliteFailure(e, _)))
+                if e.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_PRIMARYKEY =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Points an existing entry at another inode (rename over, exchange).
@@ -1309,6 +1340,63 @@ mod tests {
         assert!(r.lookup(InodeNo::ROOT, b"c").unwrap().is_none());
         assert!(r.lookup(InodeNo::ROOT, b"d").unwrap().is_none());
         assert!(r.lookup(InodeNo::ROOT, b"a").unwrap().is_some());
+    }
+
+    #[test]
+    fn lookup_inode_joins_the_entry_to_its_row() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("meta.db"), Nanos(5)).unwrap();
+        let tx = s.write().unwrap();
+        let a = tx.insert(&file(0o640)).unwrap();
+        tx.link(InodeNo::ROOT, b"a", a, Kind::File).unwrap();
+        tx.commit().unwrap();
+        let r = s.read();
+        assert_eq!(
+            r.lookup_inode(InodeNo::ROOT, b"a").unwrap(),
+            r.get(a).unwrap()
+        );
+        assert_eq!(
+            r.lookup_inode(InodeNo::ROOT, b"a").unwrap().unwrap().perm,
+            0o640
+        );
+        assert!(r.lookup_inode(InodeNo::ROOT, b"b").unwrap().is_none());
+        assert!(r.lookup_inode(a, b"a").unwrap().is_none());
+    }
+
+    /// A create checks its name by inserting the entry: a taken name fails only that
+    /// operation, inside a group or alone, and leaves no inode row behind.
+    #[test]
+    fn link_new_refuses_a_taken_name_and_the_dropped_operation_leaves_nothing() {
+        for group in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut s = Store::open(&dir.path().join("meta.db"), Nanos(5)).unwrap();
+            if group {
+                s.enable_group_commit(Box::new(|| {}));
+            }
+            let tx = s.write().unwrap();
+            let a = tx.insert(&file(0o600)).unwrap();
+            assert!(tx.link_new(InodeNo::ROOT, b"a", a, Kind::File).unwrap());
+            tx.commit().unwrap();
+            let rows = s.read().inode_count().unwrap();
+            {
+                let tx = s.write().unwrap();
+                let b = tx.insert(&file(0o600)).unwrap();
+                assert!(!tx.link_new(InodeNo::ROOT, b"a", b, Kind::File).unwrap());
+            }
+            assert_eq!(s.read().inode_count().unwrap(), rows, "group {group}");
+            assert_eq!(
+                s.read().lookup(InodeNo::ROOT, b"a").unwrap().unwrap().ino,
+                a
+            );
+            // The transaction (and the group) go on working.
+            let tx = s.write().unwrap();
+            let c = tx.insert(&file(0o600)).unwrap();
+            assert!(tx.link_new(InodeNo::ROOT, b"c", c, Kind::File).unwrap());
+            tx.commit().unwrap();
+            s.commit_group().unwrap();
+            assert!(s.read().orphans().unwrap().is_empty());
+            assert_eq!(s.read().inode_count().unwrap(), rows + 1, "group {group}");
+        }
     }
 
     #[test]

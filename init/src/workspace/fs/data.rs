@@ -385,34 +385,31 @@ impl WorkspaceFs {
     }
 
     /// Closes a file handle; returns whether it was a passthrough handle. Open → Loaded at
-    /// the last handle, then `settle` (see `node.rs`'s life cycle).
+    /// the last handle, then `settle` (see `node.rs`'s life cycle). One lock section: the
+    /// next request (often the LOOKUP of the next file) waits for the lock once, not twice.
     pub fn release(&self, fh: u64) -> FsResult<bool> {
-        let (ino, passthrough) = {
-            let mut guard = self.lock();
-            let inner: &mut Inner = &mut guard;
-            let Some(Handle::File { ino, passthrough }) = inner.handles.remove(&fh) else {
-                return Err(FsError::BadHandle);
-            };
-            if let Err(e) = self.sync_from_body(inner, ino) {
-                tracing::warn!(ino = ino.0, error = %e, "release: cannot stat the body");
-            }
-            if let Some(node) = inner.nodes.get_mut(&ino) {
-                node.opens = node.opens.saturating_sub(1);
-                if passthrough {
-                    node.pt_opens = node.pt_opens.saturating_sub(1);
-                    if node.pt_opens == 0 {
-                        if let Some(of) = node.open.as_mut() {
-                            of.pt_base = None;
-                        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let Some(Handle::File { ino, passthrough }) = inner.handles.remove(&fh) else {
+            return Err(FsError::BadHandle);
+        };
+        // A kernel write through a passthrough handle, or through a shared mapping of one
+        // after its close, shows only in the body: look before the file is settled.
+        if let Err(e) = self.sync_from_body(inner, ino) {
+            tracing::warn!(ino = ino.0, error = %e, "release: cannot stat the body");
+        }
+        if let Some(node) = inner.nodes.get_mut(&ino) {
+            node.opens = node.opens.saturating_sub(1);
+            if passthrough {
+                node.pt_opens = node.pt_opens.saturating_sub(1);
+                if node.pt_opens == 0 {
+                    if let Some(of) = node.open.as_mut() {
+                        of.pt_base = None;
                     }
                 }
             }
-            (ino, passthrough)
-        };
-        {
-            let mut guard = self.lock();
-            self.settle(&mut guard, ino)?;
         }
+        self.settle(inner, ino)?;
         Ok(passthrough)
     }
 

@@ -40,12 +40,20 @@ impl WorkspaceFs {
             b"." => parent,
             b".." => p.parent,
             _ => {
-                inner
+                // The entry and its inode's row in one statement; a loaded file's
+                // attributes in memory are newer than its row, so they win.
+                let row = inner
                     .store
                     .read()
-                    .lookup(parent, name)?
-                    .ok_or(FsError::NotFound)?
-                    .ino
+                    .lookup_inode(parent, name)?
+                    .ok_or(FsError::NotFound)?;
+                let ino = row.ino;
+                if inner.nodes.get(&ino).is_none_or(|n| n.open.is_none()) {
+                    let attr = self.attr(row, None)?;
+                    Self::remember(inner, ino);
+                    return Ok(attr);
+                }
+                ino
             }
         };
         let attr = self.fresh_attr(inner, ino)?;
@@ -186,9 +194,6 @@ impl WorkspaceFs {
         if p.nlink == 0 {
             return Err(FsError::NotFound);
         }
-        if inner.store.read().lookup(parent, name)?.is_some() {
-            return Err(FsError::Exists);
-        }
         let mut inode = Self::new_inode(caller, &p, kind, perm, rdev);
         if let Some(t) = target {
             inode.size = t.len() as u64;
@@ -196,7 +201,11 @@ impl WorkspaceFs {
         let t = inode.ctime;
         let mut tx = Batch::new(&inner.store)?;
         inode.ino = tx.insert(&inode)?;
-        tx.link(parent, name, inode.ino, kind)?;
+        // The name's existence is checked by the entry's insert (its primary key), in the
+        // same transaction: dropping `tx` on EEXIST takes the inserted row back with it.
+        if !tx.link_new(parent, name, inode.ino, kind)? {
+            return Err(FsError::Exists);
+        }
         if let Some(target) = target {
             tx.set_symlink_target(inode.ino, target)?;
         }
@@ -303,18 +312,23 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         let mut p = Self::load_dir(inner, parent)?;
-        let d = inner
+        // The entry and its inode's row in one statement (a loaded file's attributes in
+        // memory are newer than its row: they win).
+        let row = inner
             .store
             .read()
-            .lookup(parent, name)?
+            .lookup_inode(parent, name)?
             .ok_or(FsError::NotFound)?;
-        let mut child = Self::load(inner, d.ino)?;
+        let mut child = match inner.nodes.get(&row.ino).and_then(|n| n.open.as_ref()) {
+            Some(of) => of.inode.clone(),
+            None => row,
+        };
         let t = now();
         if dir {
             if child.kind != Kind::Dir {
                 return Err(FsError::NotDir);
             }
-            if !inner.store.read().dir_is_empty(d.ino)? {
+            if !inner.store.read().dir_is_empty(child.ino)? {
                 return Err(FsError::NotEmpty);
             }
             child.nlink = 0;
@@ -328,8 +342,10 @@ impl WorkspaceFs {
         child.ctime = t;
         p.mtime = t;
         p.ctime = t;
-        // Nobody has it open: the inode goes in the same transaction as its last name. (The
-        // kernel may still hold a lookup reference; `forget` then finds nothing to do.)
+        // Nobody has it open: the inode goes in the same transaction as its last name, and
+        // its `Node` with it (Deleted: row and node gone). The kernel may still hold a
+        // lookup reference; its `forget` then finds no node and has nothing to do (no
+        // `SELECT` of the row this deleted).
         let delete_now = child.nlink == 0 && !Self::is_open(inner, child.ino);
         let mut tx = Batch::new(&inner.store)?;
         tx.unlink(parent, name)?;
@@ -342,9 +358,7 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
         if delete_now {
-            if let Some(n) = inner.nodes.get_mut(&child.ino) {
-                n.open = None;
-            }
+            inner.nodes.remove(&child.ino);
             if child.storage == Storage::Body {
                 Self::discard_body(inner, child.ino);
             }

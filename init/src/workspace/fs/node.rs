@@ -423,6 +423,8 @@ impl WorkspaceFs {
         if node.opens > 0 {
             return Ok(());
         }
+        // A loaded file's link count is authoritative (`load` prefers it to the row).
+        let loaded_nlink = node.open.as_ref().map(|of| of.inode.nlink);
         let inlined = self.back_inline(node)?;
         Self::write_back(inner, ino)?;
         // Only once the store says inline may the body go (after its group commits).
@@ -440,11 +442,15 @@ impl WorkspaceFs {
         }
         let node = inner.nodes.get_mut(&ino).expect("node present");
         if node.lookups == 0 {
-            let inode = inner.store.read().get(ino)?;
+            let nlink = match loaded_nlink {
+                Some(n) => Some(n),
+                None => inner.store.read().get(ino)?.map(|i| i.nlink),
+            };
             // The table gives its memory back by itself (see `nodes`).
             inner.nodes.remove(&ino);
-            // Already deleted (unlinked while nobody had it open) or still linked: done.
-            if inode.is_some_and(|i| i.nlink == 0) {
+            // Already deleted (a node is not kept past that, see `remove`) or still linked:
+            // done.
+            if nlink == Some(0) {
                 self.purge(inner, ino)?;
             }
         }
