@@ -133,6 +133,11 @@ pub enum MetaError {
         path: String,
         source: std::io::Error,
     },
+    #[error("stat database {path}: {source}")]
+    Stat {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("corrupt row for inode {0}: {1}")]
     Corrupt(u64, String),
     #[error("bulk restore into {path}: {reason}")]
@@ -157,6 +162,8 @@ pub struct Store {
     conn: Connection,
     group: Option<Group>,
     dirs: Arc<DirCache>,
+    /// Writers of this database file waiting, on every connection of this process.
+    waiting: Arc<Waiting>,
 }
 
 /// Directory inodes as this store's connection sees them (its open group included), for
@@ -256,23 +263,58 @@ fn cache_ceiling_kib() -> u32 {
     CACHE_KIB.load(Ordering::SeqCst)
 }
 
-/// Writers on connections without group commit that are waiting to start a transaction, in
-/// this process: a grouping store commits its open group as soon as it sees one, and stops
-/// grouping until they are through.
-static WRITERS_WAITING: AtomicUsize = AtomicUsize::new(0);
+/// Writers on connections without group commit that are waiting to start a transaction on
+/// one database file, in this process: a grouping store of that file commits its open group
+/// as soon as it sees one, and stops grouping until they are through. One counter per file
+/// (its device and inode), shared by every `Store` open on it: a writer on another database
+/// (a fork's, a restore's, a parallel test's) has no lock to wait for here.
+#[derive(Default)]
+struct Waiting(AtomicUsize);
 
-struct WaitingWriter;
+/// A database file: its device and inode.
+type FileKey = (u64, u64);
 
-impl WaitingWriter {
-    fn new() -> WaitingWriter {
-        WRITERS_WAITING.fetch_add(1, Ordering::SeqCst);
-        WaitingWriter
+/// The counters of the database files open in this process.
+static WAITING: Mutex<Vec<(FileKey, std::sync::Weak<Waiting>)>> = Mutex::new(Vec::new());
+
+impl Waiting {
+    /// The counter of the database file at `path` (created with the file's first store).
+    fn of(path: &Path) -> std::io::Result<Arc<Waiting>> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path)?;
+        let key = (m.dev(), m.ino());
+        let mut all = WAITING.lock().unwrap_or_else(|p| p.into_inner());
+        all.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(w) = all
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, w)| w.upgrade())
+        {
+            return Ok(w);
+        }
+        let w = Arc::new(Waiting::default());
+        all.push((key, Arc::downgrade(&w)));
+        Ok(w)
+    }
+
+    fn any(&self) -> bool {
+        self.0.load(Ordering::SeqCst) > 0
     }
 }
 
-impl Drop for WaitingWriter {
+/// One writer waiting (`Waiting`), for as long as it lives.
+struct WaitingWriter<'a>(&'a Waiting);
+
+impl<'a> WaitingWriter<'a> {
+    fn new(w: &'a Waiting) -> WaitingWriter<'a> {
+        w.0.fetch_add(1, Ordering::SeqCst);
+        WaitingWriter(w)
+    }
+}
+
+impl Drop for WaitingWriter<'_> {
     fn drop(&mut self) {
-        WRITERS_WAITING.fetch_sub(1, Ordering::SeqCst);
+        self.0 .0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -325,10 +367,15 @@ impl Store {
         // Room for every statement keel prepares (about 60; rusqlite's default keeps 16, so
         // the per-operation ones were evicted and parsed again all the time).
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+        let waiting = Waiting::of(path).map_err(|source| MetaError::Stat {
+            path: p.clone(),
+            source,
+        })?;
         Ok(Store {
             conn,
             group: None,
             dirs: Arc::default(),
+            waiting,
         })
     }
 
@@ -383,9 +430,7 @@ impl Store {
         let Some(since) = g.since.get() else {
             return false;
         };
-        g.ops.get() >= limits.max_ops
-            || since.elapsed() >= limits.max_age
-            || WRITERS_WAITING.load(Ordering::SeqCst) > 0
+        g.ops.get() >= limits.max_ops || since.elapsed() >= limits.max_age || self.waiting.any()
     }
 
     /// How long until the open group reaches `max_age` (`None`: no group open).
@@ -448,7 +493,7 @@ impl Store {
     pub fn write(&self) -> Result<Tx<'_>> {
         if let Some(g) = &self.group {
             let open = g.since.get().is_some();
-            if open || (!g.paused.get() && WRITERS_WAITING.load(Ordering::SeqCst) == 0) {
+            if open || (!g.paused.get() && !self.waiting.any()) {
                 if !open {
                     self.conn.execute_batch("BEGIN IMMEDIATE")?;
                     g.marked.borrow_mut().clear();
@@ -472,7 +517,7 @@ impl Store {
             // Paused, or another connection wants the lock: one transaction per operation.
             return self.write_plain();
         }
-        let _waiting = WaitingWriter::new();
+        let _waiting = WaitingWriter::new(&self.waiting);
         self.write_plain()
     }
 
