@@ -718,17 +718,7 @@ pub struct Tree {
 impl Tree {
     /// Replays one snapshot onto the tree (a full snapshot replaces it).
     pub fn apply(&mut self, h: &Header, b: Body) -> Result<(), FormatError> {
-        if h.is_full() {
-            *self = Tree::default();
-        } else if h.parent != self.seq {
-            return Err(FormatError::Chain {
-                seq: h.seq,
-                parent: h.parent,
-                at: self.seq,
-            });
-        }
-        self.seq = Some(h.seq);
-        self.chunk_size = h.chunk_size;
+        self.start(h)?;
         for ino in b.deleted {
             self.inodes.remove(&ino);
         }
@@ -752,6 +742,32 @@ impl Tree {
     /// from an empty tree, where removing anything before the inserts changes nothing.
     pub fn apply_object(&mut self, key: &str, data: &[u8]) -> Result<Header, FormatError> {
         let (h, mut r) = reader(key, data)?;
+        self.start(&h)?;
+        let mut unlinked = Vec::new();
+        if !h.is_full() {
+            let (_, mut first) = reader(key, data)?;
+            while let Some(ino) = first.next_deleted()? {
+                self.inodes.remove(&ino);
+            }
+            while let Some(k) = first.next_unlinked()? {
+                unlinked.push(k);
+            }
+        }
+        while let Some(rec) = r.next_inode()? {
+            self.insert(rec, h.chunk_size);
+        }
+        for k in unlinked {
+            self.dirents.remove(&k);
+        }
+        while let Some(d) = r.next_dirent()? {
+            self.dirents.insert((d.parent, d.name), (d.ino, d.kind));
+        }
+        Ok(h)
+    }
+
+    /// Starts replaying snapshot `h`: a full snapshot replaces the tree, a delta must follow
+    /// the tree's own snapshot (else nothing changes).
+    fn start(&mut self, h: &Header) -> Result<(), FormatError> {
         if h.is_full() {
             *self = Tree::default();
         } else if h.parent != self.seq {
@@ -760,37 +776,10 @@ impl Tree {
                 parent: h.parent,
                 at: self.seq,
             });
-        } else {
-            let (_, mut first) = reader(key, data)?;
-            while let Some(ino) = first.next_deleted()? {
-                self.inodes.remove(&ino);
-            }
-            let mut unlinked = Vec::new();
-            while let Some(k) = first.next_unlinked()? {
-                unlinked.push(k);
-            }
-            while let Some(rec) = r.next_inode()? {
-                self.insert(rec, h.chunk_size);
-            }
-            for k in unlinked {
-                self.dirents.remove(&k);
-            }
-            while let Some(d) = r.next_dirent()? {
-                self.dirents.insert((d.parent, d.name), (d.ino, d.kind));
-            }
-            self.seq = Some(h.seq);
-            self.chunk_size = h.chunk_size;
-            return Ok(h);
         }
         self.seq = Some(h.seq);
         self.chunk_size = h.chunk_size;
-        while let Some(rec) = r.next_inode()? {
-            self.insert(rec, h.chunk_size);
-        }
-        while let Some(d) = r.next_dirent()? {
-            self.dirents.insert((d.parent, d.name), (d.ino, d.kind));
-        }
-        Ok(h)
+        Ok(())
     }
 
     /// Puts one inode record in, its data laid over the inode's data before.
