@@ -73,6 +73,7 @@ pub fn prepare(cfg: &Config) -> Result<Prepared, StartError> {
         tracing::warn!(state = %cfg.workspace.state_dir.display(), error = %e, "cannot make the state dir private");
     }
     let lock = crate::workspace::lock_state(&cfg.workspace).map_err(StartError::Lock)?;
+    crate::persist::remove_scratch(&cfg.workspace.state_dir);
     // The lease before anything reads or writes the remote; the lock is ours, so a lease
     // this state dir recorded is taken back at once.
     let lease = ReleaseOnDrop::new(crate::persist::acquire_lease(

@@ -345,8 +345,10 @@ pub fn replace_header(obj: &mut Vec<u8>, h: &Header) -> Result<(), FormatError> 
 /// Records of one section set aside in a file beside the state database while their
 /// section's count is not known yet (a full snapshot writes its directory records while
 /// the file records' chunk maps are still to be hashed), compressed as they come; then
-/// [`BodyWriter::splice`]d in. The file is removed once spliced or dropped.
+/// [`BodyWriter::splice`]d in. The file is unlinked as soon as it is open: only the open
+/// descriptor keeps it, so a crash leaves nothing behind.
 pub struct Spill {
+    /// Where it was created, for error messages (no longer a name of the file).
     path: std::path::PathBuf,
     z: Option<zstd::stream::Encoder<'static, std::io::BufWriter<std::fs::File>>>,
     n: u64,
@@ -366,6 +368,7 @@ impl Spill {
             .truncate(true)
             .open(&path)
             .map_err(err)?;
+        std::fs::remove_file(&path).map_err(err)?;
         let z = zstd::stream::Encoder::new(std::io::BufWriter::new(f), 1).map_err(err)?;
         Ok(Spill {
             path,
@@ -406,14 +409,6 @@ impl Spill {
         let mut f = z.finish()?.into_inner().map_err(|e| e.into_error())?;
         f.rewind()?;
         Ok(f)
-    }
-}
-
-impl Drop for Spill {
-    fn drop(&mut self) {
-        if self.z.is_some() {
-            let _ = std::fs::remove_file(&self.path);
-        }
     }
 }
 
@@ -852,6 +847,32 @@ pub fn check_object(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_spill_has_no_name_once_open_and_gives_back_what_it_was_given() {
+        // A crash in the middle of a full snapshot must not leave the spill beside the
+        // database: only its descriptor keeps it.
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("meta.db.snapshot-inodes");
+        let mut sp = Spill::create(path.clone()).unwrap();
+        assert!(!path.exists(), "the spill file is still named");
+        for i in 0..3u64 {
+            sp.push(&i).unwrap();
+        }
+        assert_eq!(sp.len(), 3);
+        let f = sp.finish().unwrap();
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut zstd::stream::Decoder::new(f).unwrap(), &mut bytes)
+            .unwrap();
+        let mut rest = bytes.as_slice();
+        for i in 0..3u64 {
+            let (v, r) = postcard::take_from_bytes::<u64>(rest).unwrap();
+            assert_eq!(v, i);
+            rest = r;
+        }
+        assert!(rest.is_empty());
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0);
+    }
 
     fn rec(ino: u64, size: u64, data: DataRec) -> InodeRec {
         InodeRec {

@@ -81,6 +81,49 @@ pub fn secure_at_start(state_dir: &Path, cfg: Option<&PersistConfig>) -> std::io
     Ok(())
 }
 
+/// What a checkpoint builds beside the state database and removes when done: the metadata
+/// image under construction (a SQLite file, with its journal), and the spill files of a
+/// full snapshot, which builds since `Spill` unlinks at once no longer leave (their names
+/// are here for state dirs an older keel crashed in). Only a crash leaves any of these.
+const SCRATCH: &[&str] = &[
+    "meta.db.image",
+    "meta.db.image-journal",
+    "meta.db.image-wal",
+    "meta.db.image-shm",
+    "meta.db.snapshot-inodes",
+    "meta.db.snapshot-dirents",
+];
+
+/// Removes what a checkpoint interrupted by a crash left beside the state database
+/// ([`SCRATCH`]); the state dir must be locked (no checkpoint of this state dir runs).
+/// Returns how many files and bytes went.
+pub fn remove_scratch(state_dir: &Path) -> (u64, u64) {
+    let (mut files, mut bytes) = (0, 0);
+    for name in SCRATCH {
+        let p = state_dir.join(name);
+        let Ok(m) = std::fs::symlink_metadata(&p) else {
+            continue;
+        };
+        match std::fs::remove_file(&p) {
+            Ok(()) => {
+                files += 1;
+                bytes += m.len();
+            }
+            Err(e) => {
+                tracing::warn!(path = %p.display(), error = %e, "cannot remove a checkpoint's leftover scratch file")
+            }
+        }
+    }
+    if files > 0 {
+        tracing::info!(
+            files,
+            bytes,
+            "removed what an interrupted checkpoint left beside the state database"
+        );
+    }
+    (files, bytes)
+}
+
 /// What marks a state dir as keel's, and what a state dir keel has not initialised yet may
 /// hold (a volume's `lost+found`, the lock, the lease holder...).
 const STATE_MARKERS: &[&str] = &["meta.db"];
@@ -181,5 +224,52 @@ pub fn params(ws: &WorkspaceConfig, p: &PersistConfig) -> PersistParams {
         threads: std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(2),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remove_scratch_takes_only_what_a_checkpoint_left() {
+        let d = tempfile::tempdir().unwrap();
+        let keep = [
+            "meta.db",
+            "meta.db-wal",
+            "meta.db-shm",
+            "meta.db.restoring",
+            "lock",
+        ];
+        for name in keep.iter().chain(SCRATCH) {
+            std::fs::write(d.path().join(name), b"12345").unwrap();
+        }
+        assert_eq!(
+            remove_scratch(d.path()),
+            (SCRATCH.len() as u64, 5 * SCRATCH.len() as u64)
+        );
+        let mut left: Vec<String> = std::fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        let mut want: Vec<String> = keep.iter().map(|s| s.to_string()).collect();
+        want.sort();
+        assert_eq!(left, want);
+        assert_eq!(remove_scratch(d.path()), (0, 0));
+    }
+
+    #[test]
+    fn the_scratch_names_are_the_ones_the_checkpoint_uses() {
+        // `image.rs` and the full snapshot name their files with `Store::scratch_path`.
+        let d = tempfile::tempdir().unwrap();
+        let store =
+            crate::meta::Store::open(&d.path().join("meta.db"), crate::meta::Nanos(1)).unwrap();
+        for suffix in ["image", "snapshot-inodes", "snapshot-dirents"] {
+            let p = store.scratch_path(suffix).unwrap();
+            let name = p.file_name().unwrap().to_str().unwrap().to_string();
+            assert!(SCRATCH.contains(&name.as_str()), "{name} is not in SCRATCH");
+            assert_eq!(p.parent().unwrap(), d.path());
+        }
     }
 }
