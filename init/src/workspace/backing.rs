@@ -99,13 +99,18 @@ mod tests {
         Arc::new(tempfile::tempfile().unwrap())
     }
 
+    /// A stand-in for the kernel's registration: ids 1, 2, 3... in the order asked.
+    fn ids(next: &Cell<u32>) -> impl Fn(&File) -> io::Result<u32> + Copy + '_ {
+        move |_| {
+            next.set(next.get() + 1);
+            Ok(next.get())
+        }
+    }
+
     #[test]
     fn handles_on_one_body_share_its_id_until_the_last_release() {
         let next = Cell::new(0u32);
-        let reg = |_: &File| {
-            next.set(next.get() + 1);
-            Ok(next.get())
-        };
+        let reg = ids(&next);
         let mut b = Backings::default();
         let f = body();
         let a = b.acquire(7, 1, &f, reg).unwrap();
@@ -125,10 +130,7 @@ mod tests {
         // The race this module exists for: fs released the last handle on the old body and
         // handed a new body to an open before the adapter saw the release.
         let next = Cell::new(0u32);
-        let reg = |_: &File| {
-            next.set(next.get() + 1);
-            Ok(next.get())
-        };
+        let reg = ids(&next);
         let mut b = Backings::default();
         let (old, new) = (body(), body());
         let a = b.acquire(7, 1, &old, reg).unwrap();
