@@ -99,6 +99,39 @@ fn second_mount_on_same_state_is_refused() {
 }
 
 #[test]
+fn a_mount_removes_what_an_interrupted_checkpoint_left_and_nothing_else() {
+    // A crash while a full snapshot was being built leaves its metadata image (a SQLite
+    // file and its journal) and, from older builds, its spill files beside the database.
+    let mut k = keel_or_skip!();
+    fs::write(k.p("f"), b"kept").unwrap();
+    // A clean stop (its full snapshot made), so the next mount's checkpoints build no
+    // image of their own while the test looks.
+    k.stop();
+    let leftovers = [
+        "meta.db.image",
+        "meta.db.image-journal",
+        "meta.db.snapshot-inodes",
+        "meta.db.snapshot-dirents",
+    ];
+    for name in leftovers {
+        fs::write(k.state.join(name), vec![7u8; 64 << 10]).unwrap();
+    }
+    // A file of the user's kind next to them, with a similar name, stays.
+    fs::write(k.state.join("meta.db.image.bak"), b"not keel's scratch").unwrap();
+    k.start_again();
+    let log = k.log_text();
+    assert!(
+        log.contains("removed what an interrupted checkpoint left"),
+        "no log line for the removal:\n{log}"
+    );
+    for name in leftovers {
+        assert!(!k.state.join(name).exists(), "{name} left after the mount");
+    }
+    assert!(k.state.join("meta.db.image.bak").exists());
+    assert_eq!(fs::read(k.p("f")).unwrap(), b"kept");
+}
+
+#[test]
 fn existing_empty_state_dir_is_accepted() {
     if !support::mount::fuse_available() {
         return;
