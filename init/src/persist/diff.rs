@@ -5,8 +5,10 @@
 //! Cost: against a running keel (`agent::Op::Diff`), two snapshots in the checkpoint
 //! worker's history (`history`) are compared through `diff_views`: only the inodes and
 //! entries the snapshots between them touched, plus one pass over the entries to name them.
-//! Otherwise (a stopped workspace, or a snapshot older than the history) both trees are
-//! materialized from their chains (`Repo::load_tree`) and compared whole. File contents are
+//! Otherwise (a stopped workspace, a large one, or a snapshot older than the history) the
+//! older snapshot's tree is advanced along the snapshots to the newer (`diff_along`: one
+//! tree and the changes), or, when they are not one line, both trees are materialized from
+//! their chains (`Repo::load_tree`) and compared whole. File contents are
 //! compared by their chunk ids, never by reading chunks; only `-- PATH` fetches chunks, of
 //! that one file.
 

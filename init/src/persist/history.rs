@@ -15,7 +15,8 @@
 //! first named snapshot, diff or rollback loads the tree (the one full decode), so a keel
 //! that is never asked for one never holds it. The tree itself is kept only while it is
 //! small (`MAX_TREE_RECORDS`): a large workspace's tree would hold more memory than keel's
-//! whole budget, so there each operation decodes the chains it needs and drops them, and
+//! whole budget, so there each operation builds the history it needs (the older snapshot's
+//! tree advanced to the newer, `advance_any`, else the chains decoded) and drops it, and
 //! one that loads the history only to keep it (a named snapshot) does not load it at all
 //! (`History::would_keep`, from the head's header). Snapshots are read a record at a time
 //! (`Tree::apply_object`, `format::reader`), never decoded whole.
