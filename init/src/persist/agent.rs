@@ -173,6 +173,24 @@ fn history_at(w: &mut Worker, seq: u64) -> Result<&History, AgentError> {
     Ok(w.history.as_ref().expect("set above"))
 }
 
+/// The worker's history at `current` (`history_at`), made when it is not there by loading
+/// `target`'s tree and advancing it along the snapshots to `current` when `target` is older
+/// and on the same line: then `target` is in the window and a rollback holds one tree and
+/// the changes, not the current tree and the target's.
+fn history_seeing(w: &mut Worker, current: u64, target: u64) -> Result<(), AgentError> {
+    if w.history.as_ref().is_some_and(|h| h.seq() == current) || target >= current {
+        return history_at(w, current).map(|_| ());
+    }
+    if let Ok(mut h) = History::load(w.p.repo(), target) {
+        let repo = w.p.repo();
+        if (target + 1..=current).all(|s| matches!(h.advance_any(repo, s), Ok(true))) {
+            w.history = Some(h);
+            return Ok(());
+        }
+    }
+    history_at(w, current).map(|_| ())
+}
+
 /// Whether the worker keeps (or would keep, by its header's inode count) the history at
 /// `seq`: past `history::MAX_TREE_RECORDS` an operation decodes only the trees it needs,
 /// since loading the history there would cost a whole tree for nothing kept.
@@ -209,7 +227,17 @@ fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, AgentError> {
     let to = resolve(req.to.as_deref().unwrap_or("head"))?;
     let head = last_seq(w)?.ok_or(AgentError::NoSnapshot("the workspace has no snapshot yet"))?;
     if !keeps_history(w, head)? {
-        // A large workspace: the two trees, decoded (no history tree beside them).
+        // A large workspace: the older tree advanced along the snapshots to the newer when
+        // they are on one line (one tree and the changes), else the two trees decoded (no
+        // history tree beside them).
+        if from != to {
+            if let Some(d) = super::diff::diff_along(&repo, from, to) {
+                // The tree is gone: give its pages back (RSS stayed at the peak before).
+                crate::sys::mem::release_free_heap();
+                let t_hist = ms(t0);
+                return Ok(diff_json(&d, "along", t0, t_hist));
+            }
+        }
         let ta = load(&repo, from)?;
         let tb = if to == from {
             None
@@ -219,6 +247,7 @@ fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, AgentError> {
         let t_hist = ms(t0);
         let d = super::diff::diff_trees(&ta, tb.as_ref().unwrap_or(&ta));
         drop((ta, tb));
+        crate::sys::mem::release_free_heap();
         return Ok(diff_json(&d, "decoded", t0, t_hist));
     }
     let h = history_at(w, head)?;
@@ -241,7 +270,8 @@ fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, AgentError> {
 }
 
 /// The answer to a diff: its text, the changes, and how keel got them (`how`: from the
-/// history or from decoded trees, for programs that measure; the changes are the same).
+/// history, along the snapshots between them, or from decoded trees, for programs that
+/// measure; the changes are the same).
 fn diff_json(d: &super::diff::Diff, how: &str, t0: Instant, t_hist: f64) -> serde_json::Value {
     let text = super::diff::render(d);
     let mut v = serde_json::to_value(d).expect("diff serialises");
@@ -378,7 +408,7 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
     };
     let t_ckpt = ms(t0);
     let t1 = Instant::now();
-    history_at(w, current)?;
+    history_seeing(w, current, target)?;
     let h = w.history.as_ref().expect("loaded above");
     let cur = View::of(h.tree());
     let decoded;

@@ -5,8 +5,10 @@
 //! Cost: against a running keel (`agent::Op::Diff`), two snapshots in the checkpoint
 //! worker's history (`history`) are compared through `diff_views`: only the inodes and
 //! entries the snapshots between them touched, plus one pass over the entries to name them.
-//! Otherwise (a stopped workspace, or a snapshot older than the history) both trees are
-//! materialized from their chains (`Repo::load_tree`) and compared whole. File contents are
+//! Otherwise (a stopped workspace, a large one, or a snapshot older than the history) the
+//! older snapshot's tree is advanced along the snapshots to the newer (`diff_along`: one
+//! tree and the changes), or, when they are not one line, both trees are materialized from
+//! their chains (`Repo::load_tree`) and compared whole. File contents are
 //! compared by their chunk ids, never by reading chunks; only `-- PATH` fetches chunks, of
 //! that one file.
 
@@ -15,7 +17,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use serde::Serialize;
 
 use super::format::{Tree, TreeData, TreeInode};
-use super::history::{Changed, View};
+use super::history::{Changed, History, View};
 use super::repo::{Repo, RepoError};
 use crate::chunk::ChunkId;
 
@@ -328,8 +330,14 @@ pub fn diff_views(a: &View, b: &View, changed: &Changed) -> Diff {
     diff_trees(&a.partial(&cand), &b.partial(&cand))
 }
 
-/// Loads both snapshots and compares them.
+/// Compares two snapshots: along the line of snapshots between them when each follows
+/// the one before (`diff_along`), else both trees loaded whole.
 pub fn diff(repo: &Repo, from: u64, to: u64) -> Result<Diff, DiffError> {
+    if from != to {
+        if let Some(d) = diff_along(repo, from, to) {
+            return Ok(d);
+        }
+    }
     let load = |seq| {
         repo.load_tree(seq)
             .map(|(t, _)| t)
@@ -341,6 +349,24 @@ pub fn diff(repo: &Repo, from: u64, to: u64) -> Result<Diff, DiffError> {
     let a = load(from)?;
     let b = if to == from { a.clone() } else { load(to)? };
     Ok(diff_trees(&a, &b))
+}
+
+/// `from` and `to` when every snapshot from the older to the newer follows the one before
+/// (as checkpoints make them): the older one's tree is loaded and advanced by each, keeping
+/// what each replaced (`History`), and the two are compared through `diff_views`. One tree
+/// and the changes in memory instead of two trees (a million files: ~550 MiB, not ~1.1
+/// GiB). `None` (the caller loads both trees, and reports any error) when a snapshot between
+/// them is missing, does not follow, or the changes outgrew the history's window.
+pub(super) fn diff_along(repo: &Repo, from: u64, to: u64) -> Option<Diff> {
+    let (lo, hi) = (from.min(to), from.max(to));
+    let mut h = History::load(repo, lo).ok()?;
+    for seq in lo + 1..=hi {
+        if !h.advance_any(repo, seq).ok()? {
+            return None;
+        }
+    }
+    let (a, b) = (h.view(from)?, h.view(to)?);
+    Some(diff_views(&a, &b, &h.changed(from, to)?))
 }
 
 /// The diff as text: one line per change, then a summary.

@@ -15,7 +15,8 @@
 //! first named snapshot, diff or rollback loads the tree (the one full decode), so a keel
 //! that is never asked for one never holds it. The tree itself is kept only while it is
 //! small (`MAX_TREE_RECORDS`): a large workspace's tree would hold more memory than keel's
-//! whole budget, so there each operation decodes the chains it needs and drops them, and
+//! whole budget, so there each operation builds the history it needs (the older snapshot's
+//! tree advanced to the newer, `advance_any`, else the chains decoded) and drops it, and
 //! one that loads the history only to keep it (a named snapshot) does not load it at all
 //! (`History::would_keep`, from the head's header). Snapshots are read a record at a time
 //! (`Tree::apply_object`, `format::reader`), never decoded whole.
@@ -269,6 +270,12 @@ impl History {
         if !self.worth_keeping() {
             return Ok(false);
         }
+        self.advance_any(repo, seq)
+    }
+
+    /// `advance` whatever the tree's size: for one operation that holds the history only
+    /// while it runs (an offline diff: one tree and the undo steps instead of two trees).
+    pub fn advance_any(&mut self, repo: &Repo, seq: u64) -> Result<bool, HistoryError> {
         let load = |e: RepoError| HistoryError::Load {
             seq,
             source: Box::new(e),
@@ -569,6 +576,48 @@ mod tests {
         // A snapshot that does not follow the tree ends the history.
         put(&header(6, Some(5)), &Body::default());
         assert!(!h.advance(&repo, 6).unwrap());
+    }
+
+    #[test]
+    fn an_offline_diff_along_the_chain_is_the_diff_of_the_whole_trees() {
+        use crate::persist::diff::{diff, diff_along, diff_trees};
+        let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+        let put = |h: &Header, b: &Body| repo.put_snapshot(h.seq, encode(h, b).unwrap()).unwrap();
+        let t = tree(20);
+        let full = Body {
+            inodes: t.inodes.values().map(|i| i.rec.clone()).collect(),
+            dirents: (1..=20).map(|i| dirent(1, &i.to_string(), i)).collect(),
+            ..Default::default()
+        };
+        put(&header(1, None), &full);
+        let mut d2 = Body {
+            inodes: vec![t.inodes[&3].rec.clone()],
+            deleted: vec![5],
+            unlinked: vec![(1, b"5".to_vec())],
+            dirents: vec![dirent(1, "new", 3)],
+        };
+        d2.inodes[0].size = 7;
+        put(&header(2, Some(1)), &d2);
+        let d3 = Body {
+            deleted: vec![6],
+            unlinked: vec![(1, b"6".to_vec()), (1, b"new".to_vec())],
+            ..Default::default()
+        };
+        put(&header(3, Some(2)), &d3);
+        let whole = |a: u64, b: u64| {
+            diff_trees(&repo.load_tree(a).unwrap().0, &repo.load_tree(b).unwrap().0)
+        };
+        for (a, b) in [(1, 2), (1, 3), (2, 3), (3, 1)] {
+            let want = whole(a, b);
+            assert!(!want.changes.is_empty(), "{a} -> {b}");
+            assert_eq!(diff_along(&repo, a, b), Some(want.clone()), "{a} -> {b}");
+            assert_eq!(diff(&repo, a, b).unwrap(), want, "{a} -> {b}");
+        }
+        // 4 follows 2, not 3 (another line): the whole trees are compared instead.
+        put(&header(4, Some(2)), &Body::default());
+        assert_eq!(diff_along(&repo, 3, 4), None);
+        assert!(!whole(3, 4).changes.is_empty());
+        assert_eq!(diff(&repo, 3, 4).unwrap(), whole(3, 4));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! fetch) still hashes to its recorded chunk. After keel was killed, a window that does not
 //! is an unrecorded write (`repair` marks the file for re-hashing), not damage.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::HashSet;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
@@ -14,10 +14,11 @@ use crate::chunk::chunker::{is_zero, window_count, window_range};
 use crate::chunk::{BodyStore, ChunkId};
 use crate::meta::{ChunkRow, Inode, InodeNo, Kind, Storage, Store, Tx};
 
-/// What the body check reads once from the state database.
+/// What the body check reads once from the state database: 8 bytes per file with a body
+/// (each file's inode and chunk map are looked up when it is checked, never all at once).
 struct BodyScan {
-    inodes: BTreeMap<InodeNo, Inode>,
-    maps: HashMap<InodeNo, Vec<ChunkRow>>,
+    /// The files with a body, in inode order.
+    files: Vec<InodeNo>,
     /// Windows changed since the last checkpoint: their chunk is not recorded yet.
     dirty: HashSet<(InodeNo, u64)>,
     /// Windows of a lazy restore not fetched yet: holes by design, not damage.
@@ -35,33 +36,40 @@ pub(super) fn check_bodies(
     opts: &FsckOptions,
 ) -> Result<(), FsckError> {
     let scan = BodyScan::read(&store.read())?;
-    let ids = bodies.ids().map_err(|e| FsckError::OpenState {
+    let mut ids = bodies.ids().map_err(|e| FsckError::OpenState {
         path: PathBuf::from("bodies"),
         reason: e.to_string(),
     })?;
+    ids.sort_unstable();
     let tx = if opts.repair {
         Some(store.write()?)
     } else {
         None
     };
     scan.check_orphans(bodies, &ids, rep, opts.repair);
-    let present: HashSet<u64> = ids.into_iter().collect();
-    scan.check_files(bodies, &present, rep, opts, tx.as_ref())?;
+    scan.check_files(&store.read(), bodies, &ids, rep, opts, tx.as_ref())?;
     if let Some(tx) = tx {
         tx.commit()?;
     }
     Ok(())
 }
 
-fn is_body(i: &&Inode) -> bool {
+fn is_body(i: &Inode) -> bool {
     i.kind == Kind::File && i.storage == Storage::Body
 }
 
 impl BodyScan {
     fn read(r: &Tx) -> Result<BodyScan, FsckError> {
+        let mut files = Vec::new();
+        r.for_each_inode(|i| {
+            if is_body(&i) {
+                files.push(i.ino);
+            }
+            Ok(())
+        })?;
+        files.sort_unstable();
         Ok(BodyScan {
-            inodes: r.all_inodes()?.into_iter().map(|i| (i.ino, i)).collect(),
-            maps: r.all_file_chunks()?,
+            files,
             dirty: r.backlog_windows()?.into_iter().collect(),
             missing: r
                 .all_missing_windows()?
@@ -76,7 +84,7 @@ impl BodyScan {
     /// Body files (`ids`) no file owns: a note each (with `repair`: removed).
     fn check_orphans(&self, bodies: &BodyStore, ids: &[u64], rep: &mut FsckReport, repair: bool) {
         for id in ids {
-            if self.inodes.get(&InodeNo(*id)).filter(is_body).is_none() {
+            if self.files.binary_search(&InodeNo(*id)).is_err() {
                 let removed = repair && bodies.remove(*id).is_ok();
                 rep.add(
                     Level::Note,
@@ -88,20 +96,19 @@ impl BodyScan {
     }
 
     /// `check_body` for every file with a body, except lazily restored ones whose body
-    /// comes at first use (`present`: the body files there are).
+    /// comes at first use (`present`: the body files there are, sorted). Each file's inode
+    /// and chunk map are read from `r` when it is checked.
     fn check_files(
         &self,
+        r: &Tx,
         bodies: &BodyStore,
-        present: &HashSet<u64>,
+        present: &[u64],
         rep: &mut FsckReport,
         opts: &FsckOptions,
         tx: Option<&Tx>,
     ) -> Result<(), FsckError> {
         let lazy_files: HashSet<InodeNo> = self.missing.iter().map(|(ino, _)| *ino).collect();
-        crate::progress::stage(
-            "local file bodies checked",
-            Some(self.inodes.values().filter(is_body).count() as u64),
-        );
+        crate::progress::stage("local file bodies checked", Some(self.files.len() as u64));
         let ctx = BodyCtx {
             cs: opts.chunk_size,
             maps_fit: self.map_cs == Some(opts.chunk_size),
@@ -109,17 +116,21 @@ impl BodyScan {
             repair: opts.repair,
         };
         let mut budget = if opts.quick { 0 } else { u64::MAX };
-        for i in self.inodes.values().filter(is_body) {
+        for &ino in &self.files {
             rep.bodies += 1;
             crate::progress::set(rep.bodies);
-            let ino = i.ino;
-            if !present.contains(&ino.0) && lazy_files.contains(&ino) {
+            if present.binary_search(&ino.0).is_err() && lazy_files.contains(&ino) {
                 continue;
             }
+            // Read before any repair of this file: still a file with a body.
+            let Some(i) = r.get(ino)?.filter(is_body) else {
+                continue;
+            };
             let skip =
                 |idx: u64| self.dirty.contains(&(ino, idx)) || self.missing.contains(&(ino, idx));
-            let map = self.maps.get(&ino).map(|m| m.as_slice());
-            check_body(bodies, i, map, &skip, &ctx, &mut budget, rep, tx)?;
+            let map = r.file_chunks(ino)?;
+            let map = (!map.is_empty()).then_some(map.as_slice());
+            check_body(bodies, &i, map, &skip, &ctx, &mut budget, rep, tx)?;
         }
         Ok(())
     }
@@ -385,7 +396,7 @@ mod tests {
         assert!(scan.dirty.contains(&(i.ino, 0)));
         assert!(scan.unclean);
         assert_eq!(scan.map_cs, Some(CS));
-        assert!(scan.inodes.contains_key(&i.ino));
+        assert_eq!(scan.files, [i.ino]);
     }
 
     #[test]

@@ -2,24 +2,62 @@
 //! an existing directory; link counts and directory parents agree with the entries; every
 //! inode with links is reachable from the root; symlinks have targets. `repair` drops
 //! entries to missing inodes, corrects entry kinds and link counts, and re-links inodes no
-//! entry names under `/lost+found`. The steps share one `TreeScan` of the whole table.
-
-use std::collections::{BTreeMap, HashMap, HashSet};
+//! entry names under `/lost+found`. The steps share one `TreeScan`: a sorted array of one
+//! 40-byte `Node` per inode and 8 bytes per entry, filled by streaming both tables once, so
+//! a million inodes take ~50 MB (whole `Inode`s and entries in maps took ~400).
 
 use super::{FsckError, FsckReport, Level};
-use crate::meta::{Dirent, Inode, InodeNo, Kind, Nanos, Storage, Store, Tx};
+use crate::meta::{Inode, InodeNo, Kind, Nanos, Storage, Store, Tx};
 use crate::persist::checkpoint::now_ns;
+
+/// One inode as the tree check needs it, and what the entries say about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Node {
+    ino: InodeNo,
+    /// The parent the inode records (meaningful for directories).
+    parent: InodeNo,
+    /// The directory of the first entry (in entry order) naming it, when `links > 0`.
+    named_in: InodeNo,
+    nlink: u32,
+    /// Sound entries naming it.
+    links: u32,
+    /// Its subdirectories (each adds one link to it).
+    subdirs: u32,
+    kind: Kind,
+    /// Reachable from the root (set by `mark_reachable`).
+    reach: bool,
+}
+
+impl Node {
+    fn of(i: &Inode) -> Node {
+        Node {
+            ino: i.ino,
+            parent: i.parent,
+            named_in: InodeNo(0),
+            nlink: i.nlink,
+            links: 0,
+            subdirs: 0,
+            kind: i.kind,
+            reach: false,
+        }
+    }
+}
+
+/// A fix to an entry that `repair` applies once the entries were read.
+enum EntryFix {
+    /// Drop the entry (it names a missing inode).
+    Unlink(InodeNo, Vec<u8>),
+    /// Give the entry the kind of the inode it names.
+    Relink(InodeNo, Vec<u8>, InodeNo, Kind),
+}
 
 /// The inodes, and what the entries say about them.
 #[derive(Default)]
 struct TreeScan {
-    inodes: BTreeMap<InodeNo, Inode>,
-    /// The directories whose entries name each inode (once per entry).
-    names: HashMap<InodeNo, Vec<InodeNo>>,
-    /// The inodes each directory's entries name.
-    children: HashMap<InodeNo, Vec<InodeNo>>,
-    /// Subdirectories per directory (each adds one link to it).
-    subdirs: HashMap<InodeNo, u32>,
+    /// Every inode, in inode order.
+    nodes: Vec<Node>,
+    /// (directory, inode) of every sound entry, as indexes into `nodes`, in directory order.
+    edges: Vec<(u32, u32)>,
 }
 
 pub(super) fn check_tree(
@@ -27,37 +65,39 @@ pub(super) fn check_tree(
     rep: &mut FsckReport,
     repair: bool,
 ) -> Result<(), FsckError> {
-    // Streamed into the map: never the whole table as a Vec beside it.
     let mut scan = TreeScan::default();
     store.read().for_each_inode(|i| {
-        scan.inodes.insert(i.ino, i);
+        scan.add_inode(&i);
         Ok(())
     })?;
-    let dirents = store.read().all_dirents()?;
-    rep.inodes = scan.inodes.len() as u64;
-    rep.entries = dirents.len() as u64;
+    scan.sort_nodes();
+    rep.inodes = scan.nodes.len() as u64;
     scan.check_root(rep);
+    let fixes = scan.check_entries(&store.read(), rep, repair)?;
     let tx = if repair { Some(store.write()?) } else { None };
-    scan.check_entries(&dirents, rep, tx.as_ref())?;
-    let reach = scan.reachable();
+    if let Some(tx) = &tx {
+        apply_fixes(&fixes, tx)?;
+    }
+    drop(fixes);
+    scan.mark_reachable();
     let mut lost = Vec::new();
-    for (ino, i) in &scan.inodes {
-        if i.kind == Kind::Dir {
-            scan.check_dir_links(i, rep, tx.as_ref())?;
-        } else if scan.check_links(i, rep, tx.as_ref())? {
-            lost.push(*ino);
+    for n in &scan.nodes {
+        if n.kind == Kind::Dir {
+            scan.check_dir_links(n, rep, tx.as_ref())?;
+        } else if scan.check_links(n, rep, tx.as_ref())? {
+            lost.push(n.ino);
         }
-        if i.nlink > 0 && !reach.contains(ino) && scan.names.contains_key(ino) {
+        if n.nlink > 0 && !n.reach && n.links > 0 {
             rep.add(
                 Level::Error,
-                format!("inode {} is not reachable from the root", ino.0),
+                format!("inode {} is not reachable from the root", n.ino.0),
                 false,
             );
         }
-        if i.kind == Kind::Symlink && store.read().symlink_target(*ino)?.is_none() {
+        if n.kind == Kind::Symlink && store.read().symlink_target(n.ino)?.is_none() {
             rep.add(
                 Level::Error,
-                format!("symlink {} has no target", ino.0),
+                format!("symlink {} has no target", n.ino.0),
                 false,
             );
         }
@@ -69,13 +109,44 @@ pub(super) fn check_tree(
     Ok(())
 }
 
+/// Applies the entry fixes `check_entries` collected.
+fn apply_fixes(fixes: &[EntryFix], tx: &Tx) -> Result<(), FsckError> {
+    for f in fixes {
+        match f {
+            EntryFix::Unlink(parent, name) => tx.unlink(*parent, name)?,
+            EntryFix::Relink(parent, name, ino, kind) => tx.relink(*parent, name, *ino, *kind)?,
+        }
+    }
+    Ok(())
+}
+
 impl TreeScan {
+    fn add_inode(&mut self, i: &Inode) {
+        self.nodes.push(Node::of(i));
+    }
+
+    /// `for_each_inode` streams in inode order; anything else is sorted here.
+    fn sort_nodes(&mut self) {
+        if !self.nodes.is_sorted_by_key(|n| n.ino) {
+            self.nodes.sort_unstable_by_key(|n| n.ino);
+        }
+    }
+
+    fn index(&self, ino: InodeNo) -> Option<usize> {
+        self.nodes.binary_search_by_key(&ino, |n| n.ino).ok()
+    }
+
+    fn node(&self, ino: InodeNo) -> Option<&Node> {
+        self.index(ino).map(|x| &self.nodes[x])
+    }
+
+    #[cfg(test)]
     fn links_to(&self, ino: InodeNo) -> u32 {
-        self.names.get(&ino).map(|v| v.len() as u32).unwrap_or(0)
+        self.node(ino).map(|n| n.links).unwrap_or(0)
     }
 
     fn check_root(&self, rep: &mut FsckReport) {
-        match self.inodes.get(&InodeNo::ROOT) {
+        match self.node(InodeNo::ROOT) {
             Some(r) if r.kind == Kind::Dir => {}
             _ => rep.add(
                 Level::Error,
@@ -85,91 +156,123 @@ impl TreeScan {
         }
     }
 
-    /// Each entry: in a directory, naming an inode that exists, of the kind it says (with
-    /// `tx`: dropped, or its kind corrected). Records the sound ones in the scan.
+    /// Each entry of `r`, streamed: in a directory, naming an inode that exists, of the kind
+    /// it says (with `repair`: the fixes that drop it, or correct its kind, returned for
+    /// `apply_fixes`). Counts the sound ones in the scan.
     fn check_entries(
         &mut self,
-        dirents: &[(InodeNo, Dirent)],
+        r: &Tx,
         rep: &mut FsckReport,
-        tx: Option<&Tx>,
-    ) -> Result<(), FsckError> {
-        for (parent, d) in dirents {
-            let shown = String::from_utf8_lossy(&d.name);
-            match self.inodes.get(parent) {
-                Some(p) if p.kind == Kind::Dir => {}
-                _ => {
-                    rep.add(
-                        Level::Error,
-                        format!(
-                            "entry `{shown}` is in inode {} which is not a directory",
-                            parent.0
-                        ),
-                        false,
-                    );
-                    continue;
-                }
-            }
-            let Some(target) = self.inodes.get(&d.ino) else {
-                if let Some(tx) = tx {
-                    tx.unlink(*parent, &d.name)?;
-                }
-                rep.add(
-                    Level::Error,
-                    format!(
-                        "entry `{shown}` in directory {} names missing inode {}",
-                        parent.0, d.ino.0
-                    ),
-                    tx.is_some(),
-                );
-                continue;
-            };
-            if target.kind != d.kind {
-                if let Some(tx) = tx {
-                    tx.relink(*parent, &d.name, d.ino, target.kind)?;
-                }
-                rep.add(
-                    Level::Error,
-                    format!(
-                        "entry `{shown}` says {:?} but inode {} is {:?}",
-                        d.kind, d.ino.0, target.kind
-                    ),
-                    tx.is_some(),
-                );
-            }
-            self.names.entry(d.ino).or_default().push(*parent);
-            self.children.entry(*parent).or_default().push(d.ino);
-            if target.kind == Kind::Dir {
-                *self.subdirs.entry(*parent).or_default() += 1;
-            }
-        }
-        Ok(())
+        repair: bool,
+    ) -> Result<Vec<EntryFix>, FsckError> {
+        let mut fixes = Vec::new();
+        r.for_each_dirent(|parent, name, ino, kind| {
+            rep.entries += 1;
+            self.check_entry(parent, name, ino, kind, rep, repair.then_some(&mut fixes));
+            Ok::<(), FsckError>(())
+        })?;
+        self.edges.sort_unstable();
+        Ok(fixes)
     }
 
-    /// The inodes reachable from the root through the entries.
-    fn reachable(&self) -> HashSet<InodeNo> {
-        let mut reach: HashSet<InodeNo> = HashSet::new();
-        let mut stack = vec![InodeNo::ROOT];
-        while let Some(d) = stack.pop() {
-            if !reach.insert(d) {
-                continue;
+    /// One entry `name` in `parent` naming `ino` as a `kind` (see `check_entries`).
+    fn check_entry(
+        &mut self,
+        parent: InodeNo,
+        name: Vec<u8>,
+        ino: InodeNo,
+        kind: Kind,
+        rep: &mut FsckReport,
+        fixes: Option<&mut Vec<EntryFix>>,
+    ) {
+        let shown = || String::from_utf8_lossy(&name).into_owned();
+        let p = match self.index(parent) {
+            Some(p) if self.nodes[p].kind == Kind::Dir => p,
+            _ => {
+                rep.add(
+                    Level::Error,
+                    format!(
+                        "entry `{}` is in inode {} which is not a directory",
+                        shown(),
+                        parent.0
+                    ),
+                    false,
+                );
+                return;
             }
-            for c in self.children.get(&d).into_iter().flatten() {
-                stack.push(*c);
+        };
+        let Some(t) = self.index(ino) else {
+            rep.add(
+                Level::Error,
+                format!(
+                    "entry `{}` in directory {} names missing inode {}",
+                    shown(),
+                    parent.0,
+                    ino.0
+                ),
+                fixes.is_some(),
+            );
+            if let Some(f) = fixes {
+                f.push(EntryFix::Unlink(parent, name));
+            }
+            return;
+        };
+        let target = self.nodes[t].kind;
+        if target != kind {
+            rep.add(
+                Level::Error,
+                format!(
+                    "entry `{}` says {:?} but inode {} is {:?}",
+                    shown(),
+                    kind,
+                    ino.0,
+                    target
+                ),
+                fixes.is_some(),
+            );
+            if let Some(f) = fixes {
+                f.push(EntryFix::Relink(parent, name, ino, target));
             }
         }
-        reach
+        let n = &mut self.nodes[t];
+        if n.links == 0 {
+            n.named_in = parent;
+        }
+        n.links += 1;
+        if target == Kind::Dir {
+            self.nodes[p].subdirs += 1;
+        }
+        // Indexes fit: 2^32 inodes would take 160 GiB of nodes.
+        self.edges.push((p as u32, t as u32));
+    }
+
+    /// Marks the inodes reachable from the root through the entries.
+    fn mark_reachable(&mut self) {
+        let Some(root) = self.index(InodeNo::ROOT) else {
+            return;
+        };
+        let mut stack = vec![root as u32];
+        while let Some(d) = stack.pop() {
+            let n = &mut self.nodes[d as usize];
+            if n.reach {
+                continue;
+            }
+            n.reach = true;
+            let from = self.edges.partition_point(|e| e.0 < d);
+            let to = self.edges.partition_point(|e| e.0 <= d);
+            stack.extend(self.edges[from..to].iter().map(|e| e.1));
+        }
     }
 
     /// A directory: one entry names it (the root: none), in its recorded parent, and its
     /// link count is 2 plus its subdirectories (with `tx`: corrected).
     fn check_dir_links(
         &self,
-        i: &Inode,
+        i: &Node,
         rep: &mut FsckReport,
         tx: Option<&Tx>,
     ) -> Result<(), FsckError> {
-        let ino = i.ino;
-        let links = self.links_to(ino);
+        let (ino, links) = (i.ino, i.links);
         if ino != InodeNo::ROOT {
             if links == 0 && i.nlink == 0 {
                 rep.add(
@@ -189,8 +292,9 @@ impl TreeScan {
                     false,
                 );
             }
-            if let Some(p) = self.names.get(&ino).and_then(|v| v.first()) {
-                if *p != i.parent {
+            if links > 0 {
+                let p = i.named_in;
+                if p != i.parent {
                     rep.add(
                         Level::Error,
                         format!(
@@ -202,7 +306,7 @@ impl TreeScan {
                 }
             }
         }
-        let want = 2 + self.subdirs.get(&ino).copied().unwrap_or(0);
+        let want = 2 + i.subdirs;
         if i.nlink != want {
             if let Some(tx) = tx {
                 tx.set_nlink(ino, want)?;
@@ -220,11 +324,11 @@ impl TreeScan {
     /// `tx`: corrected). True when it has links but no entry (lost: `relink_lost`).
     fn check_links(
         &self,
-        i: &Inode,
+        i: &Node,
         rep: &mut FsckReport,
         tx: Option<&Tx>,
     ) -> Result<bool, FsckError> {
-        let (ino, links) = (i.ino, self.links_to(i.ino));
+        let (ino, links) = (i.ino, i.links);
         if links == i.nlink {
             return Ok(false);
         }
@@ -294,8 +398,8 @@ impl TreeScan {
             }
         };
         for ino in lost {
-            let i = &self.inodes[ino];
-            tx.link(lf, format!("#{}", ino.0).as_bytes(), *ino, i.kind)?;
+            let kind = self.node(*ino).expect("lost inodes are scanned").kind;
+            tx.link(lf, format!("#{}", ino.0).as_bytes(), *ino, kind)?;
             tx.set_nlink(*ino, 1)?;
         }
         Ok(())
@@ -332,18 +436,15 @@ mod tests {
 
     /// The scan of `s` after `check_entries`.
     fn scan(s: &Store, rep: &mut FsckReport) -> TreeScan {
-        let mut scan = TreeScan {
-            inodes: s
-                .read()
-                .all_inodes()
-                .unwrap()
-                .into_iter()
-                .map(|i| (i.ino, i))
-                .collect(),
-            ..Default::default()
-        };
-        let dirents = s.read().all_dirents().unwrap();
-        scan.check_entries(&dirents, rep, None).unwrap();
+        let mut scan = TreeScan::default();
+        s.read()
+            .for_each_inode(|i| {
+                scan.add_inode(&i);
+                Ok(())
+            })
+            .unwrap();
+        scan.sort_nodes();
+        scan.check_entries(&s.read(), rep, false).unwrap();
         scan
     }
 
@@ -381,16 +482,19 @@ mod tests {
         assert!(errs.iter().any(|e| e.contains("says Dir but")));
         assert!(errs.iter().any(|e| e.contains("which is not a directory")));
         assert_eq!(sc.links_to(f), 1, "the entry in the file is not counted");
-        assert_eq!(sc.subdirs.get(&InodeNo::ROOT), None, "f is a file");
+        assert_eq!(sc.node(InodeNo::ROOT).unwrap().subdirs, 0, "f is a file");
 
-        let tx = s.write().unwrap();
-        let dirents = tx.all_dirents().unwrap();
         let mut rep = FsckReport::default();
         let mut sc = TreeScan {
-            inodes: sc.inodes,
+            nodes: sc.nodes,
             ..Default::default()
         };
-        sc.check_entries(&dirents, &mut rep, Some(&tx)).unwrap();
+        for n in &mut sc.nodes {
+            n.links = 0;
+        }
+        let fixes = sc.check_entries(&s.read(), &mut rep, true).unwrap();
+        let tx = s.write().unwrap();
+        apply_fixes(&fixes, &tx).unwrap();
         tx.commit().unwrap();
         assert_eq!(rep.findings.iter().filter(|f| f.repaired).count(), 2);
         let r = s.read();
@@ -404,13 +508,67 @@ mod tests {
     #[test]
     fn reachable_follows_entries_from_the_root_only() {
         let mut sc = TreeScan::default();
-        sc.children.insert(InodeNo::ROOT, vec![InodeNo(2)]);
-        sc.children.insert(InodeNo(2), vec![InodeNo(3)]);
-        sc.children.insert(InodeNo(7), vec![InodeNo(8), InodeNo(7)]);
-        let r = sc.reachable();
-        let mut r: Vec<u64> = r.into_iter().map(|i| i.0).collect();
-        r.sort();
+        for ino in [1, 2, 3, 7, 8] {
+            sc.add_inode(&Inode {
+                ino: InodeNo(ino),
+                ..inode(Kind::Dir, 2)
+            });
+        }
+        // 1 -> 2 -> 3; 7 -> 8 and 7 -> 7 (a loop no entry from the root reaches).
+        sc.edges = vec![(0, 1), (1, 2), (3, 4), (3, 3)];
+        sc.mark_reachable();
+        let r: Vec<u64> = sc
+            .nodes
+            .iter()
+            .filter(|n| n.reach)
+            .map(|n| n.ino.0)
+            .collect();
         assert_eq!(r, [InodeNo::ROOT.0, 2, 3]);
+    }
+
+    #[test]
+    fn the_scan_is_compact_sorted_and_counts_what_entries_say() {
+        // 40 bytes an inode, 8 an entry: what keeps a million-inode fsck bounded.
+        assert!(std::mem::size_of::<Node>() <= 40);
+        assert_eq!(std::mem::size_of::<(u32, u32)>(), 8);
+        let (_d, s) = store();
+        let tx = s.write().unwrap();
+        let a = tx.insert(&inode(Kind::Dir, 2)).unwrap();
+        tx.link(InodeNo::ROOT, b"a", a, Kind::Dir).unwrap();
+        let f = tx
+            .insert(&Inode {
+                parent: a,
+                ..inode(Kind::File, 2)
+            })
+            .unwrap();
+        tx.link(a, b"f", f, Kind::File).unwrap();
+        tx.link(InodeNo::ROOT, b"g", f, Kind::File).unwrap();
+        tx.commit().unwrap();
+        let mut sc = TreeScan::default();
+        // Inodes out of order are sorted: lookups are binary searches.
+        for i in s.read().all_inodes().unwrap().iter().rev() {
+            sc.add_inode(i);
+        }
+        sc.sort_nodes();
+        let inos: Vec<InodeNo> = sc.nodes.iter().map(|n| n.ino).collect();
+        assert_eq!(inos, [InodeNo::ROOT, a, f]);
+        let mut rep = FsckReport::default();
+        assert!(sc
+            .check_entries(&s.read(), &mut rep, false)
+            .unwrap()
+            .is_empty());
+        assert_eq!(rep.entries, 3);
+        let root = *sc.node(InodeNo::ROOT).unwrap();
+        assert_eq!((root.links, root.subdirs), (0, 1));
+        let na = *sc.node(a).unwrap();
+        assert_eq!((na.links, na.named_in, na.subdirs), (1, InodeNo::ROOT, 0));
+        // Entries in (parent, name) order: the root's `g` before `a`'s `f`.
+        let nf = *sc.node(f).unwrap();
+        assert_eq!((nf.links, nf.named_in), (2, InodeNo::ROOT));
+        assert_eq!(sc.edges, [(0, 1), (0, 2), (1, 2)]);
+        assert_eq!(sc.node(InodeNo(99)), None);
+        sc.mark_reachable();
+        assert!(sc.nodes.iter().all(|n| n.reach));
     }
 
     #[test]
@@ -425,7 +583,7 @@ mod tests {
         tx.commit().unwrap();
         let mut rep = FsckReport::default();
         let sc = scan(&s, &mut rep);
-        for i in sc.inodes.values() {
+        for i in &sc.nodes {
             sc.check_dir_links(i, &mut rep, None).unwrap();
         }
         let errs = said(&rep, Level::Error);
@@ -447,7 +605,7 @@ mod tests {
             .any(|e| e.contains(&format!("directory {} has nlink 5 but 2", b.0))));
         let tx = s.write().unwrap();
         let mut rep = FsckReport::default();
-        sc.check_dir_links(&sc.inodes[&a], &mut rep, Some(&tx))
+        sc.check_dir_links(sc.node(a).unwrap(), &mut rep, Some(&tx))
             .unwrap();
         tx.commit().unwrap();
         assert_eq!(s.read().get(a).unwrap().unwrap().nlink, 3);
@@ -467,13 +625,13 @@ mod tests {
         let sc = scan(&s, &mut rep);
         let tx = s.write().unwrap();
         assert!(!sc
-            .check_links(&sc.inodes[&two], &mut rep, Some(&tx))
+            .check_links(sc.node(two).unwrap(), &mut rep, Some(&tx))
             .unwrap());
         assert!(sc
-            .check_links(&sc.inodes[&lost], &mut rep, Some(&tx))
+            .check_links(sc.node(lost).unwrap(), &mut rep, Some(&tx))
             .unwrap());
         assert!(!sc
-            .check_links(&sc.inodes[&open], &mut rep, Some(&tx))
+            .check_links(sc.node(open).unwrap(), &mut rep, Some(&tx))
             .unwrap());
         tx.commit().unwrap();
         assert_eq!(s.read().get(two).unwrap().unwrap().nlink, 2);
