@@ -630,6 +630,8 @@ impl Persister {
         // its header. Not under a deadline (the stop's last checkpoint): building it takes
         // seconds at 1M files.
         if pass.full && deadline.is_none() {
+            // What collecting the tree freed, back to the kernel before the image build.
+            crate::sys::mem::release_free_heap();
             pass.image = super::super::image::publish(&self.repo, &self.store, &obj, cs);
         }
         let data = loop {
