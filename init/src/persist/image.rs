@@ -121,6 +121,9 @@ fn build_and_upload(
     let path = store.scratch_path("image").ok_or(ImageError::NoScratch)?;
     let _ = std::fs::remove_file(&path);
     let built = build(&path, obj, cs);
+    // The bulk connection's page cache is freed now; hand it back before the compressed
+    // image (one large allocation, which glibc maps anew rather than reusing it) is made.
+    crate::sys::mem::release_free_heap();
     let packed = built.and_then(|()| compress(&path));
     let _ = std::fs::remove_file(&path);
     let (data, raw) = packed?;

@@ -8,6 +8,7 @@ use std::time::Instant;
 use super::steps::{lazy_windows_carry_over, wants_full, Job, Pass, Prior, COMPACT_FLOOR};
 use super::*;
 use crate::chunk::ChunkId;
+use crate::meta::Inode;
 use crate::persist::format::DataRec;
 use crate::persist::repo::Head;
 use crate::persist::{MemRemote, Remote};
@@ -418,4 +419,71 @@ fn checkpoint_runs_the_steps_in_order_and_then_has_nothing_to_do() {
     assert!(!f.p.has_changes().unwrap());
     let r = first(&mut f.p);
     assert_eq!(r.seq, None, "{r}");
+}
+
+/// The backlog as sets of every changed inode and window would count it (what `backlog`
+/// did before it streamed them).
+fn backlog_by_sets(p: &Persister) -> (u64, u64, u64) {
+    use std::collections::BTreeSet;
+    let v = p.store.read_view().unwrap();
+    let inodes: BTreeSet<InodeNo> = v.backlog_inodes().unwrap().into_iter().collect();
+    let (mut files, mut bytes) = (BTreeSet::new(), 0);
+    for (ino, idx) in v.backlog_windows().unwrap() {
+        if let Some(i) = v.get(ino).unwrap() {
+            files.insert(ino);
+            let r = window_range(idx, i.size, CS);
+            bytes += r.end - r.start;
+        }
+    }
+    let mut all = inodes.clone();
+    all.extend(files.iter().copied());
+    for ino in &inodes {
+        match v.get(*ino).unwrap() {
+            Some(i)
+                if !files.contains(ino) && i.kind == Kind::File && i.storage == Storage::Inline =>
+            {
+                files.insert(*ino);
+                bytes += i.size;
+            }
+            _ => {}
+        }
+    }
+    (all.len() as u64, files.len() as u64, bytes)
+}
+
+#[test]
+fn backlog_counts_claimed_and_unclaimed_changes_once_each() {
+    let f = fixture();
+    let a = add_file(&f.p, b"a", &three_windows());
+    f.p.claim_changes(Nanos(now_ns())).unwrap();
+    let tx = f.p.store.write().unwrap();
+    // Window 1 of a again (claimed and unclaimed: counted once), an inline file, the
+    // change of an inode gone since, and windows of an inode gone since (they name
+    // nothing).
+    tx.mark_dirty_windows(a, [1]).unwrap();
+    let b = tx
+        .insert(&Inode {
+            ino: InodeNo(0),
+            kind: Kind::File,
+            perm: 0o644,
+            uid: 0,
+            gid: 0,
+            nlink: 1,
+            size: 5,
+            atime: Nanos(1),
+            mtime: Nanos(1),
+            ctime: Nanos(1),
+            rdev: 0,
+            parent: InodeNo::ROOT,
+            storage: Storage::Inline,
+        })
+        .unwrap();
+    tx.mark_changed(b).unwrap();
+    tx.mark_changed(InodeNo(9998)).unwrap();
+    tx.mark_dirty_windows(InodeNo(9999), [0, 3]).unwrap();
+    tx.commit().unwrap();
+    let got = f.p.backlog().unwrap();
+    assert_eq!((got.files, got.bytes), (2, 3 * CS + 5), "{got}");
+    assert_eq!((got.inodes, got.files, got.bytes), backlog_by_sets(&f.p));
+    assert!(got.inodes >= 3, "a, b and the gone 9998 at least: {got}");
 }
