@@ -181,9 +181,16 @@ fn history_seeing(w: &mut Worker, current: u64, target: u64) -> Result<(), Agent
     if w.history.as_ref().is_some_and(|h| h.seq() == current) || target >= current {
         return history_at(w, current).map(|_| ());
     }
-    if let Ok(mut h) = History::load(w.p.repo(), target) {
+    let near = current - target <= super::history::MAX_ALONG;
+    if let Some(mut h) = near
+        .then(|| History::load(w.p.repo(), target).ok())
+        .flatten()
+    {
         let repo = w.p.repo();
-        if (target + 1..=current).all(|s| matches!(h.advance_any(repo, s), Ok(true))) {
+        // Every step must keep `target` in the window, or the walk is for nothing.
+        if (target + 1..=current)
+            .all(|s| matches!(h.advance_any(repo, s), Ok(true)) && h.has(target))
+        {
             w.history = Some(h);
             return Ok(());
         }

@@ -356,12 +356,17 @@ pub fn diff(repo: &Repo, from: u64, to: u64) -> Result<Diff, DiffError> {
 /// what each replaced (`History`), and the two are compared through `diff_views`. One tree
 /// and the changes in memory instead of two trees (a million files: ~550 MiB, not ~1.1
 /// GiB). `None` (the caller loads both trees, and reports any error) when a snapshot between
-/// them is missing, does not follow, or the changes outgrew the history's window.
+/// them is missing, does not follow or has another chunk size, when they are more than
+/// `history::MAX_ALONG` apart, or when the changes outgrew the history's window.
 pub(super) fn diff_along(repo: &Repo, from: u64, to: u64) -> Option<Diff> {
     let (lo, hi) = (from.min(to), from.max(to));
+    if hi - lo > super::history::MAX_ALONG {
+        return None;
+    }
     let mut h = History::load(repo, lo).ok()?;
     for seq in lo + 1..=hi {
-        if !h.advance_any(repo, seq).ok()? {
+        // Stop as soon as the older one is out of the window: the walk would be for nothing.
+        if !h.advance_any(repo, seq).ok()? || !h.has(lo) {
             return None;
         }
     }

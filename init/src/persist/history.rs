@@ -37,6 +37,12 @@ pub const MAX_RECORDS: usize = 200_000;
 /// files, which a kept tree of that size (~550 MiB) would break many times over.
 pub const MAX_TREE_RECORDS: usize = 200_000;
 
+/// Snapshots an operation walks to see an older one with one tree (`diff::diff_along`, a
+/// rollback's history): past it the two trees are decoded instead. Each is a GET (and a
+/// full snapshot among them a whole-tree comparison), on the checkpoint worker for a
+/// running keel.
+pub const MAX_ALONG: u64 = 512;
+
 type DirKey = (u64, Vec<u8>);
 type DirVal = (u64, u32);
 
@@ -284,6 +290,13 @@ impl History {
         let data = repo.remote.get(&key).map_err(|e| load(e.into()))?;
         let replay = |e| HistoryError::Replay { seq, source: e };
         let (h, mut r) = super::format::reader(&key, &data).map_err(replay)?;
+        // Every version a window shows has one chunk size (a `View` reports its base's,
+        // and a rollback places chunks by it): a snapshot written with another (keel
+        // restarted with a new `chunk_size`, whose first checkpoint is a full snapshot on
+        // the same line) ends the window, so an older version is decoded from its own chain.
+        if self.tree.chunk_size != 0 && h.chunk_size != self.tree.chunk_size {
+            return Ok(false);
+        }
         let from = self.seq();
         let mut step = Step {
             seq,
@@ -618,6 +631,47 @@ mod tests {
         assert_eq!(diff_along(&repo, 3, 4), None);
         assert!(!whole(3, 4).changes.is_empty());
         assert_eq!(diff(&repo, 3, 4).unwrap(), whole(3, 4));
+    }
+
+    #[test]
+    fn a_walk_along_the_snapshots_stops_at_a_chunk_size_change_and_past_max_along() {
+        use crate::persist::diff::{diff, diff_along, diff_trees};
+        let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+        let put = |h: &Header, b: &Body| repo.put_snapshot(h.seq, encode(h, b).unwrap()).unwrap();
+        let t = tree(5);
+        let full = Body {
+            inodes: t.inodes.values().map(|i| i.rec.clone()).collect(),
+            dirents: (1..=5).map(|i| dirent(1, &i.to_string(), i)).collect(),
+            ..Default::default()
+        };
+        put(&header(1, None), &full);
+        // keel restarted with another chunk size: its first checkpoint is a full snapshot
+        // on the same line (prev = 1) with the new size.
+        let mut h2 = header(2, None);
+        h2.chunk_size = 8;
+        let mut changed = full.clone();
+        changed.inodes[0].size = 3;
+        put(&h2, &changed);
+        let mut h = History::load(&repo, 1).unwrap();
+        assert!(
+            !h.advance_any(&repo, 2).unwrap(),
+            "the window must not span two chunk sizes"
+        );
+        assert_eq!(diff_along(&repo, 1, 2), None);
+        let whole = diff_trees(&repo.load_tree(1).unwrap().0, &repo.load_tree(2).unwrap().0);
+        assert!(!whole.changes.is_empty());
+        assert_eq!(diff(&repo, 1, 2).unwrap(), whole);
+
+        // A long line of empty deltas after 2: walked up to MAX_ALONG snapshots, not past.
+        let last = 2 + MAX_ALONG + 1;
+        for seq in 3..=last {
+            let mut hd = header(seq, Some(seq - 1));
+            hd.chunk_size = 8;
+            put(&hd, &Body::default());
+        }
+        assert!(diff_along(&repo, 2, 2 + MAX_ALONG).is_some());
+        assert_eq!(diff_along(&repo, 2, last), None);
+        assert!(diff(&repo, 2, last).unwrap().changes.is_empty());
     }
 
     #[test]
