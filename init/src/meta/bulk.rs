@@ -348,13 +348,7 @@ impl super::Tx<'_> {
             "SELECT w.ino, w.idx FROM pending_window w JOIN inode i ON i.ino = w.ino
              WHERE i.storage = 1 ORDER BY w.ino, w.idx",
         )?;
-        let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
-        let mut out = Vec::new();
-        for r in rows {
-            let (i, x) = r?;
-            out.push((InodeNo(i as u64), x as u64));
-        }
-        Ok(out)
+        super::persist::window_rows(&mut st)
     }
 
     /// Every inode with changes not on the remote yet (claimed by a checkpoint or not), in

@@ -32,6 +32,17 @@ impl ChangeCounts {
     }
 }
 
+/// The (ino, window) rows of a query selecting those two columns, in its order.
+pub(super) fn window_rows(st: &mut rusqlite::CachedStatement<'_>) -> Result<Vec<(InodeNo, u64)>> {
+    let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
+    let mut out = Vec::new();
+    for r in rows {
+        let (i, x) = r?;
+        out.push((InodeNo(i as u64), x as u64));
+    }
+    Ok(out)
+}
+
 fn blob32(v: Option<Vec<u8>>) -> Option<[u8; 32]> {
     v.and_then(|b| b.try_into().ok())
 }
@@ -126,13 +137,7 @@ impl Tx<'_> {
         let mut st = self
             .conn
             .counted("SELECT ino, idx FROM pending_window ORDER BY ino, idx")?;
-        let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
-        let mut out = Vec::new();
-        for r in rows {
-            let (i, x) = r?;
-            out.push((InodeNo(i as u64), x as u64));
-        }
-        Ok(out)
+        window_rows(&mut st)
     }
 
     pub fn pending_dirents(&self) -> Result<Vec<(InodeNo, Vec<u8>)>> {
@@ -153,13 +158,7 @@ impl Tx<'_> {
         let mut st = self.conn.counted(
             "SELECT ino, idx FROM pending_window UNION SELECT ino, idx FROM dirty_window",
         )?;
-        let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
-        let mut out = Vec::new();
-        for r in rows {
-            let (i, x) = r?;
-            out.push((InodeNo(i as u64), x as u64));
-        }
-        Ok(out)
+        window_rows(&mut st)
     }
 
     /// Every inode changed since the last checkpoint, claimed or not.

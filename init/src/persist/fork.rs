@@ -461,12 +461,10 @@ fn chain_chunks(
         if !seen.insert(s) {
             return Ok(true);
         }
-        let key = repo.snapshot_key(s);
         let read = repo
-            .remote
-            .get(&key)
+            .snapshot_object(s)
             .map_err(RepoError::from)
-            .and_then(|data| {
+            .and_then(|(key, data)| {
                 format::object_chunk_ids(&key, &data, &mut |c| {
                     out.insert(c);
                 })

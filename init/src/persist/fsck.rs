@@ -298,8 +298,7 @@ fn chain_chunks(
 ) -> Result<Option<super::format::Header>, super::repo::RepoError> {
     let mut at = Some(seq);
     while let Some(s) = at.filter(|s| read.insert(*s)) {
-        let key = repo.snapshot_key(s);
-        let data = repo.remote.get(&key)?;
+        let (key, data) = repo.snapshot_object(s)?;
         let h = super::format::check_object(&key, &data, &mut |c| {
             wanted.insert(c);
         })?;

@@ -344,8 +344,7 @@ pub fn gc_with(
     let mut load = |s: u64| -> Result<SnapFacts, GcError> {
         // The body is read one record at a time: only its chunk ids stay.
         let err = |source| GcError::ReadSnapshot { seq: s, source };
-        let key = repo_ref.snapshot_key(s);
-        let data = repo_ref.remote.get(&key).map_err(|e| err(e.into()))?;
+        let (key, data) = repo_ref.snapshot_object(s).map_err(|e| err(e.into()))?;
         let mut chunks = Vec::new();
         let h =
             object_chunk_ids(&key, &data, &mut |c| chunks.push(c)).map_err(|e| err(e.into()))?;

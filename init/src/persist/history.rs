@@ -286,8 +286,7 @@ impl History {
             seq,
             source: Box::new(e),
         };
-        let key = repo.snapshot_key(seq);
-        let data = repo.remote.get(&key).map_err(|e| load(e.into()))?;
+        let (key, data) = repo.snapshot_object(seq).map_err(|e| load(e.into()))?;
         let replay = |e| HistoryError::Replay { seq, source: e };
         let (h, mut r) = super::format::reader(&key, &data).map_err(replay)?;
         // Every version a window shows has one chunk size (a `View` reports its base's,

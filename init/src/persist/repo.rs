@@ -216,9 +216,15 @@ impl Repo {
         Ok(())
     }
 
-    pub fn read_snapshot(&self, seq: u64) -> Result<(Header, Body), RepoError> {
+    /// Snapshot `seq`'s object as stored, and its key (what errors about it name).
+    pub fn snapshot_object(&self, seq: u64) -> Result<(String, Bytes), RemoteError> {
         let key = self.snapshot_key(seq);
         let b = self.remote.get(&key)?;
+        Ok((key, b))
+    }
+
+    pub fn read_snapshot(&self, seq: u64) -> Result<(Header, Body), RepoError> {
+        let (key, b) = self.snapshot_object(seq)?;
         Ok(format::decode(&key, &b)?)
     }
 
@@ -250,8 +256,7 @@ impl Repo {
         let mut chain = Vec::new();
         let mut at = Some(seq);
         while let Some(s) = at {
-            let key = self.snapshot_key(s);
-            let b = self.remote.get(&key)?;
+            let (key, b) = self.snapshot_object(s)?;
             at = format::decode_header(&key, &b)?.0.parent;
             chain.push((key, b));
         }
