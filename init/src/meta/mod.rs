@@ -109,6 +109,29 @@ pub struct Inode {
     pub storage: Storage,
 }
 
+#[cfg(test)]
+impl Inode {
+    /// A file for tests, not inserted yet: mode 0644, root's, one link, every time 1 ns,
+    /// under the root.
+    pub fn test_file(size: u64, storage: Storage) -> Inode {
+        Inode {
+            ino: InodeNo(0),
+            kind: Kind::File,
+            perm: 0o644,
+            uid: 0,
+            gid: 0,
+            nlink: 1,
+            size,
+            atime: Nanos(1),
+            mtime: Nanos(1),
+            ctime: Nanos(1),
+            rdev: 0,
+            parent: InodeNo::ROOT,
+            storage,
+        }
+    }
+}
+
 /// A directory entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Dirent {

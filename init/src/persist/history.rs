@@ -502,36 +502,15 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_streamed_chain_and_steps_show_every_snapshot_as_decoded() {
-        let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
-        let put = |h: &Header, b: &Body| repo.put_snapshot(h.seq, encode(h, b).unwrap()).unwrap();
-        let t = tree(20);
-        let full = Body {
+    fn put(repo: &Repo, h: &Header, b: &Body) {
+        repo.put_snapshot(h.seq, encode(h, b).unwrap()).unwrap();
+    }
+
+    /// A full snapshot's body: every inode and name of `t`.
+    fn full_body(t: &Tree) -> Body {
+        Body {
             inodes: t.inodes.values().map(|i| i.rec.clone()).collect(),
-            dirents: (1..=20).map(|i| dirent(1, &i.to_string(), i)).collect(),
-            ..Default::default()
-        };
-        put(&header(1, None), &full);
-        let mut d2 = Body {
-            inodes: vec![t.inodes[&3].rec.clone(), t.inodes[&4].rec.clone()],
-            deleted: vec![5],
-            unlinked: vec![(1, b"5".to_vec())],
-            dirents: vec![dirent(1, "new", 3)],
-        };
-        d2.inodes[0].size = 7;
-        put(&header(2, Some(1)), &d2);
-        let d3 = Body {
-            deleted: vec![6],
-            unlinked: vec![(1, b"6".to_vec()), (1, b"new".to_vec())],
-            ..Default::default()
-        };
-        put(&header(3, Some(2)), &d3);
-        // A compaction: the tree of 3 again, as a full snapshot.
-        let (t3, _) = repo.load_tree(3).unwrap();
-        let f4 = Body {
-            inodes: t3.inodes.values().map(|i| i.rec.clone()).collect(),
-            dirents: t3
+            dirents: t
                 .dirents
                 .iter()
                 .map(|((p, n), (i, k))| DirentRec {
@@ -542,8 +521,38 @@ mod tests {
                 })
                 .collect(),
             ..Default::default()
+        }
+    }
+
+    /// Snapshots 1-3 on one line: 1 the full `tree(20)`; 2 resizes 3 (to 7), rewrites 4,
+    /// removes 5 and names 3 "new" too; 3 removes 6 and "new".
+    fn line_of_three(repo: &Repo) {
+        let t = tree(20);
+        put(repo, &header(1, None), &full_body(&t));
+        let mut d2 = Body {
+            inodes: vec![t.inodes[&3].rec.clone(), t.inodes[&4].rec.clone()],
+            deleted: vec![5],
+            unlinked: vec![(1, b"5".to_vec())],
+            dirents: vec![dirent(1, "new", 3)],
         };
-        put(&header(4, None), &f4);
+        d2.inodes[0].size = 7;
+        put(repo, &header(2, Some(1)), &d2);
+        let d3 = Body {
+            deleted: vec![6],
+            unlinked: vec![(1, b"6".to_vec()), (1, b"new".to_vec())],
+            ..Default::default()
+        };
+        put(repo, &header(3, Some(2)), &d3);
+    }
+
+    #[test]
+    fn the_streamed_chain_and_steps_show_every_snapshot_as_decoded() {
+        let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+        line_of_three(&repo);
+        // A compaction: the tree of 3 again, as a full snapshot.
+        let (t3, _) = repo.load_tree(3).unwrap();
+        let f4 = full_body(&t3);
+        put(&repo, &header(4, None), &f4);
 
         // Each tree as the whole-body decode makes it.
         let whole = |seq: u64| {
@@ -586,7 +595,7 @@ mod tests {
         let c = h.changed(1, 3).unwrap();
         assert_eq!(c.inodes, [3, 4, 5, 6].into_iter().collect());
         // A snapshot that does not follow the tree ends the history.
-        put(&header(6, Some(5)), &Body::default());
+        put(&repo, &header(6, Some(5)), &Body::default());
         assert!(!h.advance(&repo, 6).unwrap());
     }
 
@@ -594,28 +603,7 @@ mod tests {
     fn an_offline_diff_along_the_chain_is_the_diff_of_the_whole_trees() {
         use crate::persist::diff::{diff, diff_along, diff_trees};
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
-        let put = |h: &Header, b: &Body| repo.put_snapshot(h.seq, encode(h, b).unwrap()).unwrap();
-        let t = tree(20);
-        let full = Body {
-            inodes: t.inodes.values().map(|i| i.rec.clone()).collect(),
-            dirents: (1..=20).map(|i| dirent(1, &i.to_string(), i)).collect(),
-            ..Default::default()
-        };
-        put(&header(1, None), &full);
-        let mut d2 = Body {
-            inodes: vec![t.inodes[&3].rec.clone()],
-            deleted: vec![5],
-            unlinked: vec![(1, b"5".to_vec())],
-            dirents: vec![dirent(1, "new", 3)],
-        };
-        d2.inodes[0].size = 7;
-        put(&header(2, Some(1)), &d2);
-        let d3 = Body {
-            deleted: vec![6],
-            unlinked: vec![(1, b"6".to_vec()), (1, b"new".to_vec())],
-            ..Default::default()
-        };
-        put(&header(3, Some(2)), &d3);
+        line_of_three(&repo);
         let whole = |a: u64, b: u64| {
             diff_trees(&repo.load_tree(a).unwrap().0, &repo.load_tree(b).unwrap().0)
         };
@@ -626,7 +614,7 @@ mod tests {
             assert_eq!(diff(&repo, a, b).unwrap(), want, "{a} -> {b}");
         }
         // 4 follows 2, not 3 (another line): the whole trees are compared instead.
-        put(&header(4, Some(2)), &Body::default());
+        put(&repo, &header(4, Some(2)), &Body::default());
         assert_eq!(diff_along(&repo, 3, 4), None);
         assert!(!whole(3, 4).changes.is_empty());
         assert_eq!(diff(&repo, 3, 4).unwrap(), whole(3, 4));
@@ -636,21 +624,15 @@ mod tests {
     fn a_walk_along_the_snapshots_stops_at_a_chunk_size_change_and_past_max_along() {
         use crate::persist::diff::{diff, diff_along, diff_trees};
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
-        let put = |h: &Header, b: &Body| repo.put_snapshot(h.seq, encode(h, b).unwrap()).unwrap();
-        let t = tree(5);
-        let full = Body {
-            inodes: t.inodes.values().map(|i| i.rec.clone()).collect(),
-            dirents: (1..=5).map(|i| dirent(1, &i.to_string(), i)).collect(),
-            ..Default::default()
-        };
-        put(&header(1, None), &full);
+        let full = full_body(&tree(5));
+        put(&repo, &header(1, None), &full);
         // keel restarted with another chunk size: its first checkpoint is a full snapshot
         // on the same line (prev = 1) with the new size.
         let mut h2 = header(2, None);
         h2.chunk_size = 8;
         let mut changed = full.clone();
         changed.inodes[0].size = 3;
-        put(&h2, &changed);
+        put(&repo, &h2, &changed);
         let mut h = History::load(&repo, 1).unwrap();
         assert!(
             !h.advance_any(&repo, 2).unwrap(),
@@ -666,7 +648,7 @@ mod tests {
         for seq in 3..=last {
             let mut hd = header(seq, Some(seq - 1));
             hd.chunk_size = 8;
-            put(&hd, &Body::default());
+            put(&repo, &hd, &Body::default());
         }
         assert!(diff_along(&repo, 2, 2 + MAX_ALONG).is_some());
         assert_eq!(diff_along(&repo, 2, last), None);

@@ -47,21 +47,7 @@ fn fixture() -> Fixture {
 fn add_file(p: &Persister, name: &[u8], data: &[u8]) -> InodeNo {
     let tx = p.store.write().unwrap();
     let ino = tx
-        .insert(&Inode {
-            ino: InodeNo(0),
-            kind: Kind::File,
-            perm: 0o644,
-            uid: 0,
-            gid: 0,
-            nlink: 1,
-            size: data.len() as u64,
-            atime: Nanos(1),
-            mtime: Nanos(1),
-            ctime: Nanos(1),
-            rdev: 0,
-            parent: InodeNo::ROOT,
-            storage: Storage::Body,
-        })
+        .insert(&Inode::test_file(data.len() as u64, Storage::Body))
         .unwrap();
     tx.link(InodeNo::ROOT, name, ino, Kind::File).unwrap();
     tx.mark_dirty_windows(ino, 0..window_count(data.len() as u64, CS))
@@ -461,23 +447,7 @@ fn backlog_counts_claimed_and_unclaimed_changes_once_each() {
     // change of an inode gone since, and windows of an inode gone since (they name
     // nothing).
     tx.mark_dirty_windows(a, [1]).unwrap();
-    let b = tx
-        .insert(&Inode {
-            ino: InodeNo(0),
-            kind: Kind::File,
-            perm: 0o644,
-            uid: 0,
-            gid: 0,
-            nlink: 1,
-            size: 5,
-            atime: Nanos(1),
-            mtime: Nanos(1),
-            ctime: Nanos(1),
-            rdev: 0,
-            parent: InodeNo::ROOT,
-            storage: Storage::Inline,
-        })
-        .unwrap();
+    let b = tx.insert(&Inode::test_file(5, Storage::Inline)).unwrap();
     tx.mark_changed(b).unwrap();
     tx.mark_changed(InodeNo(9998)).unwrap();
     tx.mark_dirty_windows(InodeNo(9999), [0, 3]).unwrap();

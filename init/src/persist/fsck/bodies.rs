@@ -348,21 +348,7 @@ mod tests {
     /// `data`'s windows.
     fn file(d: &Dir, size: u64, data: Option<&[u8]>) -> (Inode, Vec<ChunkRow>) {
         let tx = d.store.write().unwrap();
-        let mut i = Inode {
-            ino: InodeNo(0),
-            kind: Kind::File,
-            perm: 0o644,
-            uid: 0,
-            gid: 0,
-            nlink: 1,
-            size,
-            atime: Nanos(1),
-            mtime: Nanos(1),
-            ctime: Nanos(1),
-            rdev: 0,
-            parent: InodeNo::ROOT,
-            storage: Storage::Body,
-        };
+        let mut i = Inode::test_file(size, Storage::Body);
         i.ino = tx.insert(&i).unwrap();
         tx.link(
             InodeNo::ROOT,

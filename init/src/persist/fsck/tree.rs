@@ -418,19 +418,10 @@ mod tests {
 
     fn inode(kind: Kind, nlink: u32) -> Inode {
         Inode {
-            ino: InodeNo(0),
             kind,
             perm: 0o755,
-            uid: 0,
-            gid: 0,
             nlink,
-            size: 0,
-            atime: Nanos(1),
-            mtime: Nanos(1),
-            ctime: Nanos(1),
-            rdev: 0,
-            parent: InodeNo::ROOT,
-            storage: Storage::Inline,
+            ..Inode::test_file(0, Storage::Inline)
         }
     }
 
