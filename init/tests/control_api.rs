@@ -291,6 +291,14 @@ fn checkpoint_runs_the_callback_and_answers_when_done() {
     assert_eq!(v["done"], "uploaded 2 chunks");
     assert_eq!(v["chunks_uploaded"], 2);
     assert!(v["duration_ms"].as_u64().unwrap() >= 300);
+    // A full snapshot is not offered here: refused, not quietly written as a delta.
+    let r = post(addr, "/checkpoint?full=1", Some(TOKEN));
+    assert_eq!(r.code, 400, "{r:?}");
+    assert!(r.json()["error"]
+        .as_str()
+        .unwrap()
+        .contains("keel checkpoint --full"));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 
     s.set_checkpoint(Box::new(|| Err("remote unreachable".into())));
     let r = post(addr, "/checkpoint", Some(TOKEN));

@@ -79,11 +79,25 @@ pub fn checkpoint(cfg: &Config, full: bool) -> Result<ops::Answer, AgentClientEr
     }
     let http = super::default_socket(cfg);
     if http.exists() {
-        if let Ok((code, body)) = super::client::request(&http, "POST", "/checkpoint") {
-            return Ok(ops::Answer {
-                text: body.trim().to_string(),
-                ok: code == 200,
-            });
+        // A checkpoint lasts as long as its upload (minutes for a large first one): wait as
+        // for the other agent commands. Only a socket nobody listens on (a keel that is
+        // gone) sends this to the stopped state dir; a keel that is there answers, or its
+        // failure is the answer.
+        let route = if full {
+            "/checkpoint?full=1"
+        } else {
+            "/checkpoint"
+        };
+        match request_within(&http, "POST", route, API_TIMEOUT) {
+            Ok((code, body)) => {
+                return Ok(ops::Answer {
+                    text: body.trim().to_string(),
+                    ok: code == 200,
+                })
+            }
+            Err(ClientError::NotListening { .. }) => {}
+            Err(e @ ClientError::Denied { .. }) => return Err(AgentClientError::Denied(e)),
+            Err(e) => return Err(AgentClientError::Request(e)),
         }
     }
     Ok(ops::checkpoint_offline(cfg, full)?)
@@ -206,7 +220,48 @@ pub fn rollback(cfg: &Config, r: &Rollback) -> Result<serde_json::Value, AgentCl
 
 #[cfg(test)]
 mod tests {
-    use super::enc;
+    use super::*;
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixListener;
+
+    /// `keel checkpoint` through the control socket (inside the sandbox): a slow answer is
+    /// waited for (a 1 GiB checkpoint to S3 took longer than the 10 s a status call gets,
+    /// and the command then tried the state dir it cannot see: "Read-only file system");
+    /// a keel that fails is the answer; only a socket nobody listens on sends the command
+    /// to the stopped state dir.
+    #[test]
+    fn a_checkpoint_over_the_control_socket_waits_and_goes_offline_only_when_nobody_listens() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::default();
+        cfg.workspace.state_dir = dir.path().join("state");
+        let sock = dir.path().join("control.sock");
+        cfg.control.socket = Some(sock.clone());
+        let l = UnixListener::bind(&sock).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut req = [0u8; 1024];
+            let n = s.read(&mut req).unwrap();
+            let req = String::from_utf8_lossy(&req[..n]).into_owned();
+            std::thread::sleep(Duration::from_secs(11));
+            s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n{\"ok\":true}\n")
+                .unwrap();
+            drop(s);
+            // A keel that hangs up without answering.
+            let (s, _) = l.accept().unwrap();
+            drop(s);
+            req
+        });
+        let a = checkpoint(&cfg, true).unwrap();
+        assert_eq!(a.text, "{\"ok\":true}");
+        assert!(a.ok);
+        let e = checkpoint(&cfg, false).unwrap_err();
+        assert!(matches!(e, AgentClientError::Request(_)), "{e}");
+        let req = server.join().unwrap();
+        assert!(req.starts_with("POST /checkpoint?full=1 "), "{req}");
+        // The listener is gone and its socket file left: the stopped state dir's way.
+        let e = checkpoint(&cfg, false).unwrap_err();
+        assert!(matches!(e, AgentClientError::Ops(_)), "{e}");
+    }
 
     #[test]
     fn query_values_are_percent_encoded() {

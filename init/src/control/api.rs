@@ -104,7 +104,19 @@ pub fn handle(req: &Request, status: &StatusHandle, access: &Access) -> Response
             r.content_type = metrics::CONTENT_TYPE;
             r
         }
-        "/checkpoint" if req.method == "POST" => checkpoint(status),
+        "/checkpoint" if req.method == "POST" => {
+            // A full snapshot is written where the state dir is visible (`keel checkpoint
+            // --full` there); here it would quietly be a delta.
+            if super::snapshots::param(&req.query, "full").is_some() {
+                let body = serde_json::json!({
+                    "ok": false,
+                    "error": "a full snapshot is not offered over the control API: \
+                              run `keel checkpoint --full` where the state dir is visible",
+                });
+                return Response::json(400, format!("{body:#}\n"));
+            }
+            checkpoint(status)
+        }
         p if super::snapshots::is_route(p) => super::snapshots::handle(req, status),
         "/status" | "/metrics" => method_not_allowed("GET, HEAD"),
         "/checkpoint" => method_not_allowed("POST"),
