@@ -36,7 +36,10 @@ while [ $# -gt 0 ]; do
         *) FSARGS+=("$1"); shift ;;
     esac
 done
-command -v podman >/dev/null || { echo "run-fs-bench: needs podman" >&2; exit 1; }
+repo=$REPO
+# shellcheck source=script/lib.sh
+. "$REPO/script/lib.sh"
+need_tools podman
 
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
