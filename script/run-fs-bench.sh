@@ -39,7 +39,7 @@ done
 repo=$REPO
 # shellcheck source=script/lib.sh
 . "$REPO/script/lib.sh"
-need_tools podman
+need_tools podman || exit 1
 
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT

@@ -299,6 +299,8 @@ fn checkpoint_runs_the_callback_and_answers_when_done() {
         .unwrap()
         .contains("keel checkpoint --full"));
     assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(post(addr, "/checkpoint?full=0", Some(TOKEN)).code, 200);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
 
     s.set_checkpoint(Box::new(|| Err("remote unreachable".into())));
     let r = post(addr, "/checkpoint", Some(TOKEN));

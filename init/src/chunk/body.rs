@@ -656,12 +656,23 @@ mod tests {
         let pool = std::sync::Arc::new(pool);
         let filling = pool.clone();
         let filler = std::thread::spawn(move || filling.run_filler());
-        let t0 = std::time::Instant::now();
-        // The bound is for a filler that never runs, not a speed.
-        while pool.len() < POOL_FILL && t0.elapsed() < std::time::Duration::from_secs(120) {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        assert_eq!(pool.len(), POOL_FILL);
+        // Full and the filler idle (it clears its ask only after `fill` returned): a take
+        // while it still looks would make it add one more. The bound is for a filler that
+        // never runs, not a speed.
+        let filled = |pool: &BodyPool| {
+            let t0 = std::time::Instant::now();
+            loop {
+                let st = pool.lock();
+                if (st.free.len() == POOL_FILL && !st.fill_asked)
+                    || t0.elapsed() > std::time::Duration::from_secs(120)
+                {
+                    return st.free.len();
+                }
+                drop(st);
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        };
+        assert_eq!(filled(&pool), POOL_FILL);
         // Above the low mark a take asks for nothing; the filler stays asleep.
         for id in 2..(2 + (POOL_FILL - POOL_LOW) as u64) {
             assert!(matches!(pool.take(id).unwrap(), Fresh::Slot(..)));
@@ -671,11 +682,7 @@ mod tests {
         assert_eq!(pool.len(), POOL_LOW);
         // One more take leaves it low: the filler tops it up again.
         assert!(matches!(pool.take(1000).unwrap(), Fresh::Slot(..)));
-        let t0 = std::time::Instant::now();
-        while pool.len() < POOL_FILL && t0.elapsed() < std::time::Duration::from_secs(120) {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        assert_eq!(pool.len(), POOL_FILL);
+        assert_eq!(filled(&pool), POOL_FILL);
         pool.stop_filler();
         filler.join().unwrap();
     }

@@ -107,7 +107,8 @@ pub fn handle(req: &Request, status: &StatusHandle, access: &Access) -> Response
         "/checkpoint" if req.method == "POST" => {
             // A full snapshot is written where the state dir is visible (`keel checkpoint
             // --full` there); here it would quietly be a delta.
-            if super::snapshots::param(&req.query, "full").is_some() {
+            let full = super::snapshots::param(&req.query, "full");
+            if full.is_some_and(|v| v != "0" && v != "false") {
                 let body = serde_json::json!({
                     "ok": false,
                     "error": "a full snapshot is not offered over the control API: \
