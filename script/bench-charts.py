@@ -179,7 +179,8 @@ def provenance(res, name, head):
         date = open(p, encoding="utf-8").read().strip()
     elif head and len(head[0].split()) > 1 and head[0].split()[1][:4].isdigit():
         date = head[0].split()[1][:10]
-    tsv = os.path.join(res, name + ".tsv")
+    # Absolute: git runs in `res`, and a relative path would be taken from there.
+    tsv = os.path.abspath(os.path.join(res, name + ".tsv"))
 
     def git(*a):
         r = subprocess.run(["git", "-C", res, *a], capture_output=True, text=True)
