@@ -430,13 +430,49 @@ fn lookup(t: &Tree, path: &str) -> Option<u64> {
     Some(ino)
 }
 
-/// The bytes of the regular file at `path` in snapshot `seq`; `None` when it has no such
-/// path (a file added or removed between the two).
-fn file_bytes(repo: &Repo, t: &Tree, seq: u64, path: &str) -> Result<Option<Vec<u8>>, DiffError> {
-    let Some(ino) = lookup(t, path) else {
+/// The part of snapshot `seq`'s tree that `path` needs, and the inode at `path` if there is
+/// one: two replays of the chain's objects (held compressed, as `Repo::load_tree` holds
+/// them), the first keeping only the entries named like the path's components (enough to
+/// walk it: every entry on the walk has one of those names), the second only that inode. A
+/// million-file workspace costs its snapshot objects and a few records, not a whole tree.
+fn path_tree(repo: &Repo, seq: u64, path: &str) -> Result<(Tree, Option<u64>), DiffError> {
+    let load = |source| DiffError::Load {
+        seq,
+        source: Box::new(source),
+    };
+    let chain = repo.chain_objects(seq).map_err(load)?;
+    let names: std::collections::HashSet<&[u8]> = path
+        .split('/')
+        .filter(|p| !p.is_empty() && *p != ".")
+        .map(str::as_bytes)
+        .collect();
+    let replay = |keep_inode: &dyn Fn(u64) -> bool, keep_name: &dyn Fn(&[u8]) -> bool| {
+        let mut t = Tree::default();
+        for (key, b) in &chain {
+            t.apply_object_where(key, b, keep_inode, keep_name)
+                .map_err(|e| load(RepoError::from(e)))?;
+        }
+        Ok::<_, DiffError>(t)
+    };
+    let walk = replay(&|_| false, &|n| names.contains(n))?;
+    let Some(ino) = lookup(&walk, path) else {
+        return Ok((walk, None));
+    };
+    Ok((replay(&|i| i == ino, &|_| false)?, Some(ino)))
+}
+
+/// The bytes of the regular file `ino` (at `path`) in `t`, the tree of snapshot `seq`;
+/// `None` without an inode (a file added or removed between the two).
+fn file_bytes(
+    repo: &Repo,
+    t: &Tree,
+    seq: u64,
+    path: &str,
+    ino: Option<u64>,
+) -> Result<Option<Vec<u8>>, DiffError> {
+    let Some(node) = ino.and_then(|i| t.inodes.get(&i)) else {
         return Ok(None);
     };
-    let node = &t.inodes[&ino];
     if node.rec.mode & libc::S_IFMT != libc::S_IFREG {
         return Err(DiffError::NotFile {
             path: path.into(),
@@ -474,17 +510,14 @@ fn file_bytes(repo: &Repo, t: &Tree, seq: u64, path: &str) -> Result<Option<Vec<
 
 /// A unified diff of the text file `path` between snapshots `from` and `to`.
 pub fn file_diff(repo: &Repo, from: u64, to: u64, path: &str) -> Result<String, DiffError> {
-    let load = |seq| {
-        repo.load_tree(seq)
-            .map(|(t, _)| t)
-            .map_err(|source| DiffError::Load {
-                seq,
-                source: Box::new(source),
-            })
+    let a = {
+        let (t, ino) = path_tree(repo, from, path)?;
+        file_bytes(repo, &t, from, path, ino)?
     };
-    let (ta, tb) = (load(from)?, load(to)?);
-    let a = file_bytes(repo, &ta, from, path)?;
-    let b = file_bytes(repo, &tb, to, path)?;
+    let b = {
+        let (t, ino) = path_tree(repo, to, path)?;
+        file_bytes(repo, &t, to, path, ino)?
+    };
     if a.is_none() && b.is_none() {
         return Err(DiffError::NoPath {
             path: path.into(),
@@ -610,6 +643,154 @@ pub fn unified(la: &str, lb: &str, a: &[u8], b: &[u8], ctx: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::persist::format::{encode, Body, DataRec, DirentRec, Header, InodeRec, FORMAT};
+    use crate::persist::remote::MemRemote;
+    use std::sync::Arc;
+
+    fn rec(ino: u64, mode: u32, data: DataRec) -> InodeRec {
+        let size = match &data {
+            DataRec::Inline(v) => v.len() as u64,
+            _ => 0,
+        };
+        InodeRec {
+            ino,
+            mode,
+            uid: 0,
+            gid: 0,
+            nlink: 1,
+            size,
+            atime: 0,
+            mtime: 0,
+            ctime: 0,
+            rdev: 0,
+            parent: 1,
+            xattrs: Vec::new(),
+            data,
+        }
+    }
+
+    fn file(ino: u64, text: &str) -> InodeRec {
+        rec(
+            ino,
+            libc::S_IFREG | 0o644,
+            DataRec::Inline(text.as_bytes().to_vec()),
+        )
+    }
+
+    fn dir(ino: u64) -> InodeRec {
+        rec(ino, libc::S_IFDIR | 0o755, DataRec::None)
+    }
+
+    fn ent(parent: u64, name: &str, ino: u64, kind: u32) -> DirentRec {
+        DirentRec {
+            parent,
+            name: name.as_bytes().to_vec(),
+            ino,
+            kind,
+        }
+    }
+
+    fn put(repo: &Repo, seq: u64, parent: Option<u64>, b: &Body) {
+        let h = Header {
+            format: FORMAT,
+            seq,
+            parent,
+            base: 1,
+            prev: Some(seq - 1).filter(|p| *p > 0),
+            created_ns: 0,
+            chunk_size: 4,
+            inodes: 0,
+            file_bytes: 0,
+            image: None,
+        };
+        repo.put_snapshot(seq, encode(&h, b).unwrap()).unwrap();
+    }
+
+    /// `keel diff -- PATH` reads only the entries named like the path's components and the
+    /// one inode, and answers as the whole trees would: names that also occur elsewhere
+    /// (`f` at the root, `e/d/f`), a file changed, added, removed, and no such path.
+    #[test]
+    fn a_file_diff_from_the_path_alone_is_the_file_diff_of_the_whole_trees() {
+        let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+        let (reg, dk) = (libc::S_IFREG, libc::S_IFDIR);
+        put(
+            &repo,
+            1,
+            None,
+            &Body {
+                inodes: vec![
+                    dir(1),
+                    dir(2),
+                    file(3, "one\ntwo\n"),
+                    file(4, "gee\n"),
+                    file(5, "root f\n"),
+                    dir(6),
+                    dir(7),
+                    file(8, "e/d/f\n"),
+                ],
+                dirents: vec![
+                    ent(1, "d", 2, dk),
+                    ent(2, "f", 3, reg),
+                    ent(1, "g", 4, reg),
+                    ent(1, "f", 5, reg),
+                    ent(1, "e", 6, dk),
+                    ent(6, "d", 7, dk),
+                    ent(7, "f", 8, reg),
+                ],
+                ..Default::default()
+            },
+        );
+        put(
+            &repo,
+            2,
+            Some(1),
+            &Body {
+                inodes: vec![file(3, "one\nTWO\n"), file(9, "new\n")],
+                deleted: vec![5],
+                unlinked: vec![(1, b"f".to_vec())],
+                dirents: vec![ent(2, "h", 9, reg)],
+            },
+        );
+        // What file_diff answered before: both whole trees loaded.
+        let whole = |path: &str| {
+            let side = |seq| {
+                let t = repo.load_tree(seq).unwrap().0;
+                let ino = lookup(&t, path);
+                file_bytes(&repo, &t, seq, path, ino).unwrap()
+            };
+            (side(1), side(2))
+        };
+        for path in [
+            "d/f", "/d/./f", "f", "d/h", "e/d/f", "g", "d", "nope", "d/f/x",
+        ] {
+            let got = |seq| {
+                path_tree(&repo, seq, path)
+                    .and_then(|(t, ino)| file_bytes(&repo, &t, seq, path, ino))
+                    .map_err(|e| e.to_string())
+            };
+            let (a, b) = (got(1), got(2));
+            if path == "d" {
+                assert!(a.unwrap_err().contains("not a regular file"), "{path}");
+                continue;
+            }
+            assert_eq!((a.unwrap(), b.unwrap()), whole(path), "{path}");
+        }
+        assert_eq!(
+            file_diff(&repo, 1, 2, "d/f").unwrap(),
+            "--- a/d/f@1\n+++ b/d/f@2\n@@ -1,2 +1,2 @@\n one\n-two\n+TWO\n"
+        );
+        assert!(file_diff(&repo, 1, 2, "f")
+            .unwrap()
+            .contains("+++ /dev/null"));
+        assert!(file_diff(&repo, 1, 2, "d/h")
+            .unwrap()
+            .contains("--- /dev/null"));
+        assert_eq!(file_diff(&repo, 1, 2, "e/d/f").unwrap(), "");
+        assert!(matches!(
+            file_diff(&repo, 1, 2, "nope"),
+            Err(DiffError::NoPath { .. })
+        ));
+    }
 
     #[test]
     fn unified_diff_has_hunks_with_context() {

@@ -736,6 +736,20 @@ impl Tree {
     /// checkpoint removed), once for the records. A full snapshot is read once: it starts
     /// from an empty tree, where removing anything before the inserts changes nothing.
     pub fn apply_object(&mut self, key: &str, data: &[u8]) -> Result<Header, FormatError> {
+        self.apply_object_where(key, data, |_| true, |_| true)
+    }
+
+    /// [`Tree::apply_object`] keeping only the inodes `keep_inode` and the entries whose
+    /// name `keep_name` accepts: the part of a tree one question needs (`keel diff --
+    /// PATH`: the entries named like the path's components, then the one inode), in memory
+    /// of that part's size, whatever the workspace's.
+    pub fn apply_object_where(
+        &mut self,
+        key: &str,
+        data: &[u8],
+        keep_inode: impl Fn(u64) -> bool,
+        keep_name: impl Fn(&[u8]) -> bool,
+    ) -> Result<Header, FormatError> {
         let (h, mut r) = reader(key, data)?;
         self.start(&h)?;
         let mut unlinked = Vec::new();
@@ -745,17 +759,23 @@ impl Tree {
                 self.inodes.remove(&ino);
             }
             while let Some(k) = first.next_unlinked()? {
-                unlinked.push(k);
+                if keep_name(&k.1) {
+                    unlinked.push(k);
+                }
             }
         }
         while let Some(rec) = r.next_inode()? {
-            self.insert(rec, h.chunk_size);
+            if keep_inode(rec.ino) {
+                self.insert(rec, h.chunk_size);
+            }
         }
         for k in unlinked {
             self.dirents.remove(&k);
         }
         while let Some(d) = r.next_dirent()? {
-            self.dirents.insert((d.parent, d.name), (d.ino, d.kind));
+            if keep_name(&d.name) {
+                self.dirents.insert((d.parent, d.name), (d.ino, d.kind));
+            }
         }
         Ok(h)
     }

@@ -253,6 +253,18 @@ impl Repo {
     /// time (`Tree::apply_object`), so the memory is the tree's and the objects', never a
     /// decoded body's.
     pub fn load_tree(&self, seq: u64) -> Result<(Tree, Vec<Header>), RepoError> {
+        let chain = self.chain_objects(seq)?;
+        let mut tree = Tree::default();
+        let mut headers = Vec::new();
+        for (key, b) in &chain {
+            headers.push(tree.apply_object(key, b)?);
+        }
+        Ok((tree, headers))
+    }
+
+    /// The snapshot objects that make the tree of `seq`, as fetched (compressed), in the
+    /// order they replay: the full snapshot first, `seq` last.
+    pub fn chain_objects(&self, seq: u64) -> Result<Vec<(String, Bytes)>, RepoError> {
         let mut chain = Vec::new();
         let mut at = Some(seq);
         while let Some(s) = at {
@@ -260,12 +272,8 @@ impl Repo {
             at = format::decode_header(&key, &b)?.0.parent;
             chain.push((key, b));
         }
-        let mut tree = Tree::default();
-        let mut headers = Vec::new();
-        while let Some((key, b)) = chain.pop() {
-            headers.push(tree.apply_object(&key, &b)?);
-        }
-        Ok((tree, headers))
+        chain.reverse();
+        Ok(chain)
     }
 
     /// Fetches chunks and checks each against its id. Results in input order.
