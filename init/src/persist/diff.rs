@@ -29,6 +29,10 @@ pub enum DiffError {
     NoPath { path: String, seq: u64 },
     #[error("{path}: not a regular file in snapshot {seq}")]
     NotFile { path: String, seq: u64 },
+    #[error(
+        "{path}: its entry names inode {ino}, which snapshot {seq} does not hold (run `keel fsck`)"
+    )]
+    Dangling { path: String, ino: u64, seq: u64 },
     #[error("fetch chunk {id} of {path}: {source}")]
     Fetch {
         id: ChunkId,
@@ -470,8 +474,15 @@ fn file_bytes(
     path: &str,
     ino: Option<u64>,
 ) -> Result<Option<Vec<u8>>, DiffError> {
-    let Some(node) = ino.and_then(|i| t.inodes.get(&i)) else {
+    let Some(ino) = ino else {
         return Ok(None);
+    };
+    let Some(node) = t.inodes.get(&ino) else {
+        return Err(DiffError::Dangling {
+            path: path.into(),
+            ino,
+            seq,
+        });
     };
     if node.rec.mode & libc::S_IFMT != libc::S_IFREG {
         return Err(DiffError::NotFile {
@@ -510,14 +521,11 @@ fn file_bytes(
 
 /// A unified diff of the text file `path` between snapshots `from` and `to`.
 pub fn file_diff(repo: &Repo, from: u64, to: u64, path: &str) -> Result<String, DiffError> {
-    let a = {
-        let (t, ino) = path_tree(repo, from, path)?;
-        file_bytes(repo, &t, from, path, ino)?
-    };
-    let b = {
-        let (t, ino) = path_tree(repo, to, path)?;
-        file_bytes(repo, &t, to, path, ino)?
-    };
+    // Both snapshots found before any chunk is fetched (a missing one is the first error).
+    let (ta, ia) = path_tree(repo, from, path)?;
+    let (tb, ib) = path_tree(repo, to, path)?;
+    let a = file_bytes(repo, &ta, from, path, ia)?;
+    let b = file_bytes(repo, &tb, to, path, ib)?;
     if a.is_none() && b.is_none() {
         return Err(DiffError::NoPath {
             path: path.into(),
@@ -789,6 +797,98 @@ mod tests {
         assert!(matches!(
             file_diff(&repo, 1, 2, "nope"),
             Err(DiffError::NoPath { .. })
+        ));
+    }
+
+    /// The filtered replays hold exactly the whole tree's records for what they keep: a
+    /// chunk map patched across deltas, a rename, a directory replaced by a file, an inode
+    /// number deleted and reused, and an entry whose inode is gone.
+    #[test]
+    fn the_path_tree_holds_the_whole_trees_records_for_the_path() {
+        let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+        let (reg, dk) = (libc::S_IFREG, libc::S_IFDIR);
+        let chunks = |complete, patch: Vec<(u64, u8)>| {
+            let mut r = rec(
+                10,
+                reg | 0o644,
+                DataRec::Chunks {
+                    complete,
+                    patch: patch.into_iter().map(|(w, b)| (w, Some([b; 32]))).collect(),
+                },
+            );
+            r.size = 8;
+            r
+        };
+        put(
+            &repo,
+            1,
+            None,
+            &Body {
+                inodes: vec![
+                    dir(1),
+                    dir(2),
+                    file(3, "f\n"),
+                    dir(6),
+                    dir(7),
+                    file(9, "nine\n"),
+                    chunks(true, vec![(0, 1), (1, 2)]),
+                ],
+                dirents: vec![
+                    ent(1, "d", 2, dk),
+                    ent(2, "f", 3, reg),
+                    ent(1, "e", 6, dk),
+                    ent(6, "d", 7, dk),
+                    ent(7, "h", 9, reg),
+                    ent(2, "c", 10, reg),
+                ],
+                ..Default::default()
+            },
+        );
+        put(
+            &repo,
+            2,
+            Some(1),
+            &Body {
+                inodes: vec![chunks(false, vec![(1, 3)])],
+                ..Default::default()
+            },
+        );
+        put(
+            &repo,
+            3,
+            Some(2),
+            &Body {
+                // 9 removed and its number reused for e/h; d/f renamed to e/g; the
+                // directory e/d replaced by a file; d/x names an inode that is not there.
+                inodes: vec![file(9, "new nine\n"), file(11, "a file now\n")],
+                deleted: vec![9, 7],
+                unlinked: vec![(2, b"f".to_vec()), (6, b"d".to_vec()), (7, b"h".to_vec())],
+                dirents: vec![
+                    ent(6, "h", 9, reg),
+                    ent(6, "g", 3, reg),
+                    ent(6, "d", 11, reg),
+                    ent(2, "x", 12, reg),
+                ],
+            },
+        );
+        for seq in 1..=3 {
+            let whole = repo.load_tree(seq).unwrap().0;
+            for path in ["d/c", "d/f", "e/g", "e/h", "e/d", "e/d/h", "d/x"] {
+                let (t, ino) = path_tree(&repo, seq, path).unwrap();
+                assert_eq!(ino, lookup(&whole, path), "{path}@{seq}");
+                if let Some(i) = ino {
+                    assert_eq!(t.inodes.get(&i), whole.inodes.get(&i), "{path}@{seq}");
+                    assert_eq!(t.inodes.len(), usize::from(whole.inodes.contains_key(&i)));
+                }
+            }
+        }
+        assert!(matches!(
+            file_diff(&repo, 2, 3, "d/x"),
+            Err(DiffError::Dangling {
+                ino: 12,
+                seq: 3,
+                ..
+            })
         ));
     }
 
