@@ -651,30 +651,12 @@ pub fn unified(la: &str, lb: &str, a: &[u8], b: &[u8], ctx: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::persist::format::{encode, Body, DataRec, DirentRec, Header, InodeRec, FORMAT};
+    use crate::persist::format::{encode, Body, DataRec, DirentRec, Header, InodeRec};
     use crate::persist::remote::MemRemote;
     use std::sync::Arc;
 
     fn rec(ino: u64, mode: u32, data: DataRec) -> InodeRec {
-        let size = match &data {
-            DataRec::Inline(v) => v.len() as u64,
-            _ => 0,
-        };
-        InodeRec {
-            ino,
-            mode,
-            uid: 0,
-            gid: 0,
-            nlink: 1,
-            size,
-            atime: 0,
-            mtime: 0,
-            ctime: 0,
-            rdev: 0,
-            parent: 1,
-            xattrs: Vec::new(),
-            data,
-        }
+        InodeRec::test(ino, mode, data)
     }
 
     fn file(ino: u64, text: &str) -> InodeRec {
@@ -699,18 +681,7 @@ mod tests {
     }
 
     fn put(repo: &Repo, seq: u64, parent: Option<u64>, b: &Body) {
-        let h = Header {
-            format: FORMAT,
-            seq,
-            parent,
-            base: 1,
-            prev: Some(seq - 1).filter(|p| *p > 0),
-            created_ns: 0,
-            chunk_size: 4,
-            inodes: 0,
-            file_bytes: 0,
-            image: None,
-        };
+        let h = Header::test(seq, parent);
         repo.put_snapshot(seq, encode(&h, b).unwrap()).unwrap();
     }
 

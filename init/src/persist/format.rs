@@ -83,6 +83,51 @@ impl Header {
     pub fn is_full(&self) -> bool {
         self.parent.is_none()
     }
+
+    /// A header for tests: snapshot `seq` on `parent` (none: a full snapshot), one line
+    /// of snapshots from 1, chunks of 4 bytes.
+    #[cfg(test)]
+    pub fn test(seq: u64, parent: Option<u64>) -> Header {
+        Header {
+            format: FORMAT,
+            seq,
+            parent,
+            base: 1,
+            prev: Some(seq - 1).filter(|p| *p > 0),
+            created_ns: 0,
+            chunk_size: 4,
+            inodes: 0,
+            file_bytes: 0,
+            image: None,
+        }
+    }
+}
+
+#[cfg(test)]
+impl InodeRec {
+    /// A record for tests: root's, one link, every time 0, under the root, its size the
+    /// inline bytes' (0 otherwise).
+    pub fn test(ino: u64, mode: u32, data: DataRec) -> InodeRec {
+        let size = match &data {
+            DataRec::Inline(v) => v.len() as u64,
+            _ => 0,
+        };
+        InodeRec {
+            ino,
+            mode,
+            uid: 0,
+            gid: 0,
+            nlink: 1,
+            size,
+            atime: 0,
+            mtime: 0,
+            ctime: 0,
+            rdev: 0,
+            parent: 1,
+            xattrs: Vec::new(),
+            data,
+        }
+    }
 }
 
 /// A file's bytes as the snapshot stores them.

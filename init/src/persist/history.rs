@@ -438,9 +438,7 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    use crate::persist::format::{
-        encode, Body, DataRec, DirentRec, Header, InodeRec, TreeData, FORMAT,
-    };
+    use crate::persist::format::{encode, Body, DataRec, DirentRec, Header, InodeRec, TreeData};
     use crate::persist::remote::MemRemote;
 
     fn tree(n: u64) -> Tree {
@@ -450,21 +448,7 @@ mod tests {
             ..Default::default()
         };
         for ino in 1..=n {
-            let rec = InodeRec {
-                ino,
-                mode: libc::S_IFREG | 0o644,
-                uid: 0,
-                gid: 0,
-                nlink: 1,
-                size: 0,
-                atime: 0,
-                mtime: 0,
-                ctime: 0,
-                rdev: 0,
-                parent: 1,
-                xattrs: Vec::new(),
-                data: DataRec::None,
-            };
+            let rec = InodeRec::test(ino, libc::S_IFREG | 0o644, DataRec::None);
             t.inodes.insert(
                 ino,
                 TreeInode {
@@ -488,18 +472,7 @@ mod tests {
     }
 
     fn header(seq: u64, parent: Option<u64>) -> Header {
-        Header {
-            format: FORMAT,
-            seq,
-            parent,
-            base: 1,
-            prev: Some(seq - 1).filter(|p| *p > 0),
-            created_ns: 0,
-            chunk_size: 4,
-            inodes: 0,
-            file_bytes: 0,
-            image: None,
-        }
+        Header::test(seq, parent)
     }
 
     fn put(repo: &Repo, h: &Header, b: &Body) {
