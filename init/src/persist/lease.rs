@@ -761,17 +761,29 @@ mod tests {
 
     #[test]
     fn renewal_failing_until_expiry_loses_it() {
+        // The renewal thread marks the lease lost on its own once renewals fail past its
+        // expiry (the bound only catches a thread that never does: no speed asserted).
         let r = Arc::new(MemRemote::new());
         let mut a = take(&r, 1200, Takeover::Refuse).unwrap();
         a.start_renewal().unwrap();
         r.fail_after(Some(0));
         let t0 = Instant::now();
         while a.info().state == LeaseState::Held {
-            assert!(t0.elapsed() < Duration::from_secs(5), "never lost");
+            assert!(t0.elapsed() < Duration::from_secs(60), "never lost");
             std::thread::sleep(Duration::from_millis(20));
         }
-        assert!(t0.elapsed() <= Duration::from_millis(1300));
         assert!(a.handle().check().is_err());
+        r.fail_after(None);
+
+        // Whatever the threads' scheduling, `check` refuses once the last good renewal's
+        // send + ttl has passed (it was sent before `t0`), not when the thread gets to it:
+        // an earlier version asserted the thread's promptness and failed on loaded cores.
+        let r = Arc::new(MemRemote::new());
+        let mut b = take(&r, 1200, Takeover::Refuse).unwrap();
+        b.start_renewal().unwrap();
+        r.fail_after(Some(0));
+        std::thread::sleep(Duration::from_millis(1200));
+        assert!(b.handle().check().is_err());
         r.fail_after(None);
     }
 
