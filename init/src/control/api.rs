@@ -109,12 +109,11 @@ pub fn handle(req: &Request, status: &StatusHandle, access: &Access) -> Response
             // --full` there); here it would quietly be a delta.
             let full = super::snapshots::param(&req.query, "full");
             if full.is_some_and(|v| v != "0" && v != "false") {
-                let body = serde_json::json!({
-                    "ok": false,
-                    "error": "a full snapshot is not offered over the control API: \
-                              run `keel checkpoint --full` where the state dir is visible",
-                });
-                return Response::json(400, format!("{body:#}\n"));
+                return super::snapshots::error(
+                    400,
+                    "a full snapshot is not offered over the control API: \
+                     run `keel checkpoint --full` where the state dir is visible",
+                );
             }
             checkpoint(status)
         }
@@ -144,7 +143,5 @@ fn checkpoint(status: &StatusHandle) -> Response {
         }
         CheckpointOutcome::Failed(why) => (500, serde_json::json!({ "ok": false, "error": why })),
     };
-    let mut text = serde_json::to_string_pretty(&body).unwrap_or_default();
-    text.push('\n');
-    Response::json(code, text)
+    super::snapshots::json(code, &body)
 }

@@ -72,13 +72,13 @@ pub fn is_route(path: &str) -> bool {
         || path == "/rollback"
 }
 
-fn json(code: u16, v: &serde_json::Value) -> Response {
+pub(super) fn json(code: u16, v: &serde_json::Value) -> Response {
     let mut text = serde_json::to_string_pretty(v).unwrap_or_default();
     text.push('\n');
     Response::json(code, text)
 }
 
-fn error(code: u16, why: &str) -> Response {
+pub(super) fn error(code: u16, why: &str) -> Response {
     json(code, &serde_json::json!({ "ok": false, "error": why }))
 }
 

@@ -425,10 +425,16 @@ pub fn render(d: &Diff) -> String {
     s
 }
 
-/// The inode at `path` (`/`-separated, relative to the workspace root) in `t`.
+/// The names `path` walks (`/`-separated, relative to the workspace root; empty and `.`
+/// parts skipped).
+fn components(path: &str) -> impl Iterator<Item = &str> {
+    path.split('/').filter(|p| !p.is_empty() && *p != ".")
+}
+
+/// The inode at `path` in `t`.
 fn lookup(t: &Tree, path: &str) -> Option<u64> {
     let mut ino = crate::meta::InodeNo::ROOT.0;
-    for part in path.split('/').filter(|p| !p.is_empty() && *p != ".") {
+    for part in components(path) {
         ino = t.dirents.get(&(ino, part.as_bytes().to_vec()))?.0;
     }
     Some(ino)
@@ -445,11 +451,7 @@ fn path_tree(repo: &Repo, seq: u64, path: &str) -> Result<(Tree, Option<u64>), D
         source: Box::new(source),
     };
     let chain = repo.chain_objects(seq).map_err(load)?;
-    let names: std::collections::HashSet<&[u8]> = path
-        .split('/')
-        .filter(|p| !p.is_empty() && *p != ".")
-        .map(str::as_bytes)
-        .collect();
+    let names: std::collections::HashSet<&[u8]> = components(path).map(str::as_bytes).collect();
     let replay = |keep_inode: &dyn Fn(u64) -> bool, keep_name: &dyn Fn(&[u8]) -> bool| {
         let mut t = Tree::default();
         for (key, b) in &chain {
@@ -655,12 +657,8 @@ mod tests {
     use crate::persist::remote::MemRemote;
     use std::sync::Arc;
 
-    fn rec(ino: u64, mode: u32, data: DataRec) -> InodeRec {
-        InodeRec::test(ino, mode, data)
-    }
-
     fn file(ino: u64, text: &str) -> InodeRec {
-        rec(
+        InodeRec::test(
             ino,
             libc::S_IFREG | 0o644,
             DataRec::Inline(text.as_bytes().to_vec()),
@@ -668,7 +666,7 @@ mod tests {
     }
 
     fn dir(ino: u64) -> InodeRec {
-        rec(ino, libc::S_IFDIR | 0o755, DataRec::None)
+        InodeRec::test(ino, libc::S_IFDIR | 0o755, DataRec::None)
     }
 
     fn ent(parent: u64, name: &str, ino: u64, kind: u32) -> DirentRec {
@@ -779,7 +777,7 @@ mod tests {
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
         let (reg, dk) = (libc::S_IFREG, libc::S_IFDIR);
         let chunks = |complete, patch: Vec<(u64, u8)>| {
-            let mut r = rec(
+            let mut r = InodeRec::test(
                 10,
                 reg | 0o644,
                 DataRec::Chunks {
