@@ -68,6 +68,20 @@ fn keel(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// The number N of the newest `before-rollback-N` snapshot name.
+fn sparse_last_undo(state: &str) -> u64 {
+    let l: serde_json::Value =
+        serde_json::from_str(&keel(&["snapshot", "list", "--state", state, "--json"])).unwrap();
+    l["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["names"].as_array().unwrap().iter())
+        .filter_map(|n| n.as_str()?.strip_prefix("before-rollback-")?.parse().ok())
+        .max()
+        .expect("a rollback recorded its undo name")
+}
+
 /// xorshift64*: reproducible without a dependency.
 struct Rng(u64);
 impl Rng {
@@ -201,6 +215,63 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
             }
         }
     }
+    // A keel mounted again holds no history: a rollback to a snapshot on the head's chain
+    // reads from the snapshots only what those between touched (`diff::sparse`), and must
+    // land on the model all the same. Each case rolls back to a model snapshot, then undoes
+    // that through its `before-rollback-N` name (on the chain unless a compaction came),
+    // each time on a fresh mount (a rollback off the chain loads the history).
+    let on_chain = |from: &serde_json::Value, to: &serde_json::Value| {
+        let l: serde_json::Value =
+            serde_json::from_str(&keel(&["snapshot", "list", "--state", &state, "--json"]))
+                .unwrap();
+        let parent: BTreeMap<u64, Option<u64>> = l["snapshots"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| (s["id"].as_u64().unwrap(), s["parent"].as_u64()))
+            .collect();
+        let mut at = from.as_u64();
+        while let Some(id) = at {
+            if Some(id) == to.as_u64() {
+                return true;
+            }
+            at = parent.get(&id).copied().flatten();
+        }
+        false
+    };
+    let mut sparse = 0;
+    for case in 0..6 {
+        for _ in 0..rng.below(6) {
+            random_op(&mut rng, &k.mnt);
+            ops += 1;
+        }
+        let before = read_tree(&k.mnt);
+        let (to, want) = model[rng.below(model.len() as u64) as usize].clone();
+        for (to, want) in [(to, want), (String::new(), before)] {
+            k.remount();
+            let to = if to.is_empty() {
+                format!("before-rollback-{}", sparse_last_undo(&state))
+            } else {
+                to
+            };
+            let v: serde_json::Value =
+                serde_json::from_str(&keel(&["rollback", "--state", &state, &to, "--json"]))
+                    .unwrap();
+            rollbacks += 1;
+            if v["trees"] == "sparse" {
+                assert!(on_chain(&v["from"], &v["to"]), "sparse off the chain: {v}");
+                sparse += 1;
+            }
+            assert!(
+                read_tree(&k.mnt) == want,
+                "after rollback to {to} (seed {seed:#x}, remounted, case {case}): {v}"
+            );
+        }
+    }
+    assert!(
+        sparse > 0,
+        "no rollback after the remount read the sparse trees"
+    );
     // Undo the last rollback through its recorded name, when there was one.
     let names = keel(&["snapshot", "list", "--state", &state, "--json"]);
     let v: serde_json::Value = serde_json::from_str(&names).unwrap();
@@ -230,7 +301,7 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
         String::from_utf8_lossy(&out.stderr)
     );
     println!(
-        "rollback model: seed {seed:#x}, {rounds} cases (snapshots), {ops} operations, {rollbacks} rollbacks, {kept_open} files held open across one"
+        "rollback model: seed {seed:#x}, {rounds} cases (snapshots), {ops} operations, {rollbacks} rollbacks ({sparse} from sparse trees), {kept_open} files held open across one"
     );
 }
 

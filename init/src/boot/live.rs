@@ -5,6 +5,7 @@
 //! `workspace::Invalidate`). Part of the start sequence: it joins persist's trees to the
 //! workspace's filesystem, which know nothing of each other.
 
+use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,11 +14,14 @@ use bytes::Bytes;
 
 use crate::chunk::{ChunkId, ChunkSource, FetchError};
 use crate::meta::{InodeNo, Kind};
-use crate::persist::format::TreeData;
+use crate::persist::diff::Sparse;
+use crate::persist::format::{Tree, TreeData, TreeInode};
 use crate::persist::history::{Changed, View};
 use crate::persist::hydrate::RemoteChunks;
 use crate::persist::Repo;
-use crate::workspace::fs::{RollbackPlan, RollbackTarget, Target, TargetData, WorkspaceFs};
+use crate::workspace::fs::{
+    FsError, RollbackPlan, RollbackTarget, Target, TargetData, WorkspaceFs,
+};
 use crate::workspace::Invalidate;
 
 /// The inodes and entries that differ between `cur` and `target`, among those `changed`
@@ -53,27 +57,48 @@ pub fn plan(cur: &View, target: &View, changed: &Changed) -> RollbackPlan {
 
 struct TreeTarget<'a, 'b> {
     tree: &'a View<'b>,
+    /// A target read only in part (`diff::Sparse`): what it covers, and the rest of what
+    /// the rollback asks about, read by `prepare`.
+    sparse: Option<&'a Sparse>,
+    more: RefCell<Tree>,
     chunks: RemoteChunks,
+}
+
+impl TreeTarget<'_, '_> {
+    /// The target's record for `ino`, from the tree or from what `prepare` read.
+    fn with_inode<R>(&self, ino: u64, f: impl FnOnce(Option<&TreeInode>) -> R) -> R {
+        match self.sparse {
+            Some(s) if !s.covers_inode(ino) => f(self.more.borrow().inodes.get(&ino)),
+            _ => f(self.tree.inode(ino)),
+        }
+    }
 }
 
 impl RollbackTarget for TreeTarget<'_, '_> {
     fn inode(&self, ino: InodeNo) -> Option<Target> {
-        let t = self.tree.inode(ino.0)?;
-        let r = &t.rec;
-        Some(Target {
-            inode: t.inode()?,
-            xattrs: r.xattrs.clone(),
-            data: match &t.data {
-                TreeData::None => TargetData::None,
-                TreeData::Inline(v) => TargetData::Inline(v.clone()),
-                TreeData::Symlink(v) => TargetData::Symlink(v.clone()),
-                TreeData::Chunks(m) => TargetData::Chunks(m.clone()),
-            },
+        self.with_inode(ino.0, |t| {
+            let t = t?;
+            let r = &t.rec;
+            Some(Target {
+                inode: t.inode()?,
+                xattrs: r.xattrs.clone(),
+                data: match &t.data {
+                    TreeData::None => TargetData::None,
+                    TreeData::Inline(v) => TargetData::Inline(v.clone()),
+                    TreeData::Symlink(v) => TargetData::Symlink(v.clone()),
+                    TreeData::Chunks(m) => TargetData::Chunks(m.clone()),
+                },
+            })
         })
     }
 
     fn entry(&self, parent: InodeNo, name: &[u8]) -> Option<(InodeNo, Kind)> {
-        let (ino, kind) = self.tree.dirent(parent.0, name)?;
+        let (ino, kind) = match self.sparse {
+            Some(s) if !s.covers_entry(parent.0, name) => {
+                *self.more.borrow().dirents.get(&(parent.0, name.to_vec()))?
+            }
+            _ => self.tree.dirent(parent.0, name)?,
+        };
         Some((InodeNo(ino), Kind::from_mode(kind)?))
     }
 
@@ -81,11 +106,23 @@ impl RollbackTarget for TreeTarget<'_, '_> {
         if inos.is_empty() {
             return Vec::new();
         }
-        self.tree
-            .dirents_where(|(ino, _)| inos.contains(&InodeNo(*ino)))
+        let names = |(ino, _): &(u64, u32)| inos.contains(&InodeNo(*ino));
+        let mut out: BTreeSet<(u64, Vec<u8>)> = self
+            .tree
+            .dirents_where(names)
             .into_iter()
-            .map(|((p, n), _)| (InodeNo(p), n))
-            .collect()
+            .map(|(k, _)| k)
+            .collect();
+        if self.sparse.is_some() {
+            let more = self.more.borrow();
+            out.extend(
+                more.dirents
+                    .iter()
+                    .filter(|(_, v)| names(v))
+                    .map(|(k, _)| k.clone()),
+            );
+        }
+        out.into_iter().map(|(p, n)| (InodeNo(p), n)).collect()
     }
 
     fn chunk_size(&self) -> u64 {
@@ -94,6 +131,37 @@ impl RollbackTarget for TreeTarget<'_, '_> {
 
     fn fetch(&self, ids: &[ChunkId]) -> Vec<Result<Bytes, FetchError>> {
         self.chunks.fetch(ids)
+    }
+
+    /// A target read in part reads, in one more pass over its chain, the inodes and
+    /// entries it does not cover (changed after the checkpoint, so not among what the
+    /// snapshots between touched), and the entries naming those inodes.
+    fn prepare(
+        &self,
+        inodes: &BTreeSet<InodeNo>,
+        entries: &BTreeSet<(InodeNo, Vec<u8>)>,
+    ) -> Result<(), FsError> {
+        let Some(s) = self.sparse else {
+            return Ok(());
+        };
+        let inodes: BTreeSet<u64> = inodes
+            .iter()
+            .map(|i| i.0)
+            .filter(|i| !s.covers_inode(*i))
+            .collect();
+        let entries: BTreeSet<(u64, Vec<u8>)> = entries
+            .iter()
+            .filter(|(p, n)| !s.covers_entry(p.0, n))
+            .map(|(p, n)| (p.0, n.clone()))
+            .collect();
+        if inodes.is_empty() && entries.is_empty() {
+            return Ok(());
+        }
+        let t = s
+            .read_to(&inodes, &entries)
+            .map_err(|e| FsError::Io(std::io::Error::other(e)))?;
+        *self.more.borrow_mut() = t;
+        Ok(())
     }
 }
 
@@ -109,7 +177,11 @@ pub enum LiveRollbackError {
 /// What the checkpoint service calls to roll the mounted workspace back.
 pub fn rollback_fn(fs: Arc<WorkspaceFs>, inval: Invalidate) -> crate::persist::agent::RollbackFn {
     Box::new(
-        move |repo: &Repo, cur: &View, target: &View, changed: &Changed| {
+        move |repo: &Repo,
+              cur: &View,
+              target: &View,
+              changed: &Changed,
+              sparse: Option<&Sparse>| {
             if cur.chunk_size() != target.chunk_size() {
                 return Err(LiveRollbackError::WindowSize {
                     snapshot: target.chunk_size(),
@@ -120,6 +192,8 @@ pub fn rollback_fn(fs: Arc<WorkspaceFs>, inval: Invalidate) -> crate::persist::a
             let p = plan(cur, target, changed);
             let t = TreeTarget {
                 tree: target,
+                sparse,
+                more: RefCell::new(Tree::default()),
                 chunks: RemoteChunks::new(repo.clone()),
             };
             let r = fs.rollback(&p, &t).map_err(LiveRollbackError::Apply)?;
@@ -144,4 +218,117 @@ pub fn rollback_fn(fs: Arc<WorkspaceFs>, inval: Invalidate) -> crate::persist::a
             }))
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::persist::diff::sparse;
+    use crate::persist::format::{encode, Body, DataRec, DirentRec, Header, InodeRec};
+    use crate::persist::MemRemote;
+
+    fn file(ino: u64, text: &str) -> InodeRec {
+        InodeRec::test(
+            ino,
+            libc::S_IFREG | 0o644,
+            DataRec::Inline(text.as_bytes().to_vec()),
+        )
+    }
+
+    fn ent(parent: u64, name: &str, ino: u64) -> DirentRec {
+        let kind = if ino == 2 {
+            libc::S_IFDIR
+        } else {
+            libc::S_IFREG
+        };
+        DirentRec {
+            parent,
+            name: name.as_bytes().to_vec(),
+            ino,
+            kind,
+        }
+    }
+
+    /// A target read in part answers, once `prepare` has read what it does not cover
+    /// (inodes and entries changed after the checkpoint, say), exactly as the whole tree:
+    /// inodes, entries present and absent, every link of an inode.
+    #[test]
+    fn a_sparse_target_answers_as_the_whole_tree_once_prepared() {
+        let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+        let put = |seq, parent, b: &Body| {
+            let h = Header::test(seq, parent);
+            repo.put_snapshot(seq, encode(&h, b).unwrap()).unwrap();
+        };
+        let mut root = InodeRec::test(1, libc::S_IFDIR | 0o755, DataRec::None);
+        root.nlink = 3;
+        put(
+            1,
+            None,
+            &Body {
+                inodes: vec![
+                    root,
+                    InodeRec::test(2, libc::S_IFDIR | 0o755, DataRec::None),
+                    file(3, "three\n"),
+                    file(4, "four\n"),
+                    file(8, "linked twice\n"),
+                ],
+                dirents: vec![
+                    ent(1, "d", 2),
+                    ent(2, "three", 3),
+                    ent(1, "four", 4),
+                    ent(1, "u", 8),
+                    ent(2, "u2", 8),
+                ],
+                ..Default::default()
+            },
+        );
+        put(
+            2,
+            Some(1),
+            &Body {
+                inodes: vec![file(3, "changed\n"), file(5, "new\n")],
+                dirents: vec![ent(1, "five", 5)],
+                ..Default::default()
+            },
+        );
+        let s = sparse(&repo, 2, 1).unwrap().expect("1 is on 2's chain");
+        assert!(!s.covers_inode(8) && !s.covers_inode(4) && s.covers_inode(3));
+        let whole_tree = repo.load_tree(1).unwrap().0;
+        let whole_view = View::of(&whole_tree);
+        let part_view = View::of(&s.to);
+        let target = |tree, sparse| TreeTarget {
+            tree,
+            sparse,
+            more: RefCell::new(Tree::default()),
+            chunks: RemoteChunks::new(repo.clone()),
+        };
+        let whole = target(&whole_view, None);
+        let part = target(&part_view, Some(&s));
+        let inodes: BTreeSet<InodeNo> = [1, 3, 4, 5, 8, 9].into_iter().map(InodeNo).collect();
+        let entries: BTreeSet<(InodeNo, Vec<u8>)> = [
+            (1, "u"),
+            (2, "u2"),
+            (1, "four"),
+            (1, "five"),
+            (2, "three"),
+            (1, "nothing"),
+        ]
+        .into_iter()
+        .map(|(p, n)| (InodeNo(p), n.as_bytes().to_vec()))
+        .collect();
+        // Before `prepare`, an uncovered inode is not answered for (the whole tree has it).
+        assert!(part.inode(InodeNo(8)).is_none() && whole.inode(InodeNo(8)).is_some());
+        part.prepare(&inodes, &entries).unwrap();
+        for i in &inodes {
+            assert_eq!(part.inode(*i), whole.inode(*i), "inode {i:?}");
+        }
+        for (p, n) in &entries {
+            assert_eq!(part.entry(*p, n), whole.entry(*p, n), "entry {p:?} {n:?}");
+        }
+        for i in [8, 3, 5, 4] {
+            let one = BTreeSet::from([InodeNo(i)]);
+            assert_eq!(part.links(&one), whole.links(&one), "links of {i}");
+        }
+        assert_eq!(part.links(&BTreeSet::from([InodeNo(8)])).len(), 2);
+    }
 }

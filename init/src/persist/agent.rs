@@ -5,8 +5,9 @@
 //! (`service::CheckpointHandle::agent`).
 //!
 //! A rollback: flush and checkpoint (the state it leaves is a snapshot, named
-//! `before-rollback-N` so it can be rolled back to, whatever the retention), load that tree
-//! and the target's, hand both to the mounted filesystem (`RollbackFn`, set by the
+//! `before-rollback-N` so it can be rolled back to, whatever the retention), see that tree
+//! and the target's (from the history, or only the parts the snapshots between them
+//! touched, `diff::sparse`), hand both to the mounted filesystem (`RollbackFn`, set by the
 //! workspace session), then checkpoint again: the rolled-back tree is snapshot N.
 
 use std::time::Instant;
@@ -14,6 +15,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::checkpoint::{now_ns, CheckpointOptions};
+use super::diff::Sparse;
 use super::format::Tree;
 use super::history::{Changed, History, HistoryError, View};
 use super::repo::{Repo, RepoError};
@@ -35,6 +37,9 @@ pub enum AgentError {
         #[source]
         source: RepoError,
     },
+    /// The two sides of a diff read from the newer one's chain (`diff::sparse`).
+    #[error(transparent)]
+    Diff(super::diff::DiffError),
     #[error(transparent)]
     ResolveSnapshot(SnapshotsError),
     #[error(transparent)]
@@ -130,9 +135,17 @@ pub struct Diff {
 
 /// Makes the mounted workspace equal to `target` (the tree at the last checkpoint is
 /// `current`); returns what it did, as JSON.
-/// `changed` names every inode and entry that may differ between the two.
+/// `changed` names every inode and entry that may differ between the two. With a
+/// `Sparse`, the two views hold only what may differ (and the directories): what else the
+/// rollback needs of the target is read from it (`Sparse::read_to`).
 pub type RollbackFn = Box<
-    dyn Fn(&Repo, &View, &View, &Changed) -> Result<serde_json::Value, super::service::BoxError>
+    dyn Fn(
+            &Repo,
+            &View,
+            &View,
+            &Changed,
+            Option<&Sparse>,
+        ) -> Result<serde_json::Value, super::service::BoxError>
         + Send,
 >;
 
@@ -234,9 +247,15 @@ fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, AgentError> {
     let to = resolve(req.to.as_deref().unwrap_or("head"))?;
     let head = last_seq(w)?.ok_or(AgentError::NoSnapshot("the workspace has no snapshot yet"))?;
     if !keeps_history(w, head)? {
-        // A large workspace: the older tree advanced along the snapshots to the newer when
-        // they are on one line (one tree and the changes), else the two trees decoded (no
-        // history tree beside them).
+        // A large workspace: the parts of the two trees the deltas between them touch when
+        // the older is on the newer's chain, else the older tree advanced along the
+        // snapshots to the newer when they are on one line (one tree and the changes), else
+        // the two trees decoded (no history tree beside them).
+        if let Some(d) = super::diff::diff_sparse(&repo, from, to).map_err(AgentError::Diff)? {
+            crate::sys::mem::release_free_heap();
+            let t_hist = ms(t0);
+            return Ok(diff_json(&d, "sparse", t0, t_hist));
+        }
         if from != to {
             if let Some(d) = super::diff::diff_along(&repo, from, to) {
                 // The tree is gone: give its pages back (RSS stayed at the peak before).
@@ -277,8 +296,9 @@ fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, AgentError> {
 }
 
 /// The answer to a diff: its text, the changes, and how keel got them (`how`: from the
-/// history, along the snapshots between them, or from decoded trees, for programs that
-/// measure; the changes are the same).
+/// history, the parts of the trees the snapshots between touched, along the snapshots
+/// between them, or from decoded trees, for programs that measure; the changes are the
+/// same).
 fn diff_json(d: &super::diff::Diff, how: &str, t0: Instant, t_hist: f64) -> serde_json::Value {
     let text = super::diff::render(d);
     let mut v = serde_json::to_value(d).expect("diff serialises");
@@ -415,22 +435,44 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
     };
     let t_ckpt = ms(t0);
     let t1 = Instant::now();
-    history_seeing(w, current, target)?;
-    let h = w.history.as_ref().expect("loaded above");
-    let cur = View::of(h.tree());
+    // The history when it already sees both; else the parts of the two trees the deltas
+    // between them touch, when the target is on the current snapshot's chain (rather than
+    // a history loaded for it: a whole tree, the whole workspace's on a large one); else
+    // the history made to see the target, or with the target decoded.
+    let seen = w
+        .history
+        .as_ref()
+        .is_some_and(|h| h.seq() == current && h.has(target));
+    let sparse = if seen {
+        None
+    } else {
+        super::diff::sparse(&repo, current, target).map_err(AgentError::Diff)?
+    };
     let decoded;
-    let (tgt, changed, how) = match (h.view(target), h.changed(current, target)) {
-        (Some(v), Some(c)) => (v, c, "history"),
-        _ => {
-            decoded = load(&repo, target)?;
-            let c = Changed::between(h.tree(), &decoded);
-            (View::of(&decoded), c, "decoded")
+    let (cur, tgt, changed, how) = match &sparse {
+        Some(s) => (
+            View::of(&s.from),
+            View::of(&s.to),
+            s.changed.clone(),
+            "sparse",
+        ),
+        None => {
+            history_seeing(w, current, target)?;
+            let h = w.history.as_ref().expect("loaded above");
+            match (h.view(target), h.changed(current, target)) {
+                (Some(v), Some(c)) => (View::of(h.tree()), v, c, "history"),
+                _ => {
+                    decoded = load(&repo, target)?;
+                    let c = Changed::between(h.tree(), &decoded);
+                    (View::of(h.tree()), View::of(&decoded), c, "decoded")
+                }
+            }
         }
     };
     let t_load = ms(t1);
     let t2 = Instant::now();
     let f = w.rollback.as_ref().expect("checked above");
-    let detail = f(&repo, &cur, &tgt, &changed).map_err(AgentError::Apply)?;
+    let detail = f(&repo, &cur, &tgt, &changed, sparse.as_ref()).map_err(AgentError::Apply)?;
     drop((cur, tgt));
     let t_apply = ms(t2);
     let t3 = Instant::now();

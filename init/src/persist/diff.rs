@@ -5,8 +5,11 @@
 //! Cost: against a running keel (`agent::Op::Diff`), two snapshots in the checkpoint
 //! worker's history (`history`) are compared through `diff_views`: only the inodes and
 //! entries the snapshots between them touched, plus one pass over the entries to name them.
-//! Otherwise (a stopped workspace, a large one, or a snapshot older than the history) the
-//! older snapshot's tree is advanced along the snapshots to the newer (`diff_along`: one
+//! Otherwise (a stopped workspace, a large one, or a snapshot older than the history), when
+//! the older snapshot is on the newer's chain (only deltas between them), the same parts of
+//! the two trees are read from the chain through a filter (`sparse`: what the deltas
+//! between them touched, the entries naming it and the directories); across a full
+//! snapshot the older tree is advanced along the snapshots to the newer (`diff_along`: one
 //! tree and the changes), or, when they are not one line, both trees are materialized from
 //! their chains (`Repo::load_tree`) and compared whole. File contents are
 //! compared by their chunk ids, never by reading chunks; only `-- PATH` fetches chunks, of
@@ -16,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::Serialize;
 
-use super::format::{Tree, TreeData, TreeInode};
+use super::format::{DirentRec, Tree, TreeData, TreeInode};
 use super::history::{Changed, History, View};
 use super::repo::{Repo, RepoError};
 use crate::chunk::ChunkId;
@@ -334,9 +337,14 @@ pub fn diff_views(a: &View, b: &View, changed: &Changed) -> Diff {
     diff_trees(&a.partial(&cand), &b.partial(&cand))
 }
 
-/// Compares two snapshots: along the line of snapshots between them when each follows
-/// the one before (`diff_along`), else both trees loaded whole.
+/// Compares two snapshots: from the parts of their trees the deltas between them touch
+/// when the older is on the newer's chain (`diff_sparse`), else along the line of snapshots
+/// between them when each follows the one before (`diff_along`), else both trees loaded
+/// whole.
 pub fn diff(repo: &Repo, from: u64, to: u64) -> Result<Diff, DiffError> {
+    if let Some(d) = diff_sparse(repo, from, to)? {
+        return Ok(d);
+    }
     if from != to {
         if let Some(d) = diff_along(repo, from, to) {
             return Ok(d);
@@ -353,6 +361,159 @@ pub fn diff(repo: &Repo, from: u64, to: u64) -> Result<Diff, DiffError> {
     let a = load(from)?;
     let b = if to == from { a.clone() } else { load(to)? };
     Ok(diff_trees(&a, &b))
+}
+
+/// The two sides of a diff as far as it looks at them: each snapshot's tree holding only
+/// the inodes that may differ (`cand`: what the deltas between them touched, and whatever a
+/// touched entry names on either side), the entries naming those inodes and every
+/// directory's entry (to name them): the trees `View::partial` gives from the history. A
+/// rollback asks about more than that (what changed after its checkpoint): `read_to` reads
+/// it from the chain, which the `Sparse` keeps (compressed, as fetched).
+pub struct Sparse {
+    pub from: Tree,
+    pub to: Tree,
+    pub changed: Changed,
+    pub cand: BTreeSet<u64>,
+    chain: Vec<(String, bytes::Bytes)>,
+    /// The `to` side's object in `chain`.
+    to_at: usize,
+}
+
+impl Sparse {
+    /// Whether `self.to` answers for inode `ino` (else only `read_to` can).
+    pub fn covers_inode(&self, ino: u64) -> bool {
+        self.cand.contains(&ino)
+    }
+
+    /// Whether `self.to` answers for the entry `(parent, name)`: an entry it holds is the
+    /// snapshot's, and a touched entry it does not hold is not in the snapshot (what a
+    /// touched entry names is in `cand`, so kept); any other may be one it filtered out.
+    pub fn covers_entry(&self, parent: u64, name: &[u8]) -> bool {
+        let k = (parent, name.to_vec());
+        self.to.dirents.contains_key(&k) || self.changed.dirents.contains(&k)
+    }
+
+    /// The records of the `to` snapshot for `inodes` and the entries `entries`, and every
+    /// entry naming one of `inodes`: one more filtered replay of its chain.
+    pub fn read_to(
+        &self,
+        inodes: &BTreeSet<u64>,
+        entries: &BTreeSet<(u64, Vec<u8>)>,
+    ) -> Result<Tree, DiffError> {
+        let index = by_parent(entries);
+        let mut t = Tree::default();
+        for (key, b) in &self.chain[..=self.to_at] {
+            t.apply_object_where(
+                key,
+                b,
+                |i| inodes.contains(&i),
+                |d| inodes.contains(&d.ino) || index.has(d),
+            )
+            .map_err(|e| DiffError::Load {
+                seq: self.to.seq.unwrap_or(0),
+                source: Box::new(RepoError::from(e)),
+            })?;
+        }
+        Ok(t)
+    }
+}
+
+/// Entry keys looked up by parent, so that a filter allocates nothing per entry.
+struct ByParent<'a>(HashMap<u64, std::collections::HashSet<&'a [u8]>>);
+
+fn by_parent(keys: &BTreeSet<(u64, Vec<u8>)>) -> ByParent<'_> {
+    let mut m: HashMap<u64, std::collections::HashSet<&[u8]>> = HashMap::new();
+    for (p, n) in keys {
+        m.entry(*p).or_default().insert(n.as_slice());
+    }
+    ByParent(m)
+}
+
+impl ByParent<'_> {
+    fn has(&self, d: &DirentRec) -> bool {
+        self.0
+            .get(&d.parent)
+            .is_some_and(|names| names.contains(d.name.as_slice()))
+    }
+}
+
+/// [`Sparse`] for `from` and `to` when the older one is on the newer one's chain (only
+/// deltas between them, as checkpoints make them; a full snapshot between them starts
+/// another chain): the keys those deltas touch are all that can differ. The newer's chain
+/// is fetched once (held compressed, as `Repo::load_tree` holds it) and replayed twice
+/// through a filter, the older side taken on the way: first only the touched entries (what
+/// they name on each side), then the inodes that may differ, their entries and the
+/// directories'. Memory of the change and the directories, not of the tree. `None` when
+/// the older snapshot is not on the newer's chain.
+pub fn sparse(repo: &Repo, from: u64, to: u64) -> Result<Option<Sparse>, DiffError> {
+    let (lo, hi) = (from.min(to), from.max(to));
+    let load = |source| DiffError::Load {
+        seq: hi,
+        source: Box::new(source),
+    };
+    let format = |e: super::format::FormatError| load(RepoError::from(e));
+    let chain = repo.chain_objects(hi).map_err(load)?;
+    let mut at = None;
+    for (i, (key, b)) in chain.iter().enumerate() {
+        if super::format::decode_header(key, b).map_err(format)?.0.seq == lo {
+            at = Some(i);
+        }
+    }
+    let Some(at) = at else {
+        return Ok(None);
+    };
+    let mut changed = Changed::default();
+    for (key, b) in &chain[at + 1..] {
+        let (_, mut r) = super::format::reader(key, b).map_err(format)?;
+        while let Some(rec) = r.next_inode().map_err(format)? {
+            changed.inodes.insert(rec.ino);
+        }
+        while let Some(ino) = r.next_deleted().map_err(format)? {
+            changed.inodes.insert(ino);
+        }
+        while let Some(d) = r.next_dirent().map_err(format)? {
+            changed.dirents.insert((d.parent, d.name));
+        }
+        while let Some(k) = r.next_unlinked().map_err(format)? {
+            changed.dirents.insert(k);
+        }
+    }
+    // The older side is the tree right after its own object; the newer the whole chain.
+    let replay = |keep_inode: &dyn Fn(u64) -> bool, keep_entry: &dyn Fn(&DirentRec) -> bool| {
+        let mut t = Tree::default();
+        let mut older = None;
+        for (i, (key, b)) in chain.iter().enumerate() {
+            t.apply_object_where(key, b, keep_inode, keep_entry)
+                .map_err(format)?;
+            if i == at {
+                older = Some(t.clone());
+            }
+        }
+        let older = older.expect("`at` indexes the chain");
+        Ok::<_, DiffError>(if from <= to { (older, t) } else { (t, older) })
+    };
+    let touched = by_parent(&changed.dirents);
+    let (a, b) = replay(&|_| false, &|d| touched.has(d))?;
+    let mut cand = changed.inodes.clone();
+    cand.extend(a.dirents.values().chain(b.dirents.values()).map(|v| v.0));
+    let (a, b) = replay(&|i| cand.contains(&i), &|d| {
+        d.kind & libc::S_IFMT == libc::S_IFDIR || cand.contains(&d.ino)
+    })?;
+    drop(touched);
+    let to_at = if from <= to { chain.len() - 1 } else { at };
+    Ok(Some(Sparse {
+        from: a,
+        to: b,
+        changed,
+        cand,
+        chain,
+        to_at,
+    }))
+}
+
+/// [`diff_trees`] of the two sides [`sparse`] gives: the same changes as the whole trees'.
+pub fn diff_sparse(repo: &Repo, from: u64, to: u64) -> Result<Option<Diff>, DiffError> {
+    Ok(sparse(repo, from, to)?.map(|s| diff_trees(&s.from, &s.to)))
 }
 
 /// `from` and `to` when every snapshot from the older to the newer follows the one before
@@ -452,15 +613,15 @@ fn path_tree(repo: &Repo, seq: u64, path: &str) -> Result<(Tree, Option<u64>), D
     };
     let chain = repo.chain_objects(seq).map_err(load)?;
     let names: std::collections::HashSet<&[u8]> = components(path).map(str::as_bytes).collect();
-    let replay = |keep_inode: &dyn Fn(u64) -> bool, keep_name: &dyn Fn(&[u8]) -> bool| {
+    let replay = |keep_inode: &dyn Fn(u64) -> bool, keep_entry: &dyn Fn(&DirentRec) -> bool| {
         let mut t = Tree::default();
         for (key, b) in &chain {
-            t.apply_object_where(key, b, keep_inode, keep_name)
+            t.apply_object_where(key, b, keep_inode, keep_entry)
                 .map_err(|e| load(RepoError::from(e)))?;
         }
         Ok::<_, DiffError>(t)
     };
-    let walk = replay(&|_| false, &|n| names.contains(n))?;
+    let walk = replay(&|_| false, &|d| names.contains(d.name.as_slice()))?;
     let Some(ino) = lookup(&walk, path) else {
         return Ok((walk, None));
     };
@@ -858,6 +1019,146 @@ mod tests {
                 seq: 3,
                 ..
             })
+        ));
+    }
+
+    /// A diff from the parts of the trees the deltas touch (`sparse`) is the diff of the
+    /// whole trees for every pair on one chain, either way round: content and mode changed,
+    /// a file added and removed, renames of a file and of a directory, a hard link, an inode
+    /// number reused, a directory replaced by a file, an empty delta. The sides hold only
+    /// what may differ and the directories; across a full snapshot it does not apply, and
+    /// `diff` still answers as the whole trees do.
+    #[test]
+    fn a_sparse_diff_is_the_diff_of_the_whole_trees() {
+        let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+        let (reg, dk) = (libc::S_IFREG, libc::S_IFDIR);
+        put(
+            &repo,
+            1,
+            None,
+            &Body {
+                inodes: vec![
+                    dir(1),
+                    dir(2),
+                    file(3, "f\n"),
+                    file(4, "gee\n"),
+                    dir(6),
+                    dir(7),
+                    file(8, "unchanged\n"),
+                    file(9, "nine\n"),
+                ],
+                dirents: vec![
+                    ent(1, "d", 2, dk),
+                    ent(2, "f", 3, reg),
+                    ent(1, "g", 4, reg),
+                    ent(1, "e", 6, dk),
+                    ent(6, "d", 7, dk),
+                    ent(1, "u", 8, reg),
+                    ent(7, "h", 9, reg),
+                ],
+                ..Default::default()
+            },
+        );
+        put(
+            &repo,
+            2,
+            Some(1),
+            &Body {
+                inodes: vec![file(3, "f2\n"), file(5, "new\n")],
+                dirents: vec![ent(2, "n", 5, reg), ent(6, "link", 3, reg)],
+                ..Default::default()
+            },
+        );
+        put(
+            &repo,
+            3,
+            Some(2),
+            &Body {
+                inodes: vec![file(9, "new nine\n"), file(11, "a file now\n")],
+                deleted: vec![4, 9, 7],
+                unlinked: vec![
+                    (2, b"f".to_vec()),
+                    (1, b"g".to_vec()),
+                    (6, b"d".to_vec()),
+                    (7, b"h".to_vec()),
+                ],
+                dirents: vec![
+                    ent(6, "g", 3, reg),
+                    ent(6, "h", 9, reg),
+                    ent(6, "d", 11, reg),
+                ],
+            },
+        );
+        let mut x = file(5, "new\n");
+        x.mode = reg | 0o600;
+        put(
+            &repo,
+            4,
+            Some(3),
+            &Body {
+                inodes: vec![x],
+                unlinked: vec![(1, b"e".to_vec())],
+                dirents: vec![ent(1, "x", 6, dk)],
+                ..Default::default()
+            },
+        );
+        put(&repo, 5, Some(4), &Body::default());
+        put(
+            &repo,
+            6,
+            None,
+            &Body {
+                inodes: vec![dir(1), file(20, "compacted\n")],
+                dirents: vec![ent(1, "c", 20, reg)],
+                ..Default::default()
+            },
+        );
+        put(
+            &repo,
+            7,
+            Some(6),
+            &Body {
+                inodes: vec![file(20, "changed\n")],
+                ..Default::default()
+            },
+        );
+        let whole = |a, b| {
+            let (ta, tb) = (repo.load_tree(a).unwrap().0, repo.load_tree(b).unwrap().0);
+            diff_trees(&ta, &tb)
+        };
+        for a in 1..=5 {
+            for b in 1..=5 {
+                let got = diff_sparse(&repo, a, b).unwrap().expect("one chain");
+                assert_eq!(got, whole(a, b), "{a} -> {b}");
+                assert_eq!(diff(&repo, a, b).unwrap(), got, "{a} -> {b}");
+            }
+        }
+        let text = render(&whole(1, 5));
+        for p in ["/d/n", "/x/g", "/x/link", "/x/h", "/x/d", "/g"] {
+            assert!(text.contains(p), "{p} in\n{text}");
+        }
+        let s = sparse(&repo, 1, 5).unwrap().unwrap();
+        assert!(!s.cand.contains(&8), "the unchanged file is not looked at");
+        for t in [&s.from, &s.to] {
+            assert!(t.inodes.keys().all(|i| s.cand.contains(i)));
+            assert!(!t.dirents.values().any(|v| v.0 == 8));
+        }
+        for (a, b) in [(6, 7), (7, 6)] {
+            assert_eq!(diff_sparse(&repo, a, b).unwrap().unwrap(), whole(a, b));
+        }
+        for (a, b) in [(3, 7), (7, 3), (6, 5)] {
+            assert!(diff_sparse(&repo, a, b).unwrap().is_none(), "{a} -> {b}");
+            assert_eq!(diff(&repo, a, b).unwrap(), whole(a, b), "{a} -> {b}");
+        }
+        assert!(matches!(
+            diff_sparse(&repo, 1, 99),
+            Err(DiffError::Load { seq: 99, .. })
+        ));
+        // An older snapshot that is not there is not on the chain: `diff` names it.
+        assert!(diff_sparse(&repo, 2, 0).unwrap().is_none());
+        assert!(matches!(
+            diff(&repo, 2, 0),
+            Err(DiffError::Load { seq: 0, .. })
         ));
     }
 

@@ -784,29 +784,29 @@ impl Tree {
         self.apply_object_where(key, data, |_| true, |_| true)
     }
 
-    /// [`Tree::apply_object`] keeping only the inodes `keep_inode` and the entries whose
-    /// name `keep_name` accepts: the part of a tree one question needs (`keel diff --
-    /// PATH`: the entries named like the path's components, then the one inode), in memory
-    /// of that part's size, whatever the workspace's.
+    /// [`Tree::apply_object`] keeping only the inodes `keep_inode` and the entries
+    /// `keep_entry` accepts: the part of a tree one question needs (`keel diff -- PATH`: the
+    /// entries named like the path's components, then the one inode; a diff: what may
+    /// differ and the directories), in memory of that part's size, whatever the workspace's.
+    /// A filter must accept the same keys in every object of a replay.
     pub fn apply_object_where(
         &mut self,
         key: &str,
         data: &[u8],
         keep_inode: impl Fn(u64) -> bool,
-        keep_name: impl Fn(&[u8]) -> bool,
+        keep_entry: impl Fn(&DirentRec) -> bool,
     ) -> Result<Header, FormatError> {
         let (h, mut r) = reader(key, data)?;
         self.start(&h)?;
-        let mut unlinked = Vec::new();
         if !h.is_full() {
+            // Removed before this delta's records go in (a name unlinked and linked again
+            // in one delta ends linked); removing a key the filter never kept is a no-op.
             let (_, mut first) = reader(key, data)?;
             while let Some(ino) = first.next_deleted()? {
                 self.inodes.remove(&ino);
             }
             while let Some(k) = first.next_unlinked()? {
-                if keep_name(&k.1) {
-                    unlinked.push(k);
-                }
+                self.dirents.remove(&k);
             }
         }
         while let Some(rec) = r.next_inode()? {
@@ -814,11 +814,8 @@ impl Tree {
                 self.insert(rec, h.chunk_size);
             }
         }
-        for k in unlinked {
-            self.dirents.remove(&k);
-        }
         while let Some(d) = r.next_dirent()? {
-            if keep_name(&d.name) {
+            if keep_entry(&d) {
                 self.dirents.insert((d.parent, d.name), (d.ino, d.kind));
             }
         }

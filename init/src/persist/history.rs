@@ -13,10 +13,13 @@
 //!
 //! The window is bounded by the records it holds (`MAX_RECORDS`); it starts empty when the
 //! first named snapshot, diff or rollback loads the tree (the one full decode), so a keel
-//! that is never asked for one never holds it. The tree itself is kept only while it is
+//! that is never asked for one never holds it; a rollback the window does not already see,
+//! and on a large workspace a diff, reads instead only the parts of the two trees it needs
+//! when the older snapshot is on the newer's chain (`diff::sparse`). The tree itself is kept only while it is
 //! small (`MAX_TREE_RECORDS`): a large workspace's tree would hold more memory than keel's
-//! whole budget, so there each operation builds the history it needs (the older snapshot's
-//! tree advanced to the newer, `advance_any`, else the chains decoded) and drops it, and
+//! whole budget, so there each operation reads those parts, or builds the history it needs
+//! (the older snapshot's tree advanced to the newer, `advance_any`, else the chains
+//! decoded) and drops it, and
 //! one that loads the history only to keep it (a named snapshot) does not load it at all
 //! (`History::would_keep`, from the head's header). Snapshots are read a record at a time
 //! (`Tree::apply_object`, `format::reader`), never decoded whole.

@@ -60,6 +60,16 @@ pub trait RollbackTarget {
     fn links(&self, inos: &BTreeSet<InodeNo>) -> Vec<(InodeNo, Vec<u8>)>;
     /// Chunk bytes by id, verified, one result per id in order.
     fn fetch(&self, ids: &[ChunkId]) -> Vec<Result<Bytes, FetchError>>;
+    /// Called once the inodes and entries the rollback asks about are known (those changed
+    /// after the checkpoint included), before it asks about them: a target read only in
+    /// part reads the rest here. Entries naming those inodes are asked for too (`links`).
+    fn prepare(
+        &self,
+        _inodes: &BTreeSet<InodeNo>,
+        _entries: &BTreeSet<(InodeNo, Vec<u8>)>,
+    ) -> FsResult<()> {
+        Ok(())
+    }
 }
 
 /// What differs between the last checkpoint and the target.
@@ -208,6 +218,7 @@ impl WorkspaceFs {
                 report.late += u64::from(entries.insert(e));
             }
         }
+        t.prepare(&inodes, &entries)?;
         // Open files that change or go stay as they are for their handles, unlinked (like
         // an unlinked file, removed at the last close); the target's version of one gets a
         // new inode number, so the kernel caches its pages apart from the old ones.
