@@ -15,18 +15,23 @@
 #   ckpt 1000      append to 1,000 files, `keel checkpoint`
 #   snapshot create  `keel snapshot create` (loads the history window), then ckpt after snap:
 #                  a 1-file checkpoint after it
+#   rollback       `keel rollback` of the mounted workspace to the first (full) snapshot: the
+#                  1,000 files appended to since; then rollback undo: back to the snapshot it
+#                  named (before-rollback-N), so the files are as before for read-all
 #   stop           SIGTERM to exit, nothing dirty (after the checkpoint); keel's log splits it
 #                  into 'to durable' (final checkpoint done) and 'umount2' (the kernel's
 #                  teardown of what it cached; tmpfs's umount beside it)
 #   warm restart   `keel mount` on the same state dir to a stat of one file
 #   fsck --quick   `keel fsck --quick` of the stopped state dir; fsck: the full one
+#   diff           `keel diff` of the stopped state dir, the first snapshot to the head
 #   gc             `keel gc` of the stopped state dir
 #   fresh restore  `keel mount` on an EMPTY state dir (same remote) to a stat of one file
 #                  (from the full snapshot's metadata image and the deltas after it)
 #   fresh, no image  the same with the images moved away (the restore decodes the chain)
 #   read-all       read every file once after that fresh restore
 # keel's RSS (VmRSS) after each step and its peak (VmHWM) of that daemon so far; for the
-# offline commands (fsck, gc) their own peak RSS. --short: 20,000 files (the test command
+# rollbacks the daemon's peak during the step alone (VmHWM restarted before it); for the
+# offline commands (fsck, gc, diff) their own peak RSS. --short: 20,000 files (the test command
 # runs it: it fails if a step fails, asserts nothing about time). --keel-only: skip ext4 and
 # tmpfs. Needs root and /dev/fuse.
 # Prints a markdown table (and '#' facts), raw rows to --out. Nothing on the host changes.
@@ -185,7 +190,25 @@ timed "snapshot create" "$KEEL_BIN" snapshot create --name scale --state "$RUN/k
 put "snapshot create" keel "$T"; rss_keel "snapshot create"
 python3 "$RUN/w.py" touch "$K" "$FILES" "$SIZE" 1 || die "touch failed"
 timed "ckpt after snap" ckpt; put "ckpt after snap" keel "$T"; rss_keel "ckpt after snap"
-put stop rss "$(mib "$PID" VmRSS) / $(mib "$PID" VmHWM)"
+# The rollbacks' own peaks: VmHWM restarted before each (clear_refs 5 touches only this
+# process), the daemon's peak before them kept for the stop row.
+PEAK=$(mib "$PID" VmHWM)
+rollback_to() { "$KEEL_BIN" rollback "$1" --json --state "$RUN/keel-state" >"$RUN/rollback.json"; }
+rollback_step() { # rollback_step STEP TO
+    echo 5 >"/proc/$PID/clear_refs"
+    timed "$1" rollback_to "$2"; put "$1" keel "$T"
+    put "$1" rss "$(mib "$PID" VmRSS) / $(mib "$PID" VmHWM) (step)"
+    local h; h=$(mib "$PID" VmHWM); [ "$h" -gt "$PEAK" ] && PEAK=$h
+    FACTS+=("$1: $(python3 -c 'import json, sys
+v = json.load(open(sys.argv[1]))
+a = v["applied"]
+print("snapshot %s to %s, trees %s (%s ms), %s inodes, %s entries, %s ms in keel" % (v["from"], v["to"],
+      v["trees"], v["load_trees_ms"], a["inodes"], a["entries"], v["duration_ms"]))' "$RUN/rollback.json")")
+}
+rollback_step rollback 1
+rollback_step "rollback undo" "$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["undo"])' "$RUN/rollback.json")"
+h=$(mib "$PID" VmHWM); [ "$h" -gt "$PEAK" ] && PEAK=$h
+put stop rss "$(mib "$PID" VmRSS) / $PEAK"
 stop_keel "$RUN/keel-state"; put stop keel "$T"
 # keel's log splits the stop: up to the final checkpoint (everything durable), then umount2,
 # the kernel tearing down the inodes and names it cached (tmpfs's umount beside it).
@@ -198,6 +221,7 @@ put "warm restart" keel "$(secs "$t0" "$(now)")"; rss_keel "warm restart"
 stop_keel "$RUN/keel-state"
 offline "fsck --quick" "$KEEL_BIN" fsck --quick --state "$RUN/keel-state" --config "$RUN/keel.toml"
 offline fsck "$KEEL_BIN" fsck --state "$RUN/keel-state" --config "$RUN/keel.toml"
+offline diff "$KEEL_BIN" diff 1 head --state "$RUN/keel-state" --config "$RUN/keel.toml"
 offline gc "$KEEL_BIN" gc --state "$RUN/keel-state" --config "$RUN/keel.toml"
 t0=$(now); start_keel "$RUN/fresh-state"; first_stat || die "stat after fresh restore failed"
 put "fresh restore" keel "$(secs "$t0" "$(now)")"; rss_keel "fresh restore"
@@ -235,7 +259,7 @@ if [ -n "$KEEL_ONLY" ]; then umount -l "$RUN/tmpfs"; else timed "stop: umount2" 
 
 # --- report -------------------------------------------------------------------------------------
 echo "# $FILES files of $SIZE B in directories of 1,000; keel mount with a file:// remote on the same disk, ext4 and tmpfs beside it; one run, seconds of wall time"
-echo "# keel RSS: VmRSS after the step / the daemon's VmHWM so far, MiB (offline commands: their own peak)"
+echo "# keel RSS: VmRSS after the step / the daemon's VmHWM so far, MiB ((step): its peak during that step alone; offline commands: their own peak)"
 echo "# read-all on keel follows the fresh restore (every file's metadata and body fetched from the remote)"
 for f in "${FACTS[@]}"; do echo "# $f"; done
 echo "| step | keel s | ext4 s | tmpfs s | keel/ext4 | keel/tmpfs | keel RSS MiB |"
