@@ -844,6 +844,29 @@ mod tests {
         repo.put_snapshot(seq, encode(&h, b).unwrap()).unwrap();
     }
 
+    /// The part of snapshot `seq`'s whole tree a sparse side must hold: the inodes in
+    /// `cand`, the entries naming them and every directory's entry.
+    fn part_of(repo: &Repo, seq: u64, cand: &BTreeSet<u64>) -> Tree {
+        let mut t = repo.load_tree(seq).unwrap().0;
+        t.inodes.retain(|i, _| cand.contains(i));
+        t.dirents
+            .retain(|_, v| v.1 & libc::S_IFMT == libc::S_IFDIR || cand.contains(&v.0));
+        t
+    }
+
+    /// `sparse(a, b)`'s sides are exactly `part_of` the whole trees, and its diff theirs.
+    fn assert_sparse_is_whole(repo: &Repo, a: u64, b: u64) {
+        let s = sparse(repo, a, b).unwrap().expect("one chain");
+        assert_eq!(s.from, part_of(repo, a, &s.cand), "{a} side of {a} -> {b}");
+        assert_eq!(s.to, part_of(repo, b, &s.cand), "{b} side of {a} -> {b}");
+        let (ta, tb) = (repo.load_tree(a).unwrap().0, repo.load_tree(b).unwrap().0);
+        assert_eq!(
+            diff_trees(&s.from, &s.to),
+            diff_trees(&ta, &tb),
+            "{a} -> {b}"
+        );
+    }
+
     /// `keel diff -- PATH` reads only the entries named like the path's components and the
     /// one inode, and answers as the whole trees would: names that also occur elsewhere
     /// (`f` at the root, `e/d/f`), a file changed, added, removed, and no such path.
@@ -1128,9 +1151,8 @@ mod tests {
         };
         for a in 1..=5 {
             for b in 1..=5 {
-                let got = diff_sparse(&repo, a, b).unwrap().expect("one chain");
-                assert_eq!(got, whole(a, b), "{a} -> {b}");
-                assert_eq!(diff(&repo, a, b).unwrap(), got, "{a} -> {b}");
+                assert_sparse_is_whole(&repo, a, b);
+                assert_eq!(diff(&repo, a, b).unwrap(), whole(a, b), "{a} -> {b}");
             }
         }
         let text = render(&whole(1, 5));
@@ -1160,6 +1182,96 @@ mod tests {
             diff(&repo, 2, 0),
             Err(DiffError::Load { seq: 0, .. })
         ));
+    }
+
+    /// A name whose value a delta replaced (a rename over it: a new record, no unlink)
+    /// before the window must not keep its old value in a sparse side, when the old value
+    /// passed the filter and the new one does not: a hard link renamed over, a directory
+    /// renamed away and a file made in its place.
+    #[test]
+    fn a_name_replaced_before_the_window_does_not_linger_in_a_sparse_side() {
+        let (reg, dk) = (libc::S_IFREG, libc::S_IFDIR);
+        // /a and /h name 5; /b (6) is renamed over /a; then 5 changes.
+        let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+        let mut five = file(5, "five\n");
+        five.nlink = 2;
+        put(
+            &repo,
+            1,
+            None,
+            &Body {
+                inodes: vec![dir(1), five.clone(), file(6, "six\n")],
+                dirents: vec![
+                    ent(1, "a", 5, reg),
+                    ent(1, "h", 5, reg),
+                    ent(1, "b", 6, reg),
+                ],
+                ..Default::default()
+            },
+        );
+        five.nlink = 1;
+        put(
+            &repo,
+            2,
+            Some(1),
+            &Body {
+                inodes: vec![five],
+                unlinked: vec![(1, b"b".to_vec())],
+                dirents: vec![ent(1, "a", 6, reg)],
+                ..Default::default()
+            },
+        );
+        put(
+            &repo,
+            3,
+            Some(2),
+            &Body {
+                inodes: vec![file(5, "five, changed\n")],
+                ..Default::default()
+            },
+        );
+        for (a, b) in [(2, 3), (3, 2), (1, 3), (3, 1)] {
+            assert_sparse_is_whole(&repo, a, b);
+        }
+        assert_eq!(
+            render(&diff_sparse(&repo, 2, 3).unwrap().unwrap()),
+            "M /h (content)  5 -> 14 bytes\nsnapshot 2 -> 3: 0 added, 0 removed, 1 modified, 0 renamed"
+        );
+        // /d (directory 10, holding f) renamed to /e and a file made at /d; then /e/f changes.
+        let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+        put(
+            &repo,
+            1,
+            None,
+            &Body {
+                inodes: vec![dir(1), dir(10), file(11, "f\n")],
+                dirents: vec![ent(1, "d", 10, dk), ent(10, "f", 11, reg)],
+                ..Default::default()
+            },
+        );
+        put(
+            &repo,
+            2,
+            Some(1),
+            &Body {
+                inodes: vec![file(12, "now a file\n")],
+                dirents: vec![ent(1, "e", 10, dk), ent(1, "d", 12, reg)],
+                ..Default::default()
+            },
+        );
+        put(
+            &repo,
+            3,
+            Some(2),
+            &Body {
+                inodes: vec![file(11, "f changed\n")],
+                ..Default::default()
+            },
+        );
+        for (a, b) in [(2, 3), (3, 2), (1, 3), (3, 1)] {
+            assert_sparse_is_whole(&repo, a, b);
+        }
+        assert!(render(&diff_sparse(&repo, 2, 3).unwrap().unwrap()).starts_with("M /e/f "));
     }
 
     #[test]

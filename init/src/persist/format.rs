@@ -788,7 +788,10 @@ impl Tree {
     /// `keep_entry` accepts: the part of a tree one question needs (`keel diff -- PATH`: the
     /// entries named like the path's components, then the one inode; a diff: what may
     /// differ and the directories), in memory of that part's size, whatever the workspace's.
-    /// A filter must accept the same keys in every object of a replay.
+    /// `keep_inode` must accept the same numbers in every object of a replay. `keep_entry`
+    /// may judge an entry by its value: a record it refuses removes the name (a delta
+    /// replaces a name's value without unlinking it first, as a rename over it does), so
+    /// the tree holds a name exactly when its latest value is accepted.
     pub fn apply_object_where(
         &mut self,
         key: &str,
@@ -817,6 +820,8 @@ impl Tree {
         while let Some(d) = r.next_dirent()? {
             if keep_entry(&d) {
                 self.dirents.insert((d.parent, d.name), (d.ino, d.kind));
+            } else if !self.dirents.is_empty() {
+                self.dirents.remove(&(d.parent, d.name));
             }
         }
         Ok(h)
