@@ -335,7 +335,9 @@ mod tests {
     }
 
     /// A hard link renamed over before the snapshots between: the target's links of the
-    /// inode and the renamed-over name are its own, not the names' earlier values.
+    /// inode and the renamed-over name are its own, not the names' earlier values, both
+    /// for an inode the sparse side covers and for one `prepare` reads (changed after the
+    /// checkpoint, say).
     #[test]
     fn a_sparse_target_does_not_keep_a_name_renamed_over_before_the_window() {
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
@@ -344,12 +346,26 @@ mod tests {
             repo.put_snapshot(seq, encode(&h, b).unwrap()).unwrap();
         };
         let root = InodeRec::test(1, libc::S_IFDIR | 0o755, DataRec::None);
+        // /a and /h name 5, /c and /i name 7; /b (6) is renamed over /a, /d (9) over /c.
         put(
             1,
             None,
             &Body {
-                inodes: vec![root, file(5, "five\n"), file(6, "six\n")],
-                dirents: vec![ent(1, "a", 5), ent(1, "h", 5), ent(1, "b", 6)],
+                inodes: vec![
+                    root,
+                    file(5, "five\n"),
+                    file(6, "six\n"),
+                    file(7, "seven\n"),
+                    file(9, "nine\n"),
+                ],
+                dirents: vec![
+                    ent(1, "a", 5),
+                    ent(1, "h", 5),
+                    ent(1, "b", 6),
+                    ent(1, "c", 7),
+                    ent(1, "i", 7),
+                    ent(1, "d", 9),
+                ],
                 ..Default::default()
             },
         );
@@ -357,12 +373,13 @@ mod tests {
             2,
             Some(1),
             &Body {
-                inodes: vec![file(5, "five\n")],
-                unlinked: vec![(1, b"b".to_vec())],
-                dirents: vec![ent(1, "a", 6)],
+                inodes: vec![file(5, "five\n"), file(7, "seven\n")],
+                unlinked: vec![(1, b"b".to_vec()), (1, b"d".to_vec())],
+                dirents: vec![ent(1, "a", 6), ent(1, "c", 9)],
                 ..Default::default()
             },
         );
+        // Only 5 changes between 2 and 3: 7 is not covered.
         put(
             3,
             Some(2),
@@ -372,6 +389,7 @@ mod tests {
             },
         );
         let s = sparse(&repo, 3, 2).unwrap().expect("2 is on 3's chain");
+        assert!(s.covers_inode(5) && !s.covers_inode(7));
         let whole_tree = repo.load_tree(2).unwrap().0;
         let (whole_view, part_view) = (View::of(&whole_tree), View::of(&s.to));
         let target = |tree, sparse| TreeTarget {
@@ -380,12 +398,28 @@ mod tests {
             more: RefCell::new(Tree::default()),
             chunks: RemoteChunks::new(repo.clone()),
         };
-        let (whole, part) = (target(&whole_view, None), target(&part_view, Some(&s)));
-        let five = BTreeSet::from([InodeNo(5)]);
-        let a = BTreeSet::from([(InodeNo(1), b"a".to_vec())]);
-        part.prepare(&five, &a).unwrap();
-        assert_eq!(part.links(&five), whole.links(&five));
-        assert_eq!(part.links(&five), vec![(InodeNo(1), b"h".to_vec())]);
-        assert_eq!(part.entry(InodeNo(1), b"a"), Some((InodeNo(6), Kind::File)));
+        let whole = target(&whole_view, None);
+        let name = |n: &str| (InodeNo(1), n.as_bytes().to_vec());
+        for (inos, names) in [
+            (vec![5, 7], vec![]),
+            (vec![5, 7], vec![name("a"), name("c")]),
+        ] {
+            let part = target(&part_view, Some(&s));
+            let inos: BTreeSet<InodeNo> = inos.into_iter().map(InodeNo).collect();
+            part.prepare(&inos, &names.iter().cloned().collect())
+                .unwrap();
+            for i in [7, 5] {
+                let one = BTreeSet::from([InodeNo(i)]);
+                assert_eq!(part.links(&one), whole.links(&one), "links of {i}");
+                assert_eq!(part.links(&one).len(), 1, "links of {i}");
+            }
+            for (p, n) in &names {
+                assert_eq!(part.entry(*p, n), whole.entry(*p, n), "{n:?}");
+            }
+        }
+        assert_eq!(
+            whole.entry(InodeNo(1), b"c"),
+            Some((InodeNo(9), Kind::File))
+        );
     }
 }

@@ -474,6 +474,9 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
     let f = w.rollback.as_ref().expect("checked above");
     let detail = f(&repo, &cur, &tgt, &changed, sparse.as_ref()).map_err(AgentError::Apply)?;
     drop((cur, tgt));
+    drop(sparse);
+    // What the trees held goes back to the system (RSS stays at the peak otherwise).
+    crate::sys::mem::release_free_heap();
     let t_apply = ms(t2);
     let t3 = Instant::now();
     let after = w

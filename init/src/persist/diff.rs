@@ -854,12 +854,21 @@ mod tests {
         t
     }
 
-    /// `sparse(a, b)`'s sides are exactly `part_of` the whole trees, and its diff theirs.
+    /// `sparse(a, b)`'s candidates hold every inode whose record differs between the whole
+    /// trees and every inode a differing entry names; its sides are exactly `part_of` the
+    /// whole trees, and its diff theirs.
     fn assert_sparse_is_whole(repo: &Repo, a: u64, b: u64) {
         let s = sparse(repo, a, b).unwrap().expect("one chain");
+        let (ta, tb) = (repo.load_tree(a).unwrap().0, repo.load_tree(b).unwrap().0);
+        let differ = Changed::between(&ta, &tb);
+        assert!(differ.inodes.is_subset(&s.cand), "{a} -> {b}");
+        for k in &differ.dirents {
+            for v in [ta.dirents.get(k), tb.dirents.get(k)].into_iter().flatten() {
+                assert!(s.cand.contains(&v.0), "{a} -> {b}: {k:?}");
+            }
+        }
         assert_eq!(s.from, part_of(repo, a, &s.cand), "{a} side of {a} -> {b}");
         assert_eq!(s.to, part_of(repo, b, &s.cand), "{b} side of {a} -> {b}");
-        let (ta, tb) = (repo.load_tree(a).unwrap().0, repo.load_tree(b).unwrap().0);
         assert_eq!(
             diff_trees(&s.from, &s.to),
             diff_trees(&ta, &tb),
