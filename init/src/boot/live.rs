@@ -226,30 +226,8 @@ pub fn rollback_fn(fs: Arc<WorkspaceFs>, inval: Invalidate) -> crate::persist::a
 mod tests {
     use super::*;
     use crate::persist::diff::sparse;
-    use crate::persist::format::{encode, Body, DataRec, DirentRec, Header, InodeRec};
+    use crate::persist::format::{Body, DataRec, DirentRec, InodeRec};
     use crate::persist::MemRemote;
-
-    fn file(ino: u64, text: &str) -> InodeRec {
-        InodeRec::test(
-            ino,
-            libc::S_IFREG | 0o644,
-            DataRec::Inline(text.as_bytes().to_vec()),
-        )
-    }
-
-    fn ent(parent: u64, name: &str, ino: u64) -> DirentRec {
-        let kind = if ino == 2 {
-            libc::S_IFDIR
-        } else {
-            libc::S_IFREG
-        };
-        DirentRec {
-            parent,
-            name: name.as_bytes().to_vec(),
-            ino,
-            kind,
-        }
-    }
 
     /// A target read in part answers, once `prepare` has read what it does not cover
     /// (inodes and entries changed after the checkpoint, say), exactly as the whole tree:
@@ -257,39 +235,38 @@ mod tests {
     #[test]
     fn a_sparse_target_answers_as_the_whole_tree_once_prepared() {
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
-        let put = |seq, parent, b: &Body| {
-            let h = Header::test(seq, parent);
-            repo.put_snapshot(seq, encode(&h, b).unwrap()).unwrap();
-        };
         let mut root = InodeRec::test(1, libc::S_IFDIR | 0o755, DataRec::None);
         root.nlink = 3;
-        put(
+        repo.put_test(
             1,
             None,
             &Body {
                 inodes: vec![
                     root,
                     InodeRec::test(2, libc::S_IFDIR | 0o755, DataRec::None),
-                    file(3, "three\n"),
-                    file(4, "four\n"),
-                    file(8, "linked twice\n"),
+                    InodeRec::test_file(3, "three\n"),
+                    InodeRec::test_file(4, "four\n"),
+                    InodeRec::test_file(8, "linked twice\n"),
                 ],
                 dirents: vec![
-                    ent(1, "d", 2),
-                    ent(2, "three", 3),
-                    ent(1, "four", 4),
-                    ent(1, "u", 8),
-                    ent(2, "u2", 8),
+                    DirentRec::test(1, "d", 2, libc::S_IFDIR),
+                    DirentRec::test(2, "three", 3, libc::S_IFREG),
+                    DirentRec::test(1, "four", 4, libc::S_IFREG),
+                    DirentRec::test(1, "u", 8, libc::S_IFREG),
+                    DirentRec::test(2, "u2", 8, libc::S_IFREG),
                 ],
                 ..Default::default()
             },
         );
-        put(
+        repo.put_test(
             2,
             Some(1),
             &Body {
-                inodes: vec![file(3, "changed\n"), file(5, "new\n")],
-                dirents: vec![ent(1, "five", 5)],
+                inodes: vec![
+                    InodeRec::test_file(3, "changed\n"),
+                    InodeRec::test_file(5, "new\n"),
+                ],
+                dirents: vec![DirentRec::test(1, "five", 5, libc::S_IFREG)],
                 ..Default::default()
             },
         );
@@ -341,50 +318,52 @@ mod tests {
     #[test]
     fn a_sparse_target_does_not_keep_a_name_renamed_over_before_the_window() {
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
-        let put = |seq, parent, b: &Body| {
-            let h = Header::test(seq, parent);
-            repo.put_snapshot(seq, encode(&h, b).unwrap()).unwrap();
-        };
         let root = InodeRec::test(1, libc::S_IFDIR | 0o755, DataRec::None);
         // /a and /h name 5, /c and /i name 7; /b (6) is renamed over /a, /d (9) over /c.
-        put(
+        repo.put_test(
             1,
             None,
             &Body {
                 inodes: vec![
                     root,
-                    file(5, "five\n"),
-                    file(6, "six\n"),
-                    file(7, "seven\n"),
-                    file(9, "nine\n"),
+                    InodeRec::test_file(5, "five\n"),
+                    InodeRec::test_file(6, "six\n"),
+                    InodeRec::test_file(7, "seven\n"),
+                    InodeRec::test_file(9, "nine\n"),
                 ],
                 dirents: vec![
-                    ent(1, "a", 5),
-                    ent(1, "h", 5),
-                    ent(1, "b", 6),
-                    ent(1, "c", 7),
-                    ent(1, "i", 7),
-                    ent(1, "d", 9),
+                    DirentRec::test(1, "a", 5, libc::S_IFREG),
+                    DirentRec::test(1, "h", 5, libc::S_IFREG),
+                    DirentRec::test(1, "b", 6, libc::S_IFREG),
+                    DirentRec::test(1, "c", 7, libc::S_IFREG),
+                    DirentRec::test(1, "i", 7, libc::S_IFREG),
+                    DirentRec::test(1, "d", 9, libc::S_IFREG),
                 ],
                 ..Default::default()
             },
         );
-        put(
+        repo.put_test(
             2,
             Some(1),
             &Body {
-                inodes: vec![file(5, "five\n"), file(7, "seven\n")],
+                inodes: vec![
+                    InodeRec::test_file(5, "five\n"),
+                    InodeRec::test_file(7, "seven\n"),
+                ],
                 unlinked: vec![(1, b"b".to_vec()), (1, b"d".to_vec())],
-                dirents: vec![ent(1, "a", 6), ent(1, "c", 9)],
+                dirents: vec![
+                    DirentRec::test(1, "a", 6, libc::S_IFREG),
+                    DirentRec::test(1, "c", 9, libc::S_IFREG),
+                ],
                 ..Default::default()
             },
         );
         // Only 5 changes between 2 and 3: 7 is not covered.
-        put(
+        repo.put_test(
             3,
             Some(2),
             &Body {
-                inodes: vec![file(5, "five, changed\n")],
+                inodes: vec![InodeRec::test_file(5, "five, changed\n")],
                 ..Default::default()
             },
         );

@@ -814,35 +814,9 @@ pub fn unified(la: &str, lb: &str, a: &[u8], b: &[u8], ctx: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::persist::format::{encode, Body, DataRec, DirentRec, Header, InodeRec};
+    use crate::persist::format::{Body, DataRec, DirentRec, InodeRec};
     use crate::persist::remote::MemRemote;
     use std::sync::Arc;
-
-    fn file(ino: u64, text: &str) -> InodeRec {
-        InodeRec::test(
-            ino,
-            libc::S_IFREG | 0o644,
-            DataRec::Inline(text.as_bytes().to_vec()),
-        )
-    }
-
-    fn dir(ino: u64) -> InodeRec {
-        InodeRec::test(ino, libc::S_IFDIR | 0o755, DataRec::None)
-    }
-
-    fn ent(parent: u64, name: &str, ino: u64, kind: u32) -> DirentRec {
-        DirentRec {
-            parent,
-            name: name.as_bytes().to_vec(),
-            ino,
-            kind,
-        }
-    }
-
-    fn put(repo: &Repo, seq: u64, parent: Option<u64>, b: &Body) {
-        let h = Header::test(seq, parent);
-        repo.put_snapshot(seq, encode(&h, b).unwrap()).unwrap();
-    }
 
     /// The part of snapshot `seq`'s whole tree a sparse side must hold: the inodes in
     /// `cand`, the entries naming them and every directory's entry.
@@ -883,42 +857,43 @@ mod tests {
     fn a_file_diff_from_the_path_alone_is_the_file_diff_of_the_whole_trees() {
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
         let (reg, dk) = (libc::S_IFREG, libc::S_IFDIR);
-        put(
-            &repo,
+        repo.put_test(
             1,
             None,
             &Body {
                 inodes: vec![
-                    dir(1),
-                    dir(2),
-                    file(3, "one\ntwo\n"),
-                    file(4, "gee\n"),
-                    file(5, "root f\n"),
-                    dir(6),
-                    dir(7),
-                    file(8, "e/d/f\n"),
+                    InodeRec::test_dir(1),
+                    InodeRec::test_dir(2),
+                    InodeRec::test_file(3, "one\ntwo\n"),
+                    InodeRec::test_file(4, "gee\n"),
+                    InodeRec::test_file(5, "root f\n"),
+                    InodeRec::test_dir(6),
+                    InodeRec::test_dir(7),
+                    InodeRec::test_file(8, "e/d/f\n"),
                 ],
                 dirents: vec![
-                    ent(1, "d", 2, dk),
-                    ent(2, "f", 3, reg),
-                    ent(1, "g", 4, reg),
-                    ent(1, "f", 5, reg),
-                    ent(1, "e", 6, dk),
-                    ent(6, "d", 7, dk),
-                    ent(7, "f", 8, reg),
+                    DirentRec::test(1, "d", 2, dk),
+                    DirentRec::test(2, "f", 3, reg),
+                    DirentRec::test(1, "g", 4, reg),
+                    DirentRec::test(1, "f", 5, reg),
+                    DirentRec::test(1, "e", 6, dk),
+                    DirentRec::test(6, "d", 7, dk),
+                    DirentRec::test(7, "f", 8, reg),
                 ],
                 ..Default::default()
             },
         );
-        put(
-            &repo,
+        repo.put_test(
             2,
             Some(1),
             &Body {
-                inodes: vec![file(3, "one\nTWO\n"), file(9, "new\n")],
+                inodes: vec![
+                    InodeRec::test_file(3, "one\nTWO\n"),
+                    InodeRec::test_file(9, "new\n"),
+                ],
                 deleted: vec![5],
                 unlinked: vec![(1, b"f".to_vec())],
-                dirents: vec![ent(2, "h", 9, reg)],
+                dirents: vec![DirentRec::test(2, "h", 9, reg)],
             },
         );
         // What file_diff answered before: both whole trees loaded.
@@ -981,33 +956,31 @@ mod tests {
             r.size = 8;
             r
         };
-        put(
-            &repo,
+        repo.put_test(
             1,
             None,
             &Body {
                 inodes: vec![
-                    dir(1),
-                    dir(2),
-                    file(3, "f\n"),
-                    dir(6),
-                    dir(7),
-                    file(9, "nine\n"),
+                    InodeRec::test_dir(1),
+                    InodeRec::test_dir(2),
+                    InodeRec::test_file(3, "f\n"),
+                    InodeRec::test_dir(6),
+                    InodeRec::test_dir(7),
+                    InodeRec::test_file(9, "nine\n"),
                     chunks(true, vec![(0, 1), (1, 2)]),
                 ],
                 dirents: vec![
-                    ent(1, "d", 2, dk),
-                    ent(2, "f", 3, reg),
-                    ent(1, "e", 6, dk),
-                    ent(6, "d", 7, dk),
-                    ent(7, "h", 9, reg),
-                    ent(2, "c", 10, reg),
+                    DirentRec::test(1, "d", 2, dk),
+                    DirentRec::test(2, "f", 3, reg),
+                    DirentRec::test(1, "e", 6, dk),
+                    DirentRec::test(6, "d", 7, dk),
+                    DirentRec::test(7, "h", 9, reg),
+                    DirentRec::test(2, "c", 10, reg),
                 ],
                 ..Default::default()
             },
         );
-        put(
-            &repo,
+        repo.put_test(
             2,
             Some(1),
             &Body {
@@ -1015,21 +988,23 @@ mod tests {
                 ..Default::default()
             },
         );
-        put(
-            &repo,
+        repo.put_test(
             3,
             Some(2),
             &Body {
                 // 9 removed and its number reused for e/h; d/f renamed to e/g; the
                 // directory e/d replaced by a file; d/x names an inode that is not there.
-                inodes: vec![file(9, "new nine\n"), file(11, "a file now\n")],
+                inodes: vec![
+                    InodeRec::test_file(9, "new nine\n"),
+                    InodeRec::test_file(11, "a file now\n"),
+                ],
                 deleted: vec![9, 7],
                 unlinked: vec![(2, b"f".to_vec()), (6, b"d".to_vec()), (7, b"h".to_vec())],
                 dirents: vec![
-                    ent(6, "h", 9, reg),
-                    ent(6, "g", 3, reg),
-                    ent(6, "d", 11, reg),
-                    ent(2, "x", 12, reg),
+                    DirentRec::test(6, "h", 9, reg),
+                    DirentRec::test(6, "g", 3, reg),
+                    DirentRec::test(6, "d", 11, reg),
+                    DirentRec::test(2, "x", 12, reg),
                 ],
             },
         );
@@ -1064,49 +1039,55 @@ mod tests {
     fn a_sparse_diff_is_the_diff_of_the_whole_trees() {
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
         let (reg, dk) = (libc::S_IFREG, libc::S_IFDIR);
-        put(
-            &repo,
+        repo.put_test(
             1,
             None,
             &Body {
                 inodes: vec![
-                    dir(1),
-                    dir(2),
-                    file(3, "f\n"),
-                    file(4, "gee\n"),
-                    dir(6),
-                    dir(7),
-                    file(8, "unchanged\n"),
-                    file(9, "nine\n"),
+                    InodeRec::test_dir(1),
+                    InodeRec::test_dir(2),
+                    InodeRec::test_file(3, "f\n"),
+                    InodeRec::test_file(4, "gee\n"),
+                    InodeRec::test_dir(6),
+                    InodeRec::test_dir(7),
+                    InodeRec::test_file(8, "unchanged\n"),
+                    InodeRec::test_file(9, "nine\n"),
                 ],
                 dirents: vec![
-                    ent(1, "d", 2, dk),
-                    ent(2, "f", 3, reg),
-                    ent(1, "g", 4, reg),
-                    ent(1, "e", 6, dk),
-                    ent(6, "d", 7, dk),
-                    ent(1, "u", 8, reg),
-                    ent(7, "h", 9, reg),
+                    DirentRec::test(1, "d", 2, dk),
+                    DirentRec::test(2, "f", 3, reg),
+                    DirentRec::test(1, "g", 4, reg),
+                    DirentRec::test(1, "e", 6, dk),
+                    DirentRec::test(6, "d", 7, dk),
+                    DirentRec::test(1, "u", 8, reg),
+                    DirentRec::test(7, "h", 9, reg),
                 ],
                 ..Default::default()
             },
         );
-        put(
-            &repo,
+        repo.put_test(
             2,
             Some(1),
             &Body {
-                inodes: vec![file(3, "f2\n"), file(5, "new\n")],
-                dirents: vec![ent(2, "n", 5, reg), ent(6, "link", 3, reg)],
+                inodes: vec![
+                    InodeRec::test_file(3, "f2\n"),
+                    InodeRec::test_file(5, "new\n"),
+                ],
+                dirents: vec![
+                    DirentRec::test(2, "n", 5, reg),
+                    DirentRec::test(6, "link", 3, reg),
+                ],
                 ..Default::default()
             },
         );
-        put(
-            &repo,
+        repo.put_test(
             3,
             Some(2),
             &Body {
-                inodes: vec![file(9, "new nine\n"), file(11, "a file now\n")],
+                inodes: vec![
+                    InodeRec::test_file(9, "new nine\n"),
+                    InodeRec::test_file(11, "a file now\n"),
+                ],
                 deleted: vec![4, 9, 7],
                 unlinked: vec![
                     (2, b"f".to_vec()),
@@ -1115,42 +1096,42 @@ mod tests {
                     (7, b"h".to_vec()),
                 ],
                 dirents: vec![
-                    ent(6, "g", 3, reg),
-                    ent(6, "h", 9, reg),
-                    ent(6, "d", 11, reg),
+                    DirentRec::test(6, "g", 3, reg),
+                    DirentRec::test(6, "h", 9, reg),
+                    DirentRec::test(6, "d", 11, reg),
                 ],
             },
         );
-        let mut x = file(5, "new\n");
+        let mut x = InodeRec::test_file(5, "new\n");
         x.mode = reg | 0o600;
-        put(
-            &repo,
+        repo.put_test(
             4,
             Some(3),
             &Body {
                 inodes: vec![x],
                 unlinked: vec![(1, b"e".to_vec())],
-                dirents: vec![ent(1, "x", 6, dk)],
+                dirents: vec![DirentRec::test(1, "x", 6, dk)],
                 ..Default::default()
             },
         );
-        put(&repo, 5, Some(4), &Body::default());
-        put(
-            &repo,
+        repo.put_test(5, Some(4), &Body::default());
+        repo.put_test(
             6,
             None,
             &Body {
-                inodes: vec![dir(1), file(20, "compacted\n")],
-                dirents: vec![ent(1, "c", 20, reg)],
+                inodes: vec![
+                    InodeRec::test_dir(1),
+                    InodeRec::test_file(20, "compacted\n"),
+                ],
+                dirents: vec![DirentRec::test(1, "c", 20, reg)],
                 ..Default::default()
             },
         );
-        put(
-            &repo,
+        repo.put_test(
             7,
             Some(6),
             &Body {
-                inodes: vec![file(20, "changed\n")],
+                inodes: vec![InodeRec::test_file(20, "changed\n")],
                 ..Default::default()
             },
         );
@@ -1202,40 +1183,41 @@ mod tests {
         let (reg, dk) = (libc::S_IFREG, libc::S_IFDIR);
         // /a and /h name 5; /b (6) is renamed over /a; then 5 changes.
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
-        let mut five = file(5, "five\n");
+        let mut five = InodeRec::test_file(5, "five\n");
         five.nlink = 2;
-        put(
-            &repo,
+        repo.put_test(
             1,
             None,
             &Body {
-                inodes: vec![dir(1), five.clone(), file(6, "six\n")],
+                inodes: vec![
+                    InodeRec::test_dir(1),
+                    five.clone(),
+                    InodeRec::test_file(6, "six\n"),
+                ],
                 dirents: vec![
-                    ent(1, "a", 5, reg),
-                    ent(1, "h", 5, reg),
-                    ent(1, "b", 6, reg),
+                    DirentRec::test(1, "a", 5, reg),
+                    DirentRec::test(1, "h", 5, reg),
+                    DirentRec::test(1, "b", 6, reg),
                 ],
                 ..Default::default()
             },
         );
         five.nlink = 1;
-        put(
-            &repo,
+        repo.put_test(
             2,
             Some(1),
             &Body {
                 inodes: vec![five],
                 unlinked: vec![(1, b"b".to_vec())],
-                dirents: vec![ent(1, "a", 6, reg)],
+                dirents: vec![DirentRec::test(1, "a", 6, reg)],
                 ..Default::default()
             },
         );
-        put(
-            &repo,
+        repo.put_test(
             3,
             Some(2),
             &Body {
-                inodes: vec![file(5, "five, changed\n")],
+                inodes: vec![InodeRec::test_file(5, "five, changed\n")],
                 ..Default::default()
             },
         );
@@ -1248,32 +1230,39 @@ mod tests {
         );
         // /d (directory 10, holding f) renamed to /e and a file made at /d; then /e/f changes.
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
-        put(
-            &repo,
+        repo.put_test(
             1,
             None,
             &Body {
-                inodes: vec![dir(1), dir(10), file(11, "f\n")],
-                dirents: vec![ent(1, "d", 10, dk), ent(10, "f", 11, reg)],
+                inodes: vec![
+                    InodeRec::test_dir(1),
+                    InodeRec::test_dir(10),
+                    InodeRec::test_file(11, "f\n"),
+                ],
+                dirents: vec![
+                    DirentRec::test(1, "d", 10, dk),
+                    DirentRec::test(10, "f", 11, reg),
+                ],
                 ..Default::default()
             },
         );
-        put(
-            &repo,
+        repo.put_test(
             2,
             Some(1),
             &Body {
-                inodes: vec![file(12, "now a file\n")],
-                dirents: vec![ent(1, "e", 10, dk), ent(1, "d", 12, reg)],
+                inodes: vec![InodeRec::test_file(12, "now a file\n")],
+                dirents: vec![
+                    DirentRec::test(1, "e", 10, dk),
+                    DirentRec::test(1, "d", 12, reg),
+                ],
                 ..Default::default()
             },
         );
-        put(
-            &repo,
+        repo.put_test(
             3,
             Some(2),
             &Body {
-                inodes: vec![file(11, "f changed\n")],
+                inodes: vec![InodeRec::test_file(11, "f changed\n")],
                 ..Default::default()
             },
         );

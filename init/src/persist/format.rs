@@ -128,6 +128,32 @@ impl InodeRec {
             data,
         }
     }
+    /// A regular file of `text`, inline (tests).
+    pub fn test_file(ino: u64, text: &str) -> InodeRec {
+        InodeRec::test(
+            ino,
+            libc::S_IFREG | 0o644,
+            DataRec::Inline(text.as_bytes().to_vec()),
+        )
+    }
+
+    /// A directory (tests).
+    pub fn test_dir(ino: u64) -> InodeRec {
+        InodeRec::test(ino, libc::S_IFDIR | 0o755, DataRec::None)
+    }
+}
+
+#[cfg(test)]
+impl DirentRec {
+    /// The entry `name` in `parent` naming `ino` of kind `kind` (`S_IFREG`, ...) (tests).
+    pub fn test(parent: u64, name: &str, ino: u64, kind: u32) -> DirentRec {
+        DirentRec {
+            parent,
+            name: name.as_bytes().to_vec(),
+            ino,
+            kind,
+        }
+    }
 }
 
 /// A file's bytes as the snapshot stores them.

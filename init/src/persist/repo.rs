@@ -317,3 +317,14 @@ pub fn random_id() -> String {
     let seed = format!("{t}-{}-{:p}", std::process::id(), &*probe);
     ChunkId::of(seed.as_bytes()).to_hex()[..32].to_string()
 }
+
+#[cfg(test)]
+impl Repo {
+    /// Stores `body` as snapshot `seq` on `parent` (none: a full snapshot), with
+    /// `Header::test`'s header (tests).
+    pub fn put_test(&self, seq: u64, parent: Option<u64>, body: &format::Body) {
+        let h = format::Header::test(seq, parent);
+        self.put_snapshot(seq, format::encode(&h, body).unwrap())
+            .unwrap();
+    }
+}
