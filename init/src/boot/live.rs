@@ -137,7 +137,8 @@ impl RollbackTarget for TreeTarget<'_, '_> {
     /// entries it does not cover (changed after the checkpoint, so not among what the
     /// snapshots between touched), and the entries naming those inodes. It runs under the
     /// filesystem's lock: when anything changed after the checkpoint, requests wait for
-    /// one replay of the chain (about half a second at a million files).
+    /// one replay of the chain (at a million files, with a writer creating files
+    /// throughout, the whole apply held the lock 0.39–0.43 s for ~11,000 late changes).
     fn prepare(
         &self,
         inodes: &BTreeSet<InodeNo>,
