@@ -64,7 +64,17 @@ struct TreeTarget<'a, 'b> {
     chunks: RemoteChunks,
 }
 
-impl TreeTarget<'_, '_> {
+impl<'a, 'b> TreeTarget<'a, 'b> {
+    /// The target `tree`; with `sparse`, a tree read only in part (`tree` is its `to` side).
+    fn new(tree: &'a View<'b>, sparse: Option<&'a Sparse>, repo: &Repo) -> Self {
+        TreeTarget {
+            tree,
+            sparse,
+            more: RefCell::new(Tree::default()),
+            chunks: RemoteChunks::new(repo.clone()),
+        }
+    }
+
     /// The target's record for `ino`, from the tree or from what `prepare` read.
     fn with_inode<R>(&self, ino: u64, f: impl FnOnce(Option<&TreeInode>) -> R) -> R {
         match self.sparse {
@@ -193,12 +203,7 @@ pub fn rollback_fn(fs: Arc<WorkspaceFs>, inval: Invalidate) -> crate::persist::a
                 .into());
             }
             let p = plan(cur, target, changed);
-            let t = TreeTarget {
-                tree: target,
-                sparse,
-                more: RefCell::new(Tree::default()),
-                chunks: RemoteChunks::new(repo.clone()),
-            };
+            let t = TreeTarget::new(target, sparse, repo);
             let r = fs.rollback(&p, &t).map_err(LiveRollbackError::Apply)?;
             let t0 = Instant::now();
             let mut inval_failed = 0u64;
@@ -276,14 +281,8 @@ mod tests {
         let whole_tree = repo.load_tree(1).unwrap().0;
         let whole_view = View::of(&whole_tree);
         let part_view = View::of(&s.to);
-        let target = |tree, sparse| TreeTarget {
-            tree,
-            sparse,
-            more: RefCell::new(Tree::default()),
-            chunks: RemoteChunks::new(repo.clone()),
-        };
-        let whole = target(&whole_view, None);
-        let part = target(&part_view, Some(&s));
+        let whole = TreeTarget::new(&whole_view, None, &repo);
+        let part = TreeTarget::new(&part_view, Some(&s), &repo);
         let inodes: BTreeSet<InodeNo> = [1, 3, 4, 5, 8, 9].into_iter().map(InodeNo).collect();
         let entries: BTreeSet<(InodeNo, Vec<u8>)> = [
             (1, "u"),
@@ -372,19 +371,13 @@ mod tests {
         assert!(s.covers_inode(5) && !s.covers_inode(7));
         let whole_tree = repo.load_tree(2).unwrap().0;
         let (whole_view, part_view) = (View::of(&whole_tree), View::of(&s.to));
-        let target = |tree, sparse| TreeTarget {
-            tree,
-            sparse,
-            more: RefCell::new(Tree::default()),
-            chunks: RemoteChunks::new(repo.clone()),
-        };
-        let whole = target(&whole_view, None);
+        let whole = TreeTarget::new(&whole_view, None, &repo);
         let name = |n: &str| (InodeNo(1), n.as_bytes().to_vec());
         for (inos, names) in [
             (vec![5, 7], vec![]),
             (vec![5, 7], vec![name("a"), name("c")]),
         ] {
-            let part = target(&part_view, Some(&s));
+            let part = TreeTarget::new(&part_view, Some(&s), &repo);
             let inos: BTreeSet<InodeNo> = inos.into_iter().map(InodeNo).collect();
             part.prepare(&inos, &names.iter().cloned().collect())
                 .unwrap();

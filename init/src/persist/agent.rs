@@ -247,34 +247,14 @@ fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, AgentError> {
     let to = resolve(req.to.as_deref().unwrap_or("head"))?;
     let head = last_seq(w)?.ok_or(AgentError::NoSnapshot("the workspace has no snapshot yet"))?;
     if !keeps_history(w, head)? {
-        // A large workspace: the parts of the two trees the deltas between them touch when
-        // the older is on the newer's chain, else the older tree advanced along the
-        // snapshots to the newer when they are on one line (one tree and the changes), else
-        // the two trees decoded (no history tree beside them).
-        if let Some(d) = super::diff::diff_sparse(&repo, from, to).map_err(AgentError::Diff)? {
-            crate::sys::mem::release_free_heap();
-            let t_hist = ms(t0);
-            return Ok(diff_json(&d, "sparse", t0, t_hist));
-        }
-        if from != to {
-            if let Some(d) = super::diff::diff_along(&repo, from, to) {
-                // The tree is gone: give its pages back (RSS stayed at the peak before).
-                crate::sys::mem::release_free_heap();
-                let t_hist = ms(t0);
-                return Ok(diff_json(&d, "along", t0, t_hist));
-            }
-        }
-        let ta = load(&repo, from)?;
-        let tb = if to == from {
-            None
-        } else {
-            Some(load(&repo, to)?)
-        };
-        let t_hist = ms(t0);
-        let d = super::diff::diff_trees(&ta, tb.as_ref().unwrap_or(&ta));
-        drop((ta, tb));
+        // A large workspace: as a stopped one is compared (`diff::diff_how`: the parts of
+        // the trees the snapshots between touched, else one tree advanced along them, else
+        // both decoded), with no history tree beside them.
+        let (d, how) = super::diff::diff_how(&repo, from, to).map_err(AgentError::Diff)?;
+        // The trees are gone: give their pages back (RSS stayed at the peak before).
         crate::sys::mem::release_free_heap();
-        return Ok(diff_json(&d, "decoded", t0, t_hist));
+        let t_hist = ms(t0);
+        return Ok(diff_json(&d, how, t0, t_hist));
     }
     let h = history_at(w, head)?;
     let t_hist = ms(t0);

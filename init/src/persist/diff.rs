@@ -342,12 +342,18 @@ pub fn diff_views(a: &View, b: &View, changed: &Changed) -> Diff {
 /// between them when each follows the one before (`diff_along`), else both trees loaded
 /// whole.
 pub fn diff(repo: &Repo, from: u64, to: u64) -> Result<Diff, DiffError> {
+    diff_how(repo, from, to).map(|(d, _)| d)
+}
+
+/// [`diff`], and how it got the trees (`"sparse"`, `"along"` or `"decoded"`), for programs
+/// that measure; the changes are the same whichever way.
+pub fn diff_how(repo: &Repo, from: u64, to: u64) -> Result<(Diff, &'static str), DiffError> {
     if let Some(d) = diff_sparse(repo, from, to)? {
-        return Ok(d);
+        return Ok((d, "sparse"));
     }
     if from != to {
         if let Some(d) = diff_along(repo, from, to) {
-            return Ok(d);
+            return Ok((d, "along"));
         }
     }
     let load = |seq| {
@@ -359,8 +365,8 @@ pub fn diff(repo: &Repo, from: u64, to: u64) -> Result<Diff, DiffError> {
             })
     };
     let a = load(from)?;
-    let b = if to == from { a.clone() } else { load(to)? };
-    Ok(diff_trees(&a, &b))
+    let b = if to == from { None } else { Some(load(to)?) };
+    Ok((diff_trees(&a, b.as_ref().unwrap_or(&a)), "decoded"))
 }
 
 /// The two sides of a diff as far as it looks at them: each snapshot's tree holding only
@@ -402,18 +408,15 @@ impl Sparse {
     ) -> Result<Tree, DiffError> {
         let index = by_parent(entries);
         let mut t = Tree::default();
-        for (key, b) in &self.chain[..=self.to_at] {
-            t.apply_object_where(
-                key,
-                b,
-                |i| inodes.contains(&i),
-                |d| inodes.contains(&d.ino) || index.has(d),
-            )
-            .map_err(|e| DiffError::Load {
-                seq: self.to.seq.unwrap_or(0),
-                source: Box::new(RepoError::from(e)),
-            })?;
-        }
+        t.apply_objects_where(
+            &self.chain[..=self.to_at],
+            |i| inodes.contains(&i),
+            |d| inodes.contains(&d.ino) || index.has(d),
+        )
+        .map_err(|e| DiffError::Load {
+            seq: self.to.seq.unwrap_or(0),
+            source: Box::new(RepoError::from(e)),
+        })?;
         Ok(t)
     }
 }
@@ -465,32 +468,32 @@ pub fn sparse(repo: &Repo, from: u64, to: u64) -> Result<Option<Sparse>, DiffErr
     let mut changed = Changed::default();
     for (key, b) in &chain[at + 1..] {
         let (_, mut r) = super::format::reader(key, b).map_err(format)?;
-        while let Some(rec) = r.next_inode().map_err(format)? {
-            changed.inodes.insert(rec.ino);
-        }
-        while let Some(ino) = r.next_deleted().map_err(format)? {
-            changed.inodes.insert(ino);
-        }
-        while let Some(d) = r.next_dirent().map_err(format)? {
-            changed.dirents.insert((d.parent, d.name));
-        }
-        while let Some(k) = r.next_unlinked().map_err(format)? {
-            changed.dirents.insert(k);
-        }
+        r.touched(
+            |i| {
+                changed.inodes.insert(i);
+            },
+            |k| {
+                changed.dirents.insert(k);
+            },
+        )
+        .map_err(format)?;
     }
     // The older side is the tree right after its own object; the newer the whole chain.
+    let (before, after) = chain.split_at(at + 1);
     let replay = |keep_inode: &dyn Fn(u64) -> bool, keep_entry: &dyn Fn(&DirentRec) -> bool| {
-        let mut t = Tree::default();
-        let mut older = None;
-        for (i, (key, b)) in chain.iter().enumerate() {
-            t.apply_object_where(key, b, keep_inode, keep_entry)
-                .map_err(format)?;
-            if i == at {
-                older = Some(t.clone());
-            }
-        }
-        let older = older.expect("`at` indexes the chain");
-        Ok::<_, DiffError>(if from <= to { (older, t) } else { (t, older) })
+        let mut older = Tree::default();
+        older
+            .apply_objects_where(before, keep_inode, keep_entry)
+            .map_err(format)?;
+        let mut newer = older.clone();
+        newer
+            .apply_objects_where(after, keep_inode, keep_entry)
+            .map_err(format)?;
+        Ok::<_, DiffError>(if from <= to {
+            (older, newer)
+        } else {
+            (newer, older)
+        })
     };
     let touched = by_parent(&changed.dirents);
     let (a, b) = replay(&|_| false, &|d| touched.has(d))?;
@@ -615,10 +618,8 @@ fn path_tree(repo: &Repo, seq: u64, path: &str) -> Result<(Tree, Option<u64>), D
     let names: std::collections::HashSet<&[u8]> = components(path).map(str::as_bytes).collect();
     let replay = |keep_inode: &dyn Fn(u64) -> bool, keep_entry: &dyn Fn(&DirentRec) -> bool| {
         let mut t = Tree::default();
-        for (key, b) in &chain {
-            t.apply_object_where(key, b, keep_inode, keep_entry)
-                .map_err(|e| load(RepoError::from(e)))?;
-        }
+        t.apply_objects_where(&chain, keep_inode, keep_entry)
+            .map_err(|e| load(RepoError::from(e)))?;
         Ok::<_, DiffError>(t)
     };
     let walk = replay(&|_| false, &|d| names.contains(d.name.as_slice()))?;

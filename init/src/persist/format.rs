@@ -651,6 +651,29 @@ impl BodyReader<'_> {
     pub fn next_unlinked(&mut self) -> Result<Option<(u64, Vec<u8>)>, FormatError> {
         self.next(Section::Unlinked)
     }
+
+    /// Every key the body touches, the rest of it read: each inode it writes or deletes
+    /// (`inode`), each entry it writes or unlinks (`entry`). A delta's keys are all that
+    /// can differ between its parent's tree and its own.
+    pub fn touched(
+        &mut self,
+        mut inode: impl FnMut(u64),
+        mut entry: impl FnMut((u64, Vec<u8>)),
+    ) -> Result<(), FormatError> {
+        while let Some(rec) = self.next_inode()? {
+            inode(rec.ino);
+        }
+        while let Some(ino) = self.next_deleted()? {
+            inode(ino);
+        }
+        while let Some(d) = self.next_dirent()? {
+            entry((d.parent, d.name));
+        }
+        while let Some(k) = self.next_unlinked()? {
+            entry(k);
+        }
+        Ok(())
+    }
 }
 
 /// Decodes the header only (also from a prefix of the object, for listings).
@@ -851,6 +874,19 @@ impl Tree {
             }
         }
         Ok(h)
+    }
+
+    /// [`Tree::apply_object_where`] of each object of a chain (or a run of one), in order.
+    pub fn apply_objects_where(
+        &mut self,
+        objects: &[(String, bytes::Bytes)],
+        keep_inode: impl Fn(u64) -> bool,
+        keep_entry: impl Fn(&DirentRec) -> bool,
+    ) -> Result<(), FormatError> {
+        for (key, data) in objects {
+            self.apply_object_where(key, data, &keep_inode, &keep_entry)?;
+        }
+        Ok(())
     }
 
     /// Starts replaying snapshot `h`: a full snapshot replaces the tree, a delta must follow

@@ -342,27 +342,18 @@ impl History {
             // What the delta touches, with its value before (one pass over the body), then
             // the delta replayed.
             let tree = &self.tree;
-            let mut ino = |i: u64| {
-                step.inodes
-                    .entry(i)
-                    .or_insert_with(|| tree.inodes.get(&i).cloned());
-            };
-            while let Some(rec) = r.next_inode().map_err(replay)? {
-                ino(rec.ino);
-            }
-            while let Some(i) = r.next_deleted().map_err(replay)? {
-                ino(i);
-            }
-            let mut dirent = |k: DirKey| {
-                let old = tree.dirents.get(&k).copied();
-                step.dirents.entry(k).or_insert(old);
-            };
-            while let Some(d) = r.next_dirent().map_err(replay)? {
-                dirent((d.parent, d.name));
-            }
-            while let Some(k) = r.next_unlinked().map_err(replay)? {
-                dirent(k);
-            }
+            r.touched(
+                |i| {
+                    step.inodes
+                        .entry(i)
+                        .or_insert_with(|| tree.inodes.get(&i).cloned());
+                },
+                |k| {
+                    let old = tree.dirents.get(&k).copied();
+                    step.dirents.entry(k).or_insert(old);
+                },
+            )
+            .map_err(replay)?;
             drop(r);
             self.tree.apply_object(&key, &data).map_err(replay)?;
         }
@@ -474,10 +465,6 @@ mod tests {
         }
     }
 
-    fn header(seq: u64, parent: Option<u64>) -> Header {
-        Header::test(seq, parent)
-    }
-
     fn put(repo: &Repo, h: &Header, b: &Body) {
         repo.put_snapshot(h.seq, encode(h, b).unwrap()).unwrap();
     }
@@ -504,7 +491,7 @@ mod tests {
     /// removes 5 and names 3 "new" too; 3 removes 6 and "new".
     fn line_of_three(repo: &Repo) {
         let t = tree(20);
-        put(repo, &header(1, None), &full_body(&t));
+        repo.put_test(1, None, &full_body(&t));
         let mut d2 = Body {
             inodes: vec![t.inodes[&3].rec.clone(), t.inodes[&4].rec.clone()],
             deleted: vec![5],
@@ -512,13 +499,13 @@ mod tests {
             dirents: vec![dirent(1, "new", 3)],
         };
         d2.inodes[0].size = 7;
-        put(repo, &header(2, Some(1)), &d2);
+        repo.put_test(2, Some(1), &d2);
         let d3 = Body {
             deleted: vec![6],
             unlinked: vec![(1, b"6".to_vec()), (1, b"new".to_vec())],
             ..Default::default()
         };
-        put(repo, &header(3, Some(2)), &d3);
+        repo.put_test(3, Some(2), &d3);
     }
 
     #[test]
@@ -528,7 +515,7 @@ mod tests {
         // A compaction: the tree of 3 again, as a full snapshot.
         let (t3, _) = repo.load_tree(3).unwrap();
         let f4 = full_body(&t3);
-        put(&repo, &header(4, None), &f4);
+        repo.put_test(4, None, &f4);
 
         // Each tree as the whole-body decode makes it.
         let whole = |seq: u64| {
@@ -571,7 +558,7 @@ mod tests {
         let c = h.changed(1, 3).unwrap();
         assert_eq!(c.inodes, [3, 4, 5, 6].into_iter().collect());
         // A snapshot that does not follow the tree ends the history.
-        put(&repo, &header(6, Some(5)), &Body::default());
+        repo.put_test(6, Some(5), &Body::default());
         assert!(!h.advance(&repo, 6).unwrap());
     }
 
@@ -590,7 +577,7 @@ mod tests {
             assert_eq!(diff(&repo, a, b).unwrap(), want, "{a} -> {b}");
         }
         // 4 follows 2, not 3 (another line): the whole trees are compared instead.
-        put(&repo, &header(4, Some(2)), &Body::default());
+        repo.put_test(4, Some(2), &Body::default());
         assert_eq!(diff_along(&repo, 3, 4), None);
         assert!(!whole(3, 4).changes.is_empty());
         assert_eq!(diff(&repo, 3, 4).unwrap(), whole(3, 4));
@@ -601,10 +588,10 @@ mod tests {
         use crate::persist::diff::{diff, diff_along, diff_trees};
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
         let full = full_body(&tree(5));
-        put(&repo, &header(1, None), &full);
+        repo.put_test(1, None, &full);
         // keel restarted with another chunk size: its first checkpoint is a full snapshot
         // on the same line (prev = 1) with the new size.
-        let mut h2 = header(2, None);
+        let mut h2 = Header::test(2, None);
         h2.chunk_size = 8;
         let mut changed = full.clone();
         changed.inodes[0].size = 3;
@@ -622,7 +609,7 @@ mod tests {
         // A long line of empty deltas after 2: walked up to MAX_ALONG snapshots, not past.
         let last = 2 + MAX_ALONG + 1;
         for seq in 3..=last {
-            let mut hd = header(seq, Some(seq - 1));
+            let mut hd = Header::test(seq, Some(seq - 1));
             hd.chunk_size = 8;
             put(&repo, &hd, &Body::default());
         }
