@@ -247,6 +247,28 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// The inodes that have a chunk map.
+    pub fn inodes_with_chunks(&self) -> Result<Vec<InodeNo>> {
+        let mut st = self
+            .conn
+            .counted("SELECT DISTINCT ino FROM file_chunk ORDER BY ino")?;
+        let rows = st.query_map([], |r| Ok(InodeNo(r.get::<_, i64>(0)? as u64)))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Drops the chunk maps of files that are inline now: a snapshot recorded them, or will,
+    /// without a map (a map kept from before would let a later delta patch only part of
+    /// one). Safe whatever the last snapshot holds: a file without a map gets a whole one.
+    pub fn drop_inline_chunk_maps(&self) -> Result<usize> {
+        Ok(self
+            .conn
+            .counted(
+                "DELETE FROM file_chunk WHERE ino IN (SELECT DISTINCT c.ino FROM file_chunk c
+                 JOIN inode i ON i.ino = c.ino WHERE i.storage = 0)",
+            )?
+            .execute([])?)
+    }
+
     /// Drops every chunk map (the chunk size changed: everything is re-hashed).
     pub fn clear_file_chunks(&self) -> Result<()> {
         self.conn.execute_batch("DELETE FROM file_chunk")?;

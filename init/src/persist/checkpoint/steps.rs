@@ -368,15 +368,18 @@ impl Persister {
     /// Windows changed size, or this remote is not the one the chunk maps were uploaded to
     /// (a new remote, a restored state dir, a wiped bucket): every chunk map is void, so
     /// every window is hashed and offered to the remote again (chunks it already holds are
-    /// not rewritten).
+    /// not rewritten). Else the maps of files that are inline now are.
     pub(super) fn void_stale_chunk_maps(&self, prior: &Prior) -> Result<(), CheckpointError> {
         let cs = self.params.chunk_size;
+        let tx = self.store.write()?;
         if prior.chunk_size.is_some_and(|c| c != cs) || (!prior.trusted && prior.last_seq.is_some())
         {
-            let tx = self.store.write()?;
             tx.clear_file_chunks()?;
-            tx.commit()?;
+        } else {
+            // Left by a keel before `record_locally` dropped them (see there).
+            tx.drop_inline_chunk_maps()?;
         }
+        tx.commit()?;
         Ok(())
     }
 
@@ -696,6 +699,23 @@ impl Persister {
                 tx.set_file_chunks(*ino, rows)?;
             }
             tx.truncate_file_chunks(*ino, window_count(fw.inode.size, cs))?;
+        }
+        // A file this snapshot records without a body (it went inline, by a rollback or
+        // back from a passthrough body) has no chunk map in it any more. Its old map would
+        // let the next delta that gives it a body again patch only the windows that differ
+        // from it, over a tree that holds no map: those left out would read as zeros.
+        if pass.full {
+            for ino in tx.inodes_with_chunks()? {
+                if !pass.files.contains_key(&ino) {
+                    tx.truncate_file_chunks(ino, 0)?;
+                }
+            }
+        } else {
+            for rec in &pass.body.inodes {
+                if !pass.files.contains_key(&InodeNo(rec.ino)) {
+                    tx.truncate_file_chunks(InodeNo(rec.ino), 0)?;
+                }
+            }
         }
         tx.clear_pending()?;
         tx.persist_set("last_seq", &seq.to_string())?;

@@ -194,6 +194,18 @@ fn void_stale_chunk_maps_clears_maps_of_another_remote_or_chunk_size() {
     let prior = f.p.read_prior().unwrap();
     f.p.void_stale_chunk_maps(&prior).unwrap();
     assert_eq!(maps(&f.p), 3, "same remote, same chunk size: kept");
+    // A file inline now has no map to patch (a keel before `record_locally` dropped them
+    // left such maps behind).
+    let other = add_file(&f.p, b"b", &three_windows());
+    first(&mut f.p);
+    let tx = f.p.store.write().unwrap();
+    let mut i = tx.get(other).unwrap().unwrap();
+    i.storage = Storage::Inline;
+    tx.update(&i).unwrap();
+    tx.commit().unwrap();
+    f.p.void_stale_chunk_maps(&prior).unwrap();
+    assert_eq!(maps(&f.p), 3, "a body file keeps its map");
+    assert!(f.p.store.read().file_chunks(other).unwrap().is_empty());
     let resized = Prior {
         chunk_size: Some(CS * 2),
         ..prior.clone()
@@ -456,4 +468,52 @@ fn backlog_counts_claimed_and_unclaimed_changes_once_each() {
     assert_eq!((got.files, got.bytes), (2, 3 * CS + 5), "{got}");
     assert_eq!((got.inodes, got.files, got.bytes), backlog_by_sets(&f.p));
     assert!(got.inodes >= 3, "a, b and the gone 9998 at least: {got}");
+}
+
+/// A file that a snapshot records inline (a rollback made it so, or it went back from a
+/// passthrough body) and that then gets a body again with the bytes it had before: the
+/// next delta must carry its whole map, not only the windows that differ from the map it
+/// had two snapshots ago, or a restore reads those windows as zeros. Through a delta and
+/// through a full snapshot.
+#[test]
+fn a_file_inline_in_between_gets_its_whole_map_back() {
+    for full_in_between in [false, true] {
+        let mut f = fixture();
+        let data = three_windows();
+        let a = add_file(&f.p, b"a", &data);
+        first(&mut f.p);
+        let body = |p: &Persister, storage, size| {
+            let tx = p.store.write().unwrap();
+            let mut i = tx.get(a).unwrap().unwrap();
+            (i.storage, i.size) = (storage, size);
+            tx.update(&i).unwrap();
+            if storage == Storage::Inline {
+                tx.set_inline_data(a, b"small").unwrap();
+            } else {
+                tx.mark_dirty_windows(a, 0..window_count(size, CS)).unwrap();
+            }
+            tx.commit().unwrap();
+        };
+        body(&f.p, Storage::Inline, 5);
+        let opts = CheckpointOptions {
+            full: full_in_between,
+            ..Default::default()
+        };
+        let r = f.p.checkpoint(&opts).unwrap();
+        assert_eq!(r.full, full_in_between);
+        body(&f.p, Storage::Body, data.len() as u64);
+        let r = first(&mut f.p);
+        assert!(!r.full);
+        let (tree, _) = f.p.repo().load_tree(r.seq.unwrap()).unwrap();
+        let want: Vec<Option<ChunkId>> = data
+            .chunks(CS as usize)
+            .map(|w| (!w.iter().all(|b| *b == 0)).then(|| ChunkId::of(w)))
+            .collect();
+        assert_eq!(
+            tree.inodes[&a.0].data,
+            crate::persist::format::TreeData::Chunks(want),
+            "inline in between, {}",
+            if full_in_between { "full" } else { "delta" }
+        );
+    }
 }
