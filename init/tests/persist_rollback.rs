@@ -157,7 +157,11 @@ fn random_op(rng: &mut Rng, root: &Path) {
 
 #[test]
 fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
-    let Some(mut k) = Keel::start(&[]) else {
+    // A full snapshot every 8 checkpoints: rollbacks across them too.
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let cfg = cfg_dir.path().join("config.toml");
+    fs::write(&cfg, "[persist]\ncompact_every = 8\n").unwrap();
+    let Some(mut k) = Keel::start(&["--config", cfg.to_str().unwrap()]) else {
         return;
     };
     let state = k.state.to_str().unwrap().to_string();
@@ -171,6 +175,17 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
         .unwrap_or(30);
     let mut rng = Rng(seed);
     let mut model: Vec<(String, Tree)> = Vec::new();
+    // The snapshot a rollback's checkpoint wrote holds what the target holds: what a
+    // restore elsewhere would get back, not only what the mount shows.
+    let same_as_target = |v: &serde_json::Value| {
+        let (to, new) = (v["to"].to_string(), v["snapshot"].to_string());
+        let d: serde_json::Value =
+            serde_json::from_str(&keel(&["diff", &to, &new, "--json", "--state", &state])).unwrap();
+        assert!(
+            d["changes"].as_array().unwrap().is_empty(),
+            "snapshot {new} after the rollback to {to} is not {to} (seed {seed:#x}): {d}"
+        );
+    };
     let (mut ops, mut rollbacks, mut kept_open) = (0u64, 0u64, 0u64);
     for round in 0..rounds {
         for _ in 0..(3 + rng.below(10)) {
@@ -193,7 +208,10 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
                 .into_iter()
                 .find(|(_, (kind, _, _))| kind == "file");
             let mut open = held.map(|(p, (_, _, data))| (fs::File::open(k.p(&p)).unwrap(), data));
-            keel(&["rollback", "--state", &state, &to]);
+            let v: serde_json::Value =
+                serde_json::from_str(&keel(&["rollback", "--state", &state, &to, "--json"]))
+                    .unwrap();
+            same_as_target(&v);
             rollbacks += 1;
             let got = read_tree(&k.mnt);
             assert_eq!(
@@ -215,11 +233,12 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
             }
         }
     }
-    // A keel mounted again holds no history: a rollback to a snapshot on the head's chain
-    // reads from the snapshots only what those between touched (`diff::sparse`), and must
-    // land on the model all the same. Each case rolls back to a model snapshot, then undoes
-    // that through its `before-rollback-N` name (on the chain unless a compaction came),
-    // each time on a fresh mount (a rollback off the chain loads the history).
+    // A keel mounted again holds no history: a rollback reads from the snapshots only the
+    // parts of the two trees that can differ (`diff::sparse`): along the head's chain what
+    // the snapshots between touched ("sparse"), across a full snapshot both chains' deltas
+    // and the two full snapshots merged ("merged"), and must land on the model all the
+    // same. Each case rolls back to a model snapshot, then undoes that through its
+    // `before-rollback-N` name, each time on a fresh mount.
     let on_chain = |from: &serde_json::Value, to: &serde_json::Value| {
         let l: serde_json::Value =
             serde_json::from_str(&keel(&["snapshot", "list", "--state", &state, "--json"]))
@@ -239,8 +258,8 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
         }
         false
     };
-    let mut sparse = 0;
-    for case in 0..6 {
+    let (mut sparse, mut merged) = (0, 0);
+    for case in 0..10 {
         for _ in 0..rng.below(6) {
             random_op(&mut rng, &k.mnt);
             ops += 1;
@@ -258,9 +277,17 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
                 serde_json::from_str(&keel(&["rollback", "--state", &state, &to, "--json"]))
                     .unwrap();
             rollbacks += 1;
-            if v["trees"] == "sparse" {
-                assert!(on_chain(&v["from"], &v["to"]), "sparse off the chain: {v}");
-                sparse += 1;
+            same_as_target(&v);
+            match v["trees"].as_str() {
+                Some("sparse") => {
+                    assert!(on_chain(&v["from"], &v["to"]), "sparse off the chain: {v}");
+                    sparse += 1;
+                }
+                Some("merged") => {
+                    assert!(!on_chain(&v["from"], &v["to"]), "merged on one chain: {v}");
+                    merged += 1;
+                }
+                _ => panic!("a rollback after a remount loaded whole trees: {v}"),
             }
             assert!(
                 read_tree(&k.mnt) == want,
@@ -269,8 +296,8 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
         }
     }
     assert!(
-        sparse > 0,
-        "no rollback after the remount read the sparse trees"
+        sparse > 0 && merged > 0,
+        "after the remounts: {sparse} rollbacks along one chain, {merged} across a full snapshot"
     );
     // Undo the last rollback through its recorded name, when there was one.
     let names = keel(&["snapshot", "list", "--state", &state, "--json"]);
@@ -301,7 +328,7 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
         String::from_utf8_lossy(&out.stderr)
     );
     println!(
-        "rollback model: seed {seed:#x}, {rounds} cases (snapshots), {ops} operations, {rollbacks} rollbacks ({sparse} from sparse trees), {kept_open} files held open across one"
+        "rollback model: seed {seed:#x}, {rounds} cases (snapshots), {ops} operations, {rollbacks} rollbacks ({sparse} along one chain and {merged} across a full snapshot after a remount), {kept_open} files held open across one"
     );
 }
 

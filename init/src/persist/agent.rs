@@ -415,10 +415,11 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
     };
     let t_ckpt = ms(t0);
     let t1 = Instant::now();
-    // The history when it already sees both; else the parts of the two trees the deltas
-    // between them touch, when the target is on the current snapshot's chain (rather than
-    // a history loaded for it: a whole tree, the whole workspace's on a large one); else
-    // the history made to see the target, or with the target decoded.
+    // The history when it already sees both; else the parts of the two trees that can
+    // differ (`diff::sparse`: what the deltas between them touch, or across a full snapshot
+    // also what differs between the two full snapshots), rather than a history loaded for
+    // it (a whole tree, the whole workspace's on a large one); else the history made to see
+    // the target, or with the target decoded.
     let seen = w
         .history
         .as_ref()
@@ -430,12 +431,7 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
     };
     let decoded;
     let (cur, tgt, changed, how) = match &sparse {
-        Some(s) => (
-            View::of(&s.from),
-            View::of(&s.to),
-            s.changed.clone(),
-            "sparse",
-        ),
+        Some(s) => (View::of(&s.from), View::of(&s.to), s.changed.clone(), s.how),
         None => {
             history_seeing(w, current, target)?;
             let h = w.history.as_ref().expect("loaded above");

@@ -5,12 +5,13 @@
 //! Cost: against a running keel (`agent::Op::Diff`), two snapshots in the checkpoint
 //! worker's history (`history`) are compared through `diff_views`: only the inodes and
 //! entries the snapshots between them touched, plus one pass over the entries to name them.
-//! Otherwise (a stopped workspace, a large one, or a snapshot older than the history), when
-//! the older snapshot is on the newer's chain (only deltas between them), the same parts of
-//! the two trees are read from the chain through a filter (`sparse`: what the deltas
-//! between them touched, the entries naming it and the directories); across a full
-//! snapshot the older tree is advanced along the snapshots to the newer (`diff_along`: one
-//! tree and the changes), or, when they are not one line, both trees are materialized from
+//! Otherwise (a stopped workspace, a large one, or a snapshot older than the history), the
+//! same parts of the two trees are read from the chains through a filter (`sparse`: what
+//! the deltas between them touched, or across a full snapshot what either chain's deltas
+//! touched and what differs between the two full snapshots, read as sorted streams
+//! (`across`); then the entries naming it and the directories). Only when a full snapshot
+//! does not list its records in key order is the older tree advanced along the snapshots
+//! to the newer (`diff_along`: one tree and the changes), or both trees materialized from
 //! their chains (`Repo::load_tree`) and compared whole. File contents are
 //! compared by their chunk ids, never by reading chunks; only `-- PATH` fetches chunks, of
 //! that one file.
@@ -23,6 +24,8 @@ use super::format::{DirentRec, Tree, TreeData, TreeInode};
 use super::history::{Changed, History, View};
 use super::repo::{Repo, RepoError};
 use crate::chunk::ChunkId;
+
+mod across;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DiffError {
@@ -337,19 +340,18 @@ pub fn diff_views(a: &View, b: &View, changed: &Changed) -> Diff {
     diff_trees(&a.partial(&cand), &b.partial(&cand))
 }
 
-/// Compares two snapshots: from the parts of their trees the deltas between them touch
-/// when the older is on the newer's chain (`diff_sparse`), else along the line of snapshots
-/// between them when each follows the one before (`diff_along`), else both trees loaded
-/// whole.
+/// Compares two snapshots: from the parts of their trees that can differ (`diff_sparse`),
+/// else along the line of snapshots between them when each follows the one before
+/// (`diff_along`), else both trees loaded whole.
 pub fn diff(repo: &Repo, from: u64, to: u64) -> Result<Diff, DiffError> {
     diff_how(repo, from, to).map(|(d, _)| d)
 }
 
-/// [`diff`], and how it got the trees (`"sparse"`, `"along"` or `"decoded"`), for programs
+/// [`diff`], and how it got the trees (`"sparse"`, `"merged"`, `"along"` or `"decoded"`), for programs
 /// that measure; the changes are the same whichever way.
 pub fn diff_how(repo: &Repo, from: u64, to: u64) -> Result<(Diff, &'static str), DiffError> {
-    if let Some(d) = diff_sparse(repo, from, to)? {
-        return Ok((d, "sparse"));
+    if let Some(d) = diff_sparse_how(repo, from, to)? {
+        return Ok(d);
     }
     if from != to {
         if let Some(d) = diff_along(repo, from, to) {
@@ -383,6 +385,8 @@ pub struct Sparse {
     chain: Vec<(String, bytes::Bytes)>,
     /// The `to` side's object in `chain`.
     to_at: usize,
+    /// How the sides were read: `"sparse"` (along one chain) or `"merged"` (two chains).
+    pub how: &'static str,
 }
 
 impl Sparse {
@@ -440,59 +444,87 @@ impl ByParent<'_> {
     }
 }
 
-/// [`Sparse`] for `from` and `to` when the older one is on the newer one's chain (only
-/// deltas between them, as checkpoints make them; a full snapshot between them starts
-/// another chain): the keys those deltas touch are all that can differ. The newer's chain
-/// is fetched once (held compressed, as `Repo::load_tree` holds it) and replayed twice
-/// through a filter, the older side taken on the way: first only the touched entries (what
-/// they name on each side), then the inodes that may differ, their entries and the
-/// directories'. Memory of the change and the directories, not of the tree. `None` when
-/// the older snapshot is not on the newer's chain.
+/// [`Sparse`] for `from` and `to`: the parts of their trees that can differ, without
+/// either tree whole. When the older one is on the newer one's chain (only deltas between
+/// them, as checkpoints make them), the keys those deltas touch are all that can differ;
+/// the newer's chain is fetched once (held compressed, as `Repo::load_tree` holds it) and
+/// the older side taken on the way (`how`: `"sparse"`). Otherwise (a full snapshot between
+/// them, or two branches) each one's chain is fetched, and what can differ is what the
+/// deltas of either chain touch plus what differs between the two full snapshots they
+/// start from, read as two sorted streams (`across`; `how`: `"merged"`). Either way each
+/// side is then replayed twice through a filter: first only the touched entries (what they
+/// name on each side), then the inodes that may differ, their entries and the directories'.
+/// Memory of the change and the directories, not of the tree. `None` when a full snapshot
+/// does not list its records in key order (see `across`).
 pub fn sparse(repo: &Repo, from: u64, to: u64) -> Result<Option<Sparse>, DiffError> {
     let (lo, hi) = (from.min(to), from.max(to));
-    let load = |source| DiffError::Load {
-        seq: hi,
-        source: Box::new(source),
+    let load = |seq: u64| {
+        move |source| DiffError::Load {
+            seq,
+            source: Box::new(source),
+        }
     };
-    let format = |e: super::format::FormatError| load(RepoError::from(e));
-    let chain = repo.chain_objects(hi).map_err(load)?;
+    let format = |seq: u64| move |e: super::format::FormatError| load(seq)(RepoError::from(e));
+    let chain = repo.chain_objects(hi).map_err(load(hi))?;
     let mut at = None;
     for (i, (key, b)) in chain.iter().enumerate() {
-        if super::format::decode_header(key, b).map_err(format)?.0.seq == lo {
+        if super::format::decode_header(key, b)
+            .map_err(format(hi))?
+            .0
+            .seq
+            == lo
+        {
             at = Some(i);
         }
     }
-    let Some(at) = at else {
-        return Ok(None);
-    };
     let mut changed = Changed::default();
-    for (key, b) in &chain[at + 1..] {
-        let (_, mut r) = super::format::reader(key, b).map_err(format)?;
-        r.touched(
-            |i| {
-                changed.inodes.insert(i);
-            },
-            |k| {
-                changed.dirents.insert(k);
-            },
-        )
-        .map_err(format)?;
-    }
-    // The older side is the tree right after its own object; the newer the whole chain.
-    let (before, after) = chain.split_at(at + 1);
+    let mut older_chain = None;
+    let touched_by = |objects: &[(String, bytes::Bytes)], changed: &mut Changed, seq: u64| {
+        for (key, b) in objects {
+            let (_, mut r) = super::format::reader(key, b).map_err(format(seq))?;
+            r.touched(
+                |i| {
+                    changed.inodes.insert(i);
+                },
+                |k| {
+                    changed.dirents.insert(k);
+                },
+            )
+            .map_err(format(seq))?;
+        }
+        Ok::<_, DiffError>(())
+    };
+    let (older, newer, how) = match at {
+        // The older side is the tree right after its own object; the newer the whole chain.
+        Some(at) => {
+            touched_by(&chain[at + 1..], &mut changed, hi)?;
+            let (before, after) = chain.split_at(at + 1);
+            (Sides::Run(before), Sides::Run(after), "sparse")
+        }
+        None => {
+            let older = older_chain.insert(repo.chain_objects(lo).map_err(load(lo))?);
+            touched_by(&older[1..], &mut changed, lo)?;
+            touched_by(&chain[1..], &mut changed, hi)?;
+            let ((ka, a), (kb, b)) = (&older[0], &chain[0]);
+            if ka != kb
+                && !across::fulls_differ((ka, a), (kb, b), &mut changed).map_err(format(hi))?
+            {
+                return Ok(None);
+            }
+            (Sides::Chain(older), Sides::Chain(&chain), "merged")
+        }
+    };
     let replay = |keep_inode: &dyn Fn(u64) -> bool, keep_entry: &dyn Fn(&DirentRec) -> bool| {
-        let mut older = Tree::default();
-        older
-            .apply_objects_where(before, keep_inode, keep_entry)
-            .map_err(format)?;
-        let mut newer = older.clone();
-        newer
-            .apply_objects_where(after, keep_inode, keep_entry)
-            .map_err(format)?;
+        let older_tree = older
+            .replay(None, keep_inode, keep_entry)
+            .map_err(format(lo))?;
+        let newer_tree = newer
+            .replay(Some(&older_tree), keep_inode, keep_entry)
+            .map_err(format(hi))?;
         Ok::<_, DiffError>(if from <= to {
-            (older, newer)
+            (older_tree, newer_tree)
         } else {
-            (newer, older)
+            (newer_tree, older_tree)
         })
     };
     let touched = by_parent(&changed.dirents);
@@ -503,7 +535,21 @@ pub fn sparse(repo: &Repo, from: u64, to: u64) -> Result<Option<Sparse>, DiffErr
         d.kind & libc::S_IFMT == libc::S_IFDIR || cand.contains(&d.ino)
     })?;
     drop(touched);
-    let to_at = if from <= to { chain.len() - 1 } else { at };
+    // The `to` side's chain, for `read_to`.
+    let (chain, to_at) = match (older_chain, at) {
+        (_, Some(at)) => {
+            let to_at = if from <= to { chain.len() - 1 } else { at };
+            (chain, to_at)
+        }
+        (Some(older), None) if to < from => {
+            let n = older.len();
+            (older, n - 1)
+        }
+        _ => {
+            let n = chain.len();
+            (chain, n - 1)
+        }
+    };
     Ok(Some(Sparse {
         from: a,
         to: b,
@@ -511,12 +557,45 @@ pub fn sparse(repo: &Repo, from: u64, to: u64) -> Result<Option<Sparse>, DiffErr
         cand,
         chain,
         to_at,
+        how,
     }))
+}
+
+/// Where one side of a [`sparse`] diff replays from.
+enum Sides<'a> {
+    /// A run of the newer one's chain, continuing the older side's tree when there is one.
+    Run(&'a [(String, bytes::Bytes)]),
+    /// A whole chain of its own.
+    Chain(&'a [(String, bytes::Bytes)]),
+}
+
+impl Sides<'_> {
+    fn replay(
+        &self,
+        older: Option<&Tree>,
+        keep_inode: &dyn Fn(u64) -> bool,
+        keep_entry: &dyn Fn(&DirentRec) -> bool,
+    ) -> Result<Tree, super::format::FormatError> {
+        let (mut t, objects) = match self {
+            Sides::Run(objects) => (older.cloned().unwrap_or_default(), *objects),
+            Sides::Chain(objects) => (Tree::default(), *objects),
+        };
+        t.apply_objects_where(objects, keep_inode, keep_entry)?;
+        Ok(t)
+    }
 }
 
 /// [`diff_trees`] of the two sides [`sparse`] gives: the same changes as the whole trees'.
 pub fn diff_sparse(repo: &Repo, from: u64, to: u64) -> Result<Option<Diff>, DiffError> {
-    Ok(sparse(repo, from, to)?.map(|s| diff_trees(&s.from, &s.to)))
+    Ok(diff_sparse_how(repo, from, to)?.map(|(d, _)| d))
+}
+
+fn diff_sparse_how(
+    repo: &Repo,
+    from: u64,
+    to: u64,
+) -> Result<Option<(Diff, &'static str)>, DiffError> {
+    Ok(sparse(repo, from, to)?.map(|s| (diff_trees(&s.from, &s.to), s.how)))
 }
 
 /// `from` and `to` when every snapshot from the older to the newer follows the one before
@@ -833,7 +912,7 @@ mod tests {
     /// trees and every inode a differing entry names; its sides are exactly `part_of` the
     /// whole trees, and its diff theirs.
     fn assert_sparse_is_whole(repo: &Repo, a: u64, b: u64) {
-        let s = sparse(repo, a, b).unwrap().expect("one chain");
+        let s = sparse(repo, a, b).unwrap().expect("records in key order");
         let (ta, tb) = (repo.load_tree(a).unwrap().0, repo.load_tree(b).unwrap().0);
         let differ = Changed::between(&ta, &tb);
         assert!(differ.inodes.is_subset(&s.cand), "{a} -> {b}");
@@ -1034,8 +1113,9 @@ mod tests {
     /// whole trees for every pair on one chain, either way round: content and mode changed,
     /// a file added and removed, renames of a file and of a directory, a hard link, an inode
     /// number reused, a directory replaced by a file, an empty delta. The sides hold only
-    /// what may differ and the directories; across a full snapshot it does not apply, and
-    /// `diff` still answers as the whole trees do.
+    /// what may differ and the directories. Across a full snapshot the two chains are read
+    /// and the full snapshots merged (`"merged"`), with the same answers; a full snapshot
+    /// in no useful order is read whole, and `diff` still answers as the whole trees do.
     #[test]
     fn a_sparse_diff_is_the_diff_of_the_whole_trees() {
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
@@ -1159,7 +1239,38 @@ mod tests {
         for (a, b) in [(6, 7), (7, 6)] {
             assert_eq!(diff_sparse(&repo, a, b).unwrap().unwrap(), whole(a, b));
         }
-        for (a, b) in [(3, 7), (7, 3), (6, 5)] {
+        // Across the full snapshot 6: both chains, and what differs between 1 and 6 (whose
+        // entries come in three ascending runs) read as sorted streams.
+        for a in 1..=7 {
+            for b in 6..=7 {
+                for (a, b) in [(a, b), (b, a)] {
+                    assert_sparse_is_whole(&repo, a, b);
+                    let how = sparse(&repo, a, b).unwrap().unwrap().how;
+                    assert_eq!(
+                        how,
+                        if a.max(b) > 5 && a.min(b) < 6 {
+                            "merged"
+                        } else {
+                            "sparse"
+                        }
+                    );
+                    assert_eq!(diff_how(&repo, a, b).unwrap().1, how);
+                }
+            }
+        }
+        // A full snapshot whose records are in no useful order is not merged: whole trees.
+        repo.put_test(
+            8,
+            None,
+            &Body {
+                inodes: [20, 9, 7, 3, 2, 1]
+                    .map(|i| InodeRec::test_file(i, "x\n"))
+                    .to_vec(),
+                dirents: vec![DirentRec::test(1, "c", 20, reg)],
+                ..Default::default()
+            },
+        );
+        for (a, b) in [(3, 8), (8, 3), (7, 8)] {
             assert!(diff_sparse(&repo, a, b).unwrap().is_none(), "{a} -> {b}");
             assert_eq!(diff(&repo, a, b).unwrap(), whole(a, b), "{a} -> {b}");
         }
@@ -1167,12 +1278,107 @@ mod tests {
             diff_sparse(&repo, 1, 99),
             Err(DiffError::Load { seq: 99, .. })
         ));
-        // An older snapshot that is not there is not on the chain: `diff` names it.
-        assert!(diff_sparse(&repo, 2, 0).unwrap().is_none());
+        // An older snapshot that is not there: named, whichever way.
+        assert!(matches!(
+            diff_sparse(&repo, 2, 0),
+            Err(DiffError::Load { seq: 0, .. })
+        ));
         assert!(matches!(
             diff(&repo, 2, 0),
             Err(DiffError::Load { seq: 0, .. })
         ));
+    }
+
+    /// A full snapshot as a checkpoint compacts the chain (the same tree plus what changed
+    /// since, the chunked files' records last): across it only what changed is looked at,
+    /// each side read from its own chain, and the diff is the whole trees'.
+    #[test]
+    fn across_a_compaction_only_what_changed_is_looked_at() {
+        let (reg, dk) = (libc::S_IFREG, libc::S_IFDIR);
+        let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+        let chunked = |ino: u64, w: u8| {
+            let mut r = InodeRec::test(
+                ino,
+                reg | 0o644,
+                DataRec::Chunks {
+                    complete: true,
+                    patch: vec![(0, Some([w; 32]))],
+                },
+            );
+            r.size = 4;
+            r
+        };
+        let files = |names: &[(u64, &str)]| {
+            names
+                .iter()
+                .map(|(i, t)| InodeRec::test_file(*i, t))
+                .collect::<Vec<_>>()
+        };
+        let mut inodes = vec![InodeRec::test_dir(1), InodeRec::test_dir(2)];
+        inodes.extend(files(&[(3, "keep\n"), (4, "old\n"), (6, "gone\n")]));
+        inodes.push(chunked(5, 1));
+        let entries = vec![
+            DirentRec::test(1, "d", 2, dk),
+            DirentRec::test(2, "a", 3, reg),
+            DirentRec::test(2, "b", 4, reg),
+            DirentRec::test(2, "big", 5, reg),
+            DirentRec::test(2, "z", 6, reg),
+        ];
+        repo.put_test(
+            1,
+            None,
+            &Body {
+                inodes: inodes.clone(),
+                dirents: entries.clone(),
+                ..Default::default()
+            },
+        );
+        repo.put_test(
+            2,
+            Some(1),
+            &Body {
+                inodes: files(&[(4, "new\n")]),
+                ..Default::default()
+            },
+        );
+        // 3 compacts 2 and removes /d/z, adds /d/c; the chunked file's record comes last.
+        let mut full = vec![InodeRec::test_dir(1), InodeRec::test_dir(2)];
+        full.extend(files(&[(3, "keep\n"), (4, "new\n"), (7, "added\n")]));
+        full.push(chunked(5, 1));
+        let mut ents = entries.clone();
+        ents.pop();
+        ents.insert(2, DirentRec::test(2, "c", 7, reg));
+        repo.put_test(
+            3,
+            None,
+            &Body {
+                inodes: full,
+                dirents: ents,
+                ..Default::default()
+            },
+        );
+        repo.put_test(
+            4,
+            Some(3),
+            &Body {
+                inodes: vec![chunked(5, 2)],
+                ..Default::default()
+            },
+        );
+        for (a, b) in [(1, 4), (4, 1), (2, 3), (1, 3), (2, 4), (4, 2)] {
+            assert_sparse_is_whole(&repo, a, b);
+            let s = sparse(&repo, a, b).unwrap().unwrap();
+            assert_eq!(s.how, "merged", "{a} -> {b}");
+            assert!(
+                !s.cand.contains(&3),
+                "{a} -> {b}: the unchanged file is not looked at"
+            );
+        }
+        let text = render(&diff(&repo, 1, 4).unwrap());
+        for p in ["/d/b", "/d/big", "/d/c", "/d/z"] {
+            assert!(text.contains(p), "{p} in\n{text}");
+        }
+        assert!(!text.contains("/d/a"), "{text}");
     }
 
     /// A name whose value a delta replaced (a rename over it: a new record, no unlink)
