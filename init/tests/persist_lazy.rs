@@ -450,3 +450,74 @@ fn fsck_does_not_call_unfetched_windows_corrupt() {
     let rep = fsck(l.dst.path(), &opts).unwrap();
     assert_eq!(rep.count(Level::Error), 1, "{:?}", rep.findings);
 }
+
+/// A rollback that makes a lazily restored body file inline again forgets the windows it
+/// had left to fetch: reading the file then fetches nothing (it failed, with no chunk
+/// source, when they were left listed), writes after a remount do not bring the body's old
+/// bytes back, and the checkpoint after names none of the old chunks.
+#[test]
+fn a_rollback_to_an_inline_file_forgets_its_unfetched_windows() {
+    use keel::persist::history::{Changed, View};
+    let remote: Arc<dyn Remote> = Arc::new(MemRemote::new());
+    let src = tempfile::tempdir().unwrap();
+    let fs = open_fs(src.path());
+    let f = write_file(&fs, "f", b"small\n");
+    fs.shutdown().unwrap();
+    drop(fs);
+    let mut p = persister(src.path(), remote.clone());
+    let small = checkpoint(&mut p).seq.unwrap();
+    drop(p);
+    let fs = open_fs(src.path());
+    assert_eq!(write_file(&fs, "f", &noise(5, 3 * CHUNK as usize)), f);
+    fs.shutdown().unwrap();
+    drop(fs);
+    let mut p = persister(src.path(), remote.clone());
+    let big = checkpoint(&mut p).seq.unwrap();
+    drop(p);
+    let dst = tempfile::tempdir().unwrap();
+    let mut repo = Repo::new(remote.clone(), "ws");
+    let r = restore_with(&mut repo, None, dst.path(), RestoreMode::Lazy).unwrap();
+    assert_eq!(r.windows_missing, 3, "{r:?}");
+    // No chunk source: nothing fetches the windows in the background, and nothing after
+    // the rollback needs to (the target's file is inline).
+    let fs = Arc::new(open_fs(dst.path()));
+    let (cur, target) = (
+        repo.load_tree(big).unwrap().0,
+        repo.load_tree(small).unwrap().0,
+    );
+    let changed = Changed::between(&cur, &target);
+    let rollback = keel::boot::live::rollback_fn(fs.clone(), Arc::new(|_: &_| Ok(())));
+    rollback(&repo, &View::of(&cur), &View::of(&target), &changed, None).unwrap();
+    // An inline file: nothing to fetch (a window left listed fails this read here, and
+    // with a chunk source would be fetched into a body nobody reads).
+    assert_eq!(read_all(&fs, f).unwrap(), b"small\n");
+    // Mounted again: what is left to fetch comes from the store.
+    fs.shutdown().unwrap();
+    drop((rollback, fs));
+    let fs = open_fs(dst.path());
+    fs.set_chunk_source(Arc::new(RemoteChunks::new(repo.clone())));
+    write_at(&fs, f, 1, b"XY");
+    assert_eq!(read_all(&fs, f).unwrap(), b"sXYll\n");
+    // Past the inline limit: a body again, then written into.
+    write_at(&fs, f, 5000, b"far");
+    write_at(&fs, f, 3, b"Z");
+    let mut want = b"sXYZl\n".to_vec();
+    want.resize(5000, 0);
+    want.extend_from_slice(b"far");
+    assert_eq!(read_all(&fs, f).unwrap(), want);
+    fs.shutdown().unwrap();
+    drop(fs);
+    let mut p = persister(dst.path(), remote.clone());
+    let after = checkpoint(&mut p).seq.unwrap();
+    let t = repo.load_tree(after).unwrap().0;
+    let old: Vec<ChunkId> = noise(5, 3 * CHUNK as usize)
+        .chunks(CHUNK as usize)
+        .map(ChunkId::of)
+        .collect();
+    match &t.inodes[&f.0].data {
+        keel::persist::format::TreeData::Chunks(m) => {
+            assert!(m.iter().flatten().all(|id| !old.contains(id)), "{m:?}");
+        }
+        other => panic!("f is {other:?}"),
+    }
+}

@@ -322,6 +322,11 @@ impl WorkspaceFs {
             for (n, v) in &target.xattrs {
                 tx.set_xattr(at, n, v)?;
             }
+            // A lazily restored body that goes inline leaves no window to fetch: one left
+            // would be fetched into the file at its next write, old bytes and all.
+            if !matches!(target.data, TargetData::Chunks(_)) {
+                tx.truncate_missing_windows(at, 0)?;
+            }
             match &target.data {
                 TargetData::Inline(v) => tx.set_inline_data(at, v)?,
                 TargetData::Symlink(v) => tx.set_symlink_target(at, v)?,
