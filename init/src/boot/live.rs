@@ -237,7 +237,8 @@ mod tests {
 
     /// A target read in part answers, once `prepare` has read what it does not cover
     /// (inodes and entries changed after the checkpoint, say), exactly as the whole tree:
-    /// inodes, entries present and absent, every link of an inode.
+    /// inodes, entries present and absent, every link of an inode. Along one chain and
+    /// across a full snapshot (`"merged"`), either way.
     #[test]
     fn a_sparse_target_answers_as_the_whole_tree_once_prepared() {
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
@@ -278,11 +279,58 @@ mod tests {
         );
         let s = sparse(&repo, 2, 1).unwrap().expect("1 is on 2's chain");
         assert!(!s.covers_inode(8) && !s.covers_inode(4) && s.covers_inode(3));
-        let whole_tree = repo.load_tree(1).unwrap().0;
+        answers_as_the_whole_tree(&repo, &s, 1);
+        // Across a full snapshot (both chains read, the full snapshots merged), either way.
+        let mut root = InodeRec::test(1, libc::S_IFDIR | 0o755, DataRec::None);
+        root.nlink = 3;
+        repo.put_test(
+            3,
+            None,
+            &Body {
+                inodes: vec![
+                    root,
+                    InodeRec::test(2, libc::S_IFDIR | 0o755, DataRec::None),
+                    InodeRec::test_file(3, "changed\n"),
+                    InodeRec::test_file(4, "four\n"),
+                    InodeRec::test_file(5, "new\n"),
+                    InodeRec::test_file(8, "linked twice\n"),
+                ],
+                dirents: vec![
+                    DirentRec::test(1, "d", 2, libc::S_IFDIR),
+                    DirentRec::test(1, "five", 5, libc::S_IFREG),
+                    DirentRec::test(1, "four", 4, libc::S_IFREG),
+                    DirentRec::test(1, "u", 8, libc::S_IFREG),
+                    DirentRec::test(2, "three", 3, libc::S_IFREG),
+                    DirentRec::test(2, "u2", 8, libc::S_IFREG),
+                ],
+                ..Default::default()
+            },
+        );
+        repo.put_test(
+            4,
+            Some(3),
+            &Body {
+                inodes: vec![InodeRec::test_file(9, "nine\n")],
+                dirents: vec![DirentRec::test(2, "nine", 9, libc::S_IFREG)],
+                ..Default::default()
+            },
+        );
+        for (from, to) in [(4, 1), (1, 4), (2, 4), (4, 2)] {
+            let s = sparse(&repo, from, to).unwrap().unwrap();
+            assert_eq!(s.how, "merged", "{from} -> {to}");
+            assert!(!s.covers_inode(8), "{from} -> {to}: unchanged, not read");
+            answers_as_the_whole_tree(&repo, &s, to);
+        }
+    }
+
+    /// `s` (a target read in part, snapshot `to`) answers, once prepared, as the whole tree
+    /// of `to` does: inodes, entries present and absent, every link of an inode.
+    fn answers_as_the_whole_tree(repo: &Repo, s: &Sparse, to: u64) {
+        let whole_tree = repo.load_tree(to).unwrap().0;
         let whole_view = View::of(&whole_tree);
         let part_view = View::of(&s.to);
-        let whole = TreeTarget::new(&whole_view, None, &repo);
-        let part = TreeTarget::new(&part_view, Some(&s), &repo);
+        let whole = TreeTarget::new(&whole_view, None, repo);
+        let part = TreeTarget::new(&part_view, Some(s), repo);
         let inodes: BTreeSet<InodeNo> = [1, 3, 4, 5, 8, 9].into_iter().map(InodeNo).collect();
         let entries: BTreeSet<(InodeNo, Vec<u8>)> = [
             (1, "u"),
@@ -290,6 +338,7 @@ mod tests {
             (1, "four"),
             (1, "five"),
             (2, "three"),
+            (2, "nine"),
             (1, "nothing"),
         ]
         .into_iter()
@@ -299,14 +348,18 @@ mod tests {
         assert!(part.inode(InodeNo(8)).is_none() && whole.inode(InodeNo(8)).is_some());
         part.prepare(&inodes, &entries).unwrap();
         for i in &inodes {
-            assert_eq!(part.inode(*i), whole.inode(*i), "inode {i:?}");
+            assert_eq!(part.inode(*i), whole.inode(*i), "{to}: inode {i:?}");
         }
         for (p, n) in &entries {
-            assert_eq!(part.entry(*p, n), whole.entry(*p, n), "entry {p:?} {n:?}");
+            assert_eq!(
+                part.entry(*p, n),
+                whole.entry(*p, n),
+                "{to}: entry {p:?} {n:?}"
+            );
         }
-        for i in [8, 3, 5, 4] {
+        for i in [8, 3, 5, 4, 9] {
             let one = BTreeSet::from([InodeNo(i)]);
-            assert_eq!(part.links(&one), whole.links(&one), "links of {i}");
+            assert_eq!(part.links(&one), whole.links(&one), "{to}: links of {i}");
         }
         assert_eq!(part.links(&BTreeSet::from([InodeNo(8)])).len(), 2);
     }

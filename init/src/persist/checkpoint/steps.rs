@@ -26,6 +26,10 @@ use crate::persist::repo::Head;
 /// Bytes of windows hashed per batch (bounds memory while uploading: keel's peak RSS during
 /// a checkpoint is about this plus the snapshot's trees).
 const BATCH_BYTES: u64 = 32 << 20;
+/// `persist_state` key: the chunk maps of inline files were dropped once (see
+/// `void_stale_chunk_maps`).
+pub(super) const INLINE_MAPS_SWEPT: &str = "inline_chunk_maps_swept";
+
 /// Deltas may add up to the size of the last full snapshot (at least this) before the next
 /// checkpoint compacts them into a full one.
 pub(super) const COMPACT_FLOOR: u64 = 256 << 10;
@@ -368,18 +372,22 @@ impl Persister {
     /// Windows changed size, or this remote is not the one the chunk maps were uploaded to
     /// (a new remote, a restored state dir, a wiped bucket): every chunk map is void, so
     /// every window is hashed and offered to the remote again (chunks it already holds are
-    /// not rewritten). Else the maps of files that are inline now are.
+    /// not rewritten). Else, once per state dir, the maps of files that are inline now are.
     pub(super) fn void_stale_chunk_maps(&self, prior: &Prior) -> Result<(), CheckpointError> {
         let cs = self.params.chunk_size;
-        let tx = self.store.write()?;
         if prior.chunk_size.is_some_and(|c| c != cs) || (!prior.trusted && prior.last_seq.is_some())
         {
+            let tx = self.store.write()?;
             tx.clear_file_chunks()?;
-        } else {
-            // Left by a keel before `record_locally` dropped them (see there).
+            tx.commit()?;
+        } else if self.store.read().persist_get(INLINE_MAPS_SWEPT)?.as_deref() != Some("1") {
+            // Once per state dir: the maps a keel before `record_locally` dropped them left
+            // behind (see there).
+            let tx = self.store.write()?;
             tx.drop_inline_chunk_maps()?;
+            tx.persist_set(INLINE_MAPS_SWEPT, "1")?;
+            tx.commit()?;
         }
-        tx.commit()?;
         Ok(())
     }
 

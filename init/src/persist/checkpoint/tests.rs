@@ -194,18 +194,33 @@ fn void_stale_chunk_maps_clears_maps_of_another_remote_or_chunk_size() {
     let prior = f.p.read_prior().unwrap();
     f.p.void_stale_chunk_maps(&prior).unwrap();
     assert_eq!(maps(&f.p), 3, "same remote, same chunk size: kept");
-    // A file inline now has no map to patch (a keel before `record_locally` dropped them
-    // left such maps behind).
+    // A file inline now has no map to patch: the maps a keel before `record_locally`
+    // dropped them left behind go, once per state dir.
     let other = add_file(&f.p, b"b", &three_windows());
     first(&mut f.p);
-    let tx = f.p.store.write().unwrap();
-    let mut i = tx.get(other).unwrap().unwrap();
-    i.storage = Storage::Inline;
-    tx.update(&i).unwrap();
-    tx.commit().unwrap();
+    let inline_again = |p: &Persister, legacy: bool| {
+        let tx = p.store.write().unwrap();
+        let mut i = tx.get(other).unwrap().unwrap();
+        i.storage = Storage::Inline;
+        tx.update(&i).unwrap();
+        if legacy {
+            tx.persist_set(super::steps::INLINE_MAPS_SWEPT, "0")
+                .unwrap();
+        }
+        tx.commit().unwrap();
+    };
+    let other_maps = |p: &Persister| p.store.read().file_chunks(other).unwrap().len();
+    inline_again(&f.p, false);
+    f.p.void_stale_chunk_maps(&prior).unwrap();
+    assert_eq!(
+        other_maps(&f.p),
+        3,
+        "swept once already: the checkpoint sees to it"
+    );
+    inline_again(&f.p, true);
     f.p.void_stale_chunk_maps(&prior).unwrap();
     assert_eq!(maps(&f.p), 3, "a body file keeps its map");
-    assert!(f.p.store.read().file_chunks(other).unwrap().is_empty());
+    assert_eq!(other_maps(&f.p), 0, "a state dir not swept yet");
     let resized = Prior {
         chunk_size: Some(CS * 2),
         ..prior.clone()

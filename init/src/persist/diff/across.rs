@@ -250,6 +250,13 @@ mod tests {
             vec![1, 2, 3, 4, 5]
         );
         assert!(differ(&three, &three).unwrap().inodes.is_empty());
+        // Four runs, the most merged.
+        let four = object(6, &[1, 5, 2, 6, 3, 7, 4, 8], &[]);
+        let c = differ(&four, &empty).unwrap();
+        assert_eq!(
+            c.inodes.into_iter().collect::<Vec<_>>(),
+            (1..=8).collect::<Vec<_>>()
+        );
     }
 
     /// Records in more runs than merging is worth, or a key listed twice: not read this
