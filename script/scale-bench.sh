@@ -18,12 +18,16 @@
 #   rollback       `keel rollback` of the mounted workspace to the first (full) snapshot: the
 #                  1,000 files appended to since; then rollback undo: back to the snapshot it
 #                  named (before-rollback-N), so the files are as before for read-all
+#   ckpt full again  `keel checkpoint --full` (a compaction), then 1,000 more files appended
+#                  to and checkpointed; rollback across full / across undo: the same two
+#                  rollbacks with that full snapshot between (both chains read and merged)
 #   stop           SIGTERM to exit, nothing dirty (after the checkpoint); keel's log splits it
 #                  into 'to durable' (final checkpoint done) and 'umount2' (the kernel's
 #                  teardown of what it cached; tmpfs's umount beside it)
 #   warm restart   `keel mount` on the same state dir to a stat of one file
 #   fsck --quick   `keel fsck --quick` of the stopped state dir; fsck: the full one
-#   diff           `keel diff` of the stopped state dir, the first snapshot to the head
+#   diff           `keel diff` of the stopped state dir, the first snapshot to the undo's
+#                  (one chain); diff across full: the first snapshot to the head
 #   gc             `keel gc` of the stopped state dir
 #   fresh restore  `keel mount` on an EMPTY state dir (same remote) to a stat of one file
 #                  (from the full snapshot's metadata image and the deltas after it)
@@ -49,7 +53,7 @@ while [ $# -gt 0 ]; do
         --size) SIZE=$2; shift ;;
         --out) OUT=$2; shift ;;
         --keel-only) KEEL_ONLY=1 ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
         *) echo "scale-bench: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -165,8 +169,8 @@ stop_keel() { # stop_keel STATE: SIGTERM, wait for exit, T = seconds
     CUR=()
     T=$(secs "$t0" "$t1")
 }
-ckpt() {
-    "$KEEL_BIN" checkpoint --state "$RUN/keel-state" --config "$RUN/keel.toml" >"$RUN/ckpt.log" 2>&1 ||
+ckpt() { # ckpt [--full]
+    "$KEEL_BIN" checkpoint "$@" --state "$RUN/keel-state" --config "$RUN/keel.toml" >"$RUN/ckpt.log" 2>&1 ||
         { cat "$RUN/ckpt.log" >&2; return 1; }
     sed 's/^/  /' "$RUN/ckpt.log" >&2
 }
@@ -205,8 +209,17 @@ a = v["applied"]
 print("snapshot %s to %s, trees %s (%s ms), %s inodes, %s entries, %s ms in keel" % (v["from"], v["to"],
       v["trees"], v["load_trees_ms"], a["inodes"], a["entries"], v["duration_ms"]))' "$RUN/rollback.json")")
 }
+undo_of() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["undo"])' "$RUN/rollback.json"; }
 rollback_step rollback 1
-rollback_step "rollback undo" "$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["undo"])' "$RUN/rollback.json")"
+rollback_step "rollback undo" "$(undo_of)"
+# The same across a full snapshot: a compaction, 1,000 more files changed, back to the first
+# snapshot (both chains read, the two full snapshots merged) and the undo of that.
+ALONG=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["snapshot"])' "$RUN/rollback.json")
+timed "ckpt full again" ckpt --full; put "ckpt full again" keel "$T"; rss_keel "ckpt full again"
+python3 "$RUN/w.py" touch "$K" "$FILES" "$SIZE" 1000 || die "touch failed"
+ckpt || die "checkpoint after the compaction failed"
+rollback_step "rollback across full" 1
+rollback_step "rollback across undo" "$(undo_of)"
 h=$(mib "$PID" VmHWM); [ "$h" -gt "$PEAK" ] && PEAK=$h
 put stop rss "$(mib "$PID" VmRSS) / $PEAK"
 stop_keel "$RUN/keel-state"; put stop keel "$T"
@@ -221,14 +234,15 @@ put "warm restart" keel "$(secs "$t0" "$(now)")"; rss_keel "warm restart"
 stop_keel "$RUN/keel-state"
 offline "fsck --quick" "$KEEL_BIN" fsck --quick --state "$RUN/keel-state" --config "$RUN/keel.toml"
 offline fsck "$KEEL_BIN" fsck --state "$RUN/keel-state" --config "$RUN/keel.toml"
-offline diff "$KEEL_BIN" diff 1 head --state "$RUN/keel-state" --config "$RUN/keel.toml"
+offline diff "$KEEL_BIN" diff 1 "$ALONG" --state "$RUN/keel-state" --config "$RUN/keel.toml"
+offline "diff across full" "$KEEL_BIN" diff 1 head --state "$RUN/keel-state" --config "$RUN/keel.toml"
 offline gc "$KEEL_BIN" gc --state "$RUN/keel-state" --config "$RUN/keel.toml"
 t0=$(now); start_keel "$RUN/fresh-state"; first_stat || die "stat after fresh restore failed"
 put "fresh restore" keel "$(secs "$t0" "$(now)")"; rss_keel "fresh restore"
 FACTS+=("metadata image: $(du -cb "$RUN"/remote/images/* 2>/dev/null | tail -n 1 | cut -f1) bytes compressed")
 FACTS+=("fresh restore, keel's own log: $(grep -ho 'restore: .*' "$RUN/fresh-state.log" | grep -E 'metadata image|restored|snapshot' | tr '\n' ' ' | cut -c1-400)")
-# every file has its 100 B; 1 + 1000 + 1 appends of 2 B each (file 0 gets three)
-appended=$((2 * 1002))
+# every file has its 100 B; 1 + 1000 + 1 + 1000 appends of 2 B each (file 0 gets four)
+appended=$((2 * 2002))
 timed read-all python3 "$RUN/w.py" read "$K" "$FILES" "$SIZE" "$appended"; put read-all keel "$T"; rss_keel read-all
 stop_keel "$RUN/fresh-state"
 # The same fresh restore without the image: what it was before images (the chain decoded).
@@ -251,7 +265,7 @@ for fs in "${COMPARE[@]}"; do
     timed stat-all python3 "$RUN/w.py" stat "$D" "$FILES" "$SIZE"; put stat-all "$fs" "$T"
     timed find bash -c "[ \$(find '$D' | wc -l) = $((FILES + (FILES + 999) / 1000 + 1)) ]"; put find "$fs" "$T"
     python3 "$RUN/w.py" touch "$D" "$FILES" "$SIZE" 1 && python3 "$RUN/w.py" touch "$D" "$FILES" "$SIZE" 1000 &&
-        python3 "$RUN/w.py" touch "$D" "$FILES" "$SIZE" 1
+        python3 "$RUN/w.py" touch "$D" "$FILES" "$SIZE" 1 && python3 "$RUN/w.py" touch "$D" "$FILES" "$SIZE" 1000
     timed read-all python3 "$RUN/w.py" read "$D" "$FILES" "$SIZE" "$appended"; put read-all "$fs" "$T"
 done
 # tmpfs's "stop": unmounting it with every file cached, as keel's umount2 above.
