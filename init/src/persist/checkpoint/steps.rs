@@ -712,9 +712,11 @@ impl Persister {
         // back from a passthrough body) has no chunk map in it any more. Its old map would
         // let the next delta that gives it a body again patch only the windows that differ
         // from it, over a tree that holds no map: those left out would read as zeros.
+        // (A file unlinked while open is in no snapshot but keeps its map, as a delta's
+        // deleted inodes do: chunks only it names are refreshed when reused.)
         if pass.full {
             for ino in tx.inodes_with_chunks()? {
-                if !pass.files.contains_key(&ino) {
+                if !pass.files.contains_key(&ino) && tx.get(ino)?.is_some_and(|i| i.nlink > 0) {
                     tx.truncate_file_chunks(ino, 0)?;
                 }
             }
