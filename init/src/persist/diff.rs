@@ -494,12 +494,14 @@ pub fn sparse(repo: &Repo, from: u64, to: u64) -> Result<Option<Sparse>, DiffErr
         }
         Ok::<_, DiffError>(())
     };
-    let (older, newer, how) = match at {
+    // The older side replays `older`; the newer replays `newer`, after the older side's
+    // tree when they are one chain (`newer` is then the rest of it).
+    let (older, newer, one_chain, how) = match at {
         // The older side is the tree right after its own object; the newer the whole chain.
         Some(at) => {
             touched_by(&chain[at + 1..], &mut changed, hi)?;
             let (before, after) = chain.split_at(at + 1);
-            (Sides::Run(before), Sides::Run(after), "sparse")
+            (before, after, true, "sparse")
         }
         None => {
             let older = older_chain.insert(repo.chain_objects(lo).map_err(load(lo))?);
@@ -511,15 +513,21 @@ pub fn sparse(repo: &Repo, from: u64, to: u64) -> Result<Option<Sparse>, DiffErr
             {
                 return Ok(None);
             }
-            (Sides::Chain(older), Sides::Chain(&chain), "merged")
+            (&older[..], &chain[..], false, "merged")
         }
     };
     let replay = |keep_inode: &dyn Fn(u64) -> bool, keep_entry: &dyn Fn(&DirentRec) -> bool| {
-        let older_tree = older
-            .replay(None, keep_inode, keep_entry)
+        let mut older_tree = Tree::default();
+        older_tree
+            .apply_objects_where(older, keep_inode, keep_entry)
             .map_err(format(lo))?;
-        let newer_tree = newer
-            .replay(Some(&older_tree), keep_inode, keep_entry)
+        let mut newer_tree = if one_chain {
+            older_tree.clone()
+        } else {
+            Tree::default()
+        };
+        newer_tree
+            .apply_objects_where(newer, keep_inode, keep_entry)
             .map_err(format(hi))?;
         Ok::<_, DiffError>(if from <= to {
             (older_tree, newer_tree)
@@ -559,30 +567,6 @@ pub fn sparse(repo: &Repo, from: u64, to: u64) -> Result<Option<Sparse>, DiffErr
         to_at,
         how,
     }))
-}
-
-/// Where one side of a [`sparse`] diff replays from.
-enum Sides<'a> {
-    /// A run of the newer one's chain, continuing the older side's tree when there is one.
-    Run(&'a [(String, bytes::Bytes)]),
-    /// A whole chain of its own.
-    Chain(&'a [(String, bytes::Bytes)]),
-}
-
-impl Sides<'_> {
-    fn replay(
-        &self,
-        older: Option<&Tree>,
-        keep_inode: &dyn Fn(u64) -> bool,
-        keep_entry: &dyn Fn(&DirentRec) -> bool,
-    ) -> Result<Tree, super::format::FormatError> {
-        let (mut t, objects) = match self {
-            Sides::Run(objects) => (older.cloned().unwrap_or_default(), *objects),
-            Sides::Chain(objects) => (Tree::default(), *objects),
-        };
-        t.apply_objects_where(objects, keep_inode, keep_entry)?;
-        Ok(t)
-    }
 }
 
 /// [`diff_trees`] of the two sides [`sparse`] gives: the same changes as the whole trees'.

@@ -43,9 +43,10 @@ impl Keyed for DirentRec {
     }
 }
 
-/// Records of a full snapshot's later runs (after the first) kept from the pass that
-/// counts them, at most this many in all (a checkpoint's chunked files: few); longer later
-/// runs get a reader of their own, which decodes the records before them once more.
+/// Records of a full snapshot section's later runs (after the first) kept from the pass
+/// that counts them, at most this many per section (a checkpoint's chunked files: few);
+/// longer later runs get a reader of their own, which decodes the records before them once
+/// more.
 const BUFFER_MAX: usize = 1 << 16;
 
 /// How one section of a full snapshot comes: its first run's length, then the later runs,
