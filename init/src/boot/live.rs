@@ -280,32 +280,9 @@ mod tests {
         let s = sparse(&repo, 2, 1).unwrap().expect("1 is on 2's chain");
         assert!(!s.covers_inode(8) && !s.covers_inode(4) && s.covers_inode(3));
         answers_as_the_whole_tree(&repo, &s, 1);
-        // Across a full snapshot (both chains read, the full snapshots merged), either way.
-        let mut root = InodeRec::test(1, libc::S_IFDIR | 0o755, DataRec::None);
-        root.nlink = 3;
-        repo.put_test(
-            3,
-            None,
-            &Body {
-                inodes: vec![
-                    root,
-                    InodeRec::test(2, libc::S_IFDIR | 0o755, DataRec::None),
-                    InodeRec::test_file(3, "changed\n"),
-                    InodeRec::test_file(4, "four\n"),
-                    InodeRec::test_file(5, "new\n"),
-                    InodeRec::test_file(8, "linked twice\n"),
-                ],
-                dirents: vec![
-                    DirentRec::test(1, "d", 2, libc::S_IFDIR),
-                    DirentRec::test(1, "five", 5, libc::S_IFREG),
-                    DirentRec::test(1, "four", 4, libc::S_IFREG),
-                    DirentRec::test(1, "u", 8, libc::S_IFREG),
-                    DirentRec::test(2, "three", 3, libc::S_IFREG),
-                    DirentRec::test(2, "u2", 8, libc::S_IFREG),
-                ],
-                ..Default::default()
-            },
-        );
+        // Across a full snapshot (both chains read, the full snapshots merged), either way:
+        // 3 compacts 2, as a checkpoint would.
+        repo.put_test(3, None, &repo.load_tree(2).unwrap().0.full_body());
         repo.put_test(
             4,
             Some(3),

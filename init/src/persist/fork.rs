@@ -27,7 +27,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use super::checkpoint::now_ns;
-use super::format::{self, Body, DataRec, DirentRec, Header, Tree, TreeData};
+use super::format::{self, Header};
 use super::remote::{PutMode, RemoteError};
 use super::repo::{random_id, Head, Manifest, Repo, RepoError};
 use crate::chunk::ChunkId;
@@ -312,7 +312,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
             file_bytes: tree.file_bytes(),
             image: None,
         };
-        let bytes = format::encode(&header, &full_body(&tree))?;
+        let bytes = format::encode(&header, &tree.full_body())?;
         dst.put_snapshot(seq, bytes)
             .map_err(|source| ForkError::WriteSnapshot { seq, source })?;
         dst.remote.flush().map_err(ForkError::Flush)?;
@@ -350,46 +350,6 @@ fn describe(repo: &Repo) -> String {
         repo.describe()
     } else {
         format!("{}/{}", repo.describe(), repo.ws())
-    }
-}
-
-/// The full snapshot body of a materialized tree.
-fn full_body(tree: &Tree) -> Body {
-    let inodes = tree
-        .inodes
-        .values()
-        .map(|t| {
-            let mut rec = t.rec.clone();
-            rec.data = match &t.data {
-                TreeData::None => DataRec::None,
-                TreeData::Inline(v) => DataRec::Inline(v.clone()),
-                TreeData::Symlink(v) => DataRec::Symlink(v.clone()),
-                TreeData::Chunks(m) => DataRec::Chunks {
-                    complete: true,
-                    patch: m
-                        .iter()
-                        .enumerate()
-                        .map(|(i, id)| (i as u64, id.map(|c| c.0)))
-                        .collect(),
-                },
-            };
-            rec
-        })
-        .collect();
-    let dirents = tree
-        .dirents
-        .iter()
-        .map(|((p, n), (ino, kind))| DirentRec {
-            parent: *p,
-            name: n.clone(),
-            ino: *ino,
-            kind: *kind,
-        })
-        .collect();
-    Body {
-        inodes,
-        dirents,
-        ..Default::default()
     }
 }
 

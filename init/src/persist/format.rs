@@ -914,6 +914,47 @@ impl Tree {
         self.inodes.insert(rec.ino, TreeInode { rec, data });
     }
 
+    /// The body of a full snapshot of this tree (every inode, its whole chunk map, every
+    /// entry), in key order.
+    pub fn full_body(&self) -> Body {
+        let inodes = self
+            .inodes
+            .values()
+            .map(|t| {
+                let mut rec = t.rec.clone();
+                rec.data = match &t.data {
+                    TreeData::None => DataRec::None,
+                    TreeData::Inline(v) => DataRec::Inline(v.clone()),
+                    TreeData::Symlink(v) => DataRec::Symlink(v.clone()),
+                    TreeData::Chunks(m) => DataRec::Chunks {
+                        complete: true,
+                        patch: m
+                            .iter()
+                            .enumerate()
+                            .map(|(i, id)| (i as u64, id.map(|c| c.0)))
+                            .collect(),
+                    },
+                };
+                rec
+            })
+            .collect();
+        let dirents = self
+            .dirents
+            .iter()
+            .map(|((p, n), (ino, kind))| DirentRec {
+                parent: *p,
+                name: n.clone(),
+                ino: *ino,
+                kind: *kind,
+            })
+            .collect();
+        Body {
+            inodes,
+            dirents,
+            ..Default::default()
+        }
+    }
+
     /// Every chunk id the tree references (with repeats removed).
     pub fn chunk_ids(&self) -> std::collections::BTreeSet<ChunkId> {
         let mut out = std::collections::BTreeSet::new();

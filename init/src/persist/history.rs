@@ -469,29 +469,11 @@ mod tests {
         repo.put_snapshot(h.seq, encode(h, b).unwrap()).unwrap();
     }
 
-    /// A full snapshot's body: every inode and name of `t`.
-    fn full_body(t: &Tree) -> Body {
-        Body {
-            inodes: t.inodes.values().map(|i| i.rec.clone()).collect(),
-            dirents: t
-                .dirents
-                .iter()
-                .map(|((p, n), (i, k))| DirentRec {
-                    parent: *p,
-                    name: n.clone(),
-                    ino: *i,
-                    kind: *k,
-                })
-                .collect(),
-            ..Default::default()
-        }
-    }
-
     /// Snapshots 1-3 on one line: 1 the full `tree(20)`; 2 resizes 3 (to 7), rewrites 4,
     /// removes 5 and names 3 "new" too; 3 removes 6 and "new".
     fn line_of_three(repo: &Repo) {
         let t = tree(20);
-        repo.put_test(1, None, &full_body(&t));
+        repo.put_test(1, None, &t.full_body());
         let mut d2 = Body {
             inodes: vec![t.inodes[&3].rec.clone(), t.inodes[&4].rec.clone()],
             deleted: vec![5],
@@ -514,7 +496,7 @@ mod tests {
         line_of_three(&repo);
         // A compaction: the tree of 3 again, as a full snapshot.
         let (t3, _) = repo.load_tree(3).unwrap();
-        let f4 = full_body(&t3);
+        let f4 = t3.full_body();
         repo.put_test(4, None, &f4);
 
         // Each tree as the whole-body decode makes it.
@@ -587,7 +569,7 @@ mod tests {
     fn a_walk_along_the_snapshots_stops_at_a_chunk_size_change_and_past_max_along() {
         use crate::persist::diff::{diff, diff_along, diff_trees};
         let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
-        let full = full_body(&tree(5));
+        let full = tree(5).full_body();
         repo.put_test(1, None, &full);
         // keel restarted with another chunk size: its first checkpoint is a full snapshot
         // on the same line (prev = 1) with the new size.
