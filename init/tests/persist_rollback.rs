@@ -175,9 +175,11 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
         .unwrap_or(30);
     let mut rng = Rng(seed);
     let mut model: Vec<(String, Tree)> = Vec::new();
-    // The snapshot a rollback's checkpoint wrote holds what the target holds: what a
-    // restore elsewhere would get back, not only what the mount shows.
-    let same_as_target = |v: &serde_json::Value| {
+    // `keel rollback TO --json`, and the snapshot its checkpoint wrote holds what the
+    // target holds: what a restore elsewhere would get back, not only what the mount shows.
+    let roll = |to: &str| {
+        let v: serde_json::Value =
+            serde_json::from_str(&keel(&["rollback", "--state", &state, to, "--json"])).unwrap();
         let (to, new) = (v["to"].to_string(), v["snapshot"].to_string());
         let d: serde_json::Value =
             serde_json::from_str(&keel(&["diff", &to, &new, "--json", "--state", &state])).unwrap();
@@ -185,6 +187,7 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
             d["changes"].as_array().unwrap().is_empty(),
             "snapshot {new} after the rollback to {to} is not {to} (seed {seed:#x}): {d}"
         );
+        v
     };
     let (mut ops, mut rollbacks, mut kept_open) = (0u64, 0u64, 0u64);
     for round in 0..rounds {
@@ -208,10 +211,7 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
                 .into_iter()
                 .find(|(_, (kind, _, _))| kind == "file");
             let mut open = held.map(|(p, (_, _, data))| (fs::File::open(k.p(&p)).unwrap(), data));
-            let v: serde_json::Value =
-                serde_json::from_str(&keel(&["rollback", "--state", &state, &to, "--json"]))
-                    .unwrap();
-            same_as_target(&v);
+            roll(&to);
             rollbacks += 1;
             let got = read_tree(&k.mnt);
             assert_eq!(
@@ -273,11 +273,8 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
             } else {
                 to
             };
-            let v: serde_json::Value =
-                serde_json::from_str(&keel(&["rollback", "--state", &state, &to, "--json"]))
-                    .unwrap();
+            let v = roll(&to);
             rollbacks += 1;
-            same_as_target(&v);
             match v["trees"].as_str() {
                 Some("sparse") => {
                     assert!(on_chain(&v["from"], &v["to"]), "sparse off the chain: {v}");

@@ -62,7 +62,7 @@ enum Later<T> {
     Reread(Vec<(u64, u64)>),
 }
 
-impl<T: Keyed + Clone> Plan<T> {
+impl<T: Keyed> Plan<T> {
     /// Reads the section from `r` (left at its end). `None` when it comes in more than
     /// [`MAX_RUNS`] ascending runs.
     fn of(r: &mut BodyReader<'_>) -> Result<Option<Plan<T>>, FormatError> {

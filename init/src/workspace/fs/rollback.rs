@@ -323,7 +323,7 @@ impl WorkspaceFs {
                 tx.set_xattr(at, n, v)?;
             }
             // A lazily restored body that goes inline leaves no window to fetch: one left
-            // would be fetched into the file at its next write, old bytes and all.
+            // listed would still be fetched, old bytes and all, when the file is next read.
             if !matches!(target.data, TargetData::Chunks(_)) {
                 tx.truncate_missing_windows(at, 0)?;
             }
