@@ -508,9 +508,9 @@ pub fn sparse(repo: &Repo, from: u64, to: u64) -> Result<Option<Sparse>, DiffErr
             touched_by(&older[1..], &mut changed, lo)?;
             touched_by(&chain[1..], &mut changed, hi)?;
             let ((ka, a), (kb, b)) = (&older[0], &chain[0]);
-            if ka != kb
-                && !across::fulls_differ((ka, a), (kb, b), &mut changed).map_err(format(hi))?
-            {
+            // An error names the snapshot whose chain holds the object that cannot be read.
+            let named = |e| format(if across::reads_whole(ka, a) { hi } else { lo })(e);
+            if ka != kb && !across::fulls_differ((ka, a), (kb, b), &mut changed).map_err(named)? {
                 return Ok(None);
             }
             (&older[..], &chain[..], false, "merged")
@@ -1363,6 +1363,56 @@ mod tests {
             assert!(text.contains(p), "{p} in\n{text}");
         }
         assert!(!text.contains("/d/a"), "{text}");
+    }
+
+    /// Across a compaction, a full snapshot whose records cannot be read is named by the
+    /// side whose chain holds it (not by the newer side's), whichever way the diff goes.
+    #[test]
+    fn an_unreadable_full_snapshot_is_named_by_its_own_side() {
+        use crate::persist::format::{encode, Header};
+        let file = |i: u64, t: &str| InodeRec::test_file(i, t);
+        let entry = |n: &str, i: u64| DirentRec::test(1, n, i, libc::S_IFREG);
+        let bodies = [
+            (
+                1,
+                None,
+                vec![InodeRec::test_dir(1), file(2, "a\n")],
+                vec![entry("a", 2)],
+            ),
+            (2, Some(1), vec![file(2, "b\n")], vec![]),
+            (
+                3,
+                None,
+                vec![InodeRec::test_dir(1), file(2, "c\n")],
+                vec![entry("a", 2)],
+            ),
+            (4, Some(3), vec![file(2, "d\n")], vec![]),
+        ];
+        for bad in [1, 3] {
+            let repo = Repo::new(Arc::new(MemRemote::new()), "ws");
+            for (seq, parent, inodes, dirents) in bodies.clone() {
+                let body = Body {
+                    inodes,
+                    dirents,
+                    ..Default::default()
+                };
+                let mut object = encode(&Header::test(seq, parent), &body).unwrap();
+                if seq == bad {
+                    // Its header reads; its compressed records end too soon.
+                    object.truncate(object.len() - 6);
+                }
+                repo.put_snapshot(seq, object).unwrap();
+            }
+            // 2's chain starts at 1, 4's at 3: 2 -> 4 merges the two full snapshots.
+            let named = if bad == 1 { 2 } else { 4 };
+            for (a, b) in [(2, 4), (4, 2)] {
+                match sparse(&repo, a, b) {
+                    Err(DiffError::Load { seq, .. }) => assert_eq!(seq, named, "{a} -> {b}"),
+                    Err(e) => panic!("{a} -> {b}: {e}"),
+                    Ok(s) => panic!("{a} -> {b}: read ({:?})", s.map(|s| s.how)),
+                }
+            }
+        }
     }
 
     /// A name whose value a delta replaced (a rename over it: a new record, no unlink)

@@ -282,6 +282,13 @@ impl Plans {
     }
 }
 
+/// Whether a full snapshot's inodes and entries read to their end without an error: which of
+/// the two objects a failed [`fulls_differ`] could not read (each is read whole, to find its
+/// runs, before the merge starts).
+pub(super) fn reads_whole(key: &str, data: &[u8]) -> bool {
+    Plans::of(key, data).is_ok()
+}
+
 /// Adds to `changed` every inode and entry whose record differs between the full snapshots
 /// `a` and `b` (objects as fetched), or that only one of them has. `Ok(false)` (and
 /// `changed` then means nothing) when either does not list its records in key order. Each
