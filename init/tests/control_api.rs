@@ -468,6 +468,53 @@ fn unix_socket_needs_no_token_is_0600_and_goes_away_on_stop() {
     assert_eq!(std::fs::read_to_string(&sock).unwrap(), "not a socket");
 }
 
+/// The agent routes show the names and bytes of every file and roll them back: over TCP
+/// without a token they are refused (403) while /status and /checkpoint still answer; with a
+/// token only its holder reaches them, as root does on the socket. With no workspace they
+/// answer 503: served, not refused.
+#[test]
+fn agent_routes_need_the_token_or_root_on_the_socket() {
+    let agent = [
+        ("GET", "/snapshots"),
+        ("POST", "/snapshots?name=x"),
+        ("DELETE", "/snapshots/x"),
+        ("GET", "/diff?from=1"),
+        ("GET", "/diff?from=1&path=secret"),
+        ("POST", "/rollback?to=1"),
+    ];
+    let (c, addr) = start("");
+    c.status().set_mount(MountState::Disabled);
+    assert_eq!(get(addr, "/status", None).code, 200);
+    assert_eq!(get(addr, "/metrics", None).code, 200);
+    for (method, path) in agent {
+        let r = request(addr, method, path, None);
+        assert_eq!(r.code, 403, "{method} {path}: {r:?}");
+        assert!(r.body.contains("forbidden"), "{method} {path}: {r:?}");
+    }
+    c.stop();
+
+    let d = tempfile::tempdir().unwrap();
+    let sock = d.path().join("run/control.sock");
+    let (c, addr) = start(&format!(
+        "token = \"{TOKEN}\"\nsocket = \"{}\"\n",
+        sock.display()
+    ));
+    c.status().set_mount(MountState::Disabled);
+    for (method, path) in agent {
+        assert_eq!(
+            request(addr, method, path, None).code,
+            401,
+            "{method} {path}"
+        );
+        let r = request(addr, method, path, Some(TOKEN));
+        assert_eq!(r.code, 503, "{method} {path} with the token: {r:?}");
+        // This test runs as root (or as the socket's own user): every right.
+        let r = unix_request(&sock, method, path);
+        assert_eq!(r.code, 503, "{method} {path} on the socket: {r:?}");
+    }
+    c.stop();
+}
+
 #[test]
 fn listen_failure_names_the_key() {
     let (c, addr) = start("");

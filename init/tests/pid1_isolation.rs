@@ -169,13 +169,38 @@ fn keel_status_and_checkpoint_work_from_inside_for_root_and_the_configured_group
         setpriv --reuid=65534 --regid=65534 --groups=65533 $D/keel status --config $D/config.toml >/dev/null && echo "group-status-ok"
         setpriv --reuid=65534 --regid=65534 --clear-groups $D/keel status --config $D/config.toml >/dev/null 2>&1 && echo "ATTEMPT other user got the status"
         stat -c '%a %g' $D/run $D/run/control.sock
+        # The agent routes show and change every file: root's, not the group's.
+        printf '%s' {CONTENT} > $D/ws/rootonly; chmod 600 $D/ws/rootonly
+        $D/keel snapshot create --name s1 --config $D/config.toml >/dev/null && echo "root-snapshot-ok"
+        echo changed > $D/ws/rootonly; touch $D/ws/added
+        G="setpriv --reuid=65534 --regid=65534 --groups=65533"
+        $G cat $D/ws/rootonly 2>/dev/null && echo "ATTEMPT group member read the file"
+        $G $D/keel diff s1 --config $D/config.toml -- rootonly 2>$D/g.err && echo "ATTEMPT group member read the file through diff"
+        grep -q forbidden $D/g.err && echo "group-diff-forbidden"
+        $G $D/keel diff s1 --config $D/config.toml >/dev/null 2>&1 && echo "ATTEMPT group member listed the changes"
+        $G $D/keel snapshot list --config $D/config.toml >/dev/null 2>&1 && echo "ATTEMPT group member listed snapshots"
+        $G $D/keel snapshot create --name g --config $D/config.toml >/dev/null 2>&1 && echo "ATTEMPT group member made a snapshot"
+        $G $D/keel rollback s1 --config $D/config.toml >/dev/null 2>&1 && echo "ATTEMPT group member rolled back"
+        $G $D/keel snapshot delete s1 --config $D/config.toml >/dev/null 2>&1 && echo "ATTEMPT group member deleted a snapshot"
+        $G $D/keel checkpoint --config $D/config.toml >/dev/null && echo "group-checkpoint-ok"
+        cat $D/ws/rootonly
+        $D/keel diff s1 --config $D/config.toml | grep -q added && echo "root-diff-ok"
         "#
     );
     let mut k = start_keel(state.path(), &script, "", "group = \"65533\"", false);
     let (code, _) = k.wait();
     let out = k.stdout();
     assert_eq!(code, 0, "stdout:\n{out}\nlog:\n{}", k.log_text());
-    for want in ["root-status-ok", "root-checkpoint-ok", "group-status-ok"] {
+    for want in [
+        "root-status-ok",
+        "root-checkpoint-ok",
+        "group-status-ok",
+        "root-snapshot-ok",
+        "group-diff-forbidden",
+        "group-checkpoint-ok",
+        "changed\n",
+        "root-diff-ok",
+    ] {
         assert!(
             out.contains(want),
             "{want} missing:\n{out}\nlog:\n{}",

@@ -65,15 +65,32 @@ impl Response {
     }
 }
 
-/// Who may call the protected routes on this listener.
+/// Who may call what on one connection.
 #[derive(Debug, Clone)]
 pub enum Access {
-    /// Callers must present this token; `None`: no token configured, everyone may.
+    /// A TCP listener. With a token, a caller presenting it may call every route and any
+    /// other gets 401 (but for /health); without one (`None`), everyone may observe.
     Token(Option<Secret>),
-    /// Already checked by the listener (the Unix socket: root, keel's user, and the members
-    /// of `group` when `[control] group` is set).
-    Trusted { group: Option<u32> },
+    /// A Unix socket peer, checked when its connection was accepted (`server`).
+    Peer(Rights),
 }
+
+/// Which routes a caller may use besides /health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rights {
+    /// /status, /metrics and POST /checkpoint: how the workspace is doing, nothing of what it
+    /// holds. A member of `[control] group`, or anyone on a TCP listener without a token.
+    Observe,
+    /// Also the agent routes (`/snapshots`, `/diff`, `/rollback`), which show the names and
+    /// bytes of any file whatever its permissions, and roll every file back: root and keel's
+    /// own user on the socket, the token's holder over TCP.
+    All,
+}
+
+/// The answer to an agent route called with `Rights::Observe`.
+const AGENT_ROUTES_FORBIDDEN: &str = "forbidden: snapshots, diffs and rollbacks show and change \
+    every file; they are for root and keel's own user on the control socket, or for the \
+    holder of the control token over TCP";
 
 fn method_not_allowed(allow: &'static str) -> Response {
     Response::text(405, "method not allowed\n").with_header("Allow", allow)
@@ -91,12 +108,17 @@ pub fn handle(req: &Request, status: &StatusHandle, access: &Access) -> Response
             Err(nr) => Response::text(503, &format!("not ready: {}\n", nr.0)),
         };
     }
-    if let Access::Token(Some(token)) = access {
-        if !auth::authorized(req.header("authorization"), token) {
-            return Response::text(401, "unauthorized\n")
-                .with_header("WWW-Authenticate", "Bearer realm=\"keel\"");
+    let rights = match access {
+        Access::Token(Some(token)) => {
+            if !auth::authorized(req.header("authorization"), token) {
+                return Response::text(401, "unauthorized\n")
+                    .with_header("WWW-Authenticate", "Bearer realm=\"keel\"");
+            }
+            Rights::All
         }
-    }
+        Access::Token(None) => Rights::Observe,
+        Access::Peer(rights) => *rights,
+    };
     match req.path.as_str() {
         "/status" if get => Response::json(200, status.status_json()),
         "/metrics" if get => {
@@ -117,7 +139,10 @@ pub fn handle(req: &Request, status: &StatusHandle, access: &Access) -> Response
             }
             checkpoint(status)
         }
-        p if super::snapshots::is_route(p) => super::snapshots::handle(req, status),
+        p if super::snapshots::is_route(p) => match rights {
+            Rights::All => super::snapshots::handle(req, status),
+            Rights::Observe => super::snapshots::error(403, AGENT_ROUTES_FORBIDDEN),
+        },
         "/status" | "/metrics" => method_not_allowed("GET, HEAD"),
         "/checkpoint" => method_not_allowed("POST"),
         _ => Response::text(404, "not found\n"),

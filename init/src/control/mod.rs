@@ -65,10 +65,12 @@ pub fn start(cfg: &Config) -> Result<Control, ControlError> {
             if secured {
                 info!("control API on http://{shown} (bearer token required except /health)");
             } else if s.local_addr().is_some_and(|a| a.ip().is_loopback()) {
-                info!("control API on http://{shown}");
+                info!(
+                    "control API on http://{shown} (no token: /status, /metrics and POST /checkpoint only; snapshots, diffs and rollbacks need [control] token or KEEL_CONTROL_TOKEN)"
+                );
             } else {
                 warn!(
-                    "control API on http://{shown} without a token: whoever reaches the port can read /status and POST /checkpoint (set [control] token or KEEL_CONTROL_TOKEN)"
+                    "control API on http://{shown} without a token: whoever reaches the port can read /status and /metrics and POST /checkpoint; snapshots, diffs and rollbacks are refused (set [control] token or KEEL_CONTROL_TOKEN)"
                 );
             }
             Some(s)

@@ -30,7 +30,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{oneshot, Notify, Semaphore};
 use tracing::debug;
 
-use super::api::{self, Access, Request, Response};
+use super::api::{self, Access, Request, Response, Rights};
 use super::status::StatusHandle;
 use crate::sys;
 
@@ -108,7 +108,7 @@ pub fn serve_tcp(addr: &str, status: StatusHandle, access: Access) -> Result<Ser
     let l = std::net::TcpListener::bind(addr).map_err(bind_err)?;
     l.set_nonblocking(true).map_err(bind_err)?;
     let local = l.local_addr().ok();
-    start(StdListener::Tcp(l), status, access, local, None)
+    start(StdListener::Tcp(l), status, Gate::Tcp(access), local, None)
 }
 
 /// Serves the API without a token on a Unix socket at `path` that only root and keel's own
@@ -168,7 +168,7 @@ pub fn serve_unix(
     start(
         StdListener::Unix(l),
         status,
-        Access::Trusted { group },
+        Gate::Unix { group },
         None,
         Some((p(), ino)),
     )
@@ -179,10 +179,20 @@ enum StdListener {
     Unix(std::os::unix::net::UnixListener),
 }
 
+/// Who a listener serves, and with what rights.
+#[derive(Debug, Clone)]
+enum Gate {
+    /// Every connection; the token, if any, is checked per request (`api::handle`).
+    Tcp(Access),
+    /// Root and keel's own user with every right, the members of `group` as observers;
+    /// any other peer gets 403.
+    Unix { group: Option<u32> },
+}
+
 fn start(
     listener: StdListener,
     status: StatusHandle,
-    access: Access,
+    gate: Gate,
     addr: Option<SocketAddr>,
     socket: Option<(PathBuf, u64)>,
 ) -> Result<Server, ServerError> {
@@ -203,7 +213,7 @@ fn start(
     let thread = std::thread::Builder::new()
         .name("keel-control".into())
         .spawn(move || {
-            rt.block_on(accept_loop(listener, stopped, status, access));
+            rt.block_on(accept_loop(listener, stopped, status, gate));
             rt.shutdown_timeout(STOP_GRACE);
         })
         .map_err(ServerError::SpawnThread)?;
@@ -260,7 +270,7 @@ async fn accept_loop(
     l: Listener,
     mut stop: oneshot::Receiver<()>,
     status: StatusHandle,
-    access: Access,
+    gate: Gate,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let queue = Arc::new(Semaphore::new(BUSY_QUEUE));
@@ -286,9 +296,14 @@ async fn accept_loop(
             }
         };
         if let Ok(slot) = slots.clone().try_acquire_owned() {
-            let verdict = match &conn {
-                Conn::Unix(s) if !peer_allowed(s, &access) => Verdict::Refuse(403, "forbidden\n"),
-                _ => Verdict::Serve(status.clone(), access.clone()),
+            let verdict = match (&conn, &gate) {
+                (Conn::Unix(s), Gate::Unix { group }) => match peer_rights(s, *group) {
+                    Some(rights) => Verdict::Serve(status.clone(), Access::Peer(rights)),
+                    None => Verdict::Refuse(403, "forbidden\n"),
+                },
+                (Conn::Tcp(_), Gate::Tcp(access)) => Verdict::Serve(status.clone(), access.clone()),
+                // A listener accepts only its own kind of connection.
+                _ => Verdict::Refuse(403, "forbidden\n"),
             };
             tokio::spawn(async move {
                 let _slot = slot;
@@ -314,24 +329,21 @@ impl Listener {
     }
 }
 
-/// Root, keel's own user, or (with `[control] group`) a member of that group.
-fn peer_allowed(s: &tokio::net::UnixStream, access: &Access) -> bool {
-    let group = match access {
-        Access::Trusted { group } => *group,
-        Access::Token(_) => None,
-    };
+/// Every right for root and keel's own user, observing for (with `[control] group`) a member
+/// of that group, `None` for anyone else.
+fn peer_rights(s: &tokio::net::UnixStream, group: Option<u32>) -> Option<Rights> {
     match sys::socket::peer_uid(s) {
-        Ok(uid) if uid == 0 || uid == sys::socket::euid() => true,
+        Ok(uid) if uid == 0 || uid == sys::socket::euid() => Some(Rights::All),
         Ok(uid) => {
             let member = group.is_some_and(|g| sys::socket::peer_in_group(s, g).unwrap_or(false));
             if !member {
                 debug!("control: refused a socket peer with uid {uid}");
             }
-            member
+            member.then_some(Rights::Observe)
         }
         Err(e) => {
             debug!("control: peer credentials: {e}");
-            false
+            None
         }
     }
 }

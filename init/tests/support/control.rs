@@ -84,11 +84,16 @@ pub fn post(addr: SocketAddr, path: &str, token: Option<&str>) -> Resp {
 
 /// `GET path` over a Unix socket.
 pub fn unix_get(socket: &Path, path: &str) -> Resp {
+    unix_request(socket, "GET", path)
+}
+
+/// `method path` over a Unix socket.
+pub fn unix_request(socket: &Path, method: &str, path: &str) -> Resp {
     let s = UnixStream::connect(socket).expect("connect to the control socket");
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     exchange(
         s,
-        format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").as_bytes(),
+        format!("{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\n\r\n").as_bytes(),
     )
 }
 
