@@ -177,12 +177,45 @@ pub fn sandbox_covers(cfg: &Config) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
         }
     }
     if let Some(f) = &cfg.persist.credentials_file {
-        out.push((canon(f), Cover::EmptyFile));
+        out.extend(credentials_covers(f, &crate::sys::mount::mount_points()));
     }
     let run = std::path::Path::new(crate::config::control::RUN_SOCKET);
     if let Some(dir) = run.parent().filter(|d| d.is_dir()) {
         out.push((dir.to_path_buf(), Cover::ReadOnly));
     }
+    out
+}
+
+/// How the credentials file is hidden: the file it names now, covered by an empty one. A path
+/// that is a symlink in a directory mounted for it (a Kubernetes Secret volume: `credentials`
+/// → `..data/credentials` → `..2026_01_01_00_00_00.1/credentials`, and every rotation makes a
+/// new directory and swaps `..data`) names another file after a rotation, which the cover of
+/// the old one does not hide: there the whole directory is covered, the Secret's other keys
+/// with it. Such a link anywhere else is only warned about.
+fn credentials_covers(
+    file: &std::path::Path,
+    mounts: &[PathBuf],
+) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
+    use crate::sys::ns::Cover;
+    let canon = |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let mut out = Vec::new();
+    let linked = std::fs::symlink_metadata(file).is_ok_and(|m| m.file_type().is_symlink());
+    if linked {
+        let dir = file
+            .parent()
+            .map(canon)
+            .filter(|d| d.parent().is_some() && mounts.contains(d));
+        match dir {
+            Some(dir) => out.push((dir, Cover::EmptyDir)),
+            None => tracing::warn!(
+                "[persist] credentials_file {} is a symlink outside a directory mounted for it: \
+                 the sandbox cannot read the file it names now, but could read another one it \
+                 named later; name the file itself, or mount the secret in a directory of its own",
+                file.display()
+            ),
+        }
+    }
+    out.push((canon(file), Cover::EmptyFile));
     out
 }
 
@@ -355,5 +388,41 @@ fn mount_workspace(
                 },
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::ns::Cover;
+
+    #[test]
+    fn a_symlinked_credentials_file_in_its_own_mount_hides_the_whole_directory() {
+        let d = tempfile::tempdir().unwrap();
+        let secret = d.path().join("secret");
+        std::fs::create_dir_all(secret.join("..2026_a")).unwrap();
+        std::fs::write(secret.join("..2026_a/credentials"), "K=V\n").unwrap();
+        std::os::unix::fs::symlink("..2026_a", secret.join("..data")).unwrap();
+        std::os::unix::fs::symlink("..data/credentials", secret.join("credentials")).unwrap();
+        let dir = std::fs::canonicalize(&secret).unwrap();
+        let file = dir.join("..2026_a/credentials");
+        let link = secret.join("credentials");
+        assert_eq!(
+            credentials_covers(&link, std::slice::from_ref(&dir)),
+            vec![
+                (dir.clone(), Cover::EmptyDir),
+                (file.clone(), Cover::EmptyFile)
+            ]
+        );
+        // A link in a directory that is not a mount of its own: the file it names (warned).
+        assert_eq!(
+            credentials_covers(&link, &[]),
+            vec![(file.clone(), Cover::EmptyFile)]
+        );
+        // The file itself, even in a mount of its own: the file.
+        assert_eq!(
+            credentials_covers(&file, std::slice::from_ref(&dir)),
+            vec![(file, Cover::EmptyFile)]
+        );
     }
 }

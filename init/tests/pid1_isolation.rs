@@ -1,10 +1,12 @@
 //! The sandbox cannot reach keel's state or secrets (root and /dev/fuse; CI fails loudly
 //! without them): everything keel starts runs in a mount namespace where the state dir and the
-//! credentials file are empty and read-only, without the remote's credentials, the control
-//! token or `[init] secret_env` in its environment (unless `pass_env` names them), and cannot
-//! read keel's `/proc/<pid>/{environ,root}` (keel is not dumpable); `keel status` and `keel
-//! checkpoint` still work from inside over the control socket, for whom `[control] group`
-//! allows; a mount keel makes after the start still reaches the sandbox (PID 1).
+//! credentials file are empty and read-only (a Secret volume's whole directory, across a
+//! rotation), without the remote's credentials, the control token or `[init] secret_env` in
+//! its environment (unless `pass_env` names them), and cannot read keel's
+//! `/proc/<pid>/{environ,root}` (keel is not dumpable); `keel status` and `keel checkpoint`
+//! still work from inside over the control socket, for whom `[control] group` allows, and
+//! snapshots, diffs and rollbacks only for root; a mount keel makes after the start still
+//! reaches the sandbox (PID 1).
 
 mod support;
 
@@ -249,6 +251,82 @@ fn a_mount_keel_makes_later_reaches_the_sandbox_as_pid_1() {
     let (code, _) = k.wait();
     assert_eq!(code, 0, "stdout:\n{}\nlog:\n{}", k.stdout(), k.log_text());
     assert!(k.stdout().contains("saw-late-mount"));
+}
+
+/// The credentials file as Kubernetes mounts a Secret: a tmpfs of its own, `credentials` a
+/// symlink through `..data` into a timestamped directory. Neither another key of the Secret
+/// nor the new credentials after a rotation (a new directory, `..data` swapped, the old one
+/// removed, as the kubelet does) reach the sandbox.
+#[test]
+fn a_secret_volume_stays_hidden_across_a_rotation() {
+    use std::os::unix::fs::symlink;
+    if !require_root_and_fuse("isolation test") {
+        return;
+    }
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let state = tempfile::tempdir().unwrap();
+    let outer = tempfile::tempdir().unwrap();
+    let dir = outer.path().join("keel");
+    std::fs::create_dir(&dir).unwrap();
+    let st = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "mode=0755", "secret"])
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(st.success(), "mount a tmpfs for the secret");
+    let _unmount = Unmount(dir.clone());
+    let version = |name: &str, secret: &str| {
+        let v = dir.join(name);
+        std::fs::create_dir(&v).unwrap();
+        std::fs::write(
+            v.join("credentials"),
+            format!("AWS_SECRET_ACCESS_KEY={secret}\nAWS_REGION=eu-file-1\n"),
+        )
+        .unwrap();
+        std::fs::write(v.join("other-key"), format!("other-{secret}\n")).unwrap();
+    };
+    version("..2026_a", FILE_SECRET);
+    symlink("..2026_a", dir.join("..data")).unwrap();
+    symlink("..data/credentials", dir.join("credentials")).unwrap();
+    symlink("..data/other-key", dir.join("other-key")).unwrap();
+    let d = dir.display();
+    let script = format!(
+        r#"
+        echo "secret-entries=$(ls -A {d} | wc -l)"
+        cat {d}/other-key 2>/dev/null && echo "ATTEMPT read another key of the secret"
+        touch $D/ready-to-rotate
+        while [ ! -e $D/rotated ]; do sleep 0.05; done
+        grep -q ROTATED {d}/credentials 2>/dev/null && echo "ATTEMPT read the rotated credentials"
+        grep -rq ROTATED {d} 2>/dev/null && echo "ATTEMPT found the rotated secret"
+        echo "looked"
+        "#
+    );
+    let creds = dir.join("credentials");
+    let text = config(state.path(), "", "").replace("$D/creds", creds.to_str().unwrap());
+    let mut k = start_with(&text, &["sh", "-c", &script], Opts::default());
+    k.wait_file("ready-to-rotate");
+    version("..2026_b", "ROTATED-secret-9c1");
+    symlink("..2026_b", dir.join("..data_tmp")).unwrap();
+    std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+    std::fs::remove_dir_all(dir.join("..2026_a")).unwrap();
+    assert!(std::fs::read_to_string(&creds).unwrap().contains("ROTATED"));
+    std::fs::write(k.path("rotated"), "").unwrap();
+    let (code, _) = k.wait();
+    let out = k.stdout();
+    let log = k.log_text();
+    assert_eq!(code, 0, "stdout:\n{out}\nlog:\n{log}");
+    assert!(out.contains("looked"), "{out}");
+    assert!(out.contains("secret-entries=0\n"), "{out}");
+    assert!(!out.contains("ATTEMPT"), "an attempt succeeded:\n{out}");
+    assert!(
+        log.contains(&format!("{d},")) || log.contains(&format!("{d} ")),
+        "{log}"
+    );
 }
 
 #[test]
