@@ -604,6 +604,8 @@ case_attacker() {
 [persist]
 remote = "file:///srv/keel-remote"
 credentials_file = "/run/secrets/keel/credentials"
+[control]
+group = "sandbox"
 EOF2
     printf '# e2e\nAWS_ACCESS_KEY_ID=e2e-file-key-id\nexport AWS_SESSION_TOKEN=%s\nKEEL_CONTROL_TOKEN=%s\n' \
         "$filesecret" "$filesecret-token" >"$tmp/attack.creds"
@@ -643,6 +645,15 @@ attack() {
     attempt "ptrace keel" ptrace1
     attempt "SIGKILL keel" kill1
 }
+# The control group observes; snapshots, diffs and rollbacks show and change every file.
+agent_attack() {
+    attempt "read a 0600 file through keel diff" sh -c 'keel diff atk -- small | grep -q .'
+    attempt "list the changes through keel diff" keel diff atk
+    attempt "list the snapshots" keel snapshot list
+    attempt "make a snapshot" keel snapshot create --name by-sandbox
+    attempt "roll the workspace back" keel rollback atk
+    attempt "delete a snapshot" keel snapshot delete atk
+}
 set -u
 cd /workspace
 printf '%s' "$SECRET" > small && chmod 600 small
@@ -650,13 +661,15 @@ printf '%s' "$SECRET" > small && chmod 600 small
 sync small big
 keel checkpoint >/dev/null 2>&1 && echo "checkpoint-from-inside ok" || echo "checkpoint-from-inside FAILED"
 keel status >/dev/null 2>&1 && echo "status-from-inside ok" || echo "status-from-inside FAILED"
+keel snapshot create --name atk >/dev/null 2>&1 && echo "snapshot-from-inside ok" || echo "snapshot-from-inside FAILED"
 WHO=root attack
-setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack"
+setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack"
+setpriv --reuid=1000 --regid=1000 --init-groups keel status >/dev/null 2>&1 && echo "group-status ok" || echo "group-status FAILED"
 sha256sum small big | sed 's/^/sum /'
 echo DONE
 EOF2
     # The functions alone, for the unprivileged run.
-    sed -n '1,/^}$/p' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
+    awk '{ print } /^}$/ && ++n == 2 { exit }' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
     chmod 0644 "$tmp/attack.sh" "$tmp/attack.sh.fns"
     run_c "$out" "${keel_flags[@]}" -v "$svol:/var/lib/keel" -v "$rvol:/srv/keel-remote" \
         -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \
@@ -667,7 +680,9 @@ EOF2
     grep -qx DONE "$out" || fail "the attack script did not finish (keel died?)"
     grep -qx 'checkpoint-from-inside ok' "$out" || fail "keel checkpoint from inside the sandbox failed"
     grep -qx 'status-from-inside ok' "$out" || fail "keel status from inside the sandbox failed"
-    [ "$(grep -c '^denied ' "$out")" = 38 ] || fail "$(grep -c '^denied ' "$out") of 38 attempts reported as denied"
+    grep -qx 'snapshot-from-inside ok' "$out" || fail "keel snapshot create from inside the sandbox (root) failed"
+    grep -qx 'group-status ok' "$out" || fail "keel status for the control group failed"
+    [ "$(grep -c '^denied ' "$out")" = 44 ] || fail "$(grep -c '^denied ' "$out") of 44 attempts reported as denied"
     while IFS= read -r line; do fail "${line#ATTEMPT-SUCCEEDED }"; done < <(grep '^ATTEMPT-SUCCEEDED ' "$out")
     grep -qF -e "$envsecret" -e "$filesecret" "$out.err" && fail "keel's log shows a secret"
     grep '^denied \|^ATTEMPT' "$out" | sed 's/^/    /'
