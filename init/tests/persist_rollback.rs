@@ -68,20 +68,6 @@ fn keel(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// The number N of the newest `before-rollback-N` snapshot name.
-fn sparse_last_undo(state: &str) -> u64 {
-    let l: serde_json::Value =
-        serde_json::from_str(&keel(&["snapshot", "list", "--state", state, "--json"])).unwrap();
-    l["snapshots"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|s| s["names"].as_array().unwrap().iter())
-        .filter_map(|n| n.as_str()?.strip_prefix("before-rollback-")?.parse().ok())
-        .max()
-        .expect("a rollback recorded its undo name")
-}
-
 /// xorshift64*: reproducible without a dependency.
 struct Rng(u64);
 impl Rng {
@@ -175,8 +161,11 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
         .unwrap_or(30);
     let mut rng = Rng(seed);
     let mut model: Vec<(String, Tree)> = Vec::new();
+    // The rollbacks that changed something, each of which names its undo.
+    let changed = std::cell::Cell::new(0u64);
     // `keel rollback TO --json`, and the snapshot its checkpoint wrote holds what the
     // target holds: what a restore elsewhere would get back, not only what the mount shows.
+    // One that changes nothing makes no snapshot, and its undo is where it started.
     let roll = |to: &str| {
         let v: serde_json::Value =
             serde_json::from_str(&keel(&["rollback", "--state", &state, to, "--json"])).unwrap();
@@ -187,6 +176,15 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
             d["changes"].as_array().unwrap().is_empty(),
             "snapshot {new} after the rollback to {to} is not {to} (seed {seed:#x}): {d}"
         );
+        if v["snapshot"] == v["from"] {
+            assert_eq!(v["undo"].as_str(), Some(new.as_str()), "{v}");
+        } else {
+            assert_eq!(
+                v["undo"].as_str(),
+                Some(format!("before-rollback-{new}").as_str())
+            );
+            changed.set(changed.get() + 1);
+        }
         v
     };
     let (mut ops, mut rollbacks, mut kept_open) = (0u64, 0u64, 0u64);
@@ -266,14 +264,12 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
         }
         let before = read_tree(&k.mnt);
         let (to, want) = model[rng.below(model.len() as u64) as usize].clone();
+        let mut undo = String::new();
         for (to, want) in [(to, want), (String::new(), before)] {
             k.remount();
-            let to = if to.is_empty() {
-                format!("before-rollback-{}", sparse_last_undo(&state))
-            } else {
-                to
-            };
+            let to = if to.is_empty() { undo.clone() } else { to };
             let v = roll(&to);
+            undo = v["undo"].as_str().unwrap().to_string();
             rollbacks += 1;
             match v["trees"].as_str() {
                 Some("sparse") => {
@@ -296,23 +292,48 @@ fn rollback_matches_the_model_and_open_files_keep_their_bytes() {
         sparse > 0 && merged > 0,
         "after the remounts: {sparse} rollbacks along one chain, {merged} across a full snapshot"
     );
-    // Undo the last rollback through its recorded name, when there was one.
+    // The same rollback twice (an agent retrying after a timeout): the second changes
+    // nothing, and the first one's undo still names the state before the first.
+    fs::write(k.p("after-the-model"), b"x").unwrap();
+    let first = roll(&model[0].0);
+    let again = roll(&model[0].0);
+    rollbacks += 2;
+    assert_ne!(first["snapshot"], first["from"], "{first}");
+    assert_eq!(again["from"], first["snapshot"], "{again}");
+    assert_eq!(again["snapshot"], again["from"], "{again}");
     let names = keel(&["snapshot", "list", "--state", &state, "--json"]);
     let v: serde_json::Value = serde_json::from_str(&names).unwrap();
-    let undo: BTreeSet<String> = v["snapshots"]
+    let named: BTreeMap<String, u64> = v["snapshots"]
         .as_array()
         .unwrap()
         .iter()
         .flat_map(|s| {
+            let id = s["id"].as_u64().unwrap();
             s["names"]
                 .as_array()
                 .unwrap()
                 .iter()
-                .map(|n| n.as_str().unwrap().to_string())
+                .map(move |n| (n.as_str().unwrap().to_string(), id))
         })
+        .collect();
+    assert_eq!(
+        named.get(first["undo"].as_str().unwrap()),
+        first["from"].as_u64().as_ref(),
+        "the first rollback's undo after the second: {names}"
+    );
+    let undo: BTreeSet<&String> = named
+        .keys()
         .filter(|n| n.starts_with("before-rollback-"))
         .collect();
-    assert_eq!(undo.len() as u64, rollbacks, "one undo name per rollback");
+    assert_eq!(
+        undo.len() as u64,
+        changed.get(),
+        "one undo name per rollback that changed something ({rollbacks} in all)"
+    );
+    assert!(
+        !named.keys().any(|n| n.starts_with("rollback-from-")),
+        "a finished rollback left its pin: {names}"
+    );
     k.stop();
     let out = Command::new(keel_bin())
         .args(["fsck", "--state", &state])

@@ -52,6 +52,7 @@ fn agent_status(e: &AgentError) -> u16 {
         | AgentError::CheckName(s)
         | AgentError::RecordSnapshot(s) => snapshots_status(s),
         AgentError::Checkpoint(s) => service_status(s),
+        AgentError::Unfinished { source, .. } => agent_status(source),
         _ => 500,
     }
 }

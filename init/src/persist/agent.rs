@@ -5,10 +5,13 @@
 //! (`service::CheckpointHandle::agent`).
 //!
 //! A rollback: flush and checkpoint (the state it leaves is a snapshot, named
-//! `before-rollback-N` so it can be rolled back to, whatever the retention), see that tree
-//! and the target's (from the history, or only the parts the snapshots between them
-//! touched, `diff::sparse`), hand both to the mounted filesystem (`RollbackFn`, set by the
-//! workspace session), then checkpoint again: the rolled-back tree is snapshot N.
+//! `rollback-from-M` while the rollback runs and `before-rollback-N` once it is done, so it
+//! can be rolled back to, whatever the retention or a gc meanwhile), see that tree and the
+//! target's (from the history, or only the parts the snapshots between them touched,
+//! `diff::sparse`), hand both to the mounted filesystem (`RollbackFn`, set by the workspace
+//! session), then checkpoint again: the rolled-back tree is snapshot N. A rollback that
+//! changes nothing makes no snapshot and names none: its undo is the snapshot it started
+//! from.
 
 use std::time::Instant;
 
@@ -61,6 +64,14 @@ pub enum AgentError {
     /// The mounted filesystem's rollback (`RollbackFn`) failed.
     #[error("{0}")]
     Apply(#[source] super::service::BoxError),
+    /// A rollback failed after it named the state before it (`pin`): where to go back.
+    #[error("{source}; the workspace before the rollback is snapshot {seq}, named {pin}")]
+    Unfinished {
+        seq: u64,
+        pin: String,
+        #[source]
+        source: Box<AgentError>,
+    },
 }
 
 /// Why the supervisor could not stop or start the main command.
@@ -413,6 +424,43 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
         Some(s) => s,
         None => last_seq(w)?.ok_or(AgentError::NoSnapshot("the workspace has no snapshot yet"))?,
     };
+    // Named until the rollback is done and its undo named, so that no gc (the checkpoint
+    // after it, or one making room on the volume) takes the state before it meanwhile.
+    let pin = format!("rollback-from-{current}");
+    snapshots::record(
+        &repo,
+        current,
+        Some(&pin),
+        &format!("the workspace before a rollback to snapshot {target} that has not finished"),
+        now_ns(),
+    )
+    .map_err(AgentError::RecordSnapshot)?;
+    let (answer, undo) =
+        roll_and_checkpoint(w, &repo, current, target, t0).map_err(|e| AgentError::Unfinished {
+            seq: current,
+            pin: pin.clone(),
+            source: Box::new(e),
+        })?;
+    if let Err(e) = snapshots::delete(&repo, &pin) {
+        tracing::warn!(error = %e, name = %pin, "rollback: cannot drop the name it held");
+    }
+    let mut answer = answer;
+    answer["undo"] = undo.into();
+    answer["duration_ms"] = ms(t0).into();
+    Ok(answer)
+}
+
+/// The rollback itself, from `current` (checkpointed, pinned) to `target`, then the
+/// checkpoint that makes the result a snapshot and the name of its undo. Returns the answer
+/// and that name (`current`'s id when nothing changed: the workspace is as it was, and a
+/// `before-rollback-N` name would take N's from the rollback that made N).
+fn roll_and_checkpoint(
+    w: &mut Worker,
+    repo: &super::repo::Repo,
+    current: u64,
+    target: u64,
+    t0: Instant,
+) -> Result<(serde_json::Value, String), AgentError> {
     let t_ckpt = ms(t0);
     let t1 = Instant::now();
     // The history when it already sees both; else the parts of the two trees that can
@@ -427,7 +475,7 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
     let sparse = if seen {
         None
     } else {
-        super::diff::sparse(&repo, current, target).map_err(AgentError::Diff)?
+        super::diff::sparse(repo, current, target).map_err(AgentError::Diff)?
     };
     let decoded;
     let (cur, tgt, changed, how) = match &sparse {
@@ -438,7 +486,7 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
             match (h.view(target), h.changed(current, target)) {
                 (Some(v), Some(c)) => (View::of(h.tree()), v, c, "history"),
                 _ => {
-                    decoded = load(&repo, target)?;
+                    decoded = load(repo, target)?;
                     let c = Changed::between(h.tree(), &decoded);
                     (View::of(h.tree()), View::of(&decoded), c, "decoded")
                 }
@@ -448,7 +496,7 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
     let t_load = ms(t1);
     let t2 = Instant::now();
     let f = w.rollback.as_ref().expect("checked above");
-    let detail = f(&repo, &cur, &tgt, &changed, sparse.as_ref()).map_err(AgentError::Apply)?;
+    let detail = f(repo, &cur, &tgt, &changed, sparse.as_ref()).map_err(AgentError::Apply)?;
     drop((cur, tgt));
     drop(sparse);
     // What the trees held goes back to the system (RSS stays at the peak otherwise).
@@ -459,26 +507,30 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
         .checkpoint(CheckpointOptions::default(), false)
         .map_err(|e| AgentError::Checkpoint(Box::new(e)))?;
     let new = after.seq.unwrap_or(current);
-    let undo = format!("before-rollback-{new}");
-    snapshots::record(
-        &repo,
-        current,
-        Some(&undo),
-        &format!("the workspace before the rollback to snapshot {target}"),
-        now_ns(),
-    )
-    .map_err(AgentError::RecordSnapshot)?;
-    Ok(serde_json::json!({
+    let undo = if new == current {
+        current.to_string()
+    } else {
+        let undo = format!("before-rollback-{new}");
+        snapshots::record(
+            repo,
+            current,
+            Some(&undo),
+            &format!("the workspace before the rollback to snapshot {target}"),
+            now_ns(),
+        )
+        .map_err(AgentError::RecordSnapshot)?;
+        undo
+    };
+    let answer = serde_json::json!({
         "from": current,
         "to": target,
         "snapshot": new,
-        "undo": undo,
         "applied": detail,
         "checkpoint_before_ms": t_ckpt,
         "load_trees_ms": t_load,
         "trees": how,
         "apply_ms": t_apply,
         "checkpoint_after_ms": ms(t3),
-        "duration_ms": ms(t0),
-    }))
+    });
+    Ok((answer, undo))
 }
