@@ -175,6 +175,45 @@ fn abandoned_lease_refuse_wait_force_and_the_old_holder_is_fenced() {
     let r = p2.checkpoint(&CheckpointOptions::default()).unwrap();
     assert_eq!(head_seq(&c), Some((r.seq.unwrap(), 3)));
     forced.release().unwrap();
+    let theirs = r.seq.unwrap();
+
+    // The old holder restarts on its own state dir (as `LEASE LOST` says to) and takes the
+    // lease back: its first checkpoint keeps what the new holder wrote, named, and follows
+    // it with a full snapshot; neither side's files are lost.
+    drop(p);
+    drop(old);
+    let back = acquire_lease(dir.path(), &c, false).unwrap().unwrap();
+    assert_eq!(back.info().epoch, 4);
+    let repo = open_remote(&c.remote, &c).unwrap();
+    let mut p3 = Persister::open(dir.path(), repo.clone(), params()).unwrap();
+    p3.set_lease(Some(back.handle()));
+    let r3 = p3.checkpoint(&CheckpointOptions::default()).unwrap();
+    assert!(r3.full, "{r3}");
+    let mine = r3.seq.unwrap();
+    assert_eq!(head_seq(&c), Some((mine, 4)));
+    assert_eq!(repo.read_header(mine).unwrap().prev, Some(theirs));
+    let name = format!("diverged-{theirs}");
+    assert_eq!(
+        keel::persist::snapshots::resolve(&repo, &name).unwrap(),
+        theirs
+    );
+    let names = |seq: u64| -> Vec<String> {
+        let t = repo.load_tree(seq).unwrap().0;
+        let mut v: Vec<String> = t
+            .dirents
+            .keys()
+            .map(|(_, n)| String::from_utf8_lossy(n).into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(mine), ["a.txt", "b.txt"]);
+    assert_eq!(names(theirs), ["a.txt", "c.txt"]);
+    // A gc keeping one unnamed snapshot keeps the named one and what it builds on.
+    let mut g = repo.clone();
+    keel::persist::gc::gc(&mut g, Some(p3.store()), 1, Duration::ZERO).unwrap();
+    assert_eq!(names(theirs), ["a.txt", "c.txt"]);
+    back.release().unwrap();
 }
 
 fn service_cfg(state: &Path) -> WorkspaceConfig {

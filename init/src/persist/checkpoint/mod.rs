@@ -13,6 +13,7 @@
 //! next start (`recover_unrecorded_writes`): any body modified after the last point where
 //! every write was known to be recorded is re-hashed whole.
 
+mod foreign;
 mod steps;
 #[cfg(test)]
 mod tests;
@@ -58,6 +59,10 @@ pub enum CheckpointError {
     Deadline { done: usize, total: usize },
     #[error("{0}")]
     Lease(#[from] super::lease::LeaseError),
+    #[error("look for the snapshot the remote's head names: {0}")]
+    FindForeignHead(RemoteError),
+    #[error("keep the remote's head, which another writer made: {0}")]
+    KeepForeignHead(Box<super::snapshots::SnapshotsError>),
 }
 
 /// What one checkpoint did.
@@ -339,17 +344,20 @@ impl Persister {
 
         // 1. Claim the change set; decide between nothing, a delta and a full snapshot.
         self.claim_changes(opts.synced_at.unwrap_or(Nanos(now_ns())))?;
-        let prior = self.read_prior()?;
-        steps::lazy_windows_carry_over(&prior, self.params.chunk_size)?;
-        self.void_stale_chunk_maps(&prior)?;
-        let full = steps::wants_full(&prior, opts.full, &self.params);
-        if !full && self.store.read().pending_changes()?.is_empty() {
+        let mut prior = self.read_prior()?;
+        if !steps::wants_full(&prior, opts.full, &self.params)
+            && self.store.read().pending_changes()?.is_empty()
+        {
             return Ok(CheckpointReport {
                 elapsed: t0.elapsed(),
                 ..Default::default()
             });
         }
         let head = self.read_fenced_head()?;
+        self.follow_foreign_head(&mut prior, head.as_ref().map(|h| &h.0))?;
+        steps::lazy_windows_carry_over(&prior, self.params.chunk_size)?;
+        self.void_stale_chunk_maps(&prior)?;
+        let full = steps::wants_full(&prior, opts.full, &self.params);
 
         // 2. A consistent view of what changed.
         let mut pass = Pass::new(prior, full, head);

@@ -68,6 +68,8 @@ pub(super) struct Prior {
     pub base: Option<u64>,
     /// Windows of lazily restored files not fetched yet, and the chunk each holds.
     pub missing: HashMap<InodeNo, Vec<MissingRow>>,
+    /// The remote's head was written by someone else (`foreign`).
+    pub diverged: bool,
 }
 
 /// One checkpoint in progress: what each step leaves for the next.
@@ -320,6 +322,8 @@ pub(super) fn lazy_windows_carry_over(prior: &Prior, cs: u64) -> Result<(), Chec
         windows: prior.missing.values().map(|v| v.len() as u64).sum(),
         why: if prior.chunk_size != Some(cs) {
             "the chunk size changed"
+        } else if prior.diverged {
+            "another writer checkpointed the workspace since"
         } else {
             "the remote is not the one they were restored from"
         },
@@ -366,6 +370,7 @@ impl Persister {
             chunk_size: kv_u64(&r, "chunk_size")?,
             base: kv_u64(&r, "base_seq")?,
             missing: r.all_missing_windows()?,
+            diverged: false,
         })
     }
 
@@ -686,6 +691,7 @@ impl Persister {
             epoch,
         };
         let expected = pass.head.as_ref().and_then(|h| h.1.clone());
+        self.mark_advancing(seq)?;
         self.repo
             .write_head(&new_head, expected)
             .map_err(|source| CheckpointError::AdvanceHead { seq, source })?;

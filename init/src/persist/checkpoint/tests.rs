@@ -532,3 +532,79 @@ fn a_file_inline_in_between_gets_its_whole_map_back() {
         );
     }
 }
+
+/// The names the remote gives snapshot `seq`.
+fn names_of(repo: &Repo, seq: u64) -> Vec<String> {
+    crate::persist::snapshots::names(repo)
+        .unwrap()
+        .into_values()
+        .filter(|r| r.seq == seq)
+        .map(|r| r.name)
+        .collect()
+}
+
+/// A head this state dir did not write (another keel checkpointed after taking the workspace
+/// over, and its gc took chunks) is kept as `diverged-S` and followed by a full snapshot
+/// that offers every chunk again; a head the state dir was advancing to when it stopped is
+/// its own; a head naming no snapshot only distrusts the maps.
+#[test]
+fn a_foreign_head_is_named_and_followed_by_a_full_snapshot() {
+    let mut f = fixture();
+    add_file(&f.p, b"a", &three_windows());
+    first(&mut f.p);
+    add_file(&f.p, b"b", b"second");
+    let own = first(&mut f.p).seq.unwrap();
+    assert!(names_of(&f.p.repo, own).is_empty());
+    // Marked before its head was written, for a checkpoint that dies in between.
+    assert_eq!(
+        kv_u64(&f.p.store.read(), foreign::ADVANCING).unwrap(),
+        Some(own)
+    );
+
+    // Another writer restored `own`, wrote `other` on it, and its gc took every chunk.
+    let other = own + 1;
+    f.p.repo.put_test(other, Some(own), &Default::default());
+    let (h, version) = f.p.repo.read_head().unwrap().unwrap();
+    let foreign = Head {
+        seq: other,
+        writer: "elsewhere:1".into(),
+        ..h
+    };
+    f.p.repo.write_head(&foreign, version).unwrap();
+    for (id, _) in f.p.repo.list_chunks().unwrap() {
+        f.remote.delete(&f.p.repo.chunk_key(&id)).unwrap();
+    }
+    add_file(&f.p, b"c", b"third");
+    let r = first(&mut f.p);
+    let new = r.seq.unwrap();
+    assert!(r.full, "{r}");
+    assert!(r.chunks_uploaded >= 2, "every chunk offered again: {r}");
+    let h = f.p.repo.read_header(new).unwrap();
+    assert_eq!((h.parent, h.prev), (None, Some(other)), "{h:?}");
+    assert_eq!(names_of(&f.p.repo, other), vec![foreign::name_of(other)]);
+
+    // A head this state dir was advancing to when it stopped: its own, nothing named.
+    add_file(&f.p, b"d", b"fourth");
+    let next = new + 1;
+    f.p.mark_advancing(next).unwrap();
+    f.p.repo.put_test(next, Some(new), &Default::default());
+    let (h, version) = f.p.repo.read_head().unwrap().unwrap();
+    f.p.repo
+        .write_head(&Head { seq: next, ..h }, version)
+        .unwrap();
+    let r = first(&mut f.p);
+    assert!(!r.full, "{r}");
+    assert!(names_of(&f.p.repo, next).is_empty());
+
+    // A head naming a snapshot that is not there: nothing to keep, a full snapshot.
+    let (h, version) = f.p.repo.read_head().unwrap().unwrap();
+    let ghost = r.seq.unwrap() + 5;
+    f.p.repo
+        .write_head(&Head { seq: ghost, ..h }, version)
+        .unwrap();
+    add_file(&f.p, b"e", b"fifth");
+    let r = first(&mut f.p);
+    assert!(r.full, "{r}");
+    assert!(r.seq.unwrap() > ghost);
+    assert!(names_of(&f.p.repo, ghost).is_empty());
+}
