@@ -533,6 +533,25 @@ fn keel_mount_twice_on_one_prefix() {
             panic!("second writer mounted");
         }
     }
+    // An offline gc from another state dir is refused as well: its sweep could take chunks
+    // the live writer is about to name again.
+    let out = std::process::Command::new(support::mount::keel_bin())
+        .arg("gc")
+        .args(&args)
+        .arg("--state")
+        .arg(tmp.path().join("s3"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "offline gc ran beside a live writer: {stderr}"
+    );
+    assert!(
+        stderr.starts_with("keel: gc: ") && stderr.contains("in use by another writer"),
+        "{stderr}"
+    );
+    no_secret("gc stderr", &stderr);
 
     // SIGTERM: final checkpoint, release; the second writer gets the lease at once.
     support::sys::kill(first.id(), libc::SIGTERM);

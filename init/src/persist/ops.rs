@@ -197,6 +197,14 @@ pub fn gc(cfg: &Config) -> Result<String, OpsError> {
     }
     let _lock = lock_offline(state)?;
     let mut repo = repo_of(cfg)?;
+    // Under the workspace's lease, as the running keel's own gc is: a live writer may name
+    // again any chunk the sweep finds unreferenced.
+    let mut lease =
+        super::acquire_lease(state, &cfg.persist, true).map_err(OpsError::AcquireLease)?;
+    if let Some(l) = lease.as_mut() {
+        l.start_renewal().map_err(OpsError::StartRenewal)?;
+    }
+    let _lease = super::lease::ReleaseOnDrop::new(lease);
     let store = if state.join("meta.db").exists() {
         Some(
             crate::meta::Store::open(
