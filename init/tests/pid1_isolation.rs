@@ -77,6 +77,8 @@ fn start_keel(state: &Path, script: &str, extra_init: &str, extra: &str, pid1: b
                 ("VAULT_TOKEN", "vault-secret-1234"),
                 ("PLAIN_VAR", "visible"),
             ],
+            // A secret whose value is not UTF-8 leaves keel's environment all the same.
+            env_bytes: &[("AWS_SESSION_TOKEN", b"session-\xff-secret")],
             ..Default::default()
         },
     );
@@ -131,6 +133,7 @@ fn the_sandbox_sees_no_state_no_credentials_and_cannot_read_keel() {
     let svc_env = read(&k.path("svc.env"));
     for secret in [
         "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
         "GOOGLE_SERVICE_ACCOUNT_KEY",
         "KEEL_CONTROL_TOKEN",
         "MY_SECRET",

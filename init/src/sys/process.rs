@@ -367,10 +367,12 @@ extern "C" {
 
 /// Takes the variables for which `secret(name)` holds out of keel's environment and returns
 /// them: they are removed, and their `NAME=value` bytes overwritten with NULs where the kernel
-/// shows them (`/proc/<pid>/environ` reads the initial environment block). Call while keel
-/// still has a single thread.
+/// shows them (`/proc/<pid>/environ` reads the initial environment block). A value that is
+/// not UTF-8 is removed and wiped too, but not returned (no credential is such a value).
+/// Call while keel still has a single thread.
 pub fn take_env(secret: impl Fn(&str) -> bool) -> Vec<(String, String)> {
     let mut taken = Vec::new();
+    let mut dropped = Vec::new();
     let mut wipe: Vec<(*mut libc::c_char, usize)> = Vec::new();
     // SAFETY: keel is single-threaded here (documented precondition), so nothing reads or
     // changes the environment concurrently; `environ` is a NULL-terminated array of
@@ -381,12 +383,12 @@ pub fn take_env(secret: impl Fn(&str) -> bool) -> Vec<(String, String)> {
             let entry = *at;
             let bytes = std::ffi::CStr::from_ptr(entry).to_bytes();
             if let Some(eq) = bytes.iter().position(|&b| b == b'=') {
-                if let (Ok(name), Ok(value)) = (
-                    std::str::from_utf8(&bytes[..eq]),
-                    std::str::from_utf8(&bytes[eq + 1..]),
-                ) {
+                if let Ok(name) = std::str::from_utf8(&bytes[..eq]) {
                     if secret(name) {
-                        taken.push((name.to_string(), value.to_string()));
+                        match std::str::from_utf8(&bytes[eq + 1..]) {
+                            Ok(value) => taken.push((name.to_string(), value.to_string())),
+                            Err(_) => dropped.push(name.to_string()),
+                        }
                         wipe.push((entry, bytes.len()));
                     }
                 }
@@ -394,7 +396,7 @@ pub fn take_env(secret: impl Fn(&str) -> bool) -> Vec<(String, String)> {
             at = at.add(1);
         }
     }
-    for (k, _) in &taken {
+    for k in taken.iter().map(|(k, _)| k).chain(&dropped) {
         std::env::remove_var(k);
     }
     for (entry, len) in wipe {

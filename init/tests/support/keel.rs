@@ -32,6 +32,8 @@ pub struct Opts<'a> {
     pub ignore: &'a [nix::sys::signal::Signal],
     /// Extra environment for keel.
     pub env: &'a [(&'a str, &'a str)],
+    /// Extra environment for keel whose values need not be UTF-8.
+    pub env_bytes: &'a [(&'a str, &'a [u8])],
 }
 
 enum Launch {
@@ -122,6 +124,12 @@ impl Keel {
             .env("KEEL_LOG", "debug");
         for (k, v) in opts.env {
             cmd.env(k, v.replace("$D", &d));
+        }
+        for (k, v) in opts.env_bytes {
+            cmd.env(
+                k,
+                std::os::unix::ffi::OsStrExt::from_bytes(*v) as &std::ffi::OsStr,
+            );
         }
         let (log, out) = (dir.join("keel.stderr"), dir.join("keel.stdout"));
         cmd.stdin(Stdio::null())

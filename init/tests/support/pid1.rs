@@ -62,7 +62,7 @@ pub fn poll<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
 pub use super::procs::{alive, descendants, processes};
 
 pub fn read(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap_or_default()
+    String::from_utf8_lossy(&std::fs::read(path).unwrap_or_default()).into_owned()
 }
 
 /// A hex mask line (`SigBlk:` etc.) from /proc status text.
