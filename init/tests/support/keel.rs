@@ -128,7 +128,7 @@ impl Keel {
         for (k, v) in opts.env_bytes {
             cmd.env(
                 k,
-                std::os::unix::ffi::OsStrExt::from_bytes(*v) as &std::ffi::OsStr,
+                std::os::unix::ffi::OsStrExt::from_bytes(v) as &std::ffi::OsStr,
             );
         }
         let (log, out) = (dir.join("keel.stderr"), dir.join("keel.stdout"));
