@@ -534,24 +534,38 @@ fn keel_mount_twice_on_one_prefix() {
         }
     }
     // An offline gc from another state dir is refused as well: its sweep could take chunks
-    // the live writer is about to name again.
-    let out = std::process::Command::new(support::mount::keel_bin())
-        .arg("gc")
-        .args(&args)
-        .arg("--state")
-        .arg(tmp.path().join("s3"))
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "offline gc ran beside a live writer: {stderr}"
-    );
-    assert!(
-        stderr.starts_with("keel: gc: ") && stderr.contains("in use by another writer"),
-        "{stderr}"
-    );
-    no_secret("gc stderr", &stderr);
+    // the live writer is about to name again. Even where starts take leases over by force:
+    // a gc never fences a live writer.
+    let forcing = tmp.path().join("force.toml");
+    std::fs::write(
+        &forcing,
+        format!(
+            "{}takeover = \"force\"\n",
+            std::fs::read_to_string(&conf).unwrap()
+        ),
+    )
+    .unwrap();
+    for c in [&conf, &forcing] {
+        let out = std::process::Command::new(support::mount::keel_bin())
+            .args(["gc", "--config"])
+            .arg(c)
+            .arg("--state")
+            .arg(tmp.path().join("s3"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "offline gc ran beside a live writer: {stderr}"
+        );
+        assert!(
+            stderr.starts_with("keel: gc: ") && stderr.contains("in use by another writer"),
+            "{stderr}"
+        );
+        no_secret("gc stderr", &stderr);
+    }
+    let status = persist_status(&s1);
+    assert!(status.contains("lease: held by holder"), "{status}");
 
     // SIGTERM: final checkpoint, release; the second writer gets the lease at once.
     support::sys::kill(first.id(), libc::SIGTERM);

@@ -198,9 +198,13 @@ pub fn gc(cfg: &Config) -> Result<String, OpsError> {
     let _lock = lock_offline(state)?;
     let mut repo = repo_of(cfg)?;
     // Under the workspace's lease, as the running keel's own gc is: a live writer may name
-    // again any chunk the sweep finds unreferenced.
-    let mut lease =
-        super::acquire_lease(state, &cfg.persist, true).map_err(OpsError::AcquireLease)?;
+    // again any chunk the sweep finds unreferenced. Never taken over or waited for (whatever
+    // `takeover` says for starts): a gc must not fence a live writer.
+    let refuse = crate::config::PersistConfig {
+        takeover: crate::config::Takeover::Refuse,
+        ..cfg.persist.clone()
+    };
+    let mut lease = super::acquire_lease(state, &refuse, true).map_err(OpsError::AcquireLease)?;
     if let Some(l) = lease.as_mut() {
         l.start_renewal().map_err(OpsError::StartRenewal)?;
     }
