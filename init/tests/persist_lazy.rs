@@ -521,3 +521,49 @@ fn a_rollback_to_an_inline_file_forgets_its_unfetched_windows() {
         other => panic!("f is {other:?}"),
     }
 }
+
+/// A lazily restored state dir that finds a head another writer made after its restore (a
+/// takeover while it was stopped) still checkpoints: that head is kept as `diverged-N`, the
+/// windows not fetched yet are carried over as they are (not fetched, still missing
+/// locally), and the new head holds the whole tree.
+#[test]
+fn a_foreign_head_after_a_lazy_restore_carries_the_unfetched_windows_over() {
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    // The other writer: restores the head elsewhere, adds a file, checkpoints.
+    let other = tempfile::tempdir().unwrap();
+    let mut repo = Repo::new(l.remote.clone(), "ws");
+    restore(&mut repo, None, other.path()).unwrap();
+    let fs2 = open_fs(other.path());
+    write_file(&fs2, "theirs", b"the other writer's\n");
+    fs2.shutdown().unwrap();
+    drop(fs2);
+    let theirs = checkpoint(&mut persister(other.path(), l.remote.clone()))
+        .seq
+        .unwrap();
+
+    let fs = l.open();
+    write_file(&fs, "mine", b"this state dir's\n");
+    fs.shutdown().unwrap();
+    drop(fs);
+    let before = l.n();
+    let r = checkpoint(&mut persister(l.dst.path(), l.remote.clone()));
+    assert!(r.full, "{r}");
+    assert_eq!(l.n(), before, "the checkpoint fetched chunks");
+    assert_eq!(
+        open_fs(l.dst.path()).missing_windows().unwrap(),
+        l.missing,
+        "unfetched windows are still missing here"
+    );
+    assert_eq!(
+        keel::persist::snapshots::resolve(&repo, &format!("diverged-{theirs}")).unwrap(),
+        theirs
+    );
+    let (_d, head) = eager_dump(l.remote.clone());
+    for (path, was) in &l.want {
+        if path != "/" {
+            assert_eq!(head.get(path), Some(was), "{path} in the new head");
+        }
+    }
+    assert!(head["/mine"].contains("bytes:17:"), "{}", head["/mine"]);
+    assert_eq!(head.len(), l.want.len() + 1, "{:?}", head.keys());
+}

@@ -81,8 +81,15 @@ impl Persister {
                 h.seq
             );
         }
+        // Only the same remote's chunks can still be there: lazily restored windows carry over.
+        prior.diverged = prior.trusted;
         prior.trusted = false;
-        prior.diverged = true;
+        if prior.diverged && !prior.missing.is_empty() {
+            tracing::warn!(
+                windows = prior.missing.values().map(Vec::len).sum::<usize>(),
+                "windows of lazily restored files not fetched yet are carried over as they are: if the other writer's gc deleted their chunks, those files cannot be read (`keel fsck` finds them)"
+            );
+        }
         Ok(())
     }
 }

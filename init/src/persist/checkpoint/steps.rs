@@ -68,7 +68,8 @@ pub(super) struct Prior {
     pub base: Option<u64>,
     /// Windows of lazily restored files not fetched yet, and the chunk each holds.
     pub missing: HashMap<InodeNo, Vec<MissingRow>>,
-    /// The remote's head was written by someone else (`foreign`).
+    /// The remote's head was written by someone else (`foreign`) on the remote the chunk maps
+    /// were uploaded to.
     pub diverged: bool,
 }
 
@@ -313,17 +314,20 @@ struct Found {
 }
 
 /// Whether windows not fetched yet can be carried over as they are: only to the remote they
-/// were restored from, in the chunk size they were cut in.
+/// were restored from, in the chunk size they were cut in. Also after another writer
+/// checkpointed the same remote (`diverged`): its gc may have taken some of their chunks,
+/// but refusing would leave the state dir unable to checkpoint at all (a window whose chunk
+/// is gone cannot be read here either); `foreign` warns.
 pub(super) fn lazy_windows_carry_over(prior: &Prior, cs: u64) -> Result<(), CheckpointError> {
-    if prior.missing.is_empty() || (prior.chunk_size == Some(cs) && prior.trusted) {
+    if prior.missing.is_empty()
+        || (prior.chunk_size == Some(cs) && (prior.trusted || prior.diverged))
+    {
         return Ok(());
     }
     Err(CheckpointError::LazyIncomplete {
         windows: prior.missing.values().map(|v| v.len() as u64).sum(),
         why: if prior.chunk_size != Some(cs) {
             "the chunk size changed"
-        } else if prior.diverged {
-            "another writer checkpointed the workspace since"
         } else {
             "the remote is not the one they were restored from"
         },

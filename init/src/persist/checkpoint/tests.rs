@@ -141,6 +141,10 @@ fn lazy_windows_carry_over_only_to_their_remote_in_their_chunk_size() {
             .contains("not the one they were restored from"),
         "{e}"
     );
+    // The same remote, where another writer checkpointed since (`foreign`): carried over.
+    prior.diverged = true;
+    assert!(lazy_windows_carry_over(&prior, CS).is_ok());
+    assert!(lazy_windows_carry_over(&prior, CS * 2).is_err());
 }
 
 #[test]
