@@ -187,35 +187,43 @@ pub fn sandbox_covers(cfg: &Config) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
 }
 
 /// How the credentials file is hidden: the file it names now, covered by an empty one. A path
-/// that is a symlink in a directory mounted for it (a Kubernetes Secret volume: `credentials`
-/// → `..data/credentials` → `..2026_01_01_00_00_00.1/credentials`, and every rotation makes a
-/// new directory and swaps `..data`) names another file after a rotation, which the cover of
-/// the old one does not hide: there the whole directory is covered, the Secret's other keys
-/// with it. Such a link anywhere else is only warned about.
+/// through a symlink can name another file later. In a Kubernetes Secret volume it does at
+/// every rotation (`credentials` → `..data/credentials` → `..2026_01_01_00_00_00.1/…`, and the
+/// kubelet makes a new directory and swaps `..data`; an item path `keel/credentials` links
+/// `keel` instead), which the cover of the old file does not hide: when the nearest mount
+/// above the path holds such a `..data` link, that whole volume is covered, the Secret's
+/// other keys with it. A path through a symlink anywhere else is only warned about.
 fn credentials_covers(
     file: &std::path::Path,
     mounts: &[PathBuf],
 ) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
     use crate::sys::ns::Cover;
     let canon = |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let real = canon(file);
     let mut out = Vec::new();
-    let linked = std::fs::symlink_metadata(file).is_ok_and(|m| m.file_type().is_symlink());
-    if linked {
-        let dir = file
-            .parent()
+    if real != file {
+        let volume = file
+            .ancestors()
+            .skip(1)
             .map(canon)
-            .filter(|d| d.parent().is_some() && mounts.contains(d));
-        match dir {
+            .find(|d| mounts.contains(d))
+            .filter(|d| {
+                d.parent().is_some()
+                    && std::fs::symlink_metadata(d.join("..data"))
+                        .is_ok_and(|m| m.file_type().is_symlink())
+            });
+        match volume {
             Some(dir) => out.push((dir, Cover::EmptyDir)),
             None => tracing::warn!(
-                "[persist] credentials_file {} is a symlink outside a directory mounted for it: \
-                 the sandbox cannot read the file it names now, but could read another one it \
-                 named later; name the file itself, or mount the secret in a directory of its own",
-                file.display()
+                "[persist] credentials_file {} goes through a symlink (to {}): the sandbox \
+                 cannot read that file, but could read another one the path named later; \
+                 name the file itself, or mount the secret as a volume of its own",
+                file.display(),
+                real.display()
             ),
         }
     }
-    out.push((canon(file), Cover::EmptyFile));
+    out.push((real, Cover::EmptyFile));
     out
 }
 
@@ -397,32 +405,54 @@ mod tests {
     use crate::sys::ns::Cover;
 
     #[test]
-    fn a_symlinked_credentials_file_in_its_own_mount_hides_the_whole_directory() {
+    fn a_credentials_file_in_a_secret_volume_hides_the_whole_volume() {
+        use std::os::unix::fs::symlink;
         let d = tempfile::tempdir().unwrap();
-        let secret = d.path().join("secret");
-        std::fs::create_dir_all(secret.join("..2026_a")).unwrap();
-        std::fs::write(secret.join("..2026_a/credentials"), "K=V\n").unwrap();
-        std::os::unix::fs::symlink("..2026_a", secret.join("..data")).unwrap();
-        std::os::unix::fs::symlink("..data/credentials", secret.join("credentials")).unwrap();
-        let dir = std::fs::canonicalize(&secret).unwrap();
-        let file = dir.join("..2026_a/credentials");
-        let link = secret.join("credentials");
+        let vol = d.path().join("secret");
+        // The kubelet's layout: a timestamped directory, `..data` naming it, and the keys
+        // (one of them an item path `keel/credentials`) linked through `..data`.
+        std::fs::create_dir_all(vol.join("..2026_a/keel")).unwrap();
+        std::fs::write(vol.join("..2026_a/credentials"), "K=V\n").unwrap();
+        std::fs::write(vol.join("..2026_a/keel/credentials"), "K=V\n").unwrap();
+        symlink("..2026_a", vol.join("..data")).unwrap();
+        symlink("..data/credentials", vol.join("credentials")).unwrap();
+        symlink("..data/keel", vol.join("keel")).unwrap();
+        let vol = std::fs::canonicalize(&vol).unwrap();
+        let mounts = [vol.clone()];
+        for (given, real) in [
+            ("credentials", "..2026_a/credentials"),
+            ("keel/credentials", "..2026_a/keel/credentials"),
+        ] {
+            assert_eq!(
+                credentials_covers(&vol.join(given), &mounts),
+                vec![
+                    (vol.clone(), Cover::EmptyDir),
+                    (vol.join(real), Cover::EmptyFile)
+                ],
+                "{given}"
+            );
+            // Not a mount of its own: the file the path names now (and a warning).
+            assert_eq!(
+                credentials_covers(&vol.join(given), &[]),
+                vec![(vol.join(real), Cover::EmptyFile)],
+                "{given}"
+            );
+        }
+        // The file itself, even in a Secret volume: the file.
+        let file = vol.join("..2026_a/credentials");
         assert_eq!(
-            credentials_covers(&link, std::slice::from_ref(&dir)),
-            vec![
-                (dir.clone(), Cover::EmptyDir),
-                (file.clone(), Cover::EmptyFile)
-            ]
-        );
-        // A link in a directory that is not a mount of its own: the file it names (warned).
-        assert_eq!(
-            credentials_covers(&link, &[]),
-            vec![(file.clone(), Cover::EmptyFile)]
-        );
-        // The file itself, even in a mount of its own: the file.
-        assert_eq!(
-            credentials_covers(&file, std::slice::from_ref(&dir)),
+            credentials_covers(&file, &mounts),
             vec![(file, Cover::EmptyFile)]
+        );
+        // A symlink in a volume that is not a Secret's (no `..data`): the file only.
+        let other = d.path().join("home");
+        std::fs::create_dir(&other).unwrap();
+        std::fs::write(other.join("real"), "K=V\n").unwrap();
+        symlink("real", other.join("creds")).unwrap();
+        let other = std::fs::canonicalize(&other).unwrap();
+        assert_eq!(
+            credentials_covers(&other.join("creds"), std::slice::from_ref(&other)),
+            vec![(other.join("real"), Cover::EmptyFile)]
         );
     }
 }
