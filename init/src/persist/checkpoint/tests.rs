@@ -612,3 +612,77 @@ fn a_foreign_head_is_named_and_followed_by_a_full_snapshot() {
     assert!(r.seq.unwrap() > ghost);
     assert!(names_of(&f.p.repo, ghost).is_empty());
 }
+
+/// A checkpoint whose head write reached the remote but whose reply was lost (it fails
+/// before recording anything) finds that head its own at the next checkpoint: the state dir
+/// recorded it as the head it was advancing to before writing it, so nothing is named
+/// `diverged-N` and no full snapshot is forced.
+#[test]
+fn a_head_written_but_not_recorded_is_recognised_as_its_own() {
+    use crate::persist::remote::{ObjectInfo, RemoteResult};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    struct LostHeadReply {
+        inner: Arc<MemRemote>,
+        lose: AtomicBool,
+    }
+    impl Remote for LostHeadReply {
+        fn describe(&self) -> String {
+            self.inner.describe()
+        }
+        fn get(&self, key: &str) -> RemoteResult<bytes::Bytes> {
+            self.inner.get(key)
+        }
+        fn get_range(&self, key: &str, r: std::ops::Range<u64>) -> RemoteResult<bytes::Bytes> {
+            self.inner.get_range(key, r)
+        }
+        fn head(&self, key: &str) -> RemoteResult<Option<ObjectInfo>> {
+            self.inner.head(key)
+        }
+        fn put(
+            &self,
+            key: &str,
+            data: bytes::Bytes,
+            mode: crate::persist::remote::PutMode,
+        ) -> RemoteResult<Option<String>> {
+            let r = self.inner.put(key, data, mode)?;
+            if key.ends_with("/head") && self.lose.swap(false, Ordering::SeqCst) {
+                return Err(crate::persist::remote::RemoteError::Permanent {
+                    op: "put",
+                    key: key.to_string(),
+                    reason: "the reply was lost".into(),
+                });
+            }
+            Ok(r)
+        }
+        fn delete(&self, key: &str) -> RemoteResult<()> {
+            self.inner.delete(key)
+        }
+        fn list(&self, prefix: &str) -> RemoteResult<Vec<ObjectInfo>> {
+            self.inner.list(prefix)
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    drop(Store::open(&dir.path().join("meta.db"), Nanos(1)).unwrap());
+    let remote = Arc::new(LostHeadReply {
+        inner: Arc::new(MemRemote::new()),
+        lose: AtomicBool::new(false),
+    });
+    let mut p = Persister::open(dir.path(), Repo::new(remote.clone(), "ws"), params()).unwrap();
+    add_file(&p, b"a", b"one");
+    first(&mut p);
+    add_file(&p, b"b", b"two");
+    remote.lose.store(true, Ordering::SeqCst);
+    let e = p.checkpoint(&CheckpointOptions::default()).unwrap_err();
+    assert!(e.to_string().contains("reply was lost"), "{e}");
+    let (moved, _) = p.repo.read_head().unwrap().unwrap();
+    assert_ne!(
+        kv_u64(&p.store.read(), "last_seq").unwrap(),
+        Some(moved.seq),
+        "not recorded"
+    );
+    add_file(&p, b"c", b"three");
+    let r = first(&mut p);
+    assert!(!r.full, "{r}");
+    assert!(r.seq.unwrap() > moved.seq, "{r}");
+    assert!(names_of(&p.repo, moved.seq).is_empty());
+}
