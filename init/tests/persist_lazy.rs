@@ -567,3 +567,46 @@ fn a_foreign_head_after_a_lazy_restore_carries_the_unfetched_windows_over() {
     assert!(head["/mine"].contains("bytes:17:"), "{}", head["/mine"]);
     assert_eq!(head.len(), l.want.len() + 1, "{:?}", head.keys());
 }
+
+/// A rollback that stopped after its transaction committed but before its bodies were
+/// renamed into place (a crash in between) is finished at the next start: the body the
+/// record names goes into place, its windows are dirty again, the record and the temporary
+/// dir go, and the next checkpoint carries the new bytes. (Not lazy: here because these
+/// tests drive `WorkspaceFs` without a kernel.)
+#[test]
+fn a_rollback_stopped_before_its_renames_is_finished_at_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let remote: Arc<dyn Remote> = Arc::new(MemRemote::new());
+    let fs = open_fs(dir.path());
+    let ino = write_file(&fs, "f", &noise(1, 3 * CHUNK as usize));
+    fs.shutdown().unwrap();
+    drop(fs);
+    checkpoint(&mut persister(dir.path(), remote.clone()));
+    // What the rollback leaves: the new body built, the record of where it goes committed.
+    let tmp = dir.path().join("rollback.tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let new = noise(2, 3 * CHUNK as usize);
+    std::fs::write(tmp.join(ino.0.to_string()), &new).unwrap();
+    let store = keel::meta::Store::open(&dir.path().join("meta.db"), keel::meta::Nanos(1)).unwrap();
+    let tx = store.write().unwrap();
+    tx.persist_set("rollback_renames", &format!("[[{0},{0}]]", ino.0))
+        .unwrap();
+    tx.commit().unwrap();
+    drop(store);
+
+    let fs = open_fs(dir.path());
+    assert!(
+        read(&fs, ino, 0, 3 * CHUNK) == new,
+        "the new body is in place"
+    );
+    assert!(!tmp.exists());
+    let want = dump(&fs);
+    fs.shutdown().unwrap();
+    drop(fs);
+    let r = checkpoint(&mut persister(dir.path(), remote.clone()));
+    assert_eq!(r.windows_hashed, 3, "{r}");
+    let (_d, got) = eager_dump(remote);
+    assert_eq!(got["/f"], want["/f"], "the remote has the new bytes");
+    let store = keel::meta::Store::open(&dir.path().join("meta.db"), keel::meta::Nanos(2)).unwrap();
+    assert_eq!(store.read().persist_get("rollback_renames").unwrap(), None);
+}

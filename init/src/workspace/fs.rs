@@ -302,6 +302,14 @@ impl WorkspaceFs {
                 "removed files that were unlinked while open"
             );
         }
+        let finished =
+            rollback::finish_rollback_renames(state_dir, &store, &bodies, opts.chunk_size)?;
+        if finished > 0 {
+            tracing::warn!(
+                bodies = finished,
+                "finished a rollback that stopped after its metadata was recorded: its new file bodies are in place"
+            );
+        }
         let lazy = lazy::Lazy::new(store.any_missing_windows()?);
         if lazy_active_check(&store, opts.chunk_size)? {
             tracing::info!(

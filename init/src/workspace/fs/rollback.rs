@@ -16,20 +16,24 @@
 //! next checkpoint writes the rolled-back tree as a new snapshot whose parent is the one
 //! rolled back from.
 //!
-//! Crash safety: bodies are renamed before the store commits; a crash between leaves new
-//! bytes under old metadata, which the next start re-hashes as unrecorded writes.
+//! Crash safety: the transaction also records which built bodies go where
+//! (`ROLLBACK_RENAMES`); the bodies are renamed into place after it commits, and the record
+//! is dropped after that. A crash between the commit and the renames is finished at the next
+//! start (`finish_rollback_renames`): the new metadata never meets the old bytes, nor the
+//! old metadata the new bytes; a transaction that fails renames nothing.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
+use std::io;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 
 use super::{FsError, FsResult, Inner, WorkspaceFs};
 use crate::chunk::chunker::window_count;
-use crate::chunk::{ChunkId, FetchError};
-use crate::meta::{Inode, InodeNo, Kind, Storage};
+use crate::chunk::{BodyStore, ChunkId, FetchError};
+use crate::meta::{Inode, InodeNo, Kind, Storage, Store};
 
 /// What the target snapshot holds for one inode.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,9 +115,66 @@ fn fetch_err(e: FetchError) -> FsError {
     FsError::Fetch(e.to_string())
 }
 
+/// The state-dir key recording a committed rollback's bodies still to rename into place:
+/// JSON pairs of (inode the body goes to, name under `rollback.tmp`).
+pub(super) const ROLLBACK_RENAMES: &str = "rollback_renames";
+
+/// Where a rollback builds bodies.
+fn rollback_tmp(state_dir: &Path) -> PathBuf {
+    state_dir.join("rollback.tmp")
+}
+
+/// Renames each built body (`rollback.tmp/<name>`) over inode `at`'s body. One already
+/// renamed (a start finishing a rollback a crash interrupted) is skipped.
+fn rename_built(state_dir: &Path, bodies: &BodyStore, renames: &[(u64, u64)]) -> io::Result<()> {
+    for &(at, name) in renames {
+        let src = rollback_tmp(state_dir).join(name.to_string());
+        if !src.exists() {
+            continue;
+        }
+        let dst = bodies.path(at);
+        if let Some(d) = dst.parent() {
+            std::fs::create_dir_all(d)?;
+        }
+        std::fs::rename(&src, &dst)?;
+    }
+    Ok(())
+}
+
+/// At start: the bodies of a rollback whose transaction committed but which stopped before
+/// renaming them all go into place now (see the module doc), and their windows are marked
+/// dirty again (a checkpoint may have read the old bytes meanwhile, had the renames failed
+/// rather than the process stopped). Returns how many were listed.
+pub(super) fn finish_rollback_renames(
+    state_dir: &Path,
+    store: &Store,
+    bodies: &BodyStore,
+    chunk_size: u64,
+) -> FsResult<usize> {
+    let Some(v) = store.read().persist_get(ROLLBACK_RENAMES)? else {
+        return Ok(0);
+    };
+    let renames: Vec<(u64, u64)> = serde_json::from_str(&v).map_err(|e| {
+        FsError::Io(io::Error::other(format!(
+            "state dir: {ROLLBACK_RENAMES} is not a list of pairs: {e}"
+        )))
+    })?;
+    rename_built(state_dir, bodies, &renames)?;
+    let tx = store.write()?;
+    for &(at, _) in &renames {
+        if let Some(i) = tx.get(InodeNo(at))? {
+            tx.mark_whole_file_dirty(InodeNo(at), window_count(i.size, chunk_size))?;
+        }
+    }
+    tx.persist_remove(ROLLBACK_RENAMES)?;
+    tx.commit()?;
+    let _ = std::fs::remove_dir_all(rollback_tmp(state_dir));
+    Ok(renames.len())
+}
+
 impl WorkspaceFs {
     fn rollback_tmp(&self) -> PathBuf {
-        self.state_dir.join("rollback.tmp")
+        rollback_tmp(&self.state_dir)
     }
 
     /// Writes the target's bytes of `ino` into a new file under `rollback.tmp`.
@@ -351,15 +412,21 @@ impl WorkspaceFs {
             }
             report.entries += 1;
         }
-        for (ino, p) in &built {
-            let at = new_no.get(ino).copied().unwrap_or(*ino);
-            let dst = self.bodies.path(at.0);
-            if let Some(d) = dst.parent() {
-                std::fs::create_dir_all(d)?;
-            }
-            std::fs::rename(p, &dst)?;
+        let renames: Vec<(u64, u64)> = built
+            .keys()
+            .map(|ino| (new_no.get(ino).copied().unwrap_or(*ino).0, ino.0))
+            .collect();
+        if !renames.is_empty() {
+            let v = serde_json::to_string(&renames).expect("pairs of numbers serialise");
+            tx.persist_set(ROLLBACK_RENAMES, &v)?;
         }
         tx.commit()?;
+        if !renames.is_empty() {
+            rename_built(&self.state_dir, &self.bodies, &renames)?;
+            let tx = inner.store.write()?;
+            tx.persist_remove(ROLLBACK_RENAMES)?;
+            tx.commit()?;
+        }
         inner.sync(self.opts.chunk_size)?;
         for ino in gone_bodies {
             Self::discard_body(inner, ino);
