@@ -519,6 +519,68 @@ fn a_checkpoint_reusing_an_old_unreferenced_chunk_survives_a_sharing_gc() {
     drop(fs);
 }
 
+/// A checkpoint that outlasts gc's grace window on a shared chunk store: the chunks it
+/// uploaded first are older than the window before its snapshot names them. Its in-flight
+/// marker keeps the gc of a workspace sharing the store from taking them, and goes once the
+/// head names them.
+#[test]
+fn a_checkpoint_longer_than_the_grace_window_keeps_its_chunks_from_a_sharing_gc() {
+    let Forked {
+        root: _root,
+        cfg,
+        o_url,
+        hook,
+        origin,
+        fork_repo,
+        dir: _dir,
+        fs,
+        mut p,
+    } = origin_and_fork(&noise(50, 2 * CHUNK as usize));
+    let data = noise(51, 2 * CHUNK as usize);
+    let keys: Vec<String> = window_ids(&data)
+        .iter()
+        .map(|id| origin.chunk_key(id))
+        .collect();
+    write_file(&fs, "long", &data);
+    let report = Arc::new(Mutex::new(None));
+    let (r, mut g, o) = (report.clone(), fork_repo.clone(), origin.clone());
+    hook.arm("put", "snapshots/", move || {
+        // As if the pass began three hours ago and uploaded its chunks two hours ago.
+        let marker = o
+            .remote
+            .get(&o.in_flight_key())
+            .expect("an in-flight marker");
+        let mut m: keel::persist::fork::InFlight = serde_json::from_slice(&marker).unwrap();
+        m.started_ns -= 3 * 3600 * 1_000_000_000;
+        o.remote
+            .put(
+                &o.in_flight_key(),
+                Bytes::from(serde_json::to_vec(&m).unwrap()),
+                PutMode::Overwrite,
+            )
+            .unwrap();
+        set_age(&o, &keys, SystemTime::now() - Duration::from_secs(7200));
+        *r.lock().unwrap() = Some(gc::gc(&mut g, None, 1, GRACE).expect("fork gc"));
+    });
+    let c = checkpoint(&mut p);
+    assert!(hook.fired());
+    let g = report.lock().unwrap().take().unwrap();
+    assert_eq!(c.chunks_uploaded, 2, "{c}");
+    assert_eq!((g.chunks_deleted, g.young_skipped), (0, 2), "{g}");
+    let (dir, got) = restore_dump(&o_url, &cfg);
+    assert_eq!(got, dump(&fs));
+    fsck_clean(dir.path(), &o_url, &cfg);
+    assert!(
+        origin
+            .remote
+            .head(&origin.in_flight_key())
+            .unwrap()
+            .is_none(),
+        "the marker outlived the checkpoint"
+    );
+    drop(fs);
+}
+
 /// The chunks of a file unlinked while still open stay in its local chunk map, but no
 /// snapshot after the unlink names them: a checkpoint reusing them refreshes them too.
 #[test]

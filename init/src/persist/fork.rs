@@ -22,6 +22,7 @@
 
 use std::collections::{BTreeSet, HashSet};
 use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -405,7 +406,47 @@ pub struct SharedRefs {
     pub chunks: HashSet<ChunkId>,
     /// How many other workspaces were considered.
     pub workspaces: u64,
+    /// When the oldest checkpoint still uploading in another workspace began (its
+    /// in-flight marker): chunks written since may be named by the snapshot it has yet to
+    /// write.
+    pub in_flight_since: Option<SystemTime>,
     pub warnings: Vec<String>,
+}
+
+/// What a checkpoint uploading to a shared chunk store leaves at `Repo::in_flight_key`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct InFlight {
+    pub started_ns: i64,
+}
+
+/// An in-flight marker older than this is left by a checkpoint that died: ignored.
+pub const IN_FLIGHT_MAX: Duration = Duration::from_secs(24 * 3600);
+
+/// Notes when workspace `ws`'s checkpoint in progress (if any) began.
+fn in_flight_of(other: &Repo, ws: &str, out: &mut SharedRefs) -> Result<(), RepoError> {
+    let b = match other.remote.get(&other.in_flight_key()) {
+        Ok(b) => b,
+        Err(e) if e.is_not_found() => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    let Ok(m) = serde_json::from_slice::<InFlight>(&b) else {
+        out.warnings.push(format!(
+            "workspace `{ws}`: its checkpoint-in-flight marker does not parse; ignored"
+        ));
+        return Ok(());
+    };
+    let since = UNIX_EPOCH + Duration::from_nanos(m.started_ns.max(0) as u64);
+    if SystemTime::now()
+        .duration_since(since)
+        .is_ok_and(|d| d > IN_FLIGHT_MAX)
+    {
+        out.warnings.push(format!(
+            "workspace `{ws}`: a checkpoint-in-flight marker more than a day old (left by a checkpoint that died); ignored"
+        ));
+        return Ok(());
+    }
+    out.in_flight_since = Some(out.in_flight_since.map_or(since, |s| s.min(since)));
+    Ok(())
 }
 
 /// Chunk ids named by snapshot `seq` and the chain it builds on. A snapshot that is gone
@@ -526,6 +567,7 @@ pub fn shared_refs(repo: &Repo) -> Result<SharedRefs, RepoError> {
             continue;
         }
         out.workspaces += 1;
+        in_flight_of(&other, &ws, &mut out)?;
         let mut seen = BTreeSet::new();
         match other.read_head()? {
             Some(_) => {

@@ -20,7 +20,10 @@
 //! so it counts as young until that checkpoint's snapshot protects it.
 //!
 //! A chunk store shared with forks (see `fork`) also keeps every chunk that any snapshot of
-//! another workspace on it names, and the snapshot a fork in the making is built from.
+//! another workspace on it names, the snapshot a fork in the making is built from, and every
+//! chunk written since another workspace's checkpoint in progress began (its in-flight
+//! marker, `Repo::in_flight_key`): a checkpoint may outlast the grace window, and the
+//! chunks it uploaded first are unreferenced until its snapshot lands.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::{Duration, SystemTime};
@@ -317,6 +320,11 @@ pub fn gc_with(
     let shared = super::fork::shared_refs(repo).map_err(GcError::ReadSharers)?;
     let now = SystemTime::now();
     let old_enough = |t: SystemTime| now.duration_since(t).map(|d| d >= grace).unwrap_or(false);
+    // A chunk written since another workspace's checkpoint in progress began may be one its
+    // snapshot will name (a checkpoint can outlast the grace window): kept, with the grace
+    // window again as the margin for the two clocks.
+    let in_flight = shared.in_flight_since;
+    let old_chunk = |t: SystemTime| old_enough(t) && in_flight.is_none_or(|s| t + grace < s);
     let snaps = repo.list_snapshots().map_err(GcError::List)?;
     let present: BTreeSet<u64> = snaps.iter().map(|(s, _)| *s).collect();
     let snap_bytes: HashMap<u64, u64> = snaps.iter().map(|(s, i)| (*s, i.size)).collect();
@@ -398,7 +406,7 @@ pub fn gc_with(
     for (id, info) in listed {
         swept += 1;
         crate::progress::set(swept);
-        match sweep(repo, &info, chunks.contains(&id), &old_enough, &mut report)? {
+        match sweep(repo, &info, chunks.contains(&id), &old_chunk, &mut report)? {
             Fate::Referenced => report.chunks_kept += 1,
             Fate::Deleted => {
                 report.chunks_deleted += 1;

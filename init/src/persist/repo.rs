@@ -121,6 +121,12 @@ impl Repo {
         self.key("lease")
     }
 
+    /// The marker of a checkpoint uploading to a chunk store shared with forks: the gc of
+    /// another workspace on that store keeps the chunks written since it began (`gc`).
+    pub fn in_flight_key(&self) -> String {
+        self.key("checkpoint-in-flight")
+    }
+
     pub fn snapshot_key(&self, seq: u64) -> String {
         self.key(&format!("snapshots/{seq:016x}"))
     }

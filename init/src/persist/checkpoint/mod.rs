@@ -373,6 +373,9 @@ impl Persister {
 
         // 5. Advance the head, fenced by the lease.
         self.advance_head(&pass, seq)?;
+        if pass.in_flight {
+            self.clear_in_flight();
+        }
 
         // 6. Record it locally: new chunk maps, pending set done.
         self.record_locally(&pass, seq)?;

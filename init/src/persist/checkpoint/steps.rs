@@ -79,6 +79,8 @@ pub(super) struct Pass {
     pub full: bool,
     /// The remote head before this checkpoint, and its version for the conditional write.
     pub head: Option<(Head, Option<String>)>,
+    /// This checkpoint left an in-flight marker for the workspaces sharing its chunk store.
+    pub in_flight: bool,
     /// The snapshot being built. A full snapshot keeps only its chunked files' records
     /// here (their maps are filled in after hashing); the rest are in `spill`.
     pub body: Body,
@@ -103,6 +105,7 @@ impl Pass {
             prior,
             full,
             head,
+            in_flight: false,
             body: Body::default(),
             spill: None,
             files: HashMap::new(),
@@ -595,7 +598,29 @@ impl Persister {
             done = end;
             crate::progress::set(done as u64);
         }
+        pass.in_flight = shared == Some(true);
         Ok(())
+    }
+
+    /// Tells the gc of the workspaces sharing the chunk store that this checkpoint uploads
+    /// from now on (`Repo::in_flight_key`; removed once the head names what it uploaded).
+    fn mark_in_flight(&self) -> Result<(), CheckpointError> {
+        let m = crate::persist::fork::InFlight {
+            started_ns: now_ns(),
+        };
+        let b = Bytes::from(serde_json::to_vec(&m).expect("marker serialises"));
+        self.repo
+            .remote
+            .put(&self.repo.in_flight_key(), b, PutMode::Overwrite)
+            .map_err(CheckpointError::UploadChunks)?;
+        Ok(())
+    }
+
+    /// Removes this workspace's in-flight marker (after its head moved).
+    pub(super) fn clear_in_flight(&self) {
+        if let Err(e) = self.repo.remote.delete(&self.repo.in_flight_key()) {
+            tracing::warn!(error = %e, "cannot remove the checkpoint-in-flight marker; a sharing gc keeps newer chunks until it is a day old");
+        }
     }
 
     /// Uploads one batch of chunks: only the absent ones, or every one with a fresh age
@@ -609,10 +634,14 @@ impl Persister {
         let sizes: Vec<u64> = upload.iter().map(|(_, d)| d.len() as u64).collect();
         let fresh = match *shared {
             Some(s) => s,
-            None => *shared.insert(
-                crate::persist::fork::store_is_shared(&self.repo)
-                    .map_err(CheckpointError::Manifest)?,
-            ),
+            None => {
+                let s = crate::persist::fork::store_is_shared(&self.repo)
+                    .map_err(CheckpointError::Manifest)?;
+                if s {
+                    self.mark_in_flight()?;
+                }
+                *shared.insert(s)
+            }
         };
         let remote = &self.repo.remote;
         let written = if fresh {
