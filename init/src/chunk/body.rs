@@ -7,7 +7,8 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::sys;
 
@@ -145,6 +146,10 @@ pub struct BodyPool {
     filler: Condvar,
     /// Held through `recycle_released`: one call at a time.
     recycler: Mutex<()>,
+    /// Set while bodies are handed to the kernel as passthrough backing files: a process
+    /// may then hold a shared mapping of a body, which outlives the file's close and any
+    /// truncate, so a body once used by a file is never given to another (removed instead).
+    exposed: Option<Arc<AtomicBool>>,
 }
 
 #[derive(Debug, Default)]
@@ -214,7 +219,23 @@ impl BodyPool {
             recycled: Condvar::new(),
             filler: Condvar::new(),
             recycler: Mutex::new(()),
+            exposed: None,
         })
+    }
+
+    /// From now on, while `flag` is set (the kernel passes file I/O through to bodies), a
+    /// body a file used is removed rather than pooled: see `exposed`.
+    pub fn never_reuse_while(mut self, flag: Arc<AtomicBool>) -> BodyPool {
+        self.exposed = Some(flag);
+        self
+    }
+
+    /// Whether a body a file used may go back to the pool.
+    fn reusable(&self) -> bool {
+        !self
+            .exposed
+            .as_ref()
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {
@@ -355,7 +376,16 @@ impl BodyPool {
     pub fn recycle_released(&self) {
         let _one = self.recycler.lock().unwrap_or_else(|p| p.into_inner());
         let returned = std::mem::take(&mut self.lock().returned);
+        let reusable = self.reusable();
         for n in returned {
+            if !reusable {
+                if let Err(e) = std::fs::remove_file(self.slot(n)) {
+                    if e.kind() != io::ErrorKind::NotFound {
+                        tracing::warn!(slot = n, error = %e, "cannot remove a used pool file");
+                    }
+                }
+                continue;
+            }
             let emptied = OpenOptions::new()
                 .write(true)
                 .custom_flags(libc::O_CLOEXEC)
@@ -379,7 +409,7 @@ impl BodyPool {
                 };
                 st.released.remove(&id);
                 st.recycling = Some(id);
-                (id, self.reserve_slot(&mut st))
+                (id, self.reserve_slot(&mut st).filter(|_| self.reusable()))
             };
             let r = self.empty_into(id, slot);
             let mut st = self.lock();
@@ -404,7 +434,9 @@ impl BodyPool {
     /// Empties the body of a deleted file into the pool, or removes it when the pool is
     /// full. A missing body is not an error.
     pub fn recycle(&self, id: u64) -> io::Result<()> {
-        let slot = self.reserve_slot(&mut self.lock());
+        let slot = self
+            .reserve_slot(&mut self.lock())
+            .filter(|_| self.reusable());
         if self.empty_into(id, slot)? {
             self.lock().free.extend(slot);
         }
@@ -561,6 +593,36 @@ mod tests {
         assert_eq!((m.ino(), m.len()), (inode, 0), "same file, emptied");
         assert!(pool.is_empty());
         assert_eq!(store.ids().unwrap(), vec![2], "the pool is not a body");
+    }
+
+    /// While bodies are handed to the kernel (passthrough), none a file used goes back to
+    /// the pool: a deleted file's, a released (gone inline) one's, a slot given back.
+    #[test]
+    fn exposed_bodies_are_removed_not_pooled() {
+        let (_d, store, pool) = setup(8);
+        let flag = Arc::new(AtomicBool::new(true));
+        let pool = pool.never_reuse_while(flag.clone());
+        body_with(&pool, 1, b"old bytes");
+        pool.recycle(1).unwrap();
+        assert!(store.stat(1).unwrap().is_none());
+        assert!(pool.is_empty(), "a deleted file's body is not pooled");
+        body_with(&pool, 2, b"inline again");
+        pool.hold(2);
+        assert!(pool.release_held());
+        pool.recycle_released();
+        assert!(store.stat(2).unwrap().is_none() && pool.is_empty());
+        pool.fill(1).unwrap();
+        let Fresh::Slot(n, _f) = pool.take(3).unwrap() else {
+            panic!("a pooled slot");
+        };
+        pool.give_back(n);
+        pool.recycle_released();
+        assert!(pool.is_empty(), "a slot given back is not pooled");
+        // Without passthrough the same bodies are reused.
+        flag.store(false, std::sync::atomic::Ordering::Relaxed);
+        body_with(&pool, 5, b"x");
+        pool.recycle(5).unwrap();
+        assert_eq!(pool.len(), 1);
     }
 
     #[test]

@@ -285,7 +285,9 @@ impl WorkspaceFs {
         let bodies = BodyStore::open(&state_dir.join("bodies"))
             .map_err(|e| FsError::Io(io::Error::other(e.to_string())))?;
         let pool = Arc::new(
-            BodyPool::open(&bodies).map_err(|e| FsError::Io(io::Error::other(e.to_string())))?,
+            BodyPool::open(&bodies)
+                .map_err(|e| FsError::Io(io::Error::other(e.to_string())))?
+                .never_reuse_while(opts.passthrough.clone()),
         );
         let orphans = store.read().orphans()?;
         if !orphans.is_empty() {
