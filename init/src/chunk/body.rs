@@ -148,14 +148,24 @@ pub struct BodyPool {
     recycler: Mutex<()>,
     /// Set while bodies are handed to the kernel as passthrough backing files: a process
     /// may then hold a shared mapping of a body, which outlives the file's close and any
-    /// truncate, so a body once used by a file is never given to another (removed instead).
+    /// truncate, so a body a file used goes to another file only when it is known never to
+    /// have been handed over readable (`safe`; a write-only handle cannot be mapped);
+    /// any other is removed.
     exposed: Option<Arc<AtomicBool>>,
 }
+
+/// At most this many bodies are remembered as never handed to the kernel readable; past it
+/// new bodies are not, and are removed rather than reused when their files no longer need
+/// them.
+const SAFE_MAX: usize = 65_536;
 
 #[derive(Debug, Default)]
 struct PoolState {
     free: Vec<u64>,
     next: u64,
+    /// Files (by id) whose body came from this pool and was never handed to the kernel
+    /// with a readable handle (see `exposed`).
+    safe: HashSet<u64>,
     /// Bodies of files that went back inline, kept at their names until the metadata that
     /// says so is committed (`release_held`); `create` takes such a body back first.
     held: HashSet<u64>,
@@ -165,8 +175,9 @@ struct PoolState {
     recycling: Option<u64>,
     /// `create` calls waiting for that body.
     waiting: usize,
-    /// Slots taken but given back without a name, to be emptied (`recycle_released`).
-    returned: Vec<u64>,
+    /// Slots taken but given back without a name, to be emptied (`recycle_released`), and
+    /// whether each may be reused (else removed).
+    returned: Vec<(u64, bool)>,
     /// The pool ran low and the filler has not caught up yet.
     fill_asked: bool,
     /// The filler is to stop.
@@ -230,12 +241,26 @@ impl BodyPool {
         self
     }
 
-    /// Whether a body a file used may go back to the pool.
-    fn reusable(&self) -> bool {
-        !self
+    /// Whether the body file `id` used may go to another file (see `exposed`); forgets it.
+    fn reusable(&self, st: &mut PoolState, id: u64) -> bool {
+        let safe = st.safe.remove(&id);
+        safe || !self
             .exposed
             .as_ref()
             .is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// The body of `id` is handed to the kernel with a readable handle: a process may map
+    /// it, so it is never reused for another file (see `exposed`).
+    pub fn expose(&self, id: u64) {
+        self.lock().safe.remove(&id);
+    }
+
+    /// `id` has a body from this pool, not handed to the kernel yet.
+    fn handed_out(st: &mut PoolState, id: u64) {
+        if st.safe.len() < SAFE_MAX {
+            st.safe.insert(id);
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {
@@ -270,6 +295,7 @@ impl BodyPool {
             if own {
                 None
             } else {
+                Self::handed_out(&mut st, id);
                 self.pop_free(&mut st)
             }
         };
@@ -317,7 +343,11 @@ impl BodyPool {
             if own {
                 None
             } else {
-                self.pop_free(&mut st)
+                let n = self.pop_free(&mut st);
+                if n.is_some() {
+                    Self::handed_out(&mut st, id);
+                }
+                n
             }
         };
         if let Some(n) = slot {
@@ -353,10 +383,12 @@ impl BodyPool {
         std::fs::rename(self.slot(slot), self.store.path(id))
     }
 
-    /// Returns a taken slot that was never named: emptied off the request path
-    /// (`recycle_released`), then free again.
-    pub fn give_back(&self, slot: u64) {
-        self.lock().returned.push(slot);
+    /// Returns a slot taken for `id` that was never named: emptied off the request path
+    /// (`recycle_released`), then free again, or removed (see `exposed`).
+    pub fn give_back(&self, slot: u64, id: u64) {
+        let mut st = self.lock();
+        let reuse = self.reusable(&mut st, id);
+        st.returned.push((slot, reuse));
     }
 
     /// The metadata that made the held bodies' files inline is committed: they may go to
@@ -376,8 +408,7 @@ impl BodyPool {
     pub fn recycle_released(&self) {
         let _one = self.recycler.lock().unwrap_or_else(|p| p.into_inner());
         let returned = std::mem::take(&mut self.lock().returned);
-        let reusable = self.reusable();
-        for n in returned {
+        for (n, reusable) in returned {
             if !reusable {
                 if let Err(e) = std::fs::remove_file(self.slot(n)) {
                     if e.kind() != io::ErrorKind::NotFound {
@@ -409,7 +440,8 @@ impl BodyPool {
                 };
                 st.released.remove(&id);
                 st.recycling = Some(id);
-                (id, self.reserve_slot(&mut st).filter(|_| self.reusable()))
+                let reuse = self.reusable(&mut st, id);
+                (id, self.reserve_slot(&mut st).filter(|_| reuse))
             };
             let r = self.empty_into(id, slot);
             let mut st = self.lock();
@@ -434,9 +466,11 @@ impl BodyPool {
     /// Empties the body of a deleted file into the pool, or removes it when the pool is
     /// full. A missing body is not an error.
     pub fn recycle(&self, id: u64) -> io::Result<()> {
-        let slot = self
-            .reserve_slot(&mut self.lock())
-            .filter(|_| self.reusable());
+        let slot = {
+            let mut st = self.lock();
+            let reuse = self.reusable(&mut st, id);
+            self.reserve_slot(&mut st).filter(|_| reuse)
+        };
         if self.empty_into(id, slot)? {
             self.lock().free.extend(slot);
         }
@@ -595,18 +629,26 @@ mod tests {
         assert_eq!(store.ids().unwrap(), vec![2], "the pool is not a body");
     }
 
-    /// While bodies are handed to the kernel (passthrough), none a file used goes back to
-    /// the pool: a deleted file's, a released (gone inline) one's, a slot given back.
+    /// While bodies are handed to the kernel (passthrough), a body handed over readable
+    /// (`expose`) never goes back to the pool: a deleted file's, a released (gone inline)
+    /// one's, a slot given back. One only ever handed over write-only (no mapping can hold
+    /// it) is reused, as every body is without passthrough; so is none whose history the
+    /// pool does not know (a body from before this run).
     #[test]
     fn exposed_bodies_are_removed_not_pooled() {
         let (_d, store, pool) = setup(8);
         let flag = Arc::new(AtomicBool::new(true));
         let pool = pool.never_reuse_while(flag.clone());
         body_with(&pool, 1, b"old bytes");
+        pool.expose(1);
         pool.recycle(1).unwrap();
         assert!(store.stat(1).unwrap().is_none());
-        assert!(pool.is_empty(), "a deleted file's body is not pooled");
+        assert!(
+            pool.is_empty(),
+            "a deleted file's exposed body is not pooled"
+        );
         body_with(&pool, 2, b"inline again");
+        pool.expose(2);
         pool.hold(2);
         assert!(pool.release_held());
         pool.recycle_released();
@@ -615,14 +657,33 @@ mod tests {
         let Fresh::Slot(n, _f) = pool.take(3).unwrap() else {
             panic!("a pooled slot");
         };
-        pool.give_back(n);
+        pool.expose(3);
+        pool.give_back(n, 3);
         pool.recycle_released();
-        assert!(pool.is_empty(), "a slot given back is not pooled");
-        // Without passthrough the same bodies are reused.
-        flag.store(false, std::sync::atomic::Ordering::Relaxed);
-        body_with(&pool, 5, b"x");
+        assert!(pool.is_empty(), "an exposed slot given back is not pooled");
+        // Handed over write-only only: reused.
+        pool.fill(1).unwrap();
+        let Fresh::Slot(n, _f) = pool.take(4).unwrap() else {
+            panic!("a pooled slot");
+        };
+        pool.give_back(n, 4);
+        pool.recycle_released();
+        assert_eq!(pool.len(), 1, "a write-only slot goes back to the pool");
+        body_with(&pool, 5, b"written");
+        assert!(pool.is_empty(), "it became this body");
         pool.recycle(5).unwrap();
+        assert_eq!(pool.len(), 1, "and a write-only body of a deleted file");
+        // A body the pool did not hand out (from before this run): removed.
+        std::fs::create_dir_all(store.path(6).parent().unwrap()).unwrap();
+        std::fs::write(store.path(6), b"older").unwrap();
+        pool.recycle(6).unwrap();
         assert_eq!(pool.len(), 1);
+        // Without passthrough every body is reused.
+        flag.store(false, std::sync::atomic::Ordering::Relaxed);
+        std::fs::create_dir_all(store.path(7).parent().unwrap()).unwrap();
+        std::fs::write(store.path(7), b"older").unwrap();
+        pool.recycle(7).unwrap();
+        assert_eq!(pool.len(), 2);
     }
 
     #[test]

@@ -195,6 +195,11 @@ impl WorkspaceFs {
                 of.pt_body = true;
             }
             if let Data::Body(f) = &of.data {
+                // A readable handle can be mapped, and a mapping outlives the file: this
+                // body must never become another file's.
+                if !write_only {
+                    self.pool.expose(ino.0);
+                }
                 if of.pt_base.is_none() {
                     of.pt_base = Some(match known {
                         Some(stamp) => stamp,

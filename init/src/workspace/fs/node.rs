@@ -111,7 +111,7 @@ impl OpenFile {
     pub(super) fn drop_provisional(&self) -> bool {
         match self.provisional.take() {
             Some(p) => {
-                p.pool.give_back(p.slot);
+                p.pool.give_back(p.slot, self.inode.ino.0);
                 true
             }
             None => false,
