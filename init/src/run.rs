@@ -165,7 +165,6 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
 /// credentials file are covered; the default control socket's directory is read-only.
 pub fn sandbox_covers(cfg: &Config) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
     use crate::sys::ns::Cover;
-    let canon = |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     let state = canon(&cfg.workspace.state_dir);
     let mut out = vec![(state.clone(), Cover::EmptyDir)];
     if let Some(url) = cfg.persist.remote_url(&cfg.workspace.state_dir) {
@@ -186,6 +185,11 @@ pub fn sandbox_covers(cfg: &Config) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
     out
 }
 
+/// `p` with every symlink resolved, or as it is when that fails (it does not exist yet).
+fn canon(p: &std::path::Path) -> PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
 /// How the credentials file is hidden: the file it names now, covered by an empty one. A path
 /// through a symlink can name another file later. In a Kubernetes Secret volume it does at
 /// every rotation (`credentials` → `..data/credentials` → `..2026_01_01_00_00_00.1/…`, and the
@@ -198,7 +202,6 @@ fn credentials_covers(
     mounts: &[PathBuf],
 ) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
     use crate::sys::ns::Cover;
-    let canon = |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     let real = canon(file);
     let mut out = Vec::new();
     if real != file {

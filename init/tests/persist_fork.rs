@@ -457,9 +457,20 @@ fn checkpoint_racing_gc(
     hook: &Hook,
     fork_repo: &Repo,
 ) -> (keel::persist::CheckpointReport, gc::GcReport) {
+    checkpoint_racing_gc_after(p, hook, fork_repo, || {})
+}
+
+/// [`checkpoint_racing_gc`], with `before` run just before the gc.
+fn checkpoint_racing_gc_after(
+    p: &mut Persister,
+    hook: &Hook,
+    fork_repo: &Repo,
+    before: impl Fn() + Send + Sync + 'static,
+) -> (keel::persist::CheckpointReport, gc::GcReport) {
     let report = Arc::new(Mutex::new(None));
     let (r, mut g) = (report.clone(), fork_repo.clone());
     hook.arm("put", "snapshots/", move || {
+        before();
         *r.lock().unwrap() = Some(gc::gc(&mut g, None, 1, GRACE).expect("fork gc"));
     });
     let c = checkpoint(p);
@@ -542,9 +553,8 @@ fn a_checkpoint_longer_than_the_grace_window_keeps_its_chunks_from_a_sharing_gc(
         .map(|id| origin.chunk_key(id))
         .collect();
     write_file(&fs, "long", &data);
-    let report = Arc::new(Mutex::new(None));
-    let (r, mut g, o) = (report.clone(), fork_repo.clone(), origin.clone());
-    hook.arm("put", "snapshots/", move || {
+    let o = origin.clone();
+    let (c, g) = checkpoint_racing_gc_after(&mut p, &hook, &fork_repo, move || {
         // As if the pass began three hours ago and uploaded its chunks two hours ago.
         let marker = o
             .remote
@@ -560,11 +570,7 @@ fn a_checkpoint_longer_than_the_grace_window_keeps_its_chunks_from_a_sharing_gc(
             )
             .unwrap();
         set_age(&o, &keys, SystemTime::now() - Duration::from_secs(7200));
-        *r.lock().unwrap() = Some(gc::gc(&mut g, None, 1, GRACE).expect("fork gc"));
     });
-    let c = checkpoint(&mut p);
-    assert!(hook.fired());
-    let g = report.lock().unwrap().take().unwrap();
     assert_eq!(c.chunks_uploaded, 2, "{c}");
     assert_eq!((g.chunks_deleted, g.young_skipped), (0, 2), "{g}");
     let (dir, got) = restore_dump(&o_url, &cfg);

@@ -424,6 +424,7 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
         Some(s) => s,
         None => last_seq(w)?.ok_or(AgentError::NoSnapshot("the workspace has no snapshot yet"))?,
     };
+    let t_ckpt = ms(t0);
     // Named until the rollback is done and its undo named, so that no gc (the checkpoint
     // after it, or one making room on the volume) takes the state before it meanwhile.
     let pin = format!("rollback-from-{current}");
@@ -435,8 +436,8 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
         now_ns(),
     )
     .map_err(AgentError::RecordSnapshot)?;
-    let (answer, undo) =
-        roll_and_checkpoint(w, &repo, current, target, t0).map_err(|e| AgentError::Unfinished {
+    let (mut answer, undo) =
+        roll_and_checkpoint(w, &repo, current, target).map_err(|e| AgentError::Unfinished {
             seq: current,
             pin: pin.clone(),
             source: Box::new(e),
@@ -444,8 +445,8 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
     if let Err(e) = snapshots::delete(&repo, &pin) {
         tracing::warn!(error = %e, name = %pin, "rollback: cannot drop the name it held");
     }
-    let mut answer = answer;
     answer["undo"] = undo.into();
+    answer["checkpoint_before_ms"] = t_ckpt.into();
     answer["duration_ms"] = ms(t0).into();
     Ok(answer)
 }
@@ -459,9 +460,7 @@ fn roll_and_checkpoint(
     repo: &super::repo::Repo,
     current: u64,
     target: u64,
-    t0: Instant,
 ) -> Result<(serde_json::Value, String), AgentError> {
-    let t_ckpt = ms(t0);
     let t1 = Instant::now();
     // The history when it already sees both; else the parts of the two trees that can
     // differ (`diff::sparse`: what the deltas between them touch, or across a full snapshot
@@ -526,7 +525,6 @@ fn roll_and_checkpoint(
         "to": target,
         "snapshot": new,
         "applied": detail,
-        "checkpoint_before_ms": t_ckpt,
         "load_trees_ms": t_load,
         "trees": how,
         "apply_ms": t_apply,

@@ -420,7 +420,7 @@ pub struct InFlight {
 }
 
 /// An in-flight marker older than this is left by a checkpoint that died: ignored.
-pub const IN_FLIGHT_MAX: Duration = Duration::from_secs(24 * 3600);
+const IN_FLIGHT_MAX: Duration = Duration::from_secs(24 * 3600);
 
 /// Notes when workspace `ws`'s checkpoint in progress (if any) began.
 fn in_flight_of(other: &Repo, ws: &str, out: &mut SharedRefs) -> Result<(), RepoError> {

@@ -179,14 +179,25 @@ pub(super) fn with_offline_writer<T, E: From<OpsError>>(
     let _lock = lock_offline(state)?;
     let mut p = Persister::open(state, repo_of(cfg)?, params(&cfg.workspace, &cfg.persist))
         .map_err(|e| OpsError::OpenState(Box::new(e)))?;
-    let mut lease =
-        super::acquire_lease(state, &cfg.persist, true).map_err(OpsError::AcquireLease)?;
-    if let Some(l) = lease.as_mut() {
-        l.start_renewal().map_err(OpsError::StartRenewal)?;
+    let lease = renewed_lease(state, &cfg.persist)?;
+    if let Some(l) = &lease {
         p.set_lease(Some(l.handle()));
     }
     let _lease = super::lease::ReleaseOnDrop::new(lease);
     f(&mut p)
+}
+
+/// The workspace's lease for an offline command on the locked `state` dir, renewed until
+/// dropped (`None` when the remote needs none).
+fn renewed_lease(
+    state: &Path,
+    persist: &crate::config::PersistConfig,
+) -> Result<Option<super::lease::Lease>, OpsError> {
+    let mut lease = super::acquire_lease(state, persist, true).map_err(OpsError::AcquireLease)?;
+    if let Some(l) = lease.as_mut() {
+        l.start_renewal().map_err(OpsError::StartRenewal)?;
+    }
+    Ok(lease)
 }
 
 /// `keel gc`: by the running keel if there is one, else offline.
@@ -204,11 +215,7 @@ pub fn gc(cfg: &Config) -> Result<String, OpsError> {
         takeover: crate::config::Takeover::Refuse,
         ..cfg.persist.clone()
     };
-    let mut lease = super::acquire_lease(state, &refuse, true).map_err(OpsError::AcquireLease)?;
-    if let Some(l) = lease.as_mut() {
-        l.start_renewal().map_err(OpsError::StartRenewal)?;
-    }
-    let _lease = super::lease::ReleaseOnDrop::new(lease);
+    let _lease = super::lease::ReleaseOnDrop::new(renewed_lease(state, &refuse)?);
     let store = if state.join("meta.db").exists() {
         Some(
             crate::meta::Store::open(
