@@ -455,7 +455,7 @@ fn unix_socket_needs_no_token_is_0600_and_goes_away_on_stop() {
     assert!(!sock.exists(), "socket file left behind");
 
     // A stale socket (its keel was killed) is replaced.
-    drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+    support::sys::dead_socket(&sock).unwrap();
     assert!(sock.exists());
     let c = control::start(&cfg).expect("replace a stale socket");
     assert_eq!(unix_get(&sock, "/health").code, 503);

@@ -214,6 +214,14 @@ pub fn mknod(p: &Path, mode: libc::mode_t, dev: libc::dev_t) -> io::Result<()> {
     check(unsafe { libc::mknod(c.as_ptr(), mode, dev) })
 }
 
+/// A socket file that nothing ever listened on, what a keel that died leaves behind. Binding
+/// a listener and dropping it is not the same in a test binary whose other tests fork: the
+/// forked child holds a copy of the listening fd until it execs, and a connect in that window
+/// succeeds (then is reset).
+pub fn dead_socket(p: &Path) -> io::Result<()> {
+    mknod(p, libc::S_IFSOCK | 0o600, 0)
+}
+
 pub fn makedev(major: u32, minor: u32) -> libc::dev_t {
     libc::makedev(major, minor)
 }
