@@ -90,6 +90,8 @@ pub enum HoldFailure {
     Stopping,
     #[error("the supervisor did not answer within {0:?}")]
     NoAnswer(std::time::Duration),
+    #[error("its process group was still there {0:?} after the stop signal (SIGKILL sent: a process in uninterruptible sleep?); nothing was rolled back, and the command starts again once the group is gone")]
+    NotStopped(std::time::Duration),
 }
 
 /// `keel snapshot create`, `POST /snapshots`.
@@ -118,7 +120,8 @@ pub struct Rollback {
 /// `MainHold`).
 pub trait MainCommand: Send + Sync {
     /// Sends the stop signal to its process group, SIGKILL after the grace, and returns once
-    /// nothing of the group is left.
+    /// nothing of the group is left. When that does not happen in time it fails, and the
+    /// command is started again by itself once the group is gone (`start` is not called).
     fn stop(&self) -> Result<(), MainCommandError>;
     /// Runs it again with the same command line.
     fn start(&self) -> Result<(), MainCommandError>;
