@@ -162,7 +162,10 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
 }
 
 /// What the sandbox must not see: the state dir, a local `file://` remote outside it and the
-/// credentials file are covered; the default control socket's directory is read-only.
+/// credentials file are covered; the default control socket's directory is read-only. A
+/// control socket inside a covered directory (a keel that is not PID 1 keeps it in the state
+/// dir) is bound into the cover at the same path, read-only, so `keel status`, `keel
+/// checkpoint` and the agent commands reach it from inside as they do from outside.
 pub fn sandbox_covers(cfg: &Config) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
     use crate::sys::ns::Cover;
     let state = canon(&cfg.workspace.state_dir);
@@ -181,6 +184,18 @@ pub fn sandbox_covers(cfg: &Config) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
     let run = std::path::Path::new(crate::config::control::RUN_SOCKET);
     if let Some(dir) = run.parent().filter(|d| d.is_dir()) {
         out.push((dir.to_path_buf(), Cover::ReadOnly));
+    }
+    let socket = cfg
+        .control
+        .socket_path(cfg, crate::sys::process::is_pid1())
+        .filter(|s| {
+            std::fs::symlink_metadata(s).is_ok_and(|m| {
+                use std::os::unix::fs::FileTypeExt;
+                m.file_type().is_socket()
+            })
+        });
+    if let Some(s) = socket {
+        out.push((canon(&s), Cover::Socket));
     }
     out
 }
@@ -268,15 +283,26 @@ fn sandbox_namespace(
     let shown: Vec<String> = covers
         .iter()
         .filter(|(p, _)| p.exists())
+        .filter(|(_, c)| *c != crate::sys::ns::Cover::Socket)
         .map(|(p, c)| match c {
             crate::sys::ns::Cover::ReadOnly => format!("{} (read-only)", p.display()),
             _ => p.display().to_string(),
         })
         .collect();
+    let reachable: Vec<String> = covers
+        .iter()
+        .filter(|(_, c)| *c == crate::sys::ns::Cover::Socket)
+        .map(|(p, _)| p.display().to_string())
+        .collect();
     info!(
-        "sandbox namespace in {:.1} ms: hidden from everything keel starts: {}{}",
+        "sandbox namespace in {:.1} ms: hidden from everything keel starts: {}{}{}",
         t0.elapsed().as_secs_f64() * 1000.0,
         shown.join(", "),
+        if reachable.is_empty() {
+            String::new()
+        } else {
+            format!("; the control socket stays reachable there: {}", reachable.join(", "))
+        },
         if mounted.is_some() {
             ""
         } else {

@@ -217,6 +217,67 @@ fn keel_status_and_checkpoint_work_from_inside_for_root_and_the_configured_group
     assert!(!out.contains(FILE_SECRET) && !out.contains(ENV_SECRET));
 }
 
+/// A keel that is not PID 1 keeps its control socket in the state dir (no `[control]
+/// socket`): the sandbox, which sees the state dir empty, still finds it there (bound into
+/// the cover, read-only), for root and the configured group; it cannot remove, move, chmod
+/// or unmount it, or write beside it.
+#[test]
+fn the_default_control_socket_of_a_keel_that_is_not_pid_1_is_reachable_from_inside() {
+    if !require_root_and_fuse("isolation test") {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let st = state.path().display().to_string();
+    let script = format!(
+        r#"
+        chmod 755 $D; cp {KEEL} $D/keel; chmod 755 $D/keel   # the build dir may be root's only
+        echo "state-entries=$(ls -A {st} | tr '\n' ' ')"
+        $D/keel status --config $D/config.toml >/dev/null && echo "root-status-ok"
+        $D/keel checkpoint --config $D/config.toml >/dev/null && echo "root-checkpoint-ok"
+        $D/keel snapshot create --name s1 --config $D/config.toml >/dev/null && echo "root-snapshot-ok"
+        setpriv --reuid=65534 --regid=65534 --groups=65533 $D/keel status --config $D/config.toml >/dev/null && echo "group-status-ok"
+        setpriv --reuid=65534 --regid=65534 --clear-groups $D/keel status --config $D/config.toml >/dev/null 2>&1 && echo "ATTEMPT other user got the status"
+        rm -f {st}/control.sock 2>/dev/null && echo "ATTEMPT removed the control socket"
+        mv {st}/control.sock {st}/moved 2>/dev/null && echo "ATTEMPT moved the control socket"
+        chmod 666 {st}/control.sock 2>/dev/null && echo "ATTEMPT changed the control socket's mode"
+        umount {st}/control.sock 2>/dev/null && echo "ATTEMPT unmounted the control socket"
+        touch {st}/planted 2>/dev/null && echo "ATTEMPT wrote into the state dir"
+        stat -c 'socket %a %g' {st}/control.sock
+        $D/keel status --config $D/config.toml >/dev/null && echo "root-status-still-ok"
+        "#
+    );
+    let text = config(state.path(), "", "group = \"65533\"")
+        .replace("socket = \"$D/run/control.sock\"\n", "")
+        .replace("credentials_file = \"$D/creds\"\n", "");
+    assert!(!text.contains("socket ="), "{text}");
+    let mut k = start_with(&text, &["sh", "-c", &script], Opts::default());
+    let (code, _) = k.wait();
+    let out = k.stdout();
+    assert_eq!(code, 0, "stdout:\n{out}\nlog:\n{}", k.log_text());
+    for want in [
+        "state-entries=control.sock \n",
+        "root-status-ok",
+        "root-checkpoint-ok",
+        "root-snapshot-ok",
+        "group-status-ok",
+        "socket 660 65533\n",
+        "root-status-still-ok",
+    ] {
+        assert!(
+            out.contains(want),
+            "{want} missing:\n{out}\nlog:\n{}",
+            k.log_text()
+        );
+    }
+    assert!(!out.contains("ATTEMPT"), "an attempt succeeded:\n{out}");
+    assert!(!state.path().join("planted").exists());
+    assert!(
+        k.log_text().contains("the control socket stays reachable there"),
+        "{}",
+        k.log_text()
+    );
+}
+
 #[test]
 fn a_mount_keel_makes_later_reaches_the_sandbox_as_pid_1() {
     if !require_root_and_fuse("isolation test") {
