@@ -222,6 +222,34 @@ pub fn dead_socket(p: &Path) -> io::Result<()> {
     mknod(p, libc::S_IFSOCK | 0o600, 0)
 }
 
+/// A 127.0.0.1 TCP port that refuses every connection and that nobody else can take while
+/// the returned fd lives: bound, never listened on. (A port learnt from a listener that was
+/// then dropped is free again, and another process may take it meanwhile.)
+pub fn refusing_port() -> io::Result<(std::os::fd::OwnedFd, u16)> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: creates a new socket; the fd is owned by the OwnedFd below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and is owned by nobody else.
+    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let mut addr = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes([127, 0, 0, 1]),
+        },
+        sin_zero: [0; 8],
+    };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: `addr` is a valid sockaddr_in of `len` bytes, only read.
+    check(unsafe { libc::bind(fd, (&raw const addr).cast(), len) })?;
+    // SAFETY: `addr` has room for `len` bytes, which getsockname writes.
+    check(unsafe { libc::getsockname(fd, (&raw mut addr).cast(), &mut len) })?;
+    Ok((owned, u16::from_be(addr.sin_port)))
+}
+
 pub fn makedev(major: u32, minor: u32) -> libc::dev_t {
     libc::makedev(major, minor)
 }
