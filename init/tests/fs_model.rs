@@ -107,7 +107,7 @@ fn new_files_with_passthrough_open_modes() {
     // (it counts a file as free only after making it, and stops at `want` free), so the
     // counts below are exact.
     let filled = |fs: &WorkspaceFs, want: usize| {
-        support::mount::poll_for(std::time::Duration::from_secs(20), || {
+        support::mount::poll_for(support::mount::READY_TIMEOUT, || {
             (fs.pooled_bodies() == want).then_some(())
         });
         assert_eq!(fs.pooled_bodies(), want, "the pool holds {want} free files");
@@ -243,7 +243,7 @@ fn closed_files_stay_loaded_within_a_bound_and_never_past_their_unlink() {
     let at_name = dir
         .path()
         .join(format!("bodies/{:02x}/{:x}", last.0 & 0xff, last.0));
-    let settled = support::mount::poll_for(std::time::Duration::from_secs(20), || {
+    let settled = support::mount::poll_for(support::mount::READY_TIMEOUT, || {
         (!at_name.exists() && body_fds(dir.path()) == held - 1).then_some(())
     });
     assert!(

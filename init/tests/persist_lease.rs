@@ -410,7 +410,8 @@ fn service_state_reports_failures_and_the_lost_lease() {
     };
     let c = PersistConfig {
         interval: Duration::ZERO,
-        ..cfg(port, "svc", Duration::from_secs(3), Takeover::Refuse)
+        // Long enough that no stall of a loaded machine loses it before the takeover.
+        ..cfg(port, "svc", Duration::from_secs(15), Takeover::Refuse)
     };
     let dir = tempfile::tempdir().unwrap();
     let fs = open_fs(dir.path());
@@ -447,7 +448,7 @@ fn service_state_reports_failures_and_the_lost_lease() {
     // The renewal (every ttl/3) notices by itself, without a checkpoint.
     let t0 = Instant::now();
     while svc.published_state().lease.unwrap().state != LeaseState::Lost {
-        // A hang guard: the renewal runs every ttl/3 (1 s).
+        // A hang guard: the renewal runs every ttl/3 (5 s).
         assert!(t0.elapsed() < Duration::from_secs(120), "loss never noticed");
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -485,7 +486,7 @@ fn persist_status(state: &Path) -> String {
             return s;
         }
         assert!(
-            t0.elapsed() < Duration::from_secs(30),
+            t0.elapsed() < support::mount::READY_TIMEOUT,
             "keel never answered on persist.sock"
         );
         std::thread::sleep(Duration::from_millis(50));
