@@ -301,7 +301,10 @@ fn sandbox_namespace(
         if reachable.is_empty() {
             String::new()
         } else {
-            format!("; the control socket stays reachable there: {}", reachable.join(", "))
+            format!(
+                "; the control socket stays reachable there: {}",
+                reachable.join(", ")
+            )
         },
         if mounted.is_some() {
             ""

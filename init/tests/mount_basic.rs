@@ -1125,8 +1125,10 @@ fn deleted_files_free_their_bodies_while_mounted() {
         fs::remove_file(k.p(&format!("f{i}"))).unwrap();
     }
     let wait_for = |n: usize| {
-        support::mount::poll_for(support::mount::READY_TIMEOUT, || (named_bodies(&k.state) == n).then_some(n))
-            .unwrap_or_else(|| named_bodies(&k.state))
+        support::mount::poll_for(support::mount::READY_TIMEOUT, || {
+            (named_bodies(&k.state) == n).then_some(n)
+        })
+        .unwrap_or_else(|| named_bodies(&k.state))
     };
     assert_eq!(wait_for(1), 1, "29 bodies freed, the open file's kept");
     let mut back = Vec::new();

@@ -130,10 +130,7 @@ impl Rig {
         let m = Mount(Some(child), self.mnt.clone());
         let t0 = Instant::now();
         while !mounted(&self.mnt) {
-            assert!(
-                t0.elapsed() < HANG_GUARD,
-                "keel mount did not come up"
-            );
+            assert!(t0.elapsed() < HANG_GUARD, "keel mount did not come up");
             std::thread::sleep(Duration::from_millis(20));
         }
         m

@@ -802,12 +802,20 @@ fn a_fork_racing_a_gc_of_its_source_never_names_a_chunk_that_gc_deletes() {
             assert_eq!(present(&origin, &window_ids(&doomed)), 0, "{g}");
             let e = r.expect_err("a fork of a snapshot the gc took was made");
             assert!(
-                matches!(e, keel::persist::fork::ForkError::LoadSnapshot { seq: 1, .. }),
+                matches!(
+                    e,
+                    keel::persist::fork::ForkError::LoadSnapshot { seq: 1, .. }
+                ),
                 "{e}"
             );
             // Nothing of it is left: no manifest, no record.
             assert!(!root.path().join("fork1/keel-workspace.json").exists());
-            assert_eq!(std::fs::read_dir(root.path().join("origin/forks")).unwrap().count(), 0);
+            assert_eq!(
+                std::fs::read_dir(root.path().join("origin/forks"))
+                    .unwrap()
+                    .count(),
+                0
+            );
         } else {
             let r = r.expect("fork of the head");
             assert_eq!(r.seq, 2);
@@ -886,7 +894,11 @@ fn a_checkpoint_in_flight_marker_nobody_renews_holds_no_gc_back() {
         if kept {
             assert_eq!((left, g.chunks_deleted), (2, 0), "a live marker: {g}");
         } else {
-            assert_eq!((left, g.chunks_deleted), (0, 2), "a marker that ran out: {g}");
+            assert_eq!(
+                (left, g.chunks_deleted),
+                (0, 2),
+                "a marker that ran out: {g}"
+            );
         }
     }
     drop(fs);

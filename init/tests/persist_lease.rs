@@ -449,7 +449,10 @@ fn service_state_reports_failures_and_the_lost_lease() {
     let t0 = Instant::now();
     while svc.published_state().lease.unwrap().state != LeaseState::Lost {
         // A hang guard: the renewal runs every ttl/3 (5 s).
-        assert!(t0.elapsed() < Duration::from_secs(120), "loss never noticed");
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "loss never noticed"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let lost = svc.published_state().lease.unwrap();

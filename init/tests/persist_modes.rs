@@ -93,9 +93,7 @@ impl Walk {
                 }
                 Err(e) => panic!("{}: {e}", p.display()),
             };
-            let mut names: Vec<_> = list
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .collect();
+            let mut names: Vec<_> = list.filter_map(|e| e.ok().map(|e| e.path())).collect();
             names.sort();
             for c in names {
                 self.entry(label, root, &c);
@@ -120,7 +118,10 @@ impl Walk {
         for (k, n) in &self.seen {
             println!("  {k}  x{n}");
         }
-        println!("  ({} entries gone before they were looked at)", self.vanished);
+        println!(
+            "  ({} entries gone before they were looked at)",
+            self.vanished
+        );
         assert!(
             self.bad.is_empty(),
             "{what}: {} entries are not private:\n{}",

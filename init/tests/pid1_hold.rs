@@ -147,7 +147,9 @@ fn keel(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn rollback_restart_starts_the_main_command_again_when_its_stop_timed_out() {
-    if !support::pid1::require_root_and_fuse("rollback --restart with a main command that outlives SIGKILL") {
+    if !support::pid1::require_root_and_fuse(
+        "rollback --restart with a main command that outlives SIGKILL",
+    ) {
         return;
     }
     let dir = tempfile::Builder::new()
@@ -166,7 +168,12 @@ fn rollback_restart_starts_the_main_command_again_when_its_stop_timed_out() {
     );
     let mut k = support::pid1::start_with(&config, &["sh", "-c", &script], Default::default());
     let starts = k.path("starts");
-    let runs = || std::fs::read_to_string(&starts).unwrap_or_default().lines().count();
+    let runs = || {
+        std::fs::read_to_string(&starts)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
     assert!(
         hang.wait_for_a_caller(),
         "the main command never looked up `hang`; log:\n{}",
@@ -175,7 +182,11 @@ fn rollback_restart_starts_the_main_command_again_when_its_stop_timed_out() {
     let cfg = k.path("config.toml");
     let cfg = cfg.to_str().unwrap();
     let out = keel(&["snapshot", "create", "--config", cfg, "--name", "s1"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::write(k.mnt.join("extra"), b"after s1").unwrap();
 
     // The stop signal, SIGKILL after the 1 s grace, and the group is still there 10 s later.
@@ -183,10 +194,14 @@ fn rollback_restart_starts_the_main_command_again_when_its_stop_timed_out() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "the rollback went through: {err}");
     assert!(
-        err.contains("nothing was rolled back") && err.contains("starts again once the group is gone"),
+        err.contains("nothing was rolled back")
+            && err.contains("starts again once the group is gone"),
         "{err}"
     );
-    assert!(k.mnt.join("extra").exists(), "the refused rollback rolled back");
+    assert!(
+        k.mnt.join("extra").exists(),
+        "the refused rollback rolled back"
+    );
     assert_eq!(runs(), 1, "started again while the old one still runs");
 
     // The stuck process gets its answer and dies of its SIGKILL: the command starts again.
@@ -199,10 +214,17 @@ fn rollback_restart_starts_the_main_command_again_when_its_stop_timed_out() {
     );
     // The hold is free again: the next rollback --restart goes through.
     let out = keel(&["rollback", "--config", cfg, "--restart", "s1", "--json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["restarted"], true, "{v}");
-    assert!(!k.mnt.join("extra").exists(), "the rollback left a later file");
+    assert!(
+        !k.mnt.join("extra").exists(),
+        "the rollback left a later file"
+    );
     let third = poll_for(support::pid1::LIMIT, || (runs() == 3).then_some(()));
     assert!(third.is_some(), "log:\n{}", k.log_text());
     k.terminate(libc::SIGTERM);

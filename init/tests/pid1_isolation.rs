@@ -272,7 +272,8 @@ fn the_default_control_socket_of_a_keel_that_is_not_pid_1_is_reachable_from_insi
     assert!(!out.contains("ATTEMPT"), "an attempt succeeded:\n{out}");
     assert!(!state.path().join("planted").exists());
     assert!(
-        k.log_text().contains("the control socket stays reachable there"),
+        k.log_text()
+            .contains("the control socket stays reachable there"),
         "{}",
         k.log_text()
     );

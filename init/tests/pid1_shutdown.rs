@@ -257,7 +257,11 @@ fn on_failure_restarts_with_doubling_backoff_up_to_the_limit() {
     // 100ms, 200ms, then capped at 300ms: announced by keel, and no run came sooner.
     for (i, want) in ["0.100s", "0.200s", "0.300s", "0.300s"].iter().enumerate() {
         let said = format!("restart {} of 4 in {want}", i + 1);
-        assert!(ends[i].ends_with(&said), "run {i}: {:?}, want `{said}`", ends[i]);
+        assert!(
+            ends[i].ends_with(&said),
+            "run {i}: {:?}, want `{said}`",
+            ends[i]
+        );
     }
     assert!(ends[4].ends_with("gave up after 4 restarts"), "{ends:?}");
     let gaps: Vec<f64> = t.windows(2).map(|w| w[1] - w[0]).collect();
@@ -268,7 +272,11 @@ fn on_failure_restarts_with_doubling_backoff_up_to_the_limit() {
 
 #[test]
 fn on_failure_does_not_restart_a_clean_exit_but_always_does() {
-    for (policy, exit, max, runs) in [("on-failure", 0, 3, 1), ("never", 1, 3, 1), ("always", 0, 2, 3)] {
+    for (policy, exit, max, runs) in [
+        ("on-failure", 0, 3, 1),
+        ("never", 1, 3, 1),
+        ("always", 0, 2, 3),
+    ] {
         let (t, ends) = restarts(policy, exit, max, runs);
         assert_eq!(t.len(), runs, "{policy}: {t:?}");
         let last = ends.last().unwrap();

@@ -407,7 +407,14 @@ pub fn gc_with(
     );
     let mut swept = 0;
     for (seq, info) in &snaps {
-        match sweep(repo, &running, info, closed.contains(seq), &old_enough, &mut report)? {
+        match sweep(
+            repo,
+            &running,
+            info,
+            closed.contains(seq),
+            &old_enough,
+            &mut report,
+        )? {
             Fate::Deleted => {
                 report.snapshots_deleted += 1;
                 report.bytes_deleted += info.size;

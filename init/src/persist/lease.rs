@@ -825,7 +825,11 @@ mod tests {
         .unwrap();
         let b = take(&r, 30_000, Takeover::Wait).unwrap();
         // Not before it expired (the slack is the wall clock's granularity).
-        assert!(t0.elapsed() >= Duration::from_millis(980), "{:?}", t0.elapsed());
+        assert!(
+            t0.elapsed() >= Duration::from_millis(980),
+            "{:?}",
+            t0.elapsed()
+        );
         assert_eq!(b.info().epoch, 2);
     }
 

@@ -107,7 +107,10 @@ pub fn make_sandbox_ns(covers: &[(PathBuf, Cover)]) -> Result<SandboxNs, NsError
         if std::fs::symlink_metadata(p).is_err() {
             continue;
         }
-        let inside = dirs.iter().find(|(d, _)| p.starts_with(d)).map(|(d, i)| (*d, *i));
+        let inside = dirs
+            .iter()
+            .find(|(d, _)| p.starts_with(d))
+            .map(|(d, i)| (*d, *i));
         let mut prep = Prep {
             path: cstring(p)?,
             cover: *c,
@@ -116,9 +119,8 @@ pub fn make_sandbox_ns(covers: &[(PathBuf, Cover)]) -> Result<SandboxNs, NsError
             dirs: Vec::new(),
         };
         match (c, inside) {
-            (Cover::Socket, None) | (Cover::EmptyDir | Cover::EmptyFile | Cover::ReadOnly, Some(_)) => {
-                continue
-            }
+            (Cover::Socket, None)
+            | (Cover::EmptyDir | Cover::EmptyFile | Cover::ReadOnly, Some(_)) => continue,
             (Cover::Socket, Some(_)) if sockets == MAX_SOCKETS => continue,
             (Cover::Socket, Some((d, i))) => {
                 prep.slot = sockets;
@@ -329,8 +331,14 @@ fn build_in_child(
                 Cover::ReadOnly => p.path.as_ptr(),
                 Cover::EmptyFile => scratch.as_ptr(),
             };
-            ok(libc::mount(src, p.path.as_ptr(), null, libc::MS_BIND, null.cast()), step)?;
-            ok(libc::mount(null, p.path.as_ptr(), null, ro_bind, null.cast()), step + 1)?;
+            ok(
+                libc::mount(src, p.path.as_ptr(), null, libc::MS_BIND, null.cast()),
+                step,
+            )?;
+            ok(
+                libc::mount(null, p.path.as_ptr(), null, ro_bind, null.cast()),
+                step + 1,
+            )?;
         }
         for (i, d) in prepared.iter().enumerate() {
             if d.cover != Cover::EmptyDir {
@@ -385,8 +393,14 @@ fn build_in_child(
                 libc::close(fd);
                 let mut buf = [0u8; 32];
                 let src = fd_path(fds[s.slot], &mut buf);
-                ok(libc::mount(src, s.path.as_ptr(), null, libc::MS_BIND, null.cast()), sstep)?;
-                ok(libc::mount(null, s.path.as_ptr(), null, ro_bind, null.cast()), sstep + 1)?;
+                ok(
+                    libc::mount(src, s.path.as_ptr(), null, libc::MS_BIND, null.cast()),
+                    sstep,
+                )?;
+                ok(
+                    libc::mount(null, s.path.as_ptr(), null, ro_bind, null.cast()),
+                    sstep + 1,
+                )?;
             }
             ok(
                 libc::mount(
