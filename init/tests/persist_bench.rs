@@ -157,6 +157,7 @@ fn bench_fsck_100k_files() {
             quick,
             chunk_size: CS,
             remote: with_remote.then(|| Repo::new(remote.clone(), "")),
+            missing_remote: None,
         };
         let t = Instant::now();
         let rep = fsck(dir.path(), &opts).unwrap();
