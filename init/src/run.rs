@@ -194,8 +194,13 @@ pub fn sandbox_covers(cfg: &Config) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
                 m.file_type().is_socket()
             })
         });
-    if let Some(s) = socket {
-        out.push((canon(&s), Cover::Socket));
+    if let Some(s) = socket.map(|s| canon(&s)) {
+        let covered = out
+            .iter()
+            .any(|(d, c)| *c == Cover::EmptyDir && s.starts_with(d));
+        if covered {
+            out.push((s, Cover::Socket));
+        }
     }
     out
 }
@@ -435,6 +440,37 @@ fn mount_workspace(
 mod tests {
     use super::*;
     use crate::sys::ns::Cover;
+
+    /// The control socket is bound into a cover only when it lies in a covered directory
+    /// (a keel that is not PID 1 keeps it in the state dir); one outside stays as it is.
+    #[test]
+    fn a_control_socket_is_bound_into_a_cover_only_when_one_hides_it() {
+        let d = tempfile::tempdir().unwrap();
+        let d = std::fs::canonicalize(d.path()).unwrap();
+        let state = d.join("state");
+        std::fs::create_dir(&state).unwrap();
+        let mut cfg = Config::default();
+        cfg.workspace.state_dir = state.clone();
+        cfg.persist.remote = "none".into();
+        let inside = state.join("control.sock");
+        crate::sys::socket::dead_socket(&inside).unwrap();
+        cfg.control.socket = Some(inside.clone());
+        let sockets = |cfg: &Config| -> Vec<PathBuf> {
+            sandbox_covers(cfg)
+                .into_iter()
+                .filter(|(_, c)| *c == Cover::Socket)
+                .map(|(p, _)| p)
+                .collect()
+        };
+        assert_eq!(sockets(&cfg), vec![inside]);
+        let outside = d.join("run.sock");
+        crate::sys::socket::dead_socket(&outside).unwrap();
+        cfg.control.socket = Some(outside);
+        assert_eq!(sockets(&cfg), Vec::<PathBuf>::new());
+        // Not there (the server could not bind it): nothing to bind.
+        cfg.control.socket = Some(state.join("gone.sock"));
+        assert_eq!(sockets(&cfg), Vec::<PathBuf>::new());
+    }
 
     #[test]
     fn a_credentials_file_in_a_secret_volume_hides_the_whole_volume() {
