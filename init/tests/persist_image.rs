@@ -176,6 +176,7 @@ fn fsck_of(state: &Path, remote: &Arc<dyn Remote>, quick: bool) -> keel::persist
             quick,
             chunk_size: CHUNK,
             remote: Some(repo(remote)),
+            missing_remote: None,
         },
     )
     .unwrap()
