@@ -161,8 +161,17 @@ pub struct FsOptions {
 }
 
 enum Handle {
-    File { ino: InodeNo, passthrough: bool },
-    Dir { entries: Vec<DirEntry> },
+    File {
+        ino: InodeNo,
+        passthrough: bool,
+    },
+    Dir {
+        ino: InodeNo,
+        /// The listing READDIR serves, read at every request from offset 0: the first
+        /// after `opendir`, and each after a `rewinddir`, which must show the entries made
+        /// or removed since.
+        entries: Vec<DirEntry>,
+    },
 }
 
 struct Inner {

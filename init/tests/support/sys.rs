@@ -292,3 +292,49 @@ pub fn steal_fd(pid: i32, fd: i32) -> io::Result<std::os::fd::OwnedFd> {
     // SAFETY: `got` is a new fd returned to us and owned by nothing else.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(got as libc::c_int) })
 }
+
+/// A directory stream of opendir(3): readdir(3) and rewinddir(3) as a program calls them
+/// (the kernel sees getdents64 and an lseek to 0).
+pub struct DirStream(*mut libc::DIR);
+
+impl DirStream {
+    pub fn open(p: &Path) -> io::Result<DirStream> {
+        let c = cpath(p);
+        // SAFETY: c is a valid C string; a NULL result is checked.
+        let d = unsafe { libc::opendir(c.as_ptr()) };
+        if d.is_null() {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(DirStream(d))
+    }
+
+    /// Every name from the stream's position to its end.
+    pub fn names(&mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        loop {
+            // SAFETY: self.0 is an open DIR*; the entry readdir returns is valid until the
+            // next call on the stream, and its name is copied out before that.
+            unsafe {
+                let e = libc::readdir(self.0);
+                if e.is_null() {
+                    break;
+                }
+                let name = std::ffi::CStr::from_ptr((*e).d_name.as_ptr());
+                out.push(name.to_string_lossy().into_owned());
+            }
+        }
+        out
+    }
+
+    pub fn rewind(&mut self) {
+        // SAFETY: self.0 is an open DIR*.
+        unsafe { libc::rewinddir(self.0) }
+    }
+}
+
+impl Drop for DirStream {
+    fn drop(&mut self) {
+        // SAFETY: self.0 is an open DIR*, closed exactly once here.
+        unsafe { libc::closedir(self.0) };
+    }
+}

@@ -342,11 +342,11 @@ impl WorkspaceFs {
         child.ctime = t;
         p.mtime = t;
         p.ctime = t;
-        // Nobody has it open: the inode goes in the same transaction as its last name, and
-        // its `Node` with it (Deleted: row and node gone). The kernel may still hold a
-        // lookup reference; its `forget` then finds no node and has nothing to do (no
+        // Nobody uses it: the inode goes in the same transaction as its last name, and its
+        // `Node` with it (Deleted: row and node gone). The kernel may still hold a lookup
+        // reference on a file; its `forget` then finds no node and has nothing to do (no
         // `SELECT` of the row this deleted).
-        let delete_now = child.nlink == 0 && !Self::is_open(inner, child.ino);
+        let delete_now = child.nlink == 0 && !Self::in_use(inner, child.ino, child.kind);
         let mut tx = Batch::new(&inner.store)?;
         tx.unlink(parent, name)?;
         if delete_now {
@@ -530,7 +530,7 @@ impl WorkspaceFs {
         }
         tx.commit(&mut inner.nodes)?;
         if let Some(v) = victim {
-            if v.nlink == 0 && !Self::is_open(inner, v.ino) {
+            if v.nlink == 0 && !Self::in_use(inner, v.ino, v.kind) {
                 self.purge(inner, v.ino)?;
             }
         }
@@ -594,9 +594,25 @@ impl WorkspaceFs {
 
     // ----- directories -----
 
+    /// Opens a directory. An open directory is in use like an open file: removed or renamed
+    /// over, it stays (nlink 0) until its last handle is released and the kernel forgets it,
+    /// so `fstat` of the handle still answers, as on ext4.
     pub fn opendir(&self, ino: InodeNo) -> FsResult<u64> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
+        Self::load_dir(inner, ino)?;
+        inner.nodes.entry(ino).or_default().opens += 1;
+        Ok(Self::new_handle(
+            inner,
+            Handle::Dir {
+                ino,
+                entries: Vec::new(),
+            },
+        ))
+    }
+
+    /// What READDIR lists for directory `ino` now: `.`, `..` and its entries.
+    fn listing(inner: &Inner, ino: InodeNo) -> FsResult<Vec<DirEntry>> {
         let d = Self::load_dir(inner, ino)?;
         let mut entries = vec![
             DirEntry {
@@ -617,7 +633,26 @@ impl WorkspaceFs {
                 kind: e.kind,
             });
         }
-        Ok(Self::new_handle(inner, Handle::Dir { entries }))
+        Ok(entries)
+    }
+
+    /// The entries of handle `fh` from `offset` on; from offset 0 the listing is read again
+    /// (see `Handle::Dir`).
+    fn dir_entries(inner: &mut Inner, fh: u64, offset: u64) -> FsResult<Vec<DirEntry>> {
+        let Some(Handle::Dir { ino, .. }) = inner.handles.get(&fh) else {
+            return Err(FsError::BadHandle);
+        };
+        let ino = *ino;
+        if offset == 0 {
+            let fresh = Self::listing(inner, ino)?;
+            if let Some(Handle::Dir { entries, .. }) = inner.handles.get_mut(&fh) {
+                *entries = fresh;
+            }
+        }
+        let Some(Handle::Dir { entries, .. }) = inner.handles.get(&fh) else {
+            return Err(FsError::BadHandle);
+        };
+        Ok(entries.iter().skip(offset as usize).cloned().collect())
     }
 
     /// Entries of an open directory from `offset` on; each comes with the offset of the next.
@@ -628,13 +663,11 @@ impl WorkspaceFs {
         offset: u64,
         mut add: impl FnMut(&DirEntry, u64) -> bool,
     ) -> FsResult<()> {
-        let guard = self.lock();
-        let inner: &Inner = &guard;
-        let Some(Handle::Dir { entries }) = inner.handles.get(&fh) else {
-            return Err(FsError::BadHandle);
-        };
-        for (i, e) in entries.iter().enumerate().skip(offset as usize) {
-            if add(e, i as u64 + 1) {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let entries = Self::dir_entries(inner, fh, offset)?;
+        for (i, e) in entries.iter().enumerate() {
+            if add(e, offset + i as u64 + 1) {
                 break;
             }
         }
@@ -651,14 +684,11 @@ impl WorkspaceFs {
     ) -> FsResult<()> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
-        let Some(Handle::Dir { entries }) = inner.handles.get(&fh) else {
-            return Err(FsError::BadHandle);
-        };
-        let entries: Vec<DirEntry> = entries.iter().skip(offset as usize).cloned().collect();
+        let entries = Self::dir_entries(inner, fh, offset)?;
         for (i, e) in entries.iter().enumerate() {
             let attr = match self.fresh_attr(inner, e.ino) {
                 Ok(a) => a,
-                // Removed since opendir: skip it.
+                // Removed since the listing was read: skip it.
                 Err(FsError::NotFound) => continue,
                 Err(err) => return Err(err),
             };
@@ -672,8 +702,20 @@ impl WorkspaceFs {
         Ok(())
     }
 
+    /// Closes a directory handle; a directory removed while open goes once the kernel also
+    /// forgets it (`settle`).
     pub fn releasedir(&self, fh: u64) {
-        self.lock().handles.remove(&fh);
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let Some(Handle::Dir { ino, .. }) = inner.handles.remove(&fh) else {
+            return;
+        };
+        if let Some(node) = inner.nodes.get_mut(&ino) {
+            node.opens = node.opens.saturating_sub(1);
+        }
+        if let Err(e) = self.settle(inner, ino) {
+            tracing::warn!(ino = ino.0, error = %e, "releasedir: could not settle the directory");
+        }
     }
 
     pub fn fsyncdir(&self) -> FsResult<()> {

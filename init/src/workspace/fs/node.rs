@@ -27,9 +27,10 @@
 //!    Lingering → Open: the next `open_as` (`ensure_open` finds it loaded). Lingering →
 //!    Known: `unload`, when `linger` evicts the longest-closed file past `LINGER_MAX`.
 //!    Lingering → Stored: `forget`, then `settle`.
-//! 6. **Open-unlinked**: `nlink == 0` with handles open: `remove` or `rename` keep the row
-//!    (a store orphan, which `WorkspaceFs::new` deletes after a crash). The last `release`
-//!    settles it; once the kernel also forgets it, `settle` calls `purge`.
+//! 6. **Open-unlinked**: `nlink == 0` with handles open, or a directory the kernel still
+//!    holds (`in_use`): `remove` or `rename` keep the row (a store orphan, which
+//!    `WorkspaceFs::new` deletes after a crash). The last `release` (`releasedir`) settles
+//!    it; once the kernel also forgets it, `settle` calls `purge`.
 //! 7. **Deleted**: row and `Node` gone; the body goes back to the pool (or away) once the
 //!    deletion commits (`discard_body`). Any state → Deleted: `purge` (from `settle`, or
 //!    `rename` over an unopened victim), or `remove` directly when it takes the last name
@@ -322,6 +323,18 @@ impl WorkspaceFs {
     /// Whether any handle has the inode open (open-unlinked files must stay).
     pub(super) fn is_open(inner: &Inner, ino: InodeNo) -> bool {
         inner.nodes.get(&ino).is_some_and(|n| n.opens > 0)
+    }
+
+    /// Whether an inode that lost its last link must stay for now (Open-unlinked): a handle
+    /// has it open, or it is a directory the kernel still holds (an open handle, a process's
+    /// working directory). Such a directory answers `fstat` and `stat(".")` with nlink 0, as
+    /// on ext4, until the last release and forget (`settle` then purges it). A file the
+    /// kernel only holds a lookup on goes at once: nothing can reach it by then.
+    pub(super) fn in_use(inner: &Inner, ino: InodeNo, kind: Kind) -> bool {
+        inner
+            .nodes
+            .get(&ino)
+            .is_some_and(|n| n.opens > 0 || (kind == Kind::Dir && n.lookups > 0))
     }
 
     pub(super) fn new_inode(
