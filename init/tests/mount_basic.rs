@@ -1154,7 +1154,9 @@ fn open_directory_removed_or_renamed_over_still_answers_fstat() {
     fs::create_dir(&d).unwrap();
     let held = fs::File::open(&d).unwrap();
     fs::remove_dir(&d).unwrap();
-    let m = held.metadata().expect("fstat of an open directory after rmdir");
+    let m = held
+        .metadata()
+        .expect("fstat of an open directory after rmdir");
     assert!(m.is_dir());
     assert_eq!(m.nlink(), 0, "a removed directory has no links");
 

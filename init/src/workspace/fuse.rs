@@ -12,7 +12,7 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
@@ -63,6 +63,9 @@ pub struct FuseAdapter {
     killpriv: AtomicBool,
     /// Requests served, all of them and those the caller does not wait for.
     requests: Arc<RequestCounters>,
+    /// The session's notifier, set once the session exists (before any request but INIT):
+    /// tells the kernel to drop cached attributes keel changed outside a reply.
+    notifier: Arc<OnceLock<fuser::Notifier>>,
 }
 
 /// The requests keel served on one mount, for status and benchmarks.
@@ -101,6 +104,30 @@ impl FuseAdapter {
             backing: Mutex::new(Backings::default()),
             killpriv: AtomicBool::new(false),
             requests: Arc::new(RequestCounters::default()),
+            notifier: Arc::default(),
+        }
+    }
+
+    /// Where the session puts its notifier once it exists (see `notifier`).
+    pub fn notifier_slot(&self) -> Arc<OnceLock<fuser::Notifier>> {
+        self.notifier.clone()
+    }
+
+    /// Tells the kernel that the attributes it caches of `ino` are stale, before the reply
+    /// to the request that changed them outside a reply of attributes: a WRITE that cleared
+    /// set-ID bits (the kernel drops only size and times after a write), an open that lets
+    /// the kernel map a body writable (see `open`). The kernel handles the notification
+    /// within the write to /dev/fuse, touching no lock the waiting request holds; one for
+    /// an inode it no longer caches (ENOENT) is no error.
+    fn forget_attrs(&self, ino: u64) {
+        let Some(n) = self.notifier.get() else {
+            return;
+        };
+        // A negative offset: the attributes only, not the page cache.
+        match n.inval_inode(INodeNo(ino), -1, 0) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => tracing::debug!(ino, error = %e, "cannot invalidate cached attributes"),
         }
     }
 
@@ -508,8 +535,10 @@ impl Filesystem for FuseAdapter {
         // fuser gap: it does not pass FUSE_OPEN_KILL_SUIDGID; `fs` decides from the flags
         // and the caller.
         if self.killpriv() {
-            if let Err(e) = self.fs.drop_setid_on_open(i, flags, caller(req)) {
-                return reply.error(errno(&e));
+            match self.fs.drop_setid_on_open(i, flags, caller(req)) {
+                Ok(true) => self.forget_attrs(i.0),
+                Ok(false) => {}
+                Err(e) => return reply.error(errno(&e)),
             }
         }
         match self.fs.open(i, flags) {
@@ -582,8 +611,12 @@ impl Filesystem for FuseAdapter {
         let i = Ino(ino.0);
         // The kernel asks for this (it decided from the caller, as for ext4).
         if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
-            if let Err(e) = self.fs.drop_setid(i, SetIdLoss::Modify(caller(req))) {
-                return reply.error(errno(&e));
+            match self.fs.drop_setid(i, SetIdLoss::Modify(caller(req))) {
+                // After a write the kernel drops only its cached size and times: a direct
+                // write would leave `stat` showing the bits keel just cleared.
+                Ok(true) => self.forget_attrs(i.0),
+                Ok(false) => {}
+                Err(e) => return reply.error(errno(&e)),
             }
         }
         match self.fs.write(i, offset, data) {
@@ -908,11 +941,13 @@ impl Filesystem for FuseAdapter {
         let len = len.min(u64::from(u32::MAX) & !0xfff);
         // As for a write: the kernel leaves dropping setuid/setgid to keel.
         if self.killpriv() {
-            if let Err(e) = self
+            match self
                 .fs
                 .drop_setid(Ino(ino_out.0), SetIdLoss::Modify(caller(req)))
             {
-                return reply.error(errno(&e));
+                Ok(true) => self.forget_attrs(ino_out.0),
+                Ok(false) => {}
+                Err(e) => return reply.error(errno(&e)),
             }
         }
         match self
