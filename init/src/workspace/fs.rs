@@ -39,6 +39,7 @@ mod data;
 mod error;
 mod group;
 mod lazy;
+mod mapped;
 mod namespace;
 mod node;
 mod nodes;
@@ -95,6 +96,9 @@ pub struct Attr {
     pub inode: Inode,
     /// Allocated 512-byte blocks.
     pub blocks: u64,
+    /// The kernel must not cache these attributes: they can change with no request to keel
+    /// (a shared writable mapping of a passthrough body, see `mapped`).
+    pub volatile: bool,
 }
 
 /// A time to set with `setattr`.
@@ -189,6 +193,8 @@ struct Inner {
     no_xattrs: HashSet<InodeNo>,
     /// Closed files kept loaded, longest-closed first (see `WorkspaceFs::linger`).
     lingering: VecDeque<InodeNo>,
+    /// Bodies a shared writable mapping may still write after the last close (`mapped`).
+    mapped: mapped::Mapped,
     /// When the free space of the state volume was last looked at (group commit pauses
     /// while it is low).
     space_checked: Option<std::time::Instant>,
@@ -358,6 +364,7 @@ impl WorkspaceFs {
             pool: pool.clone(),
             no_xattrs: HashSet::new(),
             lingering: VecDeque::new(),
+            mapped: mapped::Mapped::default(),
             space_checked: None,
         }));
         let committer_stop = Arc::new(AtomicBool::new(false));
@@ -453,6 +460,10 @@ impl WorkspaceFs {
             .collect();
         for ino in pt {
             self.sync_from_body(inner, ino)?;
+        }
+        // What mappings wrote after the last close, before a checkpoint claims the changes.
+        for ino in inner.mapped.inodes() {
+            self.sync_mapped(inner, ino)?;
         }
         let dirty: Vec<Inode> = inner
             .nodes

@@ -167,10 +167,26 @@ impl FuseAdapter {
         file_attr(a)
     }
 
+    /// How long the kernel may cache `a`: not at all when it can change unseen (a shared
+    /// writable mapping of a passthrough body, `Attr::volatile`).
+    fn attr_ttl(&self, a: &Attr) -> Duration {
+        if a.volatile {
+            Duration::ZERO
+        } else {
+            self.timeouts.attr
+        }
+    }
+
+    /// The one lifetime of a reply that carries a name and attributes together (fuser gap,
+    /// see `readdirplus`): the shorter of the two.
+    fn entry_ttl(&self, a: &Attr) -> Duration {
+        self.timeouts.entry.min(self.attr_ttl(a))
+    }
+
     fn reply_entry(&self, r: ReplyEntry, res: Result<Attr, FsError>) {
         match res {
             Ok(a) => r.entry_with_ttls(
-                &self.timeouts.attr,
+                &self.attr_ttl(&a),
                 &self.timeouts.entry,
                 &self.file_attr(&a),
                 Generation(0),
@@ -181,7 +197,7 @@ impl FuseAdapter {
 
     fn reply_attr(&self, r: ReplyAttr, res: Result<Attr, FsError>) {
         match res {
-            Ok(a) => r.attr(&self.timeouts.attr, &self.file_attr(&a)),
+            Ok(a) => r.attr(&self.attr_ttl(&a), &self.file_attr(&a)),
             Err(e) => r.error(errno(&e)),
         }
     }
@@ -545,6 +561,13 @@ impl Filesystem for FuseAdapter {
             Ok((fh, info)) => match &info.backing {
                 None => reply.opened(FileHandle(fh), fopen_flags(&info)),
                 Some(file) => {
+                    // A read-write passthrough handle can map the body shared: from now on
+                    // keel answers its attributes uncached (`Attr::volatile`), and what the
+                    // kernel cached before this open must go too, or a `stat` after a
+                    // write through the mapping would show the times from before.
+                    if flags & libc::O_ACCMODE == libc::O_RDWR {
+                        self.forget_attrs(i.0);
+                    }
                     let got = self
                         .backing()
                         .acquire(i.0, fh, file, |f| reply.open_backing(f));
@@ -716,7 +739,6 @@ impl Filesystem for FuseAdapter {
         mut reply: ReplyDirectoryPlus,
     ) {
         let _t = self.count(Op::Readdirplus);
-        let ttl = self.timeouts.entry.min(self.timeouts.attr);
         let res = self.fs.readdirplus(fh.0, offset, |e, a, next| {
             let mut attr = self.file_attr(a);
             attr.ino = INodeNo(e.ino.0);
@@ -724,7 +746,7 @@ impl Filesystem for FuseAdapter {
                 INodeNo(e.ino.0),
                 next,
                 OsStr::from_bytes(&e.name),
-                &ttl,
+                &self.entry_ttl(a),
                 &attr,
                 Generation(0),
             )
@@ -839,7 +861,7 @@ impl Filesystem for FuseAdapter {
                 let attr = self.file_attr(&a);
                 // fuser gap: CREATE's reply takes one lifetime for the name and the
                 // attributes; the shorter of keel's two is used.
-                let ttl = self.timeouts.entry.min(self.timeouts.attr);
+                let ttl = self.entry_ttl(&a);
                 match &info.backing {
                     None => reply.created(
                         &ttl,

@@ -48,7 +48,9 @@ impl WorkspaceFs {
                     .lookup_inode(parent, name)?
                     .ok_or(FsError::NotFound)?;
                 let ino = row.ino;
-                if inner.nodes.get(&ino).is_none_or(|n| n.open.is_none()) {
+                if inner.nodes.get(&ino).is_none_or(|n| n.open.is_none())
+                    && !inner.mapped.contains(ino)
+                {
                     let attr = self.attr(row, None)?;
                     Self::remember(inner, ino);
                     return Ok(attr);
