@@ -99,6 +99,9 @@ pub struct Attr {
     /// The kernel must not cache these attributes: they can change with no request to keel
     /// (a shared writable mapping of a passthrough body, see `mapped`).
     pub volatile: bool,
+    /// The inode's generation: a file handle names the number and this, so a handle of an
+    /// inode whose number a crash gave to another one is stale (`meta::Generations`).
+    pub generation: u32,
 }
 
 /// A time to set with `setattr`.
@@ -240,6 +243,8 @@ pub struct WorkspaceFs {
     /// The group commit timer thread, and what tells it to end.
     committer: std::thread::Thread,
     committer_stop: Arc<AtomicBool>,
+    /// Inode generations, fixed at the start (`meta::Generations`).
+    generations: crate::meta::Generations,
 }
 
 impl Drop for WorkspaceFs {
@@ -327,6 +332,8 @@ impl WorkspaceFs {
                 "finished a rollback that stopped after its metadata was recorded: its new file bodies are in place"
             );
         }
+        // Before any number is handed out: numbers a crash took back get a new generation.
+        let generations = store.begin_generation()?;
         let lazy = lazy::Lazy::new(store.any_missing_windows()?);
         if lazy_active_check(&store, opts.chunk_size)? {
             tracing::info!(
@@ -399,7 +406,13 @@ impl WorkspaceFs {
             _boot_reserve: boot_reserve,
             state_dir: state_dir.to_path_buf(),
             opts,
+            generations,
         })
+    }
+
+    /// The generation of inode `ino` (see `Attr::generation`).
+    pub fn generation(&self, ino: InodeNo) -> u32 {
+        self.generations.of(ino.0)
     }
 
     /// Runs an operation that frees space (or must not fail on a full disk); when it fails
@@ -501,6 +514,8 @@ impl WorkspaceFs {
         join_thread(&self.discarder);
         let mut guard = self.lock();
         guard.commit_group(self.opts.chunk_size)?;
+        // Every number handed out is in the store: the next start continues the range.
+        guard.store.mark_clean()?;
         guard.store.checkpoint()?;
         drop(guard);
         // Bodies of files that went back inline, too.

@@ -189,7 +189,7 @@ impl FuseAdapter {
                 &self.attr_ttl(&a),
                 &self.timeouts.entry,
                 &self.file_attr(&a),
-                Generation(0),
+                Generation(u64::from(a.generation)),
             ),
             Err(e) => r.error(errno(&e)),
         }
@@ -328,6 +328,10 @@ impl Filesystem for FuseAdapter {
             | InitFlags::FUSE_ASYNC_DIO
             | InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP
             | InitFlags::FUSE_ATOMIC_O_TRUNC
+            // File handles (open_by_handle_at, NFS-style tools): the kernel looks up "." and
+            // ".." by inode number for an inode it no longer caches; entries carry the
+            // inode's generation.
+            | InitFlags::FUSE_EXPORT_SUPPORT
             // keel drops setuid/setgid itself; the kernel then stops sending a GETXATTR of
             // security.capability before every write (it marks checked inodes S_NOSEC).
             | InitFlags::FUSE_HANDLE_KILLPRIV_V2;
@@ -748,7 +752,7 @@ impl Filesystem for FuseAdapter {
                 OsStr::from_bytes(&e.name),
                 &self.entry_ttl(a),
                 &attr,
-                Generation(0),
+                Generation(u64::from(a.generation)),
             )
         });
         match res {
@@ -866,7 +870,7 @@ impl Filesystem for FuseAdapter {
                     None => reply.created(
                         &ttl,
                         &attr,
-                        Generation(0),
+                        Generation(u64::from(a.generation)),
                         FileHandle(fh),
                         fopen_flags(&info),
                     ),
@@ -881,7 +885,7 @@ impl Filesystem for FuseAdapter {
                                 reply.created_passthrough(
                                     &ttl,
                                     &attr,
-                                    Generation(0),
+                                    Generation(u64::from(a.generation)),
                                     FileHandle(fh),
                                     fopen_flags(&info),
                                     &id,

@@ -35,11 +35,26 @@ impl WorkspaceFs {
         }
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
-        let p = Self::load_dir(inner, parent)?;
         let ino = match name {
-            b"." => parent,
-            b".." => p.parent,
+            // Only the kernel's export operations ask for these, by inode number, to open a
+            // file handle whose inode it no longer caches (`open_by_handle_at`): "." is the
+            // inode itself, of any kind, ".." a directory's parent; an inode with no name
+            // left (unlinked, open or not) is gone for a handle, as on ext4.
+            b"." => {
+                if Self::load(inner, parent)?.nlink == 0 {
+                    return Err(FsError::NotFound);
+                }
+                parent
+            }
+            b".." => {
+                let p = Self::load_dir(inner, parent)?;
+                if p.nlink == 0 {
+                    return Err(FsError::NotFound);
+                }
+                p.parent
+            }
             _ => {
+                Self::load_dir(inner, parent)?;
                 // The entry and its inode's row in one statement; a loaded file's
                 // attributes in memory are newer than its row, so they win.
                 let row = inner

@@ -230,6 +230,7 @@ impl WorkspaceFs {
             _ => inode.size.div_ceil(512),
         };
         Ok(Attr {
+            generation: self.generation(inode.ino),
             inode,
             blocks,
             volatile: false,
