@@ -11,8 +11,8 @@ use std::path::Path;
 
 use keel::chunk::body::POOL_FILL;
 use keel::config::CacheMode;
-use keel::meta::{InodeNo, Kind, Storage};
-use keel::workspace::fs::{Caller, FsError, FsOptions, SetAttr, WorkspaceFs};
+use keel::meta::{InodeNo, Kind, Nanos, Storage, Store};
+use keel::workspace::fs::{Caller, FsError, FsOptions, SetAttr, SetTime, WorkspaceFs};
 use proptest::prelude::*;
 use std::os::unix::fs::FileExt;
 
@@ -397,6 +397,158 @@ fn sparse_large_file_and_seek() {
     fs.read(ino, off, 4, &mut buf).unwrap();
     assert_eq!(buf, b"\0\0\0\0");
     fs.release(fh).unwrap();
+}
+
+/// With passthrough, a body handed to the kernel read-write may be mapped shared, and the
+/// mapping outlives the close: its writes change the body with no request to keel. keel
+/// keeps watching such a body after the last close: `getattr` shows the new mtime and ctime
+/// (and says the kernel must not cache them), and every window is recorded for the next
+/// checkpoint.
+#[test]
+fn a_body_written_after_its_last_close_moves_times_and_reaches_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = opts();
+    o.passthrough
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let fs = WorkspaceFs::new(dir.path(), o).expect("open workspace");
+    let (a, fh, _) = fs
+        .create(ROOT, InodeNo::ROOT, b"f", 0o644, libc::O_RDWR)
+        .unwrap();
+    let ino = a.inode.ino;
+    fs.write(ino, 0, &[1u8; 200]).unwrap();
+    fs.release(fh).unwrap();
+    assert!(
+        !fs.getattr(ino).unwrap().volatile,
+        "a closed file's attributes are cached"
+    );
+
+    let (fh, info) = fs.open(ino, libc::O_RDWR).unwrap();
+    let body = info
+        .backing
+        .expect("a read-write open of a body is passed through");
+    assert!(
+        fs.getattr(ino).unwrap().volatile,
+        "while a read-write passthrough handle is open, the kernel must ask every time"
+    );
+    fs.release(fh).unwrap();
+    let sentinel = Nanos(1_000_000_000_000_000_000);
+    let set = SetAttr {
+        mtime: Some(SetTime::At(sentinel)),
+        ..SetAttr::default()
+    };
+    let before = fs.setattr(ino, &set).unwrap().inode;
+    fs.sync_all().unwrap();
+    // What a checkpoint would do: forget the changes recorded so far.
+    let store = Store::open(&dir.path().join("meta.db"), Nanos(0)).unwrap();
+    let tx = store.write().unwrap();
+    tx.clear_all_changes().unwrap();
+    tx.commit().unwrap();
+
+    // The mapping writes the body after the close.
+    body.write_all_at(&[2u8; 10], 150).unwrap();
+    let after = fs.getattr(ino).unwrap();
+    assert!(after.volatile, "a body a mapping may write stays uncached");
+    assert_ne!(after.inode.mtime, sentinel, "mtime after the write");
+    assert!(after.inode.ctime > before.ctime, "ctime after the write");
+    fs.sync_all().unwrap();
+    assert!(
+        store.read().backlog_windows().unwrap().contains(&(ino, 0)),
+        "the written window is recorded for the next checkpoint"
+    );
+    let mut want = vec![1u8; 200];
+    want[150..160].fill(2);
+    assert_eq!(read_all(&fs, ino).unwrap(), want);
+}
+
+/// A crash loses the open group commit and the inode numbers it gave, which SQLite then
+/// gives again: a file handle of a lost file must not open the new one. The new file has
+/// the number and another generation; files that survived keep theirs, across a clean
+/// remount too.
+#[test]
+fn a_number_a_crash_gives_again_comes_with_another_generation() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let create = |fs: &WorkspaceFs, name: &[u8]| {
+        let (a, fh, _) = fs
+            .create(ROOT, InodeNo::ROOT, name, 0o644, libc::O_RDWR)
+            .unwrap();
+        fs.release(fh).unwrap();
+        (a.inode.ino, a.generation)
+    };
+    let (kept, kept_gen) = create(&fs, b"kept");
+    let (lost, lost_gen) = create(&fs, b"lost");
+    assert_eq!(
+        fs.lookup(InodeNo::ROOT, b"lost").unwrap().generation,
+        lost_gen
+    );
+    assert_eq!(
+        fs.getattr(InodeNo::ROOT).unwrap().generation,
+        0,
+        "the root's is 0"
+    );
+    fs.sync_all().unwrap();
+    drop(fs);
+    // What a crash before the group commit leaves: no row, no entry, the sequence back.
+    let db = rusqlite::Connection::open(dir.path().join("meta.db")).unwrap();
+    db.execute_batch(&format!(
+        "DELETE FROM inode WHERE ino = {lost};
+         DELETE FROM dirent WHERE ino = {lost};
+         UPDATE sqlite_sequence SET seq = {kept} WHERE name = 'inode';",
+        lost = lost.0,
+        kept = kept.0
+    ))
+    .unwrap();
+    drop(db);
+
+    let fs = open_fs(dir.path());
+    assert_eq!(
+        fs.lookup(InodeNo::ROOT, b"kept").unwrap().generation,
+        kept_gen
+    );
+    let (again, again_gen) = create(&fs, b"new");
+    assert_eq!(again, lost, "the number is given again");
+    assert_ne!(again_gen, lost_gen, "with another generation");
+    fs.shutdown().unwrap();
+    drop(fs);
+    let fs = open_fs(dir.path());
+    assert_eq!(
+        fs.lookup(InodeNo::ROOT, b"new").unwrap().generation,
+        again_gen
+    );
+    assert_eq!(
+        fs.lookup(InodeNo::ROOT, b"kept").unwrap().generation,
+        kept_gen
+    );
+}
+
+/// The kernel's export operations look up "." and ".." by inode number, for an inode of
+/// any kind: "." is the inode while it has a name, ".." a directory's parent.
+#[test]
+fn dot_and_dotdot_by_inode_number() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let d = fs
+        .mkdir(ROOT, InodeNo::ROOT, b"d", 0o755)
+        .unwrap()
+        .inode
+        .ino;
+    let (a, fh, _) = fs.create(ROOT, d, b"f", 0o644, libc::O_RDWR).unwrap();
+    let f = a.inode.ino;
+    fs.release(fh).unwrap();
+    assert_eq!(
+        fs.lookup(f, b".").unwrap().inode.ino,
+        f,
+        "a file's own \".\""
+    );
+    assert_eq!(fs.lookup(d, b".").unwrap().inode.ino, d);
+    assert_eq!(fs.lookup(d, b"..").unwrap().inode.ino, InodeNo::ROOT);
+    assert!(matches!(fs.lookup(f, b".."), Err(FsError::NotDir)));
+    fs.unlink(d, b"f").unwrap();
+    assert!(matches!(fs.lookup(f, b"."), Err(FsError::NotFound)));
+    assert!(matches!(
+        fs.lookup(InodeNo(1 << 40), b"."),
+        Err(FsError::NotFound)
+    ));
 }
 
 // ---------------------------------------------------------------------------------------

@@ -518,8 +518,11 @@ impl FuseSession {
         config.clone_fd = true;
         // Reads INIT and answers it (`FuseAdapter::init`). Every user may use the mount
         // (`allow_other`); the kernel checks permissions (`default_permissions`).
+        let slot = adapter.notifier_slot();
         let session = fuser::Session::from_fd(adapter, dev, fuser::SessionACL::All, config)?;
         s.notifier = Some(session.notifier());
+        // Before `run`: no request but INIT is served until then.
+        let _ = slot.set(session.notifier());
         let ended = s.ended.clone();
         let runner = std::thread::Builder::new()
             .name("keel-fuse".into())

@@ -330,6 +330,7 @@ impl WorkspaceFs {
                 }
             }
             inner.lingering.retain(|x| x != ino);
+            inner.mapped.forget(*ino);
             inner.no_xattrs.remove(ino);
             self.lazy.forget(*ino);
         }

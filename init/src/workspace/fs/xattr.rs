@@ -13,7 +13,7 @@ pub(super) const NO_XATTRS_MAX: usize = 1 << 16;
 /// The xattr the kernel probes before writes and that `drop_setid` drops.
 pub(super) const CAPABILITY_XATTR: &[u8] = b"security.capability";
 
-/// The set-ID bits of a regular file (mode `perm`, group `gid`) that `loss` by a caller with
+/// The set-ID bits of a file (mode `perm`, group `gid`) that `loss` by a caller with
 /// `creds` clears, as Linux does for ext4 (`chown_common`, `setattr_should_drop_suidgid`):
 /// chown always clears set-user-ID; set-group-ID goes when the group may execute or the
 /// caller is neither in the file's group nor holds CAP_FSETID. A write or truncate clears the
@@ -141,11 +141,14 @@ impl WorkspaceFs {
         inner.no_xattrs.insert(ino);
     }
 
-    /// Drops from a regular file what `loss` costs it on ext4: the set-ID bits the kernel
-    /// would clear for this caller (see [`setid_lost`]) and `security.capability`. With
+    /// Drops from a file what `loss` costs it on ext4: the set-ID bits the kernel would
+    /// clear for this caller (see [`setid_lost`]) and `security.capability`. With
     /// FUSE_HANDLE_KILLPRIV_V2 the kernel leaves this to the filesystem and, in return, stops
-    /// asking for `security.capability` before every write. Directories keep everything.
-    pub fn drop_setid(&self, ino: InodeNo, loss: SetIdLoss) -> FsResult<()> {
+    /// asking for `security.capability` before every write. Every kind of file but a
+    /// directory loses them on chown (a FIFO, socket or device node as much as a regular
+    /// file: `chown_common` asks for it on anything but a directory); directories keep
+    /// everything. Returns whether anything was dropped.
+    pub fn drop_setid(&self, ino: InodeNo, loss: SetIdLoss) -> FsResult<bool> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
@@ -156,11 +159,11 @@ impl WorkspaceFs {
     /// `drop_setid` drops for `caller` (the kernel leaves this to the filesystem under
     /// FUSE_HANDLE_KILLPRIV_V2, and fuser does not pass FUSE_OPEN_KILL_SUIDGID). Other opens
     /// change nothing.
-    pub fn drop_setid_on_open(&self, ino: InodeNo, flags: i32, caller: Caller) -> FsResult<()> {
+    pub fn drop_setid_on_open(&self, ino: InodeNo, flags: i32, caller: Caller) -> FsResult<bool> {
         if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
             self.drop_setid(ino, SetIdLoss::Modify(caller))
         } else {
-            Ok(())
+            Ok(false)
         }
     }
 
@@ -168,10 +171,10 @@ impl WorkspaceFs {
         inner: &mut Inner,
         ino: InodeNo,
         loss: SetIdLoss,
-    ) -> FsResult<()> {
+    ) -> FsResult<bool> {
         let mut inode = Self::load(inner, ino)?;
-        if inode.kind != Kind::File {
-            return Ok(());
+        if inode.kind == Kind::Dir {
+            return Ok(false);
         }
         let perm = if inode.perm & (libc::S_ISUID | libc::S_ISGID) == 0 {
             inode.perm
@@ -189,7 +192,7 @@ impl WorkspaceFs {
         };
         let cap = Self::xattr_cached(inner, ino, CAPABILITY_XATTR)?.is_some();
         if perm == inode.perm && !cap {
-            return Ok(());
+            return Ok(false);
         }
         inode.perm = perm;
         inode.ctime = now();
@@ -199,7 +202,7 @@ impl WorkspaceFs {
         }
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
-        Ok(())
+        Ok(true)
     }
 
     /// All xattr names, each followed by a NUL byte.
