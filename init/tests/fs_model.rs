@@ -20,6 +20,7 @@ const ROOT: Caller = Caller {
     uid: 0,
     gid: 0,
     pid: 0,
+    umask: 0,
 };
 
 fn opts() -> FsOptions {
@@ -28,6 +29,7 @@ fn opts() -> FsOptions {
         inline_max: 64,
         chunk_size: 64 * 1024,
         passthrough: Default::default(),
+        posix_acl: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
     }
 }
 
@@ -350,18 +352,18 @@ fn bad_names_and_xattr_flags() {
         .inode
         .ino;
     assert!(matches!(
-        fs.setxattr(f, b"user.a", b"1", 2),
+        fs.setxattr(ROOT, f, b"user.a", b"1", 2),
         Err(FsError::NoAttr)
     ));
-    fs.setxattr(f, b"user.a", b"1", 1).unwrap();
+    fs.setxattr(ROOT, f, b"user.a", b"1", 1).unwrap();
     assert!(matches!(
-        fs.setxattr(f, b"user.a", b"2", 1),
+        fs.setxattr(ROOT, f, b"user.a", b"2", 1),
         Err(FsError::Exists)
     ));
-    fs.setxattr(f, b"user.a", b"2", 2).unwrap();
+    fs.setxattr(ROOT, f, b"user.a", b"2", 2).unwrap();
     assert_eq!(fs.getxattr(f, b"user.a").unwrap(), b"2");
     assert!(matches!(
-        fs.setxattr(f, b"user.big", &vec![0u8; 65537], 0),
+        fs.setxattr(ROOT, f, b"user.big", &vec![0u8; 65537], 0),
         Err(FsError::TooBig)
     ));
     assert_eq!(fs.listxattr(f).unwrap(), b"user.a\0");
@@ -759,7 +761,7 @@ fn apply_real(fs: &WorkspaceFs, op: &Op) -> Result<(), FsError> {
         }
         Op::SetXattr(p, n, v) => {
             let ino = resolve(fs, p)?;
-            fs.setxattr(ino, n.as_bytes(), v, 0)
+            fs.setxattr(ROOT, ino, n.as_bytes(), v, 0)
         }
         Op::RemoveXattr(p, n) => {
             let ino = resolve(fs, p)?;
