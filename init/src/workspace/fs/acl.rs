@@ -387,7 +387,10 @@ mod tests {
         // An unnamed entry's id is ignored on the way in, written as -1 on the way out.
         let mut odd = acl("u::rw-,g::r--,o::r--").encode();
         odd[8..12].copy_from_slice(&7u32.to_le_bytes());
-        assert_eq!(Acl::decode(&odd).unwrap().encode(), acl("u::rw-,g::r--,o::r--").encode());
+        assert_eq!(
+            Acl::decode(&odd).unwrap().encode(),
+            acl("u::rw-,g::r--,o::r--").encode()
+        );
     }
 
     #[test]
@@ -398,7 +401,10 @@ mod tests {
             f(&mut b);
             Acl::decode(&b)
         };
-        assert_eq!(with(&|b| b.truncate(good.len() - 1)), Err(AclError::Length(43)));
+        assert_eq!(
+            with(&|b| b.truncate(good.len() - 1)),
+            Err(AclError::Length(43))
+        );
         assert_eq!(Acl::decode(&[2, 0]), Err(AclError::Length(2)));
         assert_eq!(Acl::decode(&[2, 0, 0, 0]), Err(AclError::Empty));
         assert_eq!(with(&|b| b[0] = 1), Err(AclError::Version(1)));
@@ -482,7 +488,10 @@ mod tests {
         let d = acl("u::rwx,u:101:rwx,g::r-x,m::rwx,o::r-x");
         let got = inherit(&d, 0o644, false);
         assert_eq!(got.perm, 0o644);
-        assert_eq!(got.access, Some(acl("u::rw-,u:101:rwx,g::r-x,m::r--,o::r--")));
+        assert_eq!(
+            got.access,
+            Some(acl("u::rw-,u:101:rwx,g::r-x,m::r--,o::r--"))
+        );
         // A directory gets the default as its own default too, and keeps set-ID bits.
         let got = inherit(&d, 0o2777, true);
         assert_eq!(got.perm, 0o2775);
