@@ -595,8 +595,9 @@ EOF
 
 # The sandbox as an attacker, as root (without SYS_ADMIN) and as the unprivileged `sandbox`
 # user: with the remote's credentials in the container's environment and in a credentials
-# file, a 0600 root file (inline and large) in /workspace, and a local file:// remote outside
-# the state dir, every attempt below must fail; the case names each one that succeeds. Then
+# file, a 0600 root file (inline and large) and a 0644 one whose ACL denies `sandbox` in
+# /workspace, and a local file:// remote outside the state dir, every attempt below must
+# fail; the case names each one that succeeds. Then
 # `keel fsck` of the state is clean, and a fresh container restoring from the remote (every
 # chunk verified on read) finds the workspace intact.
 case_attacker() {
@@ -657,22 +658,31 @@ agent_attack() {
     attempt "roll the workspace back" keel rollback atk
     attempt "delete a snapshot" keel snapshot delete atk
 }
+# A file anyone could read but for an ACL entry that names the sandbox user.
+acl_attack() {
+    attempt "read a 0644 file an ACL entry denies it" cat /workspace/acl-denied
+    attempt "remove that ACL" setfacl -b /workspace/acl-denied
+    attempt "chmod that file" chmod 666 /workspace/acl-denied
+}
 set -u
 cd /workspace
 printf '%s' "$SECRET" > small && chmod 600 small
 { head -c 300000 /dev/urandom; printf '%s' "$SECRET"; head -c 300000 /dev/urandom; } > big && chmod 600 big
-sync small big
+printf '%s' "$SECRET" > acl-denied && chmod 644 acl-denied && setfacl -m u:sandbox:--- acl-denied
+printf ok > acl-control && chmod 600 acl-control && setfacl -m u:sandbox:r-- acl-control
+sync small big acl-denied acl-control
 keel checkpoint >/dev/null 2>&1 && echo "checkpoint-from-inside ok" || echo "checkpoint-from-inside FAILED"
 keel status >/dev/null 2>&1 && echo "status-from-inside ok" || echo "status-from-inside FAILED"
 keel snapshot create --name atk >/dev/null 2>&1 && echo "snapshot-from-inside ok" || echo "snapshot-from-inside FAILED"
 WHO=root attack
-setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack"
+setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack; acl_attack"
+setpriv --reuid=1000 --regid=1000 --init-groups cat /workspace/acl-control >/dev/null 2>&1 && echo "acl-grant ok" || echo "acl-grant FAILED"
 setpriv --reuid=1000 --regid=1000 --init-groups keel status >/dev/null 2>&1 && echo "group-status ok" || echo "group-status FAILED"
-sha256sum small big | sed 's/^/sum /'
+sha256sum small big acl-denied | sed 's/^/sum /'
 echo DONE
 EOF2
     # The functions alone, for the unprivileged run.
-    awk '{ print } /^}$/ && ++n == 2 { exit }' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
+    awk '{ print } /^}$/ && ++n == 3 { exit }' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
     chmod 0644 "$tmp/attack.sh" "$tmp/attack.sh.fns"
     run_c "$out" "${keel_flags[@]}" -v "$svol:/var/lib/keel" -v "$rvol:/srv/keel-remote" \
         -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \
@@ -685,7 +695,8 @@ EOF2
     grep -qx 'status-from-inside ok' "$out" || fail "keel status from inside the sandbox failed"
     grep -qx 'snapshot-from-inside ok' "$out" || fail "keel snapshot create from inside the sandbox (root) failed"
     grep -qx 'group-status ok' "$out" || fail "keel status for the control group failed"
-    [ "$(grep -c '^denied ' "$out")" = 44 ] || fail "$(grep -c '^denied ' "$out") of 44 attempts reported as denied"
+    grep -qx 'acl-grant ok' "$out" || fail "an ACL entry did not let the sandbox user read a 0600 file"
+    [ "$(grep -c '^denied ' "$out")" = 47 ] || fail "$(grep -c '^denied ' "$out") of 47 attempts reported as denied"
     while IFS= read -r line; do fail "${line#ATTEMPT-SUCCEEDED }"; done < <(grep '^ATTEMPT-SUCCEEDED ' "$out")
     grep -qF -e "$envsecret" -e "$filesecret" "$out.err" && fail "keel's log shows a secret"
     grep '^denied \|^ATTEMPT' "$out" | sed 's/^/    /'
@@ -698,9 +709,10 @@ EOF2
     # A fresh state dir restores from the remote: every chunk read back is verified (blake3).
     run_c "$tmp/after.out" "${keel_flags[@]}" -v "$rvol:/srv/keel-remote" \
         -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \
-        "$image" sh -c 'cd /workspace && sha256sum small big | sed "s/^/sum /"' || fail "reader container failed"
+        "$image" sh -c 'cd /workspace && sha256sum small big acl-denied | sed "s/^/sum /"; getfacl -cn acl-denied | sed "s/^/acl /"' || fail "reader container failed"
     grep -q 'restored snapshot' "$tmp/after.out.err" || fail "the reader did not restore from the remote"
     diff <(grep '^sum ' "$out") <(grep '^sum ' "$tmp/after.out") >/dev/null || fail "the workspace changed"
+    grep -qx 'acl user:1000:---' "$tmp/after.out" || fail "the restored workspace lost acl-denied's ACL"
     [ -n "$(grep '^sum ' "$out")" ] || fail "no checksums from the attacker run"
     [ -z "$CASE_ERR" ] || { show "$out" attacker; show "$tmp/after.out" reader; }
 }

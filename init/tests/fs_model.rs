@@ -20,6 +20,7 @@ const ROOT: Caller = Caller {
     uid: 0,
     gid: 0,
     pid: 0,
+    umask: 0,
 };
 
 fn opts() -> FsOptions {
@@ -28,6 +29,7 @@ fn opts() -> FsOptions {
         inline_max: 64,
         chunk_size: 64 * 1024,
         passthrough: Default::default(),
+        posix_acl: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
     }
 }
 
@@ -350,23 +352,192 @@ fn bad_names_and_xattr_flags() {
         .inode
         .ino;
     assert!(matches!(
-        fs.setxattr(f, b"user.a", b"1", 2),
+        fs.setxattr(ROOT, f, b"user.a", b"1", 2),
         Err(FsError::NoAttr)
     ));
-    fs.setxattr(f, b"user.a", b"1", 1).unwrap();
+    fs.setxattr(ROOT, f, b"user.a", b"1", 1).unwrap();
     assert!(matches!(
-        fs.setxattr(f, b"user.a", b"2", 1),
+        fs.setxattr(ROOT, f, b"user.a", b"2", 1),
         Err(FsError::Exists)
     ));
-    fs.setxattr(f, b"user.a", b"2", 2).unwrap();
+    fs.setxattr(ROOT, f, b"user.a", b"2", 2).unwrap();
     assert_eq!(fs.getxattr(f, b"user.a").unwrap(), b"2");
     assert!(matches!(
-        fs.setxattr(f, b"user.big", &vec![0u8; 65537], 0),
+        fs.setxattr(ROOT, f, b"user.big", &vec![0u8; 65537], 0),
         Err(FsError::TooBig)
     ));
     assert_eq!(fs.listxattr(f).unwrap(), b"user.a\0");
     fs.removexattr(f, b"user.a").unwrap();
     assert!(matches!(fs.getxattr(f, b"user.a"), Err(FsError::NoAttr)));
+}
+
+/// The xattr value of `text` (`u::rwx,u:65534:r--,g::r-x,m::r-x,o::---`).
+fn acl(text: &str) -> Vec<u8> {
+    use keel::workspace::fs::acl::{Acl, Entry, Tag};
+    let entries = text
+        .split(',')
+        .map(|part| {
+            let f: Vec<&str> = part.split(':').collect();
+            let tag = match (f[0], f[1].is_empty()) {
+                ("u", true) => Tag::UserObj,
+                ("u", false) => Tag::User,
+                ("g", true) => Tag::GroupObj,
+                ("g", false) => Tag::Group,
+                ("m", _) => Tag::Mask,
+                _ => Tag::Other,
+            };
+            let perm = f[2]
+                .chars()
+                .zip([4, 2, 1])
+                .filter(|(c, _)| *c != '-')
+                .map(|(_, b)| b)
+                .sum();
+            Entry {
+                tag,
+                id: f[1].parse().unwrap_or(0),
+                perm,
+            }
+        })
+        .collect();
+    Acl::new(entries).unwrap().encode()
+}
+
+const ACCESS: &[u8] = b"system.posix_acl_access";
+const DEFAULT: &[u8] = b"system.posix_acl_default";
+
+#[test]
+fn acls_set_the_mode_follow_chmod_and_are_inherited() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let perm = |ino| fs.getattr(ino).unwrap().inode.perm;
+    let f = fs
+        .mknod(ROOT, InodeNo::ROOT, b"f", libc::S_IFREG | 0o2755, 0)
+        .unwrap()
+        .inode
+        .ino;
+    // A minimal ACL only sets the mode (set-group-ID stays for root, CAP_FSETID).
+    fs.setxattr(ROOT, f, ACCESS, &acl("u::r--,g::rwx,o::rw-"), 0)
+        .unwrap();
+    assert_eq!(perm(f), 0o2476);
+    assert!(matches!(fs.getxattr(f, ACCESS), Err(FsError::NoAttr)));
+    // A named entry is kept; the group bits are the mask.
+    let full = acl("u::rwx,u:65534:rwx,g::r--,m::r-x,o::---");
+    fs.setxattr(ROOT, f, ACCESS, &full, 0).unwrap();
+    assert_eq!(perm(f), 0o2750);
+    assert_eq!(fs.getxattr(f, ACCESS).unwrap(), full);
+    assert_eq!(fs.listxattr(f).unwrap(), b"system.posix_acl_access\0");
+    // chmod rewrites owner, mask and other.
+    let set = SetAttr {
+        mode: Some(0o640),
+        ..SetAttr::default()
+    };
+    fs.setattr(f, &set).unwrap();
+    assert_eq!(
+        fs.getxattr(f, ACCESS).unwrap(),
+        acl("u::rw-,u:65534:rwx,g::r--,m::r--,o::---")
+    );
+    // Not valid, or a default ACL on a file: refused, nothing changes.
+    assert!(matches!(
+        fs.setxattr(ROOT, f, ACCESS, b"\x02\0\0\0\x01\0", 0),
+        Err(FsError::Invalid)
+    ));
+    assert!(matches!(
+        fs.setxattr(ROOT, f, DEFAULT, &full, 0),
+        Err(FsError::Access)
+    ));
+    assert_eq!(perm(f), 0o640);
+    // Removing an ACL the inode lacks succeeds, as on ext4; a plain xattr does not.
+    fs.removexattr(f, ACCESS).unwrap();
+    fs.removexattr(f, ACCESS).unwrap();
+    assert!(matches!(fs.removexattr(f, b"user.x"), Err(FsError::NoAttr)));
+    assert_eq!(perm(f), 0o640);
+
+    // Inheritance: the umask applies only without a default ACL.
+    let umask = Caller {
+        umask: 0o077,
+        ..ROOT
+    };
+    let d = fs
+        .mkdir(umask, InodeNo::ROOT, b"d", 0o777)
+        .unwrap()
+        .inode
+        .ino;
+    assert_eq!(perm(d), 0o700);
+    let default = acl("u::rwx,u:65534:rwx,g::r-x,m::rwx,o::r-x");
+    fs.setxattr(ROOT, d, DEFAULT, &default, 0).unwrap();
+    let (n, fh, _) = fs.create(umask, d, b"n", 0o666, libc::O_RDWR).unwrap();
+    fs.release(fh).unwrap();
+    assert_eq!(n.inode.perm, 0o664);
+    assert_eq!(
+        fs.getxattr(n.inode.ino, ACCESS).unwrap(),
+        acl("u::rw-,u:65534:rwx,g::r-x,m::rw-,o::r--")
+    );
+    assert!(matches!(
+        fs.getxattr(n.inode.ino, DEFAULT),
+        Err(FsError::NoAttr)
+    ));
+    let sub = fs.mkdir(umask, d, b"sub", 0o750).unwrap().inode;
+    assert_eq!(sub.perm, 0o750);
+    assert_eq!(fs.getxattr(sub.ino, DEFAULT).unwrap(), default);
+    let fifo = fs
+        .mknod(umask, sub.ino, b"p", libc::S_IFIFO | 0o600, 0)
+        .unwrap()
+        .inode;
+    assert_eq!(fifo.perm, 0o600);
+    assert_eq!(
+        fs.getxattr(fifo.ino, ACCESS).unwrap(),
+        acl("u::rw-,u:65534:rwx,g::r-x,m::---,o::---")
+    );
+    let link = fs.symlink(umask, d, b"l", b"n").unwrap().inode;
+    assert_eq!(link.perm, 0o777);
+    assert_eq!(fs.listxattr(link.ino).unwrap(), b"");
+}
+
+#[test]
+fn acls_are_refused_where_the_kernel_would_not_enforce_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = opts();
+    o.posix_acl = Default::default();
+    let fs = WorkspaceFs::new(dir.path(), o).unwrap();
+    let f = fs
+        .mknod(ROOT, InodeNo::ROOT, b"f", libc::S_IFREG | 0o644, 0)
+        .unwrap()
+        .inode
+        .ino;
+    let a = acl("u::rw-,u:65534:---,g::r--,m::r--,o::r--");
+    assert!(matches!(
+        fs.setxattr(ROOT, f, ACCESS, &a, 0),
+        Err(FsError::NotSupported)
+    ));
+    assert!(matches!(fs.getxattr(f, ACCESS), Err(FsError::NotSupported)));
+    assert!(matches!(
+        fs.removexattr(f, ACCESS),
+        Err(FsError::NotSupported)
+    ));
+    assert_eq!(FsError::NotSupported.errno(), libc::EOPNOTSUPP);
+    assert_eq!(fs.getattr(f).unwrap().inode.perm, 0o644);
+    drop(fs);
+    // One stored while enforced (a snapshot from elsewhere) is neither shown nor inherited.
+    let fs = open_fs(dir.path());
+    let d = fs
+        .mkdir(ROOT, InodeNo::ROOT, b"d", 0o755)
+        .unwrap()
+        .inode
+        .ino;
+    fs.setxattr(ROOT, d, DEFAULT, &a, 0).unwrap();
+    fs.shutdown().unwrap();
+    drop(fs);
+    let mut o = opts();
+    o.posix_acl = Default::default();
+    let fs = WorkspaceFs::new(dir.path(), o).unwrap();
+    assert_eq!(fs.listxattr(d).unwrap(), b"");
+    let umask = Caller {
+        umask: 0o022,
+        ..ROOT
+    };
+    let n = fs.mkdir(umask, d, b"n", 0o777).unwrap().inode;
+    assert_eq!(n.perm, 0o755);
+    assert_eq!(fs.listxattr(n.ino).unwrap(), b"");
 }
 
 #[test]
@@ -911,7 +1082,7 @@ fn apply_real(fs: &WorkspaceFs, op: &Op) -> Result<(), FsError> {
         }
         Op::SetXattr(p, n, v) => {
             let ino = resolve(fs, p)?;
-            fs.setxattr(ino, n.as_bytes(), v, 0)
+            fs.setxattr(ROOT, ino, n.as_bytes(), v, 0)
         }
         Op::RemoveXattr(p, n) => {
             let ino = resolve(fs, p)?;

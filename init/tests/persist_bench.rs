@@ -27,6 +27,7 @@ fn fs_512k(dir: &std::path::Path) -> WorkspaceFs {
             inline_max: 4096,
             chunk_size: CS,
             passthrough: Default::default(),
+            posix_acl: Default::default(),
         },
     )
     .unwrap()

@@ -66,7 +66,7 @@ fn source() -> (tempfile::TempDir, Arc<dyn Remote>) {
         },
     )
     .unwrap();
-    fs.setxattr(multi, b"user.new", b"x", 0).unwrap();
+    fs.setxattr(ROOT, multi, b"user.new", b"x", 0).unwrap();
     fs.link(multi, many, b"multi-link").unwrap();
     write_file(&fs, "late", &noise(7, 2 * CHUNK as usize + 3));
     assert!(!checkpoint(&mut p).full);

@@ -2,7 +2,8 @@
 //! without them): everything keel starts runs in a mount namespace where the state dir and the
 //! credentials file are empty and read-only (a Secret volume's whole directory, across a
 //! rotation), without the remote's credentials, the control token or `[init] secret_env` in
-//! its environment (unless `pass_env` names them), and cannot read keel's
+//! its environment (unless `pass_env` names them), cannot read a workspace file an ACL entry
+//! denies it (as an unprivileged user, nor remove that entry), and cannot read keel's
 //! `/proc/<pid>/{environ,root}` (keel is not dumpable); `keel status` and `keel checkpoint`
 //! still work from inside over the control socket, for whom `[control] group` allows, and
 //! snapshots, diffs and rollbacks only for root; a mount keel makes after the start still
@@ -111,6 +112,18 @@ fn the_sandbox_sees_no_state_no_credentials_and_cannot_read_keel() {
         head -c 1 /proc/$PPID/mem >/dev/null 2>&1 && echo "ATTEMPT opened keel's mem"
         perl -e 'exit(syscall(101, 16, $ARGV[0], 0, 0) == 0 ? 0 : 1)' $PPID && echo "ATTEMPT ptrace-attached keel"
         umount -l {st} 2>/dev/null && echo "ATTEMPT uncovered the state dir"
+        # An unprivileged user denied by an ACL entry on a file it could otherwise read.
+        chmod 755 $D $D/ws
+        printf '%s' {CONTENT} > $D/ws/acl-denied && chmod 644 $D/ws/acl-denied
+        setfacl -m u:65534:--- $D/ws/acl-denied || echo "ATTEMPT-FAILED setfacl"
+        printf readable > $D/ws/acl-control && chmod 644 $D/ws/acl-control
+        U="setpriv --reuid=65534 --regid=65534 --clear-groups"
+        $U cat $D/ws/acl-control >/dev/null && echo "acl-control-read"
+        $U cat $D/ws/acl-denied 2>/dev/null && echo "ATTEMPT nobody read a file an ACL entry denies"
+        $U setfacl -b $D/ws/acl-denied 2>/dev/null && echo "ATTEMPT nobody removed the ACL"
+        $U chmod 666 $D/ws/acl-denied 2>/dev/null && echo "ATTEMPT nobody changed the mode"
+        $U setfattr -x system.posix_acl_access $D/ws/acl-denied 2>/dev/null && echo "ATTEMPT nobody removed the ACL xattr"
+        $U cat $D/ws/acl-denied 2>/dev/null && echo "ATTEMPT nobody read the file after all"
         env > $D/main.env
         while [ ! -s $D/svc.env ]; do sleep 0.05; done
         cat $D/ws/secret; echo
@@ -122,6 +135,7 @@ fn the_sandbox_sees_no_state_no_credentials_and_cannot_read_keel() {
     let log = k.log_text();
     assert_eq!(code, 0, "stdout:\n{out}\nlog:\n{log}");
     assert!(out.contains("state-entries=0\n"), "{out}");
+    assert!(out.contains("acl-control-read\n"), "{out}");
     assert!(!out.contains("ATTEMPT"), "an attempt succeeded:\n{out}");
     assert!(
         out.contains(CONTENT),

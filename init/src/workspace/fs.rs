@@ -16,7 +16,8 @@
 //!
 //! Where things are: `error` (FsError and its errno), `group` (group commit, `Batch`),
 //! `node` (the in-memory inode and its life cycle), `namespace` (names, attributes,
-//! directories), `data` (file bytes), `xattr` (xattrs, set-ID dropping, access), `lazy`
+//! directories), `data` (file bytes), `xattr` (xattrs, ACLs kept in step with the mode,
+//! set-ID dropping, access), `acl` (the POSIX ACL format and rules, pure), `lazy`
 //! (fetching lazily restored windows), `rollback` (rolling the live tree back). This file
 //! keeps the public types, `WorkspaceFs` with its lock, and the whole-filesystem calls.
 
@@ -35,6 +36,7 @@ use crate::config::CacheMode;
 use crate::meta::{DirCache, Inode, InodeNo, Kind, MetaError, Nanos, Store};
 use crate::sys;
 
+pub mod acl;
 mod data;
 mod error;
 mod group;
@@ -77,6 +79,10 @@ pub struct Caller {
     pub gid: u32,
     /// 0 when the kernel sends the request on its own (e.g. a writeback).
     pub pid: u32,
+    /// The caller's umask, in the requests that create (mknod, mkdir, create); 0 in the
+    /// others. keel applies it (the kernel leaves it to keel, FUSE_DONT_MASK) unless the
+    /// directory's default ACL takes its place.
+    pub umask: u32,
 }
 
 /// What a request did that may cost a regular file its set-user-ID and set-group-ID bits
@@ -165,6 +171,11 @@ pub struct FsOptions {
     pub chunk_size: u64,
     /// Set by the FUSE layer once the kernel agreed to pass file I/O through to body files.
     pub passthrough: Arc<AtomicBool>,
+    /// Set by the FUSE layer once the kernel agreed to enforce POSIX ACLs (FUSE_POSIX_ACL).
+    /// Until then, and on a kernel without it, the ACL xattrs are refused (EOPNOTSUPP: an
+    /// ACL stored but not enforced is a permission its owner believes removed) and no
+    /// default ACL is inherited.
+    pub posix_acl: Arc<AtomicBool>,
 }
 
 enum Handle {

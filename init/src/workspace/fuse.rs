@@ -47,6 +47,8 @@ pub struct KernelFeatures {
     pub passthrough: Option<bool>,
     /// Set here when the kernel accepted passthrough; read by `WorkspaceFs`.
     pub passthrough_on: Arc<AtomicBool>,
+    /// Set here when the kernel agreed to enforce POSIX ACLs; read by `WorkspaceFs`.
+    pub posix_acl_on: Arc<AtomicBool>,
 }
 
 /// The largest WRITE (and READ) keel accepts in one request.
@@ -226,6 +228,15 @@ fn caller(req: &Request) -> Caller {
         uid: req.uid(),
         gid: req.gid(),
         pid: req.pid(),
+        umask: 0,
+    }
+}
+
+/// The caller of a request that creates, with its umask (keel applies it, FUSE_DONT_MASK).
+fn creator(req: &Request, umask: u32) -> Caller {
+    Caller {
+        umask,
+        ..caller(req)
     }
 }
 
@@ -332,6 +343,11 @@ impl Filesystem for FuseAdapter {
             // ".." by inode number for an inode it no longer caches; entries carry the
             // inode's generation.
             | InitFlags::FUSE_EXPORT_SUPPORT
+            // The kernel enforces the ACLs keel stores (keel keeps them in step with the
+            // mode and inherits default ACLs), and leaves the umask to keel, which applies
+            // it unless a default ACL takes its place.
+            | InitFlags::FUSE_POSIX_ACL
+            | InitFlags::FUSE_DONT_MASK
             // keel drops setuid/setgid itself; the kernel then stops sending a GETXATTR of
             // security.capability before every write (it marks checked inodes S_NOSEC).
             | InitFlags::FUSE_HANDLE_KILLPRIV_V2;
@@ -360,6 +376,13 @@ impl Filesystem for FuseAdapter {
             flags.contains(InitFlags::FUSE_HANDLE_KILLPRIV_V2),
             Ordering::Relaxed,
         );
+        // Both or neither: without FUSE_DONT_MASK the kernel would apply the umask where a
+        // default ACL must replace it.
+        let acls = flags.contains(InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK);
+        if !acls {
+            tracing::warn!("kernel does not enforce POSIX ACLs over FUSE: ACL xattrs are refused");
+        }
+        self.features.posix_acl_on.store(acls, Ordering::Relaxed);
         // KernelConfig has no getter: setting any allowed value returns the kernel's.
         let readahead = config
             .set_max_readahead(1)
@@ -462,14 +485,14 @@ impl Filesystem for FuseAdapter {
         parent: INodeNo,
         n: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         rdev: u32,
         reply: ReplyEntry,
     ) {
         let _t = self.count(Op::Mknod);
         let res = self
             .fs
-            .mknod(caller(req), Ino(parent.0), name(n), mode, rdev);
+            .mknod(creator(req, umask), Ino(parent.0), name(n), mode, rdev);
         self.reply_entry(reply, res);
     }
 
@@ -479,11 +502,13 @@ impl Filesystem for FuseAdapter {
         parent: INodeNo,
         n: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         reply: ReplyEntry,
     ) {
         let _t = self.count(Op::Mkdir);
-        let res = self.fs.mkdir(caller(req), Ino(parent.0), name(n), mode);
+        let res = self
+            .fs
+            .mkdir(creator(req, umask), Ino(parent.0), name(n), mode);
         self.reply_entry(reply, res);
     }
 
@@ -798,7 +823,7 @@ impl Filesystem for FuseAdapter {
 
     fn setxattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         n: &OsStr,
         value: &[u8],
@@ -807,7 +832,10 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let _t = self.count(Op::Setxattr);
-        reply_empty(reply, self.fs.setxattr(Ino(ino.0), name(n), value, flags));
+        let res = self
+            .fs
+            .setxattr(caller(req), Ino(ino.0), name(n), value, flags);
+        reply_empty(reply, res);
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, n: &OsStr, size: u32, reply: ReplyXattr) {
@@ -852,14 +880,14 @@ impl Filesystem for FuseAdapter {
         parent: INodeNo,
         n: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         flags: i32,
         reply: ReplyCreate,
     ) {
         let _t = self.count(Op::Create);
         match self
             .fs
-            .create(caller(req), Ino(parent.0), name(n), mode, flags)
+            .create(creator(req, umask), Ino(parent.0), name(n), mode, flags)
         {
             Ok((a, fh, info)) => {
                 let attr = self.file_attr(&a);

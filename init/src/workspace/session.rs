@@ -220,6 +220,7 @@ pub fn lock_state(cfg: &WorkspaceConfig) -> Result<StateLock, SessionError> {
 pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, SessionError> {
     let state = &cfg.state_dir;
     let passthrough_on = Arc::new(AtomicBool::new(false));
+    let posix_acl_on = Arc::new(AtomicBool::new(false));
     crate::meta::set_cache_ceiling(cfg.meta_cache);
     let fs = WorkspaceFs::new(
         state,
@@ -228,6 +229,7 @@ pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, S
             inline_max: cfg.inline_max,
             chunk_size: cfg.chunk_size,
             passthrough: passthrough_on.clone(),
+            posix_acl: posix_acl_on.clone(),
         },
     )
     .map_err(|e| SessionError::OpenState {
@@ -256,6 +258,7 @@ pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, S
                 Passthrough::On => Some(true),
             },
             passthrough_on: passthrough_on.clone(),
+            posix_acl_on: posix_acl_on.clone(),
         },
     );
     let requests = adapter.requests();
@@ -267,6 +270,7 @@ pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, S
         cache = cfg.cache.as_str(),
         threads = cfg.effective_threads(),
         passthrough = passthrough_on.load(Ordering::Relaxed),
+        posix_acl = posix_acl_on.load(Ordering::Relaxed),
         "workspace mounted"
     );
     Ok(Mounted {

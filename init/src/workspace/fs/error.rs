@@ -2,6 +2,7 @@
 
 use std::io;
 
+use super::acl::AclError;
 use crate::meta::MetaError;
 
 /// Everything that can go wrong in a filesystem operation. `errno` maps each to the one
@@ -46,6 +47,9 @@ pub enum FsError {
     Meta(#[from] MetaError),
     #[error("lazy restore: {0}")]
     Fetch(String),
+    /// An ACL keel stored (or restored) does not parse: the store is damaged.
+    #[error("stored ACL: {0}")]
+    StoredAcl(AclError),
 }
 
 impl FsError {
@@ -72,6 +76,7 @@ impl FsError {
             FsError::Meta(e) if e.is_full() => libc::ENOSPC,
             FsError::Meta(_) => libc::EIO,
             FsError::Fetch(_) => libc::EIO,
+            FsError::StoredAcl(_) => libc::EIO,
         }
     }
 }

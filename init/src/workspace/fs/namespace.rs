@@ -138,8 +138,10 @@ impl WorkspaceFs {
             of.inode.ctime = t;
         }
         let mut inode = Self::load(inner, ino)?;
+        let mut chmod_acl = None;
         if let Some(mode) = set.mode {
             inode.perm = mode & 0o7777;
+            chmod_acl = self.acl_after_chmod(inner, ino, inode.perm)?;
         }
         if let Some(uid) = set.uid {
             inode.uid = uid;
@@ -159,6 +161,7 @@ impl WorkspaceFs {
         }
         inode.ctime = set.ctime.unwrap_or(t);
         let mut tx = Batch::new(&inner.store)?;
+        Self::save_chmod_acl(&tx, ino, chmod_acl.as_ref())?;
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
         if set.size.is_some() {
@@ -212,6 +215,7 @@ impl WorkspaceFs {
             return Err(FsError::NotFound);
         }
         let mut inode = Self::new_inode(caller, &p, kind, perm, rdev);
+        let acls = self.inherit_acl(inner, parent, &mut inode, caller.umask)?;
         if let Some(t) = target {
             inode.size = t.len() as u64;
         }
@@ -226,6 +230,9 @@ impl WorkspaceFs {
         if let Some(target) = target {
             tx.set_symlink_target(inode.ino, target)?;
         }
+        for (n, v) in &acls {
+            tx.set_xattr(inode.ino, n, v)?;
+        }
         if kind == Kind::Dir {
             p.nlink += 1;
         }
@@ -234,8 +241,10 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
         Self::remember(inner, inode.ino);
-        // Created with no xattr (keel inherits no ACLs): a lost group forgets this too.
-        Self::has_no_xattrs(inner, inode.ino);
+        // Created with no xattr unless it inherited ACLs: a lost group forgets this too.
+        if acls.is_empty() {
+            Self::has_no_xattrs(inner, inode.ino);
+        }
         self.attr(inode, None)
     }
 
