@@ -141,6 +141,11 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
     let control = crate::control::start(&cfg)?;
     let mut supervisor = Supervisor::new(&cfg, args.command, &booted, signals)?;
     supervisor.set_status(control.status().clone());
+    // Processes started through the API: the supervisor reaps and stops them, the control
+    // API starts and reads them.
+    let processes = crate::exec::Processes::new(&cfg);
+    supervisor.set_exec(processes.clone());
+    control.status().set_exec(processes);
     control.status().mounting(&cfg);
     let main = supervisor
         .main_hold()

@@ -5,6 +5,7 @@
 
 pub mod control;
 pub mod credentials;
+pub mod exec;
 pub mod expand;
 pub mod init;
 pub mod persist;
@@ -14,6 +15,7 @@ pub mod units;
 pub mod workspace;
 
 pub use control::ControlConfig;
+pub use exec::ExecConfig;
 pub use init::{ForwardTo, InitConfig, Rlimit};
 pub use persist::{FsyncMode, PersistConfig, Takeover};
 pub use service::{Probe, Readiness, Restart, ServiceConfig};
@@ -50,6 +52,7 @@ pub struct Config {
     pub service: Vec<ServiceConfig>,
     pub control: ControlConfig,
     pub persist: PersistConfig,
+    pub exec: ExecConfig,
 }
 
 impl Config {
@@ -148,6 +151,7 @@ impl Config {
         service::validate(&self.service)?;
         self.control.validate()?;
         self.persist.validate()?;
+        self.exec.validate()?;
         Ok(())
     }
 }

@@ -66,6 +66,13 @@ impl SandboxNs {
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
+
+    /// A second reference to the namespace (for processes started later, elsewhere).
+    pub fn try_clone(&self) -> std::io::Result<SandboxNs> {
+        Ok(SandboxNs {
+            fd: self.fd.try_clone()?,
+        })
+    }
 }
 
 /// Makes the namespace: a copy of keel's, every mount a slave, then `covers` applied in
@@ -374,8 +381,9 @@ mod tests {
             session: Session::New,
             drop_caps: Vec::new(),
             no_new_privs: false,
-            stdin: false,
+            stdio: crate::sys::process::Stdio::Null,
             mnt_ns: ns,
+            cgroup_procs: None,
         }
     }
 
