@@ -10,6 +10,8 @@ pub mod api;
 pub mod auth;
 pub mod client;
 pub mod metrics;
+pub mod processes;
+pub mod routes;
 pub mod server;
 pub mod snapshots;
 pub mod status;
