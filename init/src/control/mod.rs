@@ -14,6 +14,7 @@ pub mod processes;
 pub mod routes;
 pub mod server;
 pub mod snapshots;
+pub mod stream_client;
 pub mod status;
 
 pub use status::{

@@ -86,8 +86,15 @@ pub struct Reaped {
     pub none_left: bool,
 }
 
+/// Held (shared) while a child is forked and exec'd, and (exclusively) by the reaper: when
+/// exec fails, std's `Command::spawn` waits for that child itself, and a reaper on another
+/// thread must not collect it first (processes started through the API are forked on the
+/// control API's threads, not the supervisor's).
+static SPAWNING: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
 /// The one reaper: `wait4(-1, WNOHANG)` until nothing more has ended.
 pub fn reap_all() -> Reaped {
+    let _spawns_done = SPAWNING.write().unwrap_or_else(|p| p.into_inner());
     let mut r = Reaped::default();
     loop {
         let mut status = 0;
@@ -354,7 +361,10 @@ pub fn spawn_io(spec: &SpawnSpec) -> std::io::Result<Spawned> {
     // SAFETY: the closure only makes async-signal-safe syscalls on data prepared before fork
     // (no allocation, no locks).
     unsafe { cmd.pre_exec(child_setup) };
-    let mut child = cmd.spawn()?;
+    let mut child = {
+        let _reaper_waits = SPAWNING.read().unwrap_or_else(|p| p.into_inner());
+        cmd.spawn()?
+    };
     let spawned = Spawned {
         pid: child.id() as i32,
         stdin: child.stdin.take().map(OwnedFd::from),
