@@ -624,6 +624,16 @@ impl Processes {
         crate::sys::pty::resize(m, rows, cols).map_err(ExecError::Resize)
     }
 
+    /// Waits (at most `limit`) until every record is done: after keel's stop, so that each
+    /// stream gets its exit before the workspace is finished and the API stops.
+    pub fn wait_all_done(&self, limit: Duration) {
+        let all: Vec<Arc<Record>> = self.lock().records.values().cloned().collect();
+        let t0 = Instant::now();
+        for r in all {
+            r.wait_done(limit.saturating_sub(t0.elapsed()));
+        }
+    }
+
     /// Running processes and kept records, for `/status`.
     pub fn counts(&self) -> (usize, usize) {
         let t = self.lock();
