@@ -79,8 +79,10 @@ pub struct Template {
     pub spec: SpawnSpec,
     /// The name of the user `spec` runs as (keel's own when `spec.ids` is `None`).
     pub user: String,
-    /// Where a process runs unless it asks for a `cwd`.
+    /// Where a process runs unless it asks for a `cwd`: the workspace once it is a
+    /// directory (`open`), else the main command's directory.
     pub cwd: PathBuf,
+    pub workspace: Option<PathBuf>,
     /// Between the TERM and the KILL of a timeout or a DELETE (`[shutdown] grace`).
     pub grace: Duration,
     /// Keeps the namespace `spec.mnt_ns` names open as long as the template lives.
@@ -170,7 +172,10 @@ impl Processes {
 
     /// From now on processes may start, from `t` (the supervisor, once everything before
     /// the main command runs).
-    pub fn open(&self, t: Template) {
+    pub fn open(&self, mut t: Template) {
+        if let Some(ws) = t.workspace.as_ref().filter(|w| w.is_dir()) {
+            t.cwd = ws.clone();
+        }
         self.lock().template = Some(t);
     }
 

@@ -164,12 +164,12 @@ impl<'a> Plan<'a> {
         let mut spec = self.main_spec(Vec::new())?;
         spec.session = Session::New;
         spec.stdio = Stdio::Null;
-        let ws = &self.cfg.workspace.mount_point;
-        let cwd = if self.cfg.init.workspace && ws.is_dir() {
-            ws.clone()
-        } else {
-            spec.cwd.clone()
-        };
+        let cwd = spec.cwd.clone();
+        let workspace = self
+            .cfg
+            .init
+            .workspace
+            .then(|| self.cfg.workspace.mount_point.clone());
         let user = match &spec.ids {
             Some(i) => i.name.clone(),
             None => nix::unistd::User::from_uid(nix::unistd::geteuid())
@@ -182,6 +182,7 @@ impl<'a> Plan<'a> {
             spec,
             user,
             cwd,
+            workspace,
             grace: self.cfg.shutdown.grace,
             ns: None,
         })
