@@ -43,6 +43,22 @@ fn line(v: &Value) -> Vec<u8> {
     b
 }
 
+/// `{"type":NAME,"offset":N,"data":"BASE64"}` and a newline, written directly: base64 needs
+/// no JSON escaping, and the event carries up to `CHUNK` bytes.
+fn data_line(engine: &impl Engine, name: &str, offset: u64, data: &[u8]) -> Vec<u8> {
+    let head = format!("{{\"type\":\"{name}\",\"offset\":{offset},\"data\":\"");
+    let mut out = Vec::with_capacity(head.len() + data.len().div_ceil(3) * 4 + 3);
+    out.extend_from_slice(head.as_bytes());
+    let at = out.len();
+    out.resize(at + data.len().div_ceil(3) * 4, 0);
+    let n = engine
+        .encode_slice(data, &mut out[at..])
+        .expect("room for the base64 of the data");
+    out.truncate(at + n);
+    out.extend_from_slice(b"\"}\n");
+    out
+}
+
 /// The `start` event.
 pub fn start_event(r: &Record, attached: bool) -> Vec<u8> {
     line(&json!({
@@ -76,12 +92,7 @@ pub fn ndjson(
             let out: &Output = if i == 0 { &r.stdout } else { &r.stderr };
             match out.read(from, &mut buf) {
                 Ok(Chunk::Data(n)) => {
-                    let ev = json!({
-                        "type": name,
-                        "offset": from,
-                        "data": engine.encode(&buf[..n]),
-                    });
-                    if !send(line(&ev)) {
+                    if !send(data_line(&engine, name, from, &buf[..n])) {
                         return;
                     }
                     at[i] = Some(from + n as u64);
@@ -170,5 +181,22 @@ pub fn first_kept(r: &Record, stderr: bool, from: u64) -> u64 {
     match out.read(from, &mut b) {
         Ok(Chunk::Gap { to }) => to,
         _ => from,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_data_line_is_the_json_a_parser_reads() {
+        let engine = base64::engine::general_purpose::STANDARD;
+        for data in [&b""[..], b"a", b"ab", b"abc", &[0u8, 255, 10, 34, 92]] {
+            let l = data_line(&engine, "stdout", 7, data);
+            assert_eq!(l.last(), Some(&b'\n'));
+            let v: Value = serde_json::from_slice(&l).unwrap();
+            assert_eq!((v["type"].as_str(), v["offset"].as_u64()), (Some("stdout"), Some(7)));
+            assert_eq!(engine.decode(v["data"].as_str().unwrap()).unwrap(), data);
+        }
     }
 }
