@@ -396,6 +396,10 @@ mod tests {
         assert_eq!(c.shutdown.grace, d.shutdown.grace);
         assert_eq!(c.shutdown.flush_timeout, d.shutdown.flush_timeout);
         assert_eq!(c.init.drop_capabilities, d.init.drop_capabilities);
+        assert_eq!(c.exec.max_processes, d.exec.max_processes);
+        assert_eq!(c.exec.output_limit, d.exec.output_limit);
+        assert_eq!(c.exec.retention, d.exec.retention);
+        assert_eq!(c.exec.max_request_body, d.exec.max_request_body);
         // The commented service example, uncommented, is valid too.
         let example: String = text
             .lines()
