@@ -47,8 +47,11 @@ fn stop(k: &mut Keel) -> i32 {
         .find(|p| p.1 == top && p.2 != 'Z')
         .map(|p| p.0)
         .unwrap_or(top);
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(keel), nix::sys::signal::Signal::SIGTERM)
-        .unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(keel),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
     k.wait().0
 }
 
@@ -73,17 +76,27 @@ fn collect(evs: &[Value], stream: &str) -> Vec<u8> {
 
 fn exit_of(evs: &[Value]) -> Value {
     let last = evs.last().expect("no events").clone();
-    assert_eq!(last["type"], "exit", "the stream did not end with the exit: {evs:?}");
+    assert_eq!(
+        last["type"], "exit",
+        "the stream did not end with the exit: {evs:?}"
+    );
     last
 }
 
 fn run(k: &Keel, req: Value) -> (Vec<u8>, Vec<u8>, Value) {
     let r = exec(k, req);
     assert_eq!(r.code, 200, "{r:?}");
-    assert_eq!(r.header("content-type").as_deref(), Some("application/x-ndjson"));
+    assert_eq!(
+        r.header("content-type").as_deref(),
+        Some("application/x-ndjson")
+    );
     let evs = events(&r.body);
     assert_eq!(evs[0]["type"], "start", "{evs:?}");
-    (collect(&evs, "stdout"), collect(&evs, "stderr"), exit_of(&evs))
+    (
+        collect(&evs, "stdout"),
+        collect(&evs, "stderr"),
+        exit_of(&evs),
+    )
 }
 
 fn id_of(v: &Value) -> u64 {
@@ -124,9 +137,16 @@ fn output_is_byte_exact_and_exits_are_reported_as_keel_run_does() {
     );
     assert!(out == data, "stdout differs ({} bytes back)", out.len());
     assert_eq!(err, b"oops\n");
-    assert_eq!((x["code"].clone(), x["status"].clone()), (json!(3), json!(3)), "{x}");
+    assert_eq!(
+        (x["code"].clone(), x["status"].clone()),
+        (json!(3), json!(3)),
+        "{x}"
+    );
     assert_eq!(x["timed_out"], false);
-    assert!(x["duration_ms"].is_u64() && x["cpu_ms"].is_u64() && x["peak_rss_kib"].as_u64() > Some(0), "{x}");
+    assert!(
+        x["duration_ms"].is_u64() && x["cpu_ms"].is_u64() && x["peak_rss_kib"].as_u64() > Some(0),
+        "{x}"
+    );
     // A shell line, the user asked for, the environment added and keel's secrets scrubbed.
     let (out, _, x) = run(
         &k,
@@ -142,11 +162,23 @@ fn output_is_byte_exact_and_exits_are_reported_as_keel_run_does() {
     assert_eq!(x["status"], 126, "{x}");
     // A signal.
     let (_, _, x) = run(&k, json!({"shell": "kill -9 $$"}));
-    assert_eq!((x["signal"].clone(), x["status"].clone()), (json!("SIGKILL"), json!(137)));
+    assert_eq!(
+        (x["signal"].clone(), x["status"].clone()),
+        (json!("SIGKILL"), json!(137))
+    );
     // Bad requests are one line naming the field.
-    let r = exec(&k, json!({"argv": ["true"], "cwd": "/nonexistent/keel-dir"}));
+    let r = exec(
+        &k,
+        json!({"argv": ["true"], "cwd": "/nonexistent/keel-dir"}),
+    );
     assert_eq!(r.code, 400);
-    assert!(r.json()["error"].as_str().unwrap().contains("`cwd` /nonexistent/keel-dir"), "{r:?}");
+    assert!(
+        r.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("`cwd` /nonexistent/keel-dir"),
+        "{r:?}"
+    );
     let r = exec(&k, json!({"argv": ["true"], "user": "no-such-user-keel"}));
     assert_eq!(r.code, 400, "{r:?}");
     // The list and the record keep what happened.
@@ -163,7 +195,10 @@ fn output_is_byte_exact_and_exits_are_reported_as_keel_run_does() {
         .args(["--", "sh", "-c", "printf 'a\\0b'; exit 4"])
         .output()
         .unwrap();
-    assert_eq!((out.status.code(), out.stdout.as_slice()), (Some(4), &b"a\0b"[..]));
+    assert_eq!(
+        (out.status.code(), out.stdout.as_slice()),
+        (Some(4), &b"a\0b"[..])
+    );
     stop(&mut k);
 }
 
@@ -173,13 +208,25 @@ fn stdin_is_streamed_and_closed() {
         return;
     }
     let mut k = keel("", false);
-    let r = exec(&k, json!({"shell": "cat; echo END", "stdin": "stream", "detach": true}));
+    let r = exec(
+        &k,
+        json!({"shell": "cat; echo END", "stdin": "stream", "detach": true}),
+    );
     assert_eq!(r.code, 200, "{r:?}");
     let id = id_of(&r.json());
     let s = sock(&k);
     let r = unix_send(&s, "POST", &format!("/processes/{id}/stdin"), b"abc\x00");
-    assert_eq!((r.code, r.json()["bytes"].clone()), (200, json!(4)), "{r:?}");
-    let r = unix_send(&s, "POST", &format!("/processes/{id}/stdin?close=1"), b"def");
+    assert_eq!(
+        (r.code, r.json()["bytes"].clone()),
+        (200, json!(4)),
+        "{r:?}"
+    );
+    let r = unix_send(
+        &s,
+        "POST",
+        &format!("/processes/{id}/stdin?close=1"),
+        b"def",
+    );
     assert_eq!(r.json()["closed"], true, "{r:?}");
     let (out, x) = follow(&k, id, 0);
     assert_eq!(out, b"abc\x00defEND\n");
@@ -195,14 +242,24 @@ fn stdin_is_streamed_and_closed() {
 fn read_then_drop(socket: &Path, body: &Value, until: impl Fn(&[u8]) -> bool) -> Vec<u8> {
     use std::io::{Read, Write};
     let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
     let b = body.to_string();
-    write!(s, "POST /exec HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n{b}", b.len()).unwrap();
+    write!(
+        s,
+        "POST /exec HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n{b}",
+        b.len()
+    )
+    .unwrap();
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
     while !until(&got) {
         let n = s.read(&mut buf).unwrap();
-        assert!(n > 0, "the stream ended early: {}", String::from_utf8_lossy(&got));
+        assert!(
+            n > 0,
+            "the stream ended early: {}",
+            String::from_utf8_lossy(&got)
+        );
         got.extend_from_slice(&buf[..n]);
     }
     got
@@ -227,11 +284,17 @@ fn a_client_that_drops_loses_neither_output_nor_exit_and_a_retry_starts_nothing_
     let text = String::from_utf8_lossy(&got);
     let id: u64 = text
         .lines()
-        .find_map(|l| l.strip_prefix("Keel-Process-Id: ").or(l.strip_prefix("keel-process-id: ")))
+        .find_map(|l| {
+            l.strip_prefix("Keel-Process-Id: ")
+                .or(l.strip_prefix("keel-process-id: "))
+        })
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or_else(|| panic!("no process id header in {text}"));
     // The client is gone; the process goes on. A retry with the same request id attaches.
-    let r = exec(&k, json!({"shell": "echo never", "request_id": "job-1", "detach": true}));
+    let r = exec(
+        &k,
+        json!({"shell": "echo never", "request_id": "job-1", "detach": true}),
+    );
     let v = r.json();
     assert_eq!((id_of(&v), v["attached"].clone()), (id, json!(true)), "{v}");
     std::fs::write(d.join("go"), "").unwrap();
@@ -243,7 +306,11 @@ fn a_client_that_drops_loses_neither_output_nor_exit_and_a_retry_starts_nothing_
     let (out, _, x2) = run(&k, json!({"shell": "echo never", "request_id": "job-1"}));
     assert_eq!(out, b"first\nsecond\n");
     assert_eq!(x2["id"], id);
-    assert_eq!(std::fs::read_to_string(d.join("count")).unwrap(), "run\n", "ran twice");
+    assert_eq!(
+        std::fs::read_to_string(d.join("count")).unwrap(),
+        "run\n",
+        "ran twice"
+    );
     stop(&mut k);
 }
 
@@ -255,14 +322,27 @@ fn a_terminal_is_a_terminal_and_sees_its_resize() {
     let mut k = keel("", false);
     let script = "test -t 0 && test -t 1 && echo tty; stty size; \
                   trap 'stty size; exit 0' WINCH; echo ready; while :; do sleep 0.05; done";
-    let r = exec(&k, json!({"shell": script, "pty": {"rows": 33, "cols": 101}, "detach": true}));
+    let r = exec(
+        &k,
+        json!({"shell": script, "pty": {"rows": 33, "cols": 101}, "detach": true}),
+    );
     let id = id_of(&r.json());
     let s = sock(&k);
     poll("the terminal's first lines", || {
-        let r = unix_send(&s, "GET", &format!("/processes/{id}/output?format=raw"), b"");
+        let r = unix_send(
+            &s,
+            "GET",
+            &format!("/processes/{id}/output?format=raw"),
+            b"",
+        );
         r.body.contains("ready").then_some(())
     });
-    let r = unix_send(&s, "POST", &format!("/processes/{id}/resize?rows=40&cols=120"), b"");
+    let r = unix_send(
+        &s,
+        "POST",
+        &format!("/processes/{id}/resize?rows=40&cols=120"),
+        b"",
+    );
     assert_eq!(r.code, 200, "{r:?}");
     let (out, x) = follow(&k, id, 0);
     let out = String::from_utf8_lossy(&out).replace('\r', "");
@@ -270,7 +350,12 @@ fn a_terminal_is_a_terminal_and_sees_its_resize() {
     assert_eq!(x["code"], 0);
     // Resizing a process without a terminal is refused.
     let (_, _, x) = run(&k, json!({"argv": ["true"]}));
-    let r = unix_send(&s, "POST", &format!("/processes/{}/resize?rows=1&cols=1", id_of(&x)), b"");
+    let r = unix_send(
+        &s,
+        "POST",
+        &format!("/processes/{}/resize?rows=1&cols=1", id_of(&x)),
+        b"",
+    );
     assert_eq!(r.code, 409);
     stop(&mut k);
 }
@@ -322,24 +407,51 @@ fn delete_and_timeout_leave_no_descendant_not_even_a_double_forked_one() {
     }
     let d = k.scratch().to_path_buf();
     // DELETE.
-    let r = exec(&k, json!({"shell": tree_script(&d, "987601"), "detach": true}));
+    let r = exec(
+        &k,
+        json!({"shell": tree_script(&d, "987601"), "detach": true}),
+    );
     let id = id_of(&r.json());
-    poll("the grandchild", || d.join("987601.up").exists().then_some(()));
+    poll("the grandchild", || {
+        d.join("987601.up").exists().then_some(())
+    });
     assert_eq!(marked("987601").len(), 1, "the grandchild is not running");
     let r = unix_send(&sock(&k), "DELETE", &format!("/processes/{id}"), b"");
     assert_eq!(r.code, 200, "{r:?}");
     let v = r.json();
-    assert_eq!((v["state"].clone(), v["exit"]["killed"].clone()), (json!("done"), json!(true)), "{v}");
+    assert_eq!(
+        (v["state"].clone(), v["exit"]["killed"].clone()),
+        (json!("done"), json!(true)),
+        "{v}"
+    );
     // Ignoring TERM, it took the KILL after the grace.
     assert_eq!(v["exit"]["signal"], "SIGKILL", "{v}");
-    assert_eq!(marked("987601"), Vec::<i32>::new(), "a descendant survived DELETE");
+    assert_eq!(
+        marked("987601"),
+        Vec::<i32>::new(),
+        "a descendant survived DELETE"
+    );
     // A second DELETE forgets the record.
-    assert_eq!(unix_send(&sock(&k), "DELETE", &format!("/processes/{id}"), b"").code, 200);
+    assert_eq!(
+        unix_send(&sock(&k), "DELETE", &format!("/processes/{id}"), b"").code,
+        200
+    );
     assert_eq!(unix_get(&sock(&k), &format!("/processes/{id}")).code, 404);
     // The timeout, kept by keel: the stream ends with the exit, timed out.
-    let (_, _, x) = run(&k, json!({"shell": tree_script(&d, "987602"), "timeout": "1s"}));
-    assert_eq!((x["timed_out"].clone(), x["signal"].clone()), (json!(true), json!("SIGKILL")), "{x}");
-    assert_eq!(marked("987602"), Vec::<i32>::new(), "a descendant survived the timeout");
+    let (_, _, x) = run(
+        &k,
+        json!({"shell": tree_script(&d, "987602"), "timeout": "1s"}),
+    );
+    assert_eq!(
+        (x["timed_out"].clone(), x["signal"].clone()),
+        (json!(true), json!("SIGKILL")),
+        "{x}"
+    );
+    assert_eq!(
+        marked("987602"),
+        Vec::<i32>::new(),
+        "a descendant survived the timeout"
+    );
     stop(&mut k);
 }
 
@@ -358,11 +470,17 @@ fn keels_stop_stops_them_too() {
         let r = unix_send(&s, "GET", &format!("/processes/{id}/output?follow=1"), b"");
         exit_of(&events(&r.body))
     });
-    poll("the process", || (!marked("987603").is_empty()).then_some(()));
+    poll("the process", || {
+        (!marked("987603").is_empty()).then_some(())
+    });
     let code = stop(&mut k);
     assert_eq!(code, 143, "{}", k.log_text());
     let x = follower.join().unwrap();
-    assert_eq!((x["killed"].clone(), x["signal"].clone()), (json!(true), json!("SIGTERM")), "{x}");
+    assert_eq!(
+        (x["killed"].clone(), x["signal"].clone()),
+        (json!(true), json!("SIGTERM")),
+        "{x}"
+    );
 }
 
 #[test]
@@ -375,11 +493,20 @@ fn only_the_token_root_and_keels_user_may_start_processes() {
     k.wait_log("control API on http://");
     let log = k.log_text();
     let rest = &log[log.find("control API on http://").unwrap() + 22..];
-    let addr: std::net::SocketAddr = rest.split(char::is_whitespace).next().unwrap().parse().unwrap();
+    let addr: std::net::SocketAddr = rest
+        .split(char::is_whitespace)
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
     let body = json!({"argv": ["touch", k.path("pwned").to_str().unwrap()]}).to_string();
     let r = raw(
         addr,
-        format!("POST /exec HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n{body}", body.len()).as_bytes(),
+        format!(
+            "POST /exec HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
     );
     assert_eq!(r.code, 403, "{r:?}");
     for path in ["/processes", "/processes/1", "/processes/1/output"] {
@@ -391,25 +518,56 @@ fn only_the_token_root_and_keels_user_may_start_processes() {
     std::fs::set_permissions(k.scratch(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let as_nobody = |args: &[&str]| {
         let out = std::process::Command::new("setpriv")
-            .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--unix-socket"])
+            .args([
+                "--reuid=nobody",
+                "--regid=nogroup",
+                "--clear-groups",
+                "curl",
+                "-sS",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "--unix-socket",
+            ])
             .arg(sock(&k))
             .args(args)
             .output()
             .expect("setpriv + curl");
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    assert_eq!(as_nobody(&["http://k/status"]), "200", "the group member cannot observe");
-    assert_eq!(as_nobody(&["-X", "POST", "-d", &body, "http://k/exec"]), "403");
+    assert_eq!(
+        as_nobody(&["http://k/status"]),
+        "200",
+        "the group member cannot observe"
+    );
+    assert_eq!(
+        as_nobody(&["-X", "POST", "-d", &body, "http://k/exec"]),
+        "403"
+    );
     assert_eq!(as_nobody(&["http://k/processes"]), "403");
     // keel exec as the group member says so.
     let out = std::process::Command::new("setpriv")
-        .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", KEEL, "exec", "--socket"])
+        .args([
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            KEEL,
+            "exec",
+            "--socket",
+        ])
         .arg(sock(&k))
         .args(["--", "touch", k.path("pwned").to_str().unwrap()])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("403"), "{out:?}");
-    assert!(!k.path("pwned").exists(), "a refused caller started a process");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("403"),
+        "{out:?}"
+    );
+    assert!(
+        !k.path("pwned").exists(),
+        "a refused caller started a process"
+    );
     stop(&mut k);
 }

@@ -83,7 +83,11 @@ fn a_process_gets_exactly_what_the_main_command_gets() {
         .find_map(|l| l.strip_prefix("CapBnd:"))
         .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
         .unwrap();
-    assert_eq!(bnd & (1 << 21), 0, "CAP_SYS_ADMIN in the bounding set: {got}");
+    assert_eq!(
+        bnd & (1 << 21),
+        0,
+        "CAP_SYS_ADMIN in the bounding set: {got}"
+    );
     assert!(got.contains("0027\n4242\n"), "{got}");
     // Its default directory is the workspace.
     let (pwd, _) = run(&k, json!({"argv": ["pwd"]}));
@@ -92,14 +96,16 @@ fn a_process_gets_exactly_what_the_main_command_gets() {
 }
 
 #[test]
-fn a_failing_transactional_exec_leaves_the_workspace_as_before_and_a_success_keeps_its_changes()
-{
+fn a_failing_transactional_exec_leaves_the_workspace_as_before_and_a_success_keeps_its_changes() {
     if !require_root_and_fuse("exec workspace test") {
         return;
     }
-    let mut k = keel("echo kept > $D/ws/keep; mkdir $D/ws/d; echo x > $D/ws/d/f; exec sleep 100000");
+    let mut k =
+        keel("echo kept > $D/ws/keep; mkdir $D/ws/d; echo x > $D/ws/d/f; exec sleep 100000");
     let ws = k.path("ws");
-    poll("the main command's files", || ws.join("d/f").exists().then_some(()));
+    poll("the main command's files", || {
+        ws.join("d/f").exists().then_some(())
+    });
     let (_, x) = run(
         &k,
         json!({"shell": "echo junk > junk; rm keep; echo changed > d/f; exit 1",
@@ -108,7 +114,10 @@ fn a_failing_transactional_exec_leaves_the_workspace_as_before_and_a_success_kee
     assert_eq!(x["code"], 1, "{x}");
     assert_eq!(x["rollback"]["rolled_back"], true, "{x}");
     assert!(x["errors"].is_null(), "{x}");
-    assert!(!ws.join("junk").exists(), "the failed command's file stayed");
+    assert!(
+        !ws.join("junk").exists(),
+        "the failed command's file stayed"
+    );
     assert_eq!(std::fs::read_to_string(ws.join("keep")).unwrap(), "kept\n");
     assert_eq!(std::fs::read_to_string(ws.join("d/f")).unwrap(), "x\n");
     // A success keeps what it did.
@@ -116,7 +125,11 @@ fn a_failing_transactional_exec_leaves_the_workspace_as_before_and_a_success_kee
         &k,
         json!({"shell": "echo new > new; rm keep", "rollback_on": "failure"}),
     );
-    assert_eq!((x["code"].clone(), x["rollback"]["rolled_back"].clone()), (json!(0), json!(false)), "{x}");
+    assert_eq!(
+        (x["code"].clone(), x["rollback"]["rolled_back"].clone()),
+        (json!(0), json!(false)),
+        "{x}"
+    );
     assert_eq!(std::fs::read_to_string(ws.join("new")).unwrap(), "new\n");
     assert!(!ws.join("keep").exists());
     // rollback_on=timeout rolls back a timeout, not a failure.
@@ -130,7 +143,11 @@ fn a_failing_transactional_exec_leaves_the_workspace_as_before_and_a_success_kee
         &k,
         json!({"shell": "echo u > u; sleep 1000", "rollback_on": "timeout", "timeout": "1s"}),
     );
-    assert_eq!((x["timed_out"].clone(), x["rollback"]["rolled_back"].clone()), (json!(true), json!(true)), "{x}");
+    assert_eq!(
+        (x["timed_out"].clone(), x["rollback"]["rolled_back"].clone()),
+        (json!(true), json!(true)),
+        "{x}"
+    );
     assert!(!ws.join("u").exists());
     // The names that pinned the snapshots before are gone.
     let l = unix_get(&sock(&k), "/snapshots").json();
@@ -150,9 +167,13 @@ fn diff_true_equals_keel_diff_of_the_snapshots_around_the_exec_and_options_name_
     if !require_root_and_fuse("exec workspace test") {
         return;
     }
-    let mut k = keel("mkdir -p $D/ws/src; for i in 1 2 3; do echo $i > $D/ws/src/f$i; done; exec sleep 100000");
+    let mut k = keel(
+        "mkdir -p $D/ws/src; for i in 1 2 3; do echo $i > $D/ws/src/f$i; done; exec sleep 100000",
+    );
     let ws = k.path("ws");
-    poll("the main command's files", || ws.join("src/f3").exists().then_some(()));
+    poll("the main command's files", || {
+        ws.join("src/f3").exists().then_some(())
+    });
     let (_, x) = run(
         &k,
         json!({"shell": "echo more >> src/f1; rm src/f2; mv src/f3 src/g3; head -c 100000 /dev/zero > big",
@@ -162,17 +183,31 @@ fn diff_true_equals_keel_diff_of_the_snapshots_around_the_exec_and_options_name_
     let d = &x["diff"];
     let (from, to) = (d["from"].as_u64().unwrap(), d["to"].as_u64().unwrap());
     assert_eq!(x["snapshot_before"], from, "{x}");
-    assert_eq!(x["checkpoint"], to, "checkpoint=wait names the snapshot with the writes: {x}");
+    assert_eq!(
+        x["checkpoint"], to,
+        "checkpoint=wait names the snapshot with the writes: {x}"
+    );
     let out = Command::new(KEEL)
         .args(["diff", "--json", "--config"])
         .arg(k.path("config.toml"))
         .args([&from.to_string(), &to.to_string()])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let cli: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let cli = if cli["changes"].is_array() { cli } else { cli["diff"].clone() };
-    assert_eq!(d["changes"], cli["changes"], "exec diff {d}\nkeel diff {cli}");
+    let cli = if cli["changes"].is_array() {
+        cli
+    } else {
+        cli["diff"].clone()
+    };
+    assert_eq!(
+        d["changes"], cli["changes"],
+        "exec diff {d}\nkeel diff {cli}"
+    );
     let paths: Vec<(&str, &str)> = d["changes"]
         .as_array()
         .unwrap()
@@ -193,7 +228,13 @@ fn diff_true_equals_keel_diff_of_the_snapshots_around_the_exec_and_options_name_
         .as_array()
         .unwrap()
         .iter()
-        .find(|s| s["names"].as_array().unwrap().iter().any(|n| n == "before-edit"))
+        .find(|s| {
+            s["names"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|n| n == "before-edit")
+        })
         .unwrap_or_else(|| panic!("no snapshot named before-edit: {l}"));
     assert_eq!(named["id"], from);
     stop(&mut k);

@@ -125,8 +125,8 @@ pub fn main(config: Option<&Path>, a: ExecArgs) -> i32 {
             return Err(format!("keel answered {}: {}", code.get(), why(&seen)).into());
         }
         if a.detach {
-            let v: serde_json::Value = serde_json::from_slice(&seen)
-                .map_err(|e| format!("unexpected answer: {e}"))?;
+            let v: serde_json::Value =
+                serde_json::from_slice(&seen).map_err(|e| format!("unexpected answer: {e}"))?;
             println!("{}", v["id"]);
             return Ok(0);
         }
@@ -193,7 +193,8 @@ impl Events {
             }
             "gap" => eprintln!(
                 "keel: exec: {} bytes of its {} were not kept ([exec] output_limit)",
-                v["bytes"], v["stream"].as_str().unwrap_or("output")
+                v["bytes"],
+                v["stream"].as_str().unwrap_or("output")
             ),
             "exit" => self.exit = Some(v.clone()),
             "error" => self.error = v["error"].as_str().map(str::to_string),
@@ -249,6 +250,13 @@ fn pass_stdin(target: Target, id: u64) {
                 }
             }
             let path = format!("/processes/{id}/stdin?close=1");
-            let _ = stream_client::request(&target, "POST", &path, Vec::new(), &mut |_| {}, &mut |_| true);
+            let _ = stream_client::request(
+                &target,
+                "POST",
+                &path,
+                Vec::new(),
+                &mut |_| {},
+                &mut |_| true,
+            );
         });
 }

@@ -74,10 +74,15 @@ mod tests {
         for (t, key) in [
             ("[exec]\nmax_processes = 0\n", "exec.max_processes"),
             ("[exec]\noutput_limit = \"100\"\n", "exec.output_limit"),
-            ("[exec]\nmax_request_body = \"10\"\n", "exec.max_request_body"),
+            (
+                "[exec]\nmax_request_body = \"10\"\n",
+                "exec.max_request_body",
+            ),
             ("[exec]\nlimit = 1\n", "exec.limit"),
         ] {
-            let e = Config::parse(t, Path::new("c.toml")).unwrap_err().to_string();
+            let e = Config::parse(t, Path::new("c.toml"))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(key), "{t:?}: {e}");
         }
     }

@@ -14,8 +14,8 @@ pub mod processes;
 pub mod routes;
 pub mod server;
 pub mod snapshots;
-pub mod stream_client;
 pub mod status;
+pub mod stream_client;
 
 pub use status::{
     CheckpointFn, CheckpointReport, LeaseStatus, MountState, PersistStatus, ServiceState,

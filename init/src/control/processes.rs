@@ -72,10 +72,7 @@ fn query_pairs(q: &str) -> Vec<(String, String)> {
         .filter(|kv| !kv.is_empty())
         .map(|kv| {
             let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-            (
-                super::snapshots::decode(k),
-                super::snapshots::decode(v),
-            )
+            (super::snapshots::decode(k), super::snapshots::decode(v))
         })
         .collect()
 }
@@ -85,7 +82,11 @@ fn query_pairs(q: &str) -> Vec<(String, String)> {
 /// and the stream ends; it resumes with `from=`); `alive` says whether it is still there.
 type Producer = Box<dyn FnOnce(&mut dyn FnMut(Vec<u8>) -> bool, &dyn Fn() -> bool) + Send>;
 
-fn streamed(content_type: &'static str, headers: Vec<(&'static str, String)>, produce: Producer) -> hyper::Response<Body> {
+fn streamed(
+    content_type: &'static str,
+    headers: Vec<(&'static str, String)>,
+    produce: Producer,
+) -> hyper::Response<Body> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);
     let handle = tokio::runtime::Handle::current();
     tokio::task::spawn_blocking(move || {
@@ -129,7 +130,8 @@ async fn exec_async(c: Call) -> hyper::Response<Body> {
         Err(r) => return to_hyper(r),
     };
     let limit = t.config().max_request_body as usize;
-    let collected = tokio::time::timeout(READ_DEADLINE, Limited::new(c.body, limit).collect()).await;
+    let collected =
+        tokio::time::timeout(READ_DEADLINE, Limited::new(c.body, limit).collect()).await;
     let body = match collected {
         Ok(Ok(b)) => b.to_bytes(),
         Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
@@ -222,7 +224,10 @@ pub fn delete(_: &Request, params: &Params, status: &StatusHandle) -> Response {
 pub fn signal(req: &Request, params: &Params, status: &StatusHandle) -> Response {
     let sig = super::snapshots::param(&req.query, "sig").unwrap_or_default();
     let Some(n) = crate::config::signal_name(&sig) else {
-        return error(400, &format!("sig=`{sig}`: not a signal (e.g. TERM, SIGINT, 9)"));
+        return error(
+            400,
+            &format!("sig=`{sig}`: not a signal (e.g. TERM, SIGINT, 9)"),
+        );
     };
     with_record(params, status, |t, id| {
         let r = t.signal(id, n)?;
@@ -280,9 +285,7 @@ fn output_now(c: &Call) -> Answer {
     let stderr = match q("stream").as_deref() {
         None | Some("stdout") => false,
         Some("stderr") => true,
-        Some(s) => {
-            return Answer::Now(error(400, &format!("stream=`{s}`: use stdout or stderr")))
-        }
+        Some(s) => return Answer::Now(error(400, &format!("stream=`{s}`: use stdout or stderr"))),
     };
     let from = match q("from").map(|v| v.parse::<u64>()) {
         None => 0,
@@ -346,7 +349,9 @@ async fn stdin_async(c: Call) -> hyper::Response<Body> {
             Ok(Some(Err(_))) => return to_hyper(error(400, "the request body could not be read")),
             Err(_) => return to_hyper(error(408, "the request body stalled")),
         };
-        let Ok(data) = frame.into_data() else { continue };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
         if data.is_empty() {
             continue;
         }

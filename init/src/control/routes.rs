@@ -86,10 +86,30 @@ pub static ROUTES: &[Route] = &[
     r("GET", "/processes", All, Plain(processes::list)),
     r("GET", "/processes/{id}", All, Plain(processes::get)),
     r("DELETE", "/processes/{id}", All, Plain(processes::delete)),
-    r("GET", "/processes/{id}/output", All, Stream(processes::output)),
-    r("POST", "/processes/{id}/stdin", All, Stream(processes::stdin)),
-    r("POST", "/processes/{id}/signal", All, Plain(processes::signal)),
-    r("POST", "/processes/{id}/resize", All, Plain(processes::resize)),
+    r(
+        "GET",
+        "/processes/{id}/output",
+        All,
+        Stream(processes::output),
+    ),
+    r(
+        "POST",
+        "/processes/{id}/stdin",
+        All,
+        Stream(processes::stdin),
+    ),
+    r(
+        "POST",
+        "/processes/{id}/signal",
+        All,
+        Plain(processes::signal),
+    ),
+    r(
+        "POST",
+        "/processes/{id}/resize",
+        All,
+        Plain(processes::resize),
+    ),
 ];
 
 const fn r(method: &'static str, path: &'static str, rights: Rights, handler: Handler) -> Route {

@@ -478,11 +478,12 @@ fn to_hyper(r: Response) -> hyper::Response<Body> {
     for (k, v) in &r.headers {
         b = b.header(*k, v.as_str());
     }
-    b.body(Full::new(Bytes::from(r.body)).boxed()).unwrap_or_else(|e| {
-        debug!("control: build the response: {e}");
-        let mut r =
-            hyper::Response::new(Full::new(Bytes::from_static(b"internal error\n")).boxed());
-        *r.status_mut() = hyper::StatusCode::INTERNAL_SERVER_ERROR;
-        r
-    })
+    b.body(Full::new(Bytes::from(r.body)).boxed())
+        .unwrap_or_else(|e| {
+            debug!("control: build the response: {e}");
+            let mut r =
+                hyper::Response::new(Full::new(Bytes::from_static(b"internal error\n")).boxed());
+            *r.status_mut() = hyper::StatusCode::INTERNAL_SERVER_ERROR;
+            r
+        })
 }

@@ -13,7 +13,10 @@ use hyper_util::rt::TokioIo;
 pub enum Target {
     Socket(PathBuf),
     /// `host:port`, and the bearer token.
-    Tcp { addr: String, token: Option<String> },
+    Tcp {
+        addr: String,
+        token: Option<String>,
+    },
 }
 
 impl std::fmt::Display for Target {

@@ -62,12 +62,17 @@ pub enum ExecError {
     },
     #[error("open a terminal: {0}")]
     Pty(#[source] std::io::Error),
-    #[error("process {0} has no stdin stream (start it with \"stdin\": \"stream\"), or it was closed")]
+    #[error(
+        "process {0} has no stdin stream (start it with \"stdin\": \"stream\"), or it was closed"
+    )]
     NoStdin(ProcessId),
     #[error("process {0} has no terminal (start it with \"pty\")")]
     NoTerminal(ProcessId),
     #[error("write to the stdin of process {id}: {source}")]
-    Write { id: ProcessId, source: std::io::Error },
+    Write {
+        id: ProcessId,
+        source: std::io::Error,
+    },
     #[error("resize the terminal: {0}")]
     Resize(#[source] std::io::Error),
 }
@@ -330,7 +335,9 @@ impl Processes {
             "exec {}: started {} (pid {}) as {}",
             rec.id,
             rec.argv.join(" "),
-            rec.pid().map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+            rec.pid()
+                .map(|p| p.to_string())
+                .unwrap_or_else(|| "-".into()),
             rec.user
         );
         let me = self.clone();
@@ -354,11 +361,9 @@ impl Processes {
         tpl: &Template,
         ids: Option<&process::Ids>,
     ) -> Result<Record, ExecError> {
-        crate::persist::private::create_dir_all(&self.dir).map_err(|source| {
-            ExecError::Output {
-                path: self.dir.clone(),
-                source,
-            }
+        crate::persist::private::create_dir_all(&self.dir).map_err(|source| ExecError::Output {
+            path: self.dir.clone(),
+            source,
         })?;
         let out = |name: &str| {
             let path = self.dir.join(format!("{id}.{name}"));
@@ -493,7 +498,8 @@ impl Processes {
                 if let Some(p) = pty {
                     drop(p.slave);
                     let writer = p.master.try_clone().map(std::fs::File::from).ok();
-                    io.outputs.push((p.master.try_clone().map_err(ExecError::Pty)?, 1));
+                    io.outputs
+                        .push((p.master.try_clone().map_err(ExecError::Pty)?, 1));
                     let _ = rec.master.set(p.master);
                     let mut input = rec.input.lock().unwrap_or_else(|e| e.into_inner());
                     input.terminal = true;
@@ -599,7 +605,9 @@ impl Processes {
         let w = {
             let i = rec.input.lock().unwrap_or_else(|e| e.into_inner());
             match &i.writer {
-                Some(w) => w.try_clone().map_err(|source| ExecError::Write { id, source })?,
+                Some(w) => w
+                    .try_clone()
+                    .map_err(|source| ExecError::Write { id, source })?,
                 None => return Err(ExecError::NoStdin(id)),
             }
         };

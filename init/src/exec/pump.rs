@@ -123,7 +123,11 @@ pub(super) fn run(
             if !ready[i] {
                 continue;
             }
-            let out = if *which == 1 { &rec.stdout } else { &rec.stderr };
+            let out = if *which == 1 {
+                &rec.stdout
+            } else {
+                &rec.stderr
+            };
             let mut taken = 0;
             while taken < ROUND {
                 match f.read(&mut buf) {

@@ -285,7 +285,10 @@ pub fn parse(body: &[u8], query: &[(String, String)]) -> Result<ExecPlan, Reques
         }
     };
     if timeout.is_some_and(|t| t.is_zero()) {
-        return Err(RequestError::Timeout("0".into(), "must be more than 0".into()));
+        return Err(RequestError::Timeout(
+            "0".into(),
+            "must be more than 0".into(),
+        ));
     }
     if let Some(id) = &b.request_id {
         if id.is_empty() || id.len() > 128 || !id.bytes().all(|c| c.is_ascii_graphic()) {
@@ -348,17 +351,25 @@ mod tests {
         assert_eq!(r.stdin, Stdin::None);
         let r = p(r#"{"shell": "echo hi | wc -c"}"#).unwrap();
         assert_eq!(r.argv[..2], [OsString::from("/bin/sh"), "-c".into()]);
-        assert_eq!(p(r#"{"argv": ["a"], "shell": "b"}"#), Err(RequestError::Command));
+        assert_eq!(
+            p(r#"{"argv": ["a"], "shell": "b"}"#),
+            Err(RequestError::Command)
+        );
         assert_eq!(p("{}"), Err(RequestError::Command));
         assert_eq!(p(r#"{"argv": []}"#), Err(RequestError::EmptyArgv));
-        assert!(matches!(p(r#"{"argv": ["a"], "bogus": 1}"#), Err(RequestError::Json(_))));
+        assert!(matches!(
+            p(r#"{"argv": ["a"], "bogus": 1}"#),
+            Err(RequestError::Json(_))
+        ));
     }
 
     #[test]
     fn every_field_is_checked() {
-        let r = p(r#"{"argv":["x"],"cwd":"/","env":{"A":"1"},"user":1000,"stdin":{"text":"hi"},
+        let r = p(
+            r#"{"argv":["x"],"cwd":"/","env":{"A":"1"},"user":1000,"stdin":{"text":"hi"},
                      "pty":{"rows":30},"timeout":"2s","request_id":"r-1","diff":true,
-                     "snapshot":"before-x","rollback_on":"failure","checkpoint":"wait"}"#)
+                     "snapshot":"before-x","rollback_on":"failure","checkpoint":"wait"}"#,
+        )
         .unwrap();
         assert_eq!(r.cwd.as_deref(), Some(std::path::Path::new("/")));
         assert_eq!(r.user.as_deref(), Some("1000"));
@@ -372,15 +383,24 @@ mod tests {
         assert_eq!(r.timeout, Some(Duration::from_millis(1500)));
         for (body, want) in [
             (r#"{"argv":["x"],"cwd":"rel"}"#, "`cwd` rel"),
-            (r#"{"argv":["x"],"cwd":"/no/such/keel/dir"}"#, "`cwd` /no/such/keel/dir"),
+            (
+                r#"{"argv":["x"],"cwd":"/no/such/keel/dir"}"#,
+                "`cwd` /no/such/keel/dir",
+            ),
             (r#"{"argv":["x"],"env":{"A=B":"1"}}"#, "`env` name"),
             (r#"{"argv":["x"],"stdin":"all"}"#, "`stdin`"),
-            (r#"{"argv":["x"],"stdin":{"base64":"!!"}}"#, "`stdin`: base64"),
+            (
+                r#"{"argv":["x"],"stdin":{"base64":"!!"}}"#,
+                "`stdin`: base64",
+            ),
             (r#"{"argv":["x"],"pty":{"rows":0}}"#, "`pty`"),
             (r#"{"argv":["x"],"timeout":"soon"}"#, "`timeout` soon"),
             (r#"{"argv":["x"],"timeout":0}"#, "`timeout` 0"),
             (r#"{"argv":["x"],"request_id":""}"#, "`request_id`"),
-            (r#"{"argv":["x"],"rollback_on":"always"}"#, "`rollback_on` always"),
+            (
+                r#"{"argv":["x"],"rollback_on":"always"}"#,
+                "`rollback_on` always",
+            ),
             (r#"{"argv":["x"],"checkpoint":"now"}"#, "`checkpoint` now"),
             (r#"{"argv":["x"],"snapshot":"123"}"#, "`snapshot` 123"),
         ] {

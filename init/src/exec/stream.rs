@@ -195,7 +195,10 @@ mod tests {
             let l = data_line(&engine, "stdout", 7, data);
             assert_eq!(l.last(), Some(&b'\n'));
             let v: Value = serde_json::from_slice(&l).unwrap();
-            assert_eq!((v["type"].as_str(), v["offset"].as_u64()), (Some("stdout"), Some(7)));
+            assert_eq!(
+                (v["type"].as_str(), v["offset"].as_u64()),
+                (Some("stdout"), Some(7))
+            );
             assert_eq!(engine.decode(v["data"].as_str().unwrap()).unwrap(), data);
         }
     }

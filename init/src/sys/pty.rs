@@ -25,10 +25,14 @@ fn winsize(rows: u16, cols: u16) -> nix::pty::Winsize {
 /// A new terminal of `rows` x `cols`; both ends close on exec.
 pub fn open(rows: u16, cols: u16) -> io::Result<Pty> {
     let ws = winsize(rows, cols);
-    let p = nix::pty::openpty(Some(&ws), None).map_err(|e| io::Error::from_raw_os_error(e as i32))?;
+    let p =
+        nix::pty::openpty(Some(&ws), None).map_err(|e| io::Error::from_raw_os_error(e as i32))?;
     for fd in [&p.master, &p.slave] {
-        nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))
-            .map_err(|e| io::Error::from_raw_os_error(e as i32))?;
+        nix::fcntl::fcntl(
+            fd,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+        )
+        .map_err(|e| io::Error::from_raw_os_error(e as i32))?;
     }
     Ok(Pty {
         master: p.master,
