@@ -28,7 +28,7 @@ impl Default for ExecConfig {
     fn default() -> Self {
         ExecConfig {
             max_processes: 64,
-            output_limit: 64 << 20,
+            output_limit: 16 << 20,
             retention: Duration::from_secs(600),
             max_request_body: 1 << 20,
         }
@@ -63,7 +63,7 @@ mod tests {
     fn defaults_and_bad_values() {
         let c = Config::parse("", Path::new("c.toml")).unwrap();
         assert_eq!(c.exec.max_processes, 64);
-        assert_eq!(c.exec.output_limit, 64 << 20);
+        assert_eq!(c.exec.output_limit, 16 << 20);
         assert_eq!(c.exec.retention.as_secs(), 600);
         let c = Config::parse(
             "[exec]\nmax_processes = 3\noutput_limit = \"1MiB\"\nretention = \"1s\"\n",

@@ -57,7 +57,8 @@ pub(super) fn run(
         streams.push((File::from(fd), which));
     }
     let mut buf = vec![0u8; 256 << 10];
-    let deadline = rec.timeout.map(|t| rec.started + t);
+    // Counted from the spawn (the options before it may have taken a while).
+    let deadline = rec.timeout.map(|t| Instant::now() + t);
     // After a TERM: when the KILL goes out, and whether it did.
     let mut kill_at: Option<Instant> = None;
     let mut killed_hard = false;
