@@ -67,6 +67,12 @@ def rss_kib(pid):
     return 0
 
 
+def cpu_ticks(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    return int(rest[11]) + int(rest[12])
+
+
 def round_trips(target, n, token=None):
     out = []
     for _ in range(n):
@@ -161,25 +167,35 @@ def main():
     print("## Exec round trip of `true`\n")
     round_trips(sock, 20)
     rows = []
+    hz = os.sysconf("SC_CLK_TCK")
     for name, t, tk in (("keel, Unix socket", sock, None), ("keel, TCP (token)", tcp, tok)):
+        c0 = cpu_ticks(a.keel_pid)
         xs = round_trips(t, a.runs, tk)
-        rows.append((name, len(xs), statistics.median(xs), pct(xs, 99)))
+        cpu_us = (cpu_ticks(a.keel_pid) - c0) / hz * 1e6 / len(xs)
+        rows.append((name, len(xs), statistics.median(xs), pct(xs, 99), cpu_us))
     if a.container:
         podman_trips(a.container, 3)
         xs = podman_trips(a.container, a.podman_runs)
-        rows.append(("podman exec", len(xs), statistics.median(xs), pct(xs, 99)))
-    print("| path | runs | p50 ms | p99 ms |\n|---|---:|---:|---:|")
+        rows.append(("podman exec", len(xs), statistics.median(xs), pct(xs, 99), None))
+    print("| path | runs | p50 ms | p99 ms | keel CPU per exec, µs |\n|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.2f} |")
+        cpu = "" if r[4] is None else f"{r[4]:.0f}"
+        print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.2f} | {cpu} |")
     if a.container:
         print(f"\npodman exec p50 / keel socket p50: {rows[-1][2] / rows[0][2]:.0f}x")
 
     print(f"\n## Output throughput of `head -c {a.size >> 20}M /dev/zero` to a reading client\n")
+    c0 = cpu_ticks(a.keel_pid)
     dec, wire, gaps = throughput_ndjson(sock, a.size)
+    cpu_ndjson = (cpu_ticks(a.keel_pid) - c0) / os.sysconf("SC_CLK_TCK")
+    c0 = cpu_ticks(a.keel_pid)
     got, raw = throughput_raw(sock, a.size)
+    cpu_raw = (cpu_ticks(a.keel_pid) - c0) / os.sysconf("SC_CLK_TCK")
     print("| route | output delivered MB/s | on the wire MB/s | bytes not delivered (gaps) |\n|---|---:|---:|---:|")
     print(f"| POST /exec (NDJSON, base64) | {dec / 1e6:.0f} | {wire / 1e6:.0f} | {gaps} |")
     print(f"| GET /processes/ID/output?format=raw&follow=1 | {raw / 1e6:.0f} | {raw / 1e6:.0f} | {a.size - got} |")
+    gib = a.size / (1 << 30)
+    print(f"\nkeel's CPU per GiB of output: {cpu_ndjson / gib:.2f} s through NDJSON (pipe, file, base64, socket), {cpu_raw / gib:.2f} s raw")
 
     print("\n## keel's RSS\n")
     time.sleep(1)

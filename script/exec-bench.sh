@@ -57,10 +57,12 @@ token = "$TOKEN"
 socket = "$RUN/c.sock"
 [exec]
 max_processes = 128
+# The whole 1 GiB output fits: the throughput rows measure streaming, not a slow reader's gaps.
+output_limit = "1GiB"
 EOF2
 "$KEEL_BIN" run --config "$RUN/config.toml" -- sleep 100000 >"$RUN/keel.out" 2>"$RUN/keel.log" &
 KPID=$!
-for _ in $(seq 600); do grep -q 'ready after' "$RUN/keel.log" && break; sleep 0.1; done
+for _ in $(seq 600); do grep -qs 'ready after' "$RUN/keel.log" && break; sleep 0.1; done
 grep -q 'ready after' "$RUN/keel.log" || { cat "$RUN/keel.log"; exit 1; }
 ADDR=$(grep -o 'control API on http://[0-9.:]*' "$RUN/keel.log" | sed 's|.*http://||')
 
