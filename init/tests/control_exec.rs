@@ -571,3 +571,51 @@ fn only_the_token_root_and_keels_user_may_start_processes() {
     );
     stop(&mut k);
 }
+
+/// `keel exec` from outside the sandbox: over TCP with `--url` and the token; without the
+/// token it gets 401 and runs nothing.
+#[test]
+fn keel_exec_from_outside_with_a_url_and_the_token() {
+    if !require_root("exec client test") {
+        return;
+    }
+    let mut k = keel(
+        "listen = \"127.0.0.1:0\"\ntoken = \"exec-test-token-1234\"",
+        false,
+    );
+    k.wait_log("control API on http://");
+    let log = k.log_text();
+    let rest = &log[log.find("control API on http://").unwrap() + 22..];
+    let url = format!("http://{}", rest.split(char::is_whitespace).next().unwrap());
+    let marker = k.path("ran");
+    let cmd = |token: &str| {
+        std::process::Command::new(KEEL)
+            .args(["exec", "--url", &url, "--timeout", "30s", "--"])
+            .args([
+                "sh",
+                "-c",
+                &format!("echo out; echo err >&2; touch {}; exit 9", marker.display()),
+            ])
+            .env("KEEL_CONTROL_TOKEN", token)
+            .output()
+            .unwrap()
+    };
+    let out = cmd("wrong-token");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("401"),
+        "{out:?}"
+    );
+    assert!(!marker.exists(), "a wrong token ran the command");
+    let out = cmd("exec-test-token-1234");
+    assert_eq!(
+        (
+            out.status.code(),
+            out.stdout.as_slice(),
+            out.stderr.as_slice()
+        ),
+        (Some(9), &b"out\n"[..], &b"err\n"[..])
+    );
+    assert!(marker.exists());
+    stop(&mut k);
+}
