@@ -164,7 +164,7 @@ def main():
     a = ap.parse_args()
     sock, tcp, tok = a.socket, a.tcp, a.token
 
-    print("## Exec round trip of `true`\n")
+    print("#### Exec round trip of `true`\n")
     round_trips(sock, 20)
     rows = []
     hz = os.sysconf("SC_CLK_TCK")
@@ -184,7 +184,7 @@ def main():
     if a.container:
         print(f"\npodman exec p50 / keel socket p50: {rows[-1][2] / rows[0][2]:.0f}x")
 
-    print(f"\n## Output throughput of `head -c {a.size >> 20}M /dev/zero` to a reading client\n")
+    print(f"\n#### Output throughput of `head -c {a.size >> 20}M /dev/zero` to a reading client\n")
     c0 = cpu_ticks(a.keel_pid)
     dec, wire, gaps = throughput_ndjson(sock, a.size)
     cpu_ndjson = (cpu_ticks(a.keel_pid) - c0) / os.sysconf("SC_CLK_TCK")
@@ -197,7 +197,7 @@ def main():
     gib = a.size / (1 << 30)
     print(f"\nkeel's CPU per GiB of output: {cpu_ndjson / gib:.2f} s through NDJSON (pipe, file, base64, socket), {cpu_raw / gib:.2f} s raw")
 
-    print("\n## keel's RSS\n")
+    print("\n#### keel's RSS\n")
     time.sleep(1)
     idle = rss_kib(a.keel_pid)
     ids = []
@@ -229,7 +229,7 @@ def main():
     print(f"| one process writing {a.big >> 30} GiB, nobody reading (peak) | {peak / 1024:.1f} | {(peak - idle) / 1024:.1f} |")
     print(f"\nthe writer's stdout: {v['stdout_bytes']} bytes written, {v['exit']['stdout_dropped']} dropped between the head and the tail kept")
 
-    print(f"\n## diff=true on an exec that changes {a.changed} files of a {a.files}-file workspace\n")
+    print(f"\n#### diff=true on an exec that changes {a.changed} files of a {a.files}-file workspace\n")
     ws = a.workspace
     os.makedirs(f"{ws}/tree", exist_ok=True)
     per = 1000

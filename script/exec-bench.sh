@@ -74,7 +74,7 @@ if command -v podman >/dev/null && podman image exists "$IMAGE" 2>/dev/null; the
     fi
 fi
 [ -n "$C" ] || echo "(no podman container of $IMAGE: the podman exec row is left out)"
-echo "# exec-bench $(date -u +%F) on $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), keel $("$KEEL_BIN" --version)"
+echo "\`script/exec-bench.sh\` $(date -u +%F) on $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), keel $("$KEEL_BIN" --version)"
 echo
 python3 "$REPO/script/exec-bench.py" --socket "$RUN/c.sock" --tcp "$ADDR" --token "$TOKEN" \
     --keel-pid "$KPID" --workspace "$RUN/ws" --container "$C" "${ARGS[@]}"
