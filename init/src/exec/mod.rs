@@ -190,6 +190,9 @@ impl Processes {
         let running: Vec<Arc<Record>> = {
             let mut t = self.lock();
             t.closed = Some(why.to_string());
+            // Its reference to the sandbox's mount namespace goes now: a namespace kept
+            // open would keep a copy of the workspace mount past the unmount.
+            t.template = None;
             t.records.values().cloned().collect()
         };
         for r in running.iter().filter(|r| r.phase() != Phase::Done) {
