@@ -648,6 +648,8 @@ attack() {
     attempt "enter keel's mount namespace" nsenter -t 1 -m true
     attempt "ptrace keel" ptrace1
     attempt "SIGKILL keel" kill1
+    attempt "umount /workspace through keel exec" keel exec -- umount -l /workspace
+    attempt "list the state dir through keel exec" sh -c 'keel exec -- ls -A /var/lib/keel | grep -q .'
 }
 # The control group observes; snapshots, diffs and rollbacks show and change every file.
 agent_attack() {
@@ -657,6 +659,8 @@ agent_attack() {
     attempt "make a snapshot" keel snapshot create --name by-sandbox
     attempt "roll the workspace back" keel rollback atk
     attempt "delete a snapshot" keel snapshot delete atk
+    attempt "exec as root through the control socket" keel exec --user root -- touch /pwned-by-exec
+    attempt "start a detached process through the API" keel exec --detach -- true
 }
 # A file anyone could read but for an ACL entry that names the sandbox user.
 acl_attack() {
@@ -674,6 +678,8 @@ sync small big acl-denied acl-control
 keel checkpoint >/dev/null 2>&1 && echo "checkpoint-from-inside ok" || echo "checkpoint-from-inside FAILED"
 keel status >/dev/null 2>&1 && echo "status-from-inside ok" || echo "status-from-inside FAILED"
 keel snapshot create --name atk >/dev/null 2>&1 && echo "snapshot-from-inside ok" || echo "snapshot-from-inside FAILED"
+[ "$(keel exec -- sh -c 'id -u; echo out; echo err >&2; exit 7' 2>/dev/null)" = "$(printf '0\nout')" ] \
+    && { keel exec -- sh -c 'exit 7' >/dev/null 2>&1; [ $? = 7 ]; } && echo "exec-from-inside ok" || echo "exec-from-inside FAILED"
 WHO=root attack
 setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack; acl_attack"
 setpriv --reuid=1000 --regid=1000 --init-groups cat /workspace/acl-control >/dev/null 2>&1 && echo "acl-grant ok" || echo "acl-grant FAILED"
@@ -696,7 +702,8 @@ EOF2
     grep -qx 'snapshot-from-inside ok' "$out" || fail "keel snapshot create from inside the sandbox (root) failed"
     grep -qx 'group-status ok' "$out" || fail "keel status for the control group failed"
     grep -qx 'acl-grant ok' "$out" || fail "an ACL entry did not let the sandbox user read a 0600 file"
-    [ "$(grep -c '^denied ' "$out")" = 47 ] || fail "$(grep -c '^denied ' "$out") of 47 attempts reported as denied"
+    grep -qx 'exec-from-inside ok' "$out" || fail "keel exec from inside the sandbox (root) failed"
+    [ "$(grep -c '^denied ' "$out")" = 53 ] || fail "$(grep -c '^denied ' "$out") of 53 attempts reported as denied"
     while IFS= read -r line; do fail "${line#ATTEMPT-SUCCEEDED }"; done < <(grep '^ATTEMPT-SUCCEEDED ' "$out")
     grep -qF -e "$envsecret" -e "$filesecret" "$out.err" && fail "keel's log shows a secret"
     grep '^denied \|^ATTEMPT' "$out" | sed 's/^/    /'

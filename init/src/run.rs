@@ -77,7 +77,7 @@ pub fn main(args: RunOptions) -> Result<i32, RunError> {
     if let Err(e) = crate::sys::ns::set_not_dumpable() {
         tracing::warn!("PR_SET_DUMPABLE 0: {e}");
     }
-    let (cfg, booted, supervisor, mounted, control) = match setup(args, signals) {
+    let (cfg, booted, supervisor, mounted, control, processes) = match setup(args, signals) {
         Ok(v) => v,
         Err(e) => {
             error!("{e}");
@@ -90,6 +90,9 @@ pub fn main(args: RunOptions) -> Result<i32, RunError> {
         if booted.pid1 { "PID 1" } else { "subreaper" }
     );
     let code = supervisor.run();
+    // Every process is gone: their records finish (output drained, exit published) before
+    // the final checkpoint and before the API stops.
+    processes.wait_all_done(std::time::Duration::from_secs(2));
     let mut unfinished = None;
     if let Some(m) = mounted {
         let since = Instant::now();
@@ -115,6 +118,7 @@ type Setup = (
     Supervisor,
     Option<Workspace>,
     crate::control::Control,
+    std::sync::Arc<crate::exec::Processes>,
 );
 
 /// Everything before supervision, in order; on error nothing has been started or mounted.
@@ -141,6 +145,11 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
     let control = crate::control::start(&cfg)?;
     let mut supervisor = Supervisor::new(&cfg, args.command, &booted, signals)?;
     supervisor.set_status(control.status().clone());
+    // Processes started through the API: the supervisor reaps and stops them, the control
+    // API starts and reads them.
+    let processes = crate::exec::Processes::new(&cfg);
+    supervisor.set_exec(processes.clone());
+    control.status().set_exec(processes.clone());
     control.status().mounting(&cfg);
     let main = supervisor
         .main_hold()
@@ -158,7 +167,7 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
     if let Some(ns) = sandbox_namespace(&cfg, &booted, mounted.as_ref())? {
         supervisor.set_sandbox_ns(ns);
     }
-    Ok((cfg, booted, supervisor, mounted, control))
+    Ok((cfg, booted, supervisor, mounted, control, processes))
 }
 
 /// What the sandbox must not see: the state dir, a local `file://` remote outside it and the

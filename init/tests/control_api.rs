@@ -532,6 +532,14 @@ fn agent_routes_need_the_token_or_root_on_the_socket() {
         ("GET", "/diff?from=1"),
         ("GET", "/diff?from=1&path=secret"),
         ("POST", "/rollback?to=1"),
+        ("POST", "/exec"),
+        ("GET", "/processes"),
+        ("GET", "/processes/1"),
+        ("DELETE", "/processes/1"),
+        ("GET", "/processes/1/output"),
+        ("POST", "/processes/1/stdin"),
+        ("POST", "/processes/1/signal?sig=TERM"),
+        ("POST", "/processes/1/resize?rows=1&cols=1"),
     ];
     let (c, addr) = start("");
     c.status().set_mount(MountState::Disabled);

@@ -71,6 +71,13 @@ impl SandboxNs {
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
+
+    /// A second reference to the namespace (for processes started later, elsewhere).
+    pub fn try_clone(&self) -> std::io::Result<SandboxNs> {
+        Ok(SandboxNs {
+            fd: self.fd.try_clone()?,
+        })
+    }
 }
 
 /// One cover, prepared before the fork (the helper may not allocate).
@@ -527,8 +534,9 @@ mod tests {
             session: Session::New,
             drop_caps: Vec::new(),
             no_new_privs: false,
-            stdin: false,
+            stdio: crate::sys::process::Stdio::Null,
             mnt_ns: ns,
+            cgroup_procs: None,
         }
     }
 
