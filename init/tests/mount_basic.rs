@@ -915,6 +915,23 @@ fn xattr_semantics() {
             "remove missing",
         );
         assert_eq!(sys::list_xattrs(t).unwrap(), vec!["user.a", "user.empty"]);
+        // A file's xattrs are capped (keel: 256 KiB of names and values), so a flood cannot
+        // grow every metadata image: the fifth 64 KiB value gets ENOSPC, replacing one of
+        // the four still works, and removing one makes room again.
+        let full = vec![7u8; 65536 - 64];
+        for i in 0..4 {
+            sys::set_xattr(t, &format!("user.flood{i}"), &full, 0).unwrap();
+        }
+        assert_errno(
+            sys::set_xattr(t, "user.flood4", &full, 0),
+            libc::ENOSPC,
+            "xattrs past the per-file cap",
+        );
+        sys::set_xattr(t, "user.flood3", &full[..100], libc::XATTR_REPLACE).unwrap();
+        sys::set_xattr(t, "user.flood4", &full, 0).unwrap();
+        for i in 0..5 {
+            sys::remove_xattr(t, &format!("user.flood{i}")).unwrap();
+        }
         // Root may use the trusted namespace.
         sys::set_xattr(t, "trusted.t", b"root only", 0).unwrap();
         assert_eq!(sys::get_xattr(t, "trusted.t").unwrap(), b"root only");

@@ -1086,6 +1086,18 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// Bytes (names and values) of `ino`'s xattrs other than `name`.
+    pub fn xattr_bytes_except(&self, ino: InodeNo, name: &[u8]) -> Result<u64> {
+        let n: i64 = self
+            .conn
+            .counted(
+                "SELECT COALESCE(SUM(length(name) + length(value)), 0) FROM xattr \
+                 WHERE ino = ?1 AND name != ?2",
+            )?
+            .query_row(params![ino.0 as i64, name], |r| r.get(0))?;
+        Ok(n as u64)
+    }
+
     /// Removes an xattr; returns whether it existed.
     pub fn remove_xattr(&self, ino: InodeNo, name: &[u8]) -> Result<bool> {
         let n = self

@@ -41,6 +41,9 @@ pub enum FsError {
     NoData,
     #[error("too many links")]
     TooManyLinks,
+    /// A setxattr would take a file's xattrs past `XATTRS_PER_FILE_MAX`.
+    #[error("no room for more extended attributes on this file")]
+    XattrsFull,
     #[error("io: {0}")]
     Io(#[from] io::Error),
     #[error("metadata: {0}")]
@@ -72,6 +75,7 @@ impl FsError {
             FsError::NotSupported => libc::EOPNOTSUPP,
             FsError::NoData => libc::ENXIO,
             FsError::TooManyLinks => libc::EMLINK,
+            FsError::XattrsFull => libc::ENOSPC,
             FsError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
             FsError::Meta(e) if e.is_full() => libc::ENOSPC,
             FsError::Meta(_) => libc::EIO,

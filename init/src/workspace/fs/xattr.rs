@@ -17,6 +17,11 @@ use crate::sys;
 pub(super) const NO_XATTRS_MAX: usize = 1 << 16;
 /// The xattr the kernel probes before writes and that `drop_setid` drops.
 pub(super) const CAPABILITY_XATTR: &[u8] = b"security.capability";
+/// The most bytes (names and values) of xattrs one file may hold. ext4 keeps a file's xattrs
+/// in its inode and one 4 KiB block; keel allows four of the largest values Linux passes
+/// (`XATTR_SIZE_MAX`), so a file cannot grow every metadata image by hundreds of MiB. A
+/// setxattr past it gets ENOSPC, as on a full ext4 xattr block.
+pub const XATTRS_PER_FILE_MAX: u64 = 256 * 1024;
 
 /// The set-ID bits of a file (mode `perm`, group `gid`) that `loss` by a caller with
 /// `creds` clears, as Linux does for ext4 (`chown_common`, `setattr_should_drop_suidgid`):
@@ -122,6 +127,10 @@ impl WorkspaceFs {
         }
         if flags & XATTR_REPLACE != 0 && !exists {
             return Err(FsError::NoAttr);
+        }
+        let others = inner.store.read().xattr_bytes_except(ino, name)?;
+        if others + (name.len() + value.len()) as u64 > XATTRS_PER_FILE_MAX {
+            return Err(FsError::XattrsFull);
         }
         inode.ctime = now();
         let mut tx = Batch::new(&inner.store)?;
