@@ -46,13 +46,13 @@ cd "$REPO" || exit 1
 cargo test --release --locked --test mount_stale -- --nocapture --test-threads 2 >"$LOG" 2>&1
 rc=$?
 echo "stale-stress: ${#MOUNTS[@]} mounts x $PER rounds, $(($(date +%s) - START)) s, keel ${KEEL_BIN:-$REPO/target/release/keel}"
-printf '%-24s %10s %7s %7s %10s  %s\n' mount rounds stale errors rounds/s seed
+printf '%-30s %10s %7s %7s %10s  %s\n' mount rounds stale errors rounds/s seed
 awk '/^stale-stress passthrough=/ {
         split($2, p, "="); split($3, c, "="); sub(":", "", $4); sub("seed=", "", $4)
-        printf "%-24s %10s %7s %7s %10s  %s\n", "passthrough=" p[2] " cache=" c[2], $5, $7, $9, $11, $4
+        printf "%-30s %10s %7s %7s %10s  %s\n", "passthrough=" p[2] " cache=" c[2], $5, $7, $9, $11, $4
         n += $5; s += $7; e += $9
      }
-     END { printf "%-24s %10d %7d %7d\n", "total", n, s, e }' "$LOG"
+     END { printf "%-30s %10d %7d %7d\n", "total", n, s, e }' "$LOG"
 grep -E '^  (stale|error):' "$LOG" | head -20
 if [ $rc -ne 0 ]; then
     grep -qE '^stale-stress passthrough=' "$LOG" || tail -30 "$LOG"
