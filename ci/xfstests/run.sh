@@ -90,12 +90,14 @@ detach_foreign_fuse
 
 mkdir -p "$ns"
 mount -t tmpfs -o mode=755,size=16m "xfstests-ns" "$ns"
-# No test changes a host-wide setting: /proc/sys read-only, cache drops go nowhere.
+# No test changes a host-wide setting: /proc/sys read-only, cache drops go nowhere (on top
+# of the read-only bind, or they would be hidden under it).
+mount --bind /proc/sys /proc/sys
+mount -o remount,bind,ro /proc/sys
 for f in /proc/sys/vm/drop_caches /proc/sys/vm/compact_memory; do
     [ -e "$f" ] && mount --bind /dev/null "$f"
 done
-mount --bind /proc/sys /proc/sys
-mount -o remount,bind,ro /proc/sys
+echo 3 >/proc/sys/vm/drop_caches || die "/proc/sys/vm/drop_caches is not /dev/null here"
 
 mkdir -p "$out/results" "$out/mnt/test" "$out/mnt/scratch" "$out/vol"
 chmod 755 "$out/mnt" "$out/mnt/test" "$out/mnt/scratch"
