@@ -31,6 +31,16 @@ def exclusions(path):
     return out
 
 
+def first_added(diff):
+    """The first line the test printed that the expected output lacks (a diff's first `+`)."""
+    for line in (diff or "").splitlines():
+        if line.startswith("+") and not line.startswith("+++"):
+            line = re.sub(r"\S*/tests/([a-z0-9]+/\d+)", r"\1", one_line(line[1:]))
+            if line:
+                return line[:120]
+    return ""
+
+
 def one_line(s):
     return " ".join((s or "").split())
 
@@ -46,7 +56,10 @@ def read(out, exclude=None):
             skipped, failure = tc.find("skipped"), tc.find("failure")
             if failure is not None:
                 msg = one_line(failure.get("message")).replace(out + "/", "")
-                results[name] = ("fail", msg.lstrip("- "))
+                msg = re.sub(r"\s*\(see [^)]*\)", "", msg).lstrip("- ")
+                err = tc.find("system-err")
+                first = first_added(err.text if err is not None else "")
+                results[name] = ("fail", msg + (": " + first if first else ""))
             elif skipped is not None:
                 results[name] = ("notrun", one_line(skipped.get("message")))
             else:
