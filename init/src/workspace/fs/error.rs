@@ -40,6 +40,8 @@ pub enum FsError {
     NoData,
     #[error("too many links")]
     TooManyLinks,
+    #[error("the state volume has no room for it")]
+    NoSpace,
     #[error("io: {0}")]
     Io(#[from] io::Error),
     #[error("metadata: {0}")]
@@ -68,6 +70,7 @@ impl FsError {
             FsError::NotSupported => libc::EOPNOTSUPP,
             FsError::NoData => libc::ENXIO,
             FsError::TooManyLinks => libc::EMLINK,
+            FsError::NoSpace => libc::ENOSPC,
             FsError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
             FsError::Meta(e) if e.is_full() => libc::ENOSPC,
             FsError::Meta(_) => libc::EIO,
