@@ -144,7 +144,11 @@ case_pid1_reaps() {
     run_c "$out" "${keel_flags[@]}" "$image" sh -c '
         echo "pid1=$(cat /proc/1/comm)"
         i=0; while [ $i -lt 20 ]; do (sleep 0.2 &); i=$((i + 1)); done
-        sleep 1
+        # Until the orphans have ended and nothing is left unreaped (a hang guard of 120 s).
+        i=0; while [ $i -lt 1200 ]; do
+            [ "$(ps -eo comm=,stat= | grep -c "^sleep\|Z")" = 0 ] && break
+            sleep 0.1; i=$((i + 1))
+        done
         echo "zombies=$(ps -eo stat= | grep -c "^Z")"' || fail "container failed"
     grep -qx 'pid1=keel' "$out" || fail "PID 1 is not keel"
     grep -qx 'zombies=0' "$out" || fail "orphans were not reaped"
@@ -187,6 +191,8 @@ case_workspace_is_fuse() {
     awk '/^cwd=/ { split($2, a, "="); split($3, b, "="); exit !(a[2] == b[2]) }' "$out" \
         || fail "cwd and /workspace are on different devices"
     grep -qx hello "$out" || fail "write+read through /workspace failed"
+    # The image's /var/lib/keel (the anonymous volume here) is already private.
+    grep -q 'tightened' "$out.err" && fail "a fresh container tightened modes: $(grep tightened "$out.err")"
     [ -z "$CASE_ERR" ] || show "$out" "mounts"
 }
 
@@ -213,7 +219,7 @@ case_transport() {
 # Files written in one container (one of them still open for writing) survive `podman stop`
 # and are identical in a new container on the same state volume.
 case_persist_across_stop() {
-    local vol="$prefix-state" c1="$prefix-writer" t0 t1 st
+    local vol="$prefix-state" c1="$prefix-writer" st
     local manifest='cd /workspace && find . -path ./lost+found -prune -o -printf "%y %m %s %p %l\n" | LC_ALL=C sort &&
         find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum && stat -c "mtime %Y %n" tree/hello.txt'
     pm volume create "$vol" >/dev/null || { fail "volume create"; return; }
@@ -234,12 +240,11 @@ case_persist_across_stop() {
         exec sleep infinity' >/dev/null || { fail "writer did not start"; return; }
     wait_ready "$c1" || return
     pm exec "$c1" sh -c "$manifest" >"$tmp/before" 2>&1 || { fail "manifest (before) failed"; show "$tmp/before" before; return; }
-    t0=$(now)
     pm stop -t 20 "$c1" >/dev/null 2>&1
-    t1=$(now)
     st=$(pm inspect -f '{{.State.ExitCode}}' "$c1")
     pm logs "$c1" >"$tmp/writer.log" 2>&1
-    fle "$(elapsed "$t0" "$t1")" 15 || fail "stop took $(elapsed "$t0" "$t1")s (SIGKILL at 20s?)"
+    # A fresh named volume takes the image's 0700 /var/lib/keel: nothing to tighten.
+    grep -q 'tightened' "$tmp/writer.log" && fail "a fresh volume was tightened: $(grep tightened "$tmp/writer.log")"
     case "$st" in 0|143) ;; *) fail "writer exit status after stop: $st" ;; esac
     run_c "$tmp/after" "${keel_flags[@]}" -v "$vol:/var/lib/keel" "$image" sh -c "$manifest" \
         || fail "reader container failed"
@@ -252,20 +257,23 @@ case_persist_across_stop() {
     grep -q 'open-at-stop.log' "$tmp/after" || fail "the file open at stop is missing"
 }
 
-# `podman stop` of a service that traps SIGTERM and needs 1 s takes about 1 s, not the grace.
+# `podman stop` of a service that traps SIGTERM and needs 1 s takes about 1 s, not the grace:
+# with a grace of an hour, keel's exit with the service's status 0 (not podman's SIGKILL after
+# its own 120 s) shows that keel stopped when the service did.
 case_stop_waits_for_trap() {
     local c="$prefix-trap" t0 t1 e
-    pm run -d --name "$c" "${keel_flags[@]}" "$image" sh -c '
+    printf '[shutdown]\ngrace = "1h"\n' >"$tmp/long-grace.toml"
+    pm run -d --name "$c" "${keel_flags[@]}" -v "$tmp/long-grace.toml:/etc/keel/config.toml:ro" "$image" sh -c '
         trap "sleep 1; echo BYE; exit 0" TERM
         echo READY
         while :; do sleep 0.2; done' >/dev/null || { fail "container did not start"; return; }
     wait_ready "$c" || return
-    t0=$(now); pm stop -t 30 "$c" >/dev/null 2>&1; t1=$(now)
+    t0=$(now); pm stop -t 120 "$c" >/dev/null 2>&1; t1=$(now)
     e=$(elapsed "$t0" "$t1")
     pm logs "$c" >"$tmp/trap.log" 2>&1
     grep -qx BYE "$tmp/trap.log" || fail "the service's TERM trap did not run"
     fle 0.9 "$e" || fail "stop took ${e}s: keel did not wait for the service"
-    fle "$e" 4 || fail "stop took ${e}s, want about 1s (waited for the grace period?)"
+    grep -q 'keel: exit 0 after' "$tmp/trap.log" || fail "keel did not end the stop itself (waited for the grace period?)"
     [ "$(pm inspect -f '{{.State.ExitCode}}' "$c")" = 0 ] \
         || fail "exit status $(pm inspect -f '{{.State.ExitCode}}' "$c"), want the service's 0"
     [ -z "$CASE_ERR" ] || show "$tmp/trap.log" log
@@ -286,7 +294,9 @@ case_stop_kills_at_grace() {
     st=$(pm inspect -f '{{.State.ExitCode}}' "$c")
     pm logs "$c" >"$tmp/ignore.log" 2>&1
     fle 1.9 "$e" || fail "stop took ${e}s: killed before the 2s grace"
-    fle "$e" 6 || fail "stop took ${e}s, want about 2s (the grace of ci.toml)"
+    # keel's SIGKILL at its grace, not podman's after 30 s: keel logged both and exited.
+    grep -q 'grace 2.000s expired' "$tmp/ignore.log" || fail "keel did not kill at its grace"
+    grep -q 'keel: exit 137 after' "$tmp/ignore.log" || fail "keel did not exit by itself"
     [ "$st" = 137 ] || fail "exit status $st, want 137 (main command SIGKILLed)"
     [ -z "$CASE_ERR" ] || show "$tmp/ignore.log" log
     echo "    stop took ${e}s"
@@ -296,14 +306,11 @@ case_stop_kills_at_grace() {
 # runs nothing.
 check_missing() {   # check_missing FLAG-NAMED-IN-MESSAGE PODMAN-FLAGS...
     local want="$1"; shift
-    local out="$tmp/missing.out" rc t0 t1
-    t0=$(now)
+    local out="$tmp/missing.out" rc
     run_c "$out" "$@" "$image" sh -c 'echo COMMAND-RAN'; rc=$?
-    t1=$(now)
     [ "$rc" != 0 ] || fail "exit status 0 without $want"
     all "$out" | grep -qF -- "$want" || fail "message does not name $want"
     ! grep -qx COMMAND-RAN "$out" || fail "the command ran without $want"
-    fle "$(elapsed "$t0" "$t1")" 10 || fail "took $(elapsed "$t0" "$t1")s to fail"
     [ -z "$CASE_ERR" ] || show "$out" "without $want"
 }
 case_missing_cap() { check_missing "--cap-add SYS_ADMIN" --device /dev/fuse; }
@@ -311,19 +318,16 @@ case_missing_fuse() { check_missing "--device /dev/fuse" --cap-add SYS_ADMIN; }
 
 # A broken config.toml mounted into the image: exits at once, naming file, key and reason.
 case_bad_config() {
-    local out="$tmp/bad.out" rc t0 t1 key reason
+    local out="$tmp/bad.out" rc key reason
     while IFS='|' read -r key reason body; do
         printf '%b' "$body" >"$tmp/config.toml"
-        t0=$(now)
         run_c "$out" "${keel_flags[@]}" -v "$tmp/config.toml:/etc/keel/config.toml:ro" \
             "$image" sh -c 'echo COMMAND-RAN'; rc=$?
-        t1=$(now)
         [ "$rc" != 0 ] || fail "$key: exit status 0"
         all "$out" | grep -qF "$key" || fail "$key: key not named"
         all "$out" | grep -qiF "$reason" || fail "$key: reason ($reason) not given"
         all "$out" | grep -qF config.toml || fail "$key: file not named"
         ! grep -qx COMMAND-RAN "$out" || fail "$key: the command ran anyway"
-        fle "$(elapsed "$t0" "$t1")" 10 || fail "$key: took $(elapsed "$t0" "$t1")s"
         [ -z "$CASE_ERR" ] || { show "$out" "$key"; return; }
     done <<'EOF'
 workspace.cache|fast|[workspace]\ncache = "fast"\n
@@ -415,11 +419,12 @@ EOF
         >/dev/null 2>"$tmp/health-run.err" || { fail "container did not start"; show "$tmp/health-run.err" run; return; }
     http() {   # http PATH [CURL ARGS...] → prints the status code; body in $tmp/body
         local path="$1"; shift
-        pm exec "$c" curl -s -m 5 -o /dev/stdout -w '\n%{http_code}' "$@" "http://127.0.0.1:8787$path" \
+        pm exec "$c" curl -s -m 60 -o /dev/stdout -w '\n%{http_code}' "$@" "http://127.0.0.1:8787$path" \
             2>/dev/null >"$tmp/http.out"
         tail -n1 "$tmp/http.out"; sed '$d' "$tmp/http.out" >"$tmp/body"
     }
-    for ((i = 0; i < 100; i++)); do
+    # Polls until it answers, and below until it says 200: hang guards of 120 s.
+    for ((i = 0; i < 1200; i++)); do
         code=$(http /health); [ "$code" = 000 ] || [ -z "$code" ] || break; sleep 0.1
     done
     [ "$code" = 503 ] || fail "/health before the service is ready: $code, want 503"
@@ -430,7 +435,7 @@ EOF
     logs=$(pm logs "$c" 2>/dev/null)
     grep -qx READY <<<"$logs" && fail "the main command started before the service was ready"
     pm exec "$c" touch /tmp/gate-open
-    for ((i = 0; i < 50; i++)); do code=$(http /health); [ "$code" = 200 ] && break; sleep 0.1; done
+    for ((i = 0; i < 1200; i++)); do code=$(http /health); [ "$code" = 200 ] && break; sleep 0.1; done
     [ "$code" = 200 ] || fail "/health after the service became ready: $code, want 200"
     wait_ready "$c" 10 || true
     if [ "$(pm inspect -f '{{if .Config.Healthcheck}}yes{{end}}' "$c" 2>/dev/null)" = yes ]; then
@@ -543,10 +548,8 @@ s3_roundtrip() {
         python3 -m pip install -q "moto[server]" >"$tmp/pip.log" 2>&1 || { fail "pip install moto[server] failed"; show "$tmp/pip.log" pip; return; }
         hash -r
     fi
-    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    moto_server -H 127.0.0.1 -p "$port" >"$tmp/moto.log" 2>&1 &
-    MOTO_PID=$!
-    for ((i = 0; i < 100; i++)); do curl -s -o /dev/null "http://127.0.0.1:$port/" && break; sleep 0.1; done
+    start_moto "$tmp/moto.log" || { fail "moto_server did not start"; show "$tmp/moto.log" moto; return; }
+    port=$MOTO_PORT
     curl -s -f -X PUT "http://127.0.0.1:$port/$bucket" >/dev/null || { fail "cannot create the bucket"; show "$tmp/moto.log" moto; return; }
     cat >"$tmp/s3.toml" <<EOF
 [persist]
@@ -592,8 +595,9 @@ EOF
 
 # The sandbox as an attacker, as root (without SYS_ADMIN) and as the unprivileged `sandbox`
 # user: with the remote's credentials in the container's environment and in a credentials
-# file, a 0600 root file (inline and large) in /workspace, and a local file:// remote outside
-# the state dir, every attempt below must fail; the case names each one that succeeds. Then
+# file, a 0600 root file (inline and large) and a 0644 one whose ACL denies `sandbox` in
+# /workspace, and a local file:// remote outside the state dir, every attempt below must
+# fail; the case names each one that succeeds. Then
 # `keel fsck` of the state is clean, and a fresh container restoring from the remote (every
 # chunk verified on read) finds the workspace intact.
 case_attacker() {
@@ -644,6 +648,8 @@ attack() {
     attempt "enter keel's mount namespace" nsenter -t 1 -m true
     attempt "ptrace keel" ptrace1
     attempt "SIGKILL keel" kill1
+    attempt "umount /workspace through keel exec" keel exec -- umount -l /workspace
+    attempt "list the state dir through keel exec" sh -c 'keel exec -- ls -A /var/lib/keel | grep -q .'
 }
 # The control group observes; snapshots, diffs and rollbacks show and change every file.
 agent_attack() {
@@ -653,23 +659,36 @@ agent_attack() {
     attempt "make a snapshot" keel snapshot create --name by-sandbox
     attempt "roll the workspace back" keel rollback atk
     attempt "delete a snapshot" keel snapshot delete atk
+    attempt "exec as root through the control socket" keel exec --user root -- touch /pwned-by-exec
+    attempt "start a detached process through the API" keel exec --detach -- true
+}
+# A file anyone could read but for an ACL entry that names the sandbox user.
+acl_attack() {
+    attempt "read a 0644 file an ACL entry denies it" cat /workspace/acl-denied
+    attempt "remove that ACL" setfacl -b /workspace/acl-denied
+    attempt "chmod that file" chmod 666 /workspace/acl-denied
 }
 set -u
 cd /workspace
 printf '%s' "$SECRET" > small && chmod 600 small
 { head -c 300000 /dev/urandom; printf '%s' "$SECRET"; head -c 300000 /dev/urandom; } > big && chmod 600 big
-sync small big
+printf '%s' "$SECRET" > acl-denied && chmod 644 acl-denied && setfacl -m u:sandbox:--- acl-denied
+printf ok > acl-control && chmod 600 acl-control && setfacl -m u:sandbox:r-- acl-control
+sync small big acl-denied acl-control
 keel checkpoint >/dev/null 2>&1 && echo "checkpoint-from-inside ok" || echo "checkpoint-from-inside FAILED"
 keel status >/dev/null 2>&1 && echo "status-from-inside ok" || echo "status-from-inside FAILED"
 keel snapshot create --name atk >/dev/null 2>&1 && echo "snapshot-from-inside ok" || echo "snapshot-from-inside FAILED"
+[ "$(keel exec -- sh -c 'id -u; echo out; echo err >&2; exit 7' 2>/dev/null)" = "$(printf '0\nout')" ] \
+    && { keel exec -- sh -c 'exit 7' >/dev/null 2>&1; [ $? = 7 ]; } && echo "exec-from-inside ok" || echo "exec-from-inside FAILED"
 WHO=root attack
-setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack"
+setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack; acl_attack"
+setpriv --reuid=1000 --regid=1000 --init-groups cat /workspace/acl-control >/dev/null 2>&1 && echo "acl-grant ok" || echo "acl-grant FAILED"
 setpriv --reuid=1000 --regid=1000 --init-groups keel status >/dev/null 2>&1 && echo "group-status ok" || echo "group-status FAILED"
-sha256sum small big | sed 's/^/sum /'
+sha256sum small big acl-denied | sed 's/^/sum /'
 echo DONE
 EOF2
     # The functions alone, for the unprivileged run.
-    awk '{ print } /^}$/ && ++n == 2 { exit }' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
+    awk '{ print } /^}$/ && ++n == 3 { exit }' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
     chmod 0644 "$tmp/attack.sh" "$tmp/attack.sh.fns"
     run_c "$out" "${keel_flags[@]}" -v "$svol:/var/lib/keel" -v "$rvol:/srv/keel-remote" \
         -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \
@@ -682,7 +701,9 @@ EOF2
     grep -qx 'status-from-inside ok' "$out" || fail "keel status from inside the sandbox failed"
     grep -qx 'snapshot-from-inside ok' "$out" || fail "keel snapshot create from inside the sandbox (root) failed"
     grep -qx 'group-status ok' "$out" || fail "keel status for the control group failed"
-    [ "$(grep -c '^denied ' "$out")" = 44 ] || fail "$(grep -c '^denied ' "$out") of 44 attempts reported as denied"
+    grep -qx 'acl-grant ok' "$out" || fail "an ACL entry did not let the sandbox user read a 0600 file"
+    grep -qx 'exec-from-inside ok' "$out" || fail "keel exec from inside the sandbox (root) failed"
+    [ "$(grep -c '^denied ' "$out")" = 53 ] || fail "$(grep -c '^denied ' "$out") of 53 attempts reported as denied"
     while IFS= read -r line; do fail "${line#ATTEMPT-SUCCEEDED }"; done < <(grep '^ATTEMPT-SUCCEEDED ' "$out")
     grep -qF -e "$envsecret" -e "$filesecret" "$out.err" && fail "keel's log shows a secret"
     grep '^denied \|^ATTEMPT' "$out" | sed 's/^/    /'
@@ -695,9 +716,10 @@ EOF2
     # A fresh state dir restores from the remote: every chunk read back is verified (blake3).
     run_c "$tmp/after.out" "${keel_flags[@]}" -v "$rvol:/srv/keel-remote" \
         -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \
-        "$image" sh -c 'cd /workspace && sha256sum small big | sed "s/^/sum /"' || fail "reader container failed"
+        "$image" sh -c 'cd /workspace && sha256sum small big acl-denied | sed "s/^/sum /"; getfacl -cn acl-denied | sed "s/^/acl /"' || fail "reader container failed"
     grep -q 'restored snapshot' "$tmp/after.out.err" || fail "the reader did not restore from the remote"
     diff <(grep '^sum ' "$out") <(grep '^sum ' "$tmp/after.out") >/dev/null || fail "the workspace changed"
+    grep -qx 'acl user:1000:---' "$tmp/after.out" || fail "the restored workspace lost acl-denied's ACL"
     [ -n "$(grep '^sum ' "$out")" ] || fail "no checksums from the attacker run"
     [ -z "$CASE_ERR" ] || { show "$out" attacker; show "$tmp/after.out" reader; }
 }

@@ -16,7 +16,7 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 KEEL_BIN=${KEEL_BIN:-$here/../target/release/keel}
-READY_TIMEOUT=${KEEL_READY_TIMEOUT:-60}
+READY_TIMEOUT=${KEEL_READY_TIMEOUT:-120}   # hang guards, not expectations
 STOP_TIMEOUT=${KEEL_STOP_TIMEOUT:-300}
 
 die() { echo "keelctl: $*" >&2; exit 1; }

@@ -57,9 +57,8 @@ trap cleanup EXIT
 
 python3 -c 'import yaml' 2>/dev/null || { error "python3 yaml (python3-yaml) is missing"; exit 1; }
 if [ -z "${MOTO_PORT:-}" ]; then
-    MOTO_PORT=$(free_port)
-    moto_server -H 127.0.0.1 -p "$MOTO_PORT" >"$tmp/moto.log" 2>&1 & own_moto=$!
-    for ((i = 0; i < 100; i++)); do curl -s -o /dev/null "http://127.0.0.1:$MOTO_PORT/" && break; sleep 0.1; done
+    start_moto "$tmp/moto.log"; st=$?; own_moto=$MOTO_PID
+    [ "$st" = 0 ] || { error "moto_server did not start"; exit 1; }
     curl -s -f -X PUT "http://127.0.0.1:$MOTO_PORT/$bucket" >/dev/null || { error "cannot create the bucket on moto"; exit 1; }
 fi
 port=$(free_port)
@@ -217,7 +216,7 @@ if play first && ready; then
     creds="/proc/$(pm inspect -f '{{.State.Pid}}' "$ctr")/root$sm/credentials"
     grep -q '^AWS_SECRET_ACCESS_KEY=' "$creds" 2>/dev/null \
         || { error "the Secret is not mounted as the credentials file ($sm/credentials)"; ls -la "$(dirname "$creds")" 2>&1 | sed 's/^/info:   | /'; }
-    code=$(curl -s -o /dev/null -m 2 -w '%{http_code}' "http://127.0.0.1:$port/status")
+    code=$(curl -s -o /dev/null -m 60 -w '%{http_code}' "http://127.0.0.1:$port/status")
     [ "$code" = 401 ] || error "/status without the Secret's control token: $code, want 401"
     python3 "$repo/ci/tree-manifest.py" "$(root_of)" marks >"$tmp/before" || error "manifest (first)"
     down first

@@ -99,13 +99,13 @@ show() {   # show FILE LABEL [LINES]
 }
 
 # moto, the S3 API R2 speaks, with its request log (every GET counted by time_to_usable).
-moto_port=$(free_port)
 if ! command -v moto_server >/dev/null 2>&1; then
     echo "moto_server is missing (pip install \"moto[server]\")"; echo "0 passed, 1 failed"; exit 1
 fi
-moto_server -H 127.0.0.1 -p "$moto_port" >"$tmp/moto.log" 2>&1 &
-MOTO_PID=$!
-for ((i = 0; i < 100; i++)); do curl -s -o /dev/null "http://127.0.0.1:$moto_port/" && break; sleep 0.1; done
+if ! start_moto "$tmp/moto.log"; then
+    echo "moto_server did not start"; cat "$tmp/moto.log"; echo "0 passed, 1 failed"; exit 1
+fi
+moto_port=$MOTO_PORT
 if ! curl -s -f -X PUT "http://127.0.0.1:$moto_port/$bucket" >/dev/null; then
     echo "cannot create the bucket on moto"; cat "$tmp/moto.log"; echo "0 passed, 1 failed"; exit 1
 fi
@@ -507,7 +507,7 @@ case_remote_down_at_stop() {
     local id="down-$$" a="$prefix-down-a" b="$prefix-down-b" port rport r e last i
     port=$(free_port); rport=$(free_port)
     python3 "$tmp/relay.py" "$rport" "$moto_port" & PROXY_PID=$!
-    for ((i = 0; i < 50; i++)); do curl -s -o /dev/null "http://127.0.0.1:$rport/" && break; sleep 0.1; done
+    for ((i = 0; i < 1200; i++)); do curl -s -o /dev/null "http://127.0.0.1:$rport/" && break; sleep 0.1; done
     # flush_timeout 40 s (final checkpoint budget 30 s): in front of the final checkpoint the
     # lease renewal retries for up to lease_ttl (15 s) against the dead remote; with a budget
     # shorter than that, keel's stop can run out of time before it reports what was not
@@ -530,7 +530,7 @@ case_remote_down_at_stop() {
     grep -q 'did not reach the remote' <<<"$last" || fail "the last line does not say what was not pushed"
     rm_c "$a"
     python3 "$tmp/relay.py" "$rport" "$moto_port" & PROXY_PID=$!
-    for ((i = 0; i < 50; i++)); do curl -s -o /dev/null "http://127.0.0.1:$rport/" && break; sleep 0.1; done
+    for ((i = 0; i < 1200; i++)); do curl -s -o /dev/null "http://127.0.0.1:$rport/" && break; sleep 0.1; done
     ENDPOINT_PORT=$rport CONFIG="$tmp/down.toml" start "$b" "$id" "$port" -- idle || { fail "start b"; return; }
     wait_health "$b" "$port" 120 >/dev/null || return
     manifest "$b" "$tmp/down.after"

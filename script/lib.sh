@@ -28,6 +28,24 @@ apt_install() {
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >&2
 }
 
+# start_moto LOG: moto_server (an S3 endpoint) on a 127.0.0.1 port it picks itself (`-p 0`:
+# no other process can take a port between our choice and its bind); sets MOTO_PID, and
+# MOTO_PORT once it says where it listens. Waits at most 180 s (a hang guard: python's start
+# takes seconds on a loaded machine). Returns non-zero if it exits or never says.
+start_moto() {
+    local log=$1 i
+    MOTO_PORT=""
+    moto_server -H 127.0.0.1 -p 0 >"$log" 2>&1 &
+    MOTO_PID=$!
+    for ((i = 0; i < 1800; i++)); do
+        MOTO_PORT=$(sed -n 's|.*Running on http://127\.0\.0\.1:\([0-9][0-9]*\).*|\1|p' "$log" | head -n 1)
+        [ -n "$MOTO_PORT" ] && return 0
+        kill -0 "$MOTO_PID" 2>/dev/null || return 1
+        sleep 0.1
+    done
+    return 1
+}
+
 # need_tools CMD...: installs the Debian packages for whatever commands are missing.
 need_tools() {
     local pkgs=() c

@@ -47,13 +47,16 @@ cleanup() {
 }
 trap cleanup EXIT
 
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-moto_server -H 127.0.0.1 -p "$PORT" >"$RUN/moto.log" 2>&1 &
+# moto picks its own port (-p 0) and says which: no other process can take it first.
+moto_server -H 127.0.0.1 -p 0 >"$RUN/moto.log" 2>&1 &
 MOTO_PID=$!
 export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench AWS_REGION=us-east-1
-for _ in $(seq 100); do
-    curl -s -f -X PUT "http://127.0.0.1:$PORT/keel" >/dev/null 2>&1 && break
-    sleep 0.2
+PORT=""
+for _ in $(seq 1800); do
+    PORT=$(sed -n 's|.*Running on http://127\.0\.0\.1:\([0-9][0-9]*\).*|\1|p' "$RUN/moto.log" | head -n 1)
+    [ -n "$PORT" ] && curl -s -f -X PUT "http://127.0.0.1:$PORT/keel" >/dev/null 2>&1 && break
+    kill -0 "$MOTO_PID" 2>/dev/null || break
+    sleep 0.1
 done
 curl -s -f "http://127.0.0.1:$PORT/keel" >/dev/null || { echo "remote-bench: moto did not come up" >&2; cat "$RUN/moto.log" >&2; exit 1; }
 

@@ -8,7 +8,7 @@
 //! ```text
 //! cli                                               the binary: commands, exit codes
 //!  │
-//! run · boot · supervisor · control · shutdown      start, supervise, stop, the API
+//! run · boot · supervisor · exec · control · shutdown   start, supervise, stop, the API
 //!  │     └ boot::workspace: lock → lease → restore → mount → checkpoints → rollback
 //!  │
 //! workspace      persist                            the FUSE fs │ checkpoints, remotes
@@ -18,7 +18,9 @@
 //! sys · logging · progress · time                   syscalls and unsafe; leaves
 //! ```
 //!
-//! Within the top layer: `run` uses `boot`, `supervisor`, `control` and `shutdown`;
+//! Within the top layer: `run` uses `boot`, `supervisor`, `exec`, `control` and `shutdown`;
+//! `supervisor` (the one reaper, the stop) and `control` (the routes) use `exec`, which uses
+//! neither;
 //! `shutdown` uses `boot` (the workspace it stops); `control` uses `workspace` and
 //! `persist` for `/status`, `/checkpoint` and the agent routes, never `run`. No circle
 //! between modules, no exception listed.
@@ -29,6 +31,7 @@ pub mod boot;
 pub mod chunk;
 pub mod config;
 pub mod control;
+pub mod exec;
 pub mod logging;
 pub mod meta;
 pub mod persist;

@@ -77,7 +77,7 @@ pub fn main(args: RunOptions) -> Result<i32, RunError> {
     if let Err(e) = crate::sys::ns::set_not_dumpable() {
         tracing::warn!("PR_SET_DUMPABLE 0: {e}");
     }
-    let (cfg, booted, supervisor, mounted, control) = match setup(args, signals) {
+    let (cfg, booted, supervisor, mounted, control, processes) = match setup(args, signals) {
         Ok(v) => v,
         Err(e) => {
             error!("{e}");
@@ -90,6 +90,9 @@ pub fn main(args: RunOptions) -> Result<i32, RunError> {
         if booted.pid1 { "PID 1" } else { "subreaper" }
     );
     let code = supervisor.run();
+    // Every process is gone: their records finish (output drained, exit published) before
+    // the final checkpoint and before the API stops.
+    processes.wait_all_done(std::time::Duration::from_secs(2));
     let mut unfinished = None;
     if let Some(m) = mounted {
         let since = Instant::now();
@@ -115,6 +118,7 @@ type Setup = (
     Supervisor,
     Option<Workspace>,
     crate::control::Control,
+    std::sync::Arc<crate::exec::Processes>,
 );
 
 /// Everything before supervision, in order; on error nothing has been started or mounted.
@@ -141,6 +145,11 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
     let control = crate::control::start(&cfg)?;
     let mut supervisor = Supervisor::new(&cfg, args.command, &booted, signals)?;
     supervisor.set_status(control.status().clone());
+    // Processes started through the API: the supervisor reaps and stops them, the control
+    // API starts and reads them.
+    let processes = crate::exec::Processes::new(&cfg);
+    supervisor.set_exec(processes.clone());
+    control.status().set_exec(processes.clone());
     control.status().mounting(&cfg);
     let main = supervisor
         .main_hold()
@@ -158,11 +167,14 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
     if let Some(ns) = sandbox_namespace(&cfg, &booted, mounted.as_ref())? {
         supervisor.set_sandbox_ns(ns);
     }
-    Ok((cfg, booted, supervisor, mounted, control))
+    Ok((cfg, booted, supervisor, mounted, control, processes))
 }
 
 /// What the sandbox must not see: the state dir, a local `file://` remote outside it and the
-/// credentials file are covered; the default control socket's directory is read-only.
+/// credentials file are covered; the default control socket's directory is read-only. A
+/// control socket inside a covered directory (a keel that is not PID 1 keeps it in the state
+/// dir) is bound into the cover at the same path, read-only, so `keel status`, `keel
+/// checkpoint` and the agent commands reach it from inside as they do from outside.
 pub fn sandbox_covers(cfg: &Config) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
     use crate::sys::ns::Cover;
     let state = canon(&cfg.workspace.state_dir);
@@ -181,6 +193,23 @@ pub fn sandbox_covers(cfg: &Config) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
     let run = std::path::Path::new(crate::config::control::RUN_SOCKET);
     if let Some(dir) = run.parent().filter(|d| d.is_dir()) {
         out.push((dir.to_path_buf(), Cover::ReadOnly));
+    }
+    let socket = cfg
+        .control
+        .socket_path(cfg, crate::sys::process::is_pid1())
+        .filter(|s| {
+            std::fs::symlink_metadata(s).is_ok_and(|m| {
+                use std::os::unix::fs::FileTypeExt;
+                m.file_type().is_socket()
+            })
+        });
+    if let Some(s) = socket.map(|s| canon(&s)) {
+        let covered = out
+            .iter()
+            .any(|(d, c)| *c == Cover::EmptyDir && s.starts_with(d));
+        if covered {
+            out.push((s, Cover::Socket));
+        }
     }
     out
 }
@@ -268,15 +297,29 @@ fn sandbox_namespace(
     let shown: Vec<String> = covers
         .iter()
         .filter(|(p, _)| p.exists())
+        .filter(|(_, c)| *c != crate::sys::ns::Cover::Socket)
         .map(|(p, c)| match c {
             crate::sys::ns::Cover::ReadOnly => format!("{} (read-only)", p.display()),
             _ => p.display().to_string(),
         })
         .collect();
+    let reachable: Vec<String> = covers
+        .iter()
+        .filter(|(_, c)| *c == crate::sys::ns::Cover::Socket)
+        .map(|(p, _)| p.display().to_string())
+        .collect();
     info!(
-        "sandbox namespace in {:.1} ms: hidden from everything keel starts: {}{}",
+        "sandbox namespace in {:.1} ms: hidden from everything keel starts: {}{}{}",
         t0.elapsed().as_secs_f64() * 1000.0,
         shown.join(", "),
+        if reachable.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; the control socket stays reachable there: {}",
+                reachable.join(", ")
+            )
+        },
         if mounted.is_some() {
             ""
         } else {
@@ -406,6 +449,37 @@ fn mount_workspace(
 mod tests {
     use super::*;
     use crate::sys::ns::Cover;
+
+    /// The control socket is bound into a cover only when it lies in a covered directory
+    /// (a keel that is not PID 1 keeps it in the state dir); one outside stays as it is.
+    #[test]
+    fn a_control_socket_is_bound_into_a_cover_only_when_one_hides_it() {
+        let d = tempfile::tempdir().unwrap();
+        let d = std::fs::canonicalize(d.path()).unwrap();
+        let state = d.join("state");
+        std::fs::create_dir(&state).unwrap();
+        let mut cfg = Config::default();
+        cfg.workspace.state_dir = state.clone();
+        cfg.persist.remote = "none".into();
+        let inside = state.join("control.sock");
+        crate::sys::socket::dead_socket(&inside).unwrap();
+        cfg.control.socket = Some(inside.clone());
+        let sockets = |cfg: &Config| -> Vec<PathBuf> {
+            sandbox_covers(cfg)
+                .into_iter()
+                .filter(|(_, c)| *c == Cover::Socket)
+                .map(|(p, _)| p)
+                .collect()
+        };
+        assert_eq!(sockets(&cfg), vec![inside]);
+        let outside = d.join("run.sock");
+        crate::sys::socket::dead_socket(&outside).unwrap();
+        cfg.control.socket = Some(outside);
+        assert_eq!(sockets(&cfg), Vec::<PathBuf>::new());
+        // Not there (the server could not bind it): nothing to bind.
+        cfg.control.socket = Some(state.join("gone.sock"));
+        assert_eq!(sockets(&cfg), Vec::<PathBuf>::new());
+    }
 
     #[test]
     fn a_credentials_file_in_a_secret_volume_hides_the_whole_volume() {

@@ -2,6 +2,23 @@
 //! timestamps keel prints without a date library: `control::status::rfc3339` (`/status`)
 //! and `persist::ops::fmt_time` (snapshot listings, lease holders). Pure arithmetic.
 
+/// `2026-01-02T03:04:05.678Z` for `t` (UTC, milliseconds).
+pub fn rfc3339(t: std::time::SystemTime) -> String {
+    let d = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or(std::time::Duration::ZERO);
+    let secs = d.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (year, month, day) = civil_from_days(days as i64);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        d.subsec_millis()
+    )
+}
+
 /// `(year, month 1..=12, day 1..=31)` of the day `days` after 1970-01-01 (before it when
 /// negative), by Howard Hinnant's `civil_from_days`.
 pub fn civil_from_days(days: i64) -> (i64, u32, u32) {

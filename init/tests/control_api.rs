@@ -392,37 +392,88 @@ fn bad_requests_get_4xx_change_nothing_and_the_server_keeps_serving() {
     c.stop();
 }
 
-#[test]
-fn idle_connections_neither_block_others_nor_exceed_the_limit() {
-    let (c, addr) = with_token();
-    // Clients that connect and send nothing hold a slot each, but not the server.
-    let mut idle: Vec<TcpStream> = (0..keel::control::server::MAX_CONNECTIONS)
-        .map(|_| TcpStream::connect(addr).unwrap())
-        .collect();
-    // Give the accept thread time to hand every one of them to a connection thread.
-    std::thread::sleep(Duration::from_millis(300));
-    let t0 = Instant::now();
-    let r = get(addr, "/health", None);
-    assert_eq!(r.code, 503);
-    assert_eq!(r.body, "busy\n", "the limit did not apply");
-    assert!(t0.elapsed() < Duration::from_secs(2), "busy reply was slow");
-    // Closing them frees the slots at once.
-    idle.clear();
-    let end = Instant::now() + Duration::from_secs(5);
-    loop {
-        let r = get(addr, "/health", None);
-        if r.body != "busy\n" {
-            assert_eq!(r.body, "not ready: workspace not mounted yet\n");
-            break;
-        }
-        assert!(Instant::now() < end, "slots never freed");
+/// A gate the checkpoint callback waits at until the test opens it: a request in flight
+/// for as long as the test wants (no server deadline applies while a handler runs).
+#[derive(Default)]
+struct Gate {
+    open: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+    /// Callbacks that reached the gate.
+    reached: AtomicUsize,
+}
+
+impl Gate {
+    fn wait(&self) {
+        self.reached.fetch_add(1, Ordering::SeqCst);
+        let g = self.open.lock().unwrap();
+        drop(self.cv.wait_while(g, |open| !*open).unwrap());
+    }
+    fn set(&self, open: bool) {
+        *self.open.lock().unwrap() = open;
+        self.cv.notify_all();
+    }
+}
+
+/// Polls `f` until it is true; a hang guard only (no outcome depends on it).
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + Duration::from_secs(120);
+    while !f() {
+        assert!(Instant::now() < end, "{what}");
         std::thread::sleep(Duration::from_millis(20));
     }
-    // A single slow client does not hold up anybody else.
-    let _slow = TcpStream::connect(addr).unwrap();
-    let t0 = Instant::now();
+}
+
+#[test]
+fn requests_in_flight_neither_block_others_nor_exceed_the_limit() {
+    let (c, addr) = with_token();
+    let gate = Arc::new(Gate::default());
+    let g = gate.clone();
+    c.status().set_checkpoint(Box::new(move || {
+        g.wait();
+        Ok(CheckpointReport::default())
+    }));
+    // Every slot held by a request in flight (a checkpoint waiting at the gate): the
+    // connections are accepted in order, so they take the slots before any later one.
+    let held: Vec<TcpStream> = (0..keel::control::server::MAX_CONNECTIONS)
+        .map(|_| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            write!(
+                s,
+                "POST /checkpoint HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 0\r\n\r\n"
+            )
+            .unwrap();
+            s
+        })
+        .collect();
+    // One more is told at once that the server is busy, while all of them still wait.
+    let r = get(addr, "/health", None);
+    assert_eq!(r.body, "busy\n", "the limit did not apply");
+    assert_eq!(r.code, 503);
+    // Once they are done, the slots are free again.
+    gate.set(true);
+    for mut s in held {
+        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).unwrap();
+        assert_eq!(parse(&out).code, 200);
+    }
+    eventually("slots never freed", || {
+        get(addr, "/health", None).body == "not ready: workspace not mounted yet\n"
+    });
+    // A request in flight and a client that sends nothing hold up nobody else: /status is
+    // answered while both are still there.
+    gate.set(false);
+    let before = gate.reached.load(Ordering::SeqCst);
+    let t = std::thread::spawn(move || post(addr, "/checkpoint", Some(TOKEN)));
+    eventually("the checkpoint never reached the gate", || {
+        gate.reached.load(Ordering::SeqCst) > before
+    });
+    let slow = TcpStream::connect(addr).unwrap();
     assert_eq!(get(addr, "/status", Some(TOKEN)).code, 200);
-    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert!(!t.is_finished(), "the checkpoint did not wait at the gate");
+    gate.set(true);
+    assert_eq!(t.join().unwrap().code, 200);
+    drop(slow);
     c.stop();
 }
 
@@ -455,7 +506,7 @@ fn unix_socket_needs_no_token_is_0600_and_goes_away_on_stop() {
     assert!(!sock.exists(), "socket file left behind");
 
     // A stale socket (its keel was killed) is replaced.
-    drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+    support::sys::dead_socket(&sock).unwrap();
     assert!(sock.exists());
     let c = control::start(&cfg).expect("replace a stale socket");
     assert_eq!(unix_get(&sock, "/health").code, 503);
@@ -481,6 +532,14 @@ fn agent_routes_need_the_token_or_root_on_the_socket() {
         ("GET", "/diff?from=1"),
         ("GET", "/diff?from=1&path=secret"),
         ("POST", "/rollback?to=1"),
+        ("POST", "/exec"),
+        ("GET", "/processes"),
+        ("GET", "/processes/1"),
+        ("DELETE", "/processes/1"),
+        ("GET", "/processes/1/output"),
+        ("POST", "/processes/1/stdin"),
+        ("POST", "/processes/1/signal?sig=TERM"),
+        ("POST", "/processes/1/resize?rows=1&cols=1"),
     ];
     let (c, addr) = start("");
     c.status().set_mount(MountState::Disabled);

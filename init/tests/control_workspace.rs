@@ -160,7 +160,7 @@ fn a_stale_socket_in_a_fresh_state_dir_does_not_block_the_next_keel() {
     }
     // A keel that died before it initialised the state dir left only its socket behind.
     let state = tempfile::tempdir().unwrap();
-    drop(std::os::unix::net::UnixListener::bind(state.path().join("control.sock")).unwrap());
+    support::sys::dead_socket(&state.path().join("control.sock")).unwrap();
     let mut k = start(
         &ws_config(state.path()),
         &["sh", "-c", "echo hi > $D/ws/f && cat $D/ws/f"],

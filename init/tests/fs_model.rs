@@ -11,8 +11,8 @@ use std::path::Path;
 
 use keel::chunk::body::POOL_FILL;
 use keel::config::CacheMode;
-use keel::meta::{InodeNo, Kind, Storage};
-use keel::workspace::fs::{Caller, FsError, FsOptions, SetAttr, WorkspaceFs};
+use keel::meta::{InodeNo, Kind, Nanos, Storage, Store};
+use keel::workspace::fs::{Caller, FsError, FsOptions, SetAttr, SetTime, WorkspaceFs};
 use proptest::prelude::*;
 use std::os::unix::fs::FileExt;
 
@@ -20,6 +20,7 @@ const ROOT: Caller = Caller {
     uid: 0,
     gid: 0,
     pid: 0,
+    umask: 0,
 };
 
 fn opts() -> FsOptions {
@@ -28,6 +29,7 @@ fn opts() -> FsOptions {
         inline_max: 64,
         chunk_size: 64 * 1024,
         passthrough: Default::default(),
+        posix_acl: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
     }
 }
 
@@ -107,7 +109,7 @@ fn new_files_with_passthrough_open_modes() {
     // (it counts a file as free only after making it, and stops at `want` free), so the
     // counts below are exact.
     let filled = |fs: &WorkspaceFs, want: usize| {
-        support::mount::poll_for(std::time::Duration::from_secs(20), || {
+        support::mount::poll_for(support::mount::READY_TIMEOUT, || {
             (fs.pooled_bodies() == want).then_some(())
         });
         assert_eq!(fs.pooled_bodies(), want, "the pool holds {want} free files");
@@ -243,7 +245,7 @@ fn closed_files_stay_loaded_within_a_bound_and_never_past_their_unlink() {
     let at_name = dir
         .path()
         .join(format!("bodies/{:02x}/{:x}", last.0 & 0xff, last.0));
-    let settled = support::mount::poll_for(std::time::Duration::from_secs(20), || {
+    let settled = support::mount::poll_for(support::mount::READY_TIMEOUT, || {
         (!at_name.exists() && body_fds(dir.path()) == held - 1).then_some(())
     });
     assert!(
@@ -350,23 +352,192 @@ fn bad_names_and_xattr_flags() {
         .inode
         .ino;
     assert!(matches!(
-        fs.setxattr(f, b"user.a", b"1", 2),
+        fs.setxattr(ROOT, f, b"user.a", b"1", 2),
         Err(FsError::NoAttr)
     ));
-    fs.setxattr(f, b"user.a", b"1", 1).unwrap();
+    fs.setxattr(ROOT, f, b"user.a", b"1", 1).unwrap();
     assert!(matches!(
-        fs.setxattr(f, b"user.a", b"2", 1),
+        fs.setxattr(ROOT, f, b"user.a", b"2", 1),
         Err(FsError::Exists)
     ));
-    fs.setxattr(f, b"user.a", b"2", 2).unwrap();
+    fs.setxattr(ROOT, f, b"user.a", b"2", 2).unwrap();
     assert_eq!(fs.getxattr(f, b"user.a").unwrap(), b"2");
     assert!(matches!(
-        fs.setxattr(f, b"user.big", &vec![0u8; 65537], 0),
+        fs.setxattr(ROOT, f, b"user.big", &vec![0u8; 65537], 0),
         Err(FsError::TooBig)
     ));
     assert_eq!(fs.listxattr(f).unwrap(), b"user.a\0");
     fs.removexattr(f, b"user.a").unwrap();
     assert!(matches!(fs.getxattr(f, b"user.a"), Err(FsError::NoAttr)));
+}
+
+/// The xattr value of `text` (`u::rwx,u:65534:r--,g::r-x,m::r-x,o::---`).
+fn acl(text: &str) -> Vec<u8> {
+    use keel::workspace::fs::acl::{Acl, Entry, Tag};
+    let entries = text
+        .split(',')
+        .map(|part| {
+            let f: Vec<&str> = part.split(':').collect();
+            let tag = match (f[0], f[1].is_empty()) {
+                ("u", true) => Tag::UserObj,
+                ("u", false) => Tag::User,
+                ("g", true) => Tag::GroupObj,
+                ("g", false) => Tag::Group,
+                ("m", _) => Tag::Mask,
+                _ => Tag::Other,
+            };
+            let perm = f[2]
+                .chars()
+                .zip([4, 2, 1])
+                .filter(|(c, _)| *c != '-')
+                .map(|(_, b)| b)
+                .sum();
+            Entry {
+                tag,
+                id: f[1].parse().unwrap_or(0),
+                perm,
+            }
+        })
+        .collect();
+    Acl::new(entries).unwrap().encode()
+}
+
+const ACCESS: &[u8] = b"system.posix_acl_access";
+const DEFAULT: &[u8] = b"system.posix_acl_default";
+
+#[test]
+fn acls_set_the_mode_follow_chmod_and_are_inherited() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let perm = |ino| fs.getattr(ino).unwrap().inode.perm;
+    let f = fs
+        .mknod(ROOT, InodeNo::ROOT, b"f", libc::S_IFREG | 0o2755, 0)
+        .unwrap()
+        .inode
+        .ino;
+    // A minimal ACL only sets the mode (set-group-ID stays for root, CAP_FSETID).
+    fs.setxattr(ROOT, f, ACCESS, &acl("u::r--,g::rwx,o::rw-"), 0)
+        .unwrap();
+    assert_eq!(perm(f), 0o2476);
+    assert!(matches!(fs.getxattr(f, ACCESS), Err(FsError::NoAttr)));
+    // A named entry is kept; the group bits are the mask.
+    let full = acl("u::rwx,u:65534:rwx,g::r--,m::r-x,o::---");
+    fs.setxattr(ROOT, f, ACCESS, &full, 0).unwrap();
+    assert_eq!(perm(f), 0o2750);
+    assert_eq!(fs.getxattr(f, ACCESS).unwrap(), full);
+    assert_eq!(fs.listxattr(f).unwrap(), b"system.posix_acl_access\0");
+    // chmod rewrites owner, mask and other.
+    let set = SetAttr {
+        mode: Some(0o640),
+        ..SetAttr::default()
+    };
+    fs.setattr(f, &set).unwrap();
+    assert_eq!(
+        fs.getxattr(f, ACCESS).unwrap(),
+        acl("u::rw-,u:65534:rwx,g::r--,m::r--,o::---")
+    );
+    // Not valid, or a default ACL on a file: refused, nothing changes.
+    assert!(matches!(
+        fs.setxattr(ROOT, f, ACCESS, b"\x02\0\0\0\x01\0", 0),
+        Err(FsError::Invalid)
+    ));
+    assert!(matches!(
+        fs.setxattr(ROOT, f, DEFAULT, &full, 0),
+        Err(FsError::Access)
+    ));
+    assert_eq!(perm(f), 0o640);
+    // Removing an ACL the inode lacks succeeds, as on ext4; a plain xattr does not.
+    fs.removexattr(f, ACCESS).unwrap();
+    fs.removexattr(f, ACCESS).unwrap();
+    assert!(matches!(fs.removexattr(f, b"user.x"), Err(FsError::NoAttr)));
+    assert_eq!(perm(f), 0o640);
+
+    // Inheritance: the umask applies only without a default ACL.
+    let umask = Caller {
+        umask: 0o077,
+        ..ROOT
+    };
+    let d = fs
+        .mkdir(umask, InodeNo::ROOT, b"d", 0o777)
+        .unwrap()
+        .inode
+        .ino;
+    assert_eq!(perm(d), 0o700);
+    let default = acl("u::rwx,u:65534:rwx,g::r-x,m::rwx,o::r-x");
+    fs.setxattr(ROOT, d, DEFAULT, &default, 0).unwrap();
+    let (n, fh, _) = fs.create(umask, d, b"n", 0o666, libc::O_RDWR).unwrap();
+    fs.release(fh).unwrap();
+    assert_eq!(n.inode.perm, 0o664);
+    assert_eq!(
+        fs.getxattr(n.inode.ino, ACCESS).unwrap(),
+        acl("u::rw-,u:65534:rwx,g::r-x,m::rw-,o::r--")
+    );
+    assert!(matches!(
+        fs.getxattr(n.inode.ino, DEFAULT),
+        Err(FsError::NoAttr)
+    ));
+    let sub = fs.mkdir(umask, d, b"sub", 0o750).unwrap().inode;
+    assert_eq!(sub.perm, 0o750);
+    assert_eq!(fs.getxattr(sub.ino, DEFAULT).unwrap(), default);
+    let fifo = fs
+        .mknod(umask, sub.ino, b"p", libc::S_IFIFO | 0o600, 0)
+        .unwrap()
+        .inode;
+    assert_eq!(fifo.perm, 0o600);
+    assert_eq!(
+        fs.getxattr(fifo.ino, ACCESS).unwrap(),
+        acl("u::rw-,u:65534:rwx,g::r-x,m::---,o::---")
+    );
+    let link = fs.symlink(umask, d, b"l", b"n").unwrap().inode;
+    assert_eq!(link.perm, 0o777);
+    assert_eq!(fs.listxattr(link.ino).unwrap(), b"");
+}
+
+#[test]
+fn acls_are_refused_where_the_kernel_would_not_enforce_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = opts();
+    o.posix_acl = Default::default();
+    let fs = WorkspaceFs::new(dir.path(), o).unwrap();
+    let f = fs
+        .mknod(ROOT, InodeNo::ROOT, b"f", libc::S_IFREG | 0o644, 0)
+        .unwrap()
+        .inode
+        .ino;
+    let a = acl("u::rw-,u:65534:---,g::r--,m::r--,o::r--");
+    assert!(matches!(
+        fs.setxattr(ROOT, f, ACCESS, &a, 0),
+        Err(FsError::NotSupported)
+    ));
+    assert!(matches!(fs.getxattr(f, ACCESS), Err(FsError::NotSupported)));
+    assert!(matches!(
+        fs.removexattr(f, ACCESS),
+        Err(FsError::NotSupported)
+    ));
+    assert_eq!(FsError::NotSupported.errno(), libc::EOPNOTSUPP);
+    assert_eq!(fs.getattr(f).unwrap().inode.perm, 0o644);
+    drop(fs);
+    // One stored while enforced (a snapshot from elsewhere) is neither shown nor inherited.
+    let fs = open_fs(dir.path());
+    let d = fs
+        .mkdir(ROOT, InodeNo::ROOT, b"d", 0o755)
+        .unwrap()
+        .inode
+        .ino;
+    fs.setxattr(ROOT, d, DEFAULT, &a, 0).unwrap();
+    fs.shutdown().unwrap();
+    drop(fs);
+    let mut o = opts();
+    o.posix_acl = Default::default();
+    let fs = WorkspaceFs::new(dir.path(), o).unwrap();
+    assert_eq!(fs.listxattr(d).unwrap(), b"");
+    let umask = Caller {
+        umask: 0o022,
+        ..ROOT
+    };
+    let n = fs.mkdir(umask, d, b"n", 0o777).unwrap().inode;
+    assert_eq!(n.perm, 0o755);
+    assert_eq!(fs.listxattr(n.ino).unwrap(), b"");
 }
 
 #[test]
@@ -397,6 +568,158 @@ fn sparse_large_file_and_seek() {
     fs.read(ino, off, 4, &mut buf).unwrap();
     assert_eq!(buf, b"\0\0\0\0");
     fs.release(fh).unwrap();
+}
+
+/// With passthrough, a body handed to the kernel read-write may be mapped shared, and the
+/// mapping outlives the close: its writes change the body with no request to keel. keel
+/// keeps watching such a body after the last close: `getattr` shows the new mtime and ctime
+/// (and says the kernel must not cache them), and every window is recorded for the next
+/// checkpoint.
+#[test]
+fn a_body_written_after_its_last_close_moves_times_and_reaches_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = opts();
+    o.passthrough
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let fs = WorkspaceFs::new(dir.path(), o).expect("open workspace");
+    let (a, fh, _) = fs
+        .create(ROOT, InodeNo::ROOT, b"f", 0o644, libc::O_RDWR)
+        .unwrap();
+    let ino = a.inode.ino;
+    fs.write(ino, 0, &[1u8; 200]).unwrap();
+    fs.release(fh).unwrap();
+    assert!(
+        !fs.getattr(ino).unwrap().volatile,
+        "a closed file's attributes are cached"
+    );
+
+    let (fh, info) = fs.open(ino, libc::O_RDWR).unwrap();
+    let body = info
+        .backing
+        .expect("a read-write open of a body is passed through");
+    assert!(
+        fs.getattr(ino).unwrap().volatile,
+        "while a read-write passthrough handle is open, the kernel must ask every time"
+    );
+    fs.release(fh).unwrap();
+    let sentinel = Nanos(1_000_000_000_000_000_000);
+    let set = SetAttr {
+        mtime: Some(SetTime::At(sentinel)),
+        ..SetAttr::default()
+    };
+    let before = fs.setattr(ino, &set).unwrap().inode;
+    fs.sync_all().unwrap();
+    // What a checkpoint would do: forget the changes recorded so far.
+    let store = Store::open(&dir.path().join("meta.db"), Nanos(0)).unwrap();
+    let tx = store.write().unwrap();
+    tx.clear_all_changes().unwrap();
+    tx.commit().unwrap();
+
+    // The mapping writes the body after the close.
+    body.write_all_at(&[2u8; 10], 150).unwrap();
+    let after = fs.getattr(ino).unwrap();
+    assert!(after.volatile, "a body a mapping may write stays uncached");
+    assert_ne!(after.inode.mtime, sentinel, "mtime after the write");
+    assert!(after.inode.ctime > before.ctime, "ctime after the write");
+    fs.sync_all().unwrap();
+    assert!(
+        store.read().backlog_windows().unwrap().contains(&(ino, 0)),
+        "the written window is recorded for the next checkpoint"
+    );
+    let mut want = vec![1u8; 200];
+    want[150..160].fill(2);
+    assert_eq!(read_all(&fs, ino).unwrap(), want);
+}
+
+/// A crash loses the open group commit and the inode numbers it gave, which SQLite then
+/// gives again: a file handle of a lost file must not open the new one. The new file has
+/// the number and another generation; files that survived keep theirs, across a clean
+/// remount too.
+#[test]
+fn a_number_a_crash_gives_again_comes_with_another_generation() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let create = |fs: &WorkspaceFs, name: &[u8]| {
+        let (a, fh, _) = fs
+            .create(ROOT, InodeNo::ROOT, name, 0o644, libc::O_RDWR)
+            .unwrap();
+        fs.release(fh).unwrap();
+        (a.inode.ino, a.generation)
+    };
+    let (kept, kept_gen) = create(&fs, b"kept");
+    let (lost, lost_gen) = create(&fs, b"lost");
+    assert_eq!(
+        fs.lookup(InodeNo::ROOT, b"lost").unwrap().generation,
+        lost_gen
+    );
+    assert_eq!(
+        fs.getattr(InodeNo::ROOT).unwrap().generation,
+        0,
+        "the root's is 0"
+    );
+    fs.sync_all().unwrap();
+    drop(fs);
+    // What a crash before the group commit leaves: no row, no entry, the sequence back.
+    let db = rusqlite::Connection::open(dir.path().join("meta.db")).unwrap();
+    db.execute_batch(&format!(
+        "DELETE FROM inode WHERE ino = {lost};
+         DELETE FROM dirent WHERE ino = {lost};
+         UPDATE sqlite_sequence SET seq = {kept} WHERE name = 'inode';",
+        lost = lost.0,
+        kept = kept.0
+    ))
+    .unwrap();
+    drop(db);
+
+    let fs = open_fs(dir.path());
+    assert_eq!(
+        fs.lookup(InodeNo::ROOT, b"kept").unwrap().generation,
+        kept_gen
+    );
+    let (again, again_gen) = create(&fs, b"new");
+    assert_eq!(again, lost, "the number is given again");
+    assert_ne!(again_gen, lost_gen, "with another generation");
+    fs.shutdown().unwrap();
+    drop(fs);
+    let fs = open_fs(dir.path());
+    assert_eq!(
+        fs.lookup(InodeNo::ROOT, b"new").unwrap().generation,
+        again_gen
+    );
+    assert_eq!(
+        fs.lookup(InodeNo::ROOT, b"kept").unwrap().generation,
+        kept_gen
+    );
+}
+
+/// The kernel's export operations look up "." and ".." by inode number, for an inode of
+/// any kind: "." is the inode while it has a name, ".." a directory's parent.
+#[test]
+fn dot_and_dotdot_by_inode_number() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    let d = fs
+        .mkdir(ROOT, InodeNo::ROOT, b"d", 0o755)
+        .unwrap()
+        .inode
+        .ino;
+    let (a, fh, _) = fs.create(ROOT, d, b"f", 0o644, libc::O_RDWR).unwrap();
+    let f = a.inode.ino;
+    fs.release(fh).unwrap();
+    assert_eq!(
+        fs.lookup(f, b".").unwrap().inode.ino,
+        f,
+        "a file's own \".\""
+    );
+    assert_eq!(fs.lookup(d, b".").unwrap().inode.ino, d);
+    assert_eq!(fs.lookup(d, b"..").unwrap().inode.ino, InodeNo::ROOT);
+    assert!(matches!(fs.lookup(f, b".."), Err(FsError::NotDir)));
+    fs.unlink(d, b"f").unwrap();
+    assert!(matches!(fs.lookup(f, b"."), Err(FsError::NotFound)));
+    assert!(matches!(
+        fs.lookup(InodeNo(1 << 40), b"."),
+        Err(FsError::NotFound)
+    ));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -759,7 +1082,7 @@ fn apply_real(fs: &WorkspaceFs, op: &Op) -> Result<(), FsError> {
         }
         Op::SetXattr(p, n, v) => {
             let ino = resolve(fs, p)?;
-            fs.setxattr(ino, n.as_bytes(), v, 0)
+            fs.setxattr(ROOT, ino, n.as_bytes(), v, 0)
         }
         Op::RemoveXattr(p, n) => {
             let ino = resolve(fs, p)?;

@@ -16,6 +16,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("boot", 4),
     ("run", 4),
     ("supervisor", 4),
+    ("exec", 4),
     ("control", 4),
     ("shutdown", 4),
     ("workspace", 3),

@@ -43,22 +43,27 @@ fn source(remote_dir: &Path, src: &Path) -> BTreeMap<&'static str, Vec<u8>> {
 }
 
 /// Unfetched windows as committed to the state dir. The mounted keel groups its metadata
-/// commits (at most 20 ms apart), so read until two reads 100 ms apart agree.
+/// commits (at most 20 ms apart): callers wait for the count they expect (`until`).
 fn missing_windows(state: &Path) -> u64 {
-    let read = || {
-        let s = Store::open(&state.join("meta.db"), Nanos(0)).unwrap();
-        let n = s.read().missing_window_count().unwrap();
-        n
-    };
-    let t0 = std::time::Instant::now();
-    let mut last = read();
+    let s = Store::open(&state.join("meta.db"), Nanos(0)).unwrap();
+    let n = s.read().missing_window_count().unwrap();
+    n
+}
+
+/// Waits (a hang guard only) until the committed count of unfetched windows satisfies
+/// `ok`; returns it.
+fn until(state: &Path, what: &str, ok: impl Fn(u64) -> bool) -> u64 {
+    let t0 = Instant::now();
     loop {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        let now = read();
-        if now == last || t0.elapsed() > std::time::Duration::from_secs(10) {
-            return now;
+        let n = missing_windows(state);
+        if ok(n) {
+            return n;
         }
-        last = now;
+        assert!(
+            t0.elapsed() < support::mount::READY_TIMEOUT,
+            "{what}: {n} windows still missing"
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -110,8 +115,7 @@ fn lazily_restored_state_reads_through_the_kernel() {
     let b = &files["lz/b"];
     assert_eq!(buf, &b[17 * CHUNK as usize + 5..17 * CHUNK as usize + 1005]);
     drop(f);
-    let after_one = missing_windows(&state);
-    assert!(after_one < before, "nothing was fetched");
+    let after_one = until(&state, "nothing was fetched", |n| n < before);
     assert!(
         before - after_one <= 1 + 2 * 4,
         "one small read fetched {} windows",
@@ -125,7 +129,7 @@ fn lazily_restored_state_reads_through_the_kernel() {
             assert!(got == *want, "{p} differs in round {round}");
         }
     }
-    assert_eq!(missing_windows(&state), 0);
+    until(&state, "windows left after reading everything", |n| n == 0);
     let log = k.log_text();
     assert!(!log.contains("cannot fetch"), "{log}");
     // The case under test: the kernel took passthrough, yet files with windows left were
@@ -146,15 +150,7 @@ fn prefetch_fetches_everything_in_the_background() {
     let remote_dir = tmp.path().join("remote");
     let (state, cfg, files) = lazy_state(tmp.path(), true);
     let mut k = Keel::start_in(tmp, state.clone(), &["--config", cfg.to_str().unwrap()]);
-    let t0 = Instant::now();
-    while missing_windows(&state) > 0 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "prefetch did not finish; log:\n{}",
-            k.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    until(&state, "prefetch did not finish", |n| n == 0);
     // The remote's chunks are gone: everything must already be local.
     let chunks = remote_dir.join("chunks");
     std::fs::rename(&chunks, remote_dir.join("chunks.away")).unwrap();

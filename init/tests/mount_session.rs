@@ -118,7 +118,7 @@ fn dev_fuse_workers_serve_every_request_kind_from_every_cpu() {
     // Four workers, each reading its own fd: the connection's and three clones. fuser starts
     // its workers after the mount is up, so the count is polled (bounded), not read once.
     let pid = k.pid();
-    let seen = support::mount::poll_for(std::time::Duration::from_secs(10), || {
+    let seen = support::mount::poll_for(support::mount::READY_TIMEOUT, || {
         (fuse_workers(pid) == 4 && fuse_fds(pid).len() == 4).then_some(())
     });
     assert!(

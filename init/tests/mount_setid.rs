@@ -1,7 +1,8 @@
 //! Set-user-ID and set-group-ID bits as ext4 keeps them: the same operations, by root and by
 //! an unprivileged user (`nobody`, in a forked child that dropped to uid/gid 65534), on a
 //! keel mount and on an ext4 directory of this machine, and the resulting modes compared row
-//! by row (the table is printed). Also: names the kernel already caches beneath a directory
+//! by row (the table is printed). Every kind of file: regular files, directories, FIFOs,
+//! sockets and character and block devices, each chowned and chgrped in both call forms. Also: names the kernel already caches beneath a directory
 //! that denies `nobody` search permission stay out of its reach (keel relies on the kernel's
 //! `default_permissions`, which checks every path walk, cached or not). Needs root, /dev/fuse
 //! and an ext4 temp dir: without them it fails when CI is set and skips otherwise.
@@ -25,8 +26,12 @@ enum Op {
     Chgrp(u32),
     /// chown(path, uid, -1)
     Chown(u32),
+    /// chown(path, uid, gid)
+    ChownBoth(u32, u32),
     /// open O_WRONLY, write one byte, close
     Write,
+    /// open O_RDWR|O_DIRECT, write 4 KiB at 0, close (xfstests generic/355, as `xfs_io -d`)
+    DirectWrite,
     /// truncate(path, 0)
     Truncate,
     /// open O_WRONLY|O_TRUNC, close
@@ -37,9 +42,33 @@ enum Op {
     Read,
 }
 
+/// What a row's node is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Node {
+    File,
+    Dir,
+    Fifo,
+    Socket,
+    CharDev,
+    BlockDev,
+}
+
+impl Node {
+    fn name(self) -> &'static str {
+        match self {
+            Node::File => "file",
+            Node::Dir => "dir",
+            Node::Fifo => "fifo",
+            Node::Socket => "socket",
+            Node::CharDev => "char dev",
+            Node::BlockDev => "block dev",
+        }
+    }
+}
+
 struct Row {
-    what: &'static str,
-    dir: bool,
+    what: String,
+    node: Node,
     mode: u32,
     uid: u32,
     gid: u32,
@@ -49,16 +78,16 @@ struct Row {
 }
 
 fn rows() -> Vec<Row> {
-    let f = |what, mode, uid, gid, actor, op| Row {
-        what,
-        dir: false,
+    let f = |what: &str, mode, uid, gid, actor, op| Row {
+        what: what.to_string(),
+        node: Node::File,
         mode,
         uid,
         gid,
         actor,
         op,
     };
-    vec![
+    let mut rows = vec![
         f(
             "owner chown(-1,-1) of 06555",
             0o6555,
@@ -133,6 +162,54 @@ fn rows() -> Vec<Row> {
             Op::Write,
         ),
         f("root write, 06777", 0o6777, 0, 0, 0, Op::Write),
+        f(
+            "owner O_DIRECT write, 06644",
+            0o6644,
+            NOBODY,
+            NOGROUP,
+            NOBODY,
+            Op::DirectWrite,
+        ),
+        f(
+            "owner O_DIRECT write, 06744",
+            0o6744,
+            NOBODY,
+            NOGROUP,
+            NOBODY,
+            Op::DirectWrite,
+        ),
+        f(
+            "owner O_DIRECT write, 06654",
+            0o6654,
+            NOBODY,
+            NOGROUP,
+            NOBODY,
+            Op::DirectWrite,
+        ),
+        f(
+            "owner O_DIRECT write, 06754",
+            0o6754,
+            NOBODY,
+            NOGROUP,
+            NOBODY,
+            Op::DirectWrite,
+        ),
+        f(
+            "user O_DIRECT write, 06777",
+            0o6777,
+            0,
+            0,
+            NOBODY,
+            Op::DirectWrite,
+        ),
+        f(
+            "root O_DIRECT write, 06777",
+            0o6777,
+            0,
+            0,
+            0,
+            Op::DirectWrite,
+        ),
         f("user truncate, 06777", 0o6777, 0, 0, NOBODY, Op::Truncate),
         f(
             "user truncate, 02767 in group",
@@ -153,8 +230,8 @@ fn rows() -> Vec<Row> {
         ),
         f("root open O_TRUNC, 06777", 0o6777, 0, 0, 0, Op::OpenTrunc),
         Row {
-            what: "owner chown(-1,-1) of dir 06755",
-            dir: true,
+            what: "owner chown(-1,-1) of dir 06755".to_string(),
+            node: Node::Dir,
             mode: 0o6755,
             uid: NOBODY,
             gid: NOGROUP,
@@ -162,15 +239,76 @@ fn rows() -> Vec<Row> {
             op: Op::ChownNoop,
         },
         Row {
-            what: "root chown to nobody, dir 06775",
-            dir: true,
+            what: "root chown to nobody, dir 06775".to_string(),
+            node: Node::Dir,
             mode: 0o6775,
             uid: 0,
             gid: 0,
             actor: 0,
             op: Op::Chown(NOBODY),
         },
-    ]
+    ];
+    // Every kind of node (regular files too, as the reference), owned by nobody in root's
+    // group: the owner moves it to its own group in both forms of the call, root chowns
+    // and chgrps it, and the owner chowns it to itself without changing anything.
+    for node in [
+        Node::File,
+        Node::Dir,
+        Node::Fifo,
+        Node::Socket,
+        Node::CharDev,
+        Node::BlockDev,
+    ] {
+        let name = node.name();
+        let row = |what: String, mode, actor, op| Row {
+            what,
+            node,
+            mode,
+            uid: NOBODY,
+            gid: 0,
+            actor,
+            op,
+        };
+        rows.extend([
+            row(
+                format!("owner chown(uid,gid) {name} 06555"),
+                0o6555,
+                NOBODY,
+                Op::ChownBoth(NOBODY, NOGROUP),
+            ),
+            row(
+                format!("owner chown(-1,gid) {name} 06555"),
+                0o6555,
+                NOBODY,
+                Op::Chgrp(NOGROUP),
+            ),
+            row(
+                format!("owner chown(-1,gid) {name} 06545"),
+                0o6545,
+                NOBODY,
+                Op::Chgrp(NOGROUP),
+            ),
+            row(
+                format!("owner chown(uid,-1) {name} 06555"),
+                0o6555,
+                NOBODY,
+                Op::Chown(NOBODY),
+            ),
+            row(
+                format!("root chown(uid,gid) {name} 06545"),
+                0o6545,
+                0,
+                Op::ChownBoth(0, NOGROUP),
+            ),
+            row(
+                format!("root chown(-1,gid) {name} 06755"),
+                0o6755,
+                0,
+                Op::Chgrp(NOGROUP),
+            ),
+        ]);
+    }
+    rows
 }
 
 fn cpath(p: &Path) -> CString {
@@ -183,8 +321,12 @@ fn cpath(p: &Path) -> CString {
 fn run_as(actor: u32, op: Op, path: &Path) -> i32 {
     let c = cpath(path);
     let byte = [b'x'];
+    // 4 KiB at a 4 KiB-aligned address, as O_DIRECT wants.
+    let mut block = vec![b'd'; 8192];
+    let skew = block.as_ptr().align_offset(4096);
+    let aligned = block[skew..skew + 4096].as_mut_ptr();
     // SAFETY: the child calls only async-signal-safe syscalls on memory prepared before the
-    // fork (`c`, `byte`), then _exit; the parent waits for it.
+    // fork (`c`, `byte`, `block`), then _exit; the parent waits for it.
     unsafe {
         let pid = libc::fork();
         assert!(pid >= 0, "fork failed");
@@ -202,6 +344,7 @@ fn run_as(actor: u32, op: Op, path: &Path) -> i32 {
                 Op::ChownNoop => libc::chown(c.as_ptr(), none, none),
                 Op::Chgrp(g) => libc::chown(c.as_ptr(), none, g),
                 Op::Chown(u) => libc::chown(c.as_ptr(), u, none),
+                Op::ChownBoth(u, g) => libc::chown(c.as_ptr(), u, g),
                 Op::Truncate => libc::truncate(c.as_ptr(), 0),
                 Op::Stat => {
                     let mut st: libc::stat = std::mem::zeroed();
@@ -218,9 +361,10 @@ fn run_as(actor: u32, op: Op, path: &Path) -> i32 {
                     }
                     libc::close(fd)
                 }
-                Op::Write | Op::OpenTrunc => {
+                Op::Write | Op::OpenTrunc | Op::DirectWrite => {
                     let flags = match op {
                         Op::Write => libc::O_WRONLY,
+                        Op::DirectWrite => libc::O_RDWR | libc::O_DIRECT,
                         _ => libc::O_WRONLY | libc::O_TRUNC,
                     };
                     let fd = libc::open(c.as_ptr(), flags);
@@ -228,6 +372,11 @@ fn run_as(actor: u32, op: Op, path: &Path) -> i32 {
                         libc::_exit(err());
                     }
                     if matches!(op, Op::Write) && libc::write(fd, byte.as_ptr().cast(), 1) != 1 {
+                        libc::_exit(err());
+                    }
+                    if matches!(op, Op::DirectWrite)
+                        && libc::write(fd, aligned.cast_const().cast(), 4096) != 4096
+                    {
                         libc::_exit(err());
                     }
                     libc::close(fd)
@@ -242,14 +391,28 @@ fn run_as(actor: u32, op: Op, path: &Path) -> i32 {
     }
 }
 
-/// Makes the row's file or directory at `p` (owner, group, then mode: chown would clear
-/// the bits), runs the operation, and returns (errno, resulting mode & 07777).
-fn apply(row: &Row, p: &Path) -> (i32, u32) {
-    if row.dir {
-        fs::create_dir(p).unwrap();
-    } else {
-        fs::write(p, b"data").unwrap();
+/// Makes a node of kind `node` at `p` (as root, mode 0600).
+fn make_node(node: Node, p: &Path) {
+    let dev = |kind: libc::mode_t, major, minor| {
+        let c = cpath(p);
+        // SAFETY: mknod reads the NUL-terminated path `c`, which outlives the call.
+        let r = unsafe { libc::mknod(c.as_ptr(), kind | 0o600, libc::makedev(major, minor)) };
+        assert_eq!(r, 0, "mknod {p:?}: {}", std::io::Error::last_os_error());
+    };
+    match node {
+        Node::File => fs::write(p, b"data").unwrap(),
+        Node::Dir => fs::create_dir(p).unwrap(),
+        Node::Fifo => dev(libc::S_IFIFO, 0, 0),
+        Node::Socket => dev(libc::S_IFSOCK, 0, 0),
+        Node::CharDev => dev(libc::S_IFCHR, 1, 3),
+        Node::BlockDev => dev(libc::S_IFBLK, 7, 0),
     }
+}
+
+/// Makes the row's node at `p` (owner, group, then mode: chown would clear the bits), runs
+/// the operation, and returns (errno, resulting mode & 07777).
+fn apply(row: &Row, p: &Path) -> (i32, u32) {
+    make_node(row.node, p);
     std::os::unix::fs::chown(p, Some(row.uid), Some(row.gid)).unwrap();
     fs::set_permissions(p, fs::Permissions::from_mode(row.mode)).unwrap();
     assert_eq!(
@@ -258,7 +421,28 @@ fn apply(row: &Row, p: &Path) -> (i32, u32) {
         "setup of {p:?}"
     );
     let e = run_as(row.actor, row.op, p);
-    (e, fs::metadata(p).unwrap().mode() & 0o7777)
+    (e, mode_only(p))
+}
+
+/// The mode as `stat -c %A` reads it: statx asking for the mode alone, which the kernel may
+/// answer from what it caches of the inode while its other attributes are stale (after a
+/// write it drops only the size and times; `fs::metadata` asks for everything).
+fn mode_only(p: &Path) -> u32 {
+    let c = cpath(p);
+    // SAFETY: statx reads the NUL-terminated path `c` and writes only into `st`, a zeroed
+    // statx struct owned here; both outlive the call.
+    unsafe {
+        let mut st: libc::statx = std::mem::zeroed();
+        let r = libc::statx(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+            libc::STATX_MODE,
+            &mut st,
+        );
+        assert_eq!(r, 0, "statx {p:?}: {}", std::io::Error::last_os_error());
+        u32::from(st.stx_mode) & 0o7777
+    }
 }
 
 fn on_ext4(dir: &Path) -> bool {
@@ -268,7 +452,21 @@ fn on_ext4(dir: &Path) -> bool {
 
 #[test]
 fn setid_bits_after_chown_write_truncate_match_ext4() {
-    let k = keel_or_skip!();
+    compare_with_ext4(&[]);
+}
+
+/// The same with every write through keel (and the writeback cache): passthrough off.
+#[test]
+fn setid_bits_match_ext4_without_passthrough() {
+    compare_with_ext4(&["--passthrough", "off"]);
+}
+
+/// Runs every row on a keel mount started with `args` and on an ext4 dir; asserts the
+/// results agree.
+fn compare_with_ext4(args: &[&str]) {
+    let Some(k) = support::mount::Keel::start(args) else {
+        return;
+    };
     let ext4 = k.scratch().join("ext4");
     fs::create_dir(&ext4).unwrap();
     if !on_ext4(&ext4) {
@@ -284,7 +482,7 @@ fn setid_bits_after_chown_write_truncate_match_ext4() {
         fs::set_permissions(d, fs::Permissions::from_mode(0o755)).unwrap();
     }
     let mut table = vec![format!(
-        "{:<36} {:>6} {:>10} {:>10}",
+        "{:<40} {:>6} {:>10} {:>10}",
         "operation", "actor", "ext4", "keel"
     )];
     let mut differ = Vec::new();
@@ -301,7 +499,7 @@ fn setid_bits_after_chown_write_truncate_match_ext4() {
         };
         let actor = if row.actor == 0 { "root" } else { "nobody" };
         table.push(format!(
-            "{:<36} {:>6} {:>10} {:>10}{}",
+            "{:<40} {:>6} {:>10} {:>10}{}",
             row.what,
             actor,
             show(e_err, e_mode),
@@ -313,14 +511,14 @@ fn setid_bits_after_chown_write_truncate_match_ext4() {
             }
         ));
         if (e_err, e_mode) != (k_err, k_mode) {
-            differ.push(row.what);
+            differ.push(row.what.clone());
         }
     }
     let table = table.join("\n");
     println!("{table}");
     assert!(
         differ.is_empty(),
-        "keel differs from ext4 in {differ:?}:\n{table}"
+        "keel ({args:?}) differs from ext4 in {differ:?}:\n{table}"
     );
 }
 

@@ -27,6 +27,7 @@ fn fs_512k(dir: &std::path::Path) -> WorkspaceFs {
             inline_max: 4096,
             chunk_size: CS,
             passthrough: Default::default(),
+            posix_acl: Default::default(),
         },
     )
     .unwrap()
@@ -157,6 +158,7 @@ fn bench_fsck_100k_files() {
             quick,
             chunk_size: CS,
             remote: with_remote.then(|| Repo::new(remote.clone(), "")),
+            missing_remote: None,
         };
         let t = Instant::now();
         let rep = fsck(dir.path(), &opts).unwrap();

@@ -142,6 +142,7 @@ fn corrupt_chunk_fails_restore_and_fsck_then_repair_reuploads() {
         quick: false,
         chunk_size: CHUNK,
         remote: Some(repo.clone()),
+        missing_remote: None,
     };
     let rep = fsck(dir.path(), &opts(false)).unwrap();
     assert!(!rep.is_clean());
@@ -157,6 +158,61 @@ fn corrupt_chunk_fails_restore_and_fsck_then_repair_reuploads() {
     assert!(rep.is_clean(), "{:?}", rep.findings);
     assert!(fsck(dir.path(), &opts(false)).unwrap().findings.is_empty());
     restore::restore(&mut repo.clone(), None, target.path()).expect("restore after repair");
+}
+
+/// `keel fsck`'s line says what it checked of the remote: the chunks of a `file://` remote
+/// it verified; "not checked" with `--no-remote`; and a configured `file://` remote that is
+/// not there (not mounted in this container, moved) is an error once something was
+/// checkpointed to it, not a clean "0 remote chunks verified".
+#[test]
+fn fsck_says_what_it_checked_of_a_file_remote() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, remote) = (dir.path().join("state"), dir.path().join("remote"));
+    keel::persist::private::create_dir_all(&state).unwrap();
+    let fs = open_fs(&state);
+    write_file(&fs, "big", &noise(11, 3 * CHUNK as usize));
+    let url = format!("file://{}", remote.display());
+    let repo = keel::persist::open_remote(&url, &Default::default()).unwrap();
+    let mut p = keel::persist::Persister::open(&state, repo, params()).unwrap();
+    checkpoint(&mut p);
+    drop(p);
+    drop(fs);
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, format!("[persist]\nremote = \"{url}\"\n")).unwrap();
+    let fsck = |extra: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(["fsck", "--config"])
+            .arg(&config)
+            .arg("--state")
+            .arg(&state)
+            .args(extra)
+            .output()
+            .unwrap();
+        let text =
+            String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+        (o.status.code(), text)
+    };
+    let (code, out) = fsck(&[]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains(", 3 remote chunks verified; 0 errors"),
+        "{out}"
+    );
+    let (code, out) = fsck(&["--no-remote"]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("the remote not checked; 0 errors"), "{out}");
+    // The remote elsewhere: an error naming it, nothing created at its path.
+    std::fs::rename(&remote, dir.path().join("moved")).unwrap();
+    let (code, out) = fsck(&[]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(&format!(
+            "error: remote {url} is not there, but snapshot 1 was checkpointed to it"
+        )),
+        "{out}"
+    );
+    assert!(out.contains("the remote not checked; 1 errors"), "{out}");
+    assert!(!remote.exists(), "fsck created the missing remote");
 }
 
 #[test]
@@ -257,6 +313,7 @@ fn remote_failing_at_every_step_loses_nothing() {
             quick: false,
             chunk_size: CHUNK,
             remote: Some(Repo::new(remote, "ws")),
+            missing_remote: None,
         },
     )
     .unwrap();

@@ -668,6 +668,242 @@ fn gc_spares_a_chunk_refreshed_after_it_listed_the_store() {
     drop(fs);
 }
 
+/// An origin at `<root>/origin` (seen through a `hooked` tap) whose snapshot 1 holds
+/// `doomed` (three chunks) and whose snapshot 2, the head, a full one, no longer does; the
+/// origin's state dir stays open. The snapshot object 1 and the chunks of `doomed` are made
+/// two hours old (past `GRACE`) when `age_snapshot` says so, else only the chunks.
+struct Dropped {
+    root: tempfile::TempDir,
+    cfg: PersistConfig,
+    plain: Repo,
+    hook: Arc<Hook>,
+    origin: Repo,
+    doomed: Vec<u8>,
+    at_1: BTreeMap<String, String>,
+    _dir: tempfile::TempDir,
+    fs: keel::workspace::fs::WorkspaceFs,
+    p: Persister,
+}
+
+fn dropped_snapshot(age_snapshot: bool) -> Dropped {
+    let root = tempfile::tempdir().unwrap();
+    let cfg = PersistConfig::default();
+    let o_url = format!("file://{}/origin", root.path().display());
+    let mut plain = open_remote(&o_url, &cfg).unwrap();
+    plain.manifest().unwrap();
+    let (tapped, hook) = hooked(plain.remote.clone());
+    let mut origin = Repo::new(tapped, plain.ws());
+    origin.manifest().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    write_file(&fs, "stays", &noise(70, CHUNK as usize));
+    let doomed = noise(71, 3 * CHUNK as usize);
+    write_file(&fs, "doomed", &doomed);
+    let mut p = Persister::open(dir.path(), origin.clone(), params()).unwrap();
+    assert_eq!(checkpoint(&mut p).seq, Some(1));
+    let at_1 = dump(&fs);
+    fs.unlink(keel::meta::InodeNo::ROOT, b"doomed").unwrap();
+    let r = p
+        .checkpoint(&CheckpointOptions {
+            full: true,
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(r.seq, Some(2));
+    let mut old: Vec<String> = window_ids(&doomed)
+        .iter()
+        .map(|id| origin.chunk_key(id))
+        .collect();
+    if age_snapshot {
+        old.push(origin.snapshot_key(1));
+    }
+    set_age(&origin, &old, SystemTime::now() - Duration::from_secs(7200));
+    Dropped {
+        root,
+        cfg,
+        plain,
+        hook,
+        origin,
+        doomed,
+        at_1,
+        _dir: dir,
+        fs,
+        p,
+    }
+}
+
+/// `keel fork --seq 1` while a gc of the origin that drops snapshot 1 runs: the gc read the
+/// fork records before the fork registered, and reaches snapshot 1 just as the fork begins.
+/// The fork waits for that gc to end, then finds snapshot 1 gone and makes no fork; it never
+/// names chunks the gc deletes. (Before, it read snapshot 1 at once, and the gc then deleted
+/// the chunks of `doomed` under the finished fork.) A fork of the head in the same race waits
+/// too, and is whole.
+#[test]
+fn a_fork_racing_a_gc_of_its_source_never_names_a_chunk_that_gc_deletes() {
+    let Dropped {
+        root,
+        cfg,
+        plain,
+        hook,
+        origin,
+        doomed,
+        at_1: _,
+        _dir,
+        fs,
+        p,
+    } = dropped_snapshot(true);
+    let f_url = format!("file://{}/fork", root.path().display());
+    for seq in [1u64, 2] {
+        // What the fork does, seen from the test: it finished, or it is waiting for the gc
+        // (it reads the gc's marker).
+        let state: Arc<(Mutex<Option<&'static str>>, std::sync::Condvar)> = Arc::default();
+        let tell = |state: &Arc<(Mutex<Option<&'static str>>, std::sync::Condvar)>, what| {
+            *state.0.lock().unwrap() = Some(what);
+            state.1.notify_all();
+        };
+        let st = state.clone();
+        let watched = Tap::new(plain.remote.clone(), move |op, key| {
+            if op == "get" && key.contains("gc-running/") {
+                tell(&st, "waits");
+            }
+        });
+        let mut src = Repo::new(watched, plain.ws());
+        src.manifest().unwrap();
+        let (mut dst, _) = open(&format!("{f_url}{seq}"), &cfg);
+        let forked = Arc::new(Mutex::new(None));
+        let (out, st) = (forked.clone(), state.clone());
+        // The gc is about to delete snapshot 1 (the second round: an old chunk nothing
+        // names, as a checkpoint that died leaves).
+        let at = if seq == 1 {
+            origin.snapshot_key(1)
+        } else {
+            stale_chunks(&origin, &noise(72, CHUNK as usize)).remove(0)
+        };
+        hook.arm("head", &at, move || {
+            let t = std::thread::spawn(move || {
+                let r = fork(&mut src, &mut dst, Some(seq));
+                tell(&st, "done");
+                r
+            });
+            let (m, cv) = &*state;
+            let g = cv
+                .wait_timeout_while(m.lock().unwrap(), Duration::from_secs(120), |s| s.is_none())
+                .unwrap()
+                .0;
+            assert!(g.is_some(), "the fork neither finished nor waited");
+            *out.lock().unwrap() = Some(t);
+        });
+        let g = gc::gc(&mut origin.clone(), Some(p.store()), 1, GRACE).expect("gc");
+        assert!(hook.fired(), "{g}");
+        let t = forked.lock().unwrap().take().unwrap();
+        let r = t.join().unwrap();
+        if seq == 1 {
+            assert_eq!(g.snapshots_deleted, 1, "{g}");
+            assert_eq!(present(&origin, &window_ids(&doomed)), 0, "{g}");
+            let e = r.expect_err("a fork of a snapshot the gc took was made");
+            assert!(
+                matches!(
+                    e,
+                    keel::persist::fork::ForkError::LoadSnapshot { seq: 1, .. }
+                ),
+                "{e}"
+            );
+            // Nothing of it is left: no manifest, no record.
+            assert!(!root.path().join("fork1/keel-workspace.json").exists());
+            assert_eq!(
+                std::fs::read_dir(root.path().join("origin/forks"))
+                    .unwrap()
+                    .count(),
+                0
+            );
+        } else {
+            let r = r.expect("fork of the head");
+            assert_eq!(r.seq, 2);
+            let (dir, got) = restore_dump(&format!("{f_url}2"), &cfg);
+            assert_eq!(got, dump(&fs));
+            fsck_clean(dir.path(), &format!("{f_url}2"), &cfg);
+        }
+    }
+    drop(fs);
+}
+
+/// gc leaves a dropped snapshot that is younger than the grace window in place, and while
+/// it is there it can be read: the chunks it names stay with it, even old ones no kept
+/// snapshot names. A fork of it (or a restore) is whole.
+#[test]
+fn a_young_dropped_snapshot_keeps_its_chunks_until_it_goes() {
+    let Dropped {
+        root,
+        cfg,
+        plain: _,
+        hook: _,
+        origin,
+        doomed,
+        at_1,
+        _dir,
+        fs,
+        p,
+    } = dropped_snapshot(false);
+    let g = gc::gc(&mut origin.clone(), Some(p.store()), 1, GRACE).expect("gc");
+    assert_eq!((g.snapshots_deleted, g.chunks_deleted), (0, 0), "{g}");
+    assert_eq!(present(&origin, &window_ids(&doomed)), 3, "{g}");
+    let f_url = format!("file://{}/fork", root.path().display());
+    let (mut dst, _) = open(&f_url, &cfg);
+    fork(&mut origin.clone(), &mut dst, Some(1)).expect("fork of snapshot 1");
+    let (dir, got) = restore_dump(&f_url, &cfg);
+    assert_eq!(got, at_1);
+    fsck_clean(dir.path(), &f_url, &cfg);
+    drop(fs);
+}
+
+/// A checkpoint-in-flight marker its checkpoint no longer renews (the checkpoint died: its
+/// keel was killed) holds no sharing gc back; one that is renewed does.
+#[test]
+fn a_checkpoint_in_flight_marker_nobody_renews_holds_no_gc_back() {
+    let Forked {
+        root: _root,
+        cfg: _,
+        o_url: _,
+        hook: _,
+        origin,
+        fork_repo,
+        dir: _dir,
+        fs,
+        p: _,
+    } = origin_and_fork(&noise(80, CHUNK as usize));
+    let now = keel::persist::checkpoint::now_ns();
+    let hour = 3600 * 1_000_000_000i64;
+    for (expires, kept) in [(now - 1_000_000_000, false), (now + hour, true)] {
+        let data = noise(81 + u64::from(kept), 2 * CHUNK as usize);
+        stale_chunks(&origin, &data);
+        // Began three hours ago, before the (two hours old) chunks were written.
+        let m = keel::persist::fork::InFlight {
+            started_ns: now - 3 * hour,
+            expires_ns: Some(expires),
+        };
+        origin
+            .remote
+            .put(
+                &origin.in_flight_key(),
+                Bytes::from(serde_json::to_vec(&m).unwrap()),
+                PutMode::Overwrite,
+            )
+            .unwrap();
+        let g = gc::gc(&mut fork_repo.clone(), None, 1, GRACE).expect("fork gc");
+        let left = present(&origin, &window_ids(&data));
+        if kept {
+            assert_eq!((left, g.chunks_deleted), (2, 0), "a live marker: {g}");
+        } else {
+            assert_eq!(
+                (left, g.chunks_deleted),
+                (0, 2),
+                "a marker that ran out: {g}"
+            );
+        }
+    }
+    drop(fs);
+}
+
 fn keel(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_keel"))
         .args(args)

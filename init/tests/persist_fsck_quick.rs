@@ -22,6 +22,7 @@ fn quick(state: &Path, repo: &Repo) -> FsckReport {
             quick: true,
             chunk_size: CHUNK,
             remote: Some(repo.clone()),
+            missing_remote: None,
         },
     )
     .unwrap();

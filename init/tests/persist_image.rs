@@ -66,7 +66,7 @@ fn source() -> (tempfile::TempDir, Arc<dyn Remote>) {
         },
     )
     .unwrap();
-    fs.setxattr(multi, b"user.new", b"x", 0).unwrap();
+    fs.setxattr(ROOT, multi, b"user.new", b"x", 0).unwrap();
     fs.link(multi, many, b"multi-link").unwrap();
     write_file(&fs, "late", &noise(7, 2 * CHUNK as usize + 3));
     assert!(!checkpoint(&mut p).full);
@@ -176,6 +176,7 @@ fn fsck_of(state: &Path, remote: &Arc<dyn Remote>, quick: bool) -> keel::persist
             quick,
             chunk_size: CHUNK,
             remote: Some(repo(remote)),
+            missing_remote: None,
         },
     )
     .unwrap()

@@ -429,6 +429,7 @@ fn fsck_does_not_call_unfetched_windows_corrupt() {
         quick: false,
         chunk_size: CHUNK,
         remote: Some(Repo::new(l.remote.clone(), "ws")),
+        missing_remote: None,
     };
     let rep = fsck(l.dst.path(), &opts).unwrap();
     let bad: Vec<_> = rep

@@ -96,19 +96,35 @@ fn abandoned_lease_refuse_wait_force_and_the_old_holder_is_fenced() {
     let Some((_moto, port)) = start_moto() else {
         return;
     };
-    let ttl = Duration::from_secs(2);
-    let c = cfg(port, "expiry", ttl, Takeover::Refuse);
+    // Leases long enough that no stall of a loaded machine lets one run out by itself.
+    let c = cfg(port, "expiry", Duration::from_secs(30), Takeover::Refuse);
     let dir = tempfile::tempdir().unwrap();
 
     // Killed without releasing: the lease stays live until it expires.
     let dead_dir = tempfile::tempdir().unwrap();
     let dead = acquire_lease(dead_dir.path(), &c, false).unwrap().unwrap();
-    let t_dead = Instant::now();
     drop(dead);
     let e = acquire_lease(dir.path(), &c, false)
         .err()
         .expect("refused while live");
     assert!(e.to_string().contains("epoch 1"), "{e}");
+    // Its last renewal left it 2 s to live (written here, as that renewal would have).
+    let ttl = Duration::from_secs(2);
+    let remote = open_remote(&c.remote, &c).unwrap();
+    let key = remote.lease_key();
+    let mut rec: keel::persist::lease::LeaseRecord =
+        serde_json::from_slice(&remote.remote.get(&key).unwrap()).unwrap();
+    let t_dead = Instant::now();
+    rec.expires_ns = keel::persist::checkpoint::now_ns() + ttl.as_nanos() as i64;
+    rec.ttl_ms = ttl.as_millis() as u64;
+    remote
+        .remote
+        .put(
+            &key,
+            bytes::Bytes::from(serde_json::to_vec(&rec).unwrap()),
+            keel::persist::remote::PutMode::Overwrite,
+        )
+        .unwrap();
     let waited = acquire_lease(
         dir.path(),
         &PersistConfig {
@@ -119,8 +135,9 @@ fn abandoned_lease_refuse_wait_force_and_the_old_holder_is_fenced() {
     )
     .unwrap()
     .unwrap();
+    // The expiry was set after `t_dead` (the slack is the wall clock's granularity).
     assert!(
-        t_dead.elapsed() >= ttl - Duration::from_millis(200),
+        t_dead.elapsed() >= ttl - Duration::from_millis(20),
         "wait returned before the lease expired ({:?})",
         t_dead.elapsed()
     );
@@ -268,20 +285,23 @@ fn remote_cut_mid_checkpoint_is_retried_and_nothing_is_lost() {
     }
     proxy.cut();
     let mut errors = Vec::new();
+    // Until keel has tried the cut remote (and been refused) a few times; nothing may be
+    // checkpointed meanwhile. (A hang guard only.)
     let cut_at = Instant::now();
-    while cut_at.elapsed() < Duration::from_secs(4) {
+    while proxy.refused() < 3 {
         let st = svc.published_state();
         assert!(
             st.last_seq.is_none(),
             "checkpoint finished through a cut remote"
         );
         errors.extend(st.last_error);
+        assert!(
+            cut_at.elapsed() < Duration::from_secs(180),
+            "keel did not try the remote while it was cut"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(
-        proxy.refused() > 0,
-        "keel did not try the remote while it was cut"
-    );
+    assert!(svc.published_state().last_seq.is_none());
     proxy.restore();
     let t1 = Instant::now();
     let st = loop {
@@ -338,12 +358,10 @@ fn errors_are_classified_and_never_carry_credentials() {
     let Some((_moto, port)) = start_moto() else {
         return;
     };
-    // Nothing listening: temporary, retried until the deadline, then reported.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // Nothing listening: temporary, retried until the deadline, then reported. The port is
+    // bound and never listened on, so it stays ours and refuses every connection (a port
+    // freed again could be taken by another test meanwhile).
+    let (_refusing, closed) = support::sys::refusing_port().unwrap();
     let c = cfg(closed, "nowhere", Duration::from_secs(30), Takeover::Refuse);
     let repo = open_remote(&c.remote, &c).unwrap();
     let t0 = Instant::now();
@@ -358,7 +376,8 @@ fn errors_are_classified_and_never_carry_credentials() {
             .unwrap_err()
     };
     assert!(e.is_temporary(), "{e}");
-    assert!(t0.elapsed() < Duration::from_secs(10), "deadline ignored");
+    // A hang guard: the deadline is 2 s, the retries without it would go on much longer.
+    assert!(t0.elapsed() < Duration::from_secs(60), "deadline ignored");
     no_secret("connection error", &e.to_string());
     no_secret("connection error (debug)", &format!("{e:?}"));
     let le = acquire_lease(Path::new("/nonexistent"), &c, false)
@@ -391,7 +410,8 @@ fn service_state_reports_failures_and_the_lost_lease() {
     };
     let c = PersistConfig {
         interval: Duration::ZERO,
-        ..cfg(port, "svc", Duration::from_secs(3), Takeover::Refuse)
+        // Long enough that no stall of a loaded machine loses it before the takeover.
+        ..cfg(port, "svc", Duration::from_secs(15), Takeover::Refuse)
     };
     let dir = tempfile::tempdir().unwrap();
     let fs = open_fs(dir.path());
@@ -428,7 +448,11 @@ fn service_state_reports_failures_and_the_lost_lease() {
     // The renewal (every ttl/3) notices by itself, without a checkpoint.
     let t0 = Instant::now();
     while svc.published_state().lease.unwrap().state != LeaseState::Lost {
-        assert!(t0.elapsed() < Duration::from_secs(5), "loss never noticed");
+        // A hang guard: the renewal runs every ttl/3 (5 s).
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "loss never noticed"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let lost = svc.published_state().lease.unwrap();
@@ -465,7 +489,7 @@ fn persist_status(state: &Path) -> String {
             return s;
         }
         assert!(
-            t0.elapsed() < Duration::from_secs(30),
+            t0.elapsed() < support::mount::READY_TIMEOUT,
             "keel never answered on persist.sock"
         );
         std::thread::sleep(Duration::from_millis(50));

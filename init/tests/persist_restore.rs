@@ -47,6 +47,7 @@ fn fsck_clean(state: &Path, remote: &Arc<dyn Remote>) {
             quick: false,
             chunk_size: CHUNK,
             remote: Some(Repo::new(remote.clone(), "ws")),
+            missing_remote: None,
         },
     )
     .unwrap();

@@ -624,7 +624,6 @@ fn api_rollback_takes_writes_still_in_the_kernel_cache() {
 /// tree). Under `keel mount` it is refused with one line.
 #[test]
 fn rollback_restart_stops_and_starts_the_main_command() {
-    use std::time::Duration;
     let Some(mut k) = Keel::start(&[]) else {
         return;
     };
@@ -658,7 +657,7 @@ fn rollback_restart_stops_and_starts_the_main_command() {
     };
     let cfg = k.path("config.toml");
     let cfg_s = cfg.to_str().unwrap();
-    let up = support::mount::poll_for(Duration::from_secs(60), || {
+    let up = support::mount::poll_for(support::mount::READY_TIMEOUT, || {
         (pids().len() == 1).then_some(())
     });
     assert!(
@@ -678,7 +677,7 @@ fn rollback_restart_stops_and_starts_the_main_command() {
     ]))
     .unwrap();
     assert_eq!(v["restarted"], true, "{v}");
-    let again = support::mount::poll_for(Duration::from_secs(30), || {
+    let again = support::mount::poll_for(support::mount::READY_TIMEOUT, || {
         (pids().len() == 2).then_some(())
     });
     assert!(
@@ -692,7 +691,7 @@ fn rollback_restart_stops_and_starts_the_main_command() {
         "the first main process {first} still runs"
     );
     assert!(!ws.join("extra").exists(), "the rollback left a later file");
-    let runs = support::mount::poll_for(Duration::from_secs(10), || {
+    let runs = support::mount::poll_for(support::mount::READY_TIMEOUT, || {
         (fs::read_to_string(ws.join("runs")).unwrap_or_default() == "started\nstarted\n")
             .then_some(())
     });

@@ -78,6 +78,7 @@ fn restore_roundtrip_across_deltas_and_compaction() {
             _ => {
                 let _ = fs.unlink(keel::meta::InodeNo::ROOT, b"hardlink");
                 fs.setxattr(
+                    ROOT,
                     resolve(&fs, "d"),
                     format!("user.r{round}").as_bytes(),
                     b"x",

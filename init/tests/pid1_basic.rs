@@ -159,7 +159,7 @@ fn init_table_sets_limits_umask_and_env() {
 }
 
 #[test]
-fn services_lose_cap_sys_admin_and_can_run_as_a_user() {
+fn services_lose_cap_sys_admin_and_dac_read_search_and_can_run_as_a_user() {
     if !require_root("capability bounding set test") {
         return;
     }
@@ -172,6 +172,11 @@ fn services_lose_cap_sys_admin_and_can_run_as_a_user() {
     let sys_admin = 1u64 << 21;
     assert_eq!(status_mask(&s, "CapBnd:") & sys_admin, 0, "{s}");
     assert_eq!(status_mask(&s, "CapEff:") & sys_admin, 0, "{s}");
+    // Nor CAP_DAC_READ_SEARCH: open_by_handle_at would reach the state volume's files past
+    // the covers over the state dir.
+    let dac_read_search = 1u64 << 2;
+    assert_eq!(status_mask(&s, "CapBnd:") & dac_read_search, 0, "{s}");
+    assert_eq!(status_mask(&s, "CapEff:") & dac_read_search, 0, "{s}");
     assert_ne!(
         status_mask(&s, "CapEff:"),
         0,

@@ -2,7 +2,8 @@
 //! without them): everything keel starts runs in a mount namespace where the state dir and the
 //! credentials file are empty and read-only (a Secret volume's whole directory, across a
 //! rotation), without the remote's credentials, the control token or `[init] secret_env` in
-//! its environment (unless `pass_env` names them), and cannot read keel's
+//! its environment (unless `pass_env` names them), cannot read a workspace file an ACL entry
+//! denies it (as an unprivileged user, nor remove that entry), and cannot read keel's
 //! `/proc/<pid>/{environ,root}` (keel is not dumpable); `keel status` and `keel checkpoint`
 //! still work from inside over the control socket, for whom `[control] group` allows, and
 //! snapshots, diffs and rollbacks only for root; a mount keel makes after the start still
@@ -111,6 +112,18 @@ fn the_sandbox_sees_no_state_no_credentials_and_cannot_read_keel() {
         head -c 1 /proc/$PPID/mem >/dev/null 2>&1 && echo "ATTEMPT opened keel's mem"
         perl -e 'exit(syscall(101, 16, $ARGV[0], 0, 0) == 0 ? 0 : 1)' $PPID && echo "ATTEMPT ptrace-attached keel"
         umount -l {st} 2>/dev/null && echo "ATTEMPT uncovered the state dir"
+        # An unprivileged user denied by an ACL entry on a file it could otherwise read.
+        chmod 755 $D $D/ws
+        printf '%s' {CONTENT} > $D/ws/acl-denied && chmod 644 $D/ws/acl-denied
+        setfacl -m u:65534:--- $D/ws/acl-denied || echo "ATTEMPT-FAILED setfacl"
+        printf readable > $D/ws/acl-control && chmod 644 $D/ws/acl-control
+        U="setpriv --reuid=65534 --regid=65534 --clear-groups"
+        $U cat $D/ws/acl-control >/dev/null && echo "acl-control-read"
+        $U cat $D/ws/acl-denied 2>/dev/null && echo "ATTEMPT nobody read a file an ACL entry denies"
+        $U setfacl -b $D/ws/acl-denied 2>/dev/null && echo "ATTEMPT nobody removed the ACL"
+        $U chmod 666 $D/ws/acl-denied 2>/dev/null && echo "ATTEMPT nobody changed the mode"
+        $U setfattr -x system.posix_acl_access $D/ws/acl-denied 2>/dev/null && echo "ATTEMPT nobody removed the ACL xattr"
+        $U cat $D/ws/acl-denied 2>/dev/null && echo "ATTEMPT nobody read the file after all"
         env > $D/main.env
         while [ ! -s $D/svc.env ]; do sleep 0.05; done
         cat $D/ws/secret; echo
@@ -122,6 +135,7 @@ fn the_sandbox_sees_no_state_no_credentials_and_cannot_read_keel() {
     let log = k.log_text();
     assert_eq!(code, 0, "stdout:\n{out}\nlog:\n{log}");
     assert!(out.contains("state-entries=0\n"), "{out}");
+    assert!(out.contains("acl-control-read\n"), "{out}");
     assert!(!out.contains("ATTEMPT"), "an attempt succeeded:\n{out}");
     assert!(
         out.contains(CONTENT),
@@ -215,6 +229,68 @@ fn keel_status_and_checkpoint_work_from_inside_for_root_and_the_configured_group
     assert!(!out.contains("ATTEMPT"), "{out}");
     assert!(out.contains("750 65533\n660 65533\n"), "{out}");
     assert!(!out.contains(FILE_SECRET) && !out.contains(ENV_SECRET));
+}
+
+/// A keel that is not PID 1 keeps its control socket in the state dir (no `[control]
+/// socket`): the sandbox, which sees the state dir empty, still finds it there (bound into
+/// the cover, read-only), for root and the configured group; it cannot remove, move, chmod
+/// or unmount it, or write beside it.
+#[test]
+fn the_default_control_socket_of_a_keel_that_is_not_pid_1_is_reachable_from_inside() {
+    if !require_root_and_fuse("isolation test") {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let st = state.path().display().to_string();
+    let script = format!(
+        r#"
+        chmod 755 $D; cp {KEEL} $D/keel; chmod 755 $D/keel   # the build dir may be root's only
+        echo "state-entries=$(ls -A {st} | tr '\n' ' ')"
+        $D/keel status --config $D/config.toml >/dev/null && echo "root-status-ok"
+        $D/keel checkpoint --config $D/config.toml >/dev/null && echo "root-checkpoint-ok"
+        $D/keel snapshot create --name s1 --config $D/config.toml >/dev/null && echo "root-snapshot-ok"
+        setpriv --reuid=65534 --regid=65534 --groups=65533 $D/keel status --config $D/config.toml >/dev/null && echo "group-status-ok"
+        setpriv --reuid=65534 --regid=65534 --clear-groups $D/keel status --config $D/config.toml >/dev/null 2>&1 && echo "ATTEMPT other user got the status"
+        rm -f {st}/control.sock 2>/dev/null && echo "ATTEMPT removed the control socket"
+        mv {st}/control.sock {st}/moved 2>/dev/null && echo "ATTEMPT moved the control socket"
+        chmod 666 {st}/control.sock 2>/dev/null && echo "ATTEMPT changed the control socket's mode"
+        umount {st}/control.sock 2>/dev/null && echo "ATTEMPT unmounted the control socket"
+        touch {st}/planted 2>/dev/null && echo "ATTEMPT wrote into the state dir"
+        stat -c 'socket %a %g' {st}/control.sock
+        $D/keel status --config $D/config.toml >/dev/null && echo "root-status-still-ok"
+        "#
+    );
+    let text = config(state.path(), "", "group = \"65533\"")
+        .replace("socket = \"$D/run/control.sock\"\n", "")
+        .replace("credentials_file = \"$D/creds\"\n", "");
+    assert!(!text.contains("socket ="), "{text}");
+    let mut k = start_with(&text, &["sh", "-c", &script], Opts::default());
+    let (code, _) = k.wait();
+    let out = k.stdout();
+    assert_eq!(code, 0, "stdout:\n{out}\nlog:\n{}", k.log_text());
+    for want in [
+        "state-entries=control.sock \n",
+        "root-status-ok",
+        "root-checkpoint-ok",
+        "root-snapshot-ok",
+        "group-status-ok",
+        "socket 660 65533\n",
+        "root-status-still-ok",
+    ] {
+        assert!(
+            out.contains(want),
+            "{want} missing:\n{out}\nlog:\n{}",
+            k.log_text()
+        );
+    }
+    assert!(!out.contains("ATTEMPT"), "an attempt succeeded:\n{out}");
+    assert!(!state.path().join("planted").exists());
+    assert!(
+        k.log_text()
+            .contains("the control socket stays reachable there"),
+        "{}",
+        k.log_text()
+    );
 }
 
 #[test]

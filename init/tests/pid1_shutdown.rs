@@ -1,6 +1,11 @@
 //! The ordered stop and services: waiting exactly as long as a service needs, SIGKILL at the
 //! grace deadline, a second stop signal escalating, reverse dependency order, readiness
 //! probes gating dependents, and restart policies with backoff.
+//!
+//! No outcome here depends on how fast the machine is: times are checked from below (keel
+//! did not act before it should), and "keel did not wait longer" is shown by a grace of an
+//! hour that the test would hang on (the harness gives up long before), by the order of
+//! keel's log lines, or by the delays keel announces.
 
 mod support;
 
@@ -20,16 +25,14 @@ fn term_and_wait(k: &mut Keel) -> (i32, Duration) {
 #[test]
 fn stop_waits_only_as_long_as_the_service_needs() {
     let script = "trap 'sleep 1; exit 0' TERM; touch $D/ready; while :; do sleep 0.05; done";
+    // Waiting for the grace would outlast the harness's patience.
     let mut k = start(
-        &config("", "[shutdown]\ngrace = \"5s\""),
+        &config("", "[shutdown]\ngrace = \"1h\""),
         &["sh", "-c", script],
     );
     let (code, took) = term_and_wait(&mut k);
     assert_eq!(code, 0, "{}", k.log_text());
-    assert!(
-        took >= Duration::from_millis(950) && took < Duration::from_millis(2500),
-        "{took:?}"
-    );
+    assert!(took >= Duration::from_millis(950), "{took:?}");
     assert!(!k.log_text().contains("SIGKILL"), "{}", k.log_text());
 }
 
@@ -42,10 +45,7 @@ fn service_ignoring_sigterm_is_killed_at_the_grace_deadline() {
     );
     let (code, took) = term_and_wait(&mut k);
     assert_eq!(code, 137, "{}", k.log_text());
-    assert!(
-        took >= Duration::from_millis(950) && took < Duration::from_millis(2500),
-        "{took:?}"
-    );
+    assert!(took >= Duration::from_millis(950), "{took:?}");
     assert!(
         k.log_text().contains("grace 1.000s expired"),
         "{}",
@@ -57,17 +57,15 @@ fn service_ignoring_sigterm_is_killed_at_the_grace_deadline() {
 fn second_stop_signal_escalates_at_once() {
     let script = "trap '' TERM INT; touch $D/ready; while :; do sleep 0.05; done";
     let mut k = start(
-        &config("", "[shutdown]\ngrace = \"60s\""),
+        &config("", "[shutdown]\ngrace = \"1h\""),
         &["sh", "-c", script],
     );
     k.wait_file("ready");
     k.signal(Signal::SIGTERM);
     k.wait_log("stop: forwarded SIGTERM");
-    let t = Instant::now();
     k.signal(Signal::SIGINT);
     let (code, _) = k.wait();
     assert_eq!(code, 137, "{}", k.log_text());
-    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     assert!(
         k.log_text().contains("second stop signal"),
         "{}",
@@ -98,14 +96,13 @@ fn services_start_in_dependency_order_after_readiness_and_stop_in_reverse() {
     let main =
         "test -e $D/up-web && test -e $D/up-db && test -e $D/up-cache && echo start main >> $D/log";
     let mut k = start(&config("", &rest), &["sh", "-c", main]);
-    let (code, took) = k.wait();
+    let (code, _) = k.wait();
     assert_eq!(
         code,
         0,
         "main ran before its services were ready: {}",
         k.log_text()
     );
-    assert!(took < Duration::from_secs(4), "{took:?}");
     let log = read(&k.path("log"));
     let lines: Vec<&str> = log.lines().collect();
     let pos = |l: &str| {
@@ -134,19 +131,18 @@ fn a_straggler_in_mains_group_does_not_delay_stopping_services() {
         took >= Duration::from_millis(1400),
         "the straggler needs SIGKILL: {took:?}"
     );
+    // db was stopped as soon as main's own process ended, not when the straggler's grace
+    // ran out: its SIGTERM comes before the grace expired.
     let log = k.log_text();
-    let line = log
-        .lines()
-        .find(|l| l.contains("stop: sent SIGTERM to service db"))
-        .unwrap_or_else(|| panic!("{log}"));
-    let after: f64 = line
-        .rsplit("after ")
-        .next()
-        .unwrap()
-        .trim_end_matches('s')
-        .parse()
-        .unwrap();
-    assert!(after < 1.0, "db was stopped only at {after}s: {log}");
+    let at = |what: &str| {
+        log.lines()
+            .position(|l| l.contains(what))
+            .unwrap_or_else(|| panic!("no `{what}` in {log}"))
+    };
+    assert!(
+        at("stop: sent SIGTERM to service db") < at("stop: grace 1.500s expired"),
+        "db was stopped only with the straggler: {log}"
+    );
     assert!(read(&k.path("log")).contains("stop db"));
 }
 
@@ -193,9 +189,8 @@ fn readiness_http_probe_gates_the_main_command() {
 fn readiness_timeout_stops_everything() {
     let rest = "[[service]]\nname = \"slow\"\ncommand = \"exec sleep 30\"\nready = { file = \"/nonexistent/x\", timeout = \"300ms\" }\n";
     let mut k = start(&config("", rest), &["touch", "$D/started"]);
-    let (code, took) = k.wait();
+    let (code, _) = k.wait();
     assert_eq!(code, 1, "{}", k.log_text());
-    assert!(took < Duration::from_secs(3), "{took:?}");
     assert!(
         k.log_text().contains("service slow not ready after 0.300s"),
         "{}",
@@ -209,9 +204,8 @@ fn readiness_timeout_applies_to_a_service_that_keeps_crashing() {
     let rest = "[[service]]\nname = \"crashy\"\ncommand = \"exit 1\"\nrestart = \"always\"\n\
                 ready = { file = \"/nonexistent/x\", timeout = \"400ms\" }\n";
     let mut k = start(&config("", rest), &["touch", "$D/started"]);
-    let (code, took) = k.wait();
+    let (code, _) = k.wait();
     assert_eq!(code, 1, "{}", k.log_text());
-    assert!(took < Duration::from_secs(3), "{took:?}");
     assert!(
         k.log_text().contains("service crashy not ready"),
         "{}",
@@ -225,42 +219,70 @@ fn stop_signal_before_main_starts_reports_128_plus_n() {
     let rest = "[[service]]\nname = \"never-ready\"\ncommand = \"touch $D/ready; exec sleep 30\"\n\
                 ready = { file = \"/nonexistent/x\" }\n";
     let mut k = start(&config("", rest), &["touch", "$D/started"]);
-    let (code, took) = term_and_wait(&mut k);
+    let (code, _) = term_and_wait(&mut k);
     assert_eq!(code, 128 + 15, "{}", k.log_text());
-    assert!(took < Duration::from_secs(3), "{took:?}");
     assert!(!k.path("started").exists());
 }
 
-/// Runs one restarting service until main has seen `lines` starts (plus a settle time in
-/// which no more may appear) and returns the start times.
-fn restarts(policy: &str, exit: i32, max: u32, lines: usize) -> Vec<f64> {
+/// Runs one restarting service until keel has logged the end of its `lines`-th run, and
+/// returns the start times and what keel said at each end (the last one is its decision
+/// not to restart any more: no settle time in which a wrong restart might or might not show).
+fn restarts(policy: &str, exit: i32, max: u32, lines: usize) -> (Vec<f64>, Vec<String>) {
     let rest = format!(
         "[[service]]\nname = \"flaky\"\ncommand = \"date +%s.%N >> $D/starts; exit {exit}\"\n\
          restart = \"{policy}\"\nrestart_delay = \"100ms\"\nrestart_max_delay = \"300ms\"\nmax_restarts = {max}\n"
     );
-    let main = format!("while [ $(cat $D/starts 2>/dev/null | wc -l) -lt {lines} ]; do sleep 0.02; done; sleep 0.8");
+    let main = format!(
+        "while [ $(grep -c 'service flaky (pid [0-9]*) ended' $D/keel.stderr) -lt {lines} ]; do sleep 0.02; done"
+    );
     let mut k = start(&config("", &rest), &["sh", "-c", &main]);
     assert_eq!(k.wait().0, 0, "{}", k.log_text());
-    read(&k.path("starts"))
+    let ends = k
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("service flaky (pid") && l.contains(") ended: "))
+        .map(|l| l.split(") ended: ").nth(1).unwrap_or(l).to_string())
+        .collect();
+    let starts = read(&k.path("starts"))
         .lines()
         .map(|l| l.parse().unwrap())
-        .collect()
+        .collect();
+    (starts, ends)
 }
 
 #[test]
 fn on_failure_restarts_with_doubling_backoff_up_to_the_limit() {
-    let t = restarts("on-failure", 3, 4, 5);
+    let (t, ends) = restarts("on-failure", 3, 4, 5);
     assert_eq!(t.len(), 5, "1 start + 4 restarts, then it gives up: {t:?}");
+    // 100ms, 200ms, then capped at 300ms: announced by keel, and no run came sooner.
+    for (i, want) in ["0.100s", "0.200s", "0.300s", "0.300s"].iter().enumerate() {
+        let said = format!("restart {} of 4 in {want}", i + 1);
+        assert!(
+            ends[i].ends_with(&said),
+            "run {i}: {:?}, want `{said}`",
+            ends[i]
+        );
+    }
+    assert!(ends[4].ends_with("gave up after 4 restarts"), "{ends:?}");
     let gaps: Vec<f64> = t.windows(2).map(|w| w[1] - w[0]).collect();
-    // 100ms, 200ms, then capped at 300ms.
     for (g, want) in gaps.iter().zip([0.1, 0.2, 0.3, 0.3]) {
-        assert!(*g >= want - 0.01 && *g < want + 0.25, "gaps {gaps:?}");
+        assert!(*g >= want - 0.01, "gaps {gaps:?}");
     }
 }
 
 #[test]
 fn on_failure_does_not_restart_a_clean_exit_but_always_does() {
-    assert_eq!(restarts("on-failure", 0, 3, 1).len(), 1);
-    assert_eq!(restarts("never", 1, 3, 1).len(), 1);
-    assert_eq!(restarts("always", 0, 2, 3).len(), 3);
+    for (policy, exit, max, runs) in [
+        ("on-failure", 0, 3, 1),
+        ("never", 1, 3, 1),
+        ("always", 0, 2, 3),
+    ] {
+        let (t, ends) = restarts(policy, exit, max, runs);
+        assert_eq!(t.len(), runs, "{policy}: {t:?}");
+        let last = ends.last().unwrap();
+        assert!(
+            !last.contains("restart ") || last.contains("gave up"),
+            "{policy}: keel meant to start it again: {ends:?}"
+        );
+    }
 }

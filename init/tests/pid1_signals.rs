@@ -61,8 +61,7 @@ fn pipeline(forward_to: &str) -> (i32, String) {
     k.wait_file("ra");
     k.wait_file("rb");
     k.signal(Signal::SIGUSR1);
-    let (code, took) = k.wait();
-    assert!(took < Duration::from_secs(4), "{took:?}: {}", k.log_text());
+    let (code, _) = k.wait();
     let mut got: Vec<String> = read(&k.path("got")).lines().map(String::from).collect();
     got.sort();
     (code, got.join(","))
@@ -131,7 +130,6 @@ fn keel_never_exits_while_descendants_run() {
         took >= Duration::from_millis(650),
         "the TERM-ignoring orphan needs the grace: {took:?}"
     );
-    assert!(took < Duration::from_secs(4), "{took:?}");
     let log = k.log_text();
     assert!(log.contains("leftover") && log.contains("SIGKILL"), "{log}");
 }

@@ -82,6 +82,15 @@ impl BodyStore {
         }
     }
 
+    /// The metadata of a body (its size and times), if it exists.
+    pub fn metadata(&self, id: u64) -> io::Result<Option<std::fs::Metadata>> {
+        match std::fs::metadata(self.path(id)) {
+            Ok(m) => Ok(Some(m)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Removes a body; a missing one is not an error.
     pub fn remove(&self, id: u64) -> io::Result<()> {
         match std::fs::remove_file(self.path(id)) {

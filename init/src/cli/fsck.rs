@@ -64,14 +64,18 @@ pub fn main(config: Option<&Path>, a: FsckArgs) -> i32 {
                 s.dirs, s.changed, s.snapshots
             );
         }
+        let remote = if r.remote_checked {
+            format!("{} remote chunks verified", r.chunks_checked)
+        } else {
+            "the remote not checked".to_string()
+        };
         println!(
-            "fsck {}: {} inodes, {} entries, {} bodies, {} windows re-hashed, {} remote chunks verified; {} errors, {} warnings, {} repaired ({:.2}s)",
+            "fsck {}: {} inodes, {} entries, {} bodies, {} windows re-hashed, {remote}; {} errors, {} warnings, {} repaired ({:.2}s)",
             cfg.workspace.state_dir.display(),
             r.inodes,
             r.entries,
             r.bodies,
             r.windows_hashed,
-            r.chunks_checked,
             r.count(Level::Error),
             r.count(Level::Warning),
             r.findings.iter().filter(|f| f.repaired).count(),

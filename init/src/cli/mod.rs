@@ -8,6 +8,7 @@
 mod checkpoint;
 mod completions;
 mod diff;
+mod exec;
 mod fork;
 mod fsck;
 mod gc;
@@ -65,6 +66,7 @@ enum Command {
     Snapshot(snapshot::SnapshotCommand),
     Diff(diff::DiffArgs),
     Rollback(rollback::RollbackArgs),
+    Exec(exec::ExecArgs),
     Fork(fork::ForkArgs),
     Completions(completions::CompletionsArgs),
 }
@@ -92,6 +94,7 @@ pub fn main() -> i32 {
         Some(Command::Snapshot(a)) => snapshot::main(config, a),
         Some(Command::Diff(a)) => diff::main(config, a),
         Some(Command::Rollback(a)) => rollback::main(config, a),
+        Some(Command::Exec(a)) => exec::main(config, a),
         Some(Command::Fork(a)) => fork::main(config, a),
         Some(Command::Completions(a)) => completions::main(a),
     }

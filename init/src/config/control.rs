@@ -67,8 +67,9 @@ pub struct ControlConfig {
     pub token: Option<Secret>,
     /// Unix socket for `keel status` and `keel checkpoint`. Default while the workspace is
     /// enabled: `/run/keel/control.sock` when keel is PID 1 (a container; outside the state
-    /// dir, so the sandbox reaches it), else `<workspace.state_dir>/control.sock`; none when
-    /// `[init] workspace = false`.
+    /// dir, so the sandbox reaches it), else `<workspace.state_dir>/control.sock` (which the
+    /// sandbox reaches bound into the cover of the state dir); none when `[init] workspace =
+    /// false`.
     pub socket: Option<PathBuf>,
     /// A group (name or gid) whose members may use the socket too (0660, directory 0750).
     /// Unset: root and keel's own user only (0600, directory 0700).

@@ -5,6 +5,7 @@
 
 pub mod control;
 pub mod credentials;
+pub mod exec;
 pub mod expand;
 pub mod init;
 pub mod persist;
@@ -14,6 +15,7 @@ pub mod units;
 pub mod workspace;
 
 pub use control::ControlConfig;
+pub use exec::ExecConfig;
 pub use init::{ForwardTo, InitConfig, Rlimit};
 pub use persist::{FsyncMode, PersistConfig, Takeover};
 pub use service::{Probe, Readiness, Restart, ServiceConfig};
@@ -50,6 +52,7 @@ pub struct Config {
     pub service: Vec<ServiceConfig>,
     pub control: ControlConfig,
     pub persist: PersistConfig,
+    pub exec: ExecConfig,
 }
 
 impl Config {
@@ -148,6 +151,7 @@ impl Config {
         service::validate(&self.service)?;
         self.control.validate()?;
         self.persist.validate()?;
+        self.exec.validate()?;
         Ok(())
     }
 }
@@ -392,6 +396,10 @@ mod tests {
         assert_eq!(c.shutdown.grace, d.shutdown.grace);
         assert_eq!(c.shutdown.flush_timeout, d.shutdown.flush_timeout);
         assert_eq!(c.init.drop_capabilities, d.init.drop_capabilities);
+        assert_eq!(c.exec.max_processes, d.exec.max_processes);
+        assert_eq!(c.exec.output_limit, d.exec.output_limit);
+        assert_eq!(c.exec.retention, d.exec.retention);
+        assert_eq!(c.exec.max_request_body, d.exec.max_request_body);
         // The commented service example, uncommented, is valid too.
         let example: String = text
             .lines()

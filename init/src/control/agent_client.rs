@@ -238,16 +238,20 @@ mod tests {
         cfg.control.socket = Some(sock.clone());
         let l = UnixListener::bind(&sock).unwrap();
         let server = std::thread::spawn(move || {
+            // The whole request is read before the connection is closed (a close with unread
+            // bytes resets the connection: the client would read ECONNRESET, not the answer).
             let (mut s, _) = l.accept().unwrap();
-            let mut req = [0u8; 1024];
-            let n = s.read(&mut req).unwrap();
-            let req = String::from_utf8_lossy(&req[..n]).into_owned();
+            let req = read_request(&mut s);
+            // Longer than the 10 s a status call waits; the checkpoint waits an hour.
             std::thread::sleep(Duration::from_secs(11));
             s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n{\"ok\":true}\n")
                 .unwrap();
-            drop(s);
+            s.shutdown(std::net::Shutdown::Write).unwrap();
+            // Until the client has read the answer and closed.
+            let _ = s.read_to_end(&mut Vec::new());
             // A keel that hangs up without answering.
-            let (s, _) = l.accept().unwrap();
+            let (mut s, _) = l.accept().unwrap();
+            read_request(&mut s);
             drop(s);
             req
         });
@@ -258,9 +262,26 @@ mod tests {
         assert!(matches!(e, AgentClientError::Request(_)), "{e}");
         let req = server.join().unwrap();
         assert!(req.starts_with("POST /checkpoint?full=1 "), "{req}");
-        // The listener is gone and its socket file left: the stopped state dir's way.
+        // A socket nobody listens on (a keel that is gone): the stopped state dir's way. Made
+        // with mknod, not by closing the listener above: a process forked by another test
+        // may still hold a copy of that fd and accept the connection.
+        let dead = dir.path().join("dead.sock");
+        crate::sys::socket::dead_socket(&dead).unwrap();
+        cfg.control.socket = Some(dead);
         let e = checkpoint(&cfg, false).unwrap_err();
         assert!(matches!(e, AgentClientError::Ops(_)), "{e}");
+    }
+
+    /// Reads one request head (the client sends no body).
+    fn read_request(s: &mut std::os::unix::net::UnixStream) -> String {
+        let mut req = Vec::new();
+        let mut b = [0u8; 1024];
+        while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut b).unwrap();
+            assert!(n > 0, "the client closed before its request ended");
+            req.extend_from_slice(&b[..n]);
+        }
+        String::from_utf8_lossy(&req).into_owned()
     }
 
     #[test]

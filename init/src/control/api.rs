@@ -1,6 +1,9 @@
-//! The routes: `GET /health` is public (platform port probes and the image's HEALTHCHECK
-//! carry no token); every other path first needs the bearer token when one is configured, so
-//! a caller without it learns nothing about which routes exist — only then come 404 and 405.
+//! Who may call what: `GET /health` is public (platform port probes and the image's
+//! HEALTHCHECK carry no token); every other path first needs the bearer token when one is
+//! configured, so a caller without it learns nothing about which routes exist — only then
+//! come 404 and 405 (`routes`, the table) and 403 (a route that needs `Rights::All`). Also
+//! here: keel's own `Request`/`Response` and the plain handlers of `/status`, `/metrics` and
+//! `/checkpoint`.
 
 use std::time::Duration;
 
@@ -92,68 +95,110 @@ const AGENT_ROUTES_FORBIDDEN: &str = "forbidden: snapshots, diffs and rollbacks 
     every file; they are for root and keel's own user on the control socket, or for the \
     holder of the control token over TCP";
 
-fn method_not_allowed(allow: &'static str) -> Response {
-    Response::text(405, "method not allowed\n").with_header("Allow", allow)
+/// The answer to `/exec` and `/processes` called with `Rights::Observe`.
+const PROCESS_ROUTES_FORBIDDEN: &str = "forbidden: processes run with the sandbox's rights as \
+    any user; they are for root and keel's own user on the control socket, or for the \
+    holder of the control token over TCP";
+
+fn method_not_allowed(allow: &str) -> Response {
+    Response::text(405, "method not allowed\n").with_header("Allow", allow.to_string())
 }
 
-/// Answers one request.
-pub fn handle(req: &Request, status: &StatusHandle, access: &Access) -> Response {
+/// How a request is to be answered (`server` runs it).
+pub enum Dispatch {
+    /// This answer, now (`/health`, 401, 403, 404, 405).
+    Answer(Response),
+    /// The route's handler.
+    Route(super::routes::Route, super::routes::Params),
+}
+
+/// `/health` (public), then the token, then the route table, then the rights.
+pub fn dispatch(req: &Request, status: &StatusHandle, access: &Access) -> Dispatch {
+    use super::routes::{find, Found};
     let get = matches!(req.method.as_str(), "GET" | "HEAD");
     if req.path == "/health" {
         if !get {
-            return method_not_allowed("GET, HEAD");
+            return Dispatch::Answer(method_not_allowed("GET, HEAD"));
         }
-        return match status.health() {
+        return Dispatch::Answer(match status.health() {
             Ok(()) => Response::text(200, "ok\n"),
             Err(nr) => Response::text(503, &format!("not ready: {}\n", nr.0)),
-        };
+        });
     }
     let rights = match access {
         Access::Token(Some(token)) => {
             if !auth::authorized(req.header("authorization"), token) {
-                return Response::text(401, "unauthorized\n")
-                    .with_header("WWW-Authenticate", "Bearer realm=\"keel\"");
+                return Dispatch::Answer(
+                    Response::text(401, "unauthorized\n")
+                        .with_header("WWW-Authenticate", "Bearer realm=\"keel\""),
+                );
             }
             Rights::All
         }
         Access::Token(None) => Rights::Observe,
         Access::Peer(rights) => *rights,
     };
-    match req.path.as_str() {
-        "/status" if get => Response::json(200, status.status_json()),
-        "/metrics" if get => {
-            let mut r = Response::text(200, &metrics::render(status));
-            r.content_type = metrics::CONTENT_TYPE;
-            r
-        }
-        "/checkpoint" if req.method == "POST" => {
-            // A full snapshot is written where the state dir is visible (`keel checkpoint
-            // --full` there); here it would quietly be a delta.
-            let full = super::snapshots::param(&req.query, "full");
-            if full.is_some_and(|v| v != "0" && v != "false") {
-                return super::snapshots::error(
-                    400,
-                    "a full snapshot is not offered over the control API: \
-                     run `keel checkpoint --full` where the state dir is visible",
-                );
+    match find(&req.method, &req.path) {
+        Found::NotFound => Dispatch::Answer(Response::text(404, "not found\n")),
+        Found::OtherMethods(allow) => Dispatch::Answer(method_not_allowed(&allow)),
+        Found::Route(route, params) => {
+            if route.rights == Rights::All && rights != Rights::All {
+                let why = if route.path.starts_with("/exec") || route.path.starts_with("/processes")
+                {
+                    PROCESS_ROUTES_FORBIDDEN
+                } else {
+                    AGENT_ROUTES_FORBIDDEN
+                };
+                return Dispatch::Answer(super::snapshots::error(403, why));
             }
-            checkpoint(status)
+            Dispatch::Route(route, params)
         }
-        p if super::snapshots::is_route(p) => match rights {
-            Rights::All => super::snapshots::handle(req, status),
-            Rights::Observe => super::snapshots::error(403, AGENT_ROUTES_FORBIDDEN),
-        },
-        "/status" | "/metrics" => method_not_allowed("GET, HEAD"),
-        "/checkpoint" => method_not_allowed("POST"),
-        _ => Response::text(404, "not found\n"),
     }
+}
+
+/// Answers one request whose body has been read (a plain route, or an answer of
+/// `dispatch`); a streaming route gets 500 here (the server calls those itself).
+pub fn handle(req: &Request, status: &StatusHandle, access: &Access) -> Response {
+    match dispatch(req, status, access) {
+        Dispatch::Answer(r) => r,
+        Dispatch::Route(route, params) => match route.handler {
+            super::routes::Handler::Plain(f) => f(req, &params, status),
+            super::routes::Handler::Stream(_) => Response::text(500, "internal error\n"),
+        },
+    }
+}
+
+/// `GET /status`.
+pub fn status(_: &Request, _: &super::routes::Params, status: &StatusHandle) -> Response {
+    Response::json(200, status.status_json())
+}
+
+/// `GET /metrics`.
+pub fn metrics(_: &Request, _: &super::routes::Params, status: &StatusHandle) -> Response {
+    let mut r = Response::text(200, &metrics::render(status));
+    r.content_type = metrics::CONTENT_TYPE;
+    r
+}
+
+/// `POST /checkpoint`. A full snapshot is written where the state dir is visible (`keel
+/// checkpoint --full` there); here it would quietly be a delta.
+pub fn checkpoint(req: &Request, _: &super::routes::Params, status: &StatusHandle) -> Response {
+    let full = super::snapshots::param(&req.query, "full");
+    if full.is_some_and(|v| v != "0" && v != "false") {
+        return super::snapshots::error(
+            400,
+            "a full snapshot is not offered over the control API: \
+             run `keel checkpoint --full` where the state dir is visible",
+        );
+    }
+    run_checkpoint(status)
 }
 
 fn ms(d: Duration) -> u64 {
     d.as_millis().try_into().unwrap_or(u64::MAX)
 }
 
-fn checkpoint(status: &StatusHandle) -> Response {
+fn run_checkpoint(status: &StatusHandle) -> Response {
     let (code, body) = match status.checkpoint() {
         CheckpointOutcome::Done(report, took) => {
             let mut v = serde_json::to_value(&report).unwrap_or_default();

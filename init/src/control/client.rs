@@ -102,7 +102,7 @@ mod tests {
         let e = request(&path, "GET", "/status").unwrap_err();
         assert!(matches!(e, ClientError::NotListening { .. }), "{e:?}");
         // A stale socket file nobody listens on reads the same.
-        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        crate::sys::socket::dead_socket(&path).unwrap();
         let e = request(&path, "GET", "/status").unwrap_err();
         assert!(matches!(e, ClientError::NotListening { .. }), "{e:?}");
         assert!(!e.to_string().contains('\n'));

@@ -10,9 +10,12 @@ pub mod api;
 pub mod auth;
 pub mod client;
 pub mod metrics;
+pub mod processes;
+pub mod routes;
 pub mod server;
 pub mod snapshots;
 pub mod status;
+pub mod stream_client;
 
 pub use status::{
     CheckpointFn, CheckpointReport, LeaseStatus, MountState, PersistStatus, ServiceState,

@@ -31,11 +31,13 @@ use tokio::sync::{oneshot, Notify, Semaphore};
 use tracing::debug;
 
 use super::api::{self, Access, Request, Response, Rights};
+use super::routes::{Body, Call, Handler};
 use super::status::StatusHandle;
 use crate::sys;
 
-/// Connections served at once per listener; more are refused with 503 right away.
-pub const MAX_CONNECTIONS: usize = 32;
+/// Connections served at once per listener; more are refused with 503 right away. Streams
+/// of processes started through the API hold theirs while they run.
+pub const MAX_CONNECTIONS: usize = 256;
 /// Largest request head (request line and headers) accepted.
 pub const MAX_HEAD: usize = 16 * 1024;
 /// Largest request body accepted.
@@ -362,7 +364,8 @@ impl Conn {
     }
 }
 
-/// Serves one request on `io`; the reply, once ready, has `WRITE_TIMEOUT` to go out.
+/// Serves one request on `io`; a whole reply, once ready, has `WRITE_TIMEOUT` to go out (a
+/// streamed one has it for each part: `processes::streamed`).
 async fn serve_conn<S>(io: S, verdict: Verdict, read_deadline: Duration)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -372,12 +375,14 @@ where
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
         let (verdict, replied) = (verdict.clone(), r.clone());
         async move {
-            let resp = match verdict {
+            let (resp, whole) = match verdict {
                 Verdict::Serve(status, access) => answer(req, status, access).await,
-                Verdict::Refuse(code, text) => Response::text(code, text),
+                Verdict::Refuse(code, text) => (to_hyper(Response::text(code, text)), true),
             };
-            replied.notify_one();
-            Ok::<_, Infallible>(to_hyper(resp))
+            if whole {
+                replied.notify_one();
+            }
+            Ok::<_, Infallible>(resp)
         }
     });
     let conn = hyper::server::conn::http1::Builder::new()
@@ -397,29 +402,16 @@ where
     }
 }
 
-/// Reads the body (bounded in size and time), routes on the blocking pool.
-async fn answer(req: hyper::Request<Incoming>, status: StatusHandle, access: Access) -> Response {
+/// Dispatches (`api::dispatch`); a plain route's body is read (bounded in size and time) and
+/// its handler runs on the blocking pool, a streaming route gets the body as it comes.
+/// Returns the answer and whether it is whole (not streamed).
+async fn answer(
+    req: hyper::Request<Incoming>,
+    status: StatusHandle,
+    access: Access,
+) -> (hyper::Response<Body>, bool) {
     let (parts, body) = req.into_parts();
-    let declared = parts
-        .headers
-        .get(hyper::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_BODY as u64) {
-        return Response::text(413, "payload too large\n");
-    }
-    let body =
-        match tokio::time::timeout(READ_DEADLINE, Limited::new(body, MAX_BODY).collect()).await {
-            Ok(Ok(b)) => b.to_bytes().to_vec(),
-            Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-                return Response::text(413, "payload too large\n")
-            }
-            Ok(Err(e)) => {
-                debug!("control: read the request body: {e}");
-                return Response::text(400, "bad request\n");
-            }
-            Err(_) => return Response::text(408, "request timeout\n"),
-        };
-    let req = Request {
+    let mut req = Request {
         method: parts.method.as_str().to_string(),
         path: parts.uri.path().to_string(),
         query: parts.uri.query().unwrap_or("").to_string(),
@@ -431,18 +423,54 @@ async fn answer(req: hyper::Request<Incoming>, status: StatusHandle, access: Acc
                 (k.as_str().to_string(), v)
             })
             .collect(),
-        body,
+        body: Vec::new(),
     };
-    match tokio::task::spawn_blocking(move || api::handle(&req, &status, &access)).await {
+    let (route, params) = match api::dispatch(&req, &status, &access) {
+        api::Dispatch::Answer(r) => return (to_hyper(r), true),
+        api::Dispatch::Route(route, params) => (route, params),
+    };
+    let f = match route.handler {
+        Handler::Stream(f) => {
+            let call = Call {
+                req,
+                params,
+                body,
+                status,
+            };
+            return (f(call).await, false);
+        }
+        Handler::Plain(f) => f,
+    };
+    let declared = parts
+        .headers
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return (to_hyper(Response::text(413, "payload too large\n")), true);
+    }
+    req.body =
+        match tokio::time::timeout(READ_DEADLINE, Limited::new(body, MAX_BODY).collect()).await {
+            Ok(Ok(b)) => b.to_bytes().to_vec(),
+            Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+                return (to_hyper(Response::text(413, "payload too large\n")), true)
+            }
+            Ok(Err(e)) => {
+                debug!("control: read the request body: {e}");
+                return (to_hyper(Response::text(400, "bad request\n")), true);
+            }
+            Err(_) => return (to_hyper(Response::text(408, "request timeout\n")), true),
+        };
+    let r = match tokio::task::spawn_blocking(move || f(&req, &params, &status)).await {
         Ok(r) => r,
         Err(e) => {
             tracing::warn!("control: request handler failed: {e}");
             Response::text(500, "internal error\n")
         }
-    }
+    };
+    (to_hyper(r), true)
 }
 
-fn to_hyper(r: Response) -> hyper::Response<Full<Bytes>> {
+fn to_hyper(r: Response) -> hyper::Response<Body> {
     let mut b = hyper::Response::builder()
         .status(r.status)
         .header(hyper::header::CONTENT_TYPE, r.content_type)
@@ -450,10 +478,12 @@ fn to_hyper(r: Response) -> hyper::Response<Full<Bytes>> {
     for (k, v) in &r.headers {
         b = b.header(*k, v.as_str());
     }
-    b.body(Full::new(Bytes::from(r.body))).unwrap_or_else(|e| {
-        debug!("control: build the response: {e}");
-        let mut r = hyper::Response::new(Full::new(Bytes::from_static(b"internal error\n")));
-        *r.status_mut() = hyper::StatusCode::INTERNAL_SERVER_ERROR;
-        r
-    })
+    b.body(Full::new(Bytes::from(r.body)).boxed())
+        .unwrap_or_else(|e| {
+            debug!("control: build the response: {e}");
+            let mut r =
+                hyper::Response::new(Full::new(Bytes::from_static(b"internal error\n")).boxed());
+            *r.status_mut() = hyper::StatusCode::INTERNAL_SERVER_ERROR;
+            r
+        })
 }

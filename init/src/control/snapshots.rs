@@ -38,7 +38,7 @@ impl RouteError {
     }
 }
 
-fn service_status(e: &ServiceError) -> u16 {
+pub(super) fn service_status(e: &ServiceError) -> u16 {
     match e {
         ServiceError::RollbackRunning | ServiceError::CheckpointRunning => 409,
         ServiceError::Agent(a) => agent_status(a),
@@ -65,14 +65,6 @@ fn snapshots_status(e: &SnapshotsError) -> u16 {
     }
 }
 
-/// Whether `path` is one of these routes.
-pub fn is_route(path: &str) -> bool {
-    path == "/snapshots"
-        || path.starts_with("/snapshots/")
-        || path == "/diff"
-        || path == "/rollback"
-}
-
 pub(super) fn json(code: u16, v: &serde_json::Value) -> Response {
     let mut text = serde_json::to_string_pretty(v).unwrap_or_default();
     text.push('\n');
@@ -90,7 +82,7 @@ fn error_for(e: impl Into<RouteError>) -> Response {
 }
 
 /// `%XX` and `+` decoded.
-fn decode(s: &str) -> String {
+pub(super) fn decode(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -121,6 +113,11 @@ pub fn param(query: &str, key: &str) -> Option<String> {
         .filter_map(|kv| kv.split_once('=').or(Some((kv, ""))))
         .find(|(k, _)| *k == key)
         .map(|(_, v)| decode(v))
+}
+
+/// The route table's entry point for these routes (they share one handler).
+pub fn route(req: &Request, _: &super::routes::Params, status: &StatusHandle) -> Response {
+    handle(req, status)
 }
 
 pub fn handle(req: &Request, status: &StatusHandle) -> Response {

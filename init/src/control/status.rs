@@ -201,6 +201,8 @@ struct Shared {
     supervised: AtomicBool,
     /// The checkpoint service, for named snapshots, diffs and rollbacks (`snapshots`).
     agent: Mutex<Option<crate::persist::CheckpointHandle>>,
+    /// Processes started through the API (`keel run` only).
+    exec: Mutex<Option<Arc<crate::exec::Processes>>>,
     /// The `/metrics` registry, built once with the model.
     registry: prometheus_client::registry::Registry,
 }
@@ -262,6 +264,7 @@ impl StatusHandle {
             checkpoint_running: Mutex::new(()),
             supervised: AtomicBool::new(false),
             agent: Mutex::new(None),
+            exec: Mutex::new(None),
             registry: super::metrics::registry(WeakStatus(me.clone())),
         }))
     }
@@ -359,6 +362,16 @@ impl StatusHandle {
     /// The checkpoint service, once registered.
     pub fn agent(&self) -> Option<crate::persist::CheckpointHandle> {
         lock(&self.0.agent).clone()
+    }
+
+    /// Processes started through the API from now on (`/exec`, `/processes`).
+    pub fn set_exec(&self, p: Arc<crate::exec::Processes>) {
+        *lock(&self.0.exec) = Some(p);
+    }
+
+    /// The processes' table, under `keel run`.
+    pub fn exec(&self) -> Option<Arc<crate::exec::Processes>> {
+        lock(&self.0.exec).clone()
     }
 
     // ----- reading -----
@@ -568,17 +581,7 @@ pub fn unix_secs(t: SystemTime) -> f64 {
 
 /// `2024-05-06T07:08:09.123Z` (UTC), without a date library.
 pub fn rfc3339(t: SystemTime) -> String {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
-    let secs = d.as_secs();
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (year, month, day) = crate::time::civil_from_days(days as i64);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        d.subsec_millis()
-    )
+    crate::time::rfc3339(t)
 }
 
 /// `GET /status`, field by field.

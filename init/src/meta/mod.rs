@@ -11,11 +11,13 @@
 //! `checkpoint` and `read_view` commit it first.
 
 mod bulk;
+mod generation;
 mod lazy;
 mod persist;
 mod schema;
 
 pub use bulk::{amend_bulk, create_bulk, Amender, BulkWriter};
+pub use generation::Generations;
 pub use lazy::MissingRow;
 pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 

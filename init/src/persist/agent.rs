@@ -90,6 +90,8 @@ pub enum HoldFailure {
     Stopping,
     #[error("the supervisor did not answer within {0:?}")]
     NoAnswer(std::time::Duration),
+    #[error("its process group was still there {0:?} after the stop signal (SIGKILL sent: a process in uninterruptible sleep?); nothing was rolled back, and the command starts again once the group is gone")]
+    NotStopped(std::time::Duration),
 }
 
 /// `keel snapshot create`, `POST /snapshots`.
@@ -118,7 +120,8 @@ pub struct Rollback {
 /// `MainHold`).
 pub trait MainCommand: Send + Sync {
     /// Sends the stop signal to its process group, SIGKILL after the grace, and returns once
-    /// nothing of the group is left.
+    /// nothing of the group is left. When that does not happen in time it fails, and the
+    /// command is started again by itself once the group is gone (`start` is not called).
     fn stop(&self) -> Result<(), MainCommandError>;
     /// Runs it again with the same command line.
     fn start(&self) -> Result<(), MainCommandError>;
@@ -131,6 +134,10 @@ pub enum Op {
     SnapshotCreate(SnapshotCreate),
     Rollback(Rollback),
     Diff(Diff),
+    /// A checkpoint of the live workspace (the kernel's writeback included), answered with
+    /// the snapshot that holds it (`{"id": N, "new_snapshot": bool}`): what processes
+    /// started through the API wait for (`checkpoint=wait`), with no name recorded.
+    Checkpoint,
 }
 
 /// `keel diff` and `GET /diff` against a running keel.
@@ -178,6 +185,7 @@ pub(super) fn run(w: &mut Worker, op: Op) -> Result<serde_json::Value, AgentErro
         Op::SnapshotCreate(c) => create(w, &c),
         Op::Rollback(r) => rollback(w, &r),
         Op::Diff(d) => diff(w, &d),
+        Op::Checkpoint => checkpoint(w),
     };
     // A large workspace's tree is not kept between operations (history::MAX_TREE_RECORDS).
     if w.history.as_ref().is_some_and(|h| !h.worth_keeping()) {
@@ -332,6 +340,28 @@ fn sync_kernel(w: &Worker) {
 
 /// How long an agent operation waits for the kernel's writeback (`sync_kernel`).
 const KERNEL_SYNC_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+fn checkpoint(w: &mut Worker) -> Result<serde_json::Value, AgentError> {
+    let t0 = Instant::now();
+    if !w.paused {
+        sync_kernel(w);
+    }
+    let r = w
+        .checkpoint(CheckpointOptions::default(), !w.paused)
+        .map_err(|e| AgentError::Checkpoint(Box::new(e)))?;
+    let seq = match r.seq {
+        Some(s) => s,
+        None => last_seq(w)?.ok_or(AgentError::NoSnapshot(
+            "the workspace has no snapshot and nothing to checkpoint",
+        ))?,
+    };
+    Ok(serde_json::json!({
+        "id": seq,
+        "new_snapshot": r.seq.is_some(),
+        "checkpoint": r.to_string(),
+        "duration_ms": ms(t0),
+    }))
+}
 
 fn create(w: &mut Worker, c: &SnapshotCreate) -> Result<serde_json::Value, AgentError> {
     let t0 = Instant::now();

@@ -5,16 +5,20 @@
 //! ```text
 //! <owner>/chunks/<aa>/<hex>     the chunk store (`<owner>` is the workspace that created it)
 //! <owner>/forks/<fork id>       one record per fork using this store (`ForkRecord`, JSON)
+//! <owner>/gc-running/<id>       one live marker per gc of the store under way (`marker`)
 //! <fork>/keel-workspace.json    manifest whose `chunks` names `<owner>/chunks`
 //! <fork>/snapshots/<seq>        one full snapshot: the source's tree at the forked seq
 //! <fork>/head                   written last
 //! ```
 //!
 //! A fork of a fork points at the same root store and registers there too. Order of a fork:
-//! manifest, registration (durable), snapshot, head; so a concurrent gc either does not
-//! see the fork yet (and the chunks are still named by the source's retained snapshots), or
-//! sees its registration. While a registered fork has no head yet, its record pins the
-//! source snapshot it is being made from. Keys in a record are relative to `<owner>`, so
+//! manifest, registration (durable), wait for every gc of the store under way, read the
+//! source snapshot, write it, head. Every gc first leaves a live marker under
+//! `<owner>/gc-running/` and only then reads the fork records: so a gc either reads the
+//! registration, or was under way when the fork looked for gcs, and the fork read nothing
+//! of the source before that gc ended (a snapshot it dropped is then gone, and no fork is
+//! made). While a registered fork has no head yet, its record pins the source snapshot it
+//! is being made from. Keys in a record are relative to `<owner>`, so
 //! the same record reads right from every workspace's store root: for `file://` remotes
 //! (one store root per workspace directory) the keys climb out with `..` (forks refer to
 //! their source by relative path and must move together with it); in a bucket they must
@@ -29,6 +33,7 @@ use serde::{Deserialize, Serialize};
 
 use super::checkpoint::now_ns;
 use super::format::{self, Header};
+use super::marker::Liveness;
 use super::remote::{PutMode, RemoteError};
 use super::repo::{random_id, Head, Manifest, Repo, RepoError};
 use crate::chunk::ChunkId;
@@ -65,6 +70,8 @@ pub enum ForkError {
     WriteHead(RepoError),
     #[error("flush remote: {0}")]
     Flush(RemoteError),
+    #[error("look for a gc of the chunk store under way: {0}")]
+    WaitForGc(RemoteError),
     #[error("delete {key}: {source}")]
     Delete { key: String, source: RemoteError },
 }
@@ -254,14 +261,13 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
     if dst.manifest().map_err(ForkError::ReadTarget)?.is_some() {
         return Err(ForkError::TargetExists(to));
     }
-    crate::progress::stage(
-        "steps (read the snapshot, manifest, registration, snapshot, head)",
-        Some(5),
-    );
-    let (tree, headers) = src
-        .load_tree(seq)
+    // Fail fast on a snapshot that is not there, before anything is claimed.
+    src.read_header(seq)
         .map_err(|source| ForkError::LoadSnapshot { seq, source })?;
-    crate::progress::set(1);
+    crate::progress::stage(
+        "steps (manifest, registration, running gcs, read the snapshot, snapshot, head)",
+        Some(6),
+    );
 
     // 1. The manifest (claims the target).
     let id = random_id();
@@ -281,7 +287,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
         Err(RemoteError::AlreadyExists { .. }) => return Err(ForkError::TargetExists(to)),
         Err(e) => return Err(ForkError::WriteManifest(e)),
     }
-    crate::progress::set(2);
+    crate::progress::set(1);
     let made = (|| -> Result<ForkReport, ForkError> {
         // 2. The record on the chunk store, durable before anything names the chunks.
         let rec = ForkRecord {
@@ -297,9 +303,23 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
             .put(&key, Bytes::from(data), PutMode::Create)
             .map_err(|source| ForkError::Register { key, source })?;
         src.remote.flush().map_err(ForkError::Flush)?;
+        crate::progress::set(2);
+
+        // 3. A gc of the store that began before the record existed decided what to keep
+        // without it, and may still be deleting what the snapshot names: wait for each to
+        // end. Every gc announces itself before it reads the records, so one that does not
+        // show here yet will read this one (see `announce_gc`).
+        wait_for_gcs(src, &owner_src)?;
         crate::progress::set(3);
 
-        // 3. One full snapshot of the tree, 4. the head.
+        // 4. The source tree, now pinned by the record: still whole, or gone (a gc took
+        // that snapshot before the record existed) and then no fork is made.
+        let (tree, headers) = src
+            .load_tree(seq)
+            .map_err(|source| ForkError::LoadSnapshot { seq, source })?;
+        crate::progress::set(4);
+
+        // 5. One full snapshot of the tree, 6. the head.
         let last = headers.last().expect("a chain has a snapshot");
         let header = Header {
             format: format::FORMAT,
@@ -317,7 +337,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
         dst.put_snapshot(seq, bytes)
             .map_err(|source| ForkError::WriteSnapshot { seq, source })?;
         dst.remote.flush().map_err(ForkError::Flush)?;
-        crate::progress::set(4);
+        crate::progress::set(5);
         let head = Head {
             seq,
             created_ns: now_ns(),
@@ -327,7 +347,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
         };
         dst.write_head(&head, None).map_err(ForkError::WriteHead)?;
         dst.remote.flush().map_err(ForkError::Flush)?;
-        crate::progress::set(5);
+        crate::progress::set(6);
         Ok(ForkReport {
             id: id.clone(),
             seq,
@@ -344,6 +364,53 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
         let _ = dst.remote.delete(&dst.key("keel-workspace.json"));
     }
     made
+}
+
+/// The prefix of the markers of the gcs running on the chunk store owned by `owner`.
+fn gc_markers(owner: &str) -> String {
+    join(owner, "gc-running") + "/"
+}
+
+/// Tells forks in the making that a gc of `repo`'s chunk store is under way: a live marker
+/// (see `marker`) under `<owner>/gc-running/`, written before the gc reads the fork records
+/// and kept until it is done. A fork registers first and looks for these after: either the
+/// gc reads its record, or the fork sees the marker and waits for the gc to end.
+pub fn announce_gc(repo: &Repo) -> Result<super::marker::LiveMarker, RepoError> {
+    let (_, owner, _) = store_keys(repo)?;
+    let key = format!("{}{}", gc_markers(&owner), random_id());
+    Ok(super::marker::LiveMarker::start(
+        repo.remote.clone(),
+        &key,
+        super::marker::MARKER_TTL,
+    )?)
+}
+
+/// Waits until each gc of the chunk store owned by `owner` that is under way now has ended
+/// (its marker removed, or run out: that gc died).
+fn wait_for_gcs(src: &Repo, owner: &str) -> Result<(), ForkError> {
+    let running = src
+        .remote
+        .list(&gc_markers(owner))
+        .map_err(ForkError::WaitForGc)?;
+    for info in running {
+        let mut told = false;
+        loop {
+            let (m, _) = super::marker::read(src.remote.as_ref(), &info.key)
+                .map_err(ForkError::WaitForGc)?;
+            if !m.is_some_and(|m| m.liveness(now_ns()) == Liveness::Live) {
+                break;
+            }
+            if !told {
+                tracing::info!(
+                    marker = %info.key,
+                    "fork: a gc of the chunk store is under way; waiting for it to end"
+                );
+                told = true;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    Ok(())
 }
 
 fn describe(repo: &Repo) -> String {
@@ -413,38 +480,37 @@ pub struct SharedRefs {
     pub warnings: Vec<String>,
 }
 
-/// What a checkpoint uploading to a shared chunk store leaves at `Repo::in_flight_key`.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct InFlight {
-    pub started_ns: i64,
-}
-
-/// An in-flight marker older than this is left by a checkpoint that died: ignored.
-const IN_FLIGHT_MAX: Duration = Duration::from_secs(24 * 3600);
+/// What a checkpoint uploading to a shared chunk store leaves at `Repo::in_flight_key`: a
+/// live marker (see `marker`), void once its checkpoint stops renewing it.
+pub use super::marker::MarkerRecord as InFlight;
 
 /// Notes when workspace `ws`'s checkpoint in progress (if any) began.
 fn in_flight_of(other: &Repo, ws: &str, out: &mut SharedRefs) -> Result<(), RepoError> {
-    let b = match other.remote.get(&other.in_flight_key()) {
-        Ok(b) => b,
-        Err(e) if e.is_not_found() => return Ok(()),
-        Err(e) => return Err(e.into()),
-    };
-    let Ok(m) = serde_json::from_slice::<InFlight>(&b) else {
+    let (m, bad) = super::marker::read(other.remote.as_ref(), &other.in_flight_key())?;
+    if bad {
         out.warnings.push(format!(
             "workspace `{ws}`: its checkpoint-in-flight marker does not parse; ignored"
         ));
+    }
+    let Some(m) = m else {
         return Ok(());
     };
-    let since = UNIX_EPOCH + Duration::from_nanos(m.started_ns.max(0) as u64);
-    if SystemTime::now()
-        .duration_since(since)
-        .is_ok_and(|d| d > IN_FLIGHT_MAX)
-    {
-        out.warnings.push(format!(
-            "workspace `{ws}`: a checkpoint-in-flight marker more than a day old (left by a checkpoint that died); ignored"
-        ));
-        return Ok(());
+    match m.liveness(now_ns()) {
+        Liveness::Live => {}
+        Liveness::RanOut => {
+            tracing::info!(
+                "gc: workspace `{ws}`: its checkpoint-in-flight marker ran out (left by a checkpoint that is gone); ignored"
+            );
+            return Ok(());
+        }
+        Liveness::TooOld => {
+            out.warnings.push(format!(
+                "workspace `{ws}`: a checkpoint-in-flight marker more than a day old (left by a checkpoint that died); ignored"
+            ));
+            return Ok(());
+        }
     }
+    let since = UNIX_EPOCH + Duration::from_nanos(m.started_ns.max(0) as u64);
     out.in_flight_since = Some(out.in_flight_since.map_or(since, |s| s.min(since)));
     Ok(())
 }

@@ -75,6 +75,8 @@ pub struct FsckReport {
     pub bodies: u64,
     pub windows_hashed: u64,
     pub chunks_checked: u64,
+    /// The remote was checked (`chunks_checked` means something).
+    pub remote_checked: bool,
     pub elapsed_s: f64,
     /// `quick`: what was sampled (the counts above are of the sample).
     pub sample: Option<Sample>,
@@ -111,6 +113,9 @@ pub struct FsckOptions {
     pub chunk_size: u64,
     /// The remote to check too.
     pub remote: Option<Repo>,
+    /// A `file://` remote that was to be checked but whose directory is not there (not
+    /// opened: that would create it).
+    pub missing_remote: Option<String>,
 }
 
 pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckError> {
@@ -119,10 +124,21 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
         path: state_dir.to_path_buf(),
         reason,
     };
+    let mut rep = FsckReport::default();
     if !state_dir.join("meta.db").exists() {
+        if state_dir.join(super::restore::UNFINISHED).exists() {
+            // A first start (or `keel snapshot restore`) killed before its database was in
+            // place: nothing is lost, the next one starts the restore over.
+            rep.add(
+                Level::Note,
+                "a restore into this state dir did not finish (it holds no workspace yet); the next keel run, keel mount or keel snapshot restore starts it over".into(),
+                false,
+            );
+            rep.elapsed_s = t0.elapsed().as_secs_f64();
+            return Ok(rep);
+        }
         return Err(bad("no meta.db: not a keel state dir".into()));
     }
-    let mut rep = FsckReport::default();
     // Before anything opens a file: opening the database makes it private by itself.
     check_modes(state_dir, "state dir", &mut rep, opts.repair);
     if let Some(root) = opts.remote.as_ref().and_then(|r| r.remote.local_root()) {
@@ -134,6 +150,25 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
     let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
     // Every check reads each table once, in order: more cache would not be hit again.
     store.limit_cache(FSCK_CACHE_KIB)?;
+    rep.remote_checked = opts.remote.is_some();
+    if let Some(url) = &opts.missing_remote {
+        let last: Option<u64> = store
+            .read()
+            .persist_get("last_seq")?
+            .and_then(|v| v.parse().ok());
+        match last {
+            Some(seq) => rep.add(
+                Level::Error,
+                format!("remote {url} is not there, but snapshot {seq} was checkpointed to it (mount it at that path, name it with --remote URL, or skip it with --no-remote)"),
+                false,
+            ),
+            None => rep.add(
+                Level::Note,
+                format!("remote {url} does not exist yet (nothing was checkpointed to it)"),
+                false,
+            ),
+        }
+    }
     let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| bad(e.to_string()))?;
     if opts.quick && !opts.repair {
         rep.sample = Some(quick::check(&store, &bodies, &mut rep, opts)?);

@@ -12,9 +12,10 @@
 //! bodies name, each chunk counted once. The always-kept ones are counted first, so they
 //! use the budget before the unnamed history does.
 //!
-//! A chunk is kept when any kept snapshot names it, or the local chunk maps do. Anything
-//! else older than the grace window is deleted; younger objects may belong to a checkpoint
-//! in progress and are left for the next run. Age is the object's modification time, looked
+//! A chunk is kept when any kept snapshot names it, or the local chunk maps do, or a dropped
+//! snapshot that is left for now because it is young (it can still be read until it goes).
+//! Anything else older than the grace window is deleted; younger objects may belong to a
+//! checkpoint in progress and are left for the next run. Age is the object's modification time, looked
 //! at again just before each delete: a checkpoint that names an unreferenced chunk the
 //! store already holds refreshes it (`Remote::put_many_fresh`) rather than skipping it,
 //! so it counts as young until that checkpoint's snapshot protects it.
@@ -23,12 +24,15 @@
 //! another workspace on it names, the snapshot a fork in the making is built from, and every
 //! chunk written since another workspace's checkpoint in progress began (its in-flight
 //! marker, `Repo::in_flight_key`): a checkpoint may outlast the grace window, and the
-//! chunks it uploaded first are unreferenced until its snapshot lands.
+//! chunks it uploaded first are unreferenced until its snapshot lands. Before it reads who
+//! shares the store, gc leaves a live marker of its own there (`fork::announce_gc`): a fork
+//! registered too late for this gc to see waits for it to end before reading its source.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::{Duration, SystemTime};
 
 use super::format::object_chunk_ids;
+use super::marker::LiveMarker;
 use super::remote::ObjectInfo;
 use super::repo::{Repo, RepoError};
 use crate::chunk::ChunkId;
@@ -58,6 +62,10 @@ pub enum GcError {
     Images(super::image::ImageError),
     #[error("read the other workspaces on the chunk store: {0}")]
     ReadSharers(RepoError),
+    #[error("announce the gc to forks in the making: {0}")]
+    Announce(RepoError),
+    #[error("stopped: {0}")]
+    MarkerLapsed(#[from] super::marker::Lapsed),
 }
 
 /// The limits on unnamed history (`[persist] keep`, `keep_age`, `keep_size`).
@@ -316,6 +324,9 @@ pub fn gc_with(
     grace: Duration,
 ) -> Result<GcReport, GcError> {
     let _ = repo.manifest().map_err(GcError::List)?;
+    // Announced before the fork records are read, and alive until the last delete: a fork
+    // registered after that read waits for this gc to end before it reads its source.
+    let running = super::fork::announce_gc(repo).map_err(GcError::Announce)?;
     // Before any snapshot is deleted: what the others on the chunk store need.
     let shared = super::fork::shared_refs(repo).map_err(GcError::ReadSharers)?;
     let now = SystemTime::now();
@@ -396,9 +407,22 @@ pub fn gc_with(
     );
     let mut swept = 0;
     for (seq, info) in &snaps {
-        if sweep(repo, info, closed.contains(seq), &old_enough, &mut report)? == Fate::Deleted {
-            report.snapshots_deleted += 1;
-            report.bytes_deleted += info.size;
+        match sweep(
+            repo,
+            &running,
+            info,
+            closed.contains(seq),
+            &old_enough,
+            &mut report,
+        )? {
+            Fate::Deleted => {
+                report.snapshots_deleted += 1;
+                report.bytes_deleted += info.size;
+            }
+            // Dropped, but left for now: until it goes it can still be read (restored,
+            // forked, rolled back to), so the chunks it names stay with it.
+            Fate::Young => chunks.extend(load(*seq)?.chunks),
+            Fate::Referenced | Fate::Gone => {}
         }
         swept += 1;
         crate::progress::set(swept);
@@ -406,7 +430,14 @@ pub fn gc_with(
     for (id, info) in listed {
         swept += 1;
         crate::progress::set(swept);
-        match sweep(repo, &info, chunks.contains(&id), &old_chunk, &mut report)? {
+        match sweep(
+            repo,
+            &running,
+            &info,
+            chunks.contains(&id),
+            &old_chunk,
+            &mut report,
+        )? {
             Fate::Referenced => report.chunks_kept += 1,
             Fate::Deleted => {
                 report.chunks_deleted += 1;
@@ -419,6 +450,9 @@ pub fn gc_with(
     let (n, bytes) = super::image::sweep(repo, &closed, grace).map_err(GcError::Images)?;
     report.images_deleted = n;
     report.bytes_deleted += bytes;
+    if let Err(e) = running.finish() {
+        tracing::warn!(error = %e, "gc: cannot remove its marker; it runs out by itself");
+    }
     tracing::info!(report = %report, "gc");
     Ok(report)
 }
@@ -441,6 +475,7 @@ enum Fate {
 /// the delete; the chunk store has no conditional delete to close it.)
 fn sweep(
     repo: &Repo,
+    running: &LiveMarker,
     info: &ObjectInfo,
     referenced: bool,
     old_enough: &impl Fn(SystemTime) -> bool,
@@ -453,6 +488,8 @@ fn sweep(
         report.young_skipped += 1;
         return Ok(Fate::Young);
     }
+    // A fork in the making stops waiting for this gc once its marker ran out.
+    running.check()?;
     let again = repo
         .remote
         .head(&info.key)

@@ -741,16 +741,35 @@ mod tests {
         assert_ne!(b.holder_id(), id);
     }
 
+    /// The stored record.
+    fn stored(r: &MemRemote) -> LeaseRecord {
+        read_record(r, KEY).unwrap().unwrap().0
+    }
+
+    /// Polls `f` until it returns Some: a hang guard (no outcome depends on it).
+    fn eventually<T>(mut f: impl FnMut() -> Option<T>) -> T {
+        let t0 = Instant::now();
+        loop {
+            if let Some(v) = f() {
+                return v;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(120), "never happened");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     #[test]
     fn renewal_keeps_it_and_force_takeover_loses_it() {
+        // A ttl no stall of a loaded machine outlasts (renewed every 5 s).
         let r = Arc::new(MemRemote::new());
-        let mut a = take(&r, 1500, Takeover::Refuse).unwrap();
+        let mut a = take(&r, 15_000, Takeover::Refuse).unwrap();
+        let first = stored(&r).expires_ns;
         a.start_renewal().unwrap();
-        std::thread::sleep(Duration::from_millis(2500));
-        assert_eq!(a.handle().check().unwrap(), 1, "renewed past its first ttl");
+        eventually(|| (stored(&r).expires_ns > first).then_some(()));
+        assert_eq!(a.handle().check().unwrap(), 1, "renewed, same epoch");
         // Still live: refused.
-        assert!(take(&r, 1500, Takeover::Refuse).is_err());
-        let b = take(&r, 1500, Takeover::Force).unwrap();
+        assert!(take(&r, 15_000, Takeover::Refuse).is_err());
+        let b = take(&r, 15_000, Takeover::Force).unwrap();
         assert_eq!(b.info().epoch, 2);
         // The remote fence notices at once, before any renewal.
         let e = a.handle().check_remote().unwrap_err().to_string();
@@ -790,12 +809,27 @@ mod tests {
     #[test]
     fn wait_takes_an_abandoned_lease_after_it_expires() {
         let r = Arc::new(MemRemote::new());
-        let a = take(&r, 1000, Takeover::Refuse).unwrap();
+        let a = take(&r, 30_000, Takeover::Refuse).unwrap();
         drop(a); // killed: never released
-        assert!(take(&r, 1000, Takeover::Refuse).is_err());
+        assert!(take(&r, 30_000, Takeover::Refuse).is_err());
+        // Its last renewal left it one second (written here, as that renewal would have).
+        let mut rec = stored(&r);
         let t0 = Instant::now();
-        let b = take(&r, 1000, Takeover::Wait).unwrap();
-        assert!(t0.elapsed() >= Duration::from_millis(500));
+        rec.expires_ns = now_ns() + 1_000_000_000;
+        rec.ttl_ms = 1000;
+        r.put(
+            KEY,
+            Bytes::from(serde_json::to_vec(&rec).unwrap()),
+            PutMode::Overwrite,
+        )
+        .unwrap();
+        let b = take(&r, 30_000, Takeover::Wait).unwrap();
+        // Not before it expired (the slack is the wall clock's granularity).
+        assert!(
+            t0.elapsed() >= Duration::from_millis(980),
+            "{:?}",
+            t0.elapsed()
+        );
         assert_eq!(b.info().epoch, 2);
     }
 

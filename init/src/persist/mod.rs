@@ -21,6 +21,7 @@ pub mod history;
 pub mod hydrate;
 pub mod image;
 pub mod lease;
+pub mod marker;
 pub mod metrics;
 pub mod objstore;
 pub mod ops;

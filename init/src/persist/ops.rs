@@ -250,22 +250,26 @@ pub struct FsckFlags {
 pub fn fsck(cfg: &Config, flags: FsckFlags) -> Result<FsckReport, OpsError> {
     let state = &cfg.workspace.state_dir;
     let _lock = lock_offline(state)?;
-    let remote = if flags.no_remote {
-        None
-    } else {
-        // The remote this state dir checkpointed to, if any.
-        cfg.persist
-            .remote_url(state)
-            .filter(|u| !u.starts_with("file://") || Path::new(&u[7..]).exists())
-            .map(|u| open_remote(&u, &cfg.persist))
-            .transpose()
-            .map_err(OpsError::OpenRemote)?
+    let url = cfg.persist.remote_url(state).filter(|_| !flags.no_remote);
+    // A `file://` remote that is not there is reported, not opened (that would create it).
+    let missing = url
+        .as_deref()
+        .and_then(|u| u.strip_prefix("file://"))
+        .is_some_and(|p| !Path::new(p).exists());
+    let (remote, missing_remote) = match url {
+        Some(u) if missing => (None, Some(u)),
+        Some(u) => (
+            Some(open_remote(&u, &cfg.persist).map_err(OpsError::OpenRemote)?),
+            None,
+        ),
+        None => (None, None),
     };
     let opts = super::fsck::FsckOptions {
         repair: flags.repair,
         quick: flags.quick,
         chunk_size: cfg.workspace.chunk_size,
         remote,
+        missing_remote,
     };
     super::fsck::fsck(state, &opts).map_err(OpsError::Fsck)
 }

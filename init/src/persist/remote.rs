@@ -347,9 +347,13 @@ impl Remote for FsRemote {
                         stack.push((e.path(), key));
                     }
                 } else if key.starts_with(prefix) {
-                    let m = e
-                        .metadata()
-                        .map_err(|e| RemoteError::io("list", prefix, e))?;
+                    let m = match e.metadata() {
+                        Ok(m) => m,
+                        // Deleted since the directory was read (by a gc, a marker's
+                        // owner): not listed, as it would not be a moment later.
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                        Err(e) => return Err(RemoteError::io("list", prefix, e)),
+                    };
                     out.push(Self::info(&key, &m));
                 }
             }

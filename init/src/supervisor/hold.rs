@@ -4,6 +4,11 @@
 //! sends the stop signal to the main command's process group, SIGKILL after the grace, and
 //! answers once nothing of the group is left. While held, the main command's exit neither
 //! stops keel nor sets its exit code; `start` runs it again with the same command line.
+//!
+//! A group can outlive its SIGKILL (a process in uninterruptible sleep, e.g. on a FUSE
+//! request its server does not answer): when the stop is not done in time, `stop` fails
+//! (the caller rolls nothing back) and the hold is left to start the command again by itself
+//! as soon as the group is gone, so the sandbox is not left without its main command.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -14,11 +19,15 @@ use crate::sys::signal;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum HoldState {
     Idle,
-    StopAsked,
+    /// `then_start`: the asker gave up waiting; start the command again once it stopped.
+    StopAsked {
+        then_start: bool,
+    },
     /// The stop signal went out; SIGKILL at `kill_at`.
     Stopping {
         kill_at: Instant,
         killed: bool,
+        then_start: bool,
     },
     Stopped,
     StartAsked,
@@ -52,12 +61,49 @@ impl MainHold {
         self.cv.notify_all();
     }
 
+    /// Sets `to` if the state is still `from` (the asker may have changed it since the
+    /// supervisor looked); whether it did.
+    pub(super) fn swap(&self, from: HoldState, to: HoldState) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if *s != from {
+            return false;
+        }
+        *s = to;
+        self.cv.notify_all();
+        true
+    }
+
     /// Whether the main command's exit belongs to a hold (not keel's end).
     pub(super) fn holding(&self) -> bool {
         matches!(
             self.get(),
-            HoldState::StopAsked | HoldState::Stopping { .. } | HoldState::Stopped
+            HoldState::StopAsked { .. } | HoldState::Stopping { .. } | HoldState::Stopped
         )
+    }
+
+    /// After a stop that was not done in time: start the command again once its group is
+    /// gone (`Ok(true)`), or `Ok(false)` when it stopped after all.
+    fn start_when_stopped(&self) -> Result<bool, HoldFailure> {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match *s {
+            HoldState::Stopped => return Ok(false),
+            HoldState::Closed => return Err(HoldFailure::Stopping),
+            HoldState::StopAsked { .. } => *s = HoldState::StopAsked { then_start: true },
+            HoldState::Stopping {
+                kill_at, killed, ..
+            } => {
+                *s = HoldState::Stopping {
+                    kill_at,
+                    killed,
+                    then_start: true,
+                }
+            }
+            // Only `stop` moves a hold out of Idle; nothing else to do.
+            HoldState::Idle | HoldState::StartAsked => {}
+        }
+        drop(s);
+        let _ = signal::send(std::process::id() as i32, libc::SIGCHLD);
+        Ok(true)
     }
 
     /// Asks for `to` and waits until the state is one of `until` (or `Closed`), at most
@@ -96,8 +142,18 @@ impl MainCommand for MainHold {
     fn stop(&self) -> Result<(), MainCommandError> {
         // The grace, the SIGKILL after it, and time to reap.
         let wait = self.grace + Duration::from_secs(10);
-        self.ask(HoldState::StopAsked, &[HoldState::Stopped], wait)
-            .map_err(MainCommandError::Stop)
+        match self.ask(
+            HoldState::StopAsked { then_start: false },
+            &[HoldState::Stopped],
+            wait,
+        ) {
+            Err(HoldFailure::NoAnswer(w)) => match self.start_when_stopped() {
+                Ok(false) => Ok(()),
+                Ok(true) => Err(MainCommandError::Stop(HoldFailure::NotStopped(w))),
+                Err(e) => Err(MainCommandError::Stop(e)),
+            },
+            r => r.map_err(MainCommandError::Stop),
+        }
     }
 
     fn start(&self) -> Result<(), MainCommandError> {
@@ -116,8 +172,11 @@ impl super::Supervisor {
         let Some(m) = self.main else {
             return;
         };
-        match self.hold.get() {
-            HoldState::StopAsked => {
+        // Every change is a swap from the state looked at: the asker may have set
+        // `then_start` meanwhile, and then the next round sees it.
+        let now = self.hold.get();
+        match now {
+            HoldState::StopAsked { then_start } => {
                 let u = &self.units[m];
                 match u.pgid.or(u.pid) {
                     Some(g) => {
@@ -126,52 +185,86 @@ impl super::Supervisor {
                             signal::name(self.main_stop_signal)
                         );
                         let _ = signal::send_group(g, self.main_stop_signal);
-                        self.hold.set(HoldState::Stopping {
-                            kill_at: Instant::now() + self.hold.grace,
-                            killed: false,
-                        });
+                        self.hold.swap(
+                            now,
+                            HoldState::Stopping {
+                                kill_at: Instant::now() + self.hold.grace,
+                                killed: false,
+                                then_start,
+                            },
+                        );
                     }
-                    None => self.hold.set(HoldState::Stopped),
+                    None => {
+                        self.stopped(now, then_start);
+                    }
                 }
             }
-            HoldState::Stopping { kill_at, killed } => {
+            HoldState::Stopping {
+                kill_at,
+                killed,
+                then_start,
+            } => {
                 if !self.active(m) {
                     tracing::info!("rollback --restart: the main command has stopped");
-                    self.hold.set(HoldState::Stopped);
+                    self.stopped(now, then_start);
                 } else if !killed && Instant::now() >= kill_at {
                     if let Some(g) = self.units[m].pgid {
                         tracing::info!("rollback --restart: SIGKILL to group {g} after the grace");
                         let _ = signal::send_group(g, libc::SIGKILL);
                     }
-                    self.hold.set(HoldState::Stopping {
-                        kill_at,
-                        killed: true,
-                    });
+                    self.hold.swap(
+                        now,
+                        HoldState::Stopping {
+                            kill_at,
+                            killed: true,
+                            then_start,
+                        },
+                    );
                 }
             }
-            HoldState::StartAsked => {
-                tracing::info!("rollback --restart: starting the main command again");
-                if let Err((code, msg)) = self.start(m) {
-                    tracing::error!("{msg}");
-                    self.code = Some(code);
-                    self.hold.set(HoldState::Closed);
-                    self.begin_stop(crate::shutdown::Reason::StartFailed(msg));
-                    return;
-                }
-                self.hold.set(HoldState::Idle);
-            }
+            HoldState::StartAsked => self.start_again(),
             HoldState::Idle | HoldState::Stopped | HoldState::Closed => {}
         }
+    }
+
+    /// The main command's group is gone: the asker is told, or, when it gave up waiting,
+    /// the command starts again at once.
+    fn stopped(&mut self, now: HoldState, then_start: bool) {
+        if !then_start {
+            self.hold.swap(now, HoldState::Stopped);
+        } else if self.hold.swap(now, HoldState::StartAsked) {
+            tracing::warn!(
+                "rollback --restart: the main command's group is gone only now, after the rollback was refused"
+            );
+            self.start_again();
+        }
+    }
+
+    fn start_again(&mut self) {
+        let Some(m) = self.main else {
+            return;
+        };
+        tracing::info!("rollback --restart: starting the main command again");
+        if let Err((code, msg)) = self.start(m) {
+            tracing::error!("{msg}");
+            self.code = Some(code);
+            self.hold.set(HoldState::Closed);
+            self.begin_stop(crate::shutdown::Reason::StartFailed(msg));
+            return;
+        }
+        self.hold.set(HoldState::Idle);
     }
 
     /// When the loop must look at a hold again (the group is polled while it stops).
     pub(super) fn hold_deadline(&self) -> Option<Instant> {
         match self.hold.get() {
-            HoldState::Stopping { kill_at, killed } => {
+            HoldState::Stopping {
+                kill_at, killed, ..
+            } => {
                 let poll = Instant::now() + Duration::from_millis(50);
                 Some(if killed { poll } else { poll.min(kill_at) })
             }
-            HoldState::StopAsked | HoldState::StartAsked => Some(Instant::now()),
+            HoldState::StopAsked { .. } | HoldState::StartAsked => Some(Instant::now()),
             _ => None,
         }
     }

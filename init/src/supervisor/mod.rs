@@ -151,6 +151,11 @@ pub struct Supervisor {
     sandbox_ns: Option<crate::sys::ns::SandboxNs>,
     /// `keel rollback --restart` stops and starts the main command through it (`hold`).
     hold: std::sync::Arc<MainHold>,
+    /// Processes started through the API: the reaper hands their exits over, the stop
+    /// stops them with the main command.
+    exec: Option<std::sync::Arc<crate::exec::Processes>>,
+    /// What they start from, handed to `exec` when the loop starts.
+    exec_template: Option<crate::exec::Template>,
 }
 
 fn base_env(cfg: &Config) -> Vec<(OsString, OsString)> {
@@ -221,15 +226,37 @@ impl Supervisor {
         let mut plan = Plan::new(cfg, booted);
         plan.add_services()?;
         plan.add_main(main_argv)?;
-        Ok(plan.into_supervisor(signals))
+        let exec = plan.exec_template()?;
+        Ok(plan.into_supervisor(signals, Some(exec)))
+    }
+
+    /// Hands the exits of processes started through the API to `p`, opens it once the loop
+    /// runs, and stops them with the main command.
+    pub fn set_exec(&mut self, p: std::sync::Arc<crate::exec::Processes>) {
+        self.exec = Some(p);
     }
 
     /// The loop. Returns keel's exit code once the stop is complete and no descendant is left.
     pub fn run(mut self) -> i32 {
+        if let (Some(p), Some(mut t)) = (&self.exec, self.exec_template.take()) {
+            if let Some(ns) = &self.sandbox_ns {
+                match ns.try_clone() {
+                    Ok(ns) => {
+                        t.spec.mnt_ns = Some(ns.fd());
+                        t.ns = Some(std::sync::Arc::new(ns));
+                    }
+                    Err(e) => error!("exec: keep the sandbox namespace: {e}"),
+                }
+            }
+            // Without the sandbox's namespace nothing may start through the API.
+            if self.sandbox_ns.is_none() || t.ns.is_some() {
+                p.open(t);
+            }
+        }
         loop {
             let reaped = process::reap_all();
-            for (pid, exit) in reaped.exited {
-                self.on_exit(pid, exit);
+            for e in reaped.exited {
+                self.on_exit(e);
             }
             if self.stop.is_none() {
                 self.advance_start();
@@ -239,8 +266,8 @@ impl Supervisor {
             if self.stop.is_some() {
                 // Reap again so "nothing left" reflects everything that ended so far.
                 let reaped = process::reap_all();
-                for (pid, exit) in reaped.exited {
-                    self.on_exit(pid, exit);
+                for e in reaped.exited {
+                    self.on_exit(e);
                 }
                 if self.advance_stop(reaped.none_left) {
                     break;
@@ -372,6 +399,10 @@ impl Supervisor {
         };
         self.stop = Some(Stop::begin(reason, self.grace));
         self.hold.set(hold::HoldState::Closed);
+        if let Some(p) = &self.exec {
+            // Like the main command: TERM to each one's tree, KILL after the grace.
+            p.close("keel is stopping");
+        }
         for u in &mut self.units {
             u.next_start = None;
             u.finished = true;
@@ -476,6 +507,9 @@ impl Supervisor {
     }
 
     fn kill_everything(&mut self) {
+        if let Some(p) = &self.exec {
+            p.kill_all();
+        }
         for u in &self.units {
             if let Some(g) = u.pgid {
                 let _ = signal::send_group(g, libc::SIGKILL);
@@ -520,7 +554,8 @@ impl Supervisor {
         next
     }
 
-    fn on_exit(&mut self, pid: i32, exit: Exit) {
+    fn on_exit(&mut self, ended: process::Ended) {
+        let (pid, exit) = (ended.pid, ended.exit);
         let now = Instant::now();
         // A command probe?
         if let Some(i) = self
@@ -539,6 +574,9 @@ impl Supervisor {
             return;
         }
         let Some(i) = self.units.iter().position(|u| u.pid == Some(pid)) else {
+            if self.exec.as_ref().is_some_and(|p| p.reaped(ended)) {
+                return;
+            }
             debug!("reaped pid {pid} ({exit})");
             return;
         };

@@ -10,7 +10,7 @@ use super::{
 };
 use crate::boot::Booted;
 use crate::config::{signal_name, Config, ServiceConfig};
-use crate::sys::process::{self, Ids, Session, SpawnSpec};
+use crate::sys::process::{self, Ids, Session, SpawnSpec, Stdio};
 use crate::sys::signal::Signals;
 
 /// What the steps of `Supervisor::new` share: the config, how keel was started, and the
@@ -89,8 +89,9 @@ impl<'a> Plan<'a> {
             session: Session::New,
             drop_caps: self.drop_caps.clone(),
             no_new_privs: s.no_new_privs,
-            stdin: false,
+            stdio: Stdio::Null,
             mnt_ns: None,
+            cgroup_procs: None,
         };
         let stop_signal = signal_name(&s.stop_signal).unwrap_or(libc::SIGTERM);
         Ok(Unit {
@@ -105,12 +106,9 @@ impl<'a> Plan<'a> {
         })
     }
 
-    /// Step 2: the main command (when there is one), last in the start order, after every
-    /// service; it owns the terminal when keel has one, and never restarts.
-    pub(super) fn add_main(&mut self, argv: Vec<OsString>) -> Result<(), SupervisorError> {
-        if argv.is_empty() {
-            return Ok(());
-        }
+    /// What the main command runs with (its user, environment, capabilities, directory,
+    /// terminal), for `argv`; processes started through the API start from the same spec.
+    fn main_spec(&self, argv: Vec<OsString>) -> Result<SpawnSpec, SupervisorError> {
         let cfg = self.cfg;
         let ids = resolve_user(
             "main command",
@@ -122,7 +120,7 @@ impl<'a> Plan<'a> {
             user_env(&mut env, ids, &cfg.init.env);
         }
         pass_env(&mut env, &cfg.init.pass_env);
-        let spec = SpawnSpec {
+        Ok(SpawnSpec {
             argv,
             env,
             cwd: self.booted.caller_cwd.clone(),
@@ -134,9 +132,20 @@ impl<'a> Plan<'a> {
             },
             drop_caps: self.drop_caps.clone(),
             no_new_privs: cfg.init.no_new_privs,
-            stdin: true,
+            stdio: Stdio::Inherit,
             mnt_ns: None,
-        };
+            cgroup_procs: None,
+        })
+    }
+
+    /// Step 2: the main command (when there is one), last in the start order, after every
+    /// service; it owns the terminal when keel has one, and never restarts.
+    pub(super) fn add_main(&mut self, argv: Vec<OsString>) -> Result<(), SupervisorError> {
+        if argv.is_empty() {
+            return Ok(());
+        }
+        let cfg = self.cfg;
+        let spec = self.main_spec(argv)?;
         let n = self.units.len();
         let stop_signal = signal_name(&cfg.shutdown.signal).unwrap_or(libc::SIGTERM);
         self.units.push(Unit {
@@ -148,8 +157,43 @@ impl<'a> Plan<'a> {
         Ok(())
     }
 
+    /// What processes started through the API start from: the main command's spec
+    /// (whether or not there is a main command) in a session of their own, in the workspace
+    /// (else the main command's directory).
+    pub(super) fn exec_template(&self) -> Result<crate::exec::Template, SupervisorError> {
+        let mut spec = self.main_spec(Vec::new())?;
+        spec.session = Session::New;
+        spec.stdio = Stdio::Null;
+        let cwd = spec.cwd.clone();
+        let workspace = self
+            .cfg
+            .init
+            .workspace
+            .then(|| self.cfg.workspace.mount_point.clone());
+        let user = match &spec.ids {
+            Some(i) => i.name.clone(),
+            None => nix::unistd::User::from_uid(nix::unistd::geteuid())
+                .ok()
+                .flatten()
+                .map(|u| u.name)
+                .unwrap_or_else(|| nix::unistd::geteuid().to_string()),
+        };
+        Ok(crate::exec::Template {
+            spec,
+            user,
+            cwd,
+            workspace,
+            grace: self.cfg.shutdown.grace,
+            ns: None,
+        })
+    }
+
     /// Step 3: the supervisor over the planned units, with `[shutdown]`'s signals and grace.
-    pub(super) fn into_supervisor(self, signals: Signals) -> Supervisor {
+    pub(super) fn into_supervisor(
+        self,
+        signals: Signals,
+        exec: Option<crate::exec::Template>,
+    ) -> Supervisor {
         let cfg = self.cfg;
         Supervisor {
             units: self.units,
@@ -172,6 +216,8 @@ impl<'a> Plan<'a> {
             status: None,
             sandbox_ns: None,
             hold: super::MainHold::new(self.cfg.shutdown.grace),
+            exec: None,
+            exec_template: exec,
         }
     }
 }
@@ -248,7 +294,7 @@ mod tests {
         assert_eq!(env_of(&web, "SHARED"), Some("web"));
         assert_eq!(env_of(&web, "ONLY_INIT"), Some("1"));
         assert_eq!(web.spec.cwd, b.caller_cwd);
-        assert!(!web.spec.stdin);
+        assert_eq!(web.spec.stdio, Stdio::Null);
         assert!(matches!(web.spec.session, Session::New));
         assert_eq!(web.restart, Restart::Always);
         assert_eq!(web.restart_delay, Duration::from_secs(2));
@@ -317,7 +363,7 @@ mod tests {
         assert_eq!(main.name, "main");
         assert_eq!(main.deps, vec![0, 1]);
         assert_eq!(main.restart, Restart::Never);
-        assert!(main.spec.stdin);
+        assert_eq!(main.spec.stdio, Stdio::Inherit);
         assert!(matches!(main.spec.session, Session::ForegroundGroup));
         assert_eq!(env_of(main, "SHARED"), Some("init"));
         assert_eq!(main.stop_signal, libc::SIGTERM);

@@ -17,7 +17,7 @@ pub struct EventFd {
 impl EventFd {
     pub fn new() -> io::Result<EventFd> {
         // SAFETY: eventfd takes two integers and returns a new fd or -1; no pointers.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -34,6 +34,12 @@ impl EventFd {
         nix::unistd::write(&self.fd, &1u64.to_ne_bytes())
             .map(|_| ())
             .map_err(io_err)
+    }
+
+    /// Resets the counter (after a wake-up was seen), without blocking.
+    pub fn clear(&self) {
+        let mut b = [0u8; 8];
+        let _ = nix::unistd::read(&self.fd, &mut b);
     }
 
     /// Waits up to `timeout` (at most 65 s) for a signal; true once signalled. The counter

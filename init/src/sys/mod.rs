@@ -2,6 +2,7 @@
 //! (through `nix`/`libc`). Every `unsafe` block in keel lives here, with a `// SAFETY:` note.
 
 pub mod caps;
+pub mod cgroup;
 pub mod creds;
 pub mod eventfd;
 pub mod fgsig;
@@ -9,7 +10,9 @@ pub mod file;
 pub mod mem;
 pub mod mount;
 pub mod ns;
+pub mod pipe;
 pub mod process;
+pub mod pty;
 pub mod sched;
 pub mod signal;
 pub mod socket;

@@ -1,7 +1,9 @@
 //! The sandbox's mount namespace: one namespace, made once, that every process keel starts
 //! joins (`setns`) between fork and exec. In it the state dir, a local `file://` remote and the
 //! credentials file are covered by empty read-only mounts, and the control socket's directory
-//! is read-only; children have no CAP_SYS_ADMIN, so they cannot uncover anything. Its mounts
+//! is read-only (a control socket inside a covered directory, as a keel that is not PID 1
+//! keeps it in the state dir, is bound into the cover at the same path, read-only);
+//! children have no CAP_SYS_ADMIN, so they cannot uncover or replace anything. Its mounts
 //! are slaves of keel's: a mount keel makes or removes later (the workspace) reaches the
 //! sandbox when the parent mount is shared, nothing the sandbox does reaches keel. Also here:
 //! `PR_SET_DUMPABLE`, which keeps ptrace and keel's `/proc/<pid>/{mem,root,cwd,fd}` links
@@ -52,6 +54,9 @@ pub enum Cover {
     EmptyFile,
     /// A directory bound onto itself read-only (sockets in it still connect).
     ReadOnly,
+    /// A socket inside a directory covered (`EmptyDir`) before it: bound into that cover
+    /// at the same path, read-only (it still connects; it cannot be replaced or chmod'ed).
+    Socket,
 }
 
 /// A mount namespace for children; dropping it closes keel's reference (the namespace ends
@@ -66,32 +71,83 @@ impl SandboxNs {
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
+
+    /// A second reference to the namespace (for processes started later, elsewhere).
+    pub fn try_clone(&self) -> std::io::Result<SandboxNs> {
+        Ok(SandboxNs {
+            fd: self.fd.try_clone()?,
+        })
+    }
+}
+
+/// One cover, prepared before the fork (the helper may not allocate).
+struct Prep {
+    path: CString,
+    cover: Cover,
+    /// `Socket`: its slot among the sockets (the helper opens it, in the new namespace,
+    /// before the cover hides the path), the index of its cover, and the directories to
+    /// make inside the cover on the way to it.
+    slot: usize,
+    under: usize,
+    dirs: Vec<CString>,
+}
+
+/// Sockets bound into covers, at most (keel has one control socket).
+const MAX_SOCKETS: usize = 4;
+
+fn cstring(p: &Path) -> Result<CString, NsError> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| NsError::Nul {
+        path: p.to_path_buf(),
+    })
 }
 
 /// Makes the namespace: a copy of keel's, every mount a slave, then `covers` applied in
 /// order. A path that does not exist, or lies under a directory covered before it, is skipped
-/// (the caller creates what must be covered). A file is covered by a read-only bind of an
-/// empty file in a tmpfs hidden under the first covered directory, so writes fail too.
+/// (the caller creates what must be covered), except a `Socket`, which only counts under such
+/// a directory. A file is covered by a read-only bind of an empty file in a tmpfs hidden
+/// under the first covered directory, so writes fail too.
 pub fn make_sandbox_ns(covers: &[(PathBuf, Cover)]) -> Result<SandboxNs, NsError> {
-    let mut prepared: Vec<(CString, Cover)> = Vec::new();
-    let mut dirs: Vec<&Path> = Vec::new();
+    let mut prepared: Vec<Prep> = Vec::new();
+    let mut dirs: Vec<(&Path, usize)> = Vec::new();
+    let mut sockets = 0;
     for (p, c) in covers {
-        if std::fs::symlink_metadata(p).is_err() || dirs.iter().any(|d| p.starts_with(d)) {
+        if std::fs::symlink_metadata(p).is_err() {
             continue;
         }
-        if *c == Cover::EmptyDir {
-            dirs.push(p);
+        let inside = dirs
+            .iter()
+            .find(|(d, _)| p.starts_with(d))
+            .map(|(d, i)| (*d, *i));
+        let mut prep = Prep {
+            path: cstring(p)?,
+            cover: *c,
+            slot: 0,
+            under: 0,
+            dirs: Vec::new(),
+        };
+        match (c, inside) {
+            (Cover::Socket, None)
+            | (Cover::EmptyDir | Cover::EmptyFile | Cover::ReadOnly, Some(_)) => continue,
+            (Cover::Socket, Some(_)) if sockets == MAX_SOCKETS => continue,
+            (Cover::Socket, Some((d, i))) => {
+                prep.slot = sockets;
+                sockets += 1;
+                prep.under = i;
+                let mut between: Vec<&Path> = p
+                    .ancestors()
+                    .skip(1)
+                    .take_while(|a| *a != d && a.starts_with(d))
+                    .collect();
+                between.reverse();
+                prep.dirs = between.into_iter().map(cstring).collect::<Result<_, _>>()?;
+            }
+            (Cover::EmptyDir, None) => dirs.push((p, prepared.len())),
+            _ => {}
         }
-        let s =
-            CString::new(p.as_os_str().as_bytes()).map_err(|_| NsError::Nul { path: p.clone() })?;
-        prepared.push((s, *c));
+        prepared.push(prep);
     }
     let scratch = match dirs.first() {
-        Some(d) => CString::new(d.join(".keel-empty").as_os_str().as_bytes()).map_err(|_| {
-            NsError::Nul {
-                path: d.to_path_buf(),
-            }
-        })?,
+        Some((d, _)) => cstring(&d.join(".keel-empty"))?,
         None => c"/dev/null".to_owned(),
     };
     let make_scratch = !dirs.is_empty();
@@ -160,32 +216,57 @@ pub fn make_sandbox_ns(covers: &[(PathBuf, Cover)]) -> Result<SandboxNs, NsError
     result
 }
 
+/// `/proc/self/fd/<fd>` into `buf`, NUL-terminated, without allocating (for the helper).
+fn fd_path(fd: libc::c_int, buf: &mut [u8; 32]) -> *const libc::c_char {
+    const PREFIX: &[u8] = b"/proc/self/fd/";
+    buf[..PREFIX.len()].copy_from_slice(PREFIX);
+    let mut digits = [0u8; 10];
+    let (mut n, mut len) = (fd.max(0) as u32, 0);
+    loop {
+        digits[len] = b'0' + (n % 10) as u8;
+        len += 1;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for i in 0..len {
+        buf[PREFIX.len() + i] = digits[len - 1 - i];
+    }
+    buf[PREFIX.len() + len] = 0;
+    buf.as_ptr().cast()
+}
+
 /// Step numbers reported by the helper: 1 unshare, 2 slave, 3 the empty file's tmpfs and file,
-/// `10 + 4*i + k` for cover `i` (k = 0 mount, 1 make read-only).
-fn step_name(step: u32, prepared: &[(CString, Cover)], scratch: &CString) -> String {
+/// `10 + 4*i + k` for cover `i` (k = 0 mount, 1 make read-only, 2 make the socket's mount
+/// point inside its cover, 3 open the socket).
+fn step_name(step: u32, prepared: &[Prep], scratch: &CString) -> String {
     match step {
         1 => "unshare(CLONE_NEWNS)".into(),
         2 => "make every mount a slave of keel's".into(),
         3 => format!("create {}", scratch.to_string_lossy()),
         s => {
             let i = ((s - 10) / 4) as usize;
-            let Some((p, c)) = prepared.get(i) else {
+            let Some(p) = prepared.get(i) else {
                 return format!("step {s}");
             };
-            let verb = match (c, (s - 10) % 4) {
+            let verb = match (p.cover, (s - 10) % 4) {
                 (Cover::EmptyDir, 0) => "cover with an empty tmpfs",
                 (Cover::EmptyFile, 0) => "cover with an empty file",
                 (Cover::ReadOnly, 0) => "bind onto itself",
+                (Cover::Socket, 0) => "bind into its cover",
+                (Cover::Socket, 2) => "make a mount point in its cover for",
+                (Cover::Socket, 3) => "open",
                 _ => "make read-only",
             };
-            format!("{verb} {}", p.to_string_lossy())
+            format!("{verb} {}", p.path.to_string_lossy())
         }
     }
 }
 
 /// The helper's work, in the forked child: only syscalls on prepared memory (no allocation).
 fn build_in_child(
-    prepared: &[(CString, Cover)],
+    prepared: &[Prep],
     scratch: &CString,
     make_scratch: bool,
 ) -> Result<(), (u32, i32)> {
@@ -194,6 +275,7 @@ fn build_in_child(
     let errno = || unsafe { *libc::__errno_location() };
     let ok = |r: libc::c_int, step: u32| if r == 0 { Ok(()) } else { Err((step, errno())) };
     let hidden = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    let ro_bind = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | hidden;
     // SAFETY: every pointer passed below is a live NUL-terminated string or null where the
     // syscall allows it; the calls are async-signal-safe.
     unsafe {
@@ -208,15 +290,30 @@ fn build_in_child(
             ),
             2,
         )?;
+        // The sockets to bind into covers, opened here (a mount of keel's namespace cannot be
+        // the source of a bind in this one) while their paths are not covered yet.
+        let mut fds: [libc::c_int; MAX_SOCKETS] = [-1; MAX_SOCKETS];
+        for (j, sock) in prepared.iter().enumerate() {
+            if sock.cover == Cover::Socket {
+                let fd = libc::open(
+                    sock.path.as_ptr(),
+                    libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                );
+                if fd < 0 {
+                    return Err((10 + j as u32 * 4 + 3, errno()));
+                }
+                fds[sock.slot] = fd;
+            }
+        }
         // The empty file for file covers lives in a tmpfs that ends up under the first
         // directory cover (hidden below it; never unlinked, which would keep it busy).
-        if make_scratch && prepared.iter().any(|(_, c)| *c == Cover::EmptyFile) {
-            let dir = prepared.iter().find(|(_, c)| *c == Cover::EmptyDir);
-            if let Some((d, _)) = dir {
+        if make_scratch && prepared.iter().any(|p| p.cover == Cover::EmptyFile) {
+            let dir = prepared.iter().find(|p| p.cover == Cover::EmptyDir);
+            if let Some(d) = dir {
                 ok(
                     libc::mount(
                         c"tmpfs".as_ptr(),
-                        d.as_ptr(),
+                        d.path.as_ptr(),
                         c"tmpfs".as_ptr(),
                         hidden,
                         c"mode=0700,size=4k".as_ptr().cast(),
@@ -234,31 +331,94 @@ fn build_in_child(
             }
             libc::close(fd);
         }
-        for (i, (path, cover)) in prepared.iter().enumerate() {
+        for (i, p) in prepared.iter().enumerate() {
             let step = 10 + i as u32 * 4;
-            let p = path.as_ptr();
-            let src = match cover {
-                Cover::EmptyDir => continue,
-                Cover::ReadOnly => p,
+            let src = match p.cover {
+                Cover::EmptyDir | Cover::Socket => continue,
+                Cover::ReadOnly => p.path.as_ptr(),
                 Cover::EmptyFile => scratch.as_ptr(),
             };
-            ok(libc::mount(src, p, null, libc::MS_BIND, null.cast()), step)?;
-            let flags = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | hidden;
-            ok(libc::mount(null, p, null, flags, null.cast()), step + 1)?;
+            ok(
+                libc::mount(src, p.path.as_ptr(), null, libc::MS_BIND, null.cast()),
+                step,
+            )?;
+            ok(
+                libc::mount(null, p.path.as_ptr(), null, ro_bind, null.cast()),
+                step + 1,
+            )?;
         }
-        for (i, (path, cover)) in prepared.iter().enumerate() {
-            if *cover == Cover::EmptyDir {
+        for (i, d) in prepared.iter().enumerate() {
+            if d.cover != Cover::EmptyDir {
+                continue;
+            }
+            let step = 10 + i as u32 * 4;
+            let sockets = || {
+                prepared
+                    .iter()
+                    .enumerate()
+                    .filter(move |(_, s)| s.cover == Cover::Socket && s.under == i)
+            };
+            if sockets().next().is_none() {
                 ok(
                     libc::mount(
                         c"tmpfs".as_ptr(),
-                        path.as_ptr(),
+                        d.path.as_ptr(),
                         c"tmpfs".as_ptr(),
                         libc::MS_RDONLY | hidden,
                         c"mode=0755,size=4k".as_ptr().cast(),
                     ),
-                    10 + i as u32 * 4,
+                    step,
+                )?;
+                continue;
+            }
+            // Writable until the sockets are in place, then read-only like the others.
+            ok(
+                libc::mount(
+                    c"tmpfs".as_ptr(),
+                    d.path.as_ptr(),
+                    c"tmpfs".as_ptr(),
+                    hidden,
+                    c"mode=0755,size=4k".as_ptr().cast(),
+                ),
+                step,
+            )?;
+            for (j, s) in sockets() {
+                let sstep = 10 + j as u32 * 4;
+                for dir in &s.dirs {
+                    if libc::mkdir(dir.as_ptr(), 0o755) != 0 && errno() != libc::EEXIST {
+                        return Err((sstep + 2, errno()));
+                    }
+                }
+                let fd = libc::open(
+                    s.path.as_ptr(),
+                    libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | libc::O_CLOEXEC,
+                    0o600,
+                );
+                if fd < 0 {
+                    return Err((sstep + 2, errno()));
+                }
+                libc::close(fd);
+                let mut buf = [0u8; 32];
+                let src = fd_path(fds[s.slot], &mut buf);
+                ok(
+                    libc::mount(src, s.path.as_ptr(), null, libc::MS_BIND, null.cast()),
+                    sstep,
+                )?;
+                ok(
+                    libc::mount(null, s.path.as_ptr(), null, ro_bind, null.cast()),
+                    sstep + 1,
                 )?;
             }
+            ok(
+                libc::mount(
+                    null,
+                    d.path.as_ptr(),
+                    null,
+                    libc::MS_REMOUNT | libc::MS_RDONLY | hidden,
+                    null.cast(),
+                ),
+                step + 1,
+            )?;
         }
     }
     Ok(())
@@ -374,8 +534,9 @@ mod tests {
             session: Session::New,
             drop_caps: Vec::new(),
             no_new_privs: false,
-            stdin: false,
+            stdio: crate::sys::process::Stdio::Null,
             mnt_ns: ns,
+            cgroup_procs: None,
         }
     }
 

@@ -1,16 +1,16 @@
-//! Processes: starting a child with exactly the state keel wants it to have (mount namespace,
-//! session/group, terminal, inherited signal mask, user, capabilities), the one `waitpid(-1, WNOHANG)` reaper,
+//! Processes: starting a child with exactly the state keel wants it to have (cgroup, mount
+//! namespace, session/group, terminal, pipes, inherited signal mask, user, capabilities), the
+//! one `wait4(-1, WNOHANG)` reaper (with each child's CPU time and peak memory),
 //! subreaper status, finding descendants, and process-wide settings (cwd, rlimits, umask,
 //! hostname, user lookup).
 
 use std::ffi::{CString, OsString};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::Stdio;
+
+use std::os::fd::{OwnedFd, RawFd};
 
 use nix::errno::Errno;
-use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
-use nix::unistd::Pid;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
@@ -59,33 +59,79 @@ impl std::fmt::Display for Exit {
     }
 }
 
+/// What the kernel counted for a child that ended (`wait4`'s rusage: the child and the
+/// descendants it waited for).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// User plus system CPU time.
+    pub cpu: std::time::Duration,
+    /// Peak resident memory, KiB.
+    pub max_rss_kib: u64,
+}
+
+/// One child the reaper collected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ended {
+    pub pid: i32,
+    pub exit: Exit,
+    pub usage: Usage,
+}
+
 /// The result of one reaper pass.
 #[derive(Debug, Default)]
 pub struct Reaped {
     /// Every child that ended during this pass.
-    pub exited: Vec<(i32, Exit)>,
+    pub exited: Vec<Ended>,
     /// No children at all remain (waitpid said ECHILD).
     pub none_left: bool,
 }
 
-/// The one reaper: `waitpid(-1, WNOHANG)` until nothing more has ended.
+/// Held (shared) while a child is forked and exec'd, and (exclusively) by the reaper: when
+/// exec fails, std's `Command::spawn` waits for that child itself, and a reaper on another
+/// thread must not collect it first (processes started through the API are forked on the
+/// control API's threads, not the supervisor's).
+static SPAWNING: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// The one reaper: `wait4(-1, WNOHANG)` until nothing more has ended.
 pub fn reap_all() -> Reaped {
+    let _spawns_done = SPAWNING.write().unwrap_or_else(|p| p.into_inner());
     let mut r = Reaped::default();
     loop {
-        match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::Exited(pid, code)) => r.exited.push((pid.as_raw(), Exit::Code(code))),
-            Ok(WaitStatus::Signaled(pid, sig, _)) => {
-                r.exited.push((pid.as_raw(), Exit::Signal(sig as i32)))
-            }
-            Ok(WaitStatus::StillAlive) => return r,
-            Ok(_) => continue,
-            Err(Errno::EINTR) => continue,
-            Err(Errno::ECHILD) => {
-                r.none_left = true;
-                return r;
-            }
-            Err(_) => return r,
+        let mut status = 0;
+        // SAFETY: an all-zero rusage is a valid value of this plain C struct.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: wait4 writes the status and the rusage into the two locals.
+        let pid = unsafe { libc::wait4(-1, &mut status, libc::WNOHANG, &mut ru) };
+        if pid == 0 {
+            return r;
         }
+        if pid < 0 {
+            match Errno::last() {
+                Errno::EINTR => continue,
+                Errno::ECHILD => r.none_left = true,
+                _ => {}
+            }
+            return r;
+        }
+        let exit = if libc::WIFEXITED(status) {
+            Exit::Code(libc::WEXITSTATUS(status))
+        } else if libc::WIFSIGNALED(status) {
+            Exit::Signal(libc::WTERMSIG(status))
+        } else {
+            continue;
+        };
+        let tv = |t: libc::timeval| {
+            std::time::Duration::from_secs(t.tv_sec.max(0) as u64)
+                + std::time::Duration::from_micros(t.tv_usec.max(0) as u64)
+        };
+        r.exited.push(Ended {
+            pid,
+            exit,
+            usage: Usage {
+                cpu: tv(ru.ru_utime) + tv(ru.ru_stime),
+                max_rss_kib: ru.ru_maxrss.max(0) as u64,
+            },
+        });
     }
 }
 
@@ -165,6 +211,21 @@ pub enum Session {
     ForegroundGroup,
 }
 
+/// Where a child's stdin, stdout and stderr go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stdio {
+    /// stdin from /dev/null; stdout and stderr are keel's (services, probes).
+    Null,
+    /// keel's own stdin, stdout and stderr (the main command).
+    Inherit,
+    /// stdout and stderr to pipes keel reads; stdin from a pipe keel writes (`true`) or from
+    /// /dev/null (processes started through the API).
+    Pipes { stdin: bool },
+    /// All three on this terminal (a pty's slave side), which becomes the child's
+    /// controlling terminal in its new session.
+    Terminal(RawFd),
+}
+
 /// Everything a child is started with. Built before fork so the child only makes syscalls.
 #[derive(Debug, Clone)]
 pub struct SpawnSpec {
@@ -177,23 +238,61 @@ pub struct SpawnSpec {
     /// Capability numbers to drop from the bounding, inheritable and ambient sets.
     pub drop_caps: Vec<u32>,
     pub no_new_privs: bool,
-    /// Give the child keel's stdin (only the main service) instead of /dev/null.
-    pub stdin: bool,
+    pub stdio: Stdio,
     /// The sandbox mount namespace to join (an fd keel keeps open), if any.
-    pub mnt_ns: Option<std::os::fd::RawFd>,
+    pub mnt_ns: Option<RawFd>,
+    /// A cgroup's `cgroup.procs`, open for writing: the child moves itself there first, so
+    /// nothing it runs starts outside it (`sys::cgroup`).
+    pub cgroup_procs: Option<RawFd>,
+}
+
+/// A started child and keel's ends of its pipes (`Stdio::Pipes`).
+#[derive(Debug)]
+pub struct Spawned {
+    pub pid: i32,
+    pub stdin: Option<OwnedFd>,
+    pub stdout: Option<OwnedFd>,
+    pub stderr: Option<OwnedFd>,
 }
 
 /// Starts a child; its pid is also its process group id. Errors are those of exec (ENOENT,
 /// EACCES, ...) or of a setup step in the child.
 pub fn spawn(spec: &SpawnSpec) -> std::io::Result<i32> {
+    spawn_io(spec).map(|s| s.pid)
+}
+
+/// `spawn`, returning keel's ends of the child's pipes too. The one way keel starts a
+/// process: the main command, services, probes and processes started through the API.
+pub fn spawn_io(spec: &SpawnSpec) -> std::io::Result<Spawned> {
+    use std::process::Stdio as S;
     let mut cmd = std::process::Command::new(&spec.argv[0]);
     cmd.args(&spec.argv[1..])
         .env_clear()
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .current_dir(&spec.cwd);
-    if !spec.stdin {
-        cmd.stdin(Stdio::null());
+    let mut ctty = false;
+    match spec.stdio {
+        Stdio::Null => {
+            cmd.stdin(S::null());
+        }
+        Stdio::Inherit => {}
+        Stdio::Pipes { stdin } => {
+            cmd.stdin(if stdin { S::piped() } else { S::null() })
+                .stdout(S::piped())
+                .stderr(S::piped());
+        }
+        Stdio::Terminal(fd) => {
+            let dup = || -> std::io::Result<S> {
+                // SAFETY: `fd` is the caller's open pty slave for the duration of the call;
+                // it is only borrowed to be duplicated.
+                let b = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+                Ok(S::from(b.try_clone_to_owned()?))
+            };
+            cmd.stdin(dup()?).stdout(dup()?).stderr(dup()?);
+            ctty = true;
+        }
     }
+    let cgroup_procs = spec.cgroup_procs;
     let mask = super::signal::inherited_sigset();
     let ignored = super::signal::inherited_ignored();
     let session = spec.session;
@@ -204,6 +303,10 @@ pub fn spawn(spec: &SpawnSpec) -> std::io::Result<i32> {
     let cwd = CString::new(spec.cwd.as_os_str().as_encoded_bytes())
         .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
     let child_setup = move || -> std::io::Result<()> {
+        // Into its cgroup before anything else, so nothing the child runs starts outside.
+        if let Some(fd) = cgroup_procs {
+            super::cgroup::enter_in_child(fd)?;
+        }
         // First, while the child still has CAP_SYS_ADMIN and CAP_SYS_CHROOT for setns.
         if let Some(ns) = mnt_ns {
             super::ns::enter_in_child(ns, &cwd)?;
@@ -213,6 +316,13 @@ pub fn spawn(spec: &SpawnSpec) -> std::io::Result<i32> {
                 // SAFETY: setsid has no arguments; the child is not a group leader yet.
                 if unsafe { libc::setsid() } < 0 {
                     return Err(std::io::Error::last_os_error());
+                }
+                if ctty {
+                    // SAFETY: stdin is the pty slave (dup2'd by std before this closure); a
+                    // session leader without a terminal may take it as its controlling one.
+                    if unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0) } < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
             }
             Session::ForegroundGroup => {
@@ -251,9 +361,81 @@ pub fn spawn(spec: &SpawnSpec) -> std::io::Result<i32> {
     // SAFETY: the closure only makes async-signal-safe syscalls on data prepared before fork
     // (no allocation, no locks).
     unsafe { cmd.pre_exec(child_setup) };
-    let child = cmd.spawn()?;
+    let mut child = {
+        let _reaper_waits = SPAWNING.read().unwrap_or_else(|p| p.into_inner());
+        cmd.spawn()?
+    };
+    let spawned = Spawned {
+        pid: child.id() as i32,
+        stdin: child.stdin.take().map(OwnedFd::from),
+        stdout: child.stdout.take().map(OwnedFd::from),
+        stderr: child.stderr.take().map(OwnedFd::from),
+    };
     // Dropping `Child` neither waits nor kills: the one reaper collects it.
-    Ok(child.id() as i32)
+    drop(child);
+    Ok(spawned)
+}
+
+/// Every live process that belongs to the tree of a process started in its own session
+/// `sid` (= its process group and pid): the members of that session or group, and every
+/// descendant of theirs, from /proc. A process that left with `setsid` after its parent
+/// died (re-parented to keel) is not found: only a cgroup holds those (`sys::cgroup`).
+pub fn tree_of(sid: i32) -> Vec<i32> {
+    let table = proc_table();
+    let mut out: Vec<i32> = table
+        .iter()
+        .filter(|p| p.pid == sid || p.sid == sid || p.pgid == sid)
+        .map(|p| p.pid)
+        .collect();
+    let mut frontier = out.clone();
+    while let Some(p) = frontier.pop() {
+        for c in table.iter().filter(|c| c.ppid == p) {
+            if !out.contains(&c.pid) {
+                out.push(c.pid);
+                frontier.push(c.pid);
+            }
+        }
+    }
+    out
+}
+
+struct ProcRow {
+    pid: i32,
+    ppid: i32,
+    pgid: i32,
+    sid: i32,
+}
+
+/// Every live (not zombie) process in /proc with its parent, group and session.
+fn proc_table() -> Vec<ProcRow> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid pgrp session ...": comm may contain ')'.
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().take(4).collect();
+        if f.len() < 4 || f[0] == "Z" {
+            continue;
+        }
+        let n = |s: &str| s.parse::<i32>().unwrap_or(0);
+        out.push(ProcRow {
+            pid,
+            ppid: n(f[1]),
+            pgid: n(f[2]),
+            sid: n(f[3]),
+        });
+    }
+    out
 }
 
 /// PR_SET_CHILD_SUBREAPER: orphans below keel are re-parented to keel, not to the real init.

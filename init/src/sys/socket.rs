@@ -30,3 +30,14 @@ pub fn peer_in_group(stream: &impl AsFd, gid: u32) -> io::Result<bool> {
 pub fn euid() -> u32 {
     nix::unistd::geteuid().as_raw()
 }
+
+/// Test helper: a socket file at `path` that nothing ever listened on (`mknod S_IFSOCK`),
+/// what a keel that died leaves behind. Binding a listener and dropping it is not the same
+/// under a parallel test run: a process another test forks meanwhile holds a copy of the
+/// listening fd until it execs, and a connect in that window succeeds, then is reset.
+#[cfg(test)]
+pub fn dead_socket(path: &std::path::Path) -> io::Result<()> {
+    use nix::sys::stat::{mknod, Mode, SFlag};
+    mknod(path, SFlag::S_IFSOCK, Mode::from_bits_truncate(0o600), 0)
+        .map_err(|e| io::Error::from_raw_os_error(e as i32))
+}

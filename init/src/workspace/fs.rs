@@ -16,7 +16,8 @@
 //!
 //! Where things are: `error` (FsError and its errno), `group` (group commit, `Batch`),
 //! `node` (the in-memory inode and its life cycle), `namespace` (names, attributes,
-//! directories), `data` (file bytes), `xattr` (xattrs, set-ID dropping, access), `lazy`
+//! directories), `data` (file bytes), `xattr` (xattrs, ACLs kept in step with the mode,
+//! set-ID dropping, access), `acl` (the POSIX ACL format and rules, pure), `lazy`
 //! (fetching lazily restored windows), `rollback` (rolling the live tree back). This file
 //! keeps the public types, `WorkspaceFs` with its lock, and the whole-filesystem calls.
 
@@ -35,10 +36,12 @@ use crate::config::CacheMode;
 use crate::meta::{DirCache, Inode, InodeNo, Kind, MetaError, Nanos, Store};
 use crate::sys;
 
+pub mod acl;
 mod data;
 mod error;
 mod group;
 mod lazy;
+mod mapped;
 mod namespace;
 mod node;
 mod nodes;
@@ -76,6 +79,10 @@ pub struct Caller {
     pub gid: u32,
     /// 0 when the kernel sends the request on its own (e.g. a writeback).
     pub pid: u32,
+    /// The caller's umask, in the requests that create (mknod, mkdir, create); 0 in the
+    /// others. keel applies it (the kernel leaves it to keel, FUSE_DONT_MASK) unless the
+    /// directory's default ACL takes its place.
+    pub umask: u32,
 }
 
 /// What a request did that may cost a regular file its set-user-ID and set-group-ID bits
@@ -95,6 +102,12 @@ pub struct Attr {
     pub inode: Inode,
     /// Allocated 512-byte blocks.
     pub blocks: u64,
+    /// The kernel must not cache these attributes: they can change with no request to keel
+    /// (a shared writable mapping of a passthrough body, see `mapped`).
+    pub volatile: bool,
+    /// The inode's generation: a file handle names the number and this, so a handle of an
+    /// inode whose number a crash gave to another one is stale (`meta::Generations`).
+    pub generation: u32,
 }
 
 /// A time to set with `setattr`.
@@ -158,11 +171,25 @@ pub struct FsOptions {
     pub chunk_size: u64,
     /// Set by the FUSE layer once the kernel agreed to pass file I/O through to body files.
     pub passthrough: Arc<AtomicBool>,
+    /// Set by the FUSE layer once the kernel agreed to enforce POSIX ACLs (FUSE_POSIX_ACL).
+    /// Until then, and on a kernel without it, the ACL xattrs are refused (EOPNOTSUPP: an
+    /// ACL stored but not enforced is a permission its owner believes removed) and no
+    /// default ACL is inherited.
+    pub posix_acl: Arc<AtomicBool>,
 }
 
 enum Handle {
-    File { ino: InodeNo, passthrough: bool },
-    Dir { entries: Vec<DirEntry> },
+    File {
+        ino: InodeNo,
+        passthrough: bool,
+    },
+    Dir {
+        ino: InodeNo,
+        /// The listing READDIR serves, read at every request from offset 0: the first
+        /// after `opendir`, and each after a `rewinddir`, which must show the entries made
+        /// or removed since.
+        entries: Vec<DirEntry>,
+    },
 }
 
 struct Inner {
@@ -180,6 +207,8 @@ struct Inner {
     no_xattrs: HashSet<InodeNo>,
     /// Closed files kept loaded, longest-closed first (see `WorkspaceFs::linger`).
     lingering: VecDeque<InodeNo>,
+    /// Bodies a shared writable mapping may still write after the last close (`mapped`).
+    mapped: mapped::Mapped,
     /// When the free space of the state volume was last looked at (group commit pauses
     /// while it is low).
     space_checked: Option<std::time::Instant>,
@@ -225,6 +254,8 @@ pub struct WorkspaceFs {
     /// The group commit timer thread, and what tells it to end.
     committer: std::thread::Thread,
     committer_stop: Arc<AtomicBool>,
+    /// Inode generations, fixed at the start (`meta::Generations`).
+    generations: crate::meta::Generations,
 }
 
 impl Drop for WorkspaceFs {
@@ -312,6 +343,8 @@ impl WorkspaceFs {
                 "finished a rollback that stopped after its metadata was recorded: its new file bodies are in place"
             );
         }
+        // Before any number is handed out: numbers a crash took back get a new generation.
+        let generations = store.begin_generation()?;
         let lazy = lazy::Lazy::new(store.any_missing_windows()?);
         if lazy_active_check(&store, opts.chunk_size)? {
             tracing::info!(
@@ -349,6 +382,7 @@ impl WorkspaceFs {
             pool: pool.clone(),
             no_xattrs: HashSet::new(),
             lingering: VecDeque::new(),
+            mapped: mapped::Mapped::default(),
             space_checked: None,
         }));
         let committer_stop = Arc::new(AtomicBool::new(false));
@@ -383,7 +417,13 @@ impl WorkspaceFs {
             _boot_reserve: boot_reserve,
             state_dir: state_dir.to_path_buf(),
             opts,
+            generations,
         })
+    }
+
+    /// The generation of inode `ino` (see `Attr::generation`).
+    pub fn generation(&self, ino: InodeNo) -> u32 {
+        self.generations.of(ino.0)
     }
 
     /// Runs an operation that frees space (or must not fail on a full disk); when it fails
@@ -445,6 +485,10 @@ impl WorkspaceFs {
         for ino in pt {
             self.sync_from_body(inner, ino)?;
         }
+        // What mappings wrote after the last close, before a checkpoint claims the changes.
+        for ino in inner.mapped.inodes() {
+            self.sync_mapped(inner, ino)?;
+        }
         let dirty: Vec<Inode> = inner
             .nodes
             .values()
@@ -481,6 +525,8 @@ impl WorkspaceFs {
         join_thread(&self.discarder);
         let mut guard = self.lock();
         guard.commit_group(self.opts.chunk_size)?;
+        // Every number handed out is in the store: the next start continues the range.
+        guard.store.mark_clean()?;
         guard.store.checkpoint()?;
         drop(guard);
         // Bodies of files that went back inline, too.

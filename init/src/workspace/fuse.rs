@@ -12,7 +12,7 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
@@ -47,6 +47,8 @@ pub struct KernelFeatures {
     pub passthrough: Option<bool>,
     /// Set here when the kernel accepted passthrough; read by `WorkspaceFs`.
     pub passthrough_on: Arc<AtomicBool>,
+    /// Set here when the kernel agreed to enforce POSIX ACLs; read by `WorkspaceFs`.
+    pub posix_acl_on: Arc<AtomicBool>,
 }
 
 /// The largest WRITE (and READ) keel accepts in one request.
@@ -63,6 +65,9 @@ pub struct FuseAdapter {
     killpriv: AtomicBool,
     /// Requests served, all of them and those the caller does not wait for.
     requests: Arc<RequestCounters>,
+    /// The session's notifier, set once the session exists (before any request but INIT):
+    /// tells the kernel to drop cached attributes keel changed outside a reply.
+    notifier: Arc<OnceLock<fuser::Notifier>>,
 }
 
 /// The requests keel served on one mount, for status and benchmarks.
@@ -101,6 +106,30 @@ impl FuseAdapter {
             backing: Mutex::new(Backings::default()),
             killpriv: AtomicBool::new(false),
             requests: Arc::new(RequestCounters::default()),
+            notifier: Arc::default(),
+        }
+    }
+
+    /// Where the session puts its notifier once it exists (see `notifier`).
+    pub fn notifier_slot(&self) -> Arc<OnceLock<fuser::Notifier>> {
+        self.notifier.clone()
+    }
+
+    /// Tells the kernel that the attributes it caches of `ino` are stale, before the reply
+    /// to the request that changed them outside a reply of attributes: a WRITE that cleared
+    /// set-ID bits (the kernel drops only size and times after a write), an open that lets
+    /// the kernel map a body writable (see `open`). The kernel handles the notification
+    /// within the write to /dev/fuse, touching no lock the waiting request holds; one for
+    /// an inode it no longer caches (ENOENT) is no error.
+    fn forget_attrs(&self, ino: u64) {
+        let Some(n) = self.notifier.get() else {
+            return;
+        };
+        // A negative offset: the attributes only, not the page cache.
+        match n.inval_inode(INodeNo(ino), -1, 0) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => tracing::debug!(ino, error = %e, "cannot invalidate cached attributes"),
         }
     }
 
@@ -140,13 +169,29 @@ impl FuseAdapter {
         file_attr(a)
     }
 
+    /// How long the kernel may cache `a`: not at all when it can change unseen (a shared
+    /// writable mapping of a passthrough body, `Attr::volatile`).
+    fn attr_ttl(&self, a: &Attr) -> Duration {
+        if a.volatile {
+            Duration::ZERO
+        } else {
+            self.timeouts.attr
+        }
+    }
+
+    /// The one lifetime of a reply that carries a name and attributes together (fuser gap,
+    /// see `readdirplus`): the shorter of the two.
+    fn entry_ttl(&self, a: &Attr) -> Duration {
+        self.timeouts.entry.min(self.attr_ttl(a))
+    }
+
     fn reply_entry(&self, r: ReplyEntry, res: Result<Attr, FsError>) {
         match res {
             Ok(a) => r.entry_with_ttls(
-                &self.timeouts.attr,
+                &self.attr_ttl(&a),
                 &self.timeouts.entry,
                 &self.file_attr(&a),
-                Generation(0),
+                Generation(u64::from(a.generation)),
             ),
             Err(e) => r.error(errno(&e)),
         }
@@ -154,7 +199,7 @@ impl FuseAdapter {
 
     fn reply_attr(&self, r: ReplyAttr, res: Result<Attr, FsError>) {
         match res {
-            Ok(a) => r.attr(&self.timeouts.attr, &self.file_attr(&a)),
+            Ok(a) => r.attr(&self.attr_ttl(&a), &self.file_attr(&a)),
             Err(e) => r.error(errno(&e)),
         }
     }
@@ -183,6 +228,15 @@ fn caller(req: &Request) -> Caller {
         uid: req.uid(),
         gid: req.gid(),
         pid: req.pid(),
+        umask: 0,
+    }
+}
+
+/// The caller of a request that creates, with its umask (keel applies it, FUSE_DONT_MASK).
+fn creator(req: &Request, umask: u32) -> Caller {
+    Caller {
+        umask,
+        ..caller(req)
     }
 }
 
@@ -285,6 +339,15 @@ impl Filesystem for FuseAdapter {
             | InitFlags::FUSE_ASYNC_DIO
             | InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP
             | InitFlags::FUSE_ATOMIC_O_TRUNC
+            // File handles (open_by_handle_at, NFS-style tools): the kernel looks up "." and
+            // ".." by inode number for an inode it no longer caches; entries carry the
+            // inode's generation.
+            | InitFlags::FUSE_EXPORT_SUPPORT
+            // The kernel enforces the ACLs keel stores (keel keeps them in step with the
+            // mode and inherits default ACLs), and leaves the umask to keel, which applies
+            // it unless a default ACL takes its place.
+            | InitFlags::FUSE_POSIX_ACL
+            | InitFlags::FUSE_DONT_MASK
             // keel drops setuid/setgid itself; the kernel then stops sending a GETXATTR of
             // security.capability before every write (it marks checked inodes S_NOSEC).
             | InitFlags::FUSE_HANDLE_KILLPRIV_V2;
@@ -313,6 +376,13 @@ impl Filesystem for FuseAdapter {
             flags.contains(InitFlags::FUSE_HANDLE_KILLPRIV_V2),
             Ordering::Relaxed,
         );
+        // Both or neither: without FUSE_DONT_MASK the kernel would apply the umask where a
+        // default ACL must replace it.
+        let acls = flags.contains(InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK);
+        if !acls {
+            tracing::warn!("kernel does not enforce POSIX ACLs over FUSE: ACL xattrs are refused");
+        }
+        self.features.posix_acl_on.store(acls, Ordering::Relaxed);
         // KernelConfig has no getter: setting any allowed value returns the kernel's.
         let readahead = config
             .set_max_readahead(1)
@@ -415,14 +485,14 @@ impl Filesystem for FuseAdapter {
         parent: INodeNo,
         n: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         rdev: u32,
         reply: ReplyEntry,
     ) {
         let _t = self.count(Op::Mknod);
         let res = self
             .fs
-            .mknod(caller(req), Ino(parent.0), name(n), mode, rdev);
+            .mknod(creator(req, umask), Ino(parent.0), name(n), mode, rdev);
         self.reply_entry(reply, res);
     }
 
@@ -432,11 +502,13 @@ impl Filesystem for FuseAdapter {
         parent: INodeNo,
         n: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         reply: ReplyEntry,
     ) {
         let _t = self.count(Op::Mkdir);
-        let res = self.fs.mkdir(caller(req), Ino(parent.0), name(n), mode);
+        let res = self
+            .fs
+            .mkdir(creator(req, umask), Ino(parent.0), name(n), mode);
         self.reply_entry(reply, res);
     }
 
@@ -508,14 +580,23 @@ impl Filesystem for FuseAdapter {
         // fuser gap: it does not pass FUSE_OPEN_KILL_SUIDGID; `fs` decides from the flags
         // and the caller.
         if self.killpriv() {
-            if let Err(e) = self.fs.drop_setid_on_open(i, flags, caller(req)) {
-                return reply.error(errno(&e));
+            match self.fs.drop_setid_on_open(i, flags, caller(req)) {
+                Ok(true) => self.forget_attrs(i.0),
+                Ok(false) => {}
+                Err(e) => return reply.error(errno(&e)),
             }
         }
         match self.fs.open(i, flags) {
             Ok((fh, info)) => match &info.backing {
                 None => reply.opened(FileHandle(fh), fopen_flags(&info)),
                 Some(file) => {
+                    // A read-write passthrough handle can map the body shared: from now on
+                    // keel answers its attributes uncached (`Attr::volatile`), and what the
+                    // kernel cached before this open must go too, or a `stat` after a
+                    // write through the mapping would show the times from before.
+                    if flags & libc::O_ACCMODE == libc::O_RDWR {
+                        self.forget_attrs(i.0);
+                    }
                     let got = self
                         .backing()
                         .acquire(i.0, fh, file, |f| reply.open_backing(f));
@@ -582,8 +663,12 @@ impl Filesystem for FuseAdapter {
         let i = Ino(ino.0);
         // The kernel asks for this (it decided from the caller, as for ext4).
         if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
-            if let Err(e) = self.fs.drop_setid(i, SetIdLoss::Modify(caller(req))) {
-                return reply.error(errno(&e));
+            match self.fs.drop_setid(i, SetIdLoss::Modify(caller(req))) {
+                // After a write the kernel drops only its cached size and times: a direct
+                // write would leave `stat` showing the bits keel just cleared.
+                Ok(true) => self.forget_attrs(i.0),
+                Ok(false) => {}
+                Err(e) => return reply.error(errno(&e)),
             }
         }
         match self.fs.write(i, offset, data) {
@@ -683,7 +768,6 @@ impl Filesystem for FuseAdapter {
         mut reply: ReplyDirectoryPlus,
     ) {
         let _t = self.count(Op::Readdirplus);
-        let ttl = self.timeouts.entry.min(self.timeouts.attr);
         let res = self.fs.readdirplus(fh.0, offset, |e, a, next| {
             let mut attr = self.file_attr(a);
             attr.ino = INodeNo(e.ino.0);
@@ -691,9 +775,9 @@ impl Filesystem for FuseAdapter {
                 INodeNo(e.ino.0),
                 next,
                 OsStr::from_bytes(&e.name),
-                &ttl,
+                &self.entry_ttl(a),
                 &attr,
-                Generation(0),
+                Generation(u64::from(a.generation)),
             )
         });
         match res {
@@ -739,7 +823,7 @@ impl Filesystem for FuseAdapter {
 
     fn setxattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         n: &OsStr,
         value: &[u8],
@@ -748,7 +832,10 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let _t = self.count(Op::Setxattr);
-        reply_empty(reply, self.fs.setxattr(Ino(ino.0), name(n), value, flags));
+        let res = self
+            .fs
+            .setxattr(caller(req), Ino(ino.0), name(n), value, flags);
+        reply_empty(reply, res);
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, n: &OsStr, size: u32, reply: ReplyXattr) {
@@ -793,25 +880,25 @@ impl Filesystem for FuseAdapter {
         parent: INodeNo,
         n: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         flags: i32,
         reply: ReplyCreate,
     ) {
         let _t = self.count(Op::Create);
         match self
             .fs
-            .create(caller(req), Ino(parent.0), name(n), mode, flags)
+            .create(creator(req, umask), Ino(parent.0), name(n), mode, flags)
         {
             Ok((a, fh, info)) => {
                 let attr = self.file_attr(&a);
                 // fuser gap: CREATE's reply takes one lifetime for the name and the
                 // attributes; the shorter of keel's two is used.
-                let ttl = self.timeouts.entry.min(self.timeouts.attr);
+                let ttl = self.entry_ttl(&a);
                 match &info.backing {
                     None => reply.created(
                         &ttl,
                         &attr,
-                        Generation(0),
+                        Generation(u64::from(a.generation)),
                         FileHandle(fh),
                         fopen_flags(&info),
                     ),
@@ -826,7 +913,7 @@ impl Filesystem for FuseAdapter {
                                 reply.created_passthrough(
                                     &ttl,
                                     &attr,
-                                    Generation(0),
+                                    Generation(u64::from(a.generation)),
                                     FileHandle(fh),
                                     fopen_flags(&info),
                                     &id,
@@ -908,11 +995,13 @@ impl Filesystem for FuseAdapter {
         let len = len.min(u64::from(u32::MAX) & !0xfff);
         // As for a write: the kernel leaves dropping setuid/setgid to keel.
         if self.killpriv() {
-            if let Err(e) = self
+            match self
                 .fs
                 .drop_setid(Ino(ino_out.0), SetIdLoss::Modify(caller(req)))
             {
-                return reply.error(errno(&e));
+                Ok(true) => self.forget_attrs(ino_out.0),
+                Ok(false) => {}
+                Err(e) => return reply.error(errno(&e)),
             }
         }
         match self

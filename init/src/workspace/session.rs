@@ -230,6 +230,7 @@ pub fn lock_state(cfg: &WorkspaceConfig) -> Result<StateLock, SessionError> {
 pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, SessionError> {
     let state = &cfg.state_dir;
     let passthrough_on = Arc::new(AtomicBool::new(false));
+    let posix_acl_on = Arc::new(AtomicBool::new(false));
     crate::meta::set_cache_ceiling(cfg.meta_cache);
     let fs = WorkspaceFs::new(
         state,
@@ -238,6 +239,7 @@ pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, S
             inline_max: cfg.inline_max,
             chunk_size: cfg.chunk_size,
             passthrough: passthrough_on.clone(),
+            posix_acl: posix_acl_on.clone(),
         },
     )
     .map_err(|e| SessionError::OpenState {
@@ -267,6 +269,7 @@ pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, S
                 Passthrough::On => Some(true),
             },
             passthrough_on: passthrough_on.clone(),
+            posix_acl_on: posix_acl_on.clone(),
         },
     );
     let requests = adapter.requests();
@@ -279,6 +282,7 @@ pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, S
         cache = cfg.cache.as_str(),
         threads = cfg.effective_threads(),
         passthrough = passthrough_on.load(Ordering::Relaxed),
+        posix_acl = posix_acl_on.load(Ordering::Relaxed),
         "workspace mounted"
     );
     Ok(Mounted {
@@ -535,8 +539,11 @@ impl FuseSession {
         config.clone_fd = true;
         // Reads INIT and answers it (`FuseAdapter::init`). Every user may use the mount
         // (`allow_other`); the kernel checks permissions (`default_permissions`).
+        let slot = adapter.notifier_slot();
         let session = fuser::Session::from_fd(adapter, dev, fuser::SessionACL::All, config)?;
         s.notifier = Some(session.notifier());
+        // Before `run`: no request but INIT is served until then.
+        let _ = slot.set(session.notifier());
         let ended = s.ended.clone();
         let runner = std::thread::Builder::new()
             .name("keel-fuse".into())

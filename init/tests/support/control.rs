@@ -58,8 +58,9 @@ fn exchange<S: Read + Write>(mut s: S, raw: &[u8]) -> Resp {
 
 /// Sends raw bytes to `addr` and reads the whole response.
 pub fn raw(addr: SocketAddr, bytes: &[u8]) -> Resp {
-    let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    // Hang guards only: every answer these tests wait for comes.
+    let s = TcpStream::connect_timeout(&addr, Duration::from_secs(60)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     exchange(s, bytes)
 }
 
@@ -90,7 +91,7 @@ pub fn unix_get(socket: &Path, path: &str) -> Resp {
 /// `method path` over a Unix socket.
 pub fn unix_request(socket: &Path, method: &str, path: &str) -> Resp {
     let s = UnixStream::connect(socket).expect("connect to the control socket");
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     exchange(
         s,
         format!("{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\n\r\n").as_bytes(),
@@ -101,4 +102,62 @@ pub fn unix_request(socket: &Path, method: &str, path: &str) -> Resp {
 pub fn metric(text: &str, line_prefix: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(line_prefix)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// The body of a `Transfer-Encoding: chunked` answer, de-chunked (an independent reading of
+/// the framing, for streamed answers).
+pub fn dechunk(mut raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = raw.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let size_text = String::from_utf8_lossy(&raw[..eol]);
+        let size = usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16)
+            .unwrap_or_else(|_| panic!("bad chunk size {size_text:?}"));
+        raw = &raw[eol + 2..];
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&raw[..size]);
+        raw = &raw[size + 2..];
+    }
+}
+
+/// `method path` with `body` over a Unix socket; a chunked answer is de-chunked.
+pub fn unix_send(socket: &Path, method: &str, path: &str, body: &[u8]) -> Resp {
+    let mut s = UnixStream::connect(socket).expect("connect to the control socket");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).expect("send request");
+    s.write_all(body).expect("send body");
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).expect("read response");
+    let end = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("no header end")
+        + 4;
+    let mut r = parse(&out[..end]);
+    let chunked = r
+        .header("transfer-encoding")
+        .is_some_and(|v| v.eq_ignore_ascii_case("chunked"));
+    let body = if chunked {
+        dechunk(&out[end..])
+    } else {
+        out[end..].to_vec()
+    };
+    r.body = String::from_utf8_lossy(&body).into_owned();
+    r
+}
+
+/// The NDJSON events of a streamed answer.
+pub fn events(body: &str) -> Vec<serde_json::Value> {
+    body.lines()
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l:?}")))
+        .collect()
 }

@@ -21,6 +21,7 @@ pub const ROOT: Caller = Caller {
     uid: 0,
     gid: 0,
     pid: 0,
+    umask: 0,
 };
 pub const CHUNK: u64 = 64 * 1024;
 
@@ -30,6 +31,7 @@ pub fn fs_opts() -> FsOptions {
         inline_max: 4096,
         chunk_size: CHUNK,
         passthrough: Default::default(),
+        posix_acl: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
     }
 }
 
@@ -233,7 +235,7 @@ pub fn build_rich_tree(fs: &WorkspaceFs) {
     fs.mknod(ROOT, InodeNo::ROOT, b"chr", libc::S_IFCHR | 0o600, 0x0103)
         .unwrap();
     let small = resolve(fs, "d/small");
-    fs.setxattr(small, b"user.k", b"v\0bin", 0).unwrap();
+    fs.setxattr(ROOT, small, b"user.k", b"v\0bin", 0).unwrap();
     fs.setattr(
         small,
         &SetAttr {

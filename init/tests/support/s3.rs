@@ -32,18 +32,35 @@ pub fn start_moto() -> Option<(Moto, u16)> {
         println!("SKIP: moto_server not installed (pip install \"moto[server]\")");
         return None;
     }
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("moto_server")
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+    // moto picks its own port (`-p 0`) and says which: no other process can take it
+    // between our choice and its bind. Its log is drained for as long as it runs (a full
+    // pipe would block it).
+    let mut child = Command::new("moto_server")
+        .args(["-H", "127.0.0.1", "-p", "0"])
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let log = child.stderr.take().expect("piped stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(log).lines() {
+            let Ok(line) = line else { break };
+            if let Some(p) = line
+                .split("http://127.0.0.1:")
+                .nth(1)
+                .and_then(|rest| rest.trim().parse::<u16>().ok())
+            {
+                let _ = tx.send(p);
+            }
+        }
+    });
     let moto = Moto(child);
+    // A hang guard only: moto's start takes seconds on a loaded machine.
+    let port = rx
+        .recv_timeout(Duration::from_secs(180))
+        .expect("moto_server did not say where it listens");
     let t0 = Instant::now();
     loop {
         let ok = Command::new("python3")
@@ -59,7 +76,7 @@ pub fn start_moto() -> Option<(Moto, u16)> {
             return Some((moto, port));
         }
         assert!(
-            t0.elapsed() < Duration::from_secs(30),
+            t0.elapsed() < Duration::from_secs(180),
             "moto_server did not come up"
         );
         std::thread::sleep(Duration::from_millis(200));

@@ -238,6 +238,42 @@ pub fn mknod(p: &Path, mode: libc::mode_t, dev: libc::dev_t) -> io::Result<()> {
     check(unsafe { libc::mknod(c.as_ptr(), mode, dev) })
 }
 
+/// A socket file that nothing ever listened on, what a keel that died leaves behind. Binding
+/// a listener and dropping it is not the same in a test binary whose other tests fork: the
+/// forked child holds a copy of the listening fd until it execs, and a connect in that window
+/// succeeds (then is reset).
+pub fn dead_socket(p: &Path) -> io::Result<()> {
+    mknod(p, libc::S_IFSOCK | 0o600, 0)
+}
+
+/// A 127.0.0.1 TCP port that refuses every connection and that nobody else can take while
+/// the returned fd lives: bound, never listened on. (A port learnt from a listener that was
+/// then dropped is free again, and another process may take it meanwhile.)
+pub fn refusing_port() -> io::Result<(std::os::fd::OwnedFd, u16)> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: creates a new socket; the fd is owned by the OwnedFd below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and is owned by nobody else.
+    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let mut addr = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes([127, 0, 0, 1]),
+        },
+        sin_zero: [0; 8],
+    };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: `addr` is a valid sockaddr_in of `len` bytes, only read.
+    check(unsafe { libc::bind(fd, (&raw const addr).cast(), len) })?;
+    // SAFETY: `addr` has room for `len` bytes, which getsockname writes.
+    check(unsafe { libc::getsockname(fd, (&raw mut addr).cast(), &mut len) })?;
+    Ok((owned, u16::from_be(addr.sin_port)))
+}
+
 pub fn makedev(major: u32, minor: u32) -> libc::dev_t {
     libc::makedev(major, minor)
 }
@@ -315,4 +351,128 @@ pub fn steal_fd(pid: i32, fd: i32) -> io::Result<std::os::fd::OwnedFd> {
     }
     // SAFETY: `got` is a new fd returned to us and owned by nothing else.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(got as libc::c_int) })
+}
+
+/// A directory stream of opendir(3): readdir(3) and rewinddir(3) as a program calls them
+/// (the kernel sees getdents64 and an lseek to 0).
+pub struct DirStream(*mut libc::DIR);
+
+impl DirStream {
+    pub fn open(p: &Path) -> io::Result<DirStream> {
+        let c = cpath(p);
+        // SAFETY: c is a valid C string; a NULL result is checked.
+        let d = unsafe { libc::opendir(c.as_ptr()) };
+        if d.is_null() {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(DirStream(d))
+    }
+
+    /// Every name from the stream's position to its end.
+    pub fn names(&mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        loop {
+            // SAFETY: self.0 is an open DIR*; the entry readdir returns is valid until the
+            // next call on the stream, and its name is copied out before that.
+            unsafe {
+                let e = libc::readdir(self.0);
+                if e.is_null() {
+                    break;
+                }
+                let name = std::ffi::CStr::from_ptr((*e).d_name.as_ptr());
+                out.push(name.to_string_lossy().into_owned());
+            }
+        }
+        out
+    }
+
+    pub fn rewind(&mut self) {
+        // SAFETY: self.0 is an open DIR*.
+        unsafe { libc::rewinddir(self.0) }
+    }
+}
+
+impl Drop for DirStream {
+    fn drop(&mut self) {
+        // SAFETY: self.0 is an open DIR*, closed exactly once here.
+        unsafe { libc::closedir(self.0) };
+    }
+}
+
+/// A file handle of name_to_handle_at(2): its type and opaque bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileHandle {
+    pub kind: i32,
+    pub bytes: Vec<u8>,
+}
+
+/// MAX_HANDLE_SZ of the kernel.
+const MAX_HANDLE_SZ: usize = 128;
+
+/// A `struct file_handle` with room for `MAX_HANDLE_SZ` bytes, 8-byte aligned.
+fn handle_buf() -> Vec<u64> {
+    vec![0u64; (std::mem::size_of::<libc::file_handle>() + MAX_HANDLE_SZ).div_ceil(8)]
+}
+
+/// name_to_handle_at(AT_FDCWD, p, ..., 0): the handle of what `p` names.
+pub fn name_to_handle(p: &Path) -> io::Result<FileHandle> {
+    let c = cpath(p);
+    let mut buf = handle_buf();
+    let fh = buf.as_mut_ptr().cast::<libc::file_handle>();
+    let mut mount_id: libc::c_int = 0;
+    // SAFETY: `fh` points to a zeroed buffer with room for the header and MAX_HANDLE_SZ bytes,
+    // which handle_bytes says; c is a valid C string; mount_id is a writable int.
+    unsafe {
+        (*fh).handle_bytes = MAX_HANDLE_SZ as libc::c_uint;
+        check(libc::name_to_handle_at(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            fh,
+            &mut mount_id,
+            0,
+        ))?;
+        let n = (*fh).handle_bytes as usize;
+        let data = std::slice::from_raw_parts(
+            buf.as_ptr()
+                .cast::<u8>()
+                .add(std::mem::size_of::<libc::file_handle>()),
+            n,
+        );
+        Ok(FileHandle {
+            kind: (*fh).handle_type,
+            bytes: data.to_vec(),
+        })
+    }
+}
+
+/// open_by_handle_at(fd of `mount`, h, flags): needs CAP_DAC_READ_SEARCH.
+pub fn open_by_handle(
+    mount: &Path,
+    h: &FileHandle,
+    flags: libc::c_int,
+) -> io::Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    let m = std::fs::File::open(mount)?;
+    let mut buf = handle_buf();
+    assert!(h.bytes.len() <= MAX_HANDLE_SZ);
+    let fh = buf.as_mut_ptr().cast::<libc::file_handle>();
+    // SAFETY: the buffer has room for the header and MAX_HANDLE_SZ bytes; the copy stays
+    // inside it; `m` keeps its fd open for the call.
+    let fd = unsafe {
+        (*fh).handle_bytes = h.bytes.len() as libc::c_uint;
+        (*fh).handle_type = h.kind;
+        std::ptr::copy_nonoverlapping(
+            h.bytes.as_ptr(),
+            buf.as_mut_ptr()
+                .cast::<u8>()
+                .add(std::mem::size_of::<libc::file_handle>()),
+            h.bytes.len(),
+        );
+        libc::open_by_handle_at(m.as_raw_fd(), fh, flags | libc::O_CLOEXEC)
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just returned to us and is owned by nothing else.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }

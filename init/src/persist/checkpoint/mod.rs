@@ -63,6 +63,9 @@ pub enum CheckpointError {
     FindForeignHead(RemoteError),
     #[error("keep the remote's head, which another writer made: {0}")]
     KeepForeignHead(Box<super::snapshots::SnapshotsError>),
+    /// A sharing gc may have taken chunks this checkpoint uploaded: redone by the next one.
+    #[error("{0}")]
+    InFlightLapsed(#[from] super::marker::Lapsed),
 }
 
 /// What one checkpoint did.
@@ -368,13 +371,20 @@ impl Persister {
         self.hash_and_upload(&mut pass, opts.deadline)?;
         pass.fill_chunk_maps(self.params.chunk_size);
 
-        // 4. Upload the snapshot, after the chunks it names are durable.
+        // 4. Upload the snapshot, after the chunks it names are durable. On a shared chunk
+        // store, only while the in-flight marker kept them from the sharers' gc all along.
+        if let Some(m) = &pass.in_flight {
+            m.check()?;
+        }
         let seq = self.upload_snapshot(&mut pass, opts.deadline)?;
 
-        // 5. Advance the head, fenced by the lease.
+        // 5. Advance the head, fenced by the lease; the marker goes once the head names
+        // what it protected (or, at any failure, with the pass).
         self.advance_head(&pass, seq)?;
-        if pass.in_flight {
-            self.clear_in_flight();
+        if let Some(m) = pass.in_flight.take() {
+            if let Err(e) = m.finish() {
+                tracing::warn!(error = %e, "cannot remove the checkpoint-in-flight marker; it runs out by itself");
+            }
         }
 
         // 6. Record it locally: new chunk maps, pending set done.

@@ -79,8 +79,9 @@ pub(super) struct Pass {
     pub full: bool,
     /// The remote head before this checkpoint, and its version for the conditional write.
     pub head: Option<(Head, Option<String>)>,
-    /// This checkpoint left an in-flight marker for the workspaces sharing its chunk store.
-    pub in_flight: bool,
+    /// The in-flight marker this checkpoint keeps for the workspaces sharing its chunk
+    /// store (removed when the pass is dropped, whatever its outcome).
+    pub in_flight: Option<crate::persist::marker::LiveMarker>,
     /// The snapshot being built. A full snapshot keeps only its chunked files' records
     /// here (their maps are filled in after hashing); the rest are in `spill`.
     pub body: Body,
@@ -105,7 +106,7 @@ impl Pass {
             prior,
             full,
             head,
-            in_flight: false,
+            in_flight: None,
             body: Body::default(),
             spill: None,
             files: HashMap::new(),
@@ -593,42 +594,24 @@ impl Persister {
                 }
             }
             if !upload.is_empty() {
-                self.upload_chunks(upload, &mut shared, &mut pass.report)?;
+                self.upload_chunks(upload, &mut shared, &mut pass.in_flight, &mut pass.report)?;
             }
             done = end;
             crate::progress::set(done as u64);
         }
-        pass.in_flight = shared == Some(true);
         Ok(())
-    }
-
-    /// Tells the gc of the workspaces sharing the chunk store that this checkpoint uploads
-    /// from now on (`Repo::in_flight_key`; removed once the head names what it uploaded).
-    fn mark_in_flight(&self) -> Result<(), CheckpointError> {
-        let m = crate::persist::fork::InFlight {
-            started_ns: now_ns(),
-        };
-        let b = Bytes::from(serde_json::to_vec(&m).expect("marker serialises"));
-        self.repo
-            .remote
-            .put(&self.repo.in_flight_key(), b, PutMode::Overwrite)
-            .map_err(CheckpointError::UploadChunks)?;
-        Ok(())
-    }
-
-    /// Removes this workspace's in-flight marker (after its head moved).
-    pub(super) fn clear_in_flight(&self) {
-        if let Err(e) = self.repo.remote.delete(&self.repo.in_flight_key()) {
-            tracing::warn!(error = %e, "cannot remove the checkpoint-in-flight marker; a sharing gc keeps newer chunks until it is a day old");
-        }
     }
 
     /// Uploads one batch of chunks: only the absent ones, or every one with a fresh age
     /// when the store is shared (`shared` is asked of the remote once, then remembered).
+    /// Before the first upload to a shared store, the in-flight marker tells the gc of the
+    /// workspaces sharing it that this checkpoint uploads from now on (`Repo::in_flight_key`;
+    /// kept alive until the head names what it uploaded, see `marker`).
     fn upload_chunks(
         &self,
         upload: Vec<(String, Bytes)>,
         shared: &mut Option<bool>,
+        in_flight: &mut Option<crate::persist::marker::LiveMarker>,
         report: &mut CheckpointReport,
     ) -> Result<(), CheckpointError> {
         let sizes: Vec<u64> = upload.iter().map(|(_, d)| d.len() as u64).collect();
@@ -638,7 +621,14 @@ impl Persister {
                 let s = crate::persist::fork::store_is_shared(&self.repo)
                     .map_err(CheckpointError::Manifest)?;
                 if s {
-                    self.mark_in_flight()?;
+                    *in_flight = Some(
+                        crate::persist::marker::LiveMarker::start(
+                            self.repo.remote.clone(),
+                            &self.repo.in_flight_key(),
+                            crate::persist::marker::MARKER_TTL,
+                        )
+                        .map_err(CheckpointError::UploadChunks)?,
+                    );
                 }
                 *shared.insert(s)
             }

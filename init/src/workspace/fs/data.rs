@@ -156,6 +156,8 @@ impl WorkspaceFs {
         fresh: bool,
     ) -> FsResult<(u64, OpenInfo)> {
         self.ensure_open(inner, ino)?;
+        // What a mapping wrote since the last close, before a new stamp is taken.
+        self.sync_mapped(inner, ino)?;
         if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
             self.sync_from_body(inner, ino)?;
             self.lazy_drop_from(inner, ino, 0)?;
@@ -205,6 +207,10 @@ impl WorkspaceFs {
                         Some(stamp) => stamp,
                         None => body_stamp(f)?,
                     });
+                }
+                // Read-write: the kernel may map the body shared and write it unseen.
+                if flags & libc::O_ACCMODE == libc::O_RDWR {
+                    of.pt_mappable = true;
                 }
                 backing = Some(f.clone());
                 node.pt_opens += 1;
@@ -403,18 +409,26 @@ impl WorkspaceFs {
         if let Err(e) = self.sync_from_body(inner, ino) {
             tracing::warn!(ino = ino.0, error = %e, "release: cannot stat the body");
         }
+        // The stamp of a body that may stay mapped writable after this close.
+        let mut mapped = None;
         if let Some(node) = inner.nodes.get_mut(&ino) {
             node.opens = node.opens.saturating_sub(1);
             if passthrough {
                 node.pt_opens = node.pt_opens.saturating_sub(1);
                 if node.pt_opens == 0 {
                     if let Some(of) = node.open.as_mut() {
-                        of.pt_base = None;
+                        let base = of.pt_base.take();
+                        if std::mem::take(&mut of.pt_mappable) {
+                            mapped = base;
+                        }
                     }
                 }
             }
         }
         self.settle(inner, ino)?;
+        if let Some(stamp) = mapped {
+            self.watch_mapped(inner, ino, stamp);
+        }
         Ok(passthrough)
     }
 

@@ -2,6 +2,7 @@
 
 use std::io;
 
+use super::acl::AclError;
 use crate::meta::MetaError;
 
 /// Everything that can go wrong in a filesystem operation. `errno` maps each to the one
@@ -48,6 +49,9 @@ pub enum FsError {
     Meta(#[from] MetaError),
     #[error("lazy restore: {0}")]
     Fetch(String),
+    /// An ACL keel stored (or restored) does not parse: the store is damaged.
+    #[error("stored ACL: {0}")]
+    StoredAcl(AclError),
 }
 
 impl FsError {
@@ -75,6 +79,7 @@ impl FsError {
             FsError::Meta(e) if e.is_full() => libc::ENOSPC,
             FsError::Meta(_) => libc::EIO,
             FsError::Fetch(_) => libc::EIO,
+            FsError::StoredAcl(_) => libc::EIO,
         }
     }
 }

@@ -35,11 +35,26 @@ impl WorkspaceFs {
         }
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
-        let p = Self::load_dir(inner, parent)?;
         let ino = match name {
-            b"." => parent,
-            b".." => p.parent,
+            // Only the kernel's export operations ask for these, by inode number, to open a
+            // file handle whose inode it no longer caches (`open_by_handle_at`): "." is the
+            // inode itself, of any kind, ".." a directory's parent; an inode with no name
+            // left (unlinked, open or not) is gone for a handle, as on ext4.
+            b"." => {
+                if Self::load(inner, parent)?.nlink == 0 {
+                    return Err(FsError::NotFound);
+                }
+                parent
+            }
+            b".." => {
+                let p = Self::load_dir(inner, parent)?;
+                if p.nlink == 0 {
+                    return Err(FsError::NotFound);
+                }
+                p.parent
+            }
             _ => {
+                Self::load_dir(inner, parent)?;
                 // The entry and its inode's row in one statement; a loaded file's
                 // attributes in memory are newer than its row, so they win.
                 let row = inner
@@ -48,7 +63,9 @@ impl WorkspaceFs {
                     .lookup_inode(parent, name)?
                     .ok_or(FsError::NotFound)?;
                 let ino = row.ino;
-                if inner.nodes.get(&ino).is_none_or(|n| n.open.is_none()) {
+                if inner.nodes.get(&ino).is_none_or(|n| n.open.is_none())
+                    && !inner.mapped.contains(ino)
+                {
                     let attr = self.attr(row, None)?;
                     Self::remember(inner, ino);
                     return Ok(attr);
@@ -121,8 +138,10 @@ impl WorkspaceFs {
             of.inode.ctime = t;
         }
         let mut inode = Self::load(inner, ino)?;
+        let mut chmod_acl = None;
         if let Some(mode) = set.mode {
             inode.perm = mode & 0o7777;
+            chmod_acl = self.acl_after_chmod(inner, ino, inode.perm)?;
         }
         if let Some(uid) = set.uid {
             inode.uid = uid;
@@ -142,6 +161,7 @@ impl WorkspaceFs {
         }
         inode.ctime = set.ctime.unwrap_or(t);
         let mut tx = Batch::new(&inner.store)?;
+        Self::save_chmod_acl(&tx, ino, chmod_acl.as_ref())?;
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
         if set.size.is_some() {
@@ -195,6 +215,7 @@ impl WorkspaceFs {
             return Err(FsError::NotFound);
         }
         let mut inode = Self::new_inode(caller, &p, kind, perm, rdev);
+        let acls = self.inherit_acl(inner, parent, &mut inode, caller.umask)?;
         if let Some(t) = target {
             inode.size = t.len() as u64;
         }
@@ -209,6 +230,9 @@ impl WorkspaceFs {
         if let Some(target) = target {
             tx.set_symlink_target(inode.ino, target)?;
         }
+        for (n, v) in &acls {
+            tx.set_xattr(inode.ino, n, v)?;
+        }
         if kind == Kind::Dir {
             p.nlink += 1;
         }
@@ -217,8 +241,10 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
         Self::remember(inner, inode.ino);
-        // Created with no xattr (keel inherits no ACLs): a lost group forgets this too.
-        Self::has_no_xattrs(inner, inode.ino);
+        // Created with no xattr unless it inherited ACLs: a lost group forgets this too.
+        if acls.is_empty() {
+            Self::has_no_xattrs(inner, inode.ino);
+        }
         self.attr(inode, None)
     }
 
@@ -342,11 +368,11 @@ impl WorkspaceFs {
         child.ctime = t;
         p.mtime = t;
         p.ctime = t;
-        // Nobody has it open: the inode goes in the same transaction as its last name, and
-        // its `Node` with it (Deleted: row and node gone). The kernel may still hold a
-        // lookup reference; its `forget` then finds no node and has nothing to do (no
+        // Nobody uses it: the inode goes in the same transaction as its last name, and its
+        // `Node` with it (Deleted: row and node gone). The kernel may still hold a lookup
+        // reference on a file; its `forget` then finds no node and has nothing to do (no
         // `SELECT` of the row this deleted).
-        let delete_now = child.nlink == 0 && !Self::is_open(inner, child.ino);
+        let delete_now = child.nlink == 0 && !Self::in_use(inner, child.ino, child.kind);
         let mut tx = Batch::new(&inner.store)?;
         tx.unlink(parent, name)?;
         if delete_now {
@@ -530,7 +556,7 @@ impl WorkspaceFs {
         }
         tx.commit(&mut inner.nodes)?;
         if let Some(v) = victim {
-            if v.nlink == 0 && !Self::is_open(inner, v.ino) {
+            if v.nlink == 0 && !Self::in_use(inner, v.ino, v.kind) {
                 self.purge(inner, v.ino)?;
             }
         }
@@ -594,9 +620,25 @@ impl WorkspaceFs {
 
     // ----- directories -----
 
+    /// Opens a directory. An open directory is in use like an open file: removed or renamed
+    /// over, it stays (nlink 0) until its last handle is released and the kernel forgets it,
+    /// so `fstat` of the handle still answers, as on ext4.
     pub fn opendir(&self, ino: InodeNo) -> FsResult<u64> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
+        Self::load_dir(inner, ino)?;
+        inner.nodes.entry(ino).or_default().opens += 1;
+        Ok(Self::new_handle(
+            inner,
+            Handle::Dir {
+                ino,
+                entries: Vec::new(),
+            },
+        ))
+    }
+
+    /// What READDIR lists for directory `ino` now: `.`, `..` and its entries.
+    fn listing(inner: &Inner, ino: InodeNo) -> FsResult<Vec<DirEntry>> {
         let d = Self::load_dir(inner, ino)?;
         let mut entries = vec![
             DirEntry {
@@ -617,7 +659,26 @@ impl WorkspaceFs {
                 kind: e.kind,
             });
         }
-        Ok(Self::new_handle(inner, Handle::Dir { entries }))
+        Ok(entries)
+    }
+
+    /// The entries of handle `fh` from `offset` on; from offset 0 the listing is read again
+    /// (see `Handle::Dir`).
+    fn dir_entries(inner: &mut Inner, fh: u64, offset: u64) -> FsResult<Vec<DirEntry>> {
+        let Some(Handle::Dir { ino, .. }) = inner.handles.get(&fh) else {
+            return Err(FsError::BadHandle);
+        };
+        let ino = *ino;
+        if offset == 0 {
+            let fresh = Self::listing(inner, ino)?;
+            if let Some(Handle::Dir { entries, .. }) = inner.handles.get_mut(&fh) {
+                *entries = fresh;
+            }
+        }
+        let Some(Handle::Dir { entries, .. }) = inner.handles.get(&fh) else {
+            return Err(FsError::BadHandle);
+        };
+        Ok(entries.iter().skip(offset as usize).cloned().collect())
     }
 
     /// Entries of an open directory from `offset` on; each comes with the offset of the next.
@@ -628,13 +689,11 @@ impl WorkspaceFs {
         offset: u64,
         mut add: impl FnMut(&DirEntry, u64) -> bool,
     ) -> FsResult<()> {
-        let guard = self.lock();
-        let inner: &Inner = &guard;
-        let Some(Handle::Dir { entries }) = inner.handles.get(&fh) else {
-            return Err(FsError::BadHandle);
-        };
-        for (i, e) in entries.iter().enumerate().skip(offset as usize) {
-            if add(e, i as u64 + 1) {
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let entries = Self::dir_entries(inner, fh, offset)?;
+        for (i, e) in entries.iter().enumerate() {
+            if add(e, offset + i as u64 + 1) {
                 break;
             }
         }
@@ -651,14 +710,11 @@ impl WorkspaceFs {
     ) -> FsResult<()> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
-        let Some(Handle::Dir { entries }) = inner.handles.get(&fh) else {
-            return Err(FsError::BadHandle);
-        };
-        let entries: Vec<DirEntry> = entries.iter().skip(offset as usize).cloned().collect();
+        let entries = Self::dir_entries(inner, fh, offset)?;
         for (i, e) in entries.iter().enumerate() {
             let attr = match self.fresh_attr(inner, e.ino) {
                 Ok(a) => a,
-                // Removed since opendir: skip it.
+                // Removed since the listing was read: skip it.
                 Err(FsError::NotFound) => continue,
                 Err(err) => return Err(err),
             };
@@ -672,8 +728,20 @@ impl WorkspaceFs {
         Ok(())
     }
 
+    /// Closes a directory handle; a directory removed while open goes once the kernel also
+    /// forgets it (`settle`).
     pub fn releasedir(&self, fh: u64) {
-        self.lock().handles.remove(&fh);
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        let Some(Handle::Dir { ino, .. }) = inner.handles.remove(&fh) else {
+            return;
+        };
+        if let Some(node) = inner.nodes.get_mut(&ino) {
+            node.opens = node.opens.saturating_sub(1);
+        }
+        if let Err(e) = self.settle(inner, ino) {
+            tracing::warn!(ino = ino.0, error = %e, "releasedir: could not settle the directory");
+        }
     }
 
     pub fn fsyncdir(&self) -> FsResult<()> {

@@ -27,9 +27,10 @@
 //!    Lingering → Open: the next `open_as` (`ensure_open` finds it loaded). Lingering →
 //!    Known: `unload`, when `linger` evicts the longest-closed file past `LINGER_MAX`.
 //!    Lingering → Stored: `forget`, then `settle`.
-//! 6. **Open-unlinked**: `nlink == 0` with handles open: `remove` or `rename` keep the row
-//!    (a store orphan, which `WorkspaceFs::new` deletes after a crash). The last `release`
-//!    settles it; once the kernel also forgets it, `settle` calls `purge`.
+//! 6. **Open-unlinked**: `nlink == 0` with handles open, or a directory the kernel still
+//!    holds (`in_use`): `remove` or `rename` keep the row (a store orphan, which
+//!    `WorkspaceFs::new` deletes after a crash). The last `release` (`releasedir`) settles
+//!    it; once the kernel also forgets it, `settle` calls `purge`.
 //! 7. **Deleted**: row and `Node` gone; the body goes back to the pool (or away) once the
 //!    deletion commits (`discard_body`). Any state → Deleted: `purge` (from `settle`, or
 //!    `rename` over an unopened victim), or `remove` directly when it takes the last name
@@ -78,6 +79,10 @@ pub(super) struct OpenFile {
     /// The file took a body only to be passed through (it was inline when opened for
     /// writing, see `open_as`): at its last close it goes back inline if it stayed small.
     pub(super) pt_body: bool,
+    /// A read-write passthrough handle was opened since the last close of every
+    /// passthrough handle: a process may map the body shared and writable, and write it
+    /// with no request to keel (see `mapped`).
+    pub(super) pt_mappable: bool,
 }
 
 /// A taken pool slot (see `OpenFile::provisional`).
@@ -167,7 +172,15 @@ pub(super) fn body_stamp(f: &File) -> io::Result<BodyStamp> {
     Ok(stamp_of(&f.metadata()?))
 }
 
-fn stamp_of(m: &std::fs::Metadata) -> BodyStamp {
+/// When the kernel wrote a body keel did not see written (through passthrough or a
+/// mapping), as the file's new mtime and ctime: the body's mtime, the kernel's clock at the
+/// write, as ext4 sets both; but always after the file's last recorded change, which keel's
+/// finer clock may have put up to a tick ahead of the kernel's coarse one.
+pub(super) fn kernel_change_time(body: &BodyStamp, ctime: Nanos) -> Nanos {
+    body.mtime.max(Nanos(ctime.0.saturating_add(1)))
+}
+
+pub(super) fn stamp_of(m: &std::fs::Metadata) -> BodyStamp {
     use std::os::unix::fs::MetadataExt;
     BodyStamp {
         size: m.len(),
@@ -216,13 +229,23 @@ impl WorkspaceFs {
             }
             _ => inode.size.div_ceil(512),
         };
-        Ok(Attr { inode, blocks })
+        Ok(Attr {
+            generation: self.generation(inode.ino),
+            inode,
+            blocks,
+            volatile: false,
+        })
     }
 
     /// Picks up what the kernel wrote through passthrough handles: size and times from the
     /// body, and every window marked dirty (the written ranges are unknown).
+    /// With no passthrough handle open, what a mapping wrote after the last close
+    /// (`sync_mapped`).
     pub(super) fn sync_from_body(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
         let chunk = self.opts.chunk_size;
+        if Self::pt_base(inner, ino).is_none() {
+            return self.sync_mapped(inner, ino);
+        }
         let Some(node) = inner.nodes.get_mut(&ino) else {
             return Ok(());
         };
@@ -239,7 +262,9 @@ impl WorkspaceFs {
         if now_stamp != base {
             of.inode.size = now_stamp.size;
             if now_stamp.mtime != base.mtime {
-                of.inode.mtime = now_stamp.mtime;
+                let t = kernel_change_time(&now_stamp, of.inode.ctime);
+                of.inode.mtime = t;
+                of.inode.ctime = t;
             }
             of.inode.ctime = of.inode.ctime.max(now_stamp.ctime);
             of.touch(0, now_stamp.size, chunk);
@@ -248,17 +273,42 @@ impl WorkspaceFs {
         Ok(())
     }
 
-    /// Re-reads the body stamp after keel itself changed a passthrough file, so its own
-    /// change is not mistaken for a kernel write.
+    /// The body stamp of a file with passthrough handles open.
+    pub(super) fn pt_base(inner: &Inner, ino: InodeNo) -> Option<BodyStamp> {
+        inner
+            .nodes
+            .get(&ino)
+            .and_then(|n| n.open.as_ref())
+            .and_then(|of| of.pt_base)
+    }
+
+    /// Re-reads the body stamp after keel itself changed a passthrough (or mapped, see
+    /// `mapped`) file, so its own change is not mistaken for a kernel write.
     pub(super) fn rebase(inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        let watched = inner.mapped.contains(ino);
         if let Some(of) = inner.nodes.get_mut(&ino).and_then(|n| n.open.as_mut()) {
-            if of.pt_base.is_some() {
+            if of.pt_base.is_some() || watched {
                 if let Data::Body(f) = &of.data {
-                    of.pt_base = Some(body_stamp(f)?);
+                    let stamp = body_stamp(f)?;
+                    if of.pt_base.is_some() {
+                        of.pt_base = Some(stamp);
+                    }
+                    inner.mapped.restamp(ino, stamp);
                 }
             }
         }
         Ok(())
+    }
+
+    /// Whether the kernel must ask for `ino`'s attributes every time (`Attr::volatile`): a
+    /// read-write passthrough handle is open, or a mapping may outlive the last one.
+    pub(super) fn volatile(inner: &Inner, ino: InodeNo) -> bool {
+        inner.mapped.contains(ino)
+            || inner
+                .nodes
+                .get(&ino)
+                .and_then(|n| n.open.as_ref())
+                .is_some_and(|of| of.pt_mappable && of.pt_base.is_some())
     }
 
     /// Attributes as the kernel must see them: first picks up passthrough writes, so that no
@@ -278,7 +328,9 @@ impl WorkspaceFs {
                 Data::Body(f) => Some(f.clone()),
                 Data::Inline(_) => None,
             });
-        self.attr(inode, body.as_deref())
+        let mut a = self.attr(inode, body.as_deref())?;
+        a.volatile = Self::volatile(inner, ino);
+        Ok(a)
     }
 
     /// Stored → Known, or one lookup more (see the life cycle above).
@@ -322,6 +374,18 @@ impl WorkspaceFs {
     /// Whether any handle has the inode open (open-unlinked files must stay).
     pub(super) fn is_open(inner: &Inner, ino: InodeNo) -> bool {
         inner.nodes.get(&ino).is_some_and(|n| n.opens > 0)
+    }
+
+    /// Whether an inode that lost its last link must stay for now (Open-unlinked): a handle
+    /// has it open, or it is a directory the kernel still holds (an open handle, a process's
+    /// working directory). Such a directory answers `fstat` and `stat(".")` with nlink 0, as
+    /// on ext4, until the last release and forget (`settle` then purges it). A file the
+    /// kernel only holds a lookup on goes at once: nothing can reach it by then.
+    pub(super) fn in_use(inner: &Inner, ino: InodeNo, kind: Kind) -> bool {
+        inner
+            .nodes
+            .get(&ino)
+            .is_some_and(|n| n.opens > 0 || (kind == Kind::Dir && n.lookups > 0))
     }
 
     pub(super) fn new_inode(
@@ -402,6 +466,7 @@ impl WorkspaceFs {
             provisional: std::cell::Cell::new(None),
             pt_base: None,
             pt_body: false,
+            pt_mappable: false,
         }));
     }
 

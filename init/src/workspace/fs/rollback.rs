@@ -88,7 +88,8 @@ pub struct RollbackPlan {
 /// One invalidation for the kernel.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Inval {
-    /// Attributes and cached pages of an inode.
+    /// Attributes, cached pages and cached ACLs of an inode (a rollback may change its ACL
+    /// xattrs, which the kernel otherwise keeps using until it refreshes the attributes).
     Inode(InodeNo),
     /// A name in a directory.
     Entry(InodeNo, Vec<u8>),
@@ -330,6 +331,7 @@ impl WorkspaceFs {
                 }
             }
             inner.lingering.retain(|x| x != ino);
+            inner.mapped.forget(*ino);
             inner.no_xattrs.remove(ino);
             self.lazy.forget(*ino);
         }

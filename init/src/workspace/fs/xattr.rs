@@ -1,10 +1,15 @@
-//! Extended attributes, the privileges a file loses on chown or write (set-ID bits,
+//! Extended attributes, POSIX ACLs kept in step with the mode (setfacl changes the mode,
+//! chmod the access ACL, new inodes inherit their directory's default ACL; the kernel enforces
+//! them, see `acl`), the privileges a file loses on chown or write (set-ID bits,
 //! `security.capability`), and `access(2)`.
 
+use std::sync::atomic::Ordering;
+
+use super::acl::{self, Acl};
 use super::group::Batch;
 use super::{now, Caller, FsError, FsResult, Inner, SetAttr, SetIdLoss, WorkspaceFs};
 use super::{XATTR_CREATE, XATTR_NAME_MAX, XATTR_REPLACE, XATTR_SIZE_MAX};
-use crate::meta::{InodeNo, Kind};
+use crate::meta::{Inode, InodeNo, Kind};
 use crate::sys;
 
 /// Most inodes remembered as having no xattrs (the set starts over when full, emptied of
@@ -13,7 +18,7 @@ pub(super) const NO_XATTRS_MAX: usize = 1 << 16;
 /// The xattr the kernel probes before writes and that `drop_setid` drops.
 pub(super) const CAPABILITY_XATTR: &[u8] = b"security.capability";
 
-/// The set-ID bits of a regular file (mode `perm`, group `gid`) that `loss` by a caller with
+/// The set-ID bits of a file (mode `perm`, group `gid`) that `loss` by a caller with
 /// `creds` clears, as Linux does for ext4 (`chown_common`, `setattr_should_drop_suidgid`):
 /// chown always clears set-user-ID; set-group-ID goes when the group may execute or the
 /// caller is neither in the file's group nor holds CAP_FSETID. A write or truncate clears the
@@ -29,6 +34,17 @@ pub fn setid_lost(perm: u32, gid: u32, loss: SetIdLoss, creds: &sys::creds::Cred
         lost |= libc::S_ISGID;
     }
     lost
+}
+
+/// Whether the caller is in group `gid` or holds CAP_FSETID (the kernel's
+/// `in_group_or_capable`): if not, setting an access ACL clears set-group-ID. A caller that
+/// is gone counts as root if its uid is 0.
+fn in_group_or_fsetid(caller: Caller, gid: u32) -> bool {
+    let creds = sys::creds::of_pid(caller.pid).unwrap_or_else(|_| sys::creds::Creds {
+        fsetid: caller.uid == 0,
+        groups: vec![caller.gid],
+    });
+    creds.fsetid || creds.groups.contains(&gid)
 }
 
 /// What a SETATTR costs a file's set-ID bits when the kernel leaves dropping them to the
@@ -78,12 +94,24 @@ impl XattrReply {
 impl WorkspaceFs {
     // ----- xattrs -----
 
-    pub fn setxattr(&self, ino: InodeNo, name: &[u8], value: &[u8], flags: i32) -> FsResult<()> {
+    /// Sets an xattr. The ACL xattrs are checked and applied as setfacl on ext4 applies
+    /// them (see `set_acl`); `caller` matters only there.
+    pub fn setxattr(
+        &self,
+        caller: Caller,
+        ino: InodeNo,
+        name: &[u8],
+        value: &[u8],
+        flags: i32,
+    ) -> FsResult<()> {
         if name.is_empty() || name.len() > XATTR_NAME_MAX {
             return Err(FsError::Range);
         }
         if value.len() > XATTR_SIZE_MAX {
             return Err(FsError::TooBig);
+        }
+        if acl::is_acl_name(name) {
+            return self.set_acl(caller, ino, name, value);
         }
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
@@ -104,9 +132,138 @@ impl WorkspaceFs {
         Ok(())
     }
 
+    /// Whether the kernel enforces POSIX ACLs on this mount (see `FsOptions::posix_acl`).
+    pub fn posix_acls(&self) -> bool {
+        self.opts.posix_acl.load(Ordering::Relaxed)
+    }
+
+    /// EOPNOTSUPP for an ACL xattr while the kernel does not enforce ACLs.
+    fn acls_enforced(&self) -> FsResult<()> {
+        if self.posix_acls() {
+            Ok(())
+        } else {
+            Err(FsError::NotSupported)
+        }
+    }
+
+    /// setfacl, as ext4 does it (the kernel's `fuse_set_acl` leaves all of it to keel): a
+    /// default ACL only on a directory; an access ACL sets the mode's permission bits (owner,
+    /// mask or group, other), is not stored when the mode says it all, and clears
+    /// set-group-ID unless the caller is in the file's group or holds CAP_FSETID.
+    fn set_acl(&self, caller: Caller, ino: InodeNo, name: &[u8], value: &[u8]) -> FsResult<()> {
+        self.acls_enforced()?;
+        let acl = Acl::decode(value).map_err(|e| {
+            tracing::debug!(ino = ino.0, error = %e, "refused an ACL");
+            FsError::Invalid
+        })?;
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        self.sync_from_body(inner, ino)?;
+        let mut inode = Self::load(inner, ino)?;
+        if inode.kind == Kind::Symlink {
+            return Err(FsError::NotSupported);
+        }
+        let access = name == acl::ACCESS;
+        if !access && inode.kind != Kind::Dir {
+            return Err(FsError::Access);
+        }
+        let mut tx = Batch::new(&inner.store)?;
+        if access {
+            inode.perm = acl.equiv_mode(inode.perm);
+            if inode.perm & libc::S_ISGID != 0 && !in_group_or_fsetid(caller, inode.gid) {
+                inode.perm &= !libc::S_ISGID;
+            }
+            Self::put_access_acl(&tx, ino, &acl)?;
+        } else {
+            tx.set_xattr(ino, acl::DEFAULT, &acl.encode())?;
+        }
+        inode.ctime = now();
+        tx.save(&inner.nodes, &inode)?;
+        tx.commit(&mut inner.nodes)?;
+        inner.no_xattrs.remove(&ino);
+        Ok(())
+    }
+
+    /// Stores `acl` as the access ACL of `ino`, or none when the mode says it all.
+    fn put_access_acl(tx: &Batch<'_>, ino: InodeNo, acl: &Acl) -> FsResult<()> {
+        if acl.is_minimal() {
+            tx.remove_xattr(ino, acl::ACCESS)?;
+        } else {
+            tx.set_xattr(ino, acl::ACCESS, &acl.encode())?;
+        }
+        Ok(())
+    }
+
+    /// chmod of an inode with an access ACL rewrites it (owner, mask or group, other) as
+    /// ext4's `posix_acl_chmod` does: the inode's access ACL for its new `perm`, to store
+    /// with it; `None` when it has none (or ACLs are not enforced).
+    pub(super) fn acl_after_chmod(
+        &self,
+        inner: &mut Inner,
+        ino: InodeNo,
+        perm: u32,
+    ) -> FsResult<Option<Acl>> {
+        if !self.posix_acls() {
+            return Ok(None);
+        }
+        let Some(v) = Self::xattr_cached(inner, ino, acl::ACCESS)? else {
+            return Ok(None);
+        };
+        let mut a = Acl::decode(&v).map_err(FsError::StoredAcl)?;
+        a.chmod(perm);
+        Ok(Some(a))
+    }
+
+    /// Saves what `acl_after_chmod` made, in the chmod's transaction.
+    pub(super) fn save_chmod_acl(tx: &Batch<'_>, ino: InodeNo, acl: Option<&Acl>) -> FsResult<()> {
+        match acl {
+            Some(a) => Self::put_access_acl(tx, ino, a),
+            None => Ok(()),
+        }
+    }
+
+    /// A new inode's mode and ACLs, as ext4's `posix_acl_create` makes them: with a default
+    /// ACL on `parent`, the mode masked by it (the umask does not apply) and the ACL xattrs
+    /// it inherits, returned to store with it; without one, the mode masked by `umask`.
+    /// Symlinks get neither.
+    pub(super) fn inherit_acl(
+        &self,
+        inner: &mut Inner,
+        parent: InodeNo,
+        inode: &mut Inode,
+        umask: u32,
+    ) -> FsResult<Vec<(&'static [u8], Vec<u8>)>> {
+        if inode.kind == Kind::Symlink {
+            return Ok(Vec::new());
+        }
+        let default = if self.posix_acls() {
+            Self::xattr_cached(inner, parent, acl::DEFAULT)?
+        } else {
+            None
+        };
+        let Some(v) = default else {
+            inode.perm &= !(umask & 0o777);
+            return Ok(Vec::new());
+        };
+        let d = Acl::decode(&v).map_err(FsError::StoredAcl)?;
+        let got = acl::inherit(&d, inode.perm, inode.kind == Kind::Dir);
+        inode.perm = got.perm;
+        let mut out = Vec::new();
+        if let Some(a) = got.access {
+            out.push((acl::ACCESS, a.encode()));
+        }
+        if let Some(a) = got.default {
+            out.push((acl::DEFAULT, a.encode()));
+        }
+        Ok(out)
+    }
+
     pub fn getxattr(&self, ino: InodeNo, name: &[u8]) -> FsResult<Vec<u8>> {
         if name.len() > XATTR_NAME_MAX {
             return Err(FsError::Range);
+        }
+        if acl::is_acl_name(name) {
+            self.acls_enforced()?;
         }
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
@@ -141,11 +298,14 @@ impl WorkspaceFs {
         inner.no_xattrs.insert(ino);
     }
 
-    /// Drops from a regular file what `loss` costs it on ext4: the set-ID bits the kernel
-    /// would clear for this caller (see [`setid_lost`]) and `security.capability`. With
+    /// Drops from a file what `loss` costs it on ext4: the set-ID bits the kernel would
+    /// clear for this caller (see [`setid_lost`]) and `security.capability`. With
     /// FUSE_HANDLE_KILLPRIV_V2 the kernel leaves this to the filesystem and, in return, stops
-    /// asking for `security.capability` before every write. Directories keep everything.
-    pub fn drop_setid(&self, ino: InodeNo, loss: SetIdLoss) -> FsResult<()> {
+    /// asking for `security.capability` before every write. Every kind of file but a
+    /// directory loses them on chown (a FIFO, socket or device node as much as a regular
+    /// file: `chown_common` asks for it on anything but a directory); directories keep
+    /// everything. Returns whether anything was dropped.
+    pub fn drop_setid(&self, ino: InodeNo, loss: SetIdLoss) -> FsResult<bool> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
@@ -156,11 +316,11 @@ impl WorkspaceFs {
     /// `drop_setid` drops for `caller` (the kernel leaves this to the filesystem under
     /// FUSE_HANDLE_KILLPRIV_V2, and fuser does not pass FUSE_OPEN_KILL_SUIDGID). Other opens
     /// change nothing.
-    pub fn drop_setid_on_open(&self, ino: InodeNo, flags: i32, caller: Caller) -> FsResult<()> {
+    pub fn drop_setid_on_open(&self, ino: InodeNo, flags: i32, caller: Caller) -> FsResult<bool> {
         if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
             self.drop_setid(ino, SetIdLoss::Modify(caller))
         } else {
-            Ok(())
+            Ok(false)
         }
     }
 
@@ -168,10 +328,10 @@ impl WorkspaceFs {
         inner: &mut Inner,
         ino: InodeNo,
         loss: SetIdLoss,
-    ) -> FsResult<()> {
+    ) -> FsResult<bool> {
         let mut inode = Self::load(inner, ino)?;
-        if inode.kind != Kind::File {
-            return Ok(());
+        if inode.kind == Kind::Dir {
+            return Ok(false);
         }
         let perm = if inode.perm & (libc::S_ISUID | libc::S_ISGID) == 0 {
             inode.perm
@@ -189,7 +349,7 @@ impl WorkspaceFs {
         };
         let cap = Self::xattr_cached(inner, ino, CAPABILITY_XATTR)?.is_some();
         if perm == inode.perm && !cap {
-            return Ok(());
+            return Ok(false);
         }
         inode.perm = perm;
         inode.ctime = now();
@@ -199,30 +359,40 @@ impl WorkspaceFs {
         }
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
-        Ok(())
+        Ok(true)
     }
 
-    /// All xattr names, each followed by a NUL byte.
+    /// All xattr names, each followed by a NUL byte (the ACL xattrs only while the kernel
+    /// enforces ACLs).
     pub fn listxattr(&self, ino: InodeNo) -> FsResult<Vec<u8>> {
         let guard = self.lock();
         let inner: &Inner = &guard;
         Self::load(inner, ino)?;
+        let acls = self.posix_acls();
         let mut out = Vec::new();
         for n in inner.store.read().xattr_names(ino)? {
-            out.extend_from_slice(&n);
-            out.push(0);
+            if acls || !acl::is_acl_name(&n) {
+                out.extend_from_slice(&n);
+                out.push(0);
+            }
         }
         Ok(out)
     }
 
+    /// Removes an xattr. Removing an ACL the inode does not have succeeds, as on ext4 (the
+    /// mode stays as it is either way).
     pub fn removexattr(&self, ino: InodeNo, name: &[u8]) -> FsResult<()> {
+        let is_acl = acl::is_acl_name(name);
+        if is_acl {
+            self.acls_enforced()?;
+        }
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         let mut inode = Self::load(inner, ino)?;
         inode.ctime = now();
         let mut tx = Batch::new(&inner.store)?;
         if !tx.remove_xattr(ino, name)? {
-            return Err(FsError::NoAttr);
+            return if is_acl { Ok(()) } else { Err(FsError::NoAttr) };
         }
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
@@ -268,6 +438,7 @@ mod tests {
             uid: 1000,
             gid: 100,
             pid: 0,
+            umask: 0,
         };
         let user = sys::creds::Creds {
             fsetid: false,
@@ -298,6 +469,7 @@ mod tests {
             uid: 1,
             gid: 1,
             pid: 0,
+            umask: 0,
         };
         let loss = |mode, uid, gid, size, times: bool| {
             let t = times.then_some(SetTime::Now);

@@ -1,0 +1,197 @@
+//! One output stream of a process, kept in a bounded file in keel's private state: the first
+//! quarter of `limit` bytes (the head) is written once, the rest is a ring holding the last
+//! three quarters (the tail). Bytes are addressed by their offset in the whole stream, so a
+//! client resumes with `from=`; an offset whose bytes were dropped (between the head and the
+//! tail, or overwritten while it was read) reads as a gap up to the first byte kept.
+//!
+//! One writer (the process's pump thread), any number of readers. The writer announces how
+//! far it is about to write (`writing`) before it writes and publishes the new length
+//! (`len`) after, so a reader that read ring bytes checks afterwards that the writer did
+//! not reach them meanwhile.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+
+/// What a read found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chunk {
+    /// This many bytes, from the offset asked for.
+    Data(usize),
+    /// Nothing is kept from the offset asked for up to `to` (the next byte kept).
+    Gap { to: u64 },
+    /// Nothing after the offset yet.
+    Nothing,
+}
+
+#[derive(Debug)]
+pub struct Output {
+    file: File,
+    path: PathBuf,
+    head: u64,
+    tail: u64,
+    len: AtomicU64,
+    writing: AtomicU64,
+}
+
+impl Output {
+    /// A new, empty stream file at `path` (0600) keeping `limit` bytes.
+    pub fn create(path: &Path, limit: u64) -> io::Result<Output> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(path)?;
+        let head = limit / 4;
+        Ok(Output {
+            file,
+            path: path.to_path_buf(),
+            head,
+            tail: limit - head,
+            len: AtomicU64::new(0),
+            writing: AtomicU64::new(0),
+        })
+    }
+
+    /// Bytes written to the stream so far (kept or not).
+    pub fn len(&self) -> u64 {
+        self.len.load(SeqCst)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes dropped so far (written but no longer kept).
+    pub fn dropped(&self) -> u64 {
+        self.len().saturating_sub(self.head + self.tail)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Where logical offset `pos` lives in the file, and how many bytes from there are
+    /// contiguous.
+    fn place(&self, pos: u64) -> (u64, u64) {
+        if pos < self.head {
+            (pos, self.head - pos)
+        } else {
+            let r = (pos - self.head) % self.tail;
+            (self.head + r, self.tail - r)
+        }
+    }
+
+    /// Appends `buf` (the one writer only).
+    pub fn append(&self, mut buf: &[u8]) -> io::Result<()> {
+        let mut pos = self.len.load(SeqCst);
+        // Of a buffer longer than the ring, only its last `tail` bytes can be kept.
+        if pos >= self.head && buf.len() as u64 > self.tail {
+            let skip = buf.len() - self.tail as usize;
+            pos += skip as u64;
+            buf = &buf[skip..];
+        }
+        self.writing.store(pos + buf.len() as u64, SeqCst);
+        while !buf.is_empty() {
+            let (at, room) = self.place(pos);
+            let n = (room as usize).min(buf.len());
+            self.file.write_all_at(&buf[..n], at)?;
+            pos += n as u64;
+            buf = &buf[n..];
+        }
+        self.len.store(pos, SeqCst);
+        Ok(())
+    }
+
+    /// Reads from logical offset `from` into `buf`.
+    pub fn read(&self, from: u64, buf: &mut [u8]) -> io::Result<Chunk> {
+        let len = self.len();
+        if from >= len || buf.is_empty() {
+            return Ok(Chunk::Nothing);
+        }
+        if from < self.head {
+            let n = (self.head.min(len) - from).min(buf.len() as u64) as usize;
+            if n > 0 {
+                self.file.read_exact_at(&mut buf[..n], from)?;
+                return Ok(Chunk::Data(n));
+            }
+        }
+        let first = self.head.max(len.saturating_sub(self.tail));
+        if from < first {
+            return Ok(Chunk::Gap { to: first });
+        }
+        let (at, room) = self.place(from);
+        let n = (len - from).min(room).min(buf.len() as u64) as usize;
+        self.file.read_exact_at(&mut buf[..n], at)?;
+        // The writer may have reached these bytes while they were read.
+        let reached = self.writing.load(SeqCst);
+        if reached > from + self.tail {
+            return Ok(Chunk::Gap {
+                to: self.head.max(reached - self.tail),
+            });
+        }
+        Ok(Chunk::Data(n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read_all(o: &Output, mut from: u64) -> (Vec<u8>, Vec<(u64, u64)>) {
+        let (mut data, mut gaps) = (Vec::new(), Vec::new());
+        let mut buf = [0u8; 7];
+        loop {
+            match o.read(from, &mut buf).unwrap() {
+                Chunk::Data(n) => {
+                    data.extend_from_slice(&buf[..n]);
+                    from += n as u64;
+                }
+                Chunk::Gap { to } => {
+                    gaps.push((from, to));
+                    from = to;
+                }
+                Chunk::Nothing => return (data, gaps),
+            }
+        }
+    }
+
+    #[test]
+    fn small_output_is_kept_whole_and_resumable() {
+        let d = tempfile::tempdir().unwrap();
+        let o = Output::create(&d.path().join("out"), 100).unwrap();
+        o.append(b"hello ").unwrap();
+        o.append(b"world").unwrap();
+        assert_eq!(o.len(), 11);
+        assert_eq!(read_all(&o, 0), (b"hello world".to_vec(), vec![]));
+        assert_eq!(read_all(&o, 6), (b"world".to_vec(), vec![]));
+        assert_eq!(read_all(&o, 11), (vec![], vec![]));
+    }
+
+    #[test]
+    fn head_and_tail_are_kept_and_the_gap_is_marked() {
+        let d = tempfile::tempdir().unwrap();
+        // 25 bytes of head, 75 of tail.
+        let o = Output::create(&d.path().join("out"), 100).unwrap();
+        let all: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+        for c in all.chunks(13) {
+            o.append(c).unwrap();
+        }
+        let (data, gaps) = read_all(&o, 0);
+        assert_eq!(gaps, vec![(25, 925)]);
+        assert_eq!(&data[..25], &all[..25]);
+        assert_eq!(&data[25..], &all[925..]);
+        assert_eq!(o.dropped(), 900);
+        // Resuming inside the tail reads exactly the bytes from there.
+        assert_eq!(read_all(&o, 990).0, all[990..].to_vec());
+        // A buffer longer than the ring keeps its end.
+        o.append(&all).unwrap();
+        assert_eq!(read_all(&o, 0).0[25..], all[925..]);
+        assert_eq!(o.len(), 2000);
+    }
+}
