@@ -4,12 +4,15 @@
 # conformance report (docs/CONFORMANCE.md's generated part, docs/conformance/*.tsv).
 #
 #   script/xfstests.sh [--group auto|quick|NAME] [--configs "keel keel:cache=none ..."]
-#                      [-j N] [--out DIR] [--no-report] [TEST...]
+#                      [--no-scratch] [-j N] [--out DIR] [--no-report] [TEST...]
 #
 #   --group    xfstests group within generic (default auto: every test of a normal full run;
 #              the non-auto ones are broken, dangerous, soak or block-device-only)
 #   --configs  the configurations (ci/xfstests/run.sh CONFIG; default: keel
 #              keel:passthrough=off keel:cache=none tmpfs ext4)
+#   --no-scratch  only the group's tests that need no scratch device (their source names
+#              neither _require_scratch* nor _scratch_mkfs*, nor a block device, loop or dm
+#              device): the short run, a fraction of the time
 #   -j N       configurations run at once (default 1)
 #   --out DIR  keep the runs there (default target/xfstests-runs/DATE)
 #   TEST...    these tests instead of the group (no report)
@@ -28,6 +31,7 @@ configs="keel keel:passthrough=off keel:cache=none tmpfs ext4"
 jobs=1
 out=
 report=1
+noscratch=0
 tests=()
 while [ $# -gt 0 ]; do
     case $1 in
@@ -36,6 +40,7 @@ while [ $# -gt 0 ]; do
         -j) jobs=$2; shift 2 ;;
         --out) out=$2; shift 2 ;;
         --no-report) report=0; shift ;;
+        --no-scratch) noscratch=1; shift ;;
         -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
         -*) echo "xfstests.sh: unknown option $1" >&2; exit 2 ;;
         *) tests+=("$1"); shift ;;
@@ -45,7 +50,16 @@ done
 out=${out:-$REPO/target/xfstests-runs/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
 out=$(realpath "$out")
-if [ ${#tests[@]} -gt 0 ]; then
+xfst=$(ci/xfstests/build.sh)
+subset=()
+if [ "$noscratch" = 1 ] && [ ${#tests[@]} -eq 0 ]; then
+    for t in $(awk -v g="$group" '!/^#/ { for (i = 2; i <= NF; i++) if ($i == g) print $1 }' \
+        "$xfst/tests/generic/group.list"); do
+        grep -qE '_require_scratch|_scratch_mkfs|_require_dm|_require_block_device|_require_loop|_require_logdev' \
+            "$xfst/tests/generic/$t" || args+=("generic/$t")
+    done
+    subset=(--subset "no-scratch")
+elif [ ${#tests[@]} -gt 0 ]; then
     args=("${tests[@]}")
 else
     args=(-g "generic/$group")
@@ -54,8 +68,7 @@ fi
 # The directory name of a configuration's run: keel:cache=none -> keel-cache-none.
 dirname_of() { echo "$1" | tr ':=,' '---'; }
 
-ci/xfstests/build.sh >/dev/null
-echo "xfstests: ${args[*]} on: $configs ($jobs at a time); runs in $out"
+echo "xfstests: ${#args[@]} args (${args[*]:0:3} ...) on: $configs ($jobs at a time); runs in $out"
 start=$(date +%s)
 running=0
 for c in $configs; do
@@ -84,12 +97,13 @@ if [ "$report" = 1 ]; then
     for c in $configs; do
         runs+=("$c=$out/$(dirname_of "$c")")
     done
-    python3 ci/xfstests/report.py --group "generic/$group" --doc docs/CONFORMANCE.md \
-        --tsv "docs/conformance/generic-$group.tsv" --exclude ci/xfstests/exclude \
+    python3 ci/xfstests/report.py --group "generic/$group" ${subset[@]+"${subset[@]}"} \
+        --doc docs/CONFORMANCE.md \
+        --tsv "docs/conformance/generic-$group${subset:+-no-scratch}.tsv" --exclude ci/xfstests/exclude \
         --commit "${KEEL_COMMIT:-$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- init ||
             echo +changes)}" \
         "${runs[@]}"
-    if [ "$group" = auto ]; then
+    if [ "$group" = auto ] && [ "$noscratch" = 0 ]; then
         # The quick group's view of the same runs (its tests are auto tests too).
         python3 ci/xfstests/report.py --group "generic/$group" --only quick \
             --group-list "$(ci/xfstests/build.sh)/tests/generic/group.list" \

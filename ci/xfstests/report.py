@@ -59,6 +59,8 @@ def main():
     ap.add_argument("--tsv", required=True)
     ap.add_argument("--exclude", required=True)
     ap.add_argument("--commit", default="")
+    ap.add_argument("--subset", help="the runs hold only the group's tests of this kind "
+                    "(no-scratch: those that need no scratch device)")
     ap.add_argument("--only", help="keep only the tests of this group (of --group-list)")
     ap.add_argument("--group-list", help="xfstests' tests/generic/group.list")
     ap.add_argument("runs", nargs="+")
@@ -85,7 +87,7 @@ def main():
     tests = sorted({t for n in names for t in data[n]})
 
     doc = open(a.doc, encoding="utf-8").read() if os.path.exists(a.doc) else ""
-    label = a.group + (" " + a.only if a.only else "")
+    label = a.group + (" " + a.only if a.only else "") + (" " + a.subset if a.subset else "")
     begin, end = "<!-- generated %s -->" % label, "<!-- end %s -->" % label
     # Notes are hand-written outside the generated part.
     outside = re.sub(re.escape(begin) + ".*?" + re.escape(end), "", doc, flags=re.S)
@@ -107,6 +109,11 @@ def main():
     out = [begin, ""]
     when = datetime.date.today().isoformat()
     run = "`script/xfstests.sh --group %s`" % a.group.split("/")[1]
+    if a.subset == "no-scratch":
+        run = ("the tests of the group that need no scratch device (`script/xfstests.sh "
+               "--group %s --no-scratch`)" % a.group.split("/")[1])
+    elif a.subset:
+        run += " (%s)" % a.subset
     if a.only:
         run = "the tests of the `%s` group in %s" % (a.only, run)
     out.append("Generated from %s on %s (keel %s); every test, per configuration: `%s`." % (
