@@ -292,7 +292,7 @@ fn dead_keel_is_aborted_by_the_next_mount(args: &[&str]) {
 /// mounted and serving.
 #[test]
 fn each_mount_has_its_own_source_and_umount_by_source_ends_only_that_one() {
-    let mut a = keel_or_skip!();
+    let a = keel_or_skip!();
     let name = format!("keel:session-test-{}", std::process::id());
     let mut b = keel_or_skip!("--fsname", name.as_str());
     let source = |m: &Path| support::mount::fuse_mount_source(m);
