@@ -231,7 +231,20 @@ const REMOUNT_TIMEOUT: Duration = Duration::from_secs(90);
 /// the state dir again.
 #[test]
 fn dead_keel_with_a_live_connection_is_aborted_by_the_next_mount() {
-    let mut k = keel_or_skip!();
+    dead_keel_is_aborted_by_the_next_mount(&[]);
+}
+
+/// The same with a source that does not say keel: the next mount knows its own fsname.
+#[test]
+fn dead_keel_mounted_with_its_own_fsname_is_aborted_by_the_next_mount() {
+    let name = format!("scratch-{}", std::process::id());
+    dead_keel_is_aborted_by_the_next_mount(&["--fsname", &name]);
+}
+
+fn dead_keel_is_aborted_by_the_next_mount(args: &[&str]) {
+    let Some(mut k) = support::mount::Keel::start(args) else {
+        return;
+    };
     fs::write(k.p("a"), b"one").unwrap();
     fs::File::open(k.p("a")).unwrap().sync_all().unwrap();
     let fd = *fuse_fds(k.pid()).first().expect("keel has /dev/fuse open");
@@ -271,4 +284,44 @@ fn dead_keel_with_a_live_connection_is_aborted_by_the_next_mount() {
         ),
         "old connection still alive: read gave {r:?}"
     );
+}
+
+/// Each mount has its own source (`keel:<state dir>` unless `--fsname` names it), so tools
+/// that tell mounts apart by their source can: `umount SOURCE` (how xfstests unmounts its
+/// TEST_DEV and SCRATCH_DEV) ends that keel, which saves and exits 0, and leaves the other
+/// mounted and serving.
+#[test]
+fn each_mount_has_its_own_source_and_umount_by_source_ends_only_that_one() {
+    let a = keel_or_skip!();
+    let name = format!("keel:session-test-{}", std::process::id());
+    let mut b = keel_or_skip!("--fsname", name.as_str());
+    let source = |m: &Path| support::mount::fuse_mount_source(m);
+    assert_eq!(
+        source(&a.mnt),
+        Some(format!("keel:{}", a.state.display())),
+        "default source"
+    );
+    assert_eq!(source(&b.mnt).as_deref(), Some(name.as_str()));
+    fs::write(b.p("f"), b"b's").unwrap();
+    let st = std::process::Command::new("umount")
+        .arg(&name)
+        .status()
+        .unwrap();
+    assert!(st.success(), "umount {name} failed");
+    let st = b.wait_exit();
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "keel did not exit 0 after umount of its source ({st:?}); log:\n{}",
+        b.log_text()
+    );
+    assert!(!support::mount::is_fuse_mount(&b.mnt));
+    assert!(
+        support::mount::is_fuse_mount(&a.mnt),
+        "the other mount went too"
+    );
+    fs::write(a.p("g"), b"still here").unwrap();
+    assert_eq!(fs::read(a.p("g")).unwrap(), b"still here");
+    b.start_again();
+    assert_eq!(source(&b.mnt).as_deref(), Some(name.as_str()));
+    assert_eq!(fs::read(b.p("f")).unwrap(), b"b's");
 }

@@ -1,6 +1,6 @@
 //! Real-mount tests: the state dir. One keel per state dir; corrupt or foreign state dirs are
 //! refused with a one-line reason and left untouched; a full state volume gives the writer
-//! ENOSPC and the store stays usable.
+//! ENOSPC and the store stays usable; a preallocation larger than the volume fails alone.
 
 mod support;
 
@@ -271,5 +271,57 @@ fn full_state_volume_gives_enospc_and_recovers() {
     assert_eq!(fs::read(k.p("after.txt")).unwrap(), b"written after ENOSPC");
     assert!(!k.p("filler.bin").exists());
     fs::write(k.p("big-again.bin"), pattern(8 << 20, 7)).unwrap();
+    k.stop();
+}
+
+/// A preallocation larger than the state volume's free space (xfstests generic/213) fails
+/// with ENOSPC and takes nothing. On ext4 a failing fallocate keeps what it allocated: it
+/// filled the volume, the open metadata group could not commit (its acknowledged operations
+/// were lost) and the unlink of the file could not free the space, so every later create
+/// failed.
+#[test]
+fn a_fallocate_larger_than_the_free_space_fails_and_takes_nothing() {
+    if !support::mount::fuse_available() {
+        return;
+    }
+    let vol_dir = tempfile::tempdir().unwrap();
+    let vol = vol_dir.path().join("volume");
+    fs::create_dir(&vol).unwrap();
+    sys::mount_ext4_image(&vol_dir.path().join("volume.img"), 128 << 20, &vol)
+        .expect("mount a 128 MiB ext4 state volume (mkfs.ext4, mount -o loop)");
+    let _vol_guard = TmpfsGuard(vol.clone());
+    let tmp = tempfile::tempdir().unwrap();
+    let mut k = Keel::start_in(tmp, vol.join("state"), &[]);
+
+    let avail = |p: &Path| {
+        let s = sys::statvfs(p).unwrap();
+        s.f_bavail * s.f_frsize
+    };
+    fs::write(k.p("before.txt"), b"acknowledged").unwrap();
+    let free = avail(&k.mnt);
+    let f = fs::File::create(k.p("ouch")).unwrap();
+    let r = sys::fallocate(&f, 0, 0, 2 * free as i64);
+    assert_eq!(
+        r.map_err(|e| errno(&e)),
+        Err(libc::ENOSPC),
+        "fallocate of twice the free space"
+    );
+    drop(f);
+    fs::remove_file(k.p("ouch")).unwrap();
+    let left = avail(&k.mnt);
+    assert!(
+        left > free / 2,
+        "the failed fallocate kept the space: {left} bytes free of {free}"
+    );
+    fs::write(k.p("after.txt"), pattern(1 << 20, 3)).unwrap();
+    k.remount();
+    assert_eq!(fs::read(k.p("before.txt")).unwrap(), b"acknowledged");
+    assert_eq!(fs::read(k.p("after.txt")).unwrap(), pattern(1 << 20, 3));
+    assert!(!k.p("ouch").exists());
+    let log = k.log_text();
+    assert!(
+        !log.contains("operations since the last commit are lost"),
+        "{log}"
+    );
     k.stop();
 }

@@ -17,6 +17,10 @@ pub struct MountArgs {
     /// The state dir [default: [workspace] state_dir]
     #[arg(long, value_name = "DIR")]
     state: Option<PathBuf>,
+    /// The mount's source, as mount tables show it [default: [workspace] fsname, else
+    /// keel:<state dir>]
+    #[arg(long, value_name = "NAME")]
+    fsname: Option<String>,
     /// Kernel caching of file data: auto, kernel or none
     #[arg(long, value_name = "MODE")]
     cache: Option<CacheMode>,
@@ -95,6 +99,9 @@ fn config(config: Option<&Path>, a: &MountArgs) -> Result<Config, Failed> {
         ws.state_dir = absolute(s);
     }
     ws.mount_point = absolute(&a.mount_point);
+    if let Some(n) = &a.fsname {
+        ws.fsname = Some(n.clone());
+    }
     ws.cache = a.cache.unwrap_or(ws.cache);
     ws.passthrough = a.passthrough.unwrap_or(ws.passthrough);
     ws.writeback_cache = a.writeback_cache.unwrap_or(ws.writeback_cache);
@@ -192,6 +199,17 @@ mod tests {
         assert!(!ws.writeback_cache);
         assert_eq!(ws.passthrough, Switch::On);
         assert_eq!(cfg.persist.takeover, Takeover::Force);
+        assert_eq!(ws.fsname(), "keel:/s");
+        let a = parse(&["--state", "s", "/m", "--fsname", "keel:scratch"]).unwrap();
+        let cfg = config(None, &a).unwrap();
+        assert_eq!(cfg.workspace.fsname(), "keel:scratch");
+        // The default names the state dir made absolute.
+        let a = parse(&["--state", "rel/s", "/m"]).unwrap();
+        let want = format!(
+            "keel:{}",
+            std::env::current_dir().unwrap().join("rel/s").display()
+        );
+        assert_eq!(config(None, &a).unwrap().workspace.fsname(), want);
     }
 
     #[test]
@@ -204,9 +222,13 @@ mod tests {
             &["--passthrough", "yes", "/m"],
             &["--takeover=x", "/m"],
             &["--writeback-cache", "maybe", "/m"],
+            &["/m", "--fsname"],
         ] {
             assert!(parse(bad).is_err(), "{bad:?}");
         }
+        let e = config(None, &parse(&["--fsname", "", "/m"]).unwrap()).unwrap_err();
+        assert_eq!(e.line, "workspace.fsname: must not be empty");
+        assert_eq!(e.code, 2);
         let e = config(None, &parse(&["--io-uring=off", "/m"]).unwrap()).unwrap_err();
         assert_eq!(
             e.line,

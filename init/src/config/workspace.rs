@@ -83,6 +83,32 @@ pub enum FuseUnavailable {
     PlainDir,
 }
 
+/// How keel's default mount source starts (`keel:<state dir>`). Older keels mounted with the
+/// source `keel` alone.
+pub const FSNAME_PREFIX: &str = "keel:";
+
+/// The longest mount source mount(2) takes: a string of at most PATH_MAX bytes with its NUL.
+const FSNAME_MAX: usize = 4095;
+
+/// Why `name` cannot be a mount source: empty, longer than mount(2) takes, or holding a
+/// control character (a newline would forge lines in the tools that print mount tables).
+fn check_fsname(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if name.len() > FSNAME_MAX {
+        return Err(format!(
+            "`{}...` is {} bytes, more than {FSNAME_MAX}",
+            name.chars().take(40).collect::<String>(),
+            name.len()
+        ));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(format!("{name:?} holds a control character"));
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct WorkspaceConfig {
@@ -90,6 +116,9 @@ pub struct WorkspaceConfig {
     pub mount_point: PathBuf,
     /// Durable state: metadata database, file bodies, chunks.
     pub state_dir: PathBuf,
+    /// The mount's source as /proc/self/mountinfo, `df` and `findmnt` show it (what tells
+    /// one keel mount from another); None: `keel:<state_dir>` ([`Self::fsname`]).
+    pub fsname: Option<String>,
     pub cache: CacheMode,
     /// FUSE worker threads (0 = number of CPUs, at least 2).
     pub threads: usize,
@@ -125,6 +154,7 @@ impl Default for WorkspaceConfig {
         Self {
             mount_point: PathBuf::from("/workspace"),
             state_dir: PathBuf::from("/var/lib/keel"),
+            fsname: None,
             cache: CacheMode::Auto,
             threads: 0,
             attr_timeout: Duration::from_secs(60),
@@ -170,6 +200,9 @@ impl WorkspaceConfig {
                 format!("`{}` must be an absolute path", self.state_dir.display()),
             );
         }
+        if let Err(why) = check_fsname(&self.fsname()) {
+            return bad("fsname", why);
+        }
         if self.threads > 64 {
             return bad("threads", format!("{} is more than 64", self.threads));
         }
@@ -197,6 +230,13 @@ impl WorkspaceConfig {
         Ok(())
     }
 
+    /// The mount's source: `fsname` if set, else `keel:` and the state dir.
+    pub fn fsname(&self) -> String {
+        self.fsname
+            .clone()
+            .unwrap_or_else(|| format!("{FSNAME_PREFIX}{}", self.state_dir.display()))
+    }
+
     /// Worker threads to actually start.
     pub fn effective_threads(&self) -> usize {
         if self.threads == 0 {
@@ -207,5 +247,47 @@ impl WorkspaceConfig {
         } else {
             self.threads
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fsname_defaults_to_keel_and_the_state_dir() {
+        let mut ws = WorkspaceConfig {
+            state_dir: "/srv/a b/state".into(),
+            ..Default::default()
+        };
+        assert_eq!(ws.fsname(), "keel:/srv/a b/state");
+        assert_eq!(ws.validate(), Ok(()));
+        ws.fsname = Some("keel:test".into());
+        assert_eq!(ws.fsname(), "keel:test");
+        assert_eq!(ws.validate(), Ok(()));
+    }
+
+    #[test]
+    fn a_bad_fsname_is_refused_with_the_key() {
+        for (name, why) in [
+            ("", "must not be empty"),
+            ("a\nb", "holds a control character"),
+            ("x\t", "holds a control character"),
+        ] {
+            let ws = WorkspaceConfig {
+                fsname: Some(name.into()),
+                ..Default::default()
+            };
+            let (key, reason) = ws.validate().unwrap_err();
+            assert_eq!(key, "workspace.fsname");
+            assert!(reason.contains(why), "{name:?}: {reason}");
+        }
+        let long = WorkspaceConfig {
+            state_dir: PathBuf::from(format!("/{}", "d".repeat(4091))),
+            ..Default::default()
+        };
+        let (key, reason) = long.validate().unwrap_err();
+        assert_eq!(key, "workspace.fsname");
+        assert!(reason.contains("4097 bytes, more than 4095"), "{reason}");
     }
 }

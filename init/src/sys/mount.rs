@@ -155,7 +155,7 @@ pub struct FuseMount {
     /// The minor of its device number: the name of its connection's directory under
     /// /sys/fs/fuse/connections.
     pub minor: u32,
-    /// The mount's source (keel mounts with `keel`).
+    /// The mount's source (keel's is `keel:<state dir>` unless set; older keels' `keel`).
     pub source: String,
 }
 

@@ -138,7 +138,15 @@ fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
 /// At most this many dead keel mounts stacked on one mount point are cleared.
 const MAX_DEAD_MOUNTS: usize = 8;
 
-fn prepare_mount_point(p: &Path) -> Result<(), SessionError> {
+/// A FUSE mount with this source is keel's: the source older keels used (`keel`), the
+/// default one (`keel:<state dir>`), or the name this keel mounts with (`fsname`).
+fn is_keel_source(source: &str, fsname: &str) -> bool {
+    source == "keel"
+        || source.starts_with(crate::config::workspace::FSNAME_PREFIX)
+        || source == fsname
+}
+
+fn prepare_mount_point(p: &Path, fsname: &str) -> Result<(), SessionError> {
     let bad = |reason: String| SessionError::MountPoint {
         path: p.to_path_buf(),
         reason,
@@ -148,7 +156,9 @@ fn prepare_mount_point(p: &Path) -> Result<(), SessionError> {
     // path waits forever. So, before anything touches the path: abort the connection
     // (found in /proc/self/mountinfo, not by a stat) and detach the mount.
     for _ in 0..MAX_DEAD_MOUNTS {
-        let Some(dead) = sys::mount::fuse_connection_at(p).filter(|m| m.source == "keel") else {
+        let Some(dead) =
+            sys::mount::fuse_connection_at(p).filter(|m| is_keel_source(&m.source, fsname))
+        else {
             break;
         };
         if let Err(e) = sys::mount::abort_fuse_connection(dead.minor) {
@@ -237,7 +247,8 @@ pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, S
         reason: e.to_string(),
     })?;
     let fs = Arc::new(fs);
-    prepare_mount_point(&cfg.mount_point)?;
+    let fsname = cfg.fsname();
+    prepare_mount_point(&cfg.mount_point, &fsname)?;
 
     let mount_err = |source: io::Error| SessionError::Mount {
         path: cfg.mount_point.clone(),
@@ -262,11 +273,12 @@ pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, S
         },
     );
     let requests = adapter.requests();
-    let session = FuseSession::start(adapter, &cfg.mount_point, cfg.effective_threads())
+    let session = FuseSession::start(adapter, &cfg.mount_point, &fsname, cfg.effective_threads())
         .map_err(mount_err)?;
     tracing::info!(
         mount_point = %cfg.mount_point.display(),
         state = %state.display(),
+        fsname = %fsname,
         cache = cfg.cache.as_str(),
         threads = cfg.effective_threads(),
         passthrough = passthrough_on.load(Ordering::Relaxed),
@@ -499,14 +511,19 @@ struct FuseSession {
 impl FuseSession {
     /// Mounts a new `/dev/fuse` connection on `mount_point`, answers INIT through `adapter`
     /// and starts `threads` workers, each reading its own clone of the fd. On any failure
-    /// nothing stays mounted.
-    fn start(adapter: FuseAdapter, mount_point: &Path, threads: usize) -> io::Result<Self> {
+    /// nothing stays mounted. `fsname` is the mount's source.
+    fn start(
+        adapter: FuseAdapter,
+        mount_point: &Path,
+        fsname: &str,
+        threads: usize,
+    ) -> io::Result<Self> {
         let dev: OwnedFd = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open("/dev/fuse")?
             .into();
-        sys::mount::mount_fuse(dev.as_fd(), mount_point, "keel")?;
+        sys::mount::mount_fuse(dev.as_fd(), mount_point, fsname)?;
         let mut s = FuseSession {
             mount_point: mount_point.to_path_buf(),
             runner: None,
@@ -571,6 +588,27 @@ impl Drop for FuseSession {
     fn drop(&mut self) {
         if !self.unmounted {
             let _ = self.unmount_inner();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_keel_source;
+
+    #[test]
+    fn keel_mounts_are_known_by_their_source() {
+        for (source, fsname, keel) in [
+            ("keel", "keel:/s", true),
+            ("keel:/other/state", "keel:/s", true),
+            ("keel:", "keel:/s", true),
+            ("scratch", "scratch", true),
+            ("scratch", "keel:/s", false),
+            ("keeler", "keel:/s", false),
+            ("sshfs#host:", "keel:/s", false),
+            ("", "keel:/s", false),
+        ] {
+            assert_eq!(is_keel_source(source, fsname), keel, "{source} / {fsname}");
         }
     }
 }

@@ -74,6 +74,16 @@ pub fn is_fuse_mount(mnt: &Path) -> bool {
 /// The mount ID of the last FUSE mount at `mnt` in /proc/self/mountinfo,
 /// without touching `mnt` itself.
 pub fn fuse_mount_id(mnt: &Path) -> Option<String> {
+    fuse_mount_fields(mnt).map(|(id, _)| id)
+}
+
+/// The source (unescaped) of the last FUSE mount at `mnt`, as /proc/self/mountinfo shows it.
+pub fn fuse_mount_source(mnt: &Path) -> Option<String> {
+    fuse_mount_fields(mnt).map(|(_, source)| source)
+}
+
+/// (mount ID, source) of the last FUSE mount at `mnt`, without touching `mnt` itself.
+fn fuse_mount_fields(mnt: &Path) -> Option<(String, String)> {
     let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     // Canonicalize the parent only: a stat of a dead mount may wait forever.
     let want = match (mnt.parent().map(fs::canonicalize), mnt.file_name()) {
@@ -85,9 +95,10 @@ pub fn fuse_mount_id(mnt: &Path) -> Option<String> {
         let fields: Vec<&str> = line.split(' ').collect();
         let sep = fields.iter().position(|f| *f == "-")?;
         let fstype = fields.get(sep + 1).copied().unwrap_or("");
+        let source = unescape_mountinfo(fields.get(sep + 2).copied().unwrap_or(""));
         (fields.get(4).map(|m| unescape_mountinfo(m)) == Some(want.clone())
             && (fstype == "fuse" || fstype.starts_with("fuse.") || any_fstype()))
-        .then(|| fields[0].to_string())
+        .then(|| (fields[0].to_string(), source))
     })
 }
 

@@ -57,6 +57,30 @@ pub fn mount_tmpfs(p: &Path, options: &str) -> io::Result<()> {
     })
 }
 
+/// An ext4 filesystem of `size` bytes in the sparse file `image`, mounted on `p` through a
+/// loop device (`mount -o loop`: the device goes with the unmount).
+pub fn mount_ext4_image(image: &Path, size: u64, p: &Path) -> io::Result<()> {
+    std::fs::File::create(image)?.set_len(size)?;
+    let run = |cmd: &mut std::process::Command| -> io::Result<()> {
+        let out = cmd.output()?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!(
+                "{cmd:?}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )))
+        }
+    };
+    run(std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(image))?;
+    run(std::process::Command::new("mount")
+        .args(["-o", "loop"])
+        .arg(image)
+        .arg(p))
+}
+
 pub fn set_xattr(p: &Path, name: &str, value: &[u8], flags: libc::c_int) -> io::Result<()> {
     let (c, n) = (cpath(p), cstr(name));
     // SAFETY: c and n are valid C strings; value points to value.len() readable bytes.

@@ -496,6 +496,9 @@ impl WorkspaceFs {
         }
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
+        if mode & PUNCH == 0 {
+            self.room_for_allocation(inner, len)?;
+        }
         let of = self.file_of(inner, ino)?;
         let grows = mode & KEEP_SIZE == 0 && end > of.inode.size;
         if grows {
@@ -540,6 +543,25 @@ impl WorkspaceFs {
         tx.commit(&mut inner.nodes)?;
         Self::rebase(inner, ino)?;
         self.settle(inner, ino)
+    }
+
+    /// Before a preallocation of up to `len` bytes (fallocate, zero range): ENOSPC when the
+    /// state volume cannot hold it, before anything is allocated. Otherwise the operations
+    /// already acknowledged are committed first. A failed fallocate keeps what it allocated
+    /// on ext4, so one that fills the volume would leave no room to commit them (and, with
+    /// their unlinks lost, no way to free it); a preallocation filling it all the same
+    /// (other writers) then fails alone, and the next operations find the volume full and
+    /// commit one by one, with the metadata reserve.
+    fn room_for_allocation(&self, inner: &mut Inner, len: u64) -> FsResult<()> {
+        if let Ok(s) = sys::file::statvfs(&self.state_dir) {
+            if len > s.blocks_avail.saturating_mul(s.fragment_size) {
+                return Err(FsError::NoSpace);
+            }
+        }
+        inner.commit_group(self.opts.chunk_size)?;
+        // The next operation looks at the free space again (and stops grouping if low).
+        inner.space_checked = None;
+        Ok(())
     }
 
     /// `lseek(2)` as far as the filesystem sees it: only SEEK_DATA and SEEK_HOLE reach it

@@ -44,6 +44,8 @@ pub enum FsError {
     /// A setxattr would take a file's xattrs past `XATTRS_PER_FILE_MAX`.
     #[error("no room for more extended attributes on this file")]
     XattrsFull,
+    #[error("the state volume has no room for it")]
+    NoSpace,
     #[error("io: {0}")]
     Io(#[from] io::Error),
     #[error("metadata: {0}")]
@@ -76,6 +78,7 @@ impl FsError {
             FsError::NoData => libc::ENXIO,
             FsError::TooManyLinks => libc::EMLINK,
             FsError::XattrsFull => libc::ENOSPC,
+            FsError::NoSpace => libc::ENOSPC,
             FsError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
             FsError::Meta(e) if e.is_full() => libc::ENOSPC,
             FsError::Meta(_) => libc::EIO,
