@@ -1,8 +1,8 @@
 //! The workspace's start sequence, in the order it runs, and its stop: make the state dir
 //! private → take its lock (`workspace::lock_state`) → take the remote's single-writer
-//! lease → give an empty state dir the remote's latest snapshot → open the store and mount
-//! (`workspace::mount_locked`) → wire a lazily restored state dir to the remote (and start
-//! the prefetch) → start the checkpoint service → let rollbacks reach the mounted
+//! lease → give an empty state dir the remote's latest snapshot → open the store
+//! (`workspace::open_locked`) → wire a lazily restored state dir to the remote → mount
+//! (`Opened::mount`) → start the prefetch → start the checkpoint service → let rollbacks reach the mounted
 //! filesystem (`live`). The lock comes before the lease: a keel restarted on the same state
 //! dir takes its own lease back at once, trusting the lock. The stop keeps the reverse:
 //! prefetch stopped → flush → final checkpoint → unmount → filesystem shut down → service
@@ -177,16 +177,21 @@ pub struct Workspace {
 }
 
 impl Prepared {
-    /// Mounts the locked state dir, then wires the remote in: windows not fetched yet, the
-    /// checkpoint service (with the lease and `main`, `keel run`'s main command for
+    /// Opens the locked state dir, wires the remote in as the source of windows not fetched
+    /// yet, mounts it, then starts the prefetch, the checkpoint service (with the lease and `main`, `keel run`'s main command for
     /// `rollback --restart`), rollback of the mounted filesystem.
     pub fn mount(
         mut self,
         cfg: &Config,
         main: Option<Arc<dyn MainCommand>>,
     ) -> Result<Workspace, StartError> {
-        let mounted =
-            crate::workspace::mount_locked(&cfg.workspace, self.lock).map_err(StartError::Mount)?;
+        let opened =
+            crate::workspace::open_locked(&cfg.workspace, self.lock).map_err(StartError::Mount)?;
+        // The remote is the source of windows not fetched yet before the first request can
+        // arrive: a read in between would find no source and fail (EIO, or SIGBUS through
+        // a mapping).
+        let lazy = wire_lazy(cfg, opened.fs())?;
+        let mounted = opened.mount(&cfg.workspace).map_err(StartError::Mount)?;
         let mut ws = Workspace {
             mounted: Some(mounted),
             persist: None,
@@ -196,7 +201,9 @@ impl Prepared {
             let m = ws.mounted();
             (m.fs().clone(), m.invalidator())
         };
-        ws.prefetch = start_lazy(cfg, &fs)?;
+        if lazy {
+            ws.prefetch = start_prefetch(cfg, &fs)?;
+        }
         ws.persist = start_persist(cfg, &fs, self.lease.take(), main)?;
         if let (Some(svc), Some(inval)) = (&ws.persist, inval) {
             svc.set_rollback(super::live::rollback_fn(fs, inval));
@@ -206,21 +213,28 @@ impl Prepared {
 }
 
 /// A lazily restored state dir: wires the remote in as the source of windows not fetched
-/// yet, and with `[persist] prefetch` starts fetching all of them in the background.
-fn start_lazy(cfg: &Config, fs: &Arc<WorkspaceFs>) -> Result<Option<Prefetch>, StartError> {
+/// yet (before the mount). Whether it did.
+fn wire_lazy(cfg: &Config, fs: &Arc<WorkspaceFs>) -> Result<bool, StartError> {
     if !fs.lazy_active() {
-        return Ok(None);
+        return Ok(false);
     }
     let p = &cfg.persist;
     let Some(url) = p.remote_url(&cfg.workspace.state_dir) else {
         tracing::warn!("this state dir was restored lazily but [persist] remote = \"none\": reads of data not fetched yet fail with EIO");
-        return Ok(None);
+        return Ok(false);
     };
     let mut repo = crate::persist::open_remote(&url, p)
         .map_err(|source| StartError::LazyOpen { url, source })?;
     // Where the chunks live (a fork's manifest may point elsewhere).
     repo.manifest().map_err(StartError::LazyManifest)?;
     fs.set_chunk_source(Arc::new(crate::persist::hydrate::RemoteChunks::new(repo)));
+    Ok(true)
+}
+
+/// With `[persist] prefetch`, starts fetching every window not fetched yet in the
+/// background.
+fn start_prefetch(cfg: &Config, fs: &Arc<WorkspaceFs>) -> Result<Option<Prefetch>, StartError> {
+    let p = &cfg.persist;
     if !p.prefetch {
         return Ok(None);
     }
