@@ -610,3 +610,17 @@ fn a_rollback_stopped_before_its_renames_is_finished_at_the_next_start() {
     let store = keel::meta::Store::open(&dir.path().join("meta.db"), keel::meta::Nanos(2)).unwrap();
     assert_eq!(store.read().persist_get("rollback_renames").unwrap(), None);
 }
+
+/// The prefetch's count is the windows it fetched: every stored window, each once (it
+/// counted only what a file had left after its first batch, nothing for small files).
+#[test]
+fn prefetch_counts_every_window_it_fetches() {
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = l.open();
+    let g0 = l.n();
+    let done = fs.prefetch_all(&std::sync::atomic::AtomicBool::new(false), 3);
+    assert_eq!(fs.missing_windows().unwrap(), 0);
+    assert_eq!(l.n() - g0, l.missing, "each window fetched once");
+    assert_eq!(done, l.missing, "the prefetch's own count");
+    assert_eq!(dump(&fs), l.want);
+}

@@ -176,16 +176,17 @@ impl WorkspaceFs {
     /// Makes the windows holding bytes `[from, to)` of a file present in its body;
     /// `readahead`: also fetch up to that many windows after them when the caller reads
     /// sequentially. A window that cannot be fetched or fails verification is an error
-    /// (EIO) naming the inode, window and chunk.
+    /// (EIO) naming the inode, window and chunk. Returns how many windows this call fetched
+    /// (readahead included; 0 when they were there, or fetched by another thread meanwhile).
     pub(super) fn lazy_fetch(
         &self,
         ino: InodeNo,
         from: u64,
         to: u64,
         readahead: usize,
-    ) -> FsResult<()> {
+    ) -> FsResult<u64> {
         if !self.lazy_active() {
-            return Ok(());
+            return Ok(0);
         }
         let cs = self.opts.chunk_size;
         let (claim, need, ids, body) = loop {
@@ -193,14 +194,14 @@ impl WorkspaceFs {
             let inner: &Inner = &guard;
             let size = match Self::load(inner, ino) {
                 Ok(i) => i.size,
-                Err(FsError::NotFound) => return Ok(()),
+                Err(FsError::NotFound) => return Ok(0),
                 Err(e) => return Err(e),
             };
             let mut files = self.lazy.lock();
             let f = self.lazy_file(inner, &mut files, ino, size)?;
             let to = to.min(size);
             if f.missing.is_empty() || from >= to {
-                return Ok(());
+                return Ok(0);
             }
             let sequential = from == f.next_off;
             let need: Vec<u64> = f
@@ -210,7 +211,7 @@ impl WorkspaceFs {
                 .collect();
             if need.is_empty() {
                 f.next_off = to;
-                return Ok(());
+                return Ok(0);
             }
             if need.iter().any(|i| f.inflight.contains(i)) {
                 drop(guard);
@@ -303,7 +304,7 @@ impl WorkspaceFs {
         drop(claim);
         match err {
             Some(e) => Err(e),
-            None => Ok(()),
+            None => Ok(written.len() as u64),
         }
     }
 
@@ -451,20 +452,17 @@ impl WorkspaceFs {
                 if stop.load(Ordering::Relaxed) {
                     return fetched;
                 }
-                let before = self.missing_in(ino).unwrap_or(0);
-                if let Err(e) = self.lazy_fetch(ino, w * cs, (w + batch) * cs, 0) {
-                    tracing::warn!(ino = ino.0, error = %e, "prefetch: skipping the rest of a file");
-                    break;
+                match self.lazy_fetch(ino, w * cs, (w + batch) * cs, 0) {
+                    Ok(n) => fetched += n,
+                    Err(e) => {
+                        tracing::warn!(ino = ino.0, error = %e, "prefetch: skipping the rest of a file");
+                        break;
+                    }
                 }
-                fetched += before.saturating_sub(self.missing_in(ino).unwrap_or(0));
                 w += batch;
             }
         }
         tracing::info!(windows = fetched, "prefetch: done");
         fetched
-    }
-
-    fn missing_in(&self, ino: InodeNo) -> Option<u64> {
-        self.lazy.lock().get(&ino).map(|f| f.missing.len() as u64)
     }
 }
