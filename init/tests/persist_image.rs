@@ -377,3 +377,56 @@ fn gc_removes_the_images_of_dropped_snapshots() {
     let d = tempfile::tempdir().unwrap();
     assert!(used_image(&lazy(&remote, d.path())));
 }
+
+/// A lazy restore fetches each object of the chain once: with the image, the deltas whole
+/// and the full snapshot's header only; without one (a snapshot from before images), the
+/// full snapshot whole too, never the chain's headers a second time (it read every header
+/// with one request, then every object again).
+#[test]
+fn a_lazy_restore_fetches_each_snapshot_object_once() {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    let (_src, remote) = source();
+    let chain_len = repo(&remote).list_snapshots().unwrap().len() as u64;
+    assert_eq!(chain_len, 5);
+    for with_image in [true, false] {
+        let inner = if with_image {
+            remote.clone()
+        } else {
+            copy_without(&remote, |k| k.starts_with("ws/images/"))
+        };
+        let seen: Arc<Mutex<BTreeMap<(String, String), u64>>> = Default::default();
+        let s = seen.clone();
+        let tap = Tap::new(inner, move |op, key| {
+            if key.contains("/snapshots/") {
+                *s.lock()
+                    .unwrap()
+                    .entry((op.into(), key.into()))
+                    .or_default() += 1;
+            }
+        });
+        let d = tempfile::tempdir().unwrap();
+        let tapped: Arc<dyn Remote> = tap;
+        let r = lazy(&tapped, d.path());
+        assert_eq!(used_image(&r), with_image, "{r:?}");
+        let seen = seen.lock().unwrap();
+        let whole: Vec<_> = seen
+            .iter()
+            .filter(|((op, _), _)| op != "get_range")
+            .collect();
+        assert!(
+            whole.iter().all(|(_, n)| **n == 1),
+            "an object fetched twice: {seen:?}"
+        );
+        // The deltas, and the full snapshot only without an image.
+        let want_whole = chain_len - u64::from(with_image);
+        assert_eq!(whole.len() as u64, want_whole, "{seen:?}");
+        // Headers: the head's and the full snapshot's.
+        let ranged: u64 = seen
+            .iter()
+            .filter(|((op, _), _)| op == "get_range")
+            .map(|(_, n)| n)
+            .sum();
+        assert!(ranged <= 2, "{ranged} header reads: {seen:?}");
+    }
+}

@@ -18,7 +18,7 @@ use crate::persist::agent::MainCommand;
 use crate::persist::lease::{LeaseError, ReleaseOnDrop};
 use crate::persist::restore::{self, RestoreError, RestoreMode};
 use crate::persist::service::{FlushFn, ServiceError};
-use crate::persist::{RemoteError, Repo, Service};
+use crate::persist::{RemoteError, Service};
 use crate::workspace::fs::WorkspaceFs;
 use crate::workspace::{Finisher, Mounted, SessionError, StateLock};
 
@@ -61,6 +61,9 @@ impl StartError {
 pub struct Prepared {
     lock: StateLock,
     lease: ReleaseOnDrop,
+    /// The remote an empty state dir was just restored from (its manifest read): the
+    /// lazy source reuses it, and its connections.
+    restored_from: Option<crate::persist::Repo>,
 }
 
 /// Makes the state dir private, locks it, takes the lease and restores an empty state dir
@@ -82,10 +85,16 @@ pub fn prepare(cfg: &Config) -> Result<Prepared, StartError> {
         true,
     )?);
     let log = crate::progress::Logged::new("restore", crate::persist::service::LOG_EVERY);
-    if let Some(what) = crate::progress::scope(log, || restore_on_start(cfg))? {
+    let mut restored_from = None;
+    if let Some((what, repo)) = crate::progress::scope(log, || restore_on_start(cfg))? {
         tracing::info!("{what}");
+        restored_from = Some(repo);
     }
-    Ok(Prepared { lock, lease })
+    Ok(Prepared {
+        lock,
+        lease,
+        restored_from,
+    })
 }
 
 /// A remote is configured and the state dir has no workspace yet: `restore_on_start` asks
@@ -98,8 +107,9 @@ pub fn restore_wanted(cfg: &Config) -> bool {
 
 /// With an empty (locked) state dir and a configured remote that holds a snapshot,
 /// restores the remote's head: a fresh container with no state volume gets its workspace
-/// back. `Ok(None)`: nothing to do (state present, default remote, or an empty remote).
-fn restore_on_start(cfg: &Config) -> Result<Option<String>, StartError> {
+/// back. `Ok(None)`: nothing to do (state present, default remote, or an empty remote);
+/// else what was restored, and the remote it came from.
+fn restore_on_start(cfg: &Config) -> Result<Option<(String, crate::persist::Repo)>, StartError> {
     let state = &cfg.workspace.state_dir;
     if !restore_wanted(cfg) {
         return Ok(None);
@@ -109,13 +119,16 @@ fn restore_on_start(cfg: &Config) -> Result<Option<String>, StartError> {
     };
     let mut repo = crate::persist::open_remote(&url, &cfg.persist)
         .map_err(|source| StartError::RestoreOpen { url, source })?;
-    let mode = restore_mode(cfg, &mut repo);
-    match restore::restore_with(&mut repo, None, state, mode) {
-        Ok(r) => Ok(Some(format!(
+    let mode = match cfg.persist.restore {
+        crate::config::persist::RestoreMode::Eager => RestoreMode::Eager,
+        crate::config::persist::RestoreMode::Lazy => RestoreMode::Lazy,
+    };
+    match restore::restore_for_mount(&mut repo, state, mode, cfg.workspace.chunk_size) {
+        Ok(r) => Ok(Some((format!(
             "restored snapshot {} from {} ({}): {} files, {} bytes, {} chunks fetched, {} windows left to fetch on first use, in {:.2}s ({})",
             r.seq,
             repo.describe(),
-            if mode == RestoreMode::Lazy { "lazy" } else { "eager" },
+            if r.lazy { "lazy" } else { "eager" },
             r.files,
             r.file_bytes,
             r.chunks_fetched,
@@ -126,32 +139,9 @@ fn restore_on_start(cfg: &Config) -> Result<Option<String>, StartError> {
                 .map(|(p, s)| format!("{p} {s:.2}s"))
                 .collect::<Vec<_>>()
                 .join(", ")
-        ))),
+        ), repo))),
         Err(RestoreError::NoSnapshot(_)) => Ok(None),
         Err(e) => Err(StartError::Restore(e)),
-    }
-}
-
-/// The configured restore mode; lazy needs the snapshot's window size to be the configured
-/// one (the filesystem fetches by window), else the restore is eager.
-fn restore_mode(cfg: &Config, repo: &mut Repo) -> RestoreMode {
-    if cfg.persist.restore == crate::config::persist::RestoreMode::Eager {
-        return RestoreMode::Eager;
-    }
-    let cs = restore::resolve_seq(repo, None)
-        .ok()
-        .and_then(|seq| repo.read_header(seq).ok())
-        .map(|h| h.chunk_size);
-    match cs {
-        Some(cs) if cs != cfg.workspace.chunk_size => {
-            tracing::warn!(
-                snapshot_chunk_size = cs,
-                chunk_size = cfg.workspace.chunk_size,
-                "the snapshot was cut into other windows than [workspace] chunk_size: restoring eagerly"
-            );
-            RestoreMode::Eager
-        }
-        _ => RestoreMode::Lazy,
     }
 }
 
@@ -190,7 +180,7 @@ impl Prepared {
         // The remote is the source of windows not fetched yet before the first request can
         // arrive: a read in between would find no source and fail (EIO, or SIGBUS through
         // a mapping).
-        let lazy = wire_lazy(cfg, opened.fs())?;
+        let lazy = wire_lazy(cfg, opened.fs(), self.restored_from.take())?;
         let mounted = opened.mount(&cfg.workspace).map_err(StartError::Mount)?;
         let mut ws = Workspace {
             mounted: Some(mounted),
@@ -213,8 +203,13 @@ impl Prepared {
 }
 
 /// A lazily restored state dir: wires the remote in as the source of windows not fetched
-/// yet (before the mount). Whether it did.
-fn wire_lazy(cfg: &Config, fs: &Arc<WorkspaceFs>) -> Result<bool, StartError> {
+/// yet (before the mount): `restored_from` when the restore just read it, else the
+/// configured remote. Whether it did.
+fn wire_lazy(
+    cfg: &Config,
+    fs: &Arc<WorkspaceFs>,
+    restored_from: Option<crate::persist::Repo>,
+) -> Result<bool, StartError> {
     if !fs.lazy_active() {
         return Ok(false);
     }
@@ -223,10 +218,16 @@ fn wire_lazy(cfg: &Config, fs: &Arc<WorkspaceFs>) -> Result<bool, StartError> {
         tracing::warn!("this state dir was restored lazily but [persist] remote = \"none\": reads of data not fetched yet fail with EIO");
         return Ok(false);
     };
-    let mut repo = crate::persist::open_remote(&url, p)
-        .map_err(|source| StartError::LazyOpen { url, source })?;
-    // Where the chunks live (a fork's manifest may point elsewhere).
-    repo.manifest().map_err(StartError::LazyManifest)?;
+    let repo = match restored_from {
+        Some(repo) => repo,
+        None => {
+            let mut repo = crate::persist::open_remote(&url, p)
+                .map_err(|source| StartError::LazyOpen { url, source })?;
+            // Where the chunks live (a fork's manifest may point elsewhere).
+            repo.manifest().map_err(StartError::LazyManifest)?;
+            repo
+        }
+    };
     fs.set_chunk_source(Arc::new(crate::persist::hydrate::RemoteChunks::new(repo)));
     Ok(true)
 }
