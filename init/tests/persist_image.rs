@@ -430,3 +430,38 @@ fn a_lazy_restore_fetches_each_snapshot_object_once() {
         assert!(ranged <= 2, "{ranged} header reads: {seen:?}");
     }
 }
+
+/// The image of a full snapshot whose build failed (a transient error: here its scratch
+/// file cannot be made) is not given up: the next checkpoint with changes writes a full
+/// snapshot again, with its image, so fresh restores stop decoding the chain.
+#[test]
+fn a_failed_image_build_is_retried_by_the_next_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let remote: Arc<dyn Remote> = Arc::new(MemRemote::new());
+    let fs = open_fs(dir.path());
+    build_rich_tree(&fs);
+    let mut p = persister(dir.path(), remote.clone());
+    // The image is built beside the state database: a directory in its place fails it.
+    let scratch = dir.path().join("meta.db.image");
+    std::fs::create_dir_all(scratch.join("in-the-way")).unwrap();
+    let r = checkpoint(&mut p);
+    assert!(r.full, "{r}");
+    let base = |remote: &Arc<dyn Remote>| {
+        let repo = repo(remote);
+        let head = repo.read_head().unwrap().unwrap().0.seq;
+        let b = repo.read_header(head).unwrap().base;
+        repo.read_header(b).unwrap()
+    };
+    assert!(base(&remote).image.is_none(), "the build was to fail");
+    assert!(images(&remote).is_empty());
+    std::fs::remove_dir_all(&scratch).unwrap();
+    // Nothing changed: nothing written (no full snapshot just for the image).
+    assert_eq!(checkpoint(&mut p).seq, None);
+    write_file(&fs, "more", b"a change");
+    let r = checkpoint(&mut p);
+    assert!(r.full, "the image is retried with a full snapshot: {r}");
+    assert!(base(&remote).image.is_some());
+    assert_eq!(images(&remote).len(), 1);
+    let d = tempfile::tempdir().unwrap();
+    assert!(used_image(&lazy(&remote, d.path())));
+}

@@ -89,10 +89,10 @@ pub fn key(repo: &Repo, hash: &[u8; 32]) -> String {
 /// MB/s; higher levels cost the checkpoint far more time than they save the restore.
 const LEVEL: i32 = 3;
 
-/// Builds the image of a full snapshot's `body` and uploads it; `None` (after a one-line
-/// warning) when that fails: the snapshot is then written without an image.
 /// Builds the image of the full snapshot object `obj` (its body read one record at a
-/// time) and uploads it.
+/// time) and uploads it; `None` (after a one-line error, counted in the metrics) when that
+/// fails: the snapshot is then written without an image, and the checkpoint records so, so
+/// that a later one retries (`checkpoint::steps::retries_image`).
 pub fn publish(repo: &Repo, store: &Store, obj: &[u8], chunk_size: u64) -> Option<ImageRef> {
     let t0 = Instant::now();
     match build_and_upload(repo, store, obj, chunk_size) {
@@ -106,7 +106,8 @@ pub fn publish(repo: &Repo, store: &Store, obj: &[u8], chunk_size: u64) -> Optio
             Some(r)
         }
         Err(e) => {
-            tracing::warn!("checkpoint: no metadata image for this full snapshot (restores decode it instead): {e}");
+            tracing::error!("checkpoint: no metadata image for this full snapshot (fresh restores decode it instead; the next checkpoint with changes writes a full snapshot again to retry): {e}");
+            super::metrics::image_failed();
             None
         }
     }
