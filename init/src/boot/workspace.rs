@@ -229,6 +229,8 @@ fn wire_lazy(
         }
     };
     fs.set_chunk_source(Arc::new(crate::persist::hydrate::RemoteChunks::new(repo)));
+    // As many requests wait for the remote at once as it serves in parallel.
+    fs.set_fetch_threads(p.concurrency);
     Ok(true)
 }
 

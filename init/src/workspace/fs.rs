@@ -46,6 +46,7 @@ mod rollback;
 mod xattr;
 
 pub use error::{FsError, FsResult};
+pub use lazy::{Deferred, FETCH_THREADS};
 pub use node::LINGER_MAX;
 pub use rollback::{Inval, RollbackPlan, RollbackReport, RollbackTarget, Target, TargetData};
 pub use xattr::{setid_lost, XattrReply};
@@ -472,6 +473,7 @@ impl WorkspaceFs {
 
     /// Final step before unmount: sync everything and fold the WAL into the database.
     pub fn shutdown(&self) -> FsResult<()> {
+        self.close_fetchers();
         self.sync_all()?;
         // No new pool files from here on.
         self.pool.stop_filler();

@@ -6,6 +6,10 @@
 //! reads (with readahead for sequential readers), partial writes, truncates, fallocate,
 //! SEEK_DATA/SEEK_HOLE and passthrough opens.
 //!
+//! A READ that must fetch first runs on a fetch thread (`defer_fetch`), not on the FUSE
+//! worker that took it, so readers waiting for the remote are not capped at the FUSE
+//! threads.
+//!
 //! A fetch marks its windows in flight (other users of those windows wait), does the
 //! network I/O with no lock held, writes the verified bytes into the body, makes the body
 //! durable (one `fdatasync` per request, plus its directory entry on a file's first fetch),
@@ -13,11 +17,12 @@
 //! anywhere in between leaves the rows in place, so the window is fetched again: a read
 //! never sees the sparse zeros of a window that has data.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
 
 use super::{Data, FsError, FsResult, Inner, WorkspaceFs};
 use crate::chunk::chunker::{window_count, window_range};
@@ -48,14 +53,18 @@ pub(super) struct Lazy {
     source: OnceLock<Arc<dyn ChunkSource>>,
     files: Mutex<HashMap<InodeNo, FileWindows>>,
     changed: Condvar,
+    /// Where requests that must wait for the remote run (see `WorkspaceFs::defer_fetch`).
+    fetchers: Arc<Fetchers>,
 }
 
 impl Lazy {
     pub(super) fn new(active: bool) -> Lazy {
-        Lazy {
+        let l = Lazy {
             active: AtomicBool::new(active),
             ..Default::default()
-        }
+        };
+        l.fetchers.max.store(FETCH_THREADS, Ordering::Relaxed);
+        l
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<InodeNo, FileWindows>> {
@@ -65,6 +74,97 @@ impl Lazy {
     /// Drops what is known about a file's missing windows (a rollback gave it a whole body).
     pub(super) fn forget(&self, ino: InodeNo) {
         self.lock().remove(&ino);
+    }
+}
+
+/// A request that must first fetch from the remote, run by a fetch thread; it answers the
+/// kernel itself.
+pub type Deferred = Box<dyn FnOnce() + Send>;
+
+/// Fetch threads by default (see `WorkspaceFs::set_fetch_threads`).
+pub const FETCH_THREADS: usize = 16;
+/// A fetch thread with nothing to do for this long ends.
+const FETCH_IDLE: Duration = Duration::from_secs(10);
+
+/// The threads requests waiting for the remote run on, so that a FUSE worker never waits a
+/// round trip: started as requests need them (at most `max`), ended when idle.
+#[derive(Default)]
+struct Fetchers {
+    q: Mutex<FetchQueue>,
+    ready: Condvar,
+    max: AtomicUsize,
+}
+
+#[derive(Default)]
+struct FetchQueue {
+    jobs: VecDeque<Deferred>,
+    threads: usize,
+    idle: usize,
+    closed: bool,
+}
+
+impl Fetchers {
+    fn lock(&self) -> MutexGuard<'_, FetchQueue> {
+        self.q.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `job`, starting a thread when none is idle and fewer than `max` run; `Err`
+    /// hands it back when no thread can run it (closed, or none could be started).
+    fn submit(self: &Arc<Self>, job: Deferred) -> Result<(), Deferred> {
+        let mut q = self.lock();
+        if q.closed {
+            return Err(job);
+        }
+        if q.idle == 0 && q.threads < self.max.load(Ordering::Relaxed).max(1) {
+            let me = self.clone();
+            let spawned = std::thread::Builder::new()
+                .name("keel-fetch".into())
+                .spawn(move || me.work());
+            match spawned {
+                Ok(_) => q.threads += 1,
+                Err(e) if q.threads == 0 => {
+                    tracing::warn!(error = %e, "cannot start a fetch thread; the request waits on its FUSE worker");
+                    return Err(job);
+                }
+                Err(_) => {}
+            }
+        }
+        q.jobs.push_back(job);
+        drop(q);
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    fn work(&self) {
+        let mut q = self.lock();
+        loop {
+            if let Some(job) = q.jobs.pop_front() {
+                drop(q);
+                job();
+                q = self.lock();
+                continue;
+            }
+            if q.closed {
+                break;
+            }
+            q.idle += 1;
+            let (g, t) = self
+                .ready
+                .wait_timeout(q, FETCH_IDLE)
+                .unwrap_or_else(|p| p.into_inner());
+            q = g;
+            q.idle -= 1;
+            if t.timed_out() && q.jobs.is_empty() {
+                break;
+            }
+        }
+        q.threads -= 1;
+    }
+
+    /// No new job is taken; the threads end once the queue is empty.
+    fn close(&self) {
+        self.lock().closed = true;
+        self.ready.notify_all();
     }
 }
 
@@ -108,6 +208,48 @@ impl WorkspaceFs {
     /// Whether the state dir had windows left to fetch when it was opened.
     pub fn lazy_active(&self) -> bool {
         self.lazy.active.load(Ordering::Relaxed)
+    }
+
+    /// At most `n` requests wait for the remote at once, each on a fetch thread of its own
+    /// (default `FETCH_THREADS`).
+    pub fn set_fetch_threads(&self, n: usize) {
+        self.lazy.fetchers.max.store(n.max(1), Ordering::Relaxed);
+    }
+
+    /// A request touching bytes `[off, off + len)` of `ino` that must first fetch some of
+    /// them from the remote is queued to a fetch thread (which runs `job`, and `job`
+    /// answers the kernel), so the FUSE worker goes on serving: parallel readers of data
+    /// not fetched yet are not limited to the FUSE threads, nor is anything else waiting
+    /// behind them. `Some(job)` back: nothing to fetch (or no thread), run it now.
+    pub fn defer_fetch(&self, ino: InodeNo, off: u64, len: u64, job: Deferred) -> Option<Deferred> {
+        if !self.lazy_active() || !self.would_fetch(ino, off, len) {
+            return Some(job);
+        }
+        self.lazy.fetchers.submit(job).err()
+    }
+
+    /// Whether bytes `[off, off + len)` of `ino` hold windows not fetched yet.
+    fn would_fetch(&self, ino: InodeNo, off: u64, len: u64) -> bool {
+        let cs = self.opts.chunk_size;
+        let range = off / cs..off.saturating_add(len).div_ceil(cs).max(off / cs + 1);
+        if let Some(f) = self.lazy.lock().get(&ino) {
+            return f.missing.range(range).next().is_some();
+        }
+        let guard = self.lock();
+        let inner: &Inner = &guard;
+        let Ok(size) = Self::load(inner, ino).map(|i| i.size) else {
+            return false;
+        };
+        let mut files = self.lazy.lock();
+        match self.lazy_file(inner, &mut files, ino, size) {
+            Ok(f) => f.missing.range(range).next().is_some(),
+            Err(_) => false,
+        }
+    }
+
+    /// Stops taking requests for the fetch threads (at shutdown).
+    pub(super) fn close_fetchers(&self) {
+        self.lazy.fetchers.close();
     }
 
     /// Windows not fetched yet, over all files.
