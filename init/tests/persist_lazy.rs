@@ -349,8 +349,9 @@ fn crash_between_body_write_and_record_refetches() {
     let l = Lazy::new(Arc::new(MemRemote::new()));
     let fs = l.open();
     let a = resolve(&fs, "lz/a");
-    // Recorded: window 5 (a random read: no readahead).
+    // Recorded: window 5 (a random read: no readahead), settled as after a read's reply.
     assert_eq!(read(&fs, a, 5 * CHUNK, 10), &win(&a_bytes(), 5)[..10]);
+    fs.settle_fetched();
     // Written into the body but never recorded (killed in between): window 1 holds junk.
     let bodies = keel::chunk::BodyStore::open(&l.dst.path().join("bodies")).unwrap();
     let f = bodies.open_rw(a.0).unwrap();
@@ -618,9 +619,44 @@ fn prefetch_counts_every_window_it_fetches() {
     let l = Lazy::new(Arc::new(MemRemote::new()));
     let fs = l.open();
     let g0 = l.n();
-    let done = fs.prefetch_all(&std::sync::atomic::AtomicBool::new(false), 3);
+    let done = fs
+        .prefetch_all(&std::sync::atomic::AtomicBool::new(false), 3)
+        .windows;
     assert_eq!(fs.missing_windows().unwrap(), 0);
     assert_eq!(l.n() - g0, l.missing, "each window fetched once");
     assert_eq!(done, l.missing, "the prefetch's own count");
     assert_eq!(dump(&fs), l.want);
+}
+
+/// A window a read fetched (its row not settled yet) and a write then changed keeps the
+/// write: the write settles the file first, so neither a restart after a crash (which would
+/// fetch the old bytes over it) nor a checkpoint (which would take the row's chunk as the
+/// window's bytes) goes back to what the remote holds.
+#[test]
+fn a_fetched_window_written_before_it_settled_keeps_the_write() {
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = l.open();
+    let a = resolve(&fs, "lz/a");
+    assert_eq!(read(&fs, a, 2 * CHUNK, 10), &win(&a_bytes(), 2)[..10]);
+    write_at(&fs, a, 2 * CHUNK + 5, b"changed");
+    let mut want = a_bytes();
+    want[(2 * CHUNK + 5) as usize..(2 * CHUNK + 12) as usize].copy_from_slice(b"changed");
+    fs.fsync(a, false).unwrap();
+    // Killed: nothing settled since.
+    drop(fs);
+    let fs = l.open();
+    assert!(
+        read_all(&fs, a).unwrap() == want,
+        "the write is lost after the crash"
+    );
+    fs.sync_all().unwrap();
+    let mut p = persister(l.dst.path(), l.remote.clone());
+    checkpoint(&mut p);
+    drop(p);
+    drop(fs);
+    let (_d, eager) = eager_dump(l.remote.clone());
+    let fs = open_fs(_d.path());
+    let got = read_all(&fs, resolve(&fs, "lz/a")).unwrap();
+    assert!(got == want, "the write is not in the checkpoint");
+    drop(eager);
 }

@@ -574,6 +574,9 @@ impl Filesystem for FuseAdapter {
             let job: super::fs::Deferred = Box::new(move || {
                 t.moved_here();
                 serve_read(&fs, ino, offset, size, reply);
+                drop(t);
+                // After the reply: what the read fetched becomes durable and recorded.
+                fs.settle_fetched();
             });
             if let Some(job) = self.fs.defer_fetch(ino, offset, u64::from(size), job) {
                 job();
