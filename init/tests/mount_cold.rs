@@ -149,3 +149,105 @@ fn a_read_waiting_for_a_cold_mount_gets_the_bytes() {
         bad[0]
     );
 }
+
+/// A tree of two directories of multi-window files, checkpointed to a `file://` remote;
+/// returns (remote dir, path → bytes).
+fn two_dirs(tmp: &Path) -> (std::path::PathBuf, Vec<(String, Vec<u8>)>) {
+    let src = tmp.join("src");
+    let remote_dir = tmp.join("remote");
+    std::fs::create_dir_all(&src).unwrap();
+    let fs = open_fs(&src);
+    let mut files = Vec::new();
+    for d in ["a", "b"] {
+        mkdir(&fs, d);
+        for i in 0..6u64 {
+            let p = format!("{d}/f{i}");
+            let bytes = noise(
+                i + if d == "a" { 100 } else { 200 },
+                (2 * CHUNK + 1000 * i) as usize,
+            );
+            write_file(&fs, &p, &bytes);
+            files.push((p, bytes));
+        }
+    }
+    fs.shutdown().unwrap();
+    drop(fs);
+    let remote: Arc<dyn keel::persist::Remote> =
+        Arc::new(keel::persist::FsRemote::open(&remote_dir).unwrap());
+    let mut p = Persister::open(&src, keel::persist::Repo::new(remote, ""), params()).unwrap();
+    checkpoint(&mut p);
+    (remote_dir, files)
+}
+
+fn file_config(tmp: &Path, remote_dir: &Path, name: &str, extra: &str) -> std::path::PathBuf {
+    let cfg = tmp.join(name);
+    std::fs::write(
+        &cfg,
+        format!(
+            "[workspace]\nchunk_size = \"64KiB\"\n[persist]\nremote = \"file://{}\"\ninterval = \"0s\"\n{extra}\n",
+            remote_dir.display()
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
+/// What a session reads is recorded by its last checkpoint, and the next cold start with
+/// `replay = "before"` has fetched exactly that before its mount appears: with the remote's
+/// chunks taken away once it is mounted, the files the last session read still read whole,
+/// and one it did not read fails.
+#[test]
+fn the_last_sessions_reads_are_fetched_before_the_next_mount() {
+    if !support::mount::fuse_available() {
+        return;
+    }
+    let top = tempfile::Builder::new()
+        .prefix("keel-cold-replay.")
+        .tempdir()
+        .unwrap();
+    let (remote_dir, files) = two_dirs(top.path());
+    let cfg = file_config(
+        top.path(),
+        &remote_dir,
+        "config.toml",
+        "replay = \"before\"",
+    );
+    // Session 1: reads the files of a/ (in reverse), then stops cleanly.
+    let tmp = tempfile::Builder::new()
+        .prefix("s1.")
+        .tempdir_in(top.path())
+        .unwrap();
+    let state = tmp.path().join("state");
+    let mut k = Keel::start_in(tmp, state, &["--config", cfg.to_str().unwrap()]);
+    for (p, want) in files.iter().filter(|(p, _)| p.starts_with("a/")).rev() {
+        assert!(std::fs::read(k.p(p)).unwrap() == *want, "{p}");
+    }
+    k.stop();
+    assert!(remote_dir.join("readset").exists(), "no read set recorded");
+
+    // Session 2: a cold start; once it is mounted, no chunk can be fetched any more.
+    let tmp = tempfile::Builder::new()
+        .prefix("s2.")
+        .tempdir_in(top.path())
+        .unwrap();
+    let state = tmp.path().join("state");
+    let mut k = Keel::start_in(tmp, state, &["--config", cfg.to_str().unwrap()]);
+    let chunks = remote_dir.join("chunks");
+    let away = remote_dir.join("chunks.away");
+    std::fs::rename(&chunks, &away).unwrap();
+    let a: Vec<_> = files.iter().filter(|(p, _)| p.starts_with("a/")).collect();
+    let results: Vec<_> = a.iter().map(|(p, _)| std::fs::read(k.p(p))).collect();
+    let b0 = std::fs::read(k.p("b/f0"));
+    std::fs::rename(&away, &chunks).unwrap();
+    for ((p, want), got) in a.iter().zip(results) {
+        let got = got.unwrap_or_else(|e| panic!("{p} was not replayed: {e}\n{}", k.log_text()));
+        assert!(got == *want, "{p} differs");
+    }
+    assert!(b0.is_err(), "b/f0 was never read, yet it was fetched");
+    let log = k.log_text();
+    assert!(
+        log.contains("replayed the last session's read set before the mount"),
+        "{log}"
+    );
+    k.stop();
+}

@@ -12,14 +12,14 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::config::persist::FsyncMode;
+use crate::config::persist::{FsyncMode, ReplayMode};
 use crate::config::Config;
 use crate::persist::agent::MainCommand;
 use crate::persist::lease::{LeaseError, ReleaseOnDrop};
 use crate::persist::restore::{self, RestoreError, RestoreMode};
 use crate::persist::service::{FlushFn, ServiceError};
 use crate::persist::{RemoteError, Service};
-use crate::workspace::fs::WorkspaceFs;
+use crate::workspace::fs::{ReplayReport, WorkspaceFs};
 use crate::workspace::{Finisher, Mounted, SessionError, StateLock};
 
 /// The step of the start sequence that failed.
@@ -181,20 +181,40 @@ impl Prepared {
         // arrive: a read in between would find no source and fail (EIO, or SIGBUS through
         // a mapping).
         let lazy = wire_lazy(cfg, opened.fs(), self.restored_from.take())?;
+        let fs = opened.fs().clone();
+        fs.set_read_set_max(cfg.persist.read_set);
+        // The windows the last session read, fetched first: before the mount, or beside
+        // whatever runs once it is up.
+        let found = match &lazy {
+            Some(repo) if cfg.persist.replay != ReplayMode::Off => {
+                let set = crate::persist::readset::download(repo, cfg.workspace.chunk_size);
+                tracing::info!(windows = set.len(), "read set of the last session");
+                Some(set)
+            }
+            _ => None,
+        };
+        if let (Some(set), ReplayMode::Before) = (&found, cfg.persist.replay) {
+            let r = fs.replay(set, cfg.persist.concurrency, &AtomicBool::new(false));
+            log_replay(&r, "before the mount");
+        }
         let mounted = opened.mount(&cfg.workspace).map_err(StartError::Mount)?;
         let mut ws = Workspace {
             mounted: Some(mounted),
             persist: None,
             prefetch: None,
         };
-        let (fs, inval) = {
-            let m = ws.mounted();
-            (m.fs().clone(), m.invalidator())
-        };
-        if lazy {
-            ws.prefetch = start_prefetch(cfg, &fs)?;
+        let inval = ws.mounted().invalidator();
+        if lazy.is_some() {
+            let beside = found
+                .clone()
+                .filter(|_| cfg.persist.replay == ReplayMode::Beside);
+            ws.prefetch = start_background(cfg, &fs, beside)?;
         }
         ws.persist = start_persist(cfg, &fs, self.lease.take(), main)?;
+        if let Some(svc) = &ws.persist {
+            let fs2 = fs.clone();
+            svc.set_read_set(Box::new(move || fs2.read_set()), found);
+        }
         if let (Some(svc), Some(inval)) = (&ws.persist, inval) {
             svc.set_rollback(super::live::rollback_fn(fs, inval));
         }
@@ -202,21 +222,31 @@ impl Prepared {
     }
 }
 
+fn log_replay(r: &ReplayReport, when: &str) {
+    tracing::info!(
+        windows = r.windows,
+        skipped = r.skipped,
+        failed = r.failed,
+        seconds = r.elapsed.as_secs_f64(),
+        "replayed the last session's read set {when}"
+    );
+}
+
 /// A lazily restored state dir: wires the remote in as the source of windows not fetched
 /// yet (before the mount): `restored_from` when the restore just read it, else the
-/// configured remote. Whether it did.
+/// configured remote. The remote, when it did.
 fn wire_lazy(
     cfg: &Config,
     fs: &Arc<WorkspaceFs>,
     restored_from: Option<crate::persist::Repo>,
-) -> Result<bool, StartError> {
+) -> Result<Option<crate::persist::Repo>, StartError> {
     if !fs.lazy_active() {
-        return Ok(false);
+        return Ok(None);
     }
     let p = &cfg.persist;
     let Some(url) = p.remote_url(&cfg.workspace.state_dir) else {
         tracing::warn!("this state dir was restored lazily but [persist] remote = \"none\": reads of data not fetched yet fail with EIO");
-        return Ok(false);
+        return Ok(None);
     };
     let repo = match restored_from {
         Some(repo) => repo,
@@ -228,25 +258,37 @@ fn wire_lazy(
             repo
         }
     };
-    fs.set_chunk_source(Arc::new(crate::persist::hydrate::RemoteChunks::new(repo)));
+    fs.set_chunk_source(Arc::new(crate::persist::hydrate::RemoteChunks::new(
+        repo.clone(),
+    )));
     // As many requests wait for the remote at once as it serves in parallel.
     fs.set_fetch_threads(p.concurrency);
-    Ok(true)
+    Ok(Some(repo))
 }
 
-/// With `[persist] prefetch`, starts fetching every window not fetched yet in the
-/// background.
-fn start_prefetch(cfg: &Config, fs: &Arc<WorkspaceFs>) -> Result<Option<Prefetch>, StartError> {
+/// In the background: the replay of `read_set` (when it runs beside), then, with
+/// `[persist] prefetch`, every window not fetched yet.
+fn start_background(
+    cfg: &Config,
+    fs: &Arc<WorkspaceFs>,
+    read_set: Option<Vec<(u64, u64)>>,
+) -> Result<Option<Prefetch>, StartError> {
     let p = &cfg.persist;
-    if !p.prefetch {
+    if !p.prefetch && read_set.as_ref().is_none_or(|s| s.is_empty()) {
         return Ok(None);
     }
     let stop = Arc::new(AtomicBool::new(false));
-    let (fs2, stop2, batch) = (fs.clone(), stop.clone(), p.concurrency);
+    let (fs2, stop2, parallel, prefetch) = (fs.clone(), stop.clone(), p.concurrency, p.prefetch);
     let t = std::thread::Builder::new()
         .name("keel-prefetch".into())
         .spawn(move || {
-            fs2.prefetch_all(&stop2, batch);
+            if let Some(set) = read_set.filter(|s| !s.is_empty()) {
+                let r = fs2.replay(&set, parallel, &stop2);
+                log_replay(&r, "beside the workload");
+            }
+            if prefetch && !stop2.load(Ordering::Relaxed) {
+                fs2.prefetch_all(&stop2, parallel);
+            }
         })
         .map_err(StartError::Prefetch)?;
     Ok(Some((stop, t)))
