@@ -24,15 +24,18 @@ use support::persist::*;
 const READAHEAD: u64 = 4;
 
 /// A remote that counts GETs of chunk objects (keys under `/chunks/`), single and batched.
-fn chunk_gets(inner: Arc<dyn Remote>) -> (Arc<Tap>, Arc<AtomicU64>) {
+/// Also records their keys, in the order they were asked for.
+fn chunk_gets(inner: Arc<dyn Remote>) -> (Arc<Tap>, Arc<AtomicU64>, Arc<Mutex<Vec<String>>>) {
     let gets = Arc::new(AtomicU64::new(0));
-    let g = gets.clone();
+    let keys = Arc::new(Mutex::new(Vec::new()));
+    let (g, k) = (gets.clone(), keys.clone());
     let tap = Tap::new(inner, move |op, key| {
         if matches!(op, "get" | "get_range" | "get_many") && key.contains("/chunks/") {
             g.fetch_add(1, Ordering::SeqCst);
+            k.lock().unwrap().push(key.to_string());
         }
     });
-    (tap, gets)
+    (tap, gets, keys)
 }
 
 fn a_bytes() -> Vec<u8> {
@@ -60,6 +63,8 @@ struct Lazy {
     remote: Arc<Tap>,
     /// Chunk GETs through `remote` so far.
     gets: Arc<AtomicU64>,
+    /// Their keys, in order.
+    keys: Arc<Mutex<Vec<String>>>,
     /// The source tree as checkpointed.
     want: BTreeMap<String, String>,
     /// Windows the lazy restore left to fetch.
@@ -73,7 +78,7 @@ impl Lazy {
     }
 
     fn new(inner: Arc<dyn Remote>) -> Lazy {
-        let (remote, gets) = chunk_gets(Arc::new(keel::persist::Counted::new(inner)));
+        let (remote, gets, keys) = chunk_gets(Arc::new(keel::persist::Counted::new(inner)));
         let src = tempfile::tempdir().unwrap();
         let fs = open_fs(src.path());
         build(&fs);
@@ -99,6 +104,7 @@ impl Lazy {
             dst,
             remote,
             gets,
+            keys,
             want,
             missing: r.windows_missing,
         }
@@ -659,4 +665,58 @@ fn a_fetched_window_written_before_it_settled_keeps_the_write() {
     let got = read_all(&fs, resolve(&fs, "lz/a")).unwrap();
     assert!(got == want, "the write is not in the checkpoint");
     drop(eager);
+}
+
+/// The prefetch follows the readers: once a read fetched from a file of `lz/`, the other
+/// windows of `lz/`'s files are fetched before any other file's, although `d/e/big` and
+/// `sparse` come first in inode order (the control: without that read, the prefetch starts
+/// with one of them). Two batches are in flight, so one `lz/` window may land after the
+/// first other one; never more.
+#[test]
+fn prefetch_takes_the_directory_a_reader_fetched_from_first() {
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    // The chunks of lz/'s files (content-addressed: the same keys in every `Lazy`).
+    let lz: std::collections::HashSet<String> = {
+        let l = Lazy::new(Arc::new(MemRemote::new()));
+        let fs = l.open();
+        for p in ["lz/a", "lz/b", "lz/c"] {
+            read_all(&fs, resolve(&fs, p)).unwrap();
+        }
+        let keys = l.keys.lock().unwrap().clone();
+        keys.into_iter().collect()
+    };
+    assert!(lz.len() > 10, "{}", lz.len());
+
+    let control = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = control.open();
+    let mark = control.keys.lock().unwrap().len();
+    fs.prefetch_all(&stop, 1);
+    let first = control.keys.lock().unwrap()[mark].clone();
+    assert!(
+        !lz.contains(&first),
+        "inode order starts in lz/: the test shows nothing"
+    );
+    drop(fs);
+
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = l.open();
+    let a = resolve(&fs, "lz/a");
+    assert_eq!(read(&fs, a, 5 * CHUNK, 10), &win(&a_bytes(), 5)[..10]);
+    let mark = l.keys.lock().unwrap().len();
+    let r = fs.prefetch_all(&stop, 1);
+    assert_eq!(fs.missing_windows().unwrap(), 0);
+    assert_eq!(dump(&fs), l.want);
+    let got = l.keys.lock().unwrap()[mark..].to_vec();
+    assert_eq!(got.len() as u64, r.windows, "each window fetched once");
+    let other = got
+        .iter()
+        .position(|k| !lz.contains(k))
+        .expect("other files were fetched too");
+    let late: Vec<_> = got[other..].iter().filter(|k| lz.contains(*k)).collect();
+    assert!(
+        late.len() <= 1,
+        "{} windows of lz/ were fetched after another file's (order: {:?})",
+        late.len(),
+        got.iter().map(|k| lz.contains(k)).collect::<Vec<_>>()
+    );
 }
