@@ -161,3 +161,124 @@ fn prefetch_fetches_everything_in_the_background() {
     std::fs::rename(remote_dir.join("chunks.away"), &chunks).unwrap();
     k.stop();
 }
+
+/// Readers of eight files not fetched yet, on a mount with two FUSE threads, all wait for
+/// the remote at once: each chunk object is a FIFO here, so a fetch blocks in its open
+/// until the test writes the chunk, and the test counts the FIFOs a reader has open before
+/// it writes any. Before fetches moved off the FUSE threads, two at most waited (one per
+/// thread) and the other readers queued behind them.
+#[test]
+fn readers_of_unfetched_files_are_not_limited_to_the_fuse_threads() {
+    use std::os::unix::fs::OpenOptionsExt;
+    if !support::mount::fuse_available() {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("keel-lazy-parallel.")
+        .tempdir()
+        .unwrap();
+    let remote_dir = tmp.path().join("remote");
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let fs = open_fs(&src);
+    mkdir(&fs, "par");
+    let n = 8;
+    // One window each, none of them in a pack (full-size windows are stored alone).
+    let files: Vec<Vec<u8>> = (0..n)
+        .map(|i| noise(60 + i as u64, CHUNK as usize))
+        .collect();
+    for (i, d) in files.iter().enumerate() {
+        write_file(&fs, &format!("par/f{i}"), d);
+    }
+    fs.shutdown().unwrap();
+    drop(fs);
+    let remote: Arc<dyn Remote> = Arc::new(FsRemote::open(&remote_dir).unwrap());
+    let mut p = Persister::open(&src, Repo::new(remote.clone(), ""), params()).unwrap();
+    checkpoint(&mut p);
+    drop(p);
+    let state = tmp.path().join("state");
+    restore_with(&mut Repo::new(remote, ""), None, &state, RestoreMode::Lazy).unwrap();
+    // Each file's chunk object becomes a FIFO.
+    let fifos: Vec<std::path::PathBuf> = files
+        .iter()
+        .map(|d| {
+            let h = keel::chunk::ChunkId::of(d).to_hex();
+            remote_dir.join("chunks").join(&h[..2]).join(&h)
+        })
+        .collect();
+    for f in &fifos {
+        std::fs::remove_file(f).unwrap();
+        support::sys::mknod(f, libc::S_IFIFO | 0o600, 0).unwrap();
+    }
+    let cfg = tmp.path().join("config.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[workspace]\nchunk_size = \"64KiB\"\nthreads = 2\n[persist]\nremote = \"file://{}\"\ninterval = \"0s\"\n",
+            remote_dir.display()
+        ),
+    )
+    .unwrap();
+    let mut k = Keel::start_in(tmp, state, &["--config", cfg.to_str().unwrap()]);
+    let readers: Vec<_> = (0..n)
+        .map(|i| {
+            let p = k.p(&format!("par/f{i}"));
+            std::thread::spawn(move || std::fs::read(p))
+        })
+        .collect();
+    // A FIFO opens for writing without blocking only while a reader has it open; the
+    // writing end is kept (closing it would end the reader's read), and fed later.
+    let mut held: Vec<Option<std::fs::File>> = (0..n).map(|_| None).collect();
+    // The deadline only bounds a keel that never lets more than two wait.
+    let t0 = Instant::now();
+    while held.iter().any(Option::is_none) && t0.elapsed() < Duration::from_secs(60) {
+        for (h, f) in held.iter_mut().zip(&fifos) {
+            if h.is_none() {
+                *h = std::fs::OpenOptions::new()
+                    .write(true)
+                    .custom_flags(libc::O_NONBLOCK)
+                    .open(f)
+                    .ok();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let most = held.iter().filter(|h| h.is_some()).count();
+    // Feed every FIFO (one not held yet: a writer that blocks until its reader comes).
+    let feeders: Vec<_> = held
+        .into_iter()
+        .zip(&fifos)
+        .zip(&files)
+        .map(|((h, f), d)| {
+            let (f, d) = (f.clone(), d.clone());
+            std::thread::spawn(move || -> std::io::Result<()> {
+                use std::io::Write;
+                // A blocking writer (at once when `h` holds the FIFO open for its reader),
+                // then the non-blocking one goes.
+                let mut w = std::fs::OpenOptions::new().write(true).open(&f)?;
+                drop(h);
+                w.write_all(&d)
+            })
+        })
+        .collect();
+    for (r, want) in readers.into_iter().zip(&files) {
+        assert!(
+            r.join().unwrap().unwrap() == *want,
+            "a reader got other bytes"
+        );
+    }
+    for f in feeders {
+        f.join().unwrap().unwrap();
+    }
+    for (f, d) in fifos.iter().zip(&files) {
+        std::fs::remove_file(f).unwrap();
+        std::fs::write(f, d).unwrap();
+    }
+    assert_eq!(
+        most,
+        n,
+        "readers waiting for the remote at once, with 2 FUSE threads; log:\n{}",
+        k.log_text()
+    );
+    k.stop();
+}

@@ -378,3 +378,91 @@ fn gc_removes_the_images_of_dropped_snapshots() {
     let d = tempfile::tempdir().unwrap();
     assert!(used_image(&lazy(&remote, d.path())));
 }
+
+/// A lazy restore fetches each object of the chain once: with the image, the deltas whole
+/// and the full snapshot's header only; without one (a snapshot from before images), the
+/// full snapshot whole too, never the chain's headers a second time (it read every header
+/// with one request, then every object again).
+#[test]
+fn a_lazy_restore_fetches_each_snapshot_object_once() {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    let (_src, remote) = source();
+    let chain_len = repo(&remote).list_snapshots().unwrap().len() as u64;
+    assert_eq!(chain_len, 5);
+    for with_image in [true, false] {
+        let inner = if with_image {
+            remote.clone()
+        } else {
+            copy_without(&remote, |k| k.starts_with("ws/images/"))
+        };
+        let seen: Arc<Mutex<BTreeMap<(String, String), u64>>> = Default::default();
+        let s = seen.clone();
+        let tap = Tap::new(inner, move |op, key| {
+            if key.contains("/snapshots/") {
+                *s.lock()
+                    .unwrap()
+                    .entry((op.into(), key.into()))
+                    .or_default() += 1;
+            }
+        });
+        let d = tempfile::tempdir().unwrap();
+        let tapped: Arc<dyn Remote> = tap;
+        let r = lazy(&tapped, d.path());
+        assert_eq!(used_image(&r), with_image, "{r:?}");
+        let seen = seen.lock().unwrap();
+        let whole: Vec<_> = seen
+            .iter()
+            .filter(|((op, _), _)| op != "get_range")
+            .collect();
+        assert!(
+            whole.iter().all(|(_, n)| **n == 1),
+            "an object fetched twice: {seen:?}"
+        );
+        // The deltas, and the full snapshot only without an image.
+        let want_whole = chain_len - u64::from(with_image);
+        assert_eq!(whole.len() as u64, want_whole, "{seen:?}");
+        // Headers: the head's and the full snapshot's.
+        let ranged: u64 = seen
+            .iter()
+            .filter(|((op, _), _)| op == "get_range")
+            .map(|(_, n)| n)
+            .sum();
+        assert!(ranged <= 2, "{ranged} header reads: {seen:?}");
+    }
+}
+
+/// The image of a full snapshot whose build failed (a transient error: here its scratch
+/// file cannot be made) is not given up: the next checkpoint with changes writes a full
+/// snapshot again, with its image, so fresh restores stop decoding the chain.
+#[test]
+fn a_failed_image_build_is_retried_by_the_next_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let remote: Arc<dyn Remote> = Arc::new(MemRemote::new());
+    let fs = open_fs(dir.path());
+    build_rich_tree(&fs);
+    let mut p = persister(dir.path(), remote.clone());
+    // The image is built beside the state database: a directory in its place fails it.
+    let scratch = dir.path().join("meta.db.image");
+    std::fs::create_dir_all(scratch.join("in-the-way")).unwrap();
+    let r = checkpoint(&mut p);
+    assert!(r.full, "{r}");
+    let base = |remote: &Arc<dyn Remote>| {
+        let repo = repo(remote);
+        let head = repo.read_head().unwrap().unwrap().0.seq;
+        let b = repo.read_header(head).unwrap().base;
+        repo.read_header(b).unwrap()
+    };
+    assert!(base(&remote).image.is_none(), "the build was to fail");
+    assert!(images(&remote).is_empty());
+    std::fs::remove_dir_all(&scratch).unwrap();
+    // Nothing changed: nothing written (no full snapshot just for the image).
+    assert_eq!(checkpoint(&mut p).seq, None);
+    write_file(&fs, "more", b"a change");
+    let r = checkpoint(&mut p);
+    assert!(r.full, "the image is retried with a full snapshot: {r}");
+    assert!(base(&remote).image.is_some());
+    assert_eq!(images(&remote).len(), 1);
+    let d = tempfile::tempdir().unwrap();
+    assert!(used_image(&lazy(&remote, d.path())));
+}

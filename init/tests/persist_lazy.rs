@@ -24,15 +24,18 @@ use support::persist::*;
 const READAHEAD: u64 = 4;
 
 /// A remote that counts GETs of chunk objects (keys under `/chunks/`), single and batched.
-fn chunk_gets(inner: Arc<dyn Remote>) -> (Arc<Tap>, Arc<AtomicU64>) {
+/// Also records their keys, in the order they were asked for.
+fn chunk_gets(inner: Arc<dyn Remote>) -> (Arc<Tap>, Arc<AtomicU64>, Arc<Mutex<Vec<String>>>) {
     let gets = Arc::new(AtomicU64::new(0));
-    let g = gets.clone();
+    let keys = Arc::new(Mutex::new(Vec::new()));
+    let (g, k) = (gets.clone(), keys.clone());
     let tap = Tap::new(inner, move |op, key| {
         if matches!(op, "get" | "get_range" | "get_many") && key.contains("/chunks/") {
             g.fetch_add(1, Ordering::SeqCst);
+            k.lock().unwrap().push(key.to_string());
         }
     });
-    (tap, gets)
+    (tap, gets, keys)
 }
 
 fn a_bytes() -> Vec<u8> {
@@ -60,6 +63,8 @@ struct Lazy {
     remote: Arc<Tap>,
     /// Chunk GETs through `remote` so far.
     gets: Arc<AtomicU64>,
+    /// Their keys, in order.
+    keys: Arc<Mutex<Vec<String>>>,
     /// The source tree as checkpointed.
     want: BTreeMap<String, String>,
     /// Windows the lazy restore left to fetch.
@@ -73,7 +78,7 @@ impl Lazy {
     }
 
     fn new(inner: Arc<dyn Remote>) -> Lazy {
-        let (remote, gets) = chunk_gets(Arc::new(keel::persist::Counted::new(inner)));
+        let (remote, gets, keys) = chunk_gets(Arc::new(keel::persist::Counted::new(inner)));
         let src = tempfile::tempdir().unwrap();
         let fs = open_fs(src.path());
         build(&fs);
@@ -99,6 +104,7 @@ impl Lazy {
             dst,
             remote,
             gets,
+            keys,
             want,
             missing: r.windows_missing,
         }
@@ -349,8 +355,9 @@ fn crash_between_body_write_and_record_refetches() {
     let l = Lazy::new(Arc::new(MemRemote::new()));
     let fs = l.open();
     let a = resolve(&fs, "lz/a");
-    // Recorded: window 5 (a random read: no readahead).
+    // Recorded: window 5 (a random read: no readahead), settled as after a read's reply.
     assert_eq!(read(&fs, a, 5 * CHUNK, 10), &win(&a_bytes(), 5)[..10]);
+    fs.settle_fetched();
     // Written into the body but never recorded (killed in between): window 1 holds junk.
     let bodies = keel::chunk::BodyStore::open(&l.dst.path().join("bodies")).unwrap();
     let f = bodies.open_rw(a.0).unwrap();
@@ -610,4 +617,107 @@ fn a_rollback_stopped_before_its_renames_is_finished_at_the_next_start() {
     assert_eq!(got["/f"], want["/f"], "the remote has the new bytes");
     let store = keel::meta::Store::open(&dir.path().join("meta.db"), keel::meta::Nanos(2)).unwrap();
     assert_eq!(store.read().persist_get("rollback_renames").unwrap(), None);
+}
+
+/// The prefetch's count is the windows it fetched: every stored window, each once (it
+/// counted only what a file had left after its first batch, nothing for small files).
+#[test]
+fn prefetch_counts_every_window_it_fetches() {
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = l.open();
+    let g0 = l.n();
+    let done = fs
+        .prefetch_all(&std::sync::atomic::AtomicBool::new(false), 3)
+        .windows;
+    assert_eq!(fs.missing_windows().unwrap(), 0);
+    assert_eq!(l.n() - g0, l.missing, "each window fetched once");
+    assert_eq!(done, l.missing, "the prefetch's own count");
+    assert_eq!(dump(&fs), l.want);
+}
+
+/// A window a read fetched (its row not settled yet) and a write then changed keeps the
+/// write: the write settles the file first, so neither a restart after a crash (which would
+/// fetch the old bytes over it) nor a checkpoint (which would take the row's chunk as the
+/// window's bytes) goes back to what the remote holds.
+#[test]
+fn a_fetched_window_written_before_it_settled_keeps_the_write() {
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = l.open();
+    let a = resolve(&fs, "lz/a");
+    assert_eq!(read(&fs, a, 2 * CHUNK, 10), &win(&a_bytes(), 2)[..10]);
+    write_at(&fs, a, 2 * CHUNK + 5, b"changed");
+    let mut want = a_bytes();
+    want[(2 * CHUNK + 5) as usize..(2 * CHUNK + 12) as usize].copy_from_slice(b"changed");
+    fs.fsync(a, false).unwrap();
+    // Killed: nothing settled since.
+    drop(fs);
+    let fs = l.open();
+    assert!(
+        read_all(&fs, a).unwrap() == want,
+        "the write is lost after the crash"
+    );
+    fs.sync_all().unwrap();
+    let mut p = persister(l.dst.path(), l.remote.clone());
+    checkpoint(&mut p);
+    drop(p);
+    drop(fs);
+    let (_d, eager) = eager_dump(l.remote.clone());
+    let fs = open_fs(_d.path());
+    let got = read_all(&fs, resolve(&fs, "lz/a")).unwrap();
+    assert!(got == want, "the write is not in the checkpoint");
+    drop(eager);
+}
+
+/// The prefetch follows the readers: once a read fetched from a file of `lz/`, the other
+/// windows of `lz/`'s files are fetched before any other file's, although `d/e/big` and
+/// `sparse` come first in inode order (the control: without that read, the prefetch starts
+/// with one of them). Two batches are in flight, so one `lz/` window may land after the
+/// first other one; never more.
+#[test]
+fn prefetch_takes_the_directory_a_reader_fetched_from_first() {
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    // The chunks of lz/'s files (content-addressed: the same keys in every `Lazy`).
+    let lz: std::collections::HashSet<String> = {
+        let l = Lazy::new(Arc::new(MemRemote::new()));
+        let fs = l.open();
+        for p in ["lz/a", "lz/b", "lz/c"] {
+            read_all(&fs, resolve(&fs, p)).unwrap();
+        }
+        let keys = l.keys.lock().unwrap().clone();
+        keys.into_iter().collect()
+    };
+    assert!(lz.len() > 10, "{}", lz.len());
+
+    let control = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = control.open();
+    let mark = control.keys.lock().unwrap().len();
+    fs.prefetch_all(&stop, 1);
+    let first = control.keys.lock().unwrap()[mark].clone();
+    assert!(
+        !lz.contains(&first),
+        "inode order starts in lz/: the test shows nothing"
+    );
+    drop(fs);
+
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = l.open();
+    let a = resolve(&fs, "lz/a");
+    assert_eq!(read(&fs, a, 5 * CHUNK, 10), &win(&a_bytes(), 5)[..10]);
+    let mark = l.keys.lock().unwrap().len();
+    let r = fs.prefetch_all(&stop, 1);
+    assert_eq!(fs.missing_windows().unwrap(), 0);
+    assert_eq!(dump(&fs), l.want);
+    let got = l.keys.lock().unwrap()[mark..].to_vec();
+    assert_eq!(got.len() as u64, r.windows, "each window fetched once");
+    let other = got
+        .iter()
+        .position(|k| !lz.contains(k))
+        .expect("other files were fetched too");
+    let late: Vec<_> = got[other..].iter().filter(|k| lz.contains(*k)).collect();
+    assert!(
+        late.len() <= 1,
+        "{} windows of lz/ were fetched after another file's (order: {:?})",
+        late.len(),
+        got.iter().map(|k| lz.contains(k)).collect::<Vec<_>>()
+    );
 }

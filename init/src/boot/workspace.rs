@@ -1,8 +1,8 @@
 //! The workspace's start sequence, in the order it runs, and its stop: make the state dir
 //! private → take its lock (`workspace::lock_state`) → take the remote's single-writer
-//! lease → give an empty state dir the remote's latest snapshot → open the store and mount
-//! (`workspace::mount_locked`) → wire a lazily restored state dir to the remote (and start
-//! the prefetch) → start the checkpoint service → let rollbacks reach the mounted
+//! lease → give an empty state dir the remote's latest snapshot → open the store
+//! (`workspace::open_locked`) → wire a lazily restored state dir to the remote → mount
+//! (`Opened::mount`) → start the prefetch → start the checkpoint service → let rollbacks reach the mounted
 //! filesystem (`live`). The lock comes before the lease: a keel restarted on the same state
 //! dir takes its own lease back at once, trusting the lock. The stop keeps the reverse:
 //! prefetch stopped → flush → final checkpoint → unmount → filesystem shut down → service
@@ -12,14 +12,14 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::config::persist::FsyncMode;
+use crate::config::persist::{FsyncMode, ReplayMode};
 use crate::config::Config;
 use crate::persist::agent::MainCommand;
 use crate::persist::lease::{LeaseError, ReleaseOnDrop};
 use crate::persist::restore::{self, RestoreError, RestoreMode};
 use crate::persist::service::{FlushFn, ServiceError};
-use crate::persist::{RemoteError, Repo, Service};
-use crate::workspace::fs::WorkspaceFs;
+use crate::persist::{RemoteError, Service};
+use crate::workspace::fs::{ReplayReport, WorkspaceFs};
 use crate::workspace::{Finisher, Mounted, SessionError, StateLock};
 
 /// The step of the start sequence that failed.
@@ -61,6 +61,9 @@ impl StartError {
 pub struct Prepared {
     lock: StateLock,
     lease: ReleaseOnDrop,
+    /// The remote an empty state dir was just restored from (its manifest read): the
+    /// lazy source reuses it, and its connections.
+    restored_from: Option<crate::persist::Repo>,
 }
 
 /// Makes the state dir private, locks it, takes the lease and restores an empty state dir
@@ -82,10 +85,16 @@ pub fn prepare(cfg: &Config) -> Result<Prepared, StartError> {
         true,
     )?);
     let log = crate::progress::Logged::new("restore", crate::persist::service::LOG_EVERY);
-    if let Some(what) = crate::progress::scope(log, || restore_on_start(cfg))? {
+    let mut restored_from = None;
+    if let Some((what, repo)) = crate::progress::scope(log, || restore_on_start(cfg))? {
         tracing::info!("{what}");
+        restored_from = Some(repo);
     }
-    Ok(Prepared { lock, lease })
+    Ok(Prepared {
+        lock,
+        lease,
+        restored_from,
+    })
 }
 
 /// A remote is configured and the state dir has no workspace yet: `restore_on_start` asks
@@ -98,8 +107,9 @@ pub fn restore_wanted(cfg: &Config) -> bool {
 
 /// With an empty (locked) state dir and a configured remote that holds a snapshot,
 /// restores the remote's head: a fresh container with no state volume gets its workspace
-/// back. `Ok(None)`: nothing to do (state present, default remote, or an empty remote).
-fn restore_on_start(cfg: &Config) -> Result<Option<String>, StartError> {
+/// back. `Ok(None)`: nothing to do (state present, default remote, or an empty remote);
+/// else what was restored, and the remote it came from.
+fn restore_on_start(cfg: &Config) -> Result<Option<(String, crate::persist::Repo)>, StartError> {
     let state = &cfg.workspace.state_dir;
     if !restore_wanted(cfg) {
         return Ok(None);
@@ -109,13 +119,16 @@ fn restore_on_start(cfg: &Config) -> Result<Option<String>, StartError> {
     };
     let mut repo = crate::persist::open_remote(&url, &cfg.persist)
         .map_err(|source| StartError::RestoreOpen { url, source })?;
-    let mode = restore_mode(cfg, &mut repo);
-    match restore::restore_with(&mut repo, None, state, mode) {
-        Ok(r) => Ok(Some(format!(
+    let mode = match cfg.persist.restore {
+        crate::config::persist::RestoreMode::Eager => RestoreMode::Eager,
+        crate::config::persist::RestoreMode::Lazy => RestoreMode::Lazy,
+    };
+    match restore::restore_for_mount(&mut repo, state, mode, cfg.workspace.chunk_size) {
+        Ok(r) => Ok(Some((format!(
             "restored snapshot {} from {} ({}): {} files, {} bytes, {} chunks fetched, {} windows left to fetch on first use, in {:.2}s ({})",
             r.seq,
             repo.describe(),
-            if mode == RestoreMode::Lazy { "lazy" } else { "eager" },
+            if r.lazy { "lazy" } else { "eager" },
             r.files,
             r.file_bytes,
             r.chunks_fetched,
@@ -126,32 +139,9 @@ fn restore_on_start(cfg: &Config) -> Result<Option<String>, StartError> {
                 .map(|(p, s)| format!("{p} {s:.2}s"))
                 .collect::<Vec<_>>()
                 .join(", ")
-        ))),
+        ), repo))),
         Err(RestoreError::NoSnapshot(_)) => Ok(None),
         Err(e) => Err(StartError::Restore(e)),
-    }
-}
-
-/// The configured restore mode; lazy needs the snapshot's window size to be the configured
-/// one (the filesystem fetches by window), else the restore is eager.
-fn restore_mode(cfg: &Config, repo: &mut Repo) -> RestoreMode {
-    if cfg.persist.restore == crate::config::persist::RestoreMode::Eager {
-        return RestoreMode::Eager;
-    }
-    let cs = restore::resolve_seq(repo, None)
-        .ok()
-        .and_then(|seq| repo.read_header(seq).ok())
-        .map(|h| h.chunk_size);
-    match cs {
-        Some(cs) if cs != cfg.workspace.chunk_size => {
-            tracing::warn!(
-                snapshot_chunk_size = cs,
-                chunk_size = cfg.workspace.chunk_size,
-                "the snapshot was cut into other windows than [workspace] chunk_size: restoring eagerly"
-            );
-            RestoreMode::Eager
-        }
-        _ => RestoreMode::Lazy,
     }
 }
 
@@ -177,27 +167,54 @@ pub struct Workspace {
 }
 
 impl Prepared {
-    /// Mounts the locked state dir, then wires the remote in: windows not fetched yet, the
-    /// checkpoint service (with the lease and `main`, `keel run`'s main command for
+    /// Opens the locked state dir, wires the remote in as the source of windows not fetched
+    /// yet, mounts it, then starts the prefetch, the checkpoint service (with the lease and `main`, `keel run`'s main command for
     /// `rollback --restart`), rollback of the mounted filesystem.
     pub fn mount(
         mut self,
         cfg: &Config,
         main: Option<Arc<dyn MainCommand>>,
     ) -> Result<Workspace, StartError> {
-        let mounted =
-            crate::workspace::mount_locked(&cfg.workspace, self.lock).map_err(StartError::Mount)?;
+        let opened =
+            crate::workspace::open_locked(&cfg.workspace, self.lock).map_err(StartError::Mount)?;
+        // The remote is the source of windows not fetched yet before the first request can
+        // arrive: a read in between would find no source and fail (EIO, or SIGBUS through
+        // a mapping).
+        let lazy = wire_lazy(cfg, opened.fs(), self.restored_from.take())?;
+        let fs = opened.fs().clone();
+        fs.set_read_set_max(cfg.persist.read_set);
+        // The windows the last session read, fetched first: before the mount, or beside
+        // whatever runs once it is up.
+        let found = match &lazy {
+            Some(repo) if cfg.persist.replay != ReplayMode::Off => {
+                let set = crate::persist::readset::download(repo, cfg.workspace.chunk_size);
+                tracing::info!(windows = set.len(), "read set of the last session");
+                Some(set)
+            }
+            _ => None,
+        };
+        if let (Some(set), ReplayMode::Before) = (&found, cfg.persist.replay) {
+            let r = fs.replay(set, cfg.persist.concurrency, &AtomicBool::new(false));
+            log_replay(&r, "before the mount");
+        }
+        let mounted = opened.mount(&cfg.workspace).map_err(StartError::Mount)?;
         let mut ws = Workspace {
             mounted: Some(mounted),
             persist: None,
             prefetch: None,
         };
-        let (fs, inval) = {
-            let m = ws.mounted();
-            (m.fs().clone(), m.invalidator())
-        };
-        ws.prefetch = start_lazy(cfg, &fs)?;
+        let inval = ws.mounted().invalidator();
+        if lazy.is_some() {
+            let beside = found
+                .clone()
+                .filter(|_| cfg.persist.replay == ReplayMode::Beside);
+            ws.prefetch = start_background(cfg, &fs, beside)?;
+        }
         ws.persist = start_persist(cfg, &fs, self.lease.take(), main)?;
+        if let Some(svc) = &ws.persist {
+            let fs2 = fs.clone();
+            svc.set_read_set(Box::new(move || fs2.read_set()), found);
+        }
         if let (Some(svc), Some(inval)) = (&ws.persist, inval) {
             svc.set_rollback(super::live::rollback_fn(fs, inval));
         }
@@ -205,9 +222,24 @@ impl Prepared {
     }
 }
 
+fn log_replay(r: &ReplayReport, when: &str) {
+    tracing::info!(
+        windows = r.windows,
+        skipped = r.skipped,
+        failed = r.failed,
+        seconds = r.elapsed.as_secs_f64(),
+        "replayed the last session's read set {when}"
+    );
+}
+
 /// A lazily restored state dir: wires the remote in as the source of windows not fetched
-/// yet, and with `[persist] prefetch` starts fetching all of them in the background.
-fn start_lazy(cfg: &Config, fs: &Arc<WorkspaceFs>) -> Result<Option<Prefetch>, StartError> {
+/// yet (before the mount): `restored_from` when the restore just read it, else the
+/// configured remote. The remote, when it did.
+fn wire_lazy(
+    cfg: &Config,
+    fs: &Arc<WorkspaceFs>,
+    restored_from: Option<crate::persist::Repo>,
+) -> Result<Option<crate::persist::Repo>, StartError> {
     if !fs.lazy_active() {
         return Ok(None);
     }
@@ -216,20 +248,47 @@ fn start_lazy(cfg: &Config, fs: &Arc<WorkspaceFs>) -> Result<Option<Prefetch>, S
         tracing::warn!("this state dir was restored lazily but [persist] remote = \"none\": reads of data not fetched yet fail with EIO");
         return Ok(None);
     };
-    let mut repo = crate::persist::open_remote(&url, p)
-        .map_err(|source| StartError::LazyOpen { url, source })?;
-    // Where the chunks live (a fork's manifest may point elsewhere).
-    repo.manifest().map_err(StartError::LazyManifest)?;
-    fs.set_chunk_source(Arc::new(crate::persist::hydrate::RemoteChunks::new(repo)));
-    if !p.prefetch {
+    let repo = match restored_from {
+        Some(repo) => repo,
+        None => {
+            let mut repo = crate::persist::open_remote(&url, p)
+                .map_err(|source| StartError::LazyOpen { url, source })?;
+            // Where the chunks live (a fork's manifest may point elsewhere).
+            repo.manifest().map_err(StartError::LazyManifest)?;
+            repo
+        }
+    };
+    fs.set_chunk_source(Arc::new(crate::persist::hydrate::RemoteChunks::new(
+        repo.clone(),
+    )));
+    // As many requests wait for the remote at once as it serves in parallel.
+    fs.set_fetch_threads(p.concurrency);
+    Ok(Some(repo))
+}
+
+/// In the background: the replay of `read_set` (when it runs beside), then, with
+/// `[persist] prefetch`, every window not fetched yet.
+fn start_background(
+    cfg: &Config,
+    fs: &Arc<WorkspaceFs>,
+    read_set: Option<Vec<(u64, u64)>>,
+) -> Result<Option<Prefetch>, StartError> {
+    let p = &cfg.persist;
+    if !p.prefetch && read_set.as_ref().is_none_or(|s| s.is_empty()) {
         return Ok(None);
     }
     let stop = Arc::new(AtomicBool::new(false));
-    let (fs2, stop2, batch) = (fs.clone(), stop.clone(), p.concurrency);
+    let (fs2, stop2, parallel, prefetch) = (fs.clone(), stop.clone(), p.concurrency, p.prefetch);
     let t = std::thread::Builder::new()
         .name("keel-prefetch".into())
         .spawn(move || {
-            fs2.prefetch_all(&stop2, batch);
+            if let Some(set) = read_set.filter(|s| !s.is_empty()) {
+                let r = fs2.replay(&set, parallel, &stop2);
+                log_replay(&r, "beside the workload");
+            }
+            if prefetch && !stop2.load(Ordering::Relaxed) {
+                fs2.prefetch_all(&stop2, parallel);
+            }
         })
         .map_err(StartError::Prefetch)?;
     Ok(Some((stop, t)))

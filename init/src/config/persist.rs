@@ -6,7 +6,7 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::units::{duration_str, opt_duration_str, opt_size_str};
+use super::units::{duration_str, opt_duration_str, opt_size_str, size_str};
 
 /// The file in the state dir that remembers the holder id of the lease its keel took, so a
 /// keel restarted on the same state dir after a crash takes its own lease back at once
@@ -64,6 +64,19 @@ pub enum RestoreMode {
     Eager,
 }
 
+/// When a lazily restored workspace fetches the windows the last session read (its read
+/// set, recorded by every checkpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReplayMode {
+    /// Before the workspace is mounted (before `keel run`'s main command starts).
+    Before,
+    /// In the background from the mount on, beside the main command.
+    Beside,
+    /// Not at all.
+    Off,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PersistConfig {
@@ -99,6 +112,11 @@ pub struct PersistConfig {
     pub restore: RestoreMode,
     /// After a lazy restore, fetch every remaining window in the background.
     pub prefetch: bool,
+    /// When a lazy restore fetches the last session's read set.
+    pub replay: ReplayMode,
+    /// Bytes of windows the read set holds at most (the most recently read); 0 records none.
+    #[serde(with = "size_str")]
+    pub read_set: u64,
     /// S3-compatible endpoint (MinIO, R2, moto, ...); also `AWS_ENDPOINT_URL`.
     pub endpoint: Option<String>,
     /// Region (also `AWS_REGION`).
@@ -135,6 +153,8 @@ impl Default for PersistConfig {
             concurrency: 16,
             restore: RestoreMode::Lazy,
             prefetch: false,
+            replay: ReplayMode::Beside,
+            read_set: 256 << 20,
             endpoint: None,
             region: None,
             path_style: true,

@@ -23,7 +23,7 @@ use bytes::Bytes;
 
 use super::format::{Body, DataRec, Header, ImageRef, InodeRec, TreeData, TreeInode};
 use super::remote::{PutMode, RemoteError};
-use super::repo::{Repo, RepoError};
+use super::repo::{Chain, Repo, RepoError};
 use super::restore::{write_inode, RestoreError, RestoreMode, RestoreReport};
 use crate::chunk::{BodyStore, ChunkId};
 use crate::meta::{amend_bulk, create_bulk, Amender, InodeNo, Kind, MetaError, Nanos, Store};
@@ -89,10 +89,10 @@ pub fn key(repo: &Repo, hash: &[u8; 32]) -> String {
 /// MB/s; higher levels cost the checkpoint far more time than they save the restore.
 const LEVEL: i32 = 3;
 
-/// Builds the image of a full snapshot's `body` and uploads it; `None` (after a one-line
-/// warning) when that fails: the snapshot is then written without an image.
 /// Builds the image of the full snapshot object `obj` (its body read one record at a
-/// time) and uploads it.
+/// time) and uploads it; `None` (after a one-line error, counted in the metrics) when that
+/// fails: the snapshot is then written without an image, and the checkpoint records so, so
+/// that a later one retries (`checkpoint::steps::retries_image`).
 pub fn publish(repo: &Repo, store: &Store, obj: &[u8], chunk_size: u64) -> Option<ImageRef> {
     let t0 = Instant::now();
     match build_and_upload(repo, store, obj, chunk_size) {
@@ -106,7 +106,8 @@ pub fn publish(repo: &Repo, store: &Store, obj: &[u8], chunk_size: u64) -> Optio
             Some(r)
         }
         Err(e) => {
-            tracing::warn!("checkpoint: no metadata image for this full snapshot (restores decode it instead): {e}");
+            tracing::error!("checkpoint: no metadata image for this full snapshot (fresh restores decode it instead; the next checkpoint with changes writes a full snapshot again to retry): {e}");
+            super::metrics::image_failed();
             None
         }
     }
@@ -198,32 +199,20 @@ fn compress(path: &Path) -> Result<(Vec<u8>, u64), ImageError> {
     Ok((enc.finish().map_err(io)?, raw))
 }
 
-/// The headers of the chain of snapshot `seq`, full snapshot first (headers only).
-pub fn chain_headers(repo: &Repo, seq: u64) -> Result<Vec<Header>, RepoError> {
-    let mut out = Vec::new();
-    let mut at = Some(seq);
-    while let Some(s) = at {
-        let h = repo.read_header(s)?;
-        at = h.parent;
-        out.push(h);
-    }
-    out.reverse();
-    Ok(out)
-}
-
-/// Restores a chain (`headers`, full snapshot first, which must name an image) lazily
-/// into `building`: the image, then the deltas; creates the bodies of the files with no
-/// window to fetch. `state` holds the bookkeeping rows to set. Fills the counts of `report`.
+/// Restores a chain (its full snapshot must name an image) lazily into `building`: the
+/// image, then the deltas (as the chain fetched them); creates the bodies of the files with
+/// no window to fetch. `state` holds the bookkeeping rows to set. Fills the counts of
+/// `report`.
 pub(super) fn restore(
     repo: &Repo,
-    headers: &[Header],
+    chain: &Chain,
     building: &Path,
     bodies: &BodyStore,
     state: &[(&'static str, String)],
     report: &mut RestoreReport,
     laps: &mut dyn FnMut(&'static str),
 ) -> Result<(), ImageError> {
-    let full = &headers[0];
+    let full = &chain.full;
     let r = full.image.expect("the caller checked");
     let key = key(repo, &r.hash);
     let data = repo.remote.get(&key).map_err(|source| ImageError::Fetch {
@@ -266,11 +255,12 @@ pub(super) fn restore(
     let mut complete = Vec::new();
     let mut counts = [0; 3];
     amend_bulk(building, |a| -> Result<(), ImageError> {
-        for h in &headers[1..] {
-            let (dh, b) = repo
-                .read_snapshot(h.seq)
-                .map_err(|source| ImageError::ReadDelta { seq: h.seq, source })?;
-            apply_delta(a, &b, dh.chunk_size)
+        for (key, h, obj) in &chain.deltas {
+            let b = super::format::decode(key, obj).map_err(|source| ImageError::ReadDelta {
+                seq: h.seq,
+                source: source.into(),
+            })?;
+            apply_delta(a, &b.1, h.chunk_size)
                 .map_err(|source| ImageError::ApplyDelta { seq: h.seq, source })?;
         }
         for (k, v) in state {
@@ -287,7 +277,7 @@ pub(super) fn restore(
             .map_err(|source| ImageError::Body { ino: ino.0, source })?;
     }
     [report.files, report.file_bytes, report.windows_missing] = counts;
-    report.inodes = headers.last().map_or(0, |h| h.inodes);
+    report.inodes = chain.last().inodes;
     Ok(())
 }
 

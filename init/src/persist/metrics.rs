@@ -30,6 +30,7 @@ struct Persist {
     restore_bytes_fetched: Gauge,
     hydrated_windows: Counter,
     hydrated_bytes: Counter,
+    image_failures: Counter,
 }
 
 static M: LazyLock<Persist> = LazyLock::new(|| Persist {
@@ -45,6 +46,7 @@ static M: LazyLock<Persist> = LazyLock::new(|| Persist {
     restore_bytes_fetched: Gauge::default(),
     hydrated_windows: Counter::default(),
     hydrated_bytes: Counter::default(),
+    image_failures: Counter::default(),
 });
 
 /// Adds the persistence metrics to `r` (names without `_total`: the encoder adds it).
@@ -105,6 +107,11 @@ pub fn register(r: &mut Registry) {
         "Bytes written into file bodies on first access (lazy restore)",
         m.hydrated_bytes.clone(),
     );
+    r.register(
+        "keel_checkpoint_image_failures",
+        "Full snapshots written without their metadata image because building or uploading it failed (retried by a later checkpoint)",
+        m.image_failures.clone(),
+    );
 }
 
 /// One checkpoint ended after `took`: `Some((seq_taken, chunks, bytes))` when it succeeded.
@@ -153,4 +160,9 @@ pub fn restore_progress(chunks: u64, bytes: u64, wanted: usize) {
 pub fn hydrated(windows: usize, bytes: u64) {
     M.hydrated_windows.inc_by(windows as u64);
     M.hydrated_bytes.inc_by(bytes);
+}
+
+/// A full snapshot's metadata image could not be built or uploaded.
+pub fn image_failed() {
+    M.image_failures.inc();
 }

@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod objstore;
 pub mod ops;
 pub mod private;
+pub mod readset;
 pub mod remote;
 pub mod repo;
 pub mod restore;

@@ -200,6 +200,23 @@ impl Repo {
         Ok(Some((h, info.version)))
     }
 
+    /// The head as it is now, in one request (no version: not for a conditional update).
+    pub fn head_now(&self) -> Result<Option<Head>, RepoError> {
+        let key = self.key("head");
+        let b = match self.remote.get(&key) {
+            Ok(b) => b,
+            Err(e) if e.is_not_found() => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        serde_json::from_slice(&b)
+            .map(Some)
+            .map_err(|e| RepoError::Parse {
+                what: "head",
+                key,
+                reason: e.to_string(),
+            })
+    }
+
     /// Points the head at a snapshot; `expected` is the version read before (None: the
     /// head must not exist yet).
     pub fn write_head(
@@ -259,27 +276,93 @@ impl Repo {
     /// time (`Tree::apply_object`), so the memory is the tree's and the objects', never a
     /// decoded body's.
     pub fn load_tree(&self, seq: u64) -> Result<(Tree, Vec<Header>), RepoError> {
-        let chain = self.chain_objects(seq)?;
-        let mut tree = Tree::default();
-        let mut headers = Vec::new();
-        for (key, b) in &chain {
-            headers.push(tree.apply_object(key, b)?);
-        }
-        Ok((tree, headers))
+        self.fetch_chain(seq)?.tree(self)
     }
 
     /// The snapshot objects that make the tree of `seq`, as fetched (compressed), in the
     /// order they replay: the full snapshot first, `seq` last.
     pub fn chain_objects(&self, seq: u64) -> Result<Vec<(String, Bytes)>, RepoError> {
-        let mut chain = Vec::new();
-        let mut at = Some(seq);
-        while let Some(s) = at {
-            let (key, b) = self.snapshot_object(s)?;
-            at = format::decode_header(&key, &b)?.0.parent;
-            chain.push((key, b));
+        let mut chain = self.fetch_chain(seq)?;
+        chain.full_object(self)?;
+        Ok(chain.into_objects())
+    }
+
+    /// The chain of snapshot `seq`, each object fetched once: the header of its full
+    /// snapshot (the object itself only when asked, `Chain::full_object`: a restore from
+    /// the metadata image never needs it) and the deltas after it, whole. Two round trips
+    /// whatever the chain's length: `seq`'s header names the full snapshot (`base`), then
+    /// the base's header and every snapshot after it up to `seq` are fetched at once, and
+    /// the parent links are followed through what came back (an object between the two that
+    /// is not in the chain, left by a checkpoint that never moved the head, is dropped).
+    pub fn fetch_chain(&self, seq: u64) -> Result<Chain, RepoError> {
+        let top = self.read_header(seq)?;
+        let base = top.base;
+        let mut objects: std::collections::HashMap<u64, (String, Bytes)> = Default::default();
+        let mut full = None;
+        if !top.is_full() && base < seq && seq - base <= CHAIN_SPECULATE {
+            let seqs: Vec<u64> = (base + 1..=seq).collect();
+            let keys: Vec<String> = seqs.iter().map(|s| self.snapshot_key(*s)).collect();
+            let (got, base_header) = std::thread::scope(|sc| {
+                let h = sc.spawn(|| self.read_header(base));
+                (self.remote.get_many(&keys), h.join())
+            });
+            for ((s, key), r) in seqs.into_iter().zip(keys).zip(got) {
+                match r {
+                    Ok(b) => {
+                        objects.insert(s, (key, b));
+                    }
+                    Err(e) if e.is_not_found() => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            match base_header {
+                Ok(r) => full = Some(r?),
+                Err(p) => std::panic::resume_unwind(p),
+            }
         }
-        chain.reverse();
-        Ok(chain)
+        let mut deltas = Vec::new();
+        let mut at = seq;
+        let full = loop {
+            if at == seq && top.is_full() {
+                break top;
+            }
+            if let Some(f) = full
+                .as_ref()
+                .filter(|f: &&Header| f.seq == at && f.is_full())
+            {
+                break f.clone();
+            }
+            let (key, b) = match objects.remove(&at) {
+                Some(o) => o,
+                None => {
+                    // Not fetched ahead: a chain longer than the speculation, or a base
+                    // that is not where the header said.
+                    let h = self.read_header(at)?;
+                    if h.is_full() {
+                        break h;
+                    }
+                    self.snapshot_object(at)?
+                }
+            };
+            let h = format::decode_header(&key, &b)?.0;
+            let parent = h.parent;
+            if h.is_full() {
+                // A full snapshot fetched whole after all: keep it.
+                return Ok(Chain {
+                    full: h,
+                    full_obj: Some((key, b)),
+                    deltas: deltas.into_iter().rev().collect(),
+                });
+            }
+            deltas.push((key, h, b));
+            at = parent.expect("a delta has a parent");
+        };
+        deltas.reverse();
+        Ok(Chain {
+            full,
+            full_obj: None,
+            deltas,
+        })
     }
 
     /// Fetches chunks and checks each against its id. Results in input order.
@@ -310,6 +393,61 @@ impl Repo {
             }
         }
         Ok(out)
+    }
+}
+
+/// Snapshots between a chain's full snapshot and its head fetched at once on the guess that
+/// they are its deltas (`Repo::fetch_chain`); a longer chain is walked one object at a time.
+const CHAIN_SPECULATE: u64 = 256;
+
+/// A snapshot's chain as fetched (see `Repo::fetch_chain`).
+pub struct Chain {
+    /// The header of the full snapshot the chain starts from.
+    pub full: Header,
+    /// The full snapshot's object, once fetched: (key, bytes).
+    full_obj: Option<(String, Bytes)>,
+    /// The deltas after it, in replay order: (key, header, object).
+    pub deltas: Vec<(String, Header, Bytes)>,
+}
+
+impl Chain {
+    /// Every header, the full snapshot first.
+    pub fn headers(&self) -> Vec<Header> {
+        std::iter::once(self.full.clone())
+            .chain(self.deltas.iter().map(|d| d.1.clone()))
+            .collect()
+    }
+
+    /// The last snapshot's header (the one the chain was fetched for).
+    pub fn last(&self) -> &Header {
+        self.deltas.last().map_or(&self.full, |d| &d.1)
+    }
+
+    /// Fetches the full snapshot's object (once).
+    pub fn full_object(&mut self, repo: &Repo) -> Result<&(String, Bytes), RepoError> {
+        if self.full_obj.is_none() {
+            self.full_obj = Some(repo.snapshot_object(self.full.seq)?);
+        }
+        Ok(self.full_obj.as_ref().expect("fetched"))
+    }
+
+    /// The objects in replay order (the full snapshot's first, when fetched).
+    pub fn into_objects(self) -> Vec<(String, Bytes)> {
+        self.full_obj
+            .into_iter()
+            .chain(self.deltas.into_iter().map(|(k, _, b)| (k, b)))
+            .collect()
+    }
+
+    /// The tree the chain describes, and its headers (fetches the full snapshot).
+    pub fn tree(mut self, repo: &Repo) -> Result<(Tree, Vec<Header>), RepoError> {
+        self.full_object(repo)?;
+        let mut tree = Tree::default();
+        let mut headers = Vec::new();
+        for (key, b) in &self.into_objects() {
+            headers.push(tree.apply_object(key, b)?);
+        }
+        Ok((tree, headers))
     }
 }
 

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use super::checkpoint::now_ns;
 use super::format::{Header, Tree, TreeData, TreeInode};
-use super::repo::{Repo, RepoError};
+use super::repo::{Chain, Repo, RepoError};
 use crate::chunk::{BodyStore, ChunkId};
 use crate::meta::{create_bulk, BulkWriter, InodeNo, Kind, MetaError, Nanos};
 use crate::sys;
@@ -56,6 +56,8 @@ pub enum RestoreError {
 #[derive(Debug, Clone, Default)]
 pub struct RestoreReport {
     pub seq: u64,
+    /// Metadata only: windows are fetched on first use.
+    pub lazy: bool,
     pub inodes: u64,
     pub files: u64,
     pub file_bytes: u64,
@@ -84,8 +86,8 @@ const FETCH_BATCH: usize = 64;
 pub fn resolve_seq(repo: &Repo, seq: Option<u64>) -> Result<u64, RestoreError> {
     match seq {
         Some(s) => Ok(s),
-        None => match repo.read_head().map_err(RestoreError::ReadHead)? {
-            Some((h, _)) => Ok(h.seq),
+        None => match repo.head_now().map_err(RestoreError::ReadHead)? {
+            Some(h) => Ok(h.seq),
             None => Err(RestoreError::NoSnapshot(repo.describe())),
         },
     }
@@ -109,7 +111,29 @@ pub fn restore_with(
     state_dir: &Path,
     mode: RestoreMode,
 ) -> Result<RestoreReport, RestoreError> {
-    let r = restore_inner(repo, seq, state_dir, mode);
+    restore_checked(repo, seq, state_dir, mode, None)
+}
+
+/// The head, restored for a filesystem that fetches windows of `chunk_size` bytes: lazily
+/// when `mode` says so and the snapshot was cut in windows of that size, else eagerly (with
+/// a warning). `RestoreReport::lazy` says which.
+pub fn restore_for_mount(
+    repo: &mut Repo,
+    state_dir: &Path,
+    mode: RestoreMode,
+    chunk_size: u64,
+) -> Result<RestoreReport, RestoreError> {
+    restore_checked(repo, None, state_dir, mode, Some(chunk_size))
+}
+
+fn restore_checked(
+    repo: &mut Repo,
+    seq: Option<u64>,
+    state_dir: &Path,
+    mode: RestoreMode,
+    windows: Option<u64>,
+) -> Result<RestoreReport, RestoreError> {
+    let r = restore_inner(repo, seq, state_dir, mode, windows);
     if r.is_err() && state_dir.join(UNFINISHED).exists() && !state_dir.join("meta.db").exists() {
         // Leave the state dir empty again.
         if remove_restore_output(state_dir).is_ok() {
@@ -228,7 +252,8 @@ fn restore_inner(
     repo: &mut Repo,
     seq: Option<u64>,
     state_dir: &Path,
-    mode: RestoreMode,
+    mut mode: RestoreMode,
+    windows: Option<u64>,
 ) -> Result<RestoreReport, RestoreError> {
     let t0 = Instant::now();
     let bad = |reason: String| RestoreError::StateDir {
@@ -275,13 +300,30 @@ fn restore_inner(
         done: Vec::new(),
     };
     let building = state_dir.join(BUILDING_DB);
-    if mode == RestoreMode::Lazy {
-        if let Some(report) = from_image(repo, seq, state_dir, remote_id.as_deref(), &mut laps) {
+    // Each object of the chain is fetched once: the deltas now, the full snapshot only
+    // when there is no usable metadata image.
+    let mut chain = repo
+        .fetch_chain(seq)
+        .map_err(|source| RestoreError::LoadSnapshot { seq, source })?;
+    let cut = chain.last().chunk_size;
+    if mode == RestoreMode::Lazy && windows.is_some_and(|w| w != cut) {
+        tracing::warn!(
+            snapshot_chunk_size = cut,
+            chunk_size = windows,
+            "the snapshot was cut into other windows than [workspace] chunk_size: restoring eagerly"
+        );
+        mode = RestoreMode::Eager;
+    }
+    if mode == RestoreMode::Lazy && chain.full.image.is_some() {
+        if let Some(report) = from_image(repo, &chain, state_dir, remote_id.as_deref(), &mut laps) {
             return finish(state_dir, report, laps, t0);
         }
     }
-    let (tree, headers) = repo
-        .load_tree(seq)
+    chain
+        .full_object(repo)
+        .map_err(|source| RestoreError::LoadSnapshot { seq, source })?;
+    let (tree, headers) = chain
+        .tree(repo)
         .map_err(|source| RestoreError::LoadSnapshot { seq, source })?;
     laps.to("load", Instant::now());
     tracing::info!(
@@ -293,6 +335,7 @@ fn restore_inner(
     let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| bad(e.to_string()))?;
     let mut report = RestoreReport {
         seq,
+        lazy: mode == RestoreMode::Lazy,
         inodes: tree.inodes.len() as u64,
         ..Default::default()
     };
@@ -350,24 +393,21 @@ fn state_rows(
     v
 }
 
-/// A lazy restore from the metadata image of the chain's full snapshot (see `image`):
-/// `None` when the snapshot has none, or after a one-line warning when it cannot be used
-/// (what it wrote is removed; the caller decodes the chain instead).
+/// A lazy restore from the metadata image of the chain's full snapshot (see `image`),
+/// the chain's deltas replayed onto it: `None`, after a one-line warning, when the image
+/// cannot be used (what it wrote is removed; the caller decodes the chain instead).
 fn from_image(
     repo: &Repo,
-    seq: u64,
+    chain: &Chain,
     state_dir: &Path,
     remote_id: Option<&str>,
     laps: &mut Laps,
 ) -> Option<RestoreReport> {
-    let headers = match super::image::chain_headers(repo, seq) {
-        Ok(h) => h,
-        // The chain decode reports it properly.
-        Err(_) => return None,
-    };
-    headers.first()?.image?;
+    let headers = chain.headers();
+    let seq = chain.last().seq;
     let mut report = RestoreReport {
         seq,
+        lazy: true,
         ..Default::default()
     };
     let r = (|| -> Result<(), RestoreError> {
@@ -376,7 +416,7 @@ fn from_image(
         let state = state_rows(repo, &headers, remote_id);
         super::image::restore(
             repo,
-            &headers,
+            chain,
             &state_dir.join(BUILDING_DB),
             &bodies,
             &state,

@@ -28,6 +28,9 @@ use crate::meta::{Nanos, Store};
 /// mounted filesystem's `flush`).
 pub type FlushFn = Box<dyn Fn() -> Result<(), BoxError> + Send>;
 
+/// The mounted filesystem's read set and its generation (see `persist::readset`).
+pub type ReadSetFn = Box<dyn Fn() -> (u64, Vec<(u64, u64)>) + Send>;
+
 /// The error of a closure handed across layers (the filesystem's flush, its rollback).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -127,6 +130,12 @@ pub(crate) enum Cmd {
     /// What rolls the mounted workspace back (set once the filesystem is up).
     SetRollback {
         f: super::agent::RollbackFn,
+    },
+    /// Where the read set comes from, and the set found on the remote at the start (when
+    /// the start fetched it).
+    SetReadSet {
+        f: ReadSetFn,
+        found: Option<Vec<(u64, u64)>>,
     },
 }
 
@@ -332,6 +341,18 @@ pub(super) struct Worker {
     same_volume: Option<PathBuf>,
     /// The disk use of a `file://` remote.
     disk_use: Option<DiskUse>,
+    /// The mounted filesystem's read set, uploaded after each checkpoint when it changed.
+    read_set: Option<ReadSets>,
+}
+
+/// The read set's upload state (see `Worker::upload_read_set`).
+struct ReadSets {
+    get: ReadSetFn,
+    /// The remote's set as found before this session's first upload (fetched then when
+    /// the start did not).
+    found: Option<Vec<(u64, u64)>>,
+    /// Generation of the set last uploaded.
+    uploaded: Option<u64>,
 }
 
 /// What a checkpoint to a remote on the state volume leaves free at least: a tenth of the
@@ -443,6 +464,10 @@ impl Worker {
                 ..opts
             })
             .map_err(ServiceError::Checkpoint)?;
+        {
+            let _deadline = super::retry::deadline_scope(opts.deadline);
+            self.upload_read_set();
+        }
         if r.seq.is_some() {
             if let Some(d) = &self.disk_use {
                 d.refresh();
@@ -456,6 +481,34 @@ impl Worker {
             }
         }
         Ok(r)
+    }
+
+    /// Uploads the read set when it changed since the last upload: this session's windows,
+    /// then those of the set the remote had that this session did not read. Best effort:
+    /// a failure is logged and tried again after the next checkpoint.
+    fn upload_read_set(&mut self) {
+        let Some(rs) = self.read_set.as_mut() else {
+            return;
+        };
+        let (generation, mine) = (rs.get)();
+        if rs.uploaded == Some(generation) || (mine.is_empty() && rs.uploaded.is_none()) {
+            return;
+        }
+        let cs = self.p.params.chunk_size;
+        let repo = self.p.repo();
+        let found = rs
+            .found
+            .get_or_insert_with(|| super::readset::download(repo, cs));
+        let set = super::readset::merge(&mine, found);
+        match super::readset::upload(repo, &set, cs) {
+            Ok(()) => {
+                rs.uploaded = Some(generation);
+                tracing::debug!(windows = set.len(), "read set uploaded");
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot upload the read set; trying again after the next checkpoint")
+            }
+        }
     }
 
     fn gc(&mut self) -> Result<GcReport, ServiceError> {
@@ -636,6 +689,13 @@ impl Worker {
                     let _ = reply.send(self.p.repo().clone());
                 }
                 Ok(Cmd::SetRollback { f }) => self.rollback = Some(f),
+                Ok(Cmd::SetReadSet { f, found }) => {
+                    self.read_set = Some(ReadSets {
+                        get: f,
+                        found,
+                        uploaded: None,
+                    })
+                }
                 Ok(Cmd::MountPoint { reply }) => {
                     let _ = reply.send(self.mount_point.clone());
                 }
@@ -759,6 +819,7 @@ impl Service {
             published: published.clone(),
             same_volume,
             disk_use,
+            read_set: None,
         };
         worker.publish();
         let interval = cfg.interval;
@@ -793,6 +854,12 @@ impl Service {
             busy,
             has_main,
         }))
+    }
+
+    /// Uploads the mounted filesystem's read set after each checkpoint when it changed;
+    /// `found`: the remote's set, when the start fetched it already.
+    pub fn set_read_set(&self, f: ReadSetFn, found: Option<Vec<(u64, u64)>>) {
+        let _ = self.tx.send(Cmd::SetReadSet { f, found });
     }
 
     /// Lets rollbacks reach the mounted filesystem (see `agent::RollbackFn`).

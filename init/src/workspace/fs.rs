@@ -39,17 +39,23 @@ use crate::sys;
 pub mod acl;
 mod data;
 mod error;
+mod fetchers;
 mod group;
 mod lazy;
 mod mapped;
 mod namespace;
 mod node;
 mod nodes;
+mod reads;
+mod replay;
 mod rollback;
 mod xattr;
 
 pub use error::{FsError, FsResult};
+pub use fetchers::{Deferred, FETCH_THREADS};
 pub use node::LINGER_MAX;
+pub use reads::READ_SET_MAX;
+pub use replay::ReplayReport;
 pub use rollback::{Inval, RollbackPlan, RollbackReport, RollbackTarget, Target, TargetData};
 pub use xattr::{setid_lost, XattrReply};
 
@@ -251,6 +257,8 @@ pub struct WorkspaceFs {
     filler: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Windows of lazily restored bodies not fetched yet.
     lazy: lazy::Lazy,
+    /// The windows read since the mount (see `reads`).
+    reads: reads::ReadLog,
     /// The group commit timer thread, and what tells it to end.
     committer: std::thread::Thread,
     committer_stop: Arc<AtomicBool>,
@@ -413,6 +421,7 @@ impl WorkspaceFs {
             committer,
             committer_stop,
             lazy,
+            reads: reads::ReadLog::default(),
             reserve: Reserve::open(&state_dir.join("reserve"), RESERVE_BYTES),
             _boot_reserve: boot_reserve,
             state_dir: state_dir.to_path_buf(),
@@ -470,6 +479,8 @@ impl WorkspaceFs {
     /// Commits every open file's pending attributes, writes all bodies to disk and makes
     /// the store durable (shutdown, `sync`).
     pub fn sync_all(&self) -> FsResult<()> {
+        // Fetched windows first: a checkpoint after this flush may trust every row left.
+        self.settle_windows(None)?;
         self.freeing(|| self.sync_all_once())
     }
 
@@ -516,6 +527,7 @@ impl WorkspaceFs {
 
     /// Final step before unmount: sync everything and fold the WAL into the database.
     pub fn shutdown(&self) -> FsResult<()> {
+        self.close_fetchers();
         self.sync_all()?;
         // No new pool files from here on.
         self.pool.stop_filler();

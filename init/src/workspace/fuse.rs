@@ -206,6 +206,24 @@ impl FuseAdapter {
 }
 
 /// The reply's errno for `e`, counted and logged under the request's operation.
+/// Reads into this thread's buffer and answers.
+fn serve_read(fs: &WorkspaceFs, ino: Ino, offset: u64, size: u32, reply: ReplyData) {
+    READ_BUF.with(|b| {
+        let mut buf = b.borrow_mut();
+        match fs.read(ino, offset, size, &mut buf) {
+            Ok(()) => {
+                fuse_metrics::read_bytes(buf.len());
+                reply.data(&buf)
+            }
+            Err(e) => reply.error(errno(&e)),
+        }
+        // Do not keep a huge buffer around after a big read.
+        if buf.capacity() > (2 << 20) {
+            *buf = Vec::new();
+        }
+    })
+}
+
 fn errno(e: &FsError) -> Errno {
     fail(e.errno(), e)
 }
@@ -627,24 +645,27 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let _t = self.count(Op::Read);
-        READ_BUF.with(|b| {
-            let mut buf = b.borrow_mut();
-            match self
-                .fs
-                .read(Ino(ino.0), offset, size.min(MAX_WRITE), &mut buf)
-            {
-                Ok(()) => {
-                    fuse_metrics::read_bytes(buf.len());
-                    reply.data(&buf)
-                }
-                Err(e) => reply.error(errno(&e)),
+        let t = self.count(Op::Read);
+        let size = size.min(MAX_WRITE);
+        let ino = Ino(ino.0);
+        if self.fs.lazy_active() {
+            // Bytes still on the remote: a fetch thread reads and answers, this worker
+            // goes on serving.
+            let fs = self.fs.clone();
+            let job: super::fs::Deferred = Box::new(move || {
+                t.moved_here();
+                serve_read(&fs, ino, offset, size, reply);
+                drop(t);
+                // After the reply: what the read fetched becomes durable and recorded.
+                fs.settle_fetched();
+            });
+            if let Some(job) = self.fs.defer_fetch(ino, offset, u64::from(size), job) {
+                job();
             }
-            // Do not keep a huge buffer around after a big read.
-            if buf.capacity() > (2 << 20) {
-                *buf = Vec::new();
-            }
-        })
+            return;
+        }
+        let _t = t;
+        serve_read(&self.fs, ino, offset, size, reply);
     }
 
     fn write(

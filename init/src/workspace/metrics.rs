@@ -123,6 +123,14 @@ pub fn begin(op: Op) -> Timer {
     }
 }
 
+impl Timer {
+    /// The request goes on on this thread (a fetch thread answers it): failures are
+    /// counted against its operation.
+    pub fn moved_here(&self) {
+        CURRENT.with(|(cur, _)| cur.set(self.op));
+    }
+}
+
 impl Drop for Timer {
     #[inline]
     fn drop(&mut self) {

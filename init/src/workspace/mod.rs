@@ -11,5 +11,6 @@ pub mod metrics;
 pub mod session;
 
 pub use session::{
-    lock_state, mount_locked, Finisher, Invalidate, Mounted, MountedHandle, SessionError, StateLock,
+    lock_state, mount_locked, open_locked, Finisher, Invalidate, Mounted, MountedHandle, Opened,
+    SessionError, StateLock,
 };

@@ -1,8 +1,10 @@
-//! Mounting and unmounting the workspace, in two phases: `lock_state` checks and locks the
-//! state dir; `mount_locked` opens the store, mounts a `/dev/fuse` connection with mount(2)
-//! and serves it through fuser (`Session::from_fd`, its worker threads each on a cloned
-//! fd). Between the two the caller does what needs the lock but no open store (`boot`: the
-//! lease, a restore). On shutdown it syncs, lets a `Finisher` (the checkpoint service) do
+//! Mounting and unmounting the workspace, in phases: `lock_state` checks and locks the
+//! state dir; `open_locked` opens the store; `Opened::mount` mounts a `/dev/fuse`
+//! connection with mount(2) and serves it through fuser (`Session::from_fd`, its worker
+//! threads each on a cloned fd). Between the first two the caller does what needs the lock
+//! but no open store (`boot`: the lease, a restore); between the last two what must be in
+//! place before the first request (`boot`: the source of lazily restored windows).
+//! `mount_locked` is the last two at once. On shutdown it syncs, lets a `Finisher` (the checkpoint service) do
 //! its last work, and unmounts.
 
 use std::io;
@@ -225,12 +227,22 @@ pub fn lock_state(cfg: &WorkspaceConfig) -> Result<StateLock, SessionError> {
     })
 }
 
-/// Opens the store of the locked state dir and mounts it on `cfg`'s mount point; returns
-/// once the kernel has accepted the mount. The lock is held until the `Mounted` is gone.
-pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, SessionError> {
+/// The store of a locked state dir, open but not mounted yet: what must be in place before
+/// the first request can arrive (the source of lazily restored windows) is wired into
+/// [`Opened::fs`] here, then [`Opened::mount`] makes the mount.
+pub struct Opened {
+    fs: Arc<WorkspaceFs>,
+    passthrough: Arc<AtomicBool>,
+    posix_acl: Arc<AtomicBool>,
+    lock: StateLock,
+}
+
+/// Opens the store of the locked state dir (the second phase of a mount begins): nothing is
+/// mounted yet, so no request can reach the filesystem before [`Opened::mount`].
+pub fn open_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Opened, SessionError> {
     let state = &cfg.state_dir;
-    let passthrough_on = Arc::new(AtomicBool::new(false));
-    let posix_acl_on = Arc::new(AtomicBool::new(false));
+    let passthrough = Arc::new(AtomicBool::new(false));
+    let posix_acl = Arc::new(AtomicBool::new(false));
     crate::meta::set_cache_ceiling(cfg.meta_cache);
     let fs = WorkspaceFs::new(
         state,
@@ -238,61 +250,92 @@ pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, S
             cache: cfg.cache,
             inline_max: cfg.inline_max,
             chunk_size: cfg.chunk_size,
-            passthrough: passthrough_on.clone(),
-            posix_acl: posix_acl_on.clone(),
+            passthrough: passthrough.clone(),
+            posix_acl: posix_acl.clone(),
         },
     )
     .map_err(|e| SessionError::OpenState {
         path: state.clone(),
         reason: e.to_string(),
     })?;
-    let fs = Arc::new(fs);
-    let fsname = cfg.fsname();
-    prepare_mount_point(&cfg.mount_point, &fsname)?;
-
-    let mount_err = |source: io::Error| SessionError::Mount {
-        path: cfg.mount_point.clone(),
-        source,
-    };
-    let adapter = FuseAdapter::new(
-        fs.clone(),
-        Timeouts {
-            attr: cfg.attr_timeout,
-            entry: cfg.entry_timeout,
-            negative: cfg.negative_timeout,
-        },
-        KernelFeatures {
-            writeback_cache: cfg.writeback_cache && cfg.cache != CacheMode::None,
-            passthrough: match cfg.passthrough {
-                Passthrough::Off => None,
-                Passthrough::Auto => Some(false),
-                Passthrough::On => Some(true),
-            },
-            passthrough_on: passthrough_on.clone(),
-            posix_acl_on: posix_acl_on.clone(),
-        },
-    );
-    let requests = adapter.requests();
-    let session = FuseSession::start(adapter, &cfg.mount_point, &fsname, cfg.effective_threads())
-        .map_err(mount_err)?;
-    tracing::info!(
-        mount_point = %cfg.mount_point.display(),
-        state = %state.display(),
-        fsname = %fsname,
-        cache = cfg.cache.as_str(),
-        threads = cfg.effective_threads(),
-        passthrough = passthrough_on.load(Ordering::Relaxed),
-        posix_acl = posix_acl_on.load(Ordering::Relaxed),
-        "workspace mounted"
-    );
-    Ok(Mounted {
-        mount_point: cfg.mount_point.clone(),
-        fs,
-        session: Some(session),
-        passthrough: passthrough_on,
-        requests,
-        lock: Some(lock),
+    Ok(Opened {
+        fs: Arc::new(fs),
+        passthrough,
+        posix_acl,
+        lock,
     })
+}
+
+/// Opens the store of the locked state dir and mounts it on `cfg`'s mount point; returns
+/// once the kernel has accepted the mount. The lock is held until the `Mounted` is gone.
+pub fn mount_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Mounted, SessionError> {
+    open_locked(cfg, lock)?.mount(cfg)
+}
+
+impl Opened {
+    /// The filesystem, for what must be wired in before it serves its first request.
+    pub fn fs(&self) -> &Arc<WorkspaceFs> {
+        &self.fs
+    }
+
+    /// Mounts the open store on `cfg`'s mount point; returns once the kernel has accepted
+    /// the mount. The lock is held until the `Mounted` is gone.
+    pub fn mount(self, cfg: &WorkspaceConfig) -> Result<Mounted, SessionError> {
+        let Opened {
+            fs,
+            passthrough: passthrough_on,
+            posix_acl: posix_acl_on,
+            lock,
+        } = self;
+        let state = &cfg.state_dir;
+        let fsname = cfg.fsname();
+        prepare_mount_point(&cfg.mount_point, &fsname)?;
+
+        let mount_err = |source: io::Error| SessionError::Mount {
+            path: cfg.mount_point.clone(),
+            source,
+        };
+        let adapter = FuseAdapter::new(
+            fs.clone(),
+            Timeouts {
+                attr: cfg.attr_timeout,
+                entry: cfg.entry_timeout,
+                negative: cfg.negative_timeout,
+            },
+            KernelFeatures {
+                writeback_cache: cfg.writeback_cache && cfg.cache != CacheMode::None,
+                passthrough: match cfg.passthrough {
+                    Passthrough::Off => None,
+                    Passthrough::Auto => Some(false),
+                    Passthrough::On => Some(true),
+                },
+                passthrough_on: passthrough_on.clone(),
+                posix_acl_on: posix_acl_on.clone(),
+            },
+        );
+        let requests = adapter.requests();
+        let session =
+            FuseSession::start(adapter, &cfg.mount_point, &fsname, cfg.effective_threads())
+                .map_err(mount_err)?;
+        tracing::info!(
+            mount_point = %cfg.mount_point.display(),
+            state = %state.display(),
+            fsname = %fsname,
+            cache = cfg.cache.as_str(),
+            threads = cfg.effective_threads(),
+            passthrough = passthrough_on.load(Ordering::Relaxed),
+            posix_acl = posix_acl_on.load(Ordering::Relaxed),
+            "workspace mounted"
+        );
+        Ok(Mounted {
+            mount_point: cfg.mount_point.clone(),
+            fs,
+            session: Some(session),
+            passthrough: passthrough_on,
+            requests,
+            lock: Some(lock),
+        })
+    }
 }
 
 /// Sends one invalidation to the kernel; an error (the kernel no longer knows the inode or

@@ -360,7 +360,8 @@ impl Persister {
         self.follow_foreign_head(&mut prior, head.as_ref().map(|h| &h.0))?;
         steps::lazy_windows_carry_over(&prior, self.params.chunk_size)?;
         self.void_stale_chunk_maps(&prior)?;
-        let full = steps::wants_full(&prior, opts.full, &self.params);
+        let full = steps::wants_full(&prior, opts.full, &self.params)
+            || steps::retries_image(&prior, opts.deadline.is_some());
 
         // 2. A consistent view of what changed.
         let mut pass = Pass::new(prior, full, head);

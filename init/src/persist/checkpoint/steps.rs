@@ -30,6 +30,13 @@ const BATCH_BYTES: u64 = 32 << 20;
 /// `void_stale_chunk_maps`).
 pub(super) const INLINE_MAPS_SWEPT: &str = "inline_chunk_maps_swept";
 
+/// `persist_state` key: whether the chain's full snapshot has a metadata image ("1"/"0";
+/// absent: not known, taken as having one).
+pub(super) const BASE_IMAGE: &str = "base_image";
+/// `persist_state` key: full snapshots in a row written without their image because it
+/// could not be built or uploaded (see `retries_image`).
+pub(super) const IMAGE_FAILURES: &str = "image_failures";
+
 /// Deltas may add up to the size of the last full snapshot (at least this) before the next
 /// checkpoint compacts them into a full one.
 pub(super) const COMPACT_FLOOR: u64 = 256 << 10;
@@ -71,6 +78,11 @@ pub(super) struct Prior {
     /// The remote's head was written by someone else (`foreign`) on the remote the chunk maps
     /// were uploaded to.
     pub diverged: bool,
+    /// The full snapshot the chain starts from has no metadata image (its build or upload
+    /// failed, or it was written under a deadline): every fresh restore decodes the chain.
+    pub base_without_image: bool,
+    /// Full snapshots in a row whose image could not be built or uploaded.
+    pub image_failures: u64,
 }
 
 /// One checkpoint in progress: what each step leaves for the next.
@@ -97,6 +109,9 @@ pub(super) struct Pass {
     pub hashed: HashMap<InodeNo, Vec<ChunkRow>>,
     /// A full snapshot's metadata image, named in its header (see `persist::image`).
     pub image: Option<format::ImageRef>,
+    /// An image was built for it (none is under a deadline): `image` is `None` only when
+    /// that failed.
+    pub image_tried: bool,
     pub report: CheckpointReport,
 }
 
@@ -115,6 +130,7 @@ impl Pass {
             file_bytes: 0,
             hashed: HashMap::new(),
             image: None,
+            image_tried: false,
             report: CheckpointReport {
                 full,
                 ..Default::default()
@@ -338,6 +354,18 @@ pub(super) fn lazy_windows_carry_over(prior: &Prior, cs: u64) -> Result<(), Chec
     })
 }
 
+/// Whether this checkpoint (which has changes to write) writes a full snapshot to give the
+/// chain a metadata image its base lacks: at once after one failed build (a transient
+/// ENOSPC, a remote hiccup), then after 1, 3, 7... deltas while it keeps failing (at most
+/// 63), never under a deadline (a checkpoint under one builds no image).
+pub(super) fn retries_image(prior: &Prior, under_deadline: bool) -> bool {
+    if !prior.base_without_image || under_deadline || prior.last_seq.is_none() {
+        return false;
+    }
+    let wait = (1u64 << prior.image_failures.saturating_sub(1).min(6)) - 1;
+    prior.deltas >= wait
+}
+
 /// Whether this checkpoint writes a full snapshot rather than a delta.
 pub(super) fn wants_full(prior: &Prior, asked: bool, params: &PersistParams) -> bool {
     asked
@@ -379,6 +407,8 @@ impl Persister {
             base: kv_u64(&r, "base_seq")?,
             missing: r.all_missing_windows()?,
             diverged: false,
+            base_without_image: r.persist_get(BASE_IMAGE)?.as_deref() == Some("0"),
+            image_failures: kv_u64(&r, IMAGE_FAILURES)?.unwrap_or(0),
         })
     }
 
@@ -672,6 +702,7 @@ impl Persister {
             // What collecting the tree freed, back to the kernel before the image build.
             crate::sys::mem::release_free_heap();
             pass.image = super::super::image::publish(&self.repo, &self.store, &obj, cs);
+            pass.image_tried = true;
         }
         let data = loop {
             if deadline.is_some_and(|d| Instant::now() > d) {
@@ -763,6 +794,13 @@ impl Persister {
         tx.persist_set("remote", &self.repo.describe())?;
         tx.persist_set("last_checkpoint_ns", &now_ns().to_string())?;
         if pass.full {
+            let failures = match pass.image {
+                Some(_) => 0,
+                None if pass.image_tried => pass.prior.image_failures + 1,
+                None => pass.prior.image_failures,
+            };
+            tx.persist_set(BASE_IMAGE, if pass.image.is_some() { "1" } else { "0" })?;
+            tx.persist_set(IMAGE_FAILURES, &failures.to_string())?;
             tx.persist_set("base_seq", &seq.to_string())?;
             tx.persist_set("deltas_since_full", "0")?;
             tx.persist_set("delta_bytes_since_full", "0")?;

@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::steps::{lazy_windows_carry_over, wants_full, Job, Pass, Prior, COMPACT_FLOOR};
+use super::steps::{
+    lazy_windows_carry_over, retries_image, wants_full, Job, Pass, Prior, COMPACT_FLOOR,
+};
 use super::*;
 use crate::chunk::ChunkId;
 use crate::meta::Inode;
@@ -186,6 +188,34 @@ fn wants_full_when_asked_new_untrusted_resized_or_deltas_add_up() {
     for c in &cases {
         assert!(wants_full(c, false, &params), "{c:?}");
     }
+}
+
+#[test]
+fn a_missing_image_is_retried_at_once_then_less_and_less_often() {
+    let p = |failures, deltas| Prior {
+        last_seq: Some(3),
+        trusted: true,
+        chunk_size: Some(CS),
+        deltas,
+        base_without_image: true,
+        image_failures: failures,
+        ..Default::default()
+    };
+    assert!(retries_image(&p(1, 0), false), "at once after one failure");
+    assert!(!retries_image(&p(1, 0), true), "never under a deadline");
+    assert!(!retries_image(&p(2, 0), false));
+    assert!(retries_image(&p(2, 1), false));
+    assert!(!retries_image(&p(3, 2), false));
+    assert!(retries_image(&p(3, 3), false));
+    assert!(!retries_image(&p(40, 62), false));
+    assert!(retries_image(&p(40, 63), false), "at most 63 deltas apart");
+    // Written under a deadline (no build tried): retried at once.
+    assert!(retries_image(&p(0, 0), false));
+    let with = Prior {
+        base_without_image: false,
+        ..p(1, 5)
+    };
+    assert!(!retries_image(&with, false));
 }
 
 #[test]

@@ -14,7 +14,7 @@ use super::{
     lazy, now, Attr, Caller, FsError, FsResult, FsyncHook, Handle, Inner, OpenInfo, WorkspaceFs,
 };
 use crate::config::CacheMode;
-use crate::meta::{Inode, InodeNo, Kind};
+use crate::meta::{Inode, InodeNo, Kind, Storage};
 use crate::sys;
 use std::sync::atomic::Ordering;
 
@@ -174,6 +174,9 @@ impl WorkspaceFs {
         // The kernel would read the sparse body directly: a file with windows still to
         // fetch is served through keel until it is complete.
         let inode = Self::load(inner, ino)?;
+        if flags & libc::O_ACCMODE != libc::O_WRONLY && inode.storage == Storage::Body {
+            self.record_open(ino, inode.size);
+        }
         // A kernel write through a passthrough handle never reaches keel, so nothing would
         // drop setuid/setgid: writers of such files go through keel (unless passthrough
         // handles are open already: the kernel refuses to mix the two).
@@ -306,7 +309,10 @@ impl WorkspaceFs {
                     buf.extend_from_slice(&v[o..o + n]);
                     return Ok(());
                 }
-                Data::Body(f) => (f.clone(), n),
+                Data::Body(f) => {
+                    self.record_read(ino, offset, n as u64, of.inode.size);
+                    (f.clone(), n)
+                }
             }
         };
         let (f, n) = body;
@@ -492,7 +498,7 @@ impl WorkspaceFs {
             .filter(|e| *e <= i64::MAX as u64)
             .ok_or(FsError::Io(io::Error::from_raw_os_error(libc::EFBIG)))?;
         if mode & (PUNCH | ZERO) != 0 {
-            self.lazy_fetch(ino, offset, end, 0)?;
+            self.lazy_prepare_change(ino, offset, end)?;
         }
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
