@@ -32,6 +32,7 @@ pub mod chunk;
 pub mod config;
 pub mod control;
 pub mod exec;
+pub mod files;
 pub mod logging;
 pub mod meta;
 pub mod persist;
