@@ -27,24 +27,25 @@ type R<T> = Result<T, Fail>;
 
 /// The status of an errno, and its one line.
 fn fail(what: &str, e: &io::Error) -> Fail {
-    let code =
-        match e.raw_os_error() {
-            Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => 403,
-            Some(libc::EXDEV) | Some(libc::ELOOP) => return Fail(
+    let code = match e.raw_os_error() {
+        Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => 403,
+        Some(libc::EXDEV) | Some(libc::ELOOP) => {
+            return Fail(
                 403,
                 format!(
                     "{what}: leaves the workspace (through `..`, an absolute path or a symlink)"
                 ),
-            ),
-            Some(libc::ENOENT) => 404,
-            Some(libc::EEXIST) | Some(libc::ENOTEMPTY) | Some(libc::EBUSY) => 409,
-            Some(libc::ENOTDIR)
-            | Some(libc::EISDIR)
-            | Some(libc::ENAMETOOLONG)
-            | Some(libc::EINVAL) => 400,
-            Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EFBIG) => 507,
-            _ => 500,
-        };
+            )
+        }
+        Some(libc::ENOENT) => 404,
+        Some(libc::EEXIST) | Some(libc::ENOTEMPTY) | Some(libc::EBUSY) => 409,
+        Some(libc::ENOTDIR)
+        | Some(libc::EISDIR)
+        | Some(libc::ENAMETOOLONG)
+        | Some(libc::EINVAL) => 400,
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EFBIG) => 507,
+        _ => 500,
+    };
     Fail(code, format!("{what}: {e}"))
 }
 
