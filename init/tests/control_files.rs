@@ -560,3 +560,66 @@ fn keel_files_get_put_and_ls() {
     );
     stop(&mut k);
 }
+
+#[test]
+fn a_directory_comes_as_a_tar_stream_that_tar_extracts() {
+    if !require_root_and_fuse("files tar test") {
+        return;
+    }
+    let mut k = keel("");
+    let ws = k.path("ws");
+    std::fs::create_dir_all(ws.join("d/sub")).unwrap();
+    std::fs::write(ws.join("d/a.txt"), b"alpha\n").unwrap();
+    std::fs::set_permissions(ws.join("d/a.txt"), std::fs::Permissions::from_mode(0o640)).unwrap();
+    let blob = bytes(300_000, 5);
+    std::fs::write(ws.join("d/sub/b.bin"), &blob).unwrap();
+    std::os::unix::fs::symlink("a.txt", ws.join("d/link")).unwrap();
+    let long = "n".repeat(120);
+    std::fs::write(ws.join("d/sub").join(&long), b"long name\n").unwrap();
+    let r = get(&k, "/files?path=d&tar=1");
+    assert_eq!(r.code, 200, "{r:?}");
+    assert_eq!(
+        r.header("content-type").as_deref(),
+        Some("application/x-tar")
+    );
+    let out = k.path("untar");
+    std::fs::create_dir(&out).unwrap();
+    let mut tar = std::process::Command::new("tar")
+        .args(["-x", "-p", "-f", "-", "-C"])
+        .arg(&out)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("tar");
+    tar.stdin.take().unwrap().write_all(&r.body).unwrap();
+    assert!(
+        tar.wait().unwrap().success(),
+        "tar could not extract the stream"
+    );
+    assert_eq!(std::fs::read(out.join("a.txt")).unwrap(), b"alpha\n");
+    assert_eq!(mode_of(&out.join("a.txt")), 0o640);
+    assert!(std::fs::read(out.join("sub/b.bin")).unwrap() == blob);
+    assert_eq!(
+        std::fs::read_link(out.join("link")).unwrap(),
+        Path::new("a.txt")
+    );
+    assert_eq!(
+        std::fs::read(out.join("sub").join(&long)).unwrap(),
+        b"long name\n"
+    );
+    // As a user who cannot read everything in it: 403 before a byte of the archive.
+    let r = get(&k, "/files?path=d&tar=1&user=nobody");
+    assert_eq!(r.code, 403, "{r:?}");
+    assert!(r.error().contains("d/a.txt"), "{r:?}");
+    std::fs::set_permissions(ws.join("d/a.txt"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    std::fs::create_dir(ws.join("d/locked")).unwrap();
+    std::fs::set_permissions(ws.join("d/locked"), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let r = get(&k, "/files?path=d&tar=1&user=nobody");
+    assert_eq!(r.code, 403, "{r:?}");
+    assert!(r.error().contains("d/locked"), "{r:?}");
+    std::fs::set_permissions(ws.join("d/locked"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert_eq!(get(&k, "/files?path=d&tar=1&user=nobody").code, 200);
+    // And never out of the workspace.
+    assert_eq!(get(&k, "/files?path=..&tar=1").code, 403);
+    assert_eq!(get(&k, "/files?path=d/a.txt&tar=1").code, 400);
+    stop(&mut k);
+}

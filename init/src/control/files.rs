@@ -1,5 +1,6 @@
 //! The files routes: `GET /files?path=P[&user=U]` (the bytes, `Range`, `ETag`),
-//! `GET /files?path=P&list=1[&depth=N]` (JSON entries), `PUT /files?path=P[&mode=0644]
+//! `GET /files?path=P&list=1[&depth=N]` (JSON entries), `GET /files?path=P&tar=1` (a
+//! directory as a tar stream), `PUT /files?path=P[&mode=0644]
 //! [&user=U]` (the body, streamed to a temporary file renamed into place; `If-Match`,
 //! `If-None-Match: *`), `DELETE /files?path=P[&recursive=1]`, `POST /files/move` (`{"from",
 //! "to", "overwrite", "user"}`) and `POST /files/mkdir` (`{"path", "mode", "parents",
@@ -89,12 +90,6 @@ fn get_now(req: &Request, status: &StatusHandle) -> hyper::Response<Body> {
     let q = &req.query;
     let user = param(q, "user");
     let path = param(q, "path").unwrap_or_default();
-    if flag(q, "tar") {
-        return to_hyper(error(
-            400,
-            "tar=1: directories as tar streams are not offered yet",
-        ));
-    }
     if flag(q, "list") {
         let depth = match param(q, "depth").map(|d| d.parse::<u32>()) {
             None => 1,
@@ -121,7 +116,9 @@ fn get_now(req: &Request, status: &StatusHandle) -> hyper::Response<Body> {
         Ok(w) => w,
         Err(r) => return to_hyper(r),
     };
+    let tar = flag(q, "tar");
     let op = match files::relative(&ws, &path) {
+        Ok(p) if tar => Op::Tar { path: p },
         Ok(p) => Op::Get {
             path: p,
             range: req.header("range").map(str::to_string),
@@ -137,6 +134,27 @@ fn get_now(req: &Request, status: &StatusHandle) -> hyper::Response<Body> {
         Ok(v) => return to_hyper(refused(&v)),
         Err(e) => return to_hyper(fail(&e)),
     };
+    if tar {
+        // Until the helper's end of file: the archive's length is not known before.
+        return streamed(
+            "application/x-tar",
+            Vec::new(),
+            Box::new(move |send, _alive| {
+                use std::io::Read;
+                let mut buf = vec![0u8; 1 << 16];
+                loop {
+                    match h.stdout.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(k) => {
+                            if !send(buf[..k].to_vec()) {
+                                return;
+                            }
+                        }
+                    }
+                }
+            }),
+        );
+    }
     let n = |k: &str| v[k].as_u64().unwrap_or(0);
     let (size, start, len) = (n("size"), n("start"), n("len"));
     let mut headers = vec![

@@ -161,6 +161,7 @@ fn run(args: &[OsString], out: &mut dyn Write) -> R<()> {
         "delete" => delete(&ws, &s(args, 2)?, num(args, 3)? == 1, out),
         "move" => mv(&ws, &s(args, 2)?, &s(args, 3)?, num(args, 4)? == 1, out),
         "mkdir" => mkdir(&ws, &s(args, 2)?, opt(args, 3)?, num(args, 4)? == 1, out),
+        "tar" => tar(&ws, &s(args, 2)?, out),
         o => Err(Fail(500, format!("files-helper: no operation {o}"))),
     }
 }
@@ -190,7 +191,7 @@ fn open_regular(fd: OwnedFd, what: &str) -> R<(File, Stat)> {
     if st.is_dir() {
         return Err(Fail(
             400,
-            format!("{what}: is a directory (list=1 lists it, tar=1 is not offered yet)"),
+            format!("{what}: is a directory (list=1 lists it, tar=1 sends it as a tar stream)"),
         ));
     }
     if !st.is_file() {
@@ -561,4 +562,111 @@ fn mkdir(ws: &Ws, rel: &str, mode: Option<String>, parents: bool, out: &mut dyn 
         out,
         &json!({ "ok": true, "status": if created { 201 } else { 200 }, "path": rel, "created": created }),
     )
+}
+
+/// One member of a directory's tar stream: its path in the archive, what it is, and the
+/// directory that holds it (to open it by name, without following a symlink).
+struct Member {
+    path: String,
+    dir: std::rc::Rc<OwnedFd>,
+    name: OsString,
+    st: Stat,
+}
+
+/// Walks `dir` as the user: every entry it can see, a 403 for a directory it cannot open or
+/// a file it cannot read (checked before a byte is sent, so the answer can still say so).
+fn tar_walk(dir: std::rc::Rc<OwnedFd>, prefix: &str, rel: &str, out: &mut Vec<Member>) -> R<()> {
+    let mut names = at(rel, beneath::read_dir(&dir))?;
+    names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+    for name in names {
+        let n = Path::new(&name);
+        let path = join(prefix, &name);
+        let full = join(rel, &name);
+        let st = at(&full, beneath::stat_at(dir.as_fd(), n))?;
+        if st.is_dir() {
+            let sub = at(
+                &full,
+                beneath::open_at(dir.as_fd(), n, libc::O_RDONLY | libc::O_DIRECTORY, 0),
+            )?;
+            out.push(Member {
+                path: path.clone(),
+                dir: dir.clone(),
+                name,
+                st,
+            });
+            tar_walk(std::rc::Rc::new(sub), &path, &full, out)?;
+            continue;
+        }
+        if st.is_file() {
+            at(
+                &full,
+                beneath::open_at(dir.as_fd(), n, libc::O_RDONLY | libc::O_NONBLOCK, 0),
+            )?;
+        }
+        if st.is_file() || st.is_symlink() || st.kind() == libc::S_IFIFO {
+            out.push(Member {
+                path,
+                dir: dir.clone(),
+                name,
+                st,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A directory as a tar stream (its entries relative to it; files, directories, symlinks
+/// and FIFOs with their modes, owners and mtimes; sockets and devices are left out).
+fn tar(ws: &Ws, rel: &str, out: &mut dyn Write) -> R<()> {
+    let fd = ws.open(rel, libc::O_RDONLY | libc::O_DIRECTORY)?;
+    let mut members = Vec::new();
+    tar_walk(std::rc::Rc::new(fd), "", rel, &mut members)?;
+    line(
+        out,
+        &json!({ "ok": true, "status": 200, "path": rel, "entries": members.len() }),
+    )?;
+    let mut b = tar::Builder::new(out);
+    let broken = |e: io::Error| Fail(500, format!("tar: {e}"));
+    for m in &members {
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(m.st.mode & 0o7777);
+        h.set_uid(m.st.uid as u64);
+        h.set_gid(m.st.gid as u64);
+        h.set_mtime(u64::try_from(m.st.mtime_ns / 1_000_000_000).unwrap_or(0));
+        h.set_size(0);
+        let n = Path::new(&m.name);
+        match m.st.kind() {
+            libc::S_IFDIR => {
+                h.set_entry_type(tar::EntryType::Directory);
+                b.append_data(&mut h, format!("{}/", m.path), io::empty())
+                    .map_err(broken)?;
+            }
+            libc::S_IFLNK => {
+                h.set_entry_type(tar::EntryType::Symlink);
+                let target = at(&m.path, beneath::read_link_at(m.dir.as_fd(), n))?;
+                b.append_link(&mut h, &m.path, Path::new(&target))
+                    .map_err(broken)?;
+            }
+            libc::S_IFIFO => {
+                h.set_entry_type(tar::EntryType::Fifo);
+                b.append_data(&mut h, &m.path, io::empty())
+                    .map_err(broken)?;
+            }
+            _ => {
+                let f = File::from(at(
+                    &m.path,
+                    beneath::open_at(m.dir.as_fd(), n, libc::O_RDONLY | libc::O_NONBLOCK, 0),
+                )?);
+                // The size walked: a file that changed since is cut or padded with zeros
+                // to it, so the archive stays well formed.
+                let size = m.st.size;
+                h.set_entry_type(tar::EntryType::Regular);
+                h.set_size(size);
+                let data = (&f).take(size).chain(io::repeat(0)).take(size);
+                b.append_data(&mut h, &m.path, data).map_err(broken)?;
+            }
+        }
+    }
+    b.finish().map_err(broken)?;
+    Ok(())
 }

@@ -69,6 +69,10 @@ pub enum Op {
         path: String,
         range: Option<String>,
     },
+    /// A directory as a tar stream.
+    Tar {
+        path: String,
+    },
     /// `cond`: an `If-Match` value, or `none:*` for `If-None-Match: *`.
     Put {
         path: String,
@@ -102,6 +106,7 @@ impl Op {
         let b = |v: bool| if v { "1".to_string() } else { "0".to_string() };
         match self {
             Op::Get { path, range } => vec!["get".into(), path.clone(), o(range)],
+            Op::Tar { path } => vec!["tar".into(), path.clone()],
             Op::Put { path, mode, cond } => vec!["put".into(), path.clone(), o(mode), o(cond)],
             Op::List { path, depth, max } => {
                 vec![
