@@ -623,3 +623,102 @@ fn a_directory_comes_as_a_tar_stream_that_tar_extracts() {
     assert_eq!(get(&k, "/files?path=d/a.txt&tar=1").code, 400);
     stop(&mut k);
 }
+
+/// A tar archive made by Python's tarfile from `members` (name, type, data or link
+/// target), so the test can craft what `tar` itself would refuse to make.
+fn crafted_tar(k: &Keel, members: &[(&str, &str, &str)]) -> Vec<u8> {
+    let spec = serde_json::to_string(members).unwrap();
+    let script = "import io,json,sys,tarfile\n\
+        b=io.BytesIO(); t=tarfile.open(fileobj=b,mode='w',format=tarfile.GNU_FORMAT)\n\
+        for n,ty,d in json.loads(sys.argv[1]):\n\
+        \x20   i=tarfile.TarInfo(n)\n\
+        \x20   if ty=='dir': i.type=tarfile.DIRTYPE; i.mode=0o755; t.addfile(i)\n\
+        \x20   elif ty=='sym': i.type=tarfile.SYMTYPE; i.linkname=d; t.addfile(i)\n\
+        \x20   elif ty=='hard': i.type=tarfile.LNKTYPE; i.linkname=d; t.addfile(i)\n\
+        \x20   else: i.size=len(d); i.mode=0o600; t.addfile(i,io.BytesIO(d.encode()))\n\
+        t.close(); sys.stdout.buffer.write(b.getvalue())\n";
+    let out = std::process::Command::new("python3")
+        .args(["-c", script, &spec])
+        .current_dir(k.scratch())
+        .output()
+        .expect("python3");
+    assert!(out.status.success(), "{out:?}");
+    out.stdout
+}
+
+#[test]
+fn a_tar_stream_is_extracted_as_the_user_and_never_out_of_its_directory() {
+    if !require_root_and_fuse("files untar test") {
+        return;
+    }
+    let mut k = keel("");
+    let ws = k.path("ws");
+    let state = k.path("state");
+    let archive = crafted_tar(
+        &k,
+        &[
+            ("top", "dir", ""),
+            ("top/f.txt", "file", "hello\n"),
+            ("top/sub/g.txt", "file", "deeper\n"),
+            ("top/link", "sym", "f.txt"),
+        ],
+    );
+    let r = put_chunked(&k, "/files?path=up&tar=1", &[], &archive);
+    assert_eq!(r.code, 200, "{r:?}");
+    assert_eq!(r.json()["entries"], 4);
+    assert_eq!(std::fs::read(ws.join("up/top/f.txt")).unwrap(), b"hello\n");
+    assert_eq!(mode_of(&ws.join("up/top/f.txt")), 0o600);
+    assert_eq!(
+        std::fs::read(ws.join("up/top/sub/g.txt")).unwrap(),
+        b"deeper\n"
+    );
+    assert_eq!(
+        std::fs::read_link(ws.join("up/top/link")).unwrap(),
+        Path::new("f.txt")
+    );
+    // Round trip: what GET tar=1 sends, PUT tar=1 puts back.
+    let back = get(&k, "/files?path=up&tar=1").body;
+    let r = put_chunked(&k, "/files?path=copy&tar=1", &[], &back);
+    assert_eq!(r.code, 200, "{r:?}");
+    assert_eq!(
+        std::fs::read(ws.join("copy/top/sub/g.txt")).unwrap(),
+        b"deeper\n"
+    );
+    // Ways out: `..`, an absolute name, a symlink out and then through it, a hard link.
+    let outside = k.path("outside");
+    std::fs::create_dir(&outside).unwrap();
+    let out_s = outside.to_str().unwrap();
+    let evil = format!("{out_s}/evil");
+    let cases: Vec<Vec<(&str, &str, &str)>> = vec![
+        vec![("../../outside/evil", "file", "x")],
+        vec![(evil.as_str(), "file", "x")],
+        vec![("esc", "sym", out_s), ("esc/evil", "file", "x")],
+        vec![("esc2", "sym", "../../outside"), ("esc2/evil", "file", "x")],
+        vec![("p", "sym", "/proc/1/root"), ("p/tmp/evil", "file", "x")],
+        vec![("h", "hard", "/etc/passwd")],
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        let r = put_chunked(
+            &k,
+            &format!("/files?path=atk{i}&tar=1"),
+            &[],
+            &crafted_tar(&k, c),
+        );
+        assert!(matches!(r.code, 400 | 403), "case {i} {c:?}: {r:?}");
+    }
+    assert!(
+        !outside.join("evil").exists(),
+        "a tar member landed outside"
+    );
+    assert!(std::fs::read_dir(&outside).unwrap().next().is_none());
+    assert!(!state.join("evil").exists());
+    // As nobody into root's directory: the kernel refuses.
+    std::fs::create_dir(ws.join("rootonly")).unwrap();
+    let r = put_chunked(&k, "/files?path=rootonly&tar=1&user=nobody", &[], &archive);
+    assert_eq!(r.code, 403, "{r:?}");
+    assert!(std::fs::read_dir(ws.join("rootonly"))
+        .unwrap()
+        .next()
+        .is_none());
+    stop(&mut k);
+}

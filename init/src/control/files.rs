@@ -1,6 +1,7 @@
 //! The files routes: `GET /files?path=P[&user=U]` (the bytes, `Range`, `ETag`),
 //! `GET /files?path=P&list=1[&depth=N]` (JSON entries), `GET /files?path=P&tar=1` (a
-//! directory as a tar stream), `PUT /files?path=P[&mode=0644]
+//! directory as a tar stream), `PUT /files?path=DIR&tar=1` (a tar stream extracted into
+//! it), `PUT /files?path=P[&mode=0644]
 //! [&user=U]` (the body, streamed to a temporary file renamed into place; `If-Match`,
 //! `If-None-Match: *`), `DELETE /files?path=P[&recursive=1]`, `POST /files/move` (`{"from",
 //! "to", "overwrite", "user"}`) and `POST /files/mkdir` (`{"path", "mode", "parents",
@@ -237,13 +238,21 @@ async fn put_async(c: Call) -> hyper::Response<Body> {
         }
     }
     let path = param(&q, "path").unwrap_or_default();
+    let tar = flag(&q, "tar");
+    if tar && (cond.is_some() || mode.is_some()) {
+        return to_hyper(error(
+            400,
+            "tar=1 takes neither mode= nor If-Match / If-None-Match",
+        ));
+    }
     let t2 = t.clone();
     let started = tokio::task::spawn_blocking(move || {
         let ws = workspace(&t2, user.as_deref())?;
-        let op = Op::Put {
-            path: files::relative(&ws, &path).map_err(|e| fail(&e))?,
-            mode,
-            cond,
+        let path = files::relative(&ws, &path).map_err(|e| fail(&e))?;
+        let op = if tar {
+            Op::Untar { path }
+        } else {
+            Op::Put { path, mode, cond }
         };
         files::start(&t2, user.as_deref(), &op).map_err(|e| fail(&e))
     })
@@ -314,8 +323,11 @@ async fn put_async(c: Call) -> hyper::Response<Body> {
     let r = match (answer, outcome) {
         (_, Some(o)) => o,
         (Ok(Ok(v)), None) if v["ok"] == true => {
-            let etag = v["etag"].as_str().unwrap_or_default().to_string();
-            json(v["status"].as_u64().unwrap_or(200) as u16, &v).with_header("ETag", etag)
+            let r = json(v["status"].as_u64().unwrap_or(200) as u16, &v);
+            match v["etag"].as_str() {
+                Some(etag) => r.with_header("ETag", etag.to_string()),
+                None => r,
+            }
         }
         (Ok(Ok(v)), None) => refused(&v),
         (Ok(Err(e)), None) => fail(&e),

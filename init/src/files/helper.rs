@@ -162,6 +162,7 @@ fn run(args: &[OsString], out: &mut dyn Write) -> R<()> {
         "move" => mv(&ws, &s(args, 2)?, &s(args, 3)?, num(args, 4)? == 1, out),
         "mkdir" => mkdir(&ws, &s(args, 2)?, opt(args, 3)?, num(args, 4)? == 1, out),
         "tar" => tar(&ws, &s(args, 2)?, out),
+        "untar" => untar(&ws, &s(args, 2)?, out),
         o => Err(Fail(500, format!("files-helper: no operation {o}"))),
     }
 }
@@ -669,4 +670,152 @@ fn tar(ws: &Ws, rel: &str, out: &mut dyn Write) -> R<()> {
     }
     b.finish().map_err(broken)?;
     Ok(())
+}
+
+/// The content of an upload (the frames on stdin) as one stream; the end of the stream
+/// without a commit frame is an error (the client went away).
+struct Frames<'a> {
+    input: io::StdinLock<'a>,
+    buf: Vec<u8>,
+    pos: usize,
+    done: bool,
+}
+
+impl Read for Frames<'_> {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        while self.pos == self.buf.len() {
+            if self.done {
+                return Ok(0);
+            }
+            self.pos = 0;
+            match read_frame(&mut self.input, &mut self.buf)? {
+                Some(_) => {}
+                None => {
+                    self.buf.clear();
+                    self.done = true;
+                }
+            }
+        }
+        let n = out.len().min(self.buf.len() - self.pos);
+        out[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+/// Makes the missing directories of `parts` below `top` (as `tar` does for a member whose
+/// directories the archive does not list), each step resolved beneath `top`.
+fn make_parents(top: &OwnedFd, parts: &[OsString], shown: &str) -> R<OwnedFd> {
+    let mut prefix = PathBuf::from(".");
+    let mut dir = at(
+        shown,
+        beneath::open_beneath(top.as_fd(), &prefix, O_PATH_DIR, 0),
+    )?;
+    for p in parts {
+        match beneath::mkdir_at(dir.as_fd(), Path::new(p), 0o777) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(fail(shown, &e)),
+        }
+        prefix.push(p);
+        dir = at(
+            shown,
+            beneath::open_beneath(top.as_fd(), &prefix, O_PATH_DIR, 0),
+        )?;
+    }
+    Ok(dir)
+}
+
+/// Extracts a tar stream into the directory `rel` (made if missing) as the user: every
+/// member's path resolved beneath that directory (no absolute path, no `..` out, no
+/// symlink followed out, not even one the archive made), files written through
+/// `O_NOFOLLOW`; members arrive and land one by one (a stream cut short leaves what
+/// arrived). Hard links, devices and sockets are refused.
+fn untar(ws: &Ws, rel: &str, out: &mut dyn Write) -> R<()> {
+    if rel != "." {
+        let (dir, name) = ws.parent(rel)?;
+        match beneath::mkdir_at(dir.as_fd(), &name, 0o777) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(fail(rel, &e)),
+        }
+    }
+    let top = ws.open(rel, O_PATH_DIR)?;
+    let frames = Frames {
+        input: io::stdin().lock(),
+        buf: Vec::new(),
+        pos: 0,
+        done: false,
+    };
+    let mut a = tar::Archive::new(frames);
+    let bad = |e: io::Error| Fail(400, format!("the tar stream: {e}"));
+    let mut count = 0u64;
+    let mut bytes = 0u64;
+    for entry in a.entries().map_err(bad)? {
+        let mut e = entry.map_err(bad)?;
+        let path = e.path().map_err(bad)?.into_owned();
+        let shown = path.to_string_lossy().into_owned();
+        let mut parts = Vec::new();
+        for c in path.components() {
+            match c {
+                std::path::Component::Normal(n) => parts.push(n.to_os_string()),
+                std::path::Component::CurDir => {}
+                _ => {
+                    return Err(Fail(
+                        403,
+                        format!("{shown}: leaves the directory (absolute or `..`); stopped there"),
+                    ))
+                }
+            }
+        }
+        let Some(name) = parts.pop() else { continue };
+        let parent: PathBuf = if parts.is_empty() {
+            PathBuf::from(".")
+        } else {
+            parts.iter().collect()
+        };
+        let dir = match beneath::open_beneath(top.as_fd(), &parent, O_PATH_DIR, 0) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => make_parents(&top, &parts, &shown)?,
+            r => at(&shown, r)?,
+        };
+        let n = Path::new(&name);
+        let mode = e.header().mode().unwrap_or(0o644) & 0o7777;
+        match e.header().entry_type() {
+            tar::EntryType::Directory => match beneath::mkdir_at(dir.as_fd(), n, mode) {
+                Ok(()) => {}
+                Err(err) if err.raw_os_error() == Some(libc::EEXIST) => {
+                    let st = at(&shown, beneath::stat_at(dir.as_fd(), n))?;
+                    if !st.is_dir() {
+                        return Err(Fail(409, format!("{shown}: exists and is not a directory")));
+                    }
+                }
+                Err(err) => return Err(fail(&shown, &err)),
+            },
+            tar::EntryType::Symlink => {
+                let target = e
+                    .link_name()
+                    .map_err(bad)?
+                    .ok_or_else(|| Fail(400, format!("{shown}: a symlink without a target")))?
+                    .into_owned();
+                at(&shown, beneath::symlink_at(&target, dir.as_fd(), n))?;
+            }
+            tar::EntryType::Regular | tar::EntryType::Continuous => {
+                let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC;
+                let f = File::from(at(&shown, beneath::open_at(dir.as_fd(), n, flags, mode))?);
+                bytes += at(&shown, io::copy(&mut e, &mut &f))?;
+                at(&shown, beneath::chmod_fd(f.as_fd(), mode))?;
+            }
+            t => {
+                return Err(Fail(
+                    400,
+                    format!("{shown}: {t:?} members are not extracted (files, directories and symlinks are)"),
+                ))
+            }
+        }
+        count += 1;
+    }
+    line(
+        out,
+        &json!({ "ok": true, "status": 200, "path": rel, "entries": count, "bytes": bytes }),
+    )
 }

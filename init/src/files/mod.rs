@@ -73,6 +73,10 @@ pub enum Op {
     Tar {
         path: String,
     },
+    /// A tar stream (the upload) extracted into a directory.
+    Untar {
+        path: String,
+    },
     /// `cond`: an `If-Match` value, or `none:*` for `If-None-Match: *`.
     Put {
         path: String,
@@ -107,6 +111,7 @@ impl Op {
         match self {
             Op::Get { path, range } => vec!["get".into(), path.clone(), o(range)],
             Op::Tar { path } => vec!["tar".into(), path.clone()],
+            Op::Untar { path } => vec!["untar".into(), path.clone()],
             Op::Put { path, mode, cond } => vec!["put".into(), path.clone(), o(mode), o(cond)],
             Op::List { path, depth, max } => {
                 vec![
@@ -241,7 +246,7 @@ pub fn start(procs: &Processes, user: Option<&str>, op: &Op) -> Result<Helper, F
     argv.extend(args);
     spec.argv = argv;
     spec.cwd = ws;
-    let put = matches!(op, Op::Put { .. });
+    let put = matches!(op, Op::Put { .. } | Op::Untar { .. });
     spec.stdio = process::Stdio::Pipes { stdin: put };
     let s = process::spawn_io(&spec).map_err(FilesError::Spawn)?;
     drop(h.ns);

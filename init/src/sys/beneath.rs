@@ -102,6 +102,11 @@ pub fn read_link_at(dir: BorrowedFd<'_>, name: &Path) -> io::Result<OsString> {
     nix::fcntl::readlinkat(dir, name).map_err(io_err)
 }
 
+/// `symlinkat(target, dir, name)`.
+pub fn symlink_at(target: &Path, dir: BorrowedFd<'_>, name: &Path) -> io::Result<()> {
+    nix::unistd::symlinkat(target, dir, name).map_err(io_err)
+}
+
 pub fn mkdir_at(dir: BorrowedFd<'_>, name: &Path, mode: u32) -> io::Result<()> {
     nix::sys::stat::mkdirat(dir, name, Mode::from_bits_retain(mode)).map_err(io_err)
 }
