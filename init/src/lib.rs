@@ -20,7 +20,8 @@
 //!
 //! Within the top layer: `run` uses `boot`, `supervisor`, `exec`, `control` and `shutdown`;
 //! `supervisor` (the one reaper, the stop) and `control` (the routes) use `exec`, which uses
-//! neither;
+//! neither; `control` uses `files` (the files API's helper processes), which uses `exec`'s
+//! launch template;
 //! `shutdown` uses `boot` (the workspace it stops); `control` uses `workspace` and
 //! `persist` for `/status`, `/checkpoint` and the agent routes, never `run`. No circle
 //! between modules, no exception listed.
@@ -32,6 +33,7 @@ pub mod chunk;
 pub mod config;
 pub mod control;
 pub mod exec;
+pub mod files;
 pub mod logging;
 pub mod meta;
 pub mod persist;

@@ -17,6 +17,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("run", 4),
     ("supervisor", 4),
     ("exec", 4),
+    ("files", 4),
     ("control", 4),
     ("shutdown", 4),
     ("workspace", 3),

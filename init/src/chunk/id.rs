@@ -15,6 +15,19 @@ pub enum ChunkIdError {
     BlobLength(usize),
 }
 
+/// The blake3 hash of a whole file's bytes, fed in pieces (the files API's `ETag`).
+#[derive(Default)]
+pub struct ContentHasher(blake3::Hasher);
+
+impl ContentHasher {
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+    pub fn finish(&self) -> ChunkId {
+        ChunkId(*self.0.finalize().as_bytes())
+    }
+}
+
 impl ChunkId {
     /// Hashes `bytes`.
     pub fn of(bytes: &[u8]) -> ChunkId {

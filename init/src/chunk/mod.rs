@@ -10,5 +10,5 @@ pub mod reserve;
 pub mod source;
 
 pub use body::{BodyError, BodyPool, BodyStore, Fresh};
-pub use id::ChunkId;
+pub use id::{ChunkId, ContentHasher};
 pub use source::{ChunkSource, FetchError};

@@ -9,6 +9,7 @@ mod checkpoint;
 mod completions;
 mod diff;
 mod exec;
+mod files;
 mod fork;
 mod fsck;
 mod gc;
@@ -67,6 +68,9 @@ enum Command {
     Diff(diff::DiffArgs),
     Rollback(rollback::RollbackArgs),
     Exec(exec::ExecArgs),
+    Files(files::FilesArgs),
+    #[command(name = "files-helper", hide = true)]
+    FilesHelper(files::HelperArgs),
     Fork(fork::ForkArgs),
     Completions(completions::CompletionsArgs),
 }
@@ -95,6 +99,8 @@ pub fn main() -> i32 {
         Some(Command::Diff(a)) => diff::main(config, a),
         Some(Command::Rollback(a)) => rollback::main(config, a),
         Some(Command::Exec(a)) => exec::main(config, a),
+        Some(Command::Files(a)) => files::main(config, a),
+        Some(Command::FilesHelper(a)) => files::helper(a),
         Some(Command::Fork(a)) => fork::main(config, a),
         Some(Command::Completions(a)) => completions::main(a),
     }

@@ -7,6 +7,7 @@ pub mod control;
 pub mod credentials;
 pub mod exec;
 pub mod expand;
+pub mod files;
 pub mod init;
 pub mod persist;
 pub mod service;
@@ -16,6 +17,7 @@ pub mod workspace;
 
 pub use control::ControlConfig;
 pub use exec::ExecConfig;
+pub use files::FilesConfig;
 pub use init::{ForwardTo, InitConfig, Rlimit};
 pub use persist::{FsyncMode, PersistConfig, Takeover};
 pub use service::{Probe, Readiness, Restart, ServiceConfig};
@@ -53,6 +55,7 @@ pub struct Config {
     pub control: ControlConfig,
     pub persist: PersistConfig,
     pub exec: ExecConfig,
+    pub files: FilesConfig,
 }
 
 impl Config {
@@ -152,6 +155,7 @@ impl Config {
         self.control.validate()?;
         self.persist.validate()?;
         self.exec.validate()?;
+        self.files.validate()?;
         Ok(())
     }
 }

@@ -100,6 +100,11 @@ const PROCESS_ROUTES_FORBIDDEN: &str = "forbidden: processes run with the sandbo
     any user; they are for root and keel's own user on the control socket, or for the \
     holder of the control token over TCP";
 
+/// The answer to `/files` called with `Rights::Observe`.
+const FILES_ROUTES_FORBIDDEN: &str = "forbidden: the files API reads and writes files as any \
+    user; it is for root and keel's own user on the control socket, or for the holder of the \
+    control token over TCP";
+
 fn method_not_allowed(allow: &str) -> Response {
     Response::text(405, "method not allowed\n").with_header("Allow", allow.to_string())
 }
@@ -146,6 +151,8 @@ pub fn dispatch(req: &Request, status: &StatusHandle, access: &Access) -> Dispat
                 let why = if route.path.starts_with("/exec") || route.path.starts_with("/processes")
                 {
                     PROCESS_ROUTES_FORBIDDEN
+                } else if route.path.starts_with("/files") {
+                    FILES_ROUTES_FORBIDDEN
                 } else {
                     AGENT_ROUTES_FORBIDDEN
                 };

@@ -9,6 +9,7 @@ pub mod agent_client;
 pub mod api;
 pub mod auth;
 pub mod client;
+pub mod files;
 pub mod metrics;
 pub mod processes;
 pub mod routes;

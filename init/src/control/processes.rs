@@ -44,7 +44,7 @@ fn fail(e: &ExecError) -> Response {
     error(status_of(e), &e.to_string())
 }
 
-fn to_hyper(r: Response) -> hyper::Response<Body> {
+pub(super) fn to_hyper(r: Response) -> hyper::Response<Body> {
     let mut b = hyper::Response::builder()
         .status(r.status)
         .header(hyper::header::CONTENT_TYPE, r.content_type)
@@ -80,9 +80,10 @@ fn query_pairs(q: &str) -> Vec<(String, String)> {
 /// A response whose body `produce` writes on the blocking pool: each `send` waits at most
 /// `WRITE_TIMEOUT` for the client to take the previous bytes (false: it is gone or stuck,
 /// and the stream ends; it resumes with `from=`); `alive` says whether it is still there.
-type Producer = Box<dyn FnOnce(&mut dyn FnMut(Vec<u8>) -> bool, &dyn Fn() -> bool) + Send>;
+pub(super) type Producer =
+    Box<dyn FnOnce(&mut dyn FnMut(Vec<u8>) -> bool, &dyn Fn() -> bool) + Send>;
 
-fn streamed(
+pub(super) fn streamed(
     content_type: &'static str,
     headers: Vec<(&'static str, String)>,
     produce: Producer,

@@ -68,7 +68,7 @@ pub struct Route {
     pub handler: Handler,
 }
 
-use super::{api, processes, snapshots};
+use super::{api, files, processes, snapshots};
 use Handler::{Plain, Stream};
 use Rights::{All, Observe};
 
@@ -110,6 +110,11 @@ pub static ROUTES: &[Route] = &[
         All,
         Plain(processes::resize),
     ),
+    r("GET", "/files", All, Stream(files::get)),
+    r("PUT", "/files", All, Stream(files::put)),
+    r("DELETE", "/files", All, Plain(files::delete)),
+    r("POST", "/files/move", All, Plain(files::mv)),
+    r("POST", "/files/mkdir", All, Plain(files::mkdir)),
 ];
 
 const fn r(method: &'static str, path: &'static str, rights: Rights, handler: Handler) -> Route {

@@ -4,8 +4,9 @@
 
 use std::path::PathBuf;
 
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Bytes, Frame};
 use hyper_util::rt::TokioIo;
 
 /// Where the control API is.
@@ -61,19 +62,68 @@ pub fn request(
     status: &mut dyn FnMut(u16),
     part: &mut dyn FnMut(&[u8]) -> bool,
 ) -> Result<(), StreamClientError> {
+    let body = Full::new(Bytes::from(body))
+        .map_err(|never| match never {})
+        .boxed();
+    request_with(target, method, path, &[], body, status, part)
+}
+
+/// The request body of `request_with`.
+pub type ReqBody = BoxBody<Bytes, std::io::Error>;
+
+/// A request body read from `r` on a thread of its own, piece by piece (an upload).
+pub fn body_from(r: impl std::io::Read + Send + 'static) -> ReqBody {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    std::thread::spawn(move || {
+        let mut r = r;
+        loop {
+            let mut buf = vec![0u8; 1 << 16];
+            match r.read(&mut buf) {
+                Ok(0) => return,
+                Ok(n) => {
+                    buf.truncate(n);
+                    if tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
+                        return;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(e));
+                    return;
+                }
+            }
+        }
+    });
+    let frames = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (b.map(Frame::data), rx))
+    });
+    StreamBody::new(frames).boxed()
+}
+
+/// `request` with extra headers and any body (`body_from` streams one).
+pub fn request_with(
+    target: &Target,
+    method: &str,
+    path: &str,
+    headers: &[(&str, String)],
+    body: ReqBody,
+    status: &mut dyn FnMut(u16),
+    part: &mut dyn FnMut(&[u8]) -> bool,
+) -> Result<(), StreamClientError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .enable_time()
         .build()
         .map_err(StreamClientError::Runtime)?;
-    rt.block_on(run(target, method, path, body, status, part))
+    rt.block_on(run(target, method, path, headers, body, status, part))
 }
 
 async fn run(
     target: &Target,
     method: &str,
     path: &str,
-    body: Vec<u8>,
+    headers: &[(&str, String)],
+    body: ReqBody,
     status: &mut dyn FnMut(u16),
     part: &mut dyn FnMut(&[u8]) -> bool,
 ) -> Result<(), StreamClientError> {
@@ -107,8 +157,11 @@ async fn run(
     {
         req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {tok}"));
     }
+    for (k, v) in headers {
+        req = req.header(*k, v.as_str());
+    }
     let req = req
-        .body(Full::new(Bytes::from(body)))
+        .body(body)
         .map_err(|e| StreamClientError::Request(e.to_string()))?;
     let resp = match target {
         Target::Socket(p) => {

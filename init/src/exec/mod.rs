@@ -94,6 +94,15 @@ pub struct Template {
     pub ns: Option<Arc<SandboxNs>>,
 }
 
+/// A helper's launch (`Processes::helper_spec`).
+#[derive(Debug)]
+pub struct Helper {
+    pub spec: SpawnSpec,
+    pub workspace: Option<PathBuf>,
+    /// Keeps `spec.mnt_ns` open until the helper has been spawned.
+    pub ns: Option<Arc<SandboxNs>>,
+}
+
 /// A request's outcome: a new process, or the one a retried `request_id` started.
 #[derive(Debug)]
 pub enum Started {
@@ -125,6 +134,8 @@ struct Table {
 #[derive(Debug)]
 pub struct Processes {
     cfg: ExecConfig,
+    /// The files API's limits (its helpers start from this table's template).
+    files: crate::config::FilesConfig,
     /// Output files: `<state_dir>/exec/`.
     dir: PathBuf,
     cgroups: Option<cgroup::Root>,
@@ -153,6 +164,7 @@ impl Processes {
         };
         Arc::new(Processes {
             cfg: cfg.exec.clone(),
+            files: cfg.files.clone(),
             dir,
             cgroups,
             table: Mutex::new(Table {
@@ -168,6 +180,10 @@ impl Processes {
 
     pub fn config(&self) -> &ExecConfig {
         &self.cfg
+    }
+
+    pub fn files_config(&self) -> &crate::config::FilesConfig {
+        &self.files
     }
 
     /// Whether processes get their own cgroup.
@@ -545,6 +561,33 @@ impl Processes {
             }
         }
         Ok(io)
+    }
+
+    /// What a short-lived helper of the files API starts from: the template's spec (the
+    /// sandbox's mount namespace, capabilities, environment) as `user` (default the main
+    /// command's), in a session of its own with pipes, no cgroup; the workspace it works
+    /// in; and the namespace reference to keep until it has been spawned.
+    pub fn helper_spec(&self, user: Option<&str>) -> Result<Helper, ExecError> {
+        let t = self.lock();
+        if t.closed.is_some() {
+            return Err(ExecError::Stopping);
+        }
+        let Some(tpl) = t.template.clone() else {
+            return Err(ExecError::NotReady);
+        };
+        drop(t);
+        let mut spec = tpl.spec;
+        if let Some(u) = user {
+            spec.ids = Some(process::resolve_ids(u, None).map_err(ExecError::User)?);
+        }
+        spec.session = Session::New;
+        spec.cgroup_procs = None;
+        spec.stdio = Stdio::Pipes { stdin: true };
+        Ok(Helper {
+            spec,
+            workspace: tpl.workspace.filter(|w| w.is_dir()),
+            ns: tpl.ns,
+        })
     }
 
     /// `DELETE /processes/{id}`: a running process's whole tree gets TERM, KILL after the
