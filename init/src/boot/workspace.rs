@@ -72,15 +72,18 @@ pub fn prepare(cfg: &Config) -> Result<Prepared, StartError> {
     if let Err(e) = crate::persist::secure_at_start(&cfg.workspace.state_dir, Some(&cfg.persist)) {
         tracing::warn!(state = %cfg.workspace.state_dir.display(), error = %e, "cannot make the state dir private");
     }
+    crate::logging::step("start", "lock");
     let lock = crate::workspace::lock_state(&cfg.workspace).map_err(StartError::Lock)?;
     crate::persist::remove_scratch(&cfg.workspace.state_dir);
     // The lease before anything reads or writes the remote; the lock is ours, so a lease
     // this state dir recorded is taken back at once.
+    crate::logging::step("start", "lease");
     let lease = ReleaseOnDrop::new(crate::persist::acquire_lease(
         &cfg.workspace.state_dir,
         &cfg.persist,
         true,
     )?);
+    crate::logging::step("start", "restore");
     let log = crate::progress::Logged::new("restore", crate::persist::service::LOG_EVERY);
     if let Some(what) = crate::progress::scope(log, || restore_on_start(cfg))? {
         tracing::info!("{what}");
@@ -185,6 +188,7 @@ impl Prepared {
         cfg: &Config,
         main: Option<Arc<dyn MainCommand>>,
     ) -> Result<Workspace, StartError> {
+        crate::logging::step("start", "mount");
         let mounted =
             crate::workspace::mount_locked(&cfg.workspace, self.lock).map_err(StartError::Mount)?;
         let mut ws = Workspace {
@@ -196,11 +200,14 @@ impl Prepared {
             let m = ws.mounted();
             (m.fs().clone(), m.invalidator())
         };
+        crate::logging::step("start", "lazy_source");
         ws.prefetch = start_lazy(cfg, &fs)?;
+        crate::logging::step("start", "checkpoints");
         ws.persist = start_persist(cfg, &fs, self.lease.take(), main)?;
         if let (Some(svc), Some(inval)) = (&ws.persist, inval) {
             svc.set_rollback(super::live::rollback_fn(fs, inval));
         }
+        crate::logging::step("start", "ready");
         Ok(ws)
     }
 }

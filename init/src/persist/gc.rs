@@ -315,6 +315,7 @@ pub fn gc_with(
     rules: &Retention,
     grace: Duration,
 ) -> Result<GcReport, GcError> {
+    let op = crate::logging::Op::start("gc");
     let _ = repo.manifest().map_err(GcError::List)?;
     // Before any snapshot is deleted: what the others on the chunk store need.
     let shared = super::fork::shared_refs(repo).map_err(GcError::ReadSharers)?;
@@ -364,6 +365,7 @@ pub fn gc_with(
             chunks,
         })
     };
+    op.step("decide");
     let decision = decide(
         head,
         &present,
@@ -395,6 +397,7 @@ pub fn gc_with(
         Some((snaps.len() + listed.len()) as u64),
     );
     let mut swept = 0;
+    op.step("sweep_snapshots");
     for (seq, info) in &snaps {
         if sweep(repo, info, closed.contains(seq), &old_enough, &mut report)? == Fate::Deleted {
             report.snapshots_deleted += 1;
@@ -403,6 +406,7 @@ pub fn gc_with(
         swept += 1;
         crate::progress::set(swept);
     }
+    op.step("sweep_chunks");
     for (id, info) in listed {
         swept += 1;
         crate::progress::set(swept);
@@ -416,6 +420,7 @@ pub fn gc_with(
         }
     }
     // Metadata images go with the last kept snapshot that names them.
+    op.step("sweep_images");
     let (n, bytes) = super::image::sweep(repo, &closed, grace).map_err(GcError::Images)?;
     report.images_deleted = n;
     report.bytes_deleted += bytes;

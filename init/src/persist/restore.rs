@@ -109,6 +109,7 @@ pub fn restore_with(
     state_dir: &Path,
     mode: RestoreMode,
 ) -> Result<RestoreReport, RestoreError> {
+    let _op = crate::logging::Op::start("restore");
     let r = restore_inner(repo, seq, state_dir, mode);
     if r.is_err() && state_dir.join(UNFINISHED).exists() && !state_dir.join("meta.db").exists() {
         // Leave the state dir empty again.
@@ -276,10 +277,12 @@ fn restore_inner(
     };
     let building = state_dir.join(BUILDING_DB);
     if mode == RestoreMode::Lazy {
+        crate::logging::step("restore", "image");
         if let Some(report) = from_image(repo, seq, state_dir, remote_id.as_deref(), &mut laps) {
             return finish(state_dir, report, laps, t0);
         }
     }
+    crate::logging::step("restore", "load");
     let (tree, headers) = repo
         .load_tree(seq)
         .map_err(|source| RestoreError::LoadSnapshot { seq, source })?;
@@ -296,8 +299,10 @@ fn restore_inner(
         inodes: tree.inodes.len() as u64,
         ..Default::default()
     };
+    crate::logging::step("restore", "bodies");
     let wanted = create_bodies(&tree, &bodies, &mut report, mode)?;
     if mode == RestoreMode::Eager {
+        crate::logging::step("restore", "fetch_chunks");
         fetch_bodies(repo, tree.chunk_size, &wanted, &bodies, &mut report)?;
     }
     sys::file::syncfs(state_dir).map_err(|e| bad(format!("sync bodies: {e}")))?;
@@ -305,6 +310,7 @@ fn restore_inner(
 
     let state = state_rows(repo, &headers, remote_id.as_deref());
     let mut rows_done = None;
+    crate::logging::step("restore", "rows");
     create_bulk(
         &building,
         Nanos(now_ns()),
@@ -422,6 +428,7 @@ fn finish(
         reason,
     };
     let building = state_dir.join(BUILDING_DB);
+    crate::logging::step("restore", "finish");
     // The database is durable before it becomes the workspace (the rename), and the rename
     // before the marker goes.
     sync_file(&building).map_err(|e| bad(format!("sync {BUILDING_DB}: {e}")))?;

@@ -320,7 +320,8 @@ impl Persister {
         opts: &CheckpointOptions,
     ) -> Result<CheckpointReport, CheckpointError> {
         let t0 = Instant::now();
-        let r = self.take_checkpoint(opts);
+        let op = crate::logging::Op::start("checkpoint");
+        let r = self.take_checkpoint(opts, &op);
         let done = r.as_ref().ok();
         let outcome = done.map(|r| (r.seq.is_some(), r.chunks_uploaded, r.chunk_bytes_uploaded));
         super::metrics::checkpoint(outcome, t0.elapsed());
@@ -333,6 +334,7 @@ impl Persister {
     fn take_checkpoint(
         &mut self,
         opts: &CheckpointOptions,
+        op: &crate::logging::Op,
     ) -> Result<CheckpointReport, CheckpointError> {
         let t0 = Instant::now();
         if let Some(l) = &self.lease {
@@ -343,6 +345,7 @@ impl Persister {
         self.recover_unrecorded_writes()?;
 
         // 1. Claim the change set; decide between nothing, a delta and a full snapshot.
+        op.step("claim");
         self.claim_changes(opts.synced_at.unwrap_or(Nanos(now_ns())))?;
         let mut prior = self.read_prior()?;
         if !steps::wants_full(&prior, opts.full, &self.params)
@@ -353,6 +356,7 @@ impl Persister {
                 ..Default::default()
             });
         }
+        op.step("read_head");
         let head = self.read_fenced_head()?;
         self.follow_foreign_head(&mut prior, head.as_ref().map(|h| &h.0))?;
         steps::lazy_windows_carry_over(&prior, self.params.chunk_size)?;
@@ -360,24 +364,29 @@ impl Persister {
         let full = steps::wants_full(&prior, opts.full, &self.params);
 
         // 2. A consistent view of what changed.
+        op.step("collect");
         let mut pass = Pass::new(prior, full, head);
         self.collect_changes(&mut pass)?;
 
         // 3. Hash the windows, upload the chunks the remote lacks.
+        op.step("upload_chunks");
         pass.reuse_unfetched_windows();
         self.hash_and_upload(&mut pass, opts.deadline)?;
         pass.fill_chunk_maps(self.params.chunk_size);
 
         // 4. Upload the snapshot, after the chunks it names are durable.
+        op.step("upload_snapshot");
         let seq = self.upload_snapshot(&mut pass, opts.deadline)?;
 
         // 5. Advance the head, fenced by the lease.
+        op.step("advance_head");
         self.advance_head(&pass, seq)?;
         if pass.in_flight {
             self.clear_in_flight();
         }
 
         // 6. Record it locally: new chunk maps, pending set done.
+        op.step("record_locally");
         self.record_locally(&pass, seq)?;
         let mut report = pass.report;
         report.seq = Some(seq);

@@ -242,6 +242,7 @@ impl WorkspaceFs {
             };
             break (claim, need, ids, body);
         };
+        let op = crate::logging::Op::start("lazy_fetch");
         let results = match self.lazy.source.get() {
             Some(s) => s.fetch(&ids),
             None => ids
@@ -256,6 +257,7 @@ impl WorkspaceFs {
         };
         // Write what arrived, under the lock so a concurrent truncate cannot interleave
         // (windows it dropped are skipped).
+        op.step("write");
         let mut written = Vec::new();
         let mut err = None;
         {
@@ -290,6 +292,7 @@ impl WorkspaceFs {
         }
         if !written.is_empty() {
             // Durable bytes (and the body's name) before the record that says they are there.
+            op.step("record");
             body.sync_data()?;
             let named = self.lazy.lock().get(&ino).is_some_and(|f| f.entry_durable);
             if !named {
@@ -431,6 +434,7 @@ impl WorkspaceFs {
     /// or `stop` is set (background prefetch). Returns the windows fetched; a file whose
     /// window fails is skipped (its reads report the failure).
     pub fn prefetch_all(&self, stop: &AtomicBool, batch: usize) -> u64 {
+        let _op = crate::logging::Op::start("prefetch");
         let cs = self.opts.chunk_size;
         let batch = batch.max(1) as u64;
         let list = match self.lock().store.read().files_with_missing_windows() {
