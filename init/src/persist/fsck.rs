@@ -119,10 +119,21 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
         path: state_dir.to_path_buf(),
         reason,
     };
+    let mut rep = FsckReport::default();
     if !state_dir.join("meta.db").exists() {
+        if state_dir.join(super::restore::UNFINISHED).exists() {
+            // A first start (or `keel snapshot restore`) killed before its database was in
+            // place: nothing is lost, the next one starts the restore over.
+            rep.add(
+                Level::Note,
+                "a restore into this state dir did not finish (it holds no workspace yet); the next keel run, keel mount or keel snapshot restore starts it over".into(),
+                false,
+            );
+            rep.elapsed_s = t0.elapsed().as_secs_f64();
+            return Ok(rep);
+        }
         return Err(bad("no meta.db: not a keel state dir".into()));
     }
-    let mut rep = FsckReport::default();
     // Before anything opens a file: opening the database makes it private by itself.
     check_modes(state_dir, "state dir", &mut rep, opts.repair);
     if let Some(root) = opts.remote.as_ref().and_then(|r| r.remote.local_root()) {
