@@ -78,10 +78,9 @@ pub fn prepare(cfg: &Config) -> Result<Prepared, StartError> {
     // The lease before anything reads or writes the remote; the lock is ours, so a lease
     // this state dir recorded is taken back at once.
     crate::logging::step("start", "lease");
-    let lease = ReleaseOnDrop::new(crate::persist::acquire_lease(
+    let lease = ReleaseOnDrop::new(crate::persist::acquire_lease_at_start(
         &cfg.workspace.state_dir,
         &cfg.persist,
-        true,
     )?);
     crate::logging::step("start", "restore");
     let log = crate::progress::Logged::new("restore", crate::persist::service::LOG_EVERY);
