@@ -43,6 +43,8 @@ pub enum StartError {
     Prefetch(#[source] std::io::Error),
     #[error("checkpoints: {0}")]
     Checkpoints(#[source] ServiceError),
+    #[error("state dir {0}: a restore into it did not finish, and no remote is configured to finish it (start with the remote it came from, or empty the state dir)")]
+    UnfinishedRestore(std::path::PathBuf),
 }
 
 impl StartError {
@@ -87,7 +89,19 @@ pub fn prepare(cfg: &Config) -> Result<Prepared, StartError> {
     if let Some(what) = crate::progress::scope(log, || restore_on_start(cfg))? {
         tracing::info!("{what}");
     }
+    // The lock accepts a state dir an unfinished restore left; one that no restore took
+    // over now must not become an empty workspace.
+    unfinished_restore_left(&cfg.workspace.state_dir)?;
     Ok(Prepared { lock, lease })
+}
+
+/// A restore's marker without a database after the start's restore step: no remote
+/// finished it (none is configured), so starting would make an empty workspace over it.
+fn unfinished_restore_left(state: &std::path::Path) -> Result<(), StartError> {
+    if state.join(restore::UNFINISHED).exists() && !state.join("meta.db").exists() {
+        return Err(StartError::UnfinishedRestore(state.to_path_buf()));
+    }
+    Ok(())
 }
 
 /// A remote is configured and the state dir has no workspace yet: `restore_on_start` asks
@@ -328,5 +342,21 @@ impl Finisher for Service {
 
     fn close(self: Box<Self>, clean: bool) {
         Service::close(*self, clean)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unfinished_restore_nobody_took_over_stops_the_start() {
+        let d = tempfile::tempdir().unwrap();
+        unfinished_restore_left(d.path()).unwrap();
+        std::fs::write(d.path().join(restore::UNFINISHED), b"").unwrap();
+        let e = unfinished_restore_left(d.path()).unwrap_err().to_string();
+        assert!(e.contains("did not finish"), "{e}");
+        std::fs::write(d.path().join("meta.db"), b"").unwrap();
+        unfinished_restore_left(d.path()).unwrap();
     }
 }

@@ -122,7 +122,7 @@ pub fn restore_with(
 
 /// Present in a state dir from before a restore writes anything until its database is in
 /// place: a state dir with it and no `meta.db` holds an unfinished restore.
-pub const UNFINISHED: &str = "restore.unfinished";
+pub const UNFINISHED: &str = crate::config::persist::RESTORE_UNFINISHED_FILE;
 
 /// The database a restore builds, renamed to `meta.db` when it is complete and durable.
 const BUILDING_DB: &str = "meta.db.restoring";

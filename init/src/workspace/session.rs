@@ -120,7 +120,14 @@ fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
             .create(dir)
             .map_err(|e| bad(format!("cannot create: {e}")))?;
     }
-    if !dir.join("meta.db").exists() {
+    // A restore killed before its database was in place left its marker and part of its
+    // output: the start's restore removes that and starts over (and refuses anything it
+    // did not write itself).
+    if !dir.join("meta.db").exists()
+        && !dir
+            .join(crate::config::persist::RESTORE_UNFINISHED_FILE)
+            .exists()
+    {
         let entries = std::fs::read_dir(dir).map_err(|e| bad(format!("cannot read: {e}")))?;
         for e in entries.flatten() {
             let name = e.file_name();
@@ -565,5 +572,35 @@ impl Drop for FuseSession {
         if !self.unmounted {
             let _ = self.unmount_inner();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_state_dir_holding_an_unfinished_restore_is_accepted_and_others_are_not() {
+        // Found by the kill-anywhere soak: keel killed inside the eager restore of its
+        // start (a new host) would not start again on that state dir: "not a keel state
+        // dir (it holds `restore.unfinished` but no meta.db); refusing to touch it".
+        let d = tempfile::tempdir().unwrap();
+        for f in [
+            "lock",
+            "lease.holder",
+            "restore.unfinished",
+            "meta.db.restoring",
+        ] {
+            std::fs::write(d.path().join(f), b"").unwrap();
+        }
+        std::fs::create_dir(d.path().join("bodies")).unwrap();
+        check_state_dir(d.path()).expect("an unfinished restore's state dir");
+        // Without the marker, something that is not keel's is still refused.
+        std::fs::remove_file(d.path().join("restore.unfinished")).unwrap();
+        let e = check_state_dir(d.path()).unwrap_err().to_string();
+        assert!(e.contains("meta.db.restoring"), "{e}");
+        let other = tempfile::tempdir().unwrap();
+        std::fs::write(other.path().join("notes.txt"), b"mine").unwrap();
+        assert!(check_state_dir(other.path()).is_err());
     }
 }
