@@ -44,3 +44,33 @@ where
         writeln!(writer)
     }
 }
+
+/// Where a long operation (a checkpoint, gc, rollback, restore, fork, the start) has got: a
+/// debug line `step OP STEP` on the target `keel::step` as it enters each step, and `step OP
+/// end` when it returns, fails or unwinds (the guard's drop). Hidden by default (the filter
+/// is `info`); `KEEL_LOG=info,keel::step=debug` shows them, so a crash test can tell inside
+/// which step a kill landed (`ci/soak.py`). Disabled, each costs one filter check.
+#[must_use = "the operation ends when the guard drops"]
+pub struct Op(&'static str);
+
+impl Op {
+    pub fn start(op: &'static str) -> Op {
+        step(op, "start");
+        Op(op)
+    }
+
+    pub fn step(&self, step: &'static str) {
+        self::step(self.0, step);
+    }
+}
+
+impl Drop for Op {
+    fn drop(&mut self) {
+        step(self.0, "end");
+    }
+}
+
+/// One step line (see [`Op`]).
+pub fn step(op: &'static str, step: &'static str) {
+    tracing::debug!(target: "keel::step", "step {op} {step}");
+}

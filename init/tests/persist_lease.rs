@@ -3,7 +3,10 @@
 //! releases; an abandoned lease is refused while live, waited out with `wait`, taken at once
 //! with `force` (and the old holder's next checkpoint fails with "lease lost" without
 //! moving the head); a remote cut in the middle of a large checkpoint is retried until it
-//! is back, with nothing lost; and no credential ever shows up in an error or status.
+//! is back, with nothing lost; a lease that lapsed in an outage longer than its ttl is
+//! taken back when the remote answers (checkpoints resume without a restart), and a start
+//! while the remote is gone serves the local workspace with the lease pending; and no
+//! credential ever shows up in an error or status.
 //!
 //! Every test uses the same distinctive secret key (set once for the whole binary), so any
 //! string a test sees can be checked for it.
@@ -344,6 +347,158 @@ fn remote_cut_mid_checkpoint_is_retried_and_nothing_is_lost() {
         .unwrap()
         .unwrap();
     assert_eq!(next.info().epoch, 2);
+}
+
+/// Waits (a hang guard only) until `f` holds for the service's published state.
+fn wait_state(
+    svc: &Service,
+    what: &str,
+    f: impl Fn(&keel::persist::service::PersistState) -> bool,
+) {
+    let t0 = Instant::now();
+    loop {
+        let st = svc.published_state();
+        if f(&st) {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(180),
+            "{what}: never; {st:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn an_outage_longer_than_the_lease_pauses_checkpoints_until_the_remote_answers() {
+    // Found by the kill-anywhere soak: a remote gone for a minute (longer than the lease's
+    // ttl) left the lease lost for good, and no checkpoint ever went through again until
+    // keel was restarted.
+    let Some((_moto, port)) = start_moto() else {
+        return;
+    };
+    let proxy = Proxy::start(port);
+    let c = PersistConfig {
+        interval: Duration::from_secs(1),
+        ..cfg(
+            proxy.port(),
+            "lapse",
+            Duration::from_secs(5),
+            Takeover::Refuse,
+        )
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    write_file(&fs, "a", b"before");
+    let lease = acquire_lease(dir.path(), &c, false).unwrap();
+    let svc = Service::start(
+        &service_cfg(dir.path()),
+        &c,
+        Box::new(|| Ok(())),
+        lease,
+        None,
+    )
+    .unwrap()
+    .unwrap();
+    svc.checkpoint_now().unwrap();
+    let before = head_seq(&c).unwrap().0;
+    proxy.cut();
+    wait_state(&svc, "lapse", |st| {
+        st.lease.as_ref().unwrap().state == LeaseState::Lost
+    });
+    write_file(&fs, "b", b"during the outage");
+    let e = svc.checkpoint_now().unwrap_err().to_string();
+    assert!(e.contains("lease lapsed"), "{e}");
+    proxy.restore();
+    // Taken back by the renewal thread, and the periodic checkpoint takes what changed.
+    wait_state(&svc, "lease taken back", |st| {
+        st.lease.as_ref().unwrap().state == LeaseState::Held
+    });
+    wait_state(&svc, "checkpoint after the outage", |st| {
+        st.last_seq.is_some_and(|s| s > before) && st.backlog.files == 0
+    });
+    // A new epoch (2, or later if a loaded machine let it lapse again meanwhile).
+    assert!(head_seq(&c).unwrap().1 >= 2, "written under a new epoch");
+    let mut svc = svc;
+    svc.finish().unwrap();
+    svc.close(true);
+    let target = tempfile::tempdir().unwrap();
+    let mut repo = open_remote(&c.remote, &c).unwrap();
+    restore::restore(&mut repo, None, target.path()).unwrap();
+    assert_eq!(dump(&open_fs(target.path())), dump(&fs));
+}
+
+#[test]
+fn a_start_while_the_remote_is_gone_runs_on_the_local_workspace_until_it_answers() {
+    // keel killed during an outage and started again before the remote is back: it used to
+    // exit ("read lease: ... connection refused"); a state dir that holds the workspace
+    // starts with the lease pending and takes it once the remote answers.
+    let Some((_moto, port)) = start_moto() else {
+        return;
+    };
+    let proxy = Proxy::start(port);
+    let c = PersistConfig {
+        interval: Duration::from_secs(1),
+        ..cfg(
+            proxy.port(),
+            "pending",
+            Duration::from_secs(30),
+            Takeover::Refuse,
+        )
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let fs = open_fs(dir.path());
+    write_file(&fs, "a", b"first");
+    {
+        // A first run that checkpoints and is killed (its lease left live: a dropped lease
+        // stops renewing, as after a crash, and is not released).
+        let lease = acquire_lease(dir.path(), &c, true).unwrap().unwrap();
+        let mut p =
+            Persister::open(dir.path(), open_remote(&c.remote, &c).unwrap(), params()).unwrap();
+        p.set_lease(Some(lease.handle()));
+        p.checkpoint(&CheckpointOptions::default()).unwrap();
+    }
+    let before = head_seq(&c).unwrap().0;
+    proxy.cut();
+    let t0 = Instant::now();
+    let lease = keel::persist::acquire_lease_at_start(dir.path(), &c)
+        .expect("a start with the remote gone")
+        .unwrap();
+    println!(
+        "started with the lease pending after {:.1}s",
+        t0.elapsed().as_secs_f64()
+    );
+    assert_eq!(lease.info().state, LeaseState::Lost);
+    let svc = Service::start(
+        &service_cfg(dir.path()),
+        &c,
+        Box::new(|| Ok(())),
+        Some(lease),
+        None,
+    )
+    .unwrap()
+    .unwrap();
+    write_file(&fs, "b", b"while the remote is gone");
+    assert!(svc.checkpoint_now().is_err());
+    // An empty state dir cannot start without the remote: it has nothing to serve.
+    let fresh = tempfile::tempdir().unwrap();
+    assert!(keel::persist::acquire_lease_at_start(fresh.path(), &c).is_err());
+    proxy.restore();
+    wait_state(&svc, "lease acquired", |st| {
+        st.lease.as_ref().unwrap().state == LeaseState::Held
+    });
+    wait_state(&svc, "checkpoint once the remote answers", |st| {
+        st.last_seq.is_some_and(|s| s > before) && st.backlog.files == 0
+    });
+    // Its own previous lease (still live when it started): taken back, a new epoch.
+    assert_eq!(head_seq(&c).unwrap().1, 2);
+    let mut svc = svc;
+    svc.finish().unwrap();
+    svc.close(true);
+    let target = tempfile::tempdir().unwrap();
+    let mut repo = open_remote(&c.remote, &c).unwrap();
+    restore::restore(&mut repo, None, target.path()).unwrap();
+    assert_eq!(dump(&open_fs(target.path())), dump(&fs));
 }
 
 fn direct_with_lease(c: &PersistConfig) -> PersistConfig {

@@ -1,8 +1,8 @@
 //! A fresh host's restore, without a kernel: the bulk-written database keeps the running
 //! totals right (fsck clean, totals equal to a count of the rows) and its triggers and
 //! indexes working afterwards; and a restore that dies before its database is in place
-//! leaves a state dir that is never taken for a workspace and that the next restore
-//! recognises and starts over.
+//! leaves a state dir that is never taken for a workspace, that fsck calls clean (saying
+//! what it is) and that the next restore recognises and starts over.
 
 mod support;
 
@@ -143,6 +143,25 @@ fn a_restore_that_dies_midway_is_never_a_workspace_and_is_redone() {
     )
     .unwrap();
     std::fs::write(dir.path().join("meta.db.restoring-journal"), b"x").unwrap();
+    // fsck of the state dir as the kill left it: nothing is damaged, it says what it is.
+    let rep = fsck(
+        dir.path(),
+        &FsckOptions {
+            repair: false,
+            quick: false,
+            chunk_size: CHUNK,
+            remote: Some(Repo::new(remote.clone(), "ws")),
+        },
+    )
+    .expect("fsck of a state dir whose restore was killed");
+    assert!(rep.is_clean(), "{:?}", rep.findings);
+    assert!(
+        rep.findings.iter().any(|f| f
+            .what
+            .contains("restore into this state dir did not finish")),
+        "{:?}",
+        rep.findings
+    );
 
     let r = restore::restore_with(
         &mut Repo::new(remote.clone(), "ws"),

@@ -43,6 +43,8 @@ pub enum StartError {
     Prefetch(#[source] std::io::Error),
     #[error("checkpoints: {0}")]
     Checkpoints(#[source] ServiceError),
+    #[error("state dir {0}: a restore into it did not finish, and no remote is configured to finish it (start with the remote it came from, or empty the state dir)")]
+    UnfinishedRestore(std::path::PathBuf),
 }
 
 impl StartError {
@@ -75,26 +77,40 @@ pub fn prepare(cfg: &Config) -> Result<Prepared, StartError> {
     if let Err(e) = crate::persist::secure_at_start(&cfg.workspace.state_dir, Some(&cfg.persist)) {
         tracing::warn!(state = %cfg.workspace.state_dir.display(), error = %e, "cannot make the state dir private");
     }
+    crate::logging::step("start", "lock");
     let lock = crate::workspace::lock_state(&cfg.workspace).map_err(StartError::Lock)?;
     crate::persist::remove_scratch(&cfg.workspace.state_dir);
     // The lease before anything reads or writes the remote; the lock is ours, so a lease
     // this state dir recorded is taken back at once.
-    let lease = ReleaseOnDrop::new(crate::persist::acquire_lease(
+    crate::logging::step("start", "lease");
+    let lease = ReleaseOnDrop::new(crate::persist::acquire_lease_at_start(
         &cfg.workspace.state_dir,
         &cfg.persist,
-        true,
     )?);
+    crate::logging::step("start", "restore");
     let log = crate::progress::Logged::new("restore", crate::persist::service::LOG_EVERY);
     let mut restored_from = None;
     if let Some((what, repo)) = crate::progress::scope(log, || restore_on_start(cfg))? {
         tracing::info!("{what}");
         restored_from = Some(repo);
     }
+    // The lock accepts a state dir an unfinished restore left; one that no restore took
+    // over now must not become an empty workspace.
+    unfinished_restore_left(&cfg.workspace.state_dir)?;
     Ok(Prepared {
         lock,
         lease,
         restored_from,
     })
+}
+
+/// A restore's marker without a database after the start's restore step: no remote
+/// finished it (none is configured), so starting would make an empty workspace over it.
+fn unfinished_restore_left(state: &std::path::Path) -> Result<(), StartError> {
+    if state.join(restore::UNFINISHED).exists() && !state.join("meta.db").exists() {
+        return Err(StartError::UnfinishedRestore(state.to_path_buf()));
+    }
+    Ok(())
 }
 
 /// A remote is configured and the state dir has no workspace yet: `restore_on_start` asks
@@ -175,6 +191,7 @@ impl Prepared {
         cfg: &Config,
         main: Option<Arc<dyn MainCommand>>,
     ) -> Result<Workspace, StartError> {
+        crate::logging::step("start", "mount");
         let opened =
             crate::workspace::open_locked(&cfg.workspace, self.lock).map_err(StartError::Mount)?;
         // The remote is the source of windows not fetched yet before the first request can
@@ -203,6 +220,7 @@ impl Prepared {
             persist: None,
             prefetch: None,
         };
+        crate::logging::step("start", "lazy_source");
         let inval = ws.mounted().invalidator();
         if lazy.is_some() {
             let beside = found
@@ -210,6 +228,7 @@ impl Prepared {
                 .filter(|_| cfg.persist.replay == ReplayMode::Beside);
             ws.prefetch = start_background(cfg, &fs, beside)?;
         }
+        crate::logging::step("start", "checkpoints");
         ws.persist = start_persist(cfg, &fs, self.lease.take(), main)?;
         if let Some(svc) = &ws.persist {
             let fs2 = fs.clone();
@@ -218,6 +237,7 @@ impl Prepared {
         if let (Some(svc), Some(inval)) = (&ws.persist, inval) {
             svc.set_rollback(super::live::rollback_fn(fs, inval));
         }
+        crate::logging::step("start", "ready");
         Ok(ws)
     }
 }
@@ -381,5 +401,21 @@ impl Finisher for Service {
 
     fn close(self: Box<Self>, clean: bool) {
         Service::close(*self, clean)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unfinished_restore_nobody_took_over_stops_the_start() {
+        let d = tempfile::tempdir().unwrap();
+        unfinished_restore_left(d.path()).unwrap();
+        std::fs::write(d.path().join(restore::UNFINISHED), b"").unwrap();
+        let e = unfinished_restore_left(d.path()).unwrap_err().to_string();
+        assert!(e.contains("did not finish"), "{e}");
+        std::fs::write(d.path().join("meta.db"), b"").unwrap();
+        unfinished_restore_left(d.path()).unwrap();
     }
 }

@@ -14,6 +14,11 @@ use super::units::{duration_str, opt_duration_str, opt_size_str, size_str};
 /// state dir).
 pub const LEASE_HOLDER_FILE: &str = "lease.holder";
 
+/// The file in the state dir that marks a restore into it that has not finished (from
+/// before the restore writes anything until its database is in place): `persist` writes it,
+/// `workspace` accepts a state dir holding it (the restore at start starts over).
+pub const RESTORE_UNFINISHED_FILE: &str = "restore.unfinished";
+
 /// When `fsync` returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]

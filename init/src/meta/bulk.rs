@@ -340,13 +340,15 @@ impl super::Tx<'_> {
 }
 
 impl super::Tx<'_> {
-    /// The claimed windows of body files (`storage = 1`) as (ino, window), in that order:
-    /// what a full snapshot needs of `pending_windows` (an inline file's windows name
-    /// nothing it hashes, and after creating 1M small files there are 1M of them).
-    pub fn pending_body_windows(&self) -> Result<Vec<(InodeNo, u64)>> {
+    /// The dirty windows (claimed or since, see `snapshot_windows`) of body files
+    /// (`storage = 1`) as (ino, window), in that order: what a full snapshot needs of
+    /// `snapshot_windows` (an inline file's windows name nothing it hashes, and after
+    /// creating 1M small files there are 1M of them).
+    pub fn snapshot_body_windows(&self) -> Result<Vec<(InodeNo, u64)>> {
         let mut st = self.conn.counted(
-            "SELECT w.ino, w.idx FROM pending_window w JOIN inode i ON i.ino = w.ino
-             WHERE i.storage = 1 ORDER BY w.ino, w.idx",
+            "SELECT w.ino, w.idx FROM
+               (SELECT ino, idx FROM pending_window UNION SELECT ino, idx FROM dirty_window) w
+             JOIN inode i ON i.ino = w.ino WHERE i.storage = 1 ORDER BY w.ino, w.idx",
         )?;
         super::persist::window_rows(&mut st)
     }

@@ -123,27 +123,40 @@ impl Tx<'_> {
         Ok(())
     }
 
-    pub fn pending_inodes(&self) -> Result<Vec<InodeNo>> {
+    // What a checkpoint's snapshot takes: the claimed set and whatever was recorded since
+    // the claim, as one read view sees them. The claim is its own transaction and the
+    // filesystem keeps writing until the view is taken, so the claimed set alone is not
+    // closed: a claimed entry may name an inode created after the claim, a claimed
+    // directory may count a subdirectory whose entry came after it. Changes recorded since
+    // the claim stay recorded and go into the next snapshot again (re-stating an inode or an
+    // entry as it is then is harmless).
+
+    /// Inodes changed (claimed or since), in inode order.
+    pub fn snapshot_inodes(&self) -> Result<Vec<InodeNo>> {
         let mut st = self
             .conn
-            .counted("SELECT ino FROM pending_inode ORDER BY ino")?;
+            .counted("SELECT ino FROM pending_inode UNION SELECT ino FROM changed ORDER BY 1")?;
         let rows = st.query_map([], |r| r.get::<_, i64>(0))?;
         Ok(rows
             .map(|r| r.map(|i| InodeNo(i as u64)))
             .collect::<rusqlite::Result<_>>()?)
     }
 
-    pub fn pending_windows(&self) -> Result<Vec<(InodeNo, u64)>> {
-        let mut st = self
-            .conn
-            .counted("SELECT ino, idx FROM pending_window ORDER BY ino, idx")?;
+    /// Dirty windows (claimed or since), in (ino, window) order.
+    pub fn snapshot_windows(&self) -> Result<Vec<(InodeNo, u64)>> {
+        let mut st = self.conn.counted(
+            "SELECT ino, idx FROM pending_window UNION SELECT ino, idx FROM dirty_window
+             ORDER BY 1, 2",
+        )?;
         window_rows(&mut st)
     }
 
-    pub fn pending_dirents(&self) -> Result<Vec<(InodeNo, Vec<u8>)>> {
-        let mut st = self
-            .conn
-            .counted("SELECT parent, name FROM pending_dirent ORDER BY parent, name")?;
+    /// Changed entries (claimed or since), in (parent, name) order.
+    pub fn snapshot_dirents(&self) -> Result<Vec<(InodeNo, Vec<u8>)>> {
+        let mut st = self.conn.counted(
+            "SELECT parent, name FROM pending_dirent UNION SELECT parent, name FROM changed_dirent
+             ORDER BY 1, 2",
+        )?;
         let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?)))?;
         let mut out = Vec::new();
         for r in rows {

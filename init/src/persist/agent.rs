@@ -443,6 +443,7 @@ fn rollback(w: &mut Worker, req: &Rollback) -> Result<serde_json::Value, AgentEr
 }
 
 fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::Value, AgentError> {
+    let op = crate::logging::Op::start("rollback");
     let repo = w.p.repo().clone();
     if !w.paused {
         sync_kernel(w);
@@ -457,6 +458,7 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
     let t_ckpt = ms(t0);
     // Named until the rollback is done and its undo named, so that no gc (the checkpoint
     // after it, or one making room on the volume) takes the state before it meanwhile.
+    op.step("pin");
     let pin = format!("rollback-from-{current}");
     snapshots::record(
         &repo,
@@ -466,12 +468,14 @@ fn rollback_to(w: &mut Worker, target: u64, t0: Instant) -> Result<serde_json::V
         now_ns(),
     )
     .map_err(AgentError::RecordSnapshot)?;
-    let (mut answer, undo) =
-        roll_and_checkpoint(w, &repo, current, target).map_err(|e| AgentError::Unfinished {
+    let (mut answer, undo) = roll_and_checkpoint(w, &repo, current, target, &op).map_err(|e| {
+        AgentError::Unfinished {
             seq: current,
             pin: pin.clone(),
             source: Box::new(e),
-        })?;
+        }
+    })?;
+    op.step("unpin");
     if let Err(e) = snapshots::delete(&repo, &pin) {
         tracing::warn!(error = %e, name = %pin, "rollback: cannot drop the name it held");
     }
@@ -490,7 +494,9 @@ fn roll_and_checkpoint(
     repo: &super::repo::Repo,
     current: u64,
     target: u64,
+    op: &crate::logging::Op,
 ) -> Result<(serde_json::Value, String), AgentError> {
+    op.step("load");
     let t1 = Instant::now();
     // The history when it already sees both; else the parts of the two trees that can
     // differ (`diff::sparse`: what the deltas between them touch, or across a full snapshot
@@ -524,6 +530,7 @@ fn roll_and_checkpoint(
     };
     let t_load = ms(t1);
     let t2 = Instant::now();
+    op.step("apply");
     let f = w.rollback.as_ref().expect("checked above");
     let detail = f(repo, &cur, &tgt, &changed, sparse.as_ref()).map_err(AgentError::Apply)?;
     drop((cur, tgt));
@@ -531,6 +538,7 @@ fn roll_and_checkpoint(
     // What the trees held goes back to the system (RSS stays at the peak otherwise).
     crate::sys::mem::release_free_heap();
     let t_apply = ms(t2);
+    op.step("checkpoint_after");
     let t3 = Instant::now();
     let after = w
         .checkpoint(CheckpointOptions::default(), false)
@@ -539,6 +547,7 @@ fn roll_and_checkpoint(
     let undo = if new == current {
         current.to_string()
     } else {
+        op.step("name_undo");
         let undo = format!("before-rollback-{new}");
         snapshots::record(
             repo,

@@ -224,6 +224,7 @@ fn canon(repo: &Repo, key: &str) -> Option<String> {
 /// Creates a fork of `src` (snapshot `seq`, default its head) at `dst`, which must hold no
 /// workspace and live in the same store as the source's chunks. No chunk is copied.
 pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkReport, ForkError> {
+    let op = crate::logging::Op::start("fork");
     if src.manifest().map_err(ForkError::ReadSource)?.is_none() {
         return Err(ForkError::NoWorkspace(describe(src)));
     }
@@ -270,6 +271,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
     );
 
     // 1. The manifest (claims the target).
+    op.step("manifest");
     let id = random_id();
     let m = Manifest {
         format: format::FORMAT,
@@ -290,6 +292,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
     crate::progress::set(1);
     let made = (|| -> Result<ForkReport, ForkError> {
         // 2. The record on the chunk store, durable before anything names the chunks.
+        op.step("register");
         let rec = ForkRecord {
             id: id.clone(),
             path: rel(&owner_at, &dst_at),
@@ -320,6 +323,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
         crate::progress::set(4);
 
         // 5. One full snapshot of the tree, 6. the head.
+        op.step("snapshot");
         let last = headers.last().expect("a chain has a snapshot");
         let header = Header {
             format: format::FORMAT,
@@ -345,6 +349,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
             // A fresh workspace: its first writer takes the lease at epoch 1.
             epoch: 0,
         };
+        op.step("head");
         dst.write_head(&head, None).map_err(ForkError::WriteHead)?;
         dst.remote.flush().map_err(ForkError::Flush)?;
         crate::progress::set(6);
@@ -358,6 +363,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
         })
     })();
     if made.is_err() {
+        op.step("undo");
         // Leave no half fork behind: no head was written, so nothing depends on it.
         let _ = dst.remote.delete(&dst.snapshot_key(seq));
         let _ = src.remote.delete(&join(&owner_src, &format!("forks/{id}")));

@@ -118,6 +118,36 @@ pub struct FsckOptions {
     pub missing_remote: Option<String>,
 }
 
+/// A state dir without a database that a keel start locked and left before writing
+/// anything of the workspace: it holds keel's lock and nothing but the files a start makes
+/// before its restore (the lease holder, control sockets) or a volume brings.
+fn started_only(state_dir: &Path) -> bool {
+    const START_FILES: &[&str] = &[
+        "lock",
+        super::LEASE_HOLDER_FILE,
+        super::control::SOCKET_NAME,
+        "control.sock",
+        "lost+found",
+        ".keep",
+    ];
+    let Ok(entries) = std::fs::read_dir(state_dir) else {
+        return false;
+    };
+    let mut locked = false;
+    for e in entries {
+        let Ok(e) = e else { return false };
+        let name = e.file_name();
+        let Some(name) = name.to_str() else {
+            return false;
+        };
+        if !START_FILES.contains(&name) {
+            return false;
+        }
+        locked |= name == "lock";
+    }
+    locked
+}
+
 pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckError> {
     let t0 = Instant::now();
     let bad = |reason: String| FsckError::OpenState {
@@ -132,6 +162,17 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
             rep.add(
                 Level::Note,
                 "a restore into this state dir did not finish (it holds no workspace yet); the next keel run, keel mount or keel snapshot restore starts it over".into(),
+                false,
+            );
+            rep.elapsed_s = t0.elapsed().as_secs_f64();
+            return Ok(rep);
+        }
+        if started_only(state_dir) {
+            // A first start killed after it locked the state dir and before its restore
+            // began (taking the lease, say): nothing is lost, the next start restores.
+            rep.add(
+                Level::Note,
+                "no workspace here yet: a keel start was stopped before it restored or created one (it holds only keel's lock); the next keel run or keel mount does".into(),
                 false,
             );
             rep.elapsed_s = t0.elapsed().as_secs_f64();
@@ -443,4 +484,44 @@ fn check_remote(
         rep.add(Level::Error, format!("{why}{who}"), repaired);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> FsckOptions {
+        FsckOptions {
+            chunk_size: 4096,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_state_dir_a_start_left_before_its_restore_is_clean_with_a_note() {
+        // Found by the kill-anywhere soak: keel killed at start while it took the lease, on
+        // a fresh state dir (a new host restoring the remote lazily): the dir held only the
+        // lock, and fsck said "no meta.db: not a keel state dir" (exit 1).
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("lock"), b"").unwrap();
+        let rep = fsck(d.path(), &opts()).expect("a state dir a start left");
+        assert!(rep.is_clean(), "{:?}", rep.findings);
+        assert!(
+            rep.findings
+                .iter()
+                .any(|f| f.what.contains("no workspace here yet")),
+            "{:?}",
+            rep.findings
+        );
+        std::fs::write(d.path().join(crate::persist::LEASE_HOLDER_FILE), b"x").unwrap();
+        assert!(fsck(d.path(), &opts()).unwrap().is_clean());
+        // Anything else without a database is not taken for a state dir keel started on.
+        std::fs::create_dir(d.path().join("bodies")).unwrap();
+        assert!(fsck(d.path(), &opts()).is_err());
+        let empty = tempfile::tempdir().unwrap();
+        assert!(
+            fsck(empty.path(), &opts()).is_err(),
+            "no lock: keel never started there"
+        );
+    }
 }

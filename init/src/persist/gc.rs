@@ -323,6 +323,7 @@ pub fn gc_with(
     rules: &Retention,
     grace: Duration,
 ) -> Result<GcReport, GcError> {
+    let op = crate::logging::Op::start("gc");
     let _ = repo.manifest().map_err(GcError::List)?;
     // Announced before the fork records are read, and alive until the last delete: a fork
     // registered after that read waits for this gc to end before it reads its source.
@@ -375,6 +376,7 @@ pub fn gc_with(
             chunks,
         })
     };
+    op.step("decide");
     let decision = decide(
         head,
         &present,
@@ -406,6 +408,7 @@ pub fn gc_with(
         Some((snaps.len() + listed.len()) as u64),
     );
     let mut swept = 0;
+    op.step("sweep_snapshots");
     for (seq, info) in &snaps {
         match sweep(
             repo,
@@ -427,6 +430,7 @@ pub fn gc_with(
         swept += 1;
         crate::progress::set(swept);
     }
+    op.step("sweep_chunks");
     for (id, info) in listed {
         swept += 1;
         crate::progress::set(swept);
@@ -447,6 +451,7 @@ pub fn gc_with(
         }
     }
     // Metadata images go with the last kept snapshot that names them.
+    op.step("sweep_images");
     let (n, bytes) = super::image::sweep(repo, &closed, grace).map_err(GcError::Images)?;
     report.images_deleted = n;
     report.bytes_deleted += bytes;

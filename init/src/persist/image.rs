@@ -95,6 +95,7 @@ const LEVEL: i32 = 3;
 /// that a later one retries (`checkpoint::steps::retries_image`).
 pub fn publish(repo: &Repo, store: &Store, obj: &[u8], chunk_size: u64) -> Option<ImageRef> {
     let t0 = Instant::now();
+    crate::logging::step("checkpoint", "image");
     match build_and_upload(repo, store, obj, chunk_size) {
         Ok((r, raw)) => {
             tracing::info!(

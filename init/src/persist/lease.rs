@@ -3,10 +3,18 @@
 //! PUTs. Acquiring creates it (If-None-Match) or replaces an expired or released one
 //! (If-Match, epoch + 1); a live lease of another holder is refused, waited out or taken
 //! over by force (`[persist] takeover`). A background thread renews it every ttl/3 with
-//! If-Match on the version it last wrote; a refused renewal, another holder or epoch, or a
-//! lease that ran out before a renewal got through means the lease is lost: checkpoints
-//! stop (`LeaseHandle::check`), the local workspace keeps working. A clean shutdown
-//! releases it so the next writer need not wait.
+//! If-Match on the version it last wrote. Another holder or epoch (a takeover), a lease
+//! marked released or deleted means the lease is lost: checkpoints stop
+//! (`LeaseHandle::check`) until keel restarts, the local workspace keeps working. A lease
+//! that ran out because the remote did not answer (an outage longer than about the ttl)
+//! has only lapsed: checkpoints stop too, and the renewal thread keeps asking the remote;
+//! once it answers and the lease object is still the one we last wrote (nobody took it
+//! meanwhile), it takes it again under a new epoch with If-Match on that version, and
+//! checkpoints resume. A keel that starts on a state dir holding a workspace while the remote
+//! does not answer starts with the lease pending (`Lease::pending`): the same thread takes
+//! it as a start would (its own previous lease at once, another holder's once expired, or by
+//! force) when the remote answers. A clean shutdown releases it so the next writer need not
+//! wait.
 //!
 //! Expiry is judged twice: by other writers from the wall-clock `expires_ns` in the object
 //! (hosts' clocks must roughly agree), and by the holder itself from its monotonic clock,
@@ -83,6 +91,8 @@ pub enum LeaseError {
     Write { key: String, source: RemoteError },
     #[error("lease lost: {0}; checkpoints are stopped (the local workspace keeps working); restart keel to take the lease again")]
     Lost(String),
+    #[error("lease lapsed: {0}; checkpoints wait until the remote answers again and keel takes it back (the local workspace keeps working)")]
+    Lapsed(String),
 }
 
 /// Why the lease stopped being ours (its message becomes `LeaseError::Lost`'s).
@@ -108,6 +118,36 @@ pub enum LostReason {
     /// Renewal asked of a lease no longer held: why it was not (or "not held").
     #[error("{0}")]
     NotHeld(String),
+    /// A lease pending since the start found another writer's live lease.
+    #[error("the workspace is in use by another writer: lease {who}, epoch {epoch} (restart with --takeover=wait or --takeover=force to take it)")]
+    HeldBy { who: String, epoch: u64 },
+}
+
+impl LeaseError {
+    /// The remote could not be asked (a retry later may work), as opposed to an answer that
+    /// refuses the lease.
+    pub fn is_temporary(&self) -> bool {
+        match self {
+            LeaseError::Read { source, .. } | LeaseError::Write { source, .. } => {
+                source.is_temporary()
+            }
+            _ => false,
+        }
+    }
+}
+
+impl LostReason {
+    /// The remote did not answer in time: nobody else is known to hold the lease, so it
+    /// may be taken again once the remote answers and the object is still ours.
+    fn is_lapse(&self) -> bool {
+        matches!(
+            self,
+            LostReason::Unreadable(_)
+                | LostReason::RenewFailed(_)
+                | LostReason::Expired
+                | LostReason::RanOut
+        )
+    }
 }
 
 /// Where the lease stands, for `/status`.
@@ -151,7 +191,20 @@ struct St {
     valid_until: Instant,
     state: LeaseState,
     error: Option<String>,
+    /// `state` is `Lost` by a lapse only (see `LostReason::is_lapse`): the renewal thread
+    /// tries to take it back.
+    lapsed: bool,
+    /// Not acquired yet: the remote did not answer at start (see `Lease::pending`).
+    pending: Option<Pending>,
     stop: bool,
+}
+
+/// How a lease pending since the start is to be taken.
+#[derive(Clone)]
+struct Pending {
+    takeover: Takeover,
+    /// This state dir's previous holder id (its keel is gone): taken at once, live or not.
+    reclaim: Option<String>,
 }
 
 struct Shared {
@@ -195,20 +248,207 @@ impl Shared {
         }
     }
 
-    /// Marks the lease lost (once: the first reason wins) and says so loudly.
+    /// Marks the lease lost and says so loudly: lapsed (the remote did not answer) or lost
+    /// for good (another writer). The first reason wins, except that a loss for good
+    /// overrides a lapse.
     fn lose(&self, why: LostReason) {
+        let lapse = why.is_lapse();
         let why = why.to_string();
         {
             let mut st = lock(&self.st);
-            if st.state != LeaseState::Held {
+            let first = st.state == LeaseState::Held;
+            let worse = st.state == LeaseState::Lost && st.lapsed && !lapse;
+            if !first && !worse {
                 return;
             }
             st.state = LeaseState::Lost;
             st.error = Some(why.clone());
+            st.lapsed = lapse;
         }
-        tracing::error!(lease = %self.key, "LEASE LOST: {why}; checkpoints to the remote are stopped, the local workspace keeps working");
+        if lapse {
+            tracing::error!(lease = %self.key, "LEASE LAPSED: {why}; checkpoints to the remote wait until the remote answers again and keel takes the lease back (unless another writer took it meanwhile), the local workspace keeps working");
+        } else {
+            tracing::error!(lease = %self.key, "LEASE LOST: {why}; checkpoints to the remote are stopped, the local workspace keeps working");
+        }
         self.wake.notify_all();
         self.notify();
+    }
+
+    /// After a lapse: takes the lease back if the object on the remote is still the one we
+    /// last wrote (same holder and epoch, not released), as a new epoch with If-Match on
+    /// its version. `Ok(false)`: the remote did not answer (or changed under us: look again
+    /// later); `Err`: someone else holds it now, lost for good.
+    fn regain(&self) -> Result<bool, LostReason> {
+        let (holder, epoch, pending) = {
+            let st = lock(&self.st);
+            (
+                st.record.holder.clone(),
+                st.record.epoch,
+                st.pending.clone(),
+            )
+        };
+        if let Some(p) = pending {
+            return self.acquire_pending(&p);
+        }
+        // One attempt at a time: no retry outlives a ttl.
+        let _d = deadline_scope(Some(Instant::now() + self.ttl));
+        let (current, version) = match self.read() {
+            Ok(Some((r, Some(v)))) => (r, v),
+            Ok(Some((_, None))) => {
+                return Err(LostReason::NotHeld(
+                    "the store gives no object versions (ETags)".into(),
+                ))
+            }
+            Ok(None) => return Err(LostReason::Deleted),
+            Err(_) => return Ok(false),
+        };
+        if current.holder != holder || current.epoch != epoch {
+            return Err(LostReason::TakenOver {
+                who: current.who(),
+                epoch: current.epoch,
+                ours: epoch,
+            });
+        }
+        if current.released {
+            return Err(LostReason::Released);
+        }
+        let now = now_ns();
+        let record = LeaseRecord {
+            epoch: epoch + 1,
+            acquired_ns: now,
+            expires_ns: now + self.ttl.as_nanos() as i64,
+            released: false,
+            ..current
+        };
+        let sent = Instant::now();
+        let data = Bytes::from(serde_json::to_vec(&record).expect("lease serialises"));
+        match self.remote.put(&self.key, data, PutMode::Update(version)) {
+            Ok(v) => {
+                let v = match v {
+                    Some(v) => Some(v),
+                    None => self.read().ok().flatten().and_then(|(_, v)| v),
+                };
+                {
+                    let mut st = lock(&self.st);
+                    if st.state != LeaseState::Lost || !st.lapsed || st.stop {
+                        return Ok(false);
+                    }
+                    st.record = record;
+                    st.version = v;
+                    st.valid_until = sent + self.ttl;
+                    st.state = LeaseState::Held;
+                    st.error = None;
+                    st.lapsed = false;
+                }
+                tracing::warn!(lease = %self.key, epoch = epoch + 1, "workspace lease taken back after the remote answered again; checkpoints resume");
+                self.notify();
+                Ok(true)
+            }
+            // Written meanwhile (maybe our own write with its reply lost): the next read says.
+            Err(_) => Ok(false),
+        }
+    }
+
+    /// A lease pending since the start: taken as `Lease::acquire` would, now that the
+    /// remote may answer. `Ok(false)`: not yet (no answer, or a write raced us).
+    fn acquire_pending(&self, p: &Pending) -> Result<bool, LostReason> {
+        let _d = deadline_scope(Some(Instant::now() + self.ttl));
+        let now = now_ns();
+        let (epoch, mode, old) = match self.read() {
+            Err(_) => return Ok(false),
+            Ok(None) => (1, PutMode::Create, None),
+            Ok(Some((_, None))) => {
+                return Err(LostReason::NotHeld(
+                    "the store gives no object versions (ETags)".into(),
+                ))
+            }
+            Ok(Some((r, Some(v)))) => {
+                let ours = p.reclaim.as_deref() == Some(r.holder.as_str());
+                if r.live(now) && !ours {
+                    match p.takeover {
+                        Takeover::Force => {}
+                        // Waits for it to run out: the next try looks again.
+                        Takeover::Wait => return Ok(false),
+                        Takeover::Refuse => {
+                            return Err(LostReason::HeldBy {
+                                who: r.who(),
+                                epoch: r.epoch,
+                            })
+                        }
+                    }
+                }
+                (r.epoch + 1, PutMode::Update(v), Some(r))
+            }
+        };
+        let holder = lock(&self.st).record.holder.clone();
+        let record = LeaseRecord {
+            holder,
+            host: host_name(),
+            pid: std::process::id(),
+            epoch,
+            acquired_ns: now,
+            expires_ns: now + self.ttl.as_nanos() as i64,
+            ttl_ms: self.ttl.as_millis() as u64,
+            released: false,
+        };
+        let sent = Instant::now();
+        let data = Bytes::from(serde_json::to_vec(&record).expect("lease serialises"));
+        let Ok(v) = self.remote.put(&self.key, data, mode) else {
+            return Ok(false);
+        };
+        let v = match v {
+            Some(v) => Some(v),
+            None => self.read().ok().flatten().and_then(|(_, v)| v),
+        };
+        {
+            let mut st = lock(&self.st);
+            if st.stop {
+                return Ok(false);
+            }
+            st.record = record;
+            st.version = v;
+            st.valid_until = sent + self.ttl;
+            st.state = LeaseState::Held;
+            st.error = None;
+            st.lapsed = false;
+            st.pending = None;
+        }
+        if let Some(o) = old.filter(|o| o.live(now)) {
+            tracing::warn!("took over the workspace lease from {}", o.who());
+        }
+        tracing::warn!(lease = %self.key, epoch, "workspace lease acquired now that the remote answers; checkpoints start");
+        self.notify();
+        Ok(true)
+    }
+
+    /// Tries `regain` until it works, the lapse turns into a loss for good, or the lease
+    /// is stopped; waits `soon`, doubling up to `every`, between tries.
+    fn regain_loop(&self, soon: Duration, every: Duration) -> bool {
+        let mut wait = soon;
+        loop {
+            {
+                let st = lock(&self.st);
+                if st.stop || st.state != LeaseState::Lost || !st.lapsed {
+                    return st.state == LeaseState::Held && !st.stop;
+                }
+                let st = self
+                    .wake
+                    .wait_timeout(st, wait)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+                if st.stop {
+                    return false;
+                }
+            }
+            match self.regain() {
+                Ok(true) => return true,
+                Ok(false) => wait = (wait * 2).min(every),
+                Err(why) => {
+                    self.lose(why);
+                    return false;
+                }
+            }
+        }
     }
 
     /// The lease object and its version; `None` when absent.
@@ -301,15 +541,18 @@ impl Shared {
         let soon = (self.ttl / 10).min(Duration::from_secs(1));
         let mut next = Instant::now() + every;
         loop {
-            {
+            let held = {
                 let mut st = lock(&self.st);
                 loop {
-                    if st.stop || st.state != LeaseState::Held {
+                    if st.stop {
                         return;
+                    }
+                    if st.state != LeaseState::Held {
+                        break false;
                     }
                     let now = Instant::now();
                     if now >= next {
-                        break;
+                        break true;
                     }
                     st = self
                         .wake
@@ -317,20 +560,27 @@ impl Shared {
                         .unwrap_or_else(|p| p.into_inner())
                         .0;
                 }
+            };
+            if !held {
+                // Lost for good: nothing more to do. Lapsed: take it back when we can.
+                if !self.regain_loop(soon, every) {
+                    return;
+                }
+                next = Instant::now() + every;
+                continue;
             }
             match self.renew() {
                 Ok(true) => next = Instant::now() + every,
                 Ok(false) => next = Instant::now() + soon,
                 Err(why) => {
                     self.lose(why);
-                    return;
+                    continue;
                 }
             }
             // Out of time without a renewal: we can no longer prove we hold it.
             let valid_until = lock(&self.st).valid_until;
             if Instant::now() + self.margin() >= valid_until {
                 self.lose(LostReason::Expired);
-                return;
             }
         }
     }
@@ -496,6 +746,8 @@ impl Lease {
                             valid_until: sent + ttl,
                             state: LeaseState::Held,
                             error: None,
+                            lapsed: false,
+                            pending: None,
                             stop: false,
                         }),
                         wake: Condvar::new(),
@@ -517,6 +769,57 @@ impl Lease {
                     })
                 }
             }
+        }
+    }
+
+    /// A lease not acquired yet because the remote did not answer at start (`why`): keel
+    /// starts on its local workspace, and the renewal thread takes the lease as `acquire`
+    /// would (`takeover`, `reclaim`) once the remote answers; until then every checkpoint
+    /// is refused as with a lapsed lease. The holder id is `reclaim`'s when given (this
+    /// state dir keeps its id), else a new one.
+    pub fn pending(
+        remote: Arc<dyn Remote>,
+        key: &str,
+        ttl: Duration,
+        takeover: Takeover,
+        reclaim: Option<&str>,
+        why: &LeaseError,
+    ) -> Lease {
+        let now = now_ns();
+        let record = LeaseRecord {
+            holder: reclaim.map_or_else(|| random_id()[..16].to_string(), str::to_string),
+            host: host_name(),
+            pid: std::process::id(),
+            epoch: 0,
+            acquired_ns: now,
+            expires_ns: now,
+            ttl_ms: ttl.as_millis() as u64,
+            released: false,
+        };
+        let error = format!("not acquired yet: the remote did not answer at start ({why})");
+        tracing::warn!(lease = key, "{error}; keel starts on the local workspace and takes the lease when the remote answers");
+        Lease {
+            shared: Arc::new(Shared {
+                remote,
+                key: key.to_string(),
+                ttl,
+                st: Mutex::new(St {
+                    record,
+                    version: None,
+                    valid_until: Instant::now(),
+                    state: LeaseState::Lost,
+                    error: Some(error),
+                    lapsed: true,
+                    pending: Some(Pending {
+                        takeover,
+                        reclaim: reclaim.map(str::to_string),
+                    }),
+                    stop: false,
+                }),
+                wake: Condvar::new(),
+                observer: Mutex::new(None),
+            }),
+            renewer: None,
         }
     }
 
@@ -633,9 +936,15 @@ impl LeaseHandle {
     /// Our epoch, if the lease is held by our own clock (with the safety margin).
     pub fn check(&self) -> Result<u64, LeaseError> {
         let s = &self.0;
-        let (state, epoch, valid_until, error) = {
+        let (state, epoch, valid_until, error, lapsed) = {
             let st = lock(&s.st);
-            (st.state, st.record.epoch, st.valid_until, st.error.clone())
+            (
+                st.state,
+                st.record.epoch,
+                st.valid_until,
+                st.error.clone(),
+                st.lapsed,
+            )
         };
         match state {
             LeaseState::Held if Instant::now() + s.margin() < valid_until => Ok(epoch),
@@ -643,8 +952,9 @@ impl LeaseHandle {
                 let why = LostReason::RanOut;
                 let msg = why.to_string();
                 s.lose(why);
-                Err(LeaseError::Lost(msg))
+                Err(LeaseError::Lapsed(msg))
             }
+            LeaseState::Lost if lapsed => Err(LeaseError::Lapsed(error.unwrap_or_default())),
             LeaseState::Lost => Err(LeaseError::Lost(error.unwrap_or_default())),
             LeaseState::Released => Err(LeaseError::Lost("it was released".into())),
         }
@@ -804,6 +1114,213 @@ mod tests {
         std::thread::sleep(Duration::from_millis(1200));
         assert!(b.handle().check().is_err());
         r.fail_after(None);
+    }
+
+    /// The holder's own way to a shared remote, which a test can cut (an outage on its
+    /// side only) while other writers still reach the remote.
+    struct Gate {
+        inner: Arc<MemRemote>,
+        cut: std::sync::atomic::AtomicBool,
+    }
+
+    impl Gate {
+        fn open(&self) -> RemoteResult<()> {
+            if self.cut.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(RemoteError::Temporary {
+                    op: "any",
+                    key: KEY.into(),
+                    reason: "injected outage".into(),
+                });
+            }
+            Ok(())
+        }
+    }
+
+    use crate::persist::remote::{ObjectInfo, RemoteResult};
+
+    impl Remote for Gate {
+        fn describe(&self) -> String {
+            self.inner.describe()
+        }
+        fn get(&self, key: &str) -> RemoteResult<Bytes> {
+            self.open()?;
+            self.inner.get(key)
+        }
+        fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> RemoteResult<Bytes> {
+            self.open()?;
+            self.inner.get_range(key, range)
+        }
+        fn head(&self, key: &str) -> RemoteResult<Option<ObjectInfo>> {
+            self.open()?;
+            self.inner.head(key)
+        }
+        fn put(&self, key: &str, data: Bytes, mode: PutMode) -> RemoteResult<Option<String>> {
+            self.open()?;
+            self.inner.put(key, data, mode)
+        }
+        fn delete(&self, key: &str) -> RemoteResult<()> {
+            self.open()?;
+            self.inner.delete(key)
+        }
+        fn list(&self, prefix: &str) -> RemoteResult<Vec<ObjectInfo>> {
+            self.open()?;
+            self.inner.list(prefix)
+        }
+    }
+
+    /// A lease on `r` through a gate the test can cut, renewing, cut until it has lapsed.
+    /// (Tests use a ttl of seconds: a lease taken back must not lapse again because a
+    /// loaded machine did not run the renewal thread for a moment.)
+    fn lapsed(r: &Arc<MemRemote>, ttl_ms: u64) -> (Lease, Arc<Gate>) {
+        let gate = Arc::new(Gate {
+            inner: r.clone(),
+            cut: Default::default(),
+        });
+        let mut a = Lease::acquire(
+            gate.clone(),
+            KEY,
+            Duration::from_millis(ttl_ms),
+            Takeover::Refuse,
+            None,
+        )
+        .unwrap();
+        a.start_renewal().unwrap();
+        gate.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        // (A hang guard only: how soon it lapses is the renewal thread's business.)
+        let t0 = Instant::now();
+        while a.info().state == LeaseState::Held {
+            assert!(t0.elapsed() < Duration::from_secs(60), "never lapsed");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let e = a.handle().check().unwrap_err().to_string();
+        assert!(e.starts_with("lease lapsed: "), "{e}");
+        (a, gate)
+    }
+
+    #[test]
+    fn a_lease_lapsed_in_an_outage_is_taken_back_once_the_remote_answers() {
+        // An outage longer than the ttl used to leave the lease lost until keel restarted:
+        // no checkpoint ever again after the remote came back.
+        let r = Arc::new(MemRemote::new());
+        let (a, gate) = lapsed(&r, 3000);
+        assert_eq!(a.info().epoch, 1);
+        gate.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+        let t0 = Instant::now();
+        while a.info().state != LeaseState::Held {
+            assert!(t0.elapsed() < Duration::from_secs(60), "never taken back");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(a.handle().check().unwrap(), 2, "taken back as a new epoch");
+        assert_eq!(a.handle().check_remote().unwrap(), 2);
+        // It is really held: another writer is refused.
+        assert!(matches!(
+            take(&r, 1200, Takeover::Refuse),
+            Err(LeaseError::Held { epoch: 2, .. })
+        ));
+    }
+
+    #[test]
+    fn a_lease_taken_over_during_the_lapse_stays_lost() {
+        let r = Arc::new(MemRemote::new());
+        let (a, gate) = lapsed(&r, 3000);
+        // Someone else took the workspace while we could not reach the remote.
+        let b = take(&r, 30_000, Takeover::Force).unwrap();
+        assert_eq!(b.info().epoch, 2);
+        gate.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+        let t0 = Instant::now();
+        loop {
+            let e = a.handle().check().unwrap_err().to_string();
+            if e.starts_with("lease lost: ") {
+                assert!(e.contains("epoch 2"), "{e}");
+                break;
+            }
+            assert!(e.starts_with("lease lapsed: "), "{e}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the takeover never noticed"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(a.info().state, LeaseState::Lost);
+        assert_eq!(
+            b.handle().check_remote().unwrap(),
+            2,
+            "the new holder keeps it"
+        );
+    }
+
+    #[test]
+    fn a_lease_pending_since_the_start_is_taken_when_the_remote_answers() {
+        let r = Arc::new(MemRemote::new());
+        let old = take(&r, 30_000, Takeover::Refuse).unwrap();
+        let id = old.holder_id();
+        drop(old); // killed: live, never released
+        let gate = Arc::new(Gate {
+            inner: r.clone(),
+            cut: Default::default(),
+        });
+        gate.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        let e = Lease::acquire(
+            gate.clone(),
+            KEY,
+            Duration::from_millis(3000),
+            Takeover::Refuse,
+            Some(&id),
+        )
+        .err()
+        .unwrap();
+        assert!(e.is_temporary(), "{e}");
+        let mut a = Lease::pending(
+            gate.clone(),
+            KEY,
+            Duration::from_millis(3000),
+            Takeover::Refuse,
+            Some(&id),
+            &e,
+        );
+        a.start_renewal().unwrap();
+        let e = a.handle().check().unwrap_err().to_string();
+        assert!(e.starts_with("lease lapsed: not acquired yet"), "{e}");
+        gate.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+        let t0 = Instant::now();
+        while a.info().state != LeaseState::Held {
+            assert!(t0.elapsed() < Duration::from_secs(60), "never acquired");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Its own previous lease, taken back at once (live), as a new epoch, same holder.
+        assert_eq!(a.handle().check_remote().unwrap(), 2);
+        assert_eq!(a.holder_id(), id);
+
+        // Another writer's live lease is not taken (refuse): lost for good, saying whose.
+        let r = Arc::new(MemRemote::new());
+        let _other = take(&r, 30_000, Takeover::Refuse).unwrap();
+        let why = LeaseError::Read {
+            key: KEY.into(),
+            source: RemoteError::Temporary {
+                op: "head",
+                key: KEY.into(),
+                reason: "test".into(),
+            },
+        };
+        let mut b = Lease::pending(
+            r.clone(),
+            KEY,
+            Duration::from_millis(1200),
+            Takeover::Refuse,
+            Some("someone-else"),
+            &why,
+        );
+        b.start_renewal().unwrap();
+        let t0 = Instant::now();
+        loop {
+            let e = b.handle().check().unwrap_err().to_string();
+            if e.starts_with("lease lost: ") {
+                assert!(e.contains("in use by another writer"), "{e}");
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(60), "never decided");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     #[test]

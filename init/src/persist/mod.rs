@@ -208,6 +208,53 @@ pub fn acquire_lease(
     Ok(Some(l))
 }
 
+/// How long a start on a state dir holding a workspace tries to reach the remote for the
+/// lease before it starts with the lease pending.
+const START_LEASE_BUDGET: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `acquire_lease` for a start on a state dir that holds a workspace (the caller holds its
+/// lock): when the remote does not answer, keel starts anyway with the lease pending
+/// (`Lease::pending`) rather than not at all; its local workspace works and checkpoints
+/// wait for the lease.
+pub fn acquire_lease_at_start(
+    state_dir: &Path,
+    cfg: &PersistConfig,
+) -> Result<Option<lease::Lease>, lease::LeaseError> {
+    let has_workspace = state_dir.join("meta.db").exists();
+    let r = {
+        // A remote that does not answer should not keep a workspace that is here from
+        // starting for the whole retry budget.
+        let _d = retry::deadline_scope(
+            has_workspace.then(|| std::time::Instant::now() + START_LEASE_BUDGET),
+        );
+        acquire_lease(state_dir, cfg, true)
+    };
+    match r {
+        Err(e) if e.is_temporary() && has_workspace => {
+            let Some(url) = cfg.remote_url(state_dir) else {
+                return Err(e);
+            };
+            let repo =
+                open_remote(&url, cfg).map_err(|source| lease::LeaseError::Open { url, source })?;
+            let reclaim = previous_holder(state_dir, true);
+            let l = lease::Lease::pending(
+                repo.remote.clone(),
+                &repo.lease_key(),
+                cfg.lease_ttl,
+                cfg.takeover,
+                reclaim.as_deref(),
+                &e,
+            );
+            let holder = l.holder_id();
+            if let Err(e) = private::write(&state_dir.join(LEASE_HOLDER_FILE), holder.as_bytes()) {
+                tracing::warn!(error = %e, "cannot record the lease holder in the state dir");
+            }
+            Ok(Some(l))
+        }
+        r => r,
+    }
+}
+
 /// The holder id recorded in `state_dir`, if no other keel can be running on it.
 fn previous_holder(state_dir: &Path, state_locked: bool) -> Option<String> {
     let id = std::fs::read_to_string(state_dir.join(LEASE_HOLDER_FILE)).ok()?;

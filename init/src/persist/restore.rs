@@ -133,6 +133,7 @@ fn restore_checked(
     mode: RestoreMode,
     windows: Option<u64>,
 ) -> Result<RestoreReport, RestoreError> {
+    let _op = crate::logging::Op::start("restore");
     let r = restore_inner(repo, seq, state_dir, mode, windows);
     if r.is_err() && state_dir.join(UNFINISHED).exists() && !state_dir.join("meta.db").exists() {
         // Leave the state dir empty again.
@@ -145,7 +146,7 @@ fn restore_checked(
 
 /// Present in a state dir from before a restore writes anything until its database is in
 /// place: a state dir with it and no `meta.db` holds an unfinished restore.
-pub const UNFINISHED: &str = "restore.unfinished";
+pub const UNFINISHED: &str = crate::config::persist::RESTORE_UNFINISHED_FILE;
 
 /// The database a restore builds, renamed to `meta.db` when it is complete and durable.
 const BUILDING_DB: &str = "meta.db.restoring";
@@ -315,10 +316,12 @@ fn restore_inner(
         mode = RestoreMode::Eager;
     }
     if mode == RestoreMode::Lazy && chain.full.image.is_some() {
+        crate::logging::step("restore", "image");
         if let Some(report) = from_image(repo, &chain, state_dir, remote_id.as_deref(), &mut laps) {
             return finish(state_dir, report, laps, t0);
         }
     }
+    crate::logging::step("restore", "load");
     chain
         .full_object(repo)
         .map_err(|source| RestoreError::LoadSnapshot { seq, source })?;
@@ -339,8 +342,10 @@ fn restore_inner(
         inodes: tree.inodes.len() as u64,
         ..Default::default()
     };
+    crate::logging::step("restore", "bodies");
     let wanted = create_bodies(&tree, &bodies, &mut report, mode)?;
     if mode == RestoreMode::Eager {
+        crate::logging::step("restore", "fetch_chunks");
         fetch_bodies(repo, tree.chunk_size, &wanted, &bodies, &mut report)?;
     }
     sys::file::syncfs(state_dir).map_err(|e| bad(format!("sync bodies: {e}")))?;
@@ -348,6 +353,7 @@ fn restore_inner(
 
     let state = state_rows(repo, &headers, remote_id.as_deref());
     let mut rows_done = None;
+    crate::logging::step("restore", "rows");
     create_bulk(
         &building,
         Nanos(now_ns()),
@@ -462,6 +468,7 @@ fn finish(
         reason,
     };
     let building = state_dir.join(BUILDING_DB);
+    crate::logging::step("restore", "finish");
     // The database is durable before it becomes the workspace (the rename), and the rename
     // before the marker goes.
     sync_file(&building).map_err(|e| bad(format!("sync {BUILDING_DB}: {e}")))?;

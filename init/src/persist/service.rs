@@ -633,7 +633,8 @@ impl Worker {
                         continue;
                     }
                     next = Instant::now() + interval;
-                    // Without the lease there is nothing to try until keel restarts.
+                    // Without the lease there is nothing to try: lost for good (until keel
+                    // restarts), or lapsed until the renewal thread takes it back.
                     if self.lease_lost() {
                         continue;
                     }

@@ -122,7 +122,14 @@ fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
             .create(dir)
             .map_err(|e| bad(format!("cannot create: {e}")))?;
     }
-    if !dir.join("meta.db").exists() {
+    // A restore killed before its database was in place left its marker and part of its
+    // output: the start's restore removes that and starts over (and refuses anything it
+    // did not write itself).
+    if !dir.join("meta.db").exists()
+        && !dir
+            .join(crate::config::persist::RESTORE_UNFINISHED_FILE)
+            .exists()
+    {
         let entries = std::fs::read_dir(dir).map_err(|e| bad(format!("cannot read: {e}")))?;
         for e in entries.flatten() {
             let name = e.file_name();
@@ -637,7 +644,7 @@ impl Drop for FuseSession {
 
 #[cfg(test)]
 mod tests {
-    use super::is_keel_source;
+    use super::*;
 
     #[test]
     fn keel_mounts_are_known_by_their_source() {
@@ -653,5 +660,30 @@ mod tests {
         ] {
             assert_eq!(is_keel_source(source, fsname), keel, "{source} / {fsname}");
         }
+    }
+
+    #[test]
+    fn a_state_dir_holding_an_unfinished_restore_is_accepted_and_others_are_not() {
+        // Found by the kill-anywhere soak: keel killed inside the eager restore of its
+        // start (a new host) would not start again on that state dir: "not a keel state
+        // dir (it holds `restore.unfinished` but no meta.db); refusing to touch it".
+        let d = tempfile::tempdir().unwrap();
+        for f in [
+            "lock",
+            "lease.holder",
+            "restore.unfinished",
+            "meta.db.restoring",
+        ] {
+            std::fs::write(d.path().join(f), b"").unwrap();
+        }
+        std::fs::create_dir(d.path().join("bodies")).unwrap();
+        check_state_dir(d.path()).expect("an unfinished restore's state dir");
+        // Without the marker, something that is not keel's is still refused.
+        std::fs::remove_file(d.path().join("restore.unfinished")).unwrap();
+        let e = check_state_dir(d.path()).unwrap_err().to_string();
+        assert!(e.contains("meta.db.restoring"), "{e}");
+        let other = tempfile::tempdir().unwrap();
+        std::fs::write(other.path().join("notes.txt"), b"mine").unwrap();
+        assert!(check_state_dir(other.path()).is_err());
     }
 }

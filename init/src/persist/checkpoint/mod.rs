@@ -323,7 +323,8 @@ impl Persister {
         opts: &CheckpointOptions,
     ) -> Result<CheckpointReport, CheckpointError> {
         let t0 = Instant::now();
-        let r = self.take_checkpoint(opts);
+        let op = crate::logging::Op::start("checkpoint");
+        let r = self.take_checkpoint(opts, &op);
         let done = r.as_ref().ok();
         let outcome = done.map(|r| (r.seq.is_some(), r.chunks_uploaded, r.chunk_bytes_uploaded));
         super::metrics::checkpoint(outcome, t0.elapsed());
@@ -336,6 +337,7 @@ impl Persister {
     fn take_checkpoint(
         &mut self,
         opts: &CheckpointOptions,
+        op: &crate::logging::Op,
     ) -> Result<CheckpointReport, CheckpointError> {
         let t0 = Instant::now();
         if let Some(l) = &self.lease {
@@ -346,6 +348,7 @@ impl Persister {
         self.recover_unrecorded_writes()?;
 
         // 1. Claim the change set; decide between nothing, a delta and a full snapshot.
+        op.step("claim");
         self.claim_changes(opts.synced_at.unwrap_or(Nanos(now_ns())))?;
         let mut prior = self.read_prior()?;
         if !steps::wants_full(&prior, opts.full, &self.params)
@@ -356,6 +359,7 @@ impl Persister {
                 ..Default::default()
             });
         }
+        op.step("read_head");
         let head = self.read_fenced_head()?;
         self.follow_foreign_head(&mut prior, head.as_ref().map(|h| &h.0))?;
         steps::lazy_windows_carry_over(&prior, self.params.chunk_size)?;
@@ -364,10 +368,12 @@ impl Persister {
             || steps::retries_image(&prior, opts.deadline.is_some());
 
         // 2. A consistent view of what changed.
+        op.step("collect");
         let mut pass = Pass::new(prior, full, head);
         self.collect_changes(&mut pass)?;
 
         // 3. Hash the windows, upload the chunks the remote lacks.
+        op.step("upload_chunks");
         pass.reuse_unfetched_windows();
         self.hash_and_upload(&mut pass, opts.deadline)?;
         pass.fill_chunk_maps(self.params.chunk_size);
@@ -377,10 +383,12 @@ impl Persister {
         if let Some(m) = &pass.in_flight {
             m.check()?;
         }
+        op.step("upload_snapshot");
         let seq = self.upload_snapshot(&mut pass, opts.deadline)?;
 
         // 5. Advance the head, fenced by the lease; the marker goes once the head names
         // what it protected (or, at any failure, with the pass).
+        op.step("advance_head");
         self.advance_head(&pass, seq)?;
         if let Some(m) = pass.in_flight.take() {
             if let Err(e) = m.finish() {
@@ -389,6 +397,7 @@ impl Persister {
         }
 
         // 6. Record it locally: new chunk maps, pending set done.
+        op.step("record_locally");
         self.record_locally(&pass, seq)?;
         let mut report = pass.report;
         report.seq = Some(seq);

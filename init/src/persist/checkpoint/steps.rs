@@ -446,15 +446,17 @@ impl Persister {
     }
 
     /// Builds the snapshot's records (the whole tree, or the changed inodes and dirents)
-    /// from one consistent view, and queues the windows to hash.
+    /// from one consistent view, and queues the windows to hash. A delta takes the changes
+    /// recorded after the claim too (see `Tx::snapshot_inodes`): the claimed ones alone, read
+    /// as they are now, are not a closed set.
     pub(super) fn collect_changes(&self, pass: &mut Pass) -> Result<(), CheckpointError> {
         let view = self.store.read_view()?;
         // A full snapshot hashes only body files' windows; a delta also takes the inodes
         // of the others as changed.
         let dirty = Dirty(if pass.full {
-            view.pending_body_windows()?
+            view.snapshot_body_windows()?
         } else {
-            view.pending_windows()?
+            view.snapshot_windows()?
         });
         if pass.full {
             self.collect_tree(&view, &dirty, pass)
@@ -536,7 +538,7 @@ impl Persister {
         pass: &mut Pass,
     ) -> Result<(), CheckpointError> {
         let cs = self.params.chunk_size;
-        let mut touched: BTreeSet<InodeNo> = view.pending_inodes()?.into_iter().collect();
+        let mut touched: BTreeSet<InodeNo> = view.snapshot_inodes()?.into_iter().collect();
         touched.extend(dirty.0.iter().map(|(ino, _)| *ino));
         for ino in touched {
             let Some(i) = view.get(ino)?.filter(|i| i.nlink > 0) else {
@@ -561,7 +563,7 @@ impl Persister {
             }
             pass.add_inode(&i, x, &mut found, dirty, cs);
         }
-        for (parent, name) in view.pending_dirents()? {
+        for (parent, name) in view.snapshot_dirents()? {
             match view.lookup(parent, &name)? {
                 Some(d) => pass.body.dirents.push(DirentRec {
                     parent: parent.0,

@@ -315,6 +315,60 @@ fn collect_changes_takes_the_whole_tree_or_just_the_changes() {
 }
 
 #[test]
+fn a_delta_is_whole_when_the_tree_changes_between_the_claim_and_the_collection() {
+    // Found by the kill-anywhere soak (a git commit under periodic checkpoints): a name
+    // claimed by the checkpoint (`main`) was pointed at a new inode (`main.lock` renamed
+    // over it) after the claim and before the delta was collected; the delta named the new
+    // inode without its record, and its directory's nlink without the new subdirectory's
+    // entry, so the snapshot restored with a dangling entry and a wrong link count.
+    let mut f = fixture();
+    let old = add_file(&f.p, b"main", b"one");
+    first(&mut f.p);
+    // A change the checkpoint claims: `main` rewritten in place, its entry touched.
+    let tx = f.p.store.write().unwrap();
+    tx.mark_dirty_windows(old, [0]).unwrap();
+    tx.relink(InodeNo::ROOT, b"main", old, Kind::File).unwrap();
+    tx.mark_changed(InodeNo::ROOT).unwrap();
+    tx.commit().unwrap();
+    f.p.claim_changes(Nanos(now_ns())).unwrap();
+    // After the claim: a new inode renamed over `main`, a new subdirectory.
+    let tx = f.p.store.write().unwrap();
+    let new = tx.insert(&Inode::test_file(3, Storage::Body)).unwrap();
+    tx.relink(InodeNo::ROOT, b"main", new, Kind::File).unwrap();
+    tx.delete(old).unwrap();
+    let mut dir = Inode::test_file(0, Storage::Body);
+    dir.kind = Kind::Dir;
+    dir.nlink = 2;
+    let sub = tx.insert(&dir).unwrap();
+    tx.link(InodeNo::ROOT, b"sub", sub, Kind::Dir).unwrap();
+    let mut root = tx.get(InodeNo::ROOT).unwrap().unwrap();
+    root.nlink += 1;
+    tx.update(&root).unwrap();
+    tx.commit().unwrap();
+    let prior = f.p.read_prior().unwrap();
+    let head = f.p.read_fenced_head().unwrap();
+    let mut pass = Pass::new(prior, false, head);
+    f.p.collect_changes(&mut pass).unwrap();
+    let records: Vec<u64> = pass.body.inodes.iter().map(|r| r.ino).collect();
+    for d in &pass.body.dirents {
+        assert!(
+            records.contains(&d.ino),
+            "the delta names inode {} ({:?}) without its record; records {records:?}",
+            d.ino,
+            String::from_utf8_lossy(&d.name)
+        );
+    }
+    let root_rec = pass.body.inodes.iter().find(|r| r.ino == InodeNo::ROOT.0);
+    if root_rec.is_some_and(|r| r.nlink == 3) {
+        assert!(
+            pass.body.dirents.iter().any(|d| d.name == b"sub"),
+            "the root's nlink counts `sub`, whose entry the delta lacks"
+        );
+    }
+    assert!(pass.body.deleted.contains(&old.0));
+}
+
+#[test]
 fn reuse_unfetched_windows_takes_their_chunk_without_hashing() {
     let prior = Prior {
         missing: HashMap::from([(InodeNo(9), vec![(1, [7; 32])])]),

@@ -322,6 +322,7 @@ impl WorkspaceFs {
             };
             break (claim, need, ids, body);
         };
+        let _op = crate::logging::Op::start("lazy_fetch");
         self.lazy.foreground.fetch_add(1, Ordering::SeqCst);
         let results = self.fetch_chunks(&ids);
         self.lazy.foreground.fetch_sub(1, Ordering::SeqCst);

@@ -46,6 +46,7 @@ impl WorkspaceFs {
     /// them per batch with `PIPELINE` batches in flight, until done or `stop` is set.
     /// Windows that are not missing are skipped.
     pub fn replay(&self, set: &[(u64, u64)], parallel: usize, stop: &AtomicBool) -> ReplayReport {
+        let _op = crate::logging::Op::start("replay");
         let t0 = Instant::now();
         let report = Mutex::new(ReplayReport::default());
         let source = Mutex::new(set.iter().map(|(i, x)| (InodeNo(*i), *x)));
@@ -184,6 +185,7 @@ impl WorkspaceFs {
     /// first, then the rest in inode order; while a reader waits for the remote, it waits.
     /// Returns what it did.
     pub fn prefetch_all(&self, stop: &AtomicBool, parallel: usize) -> ReplayReport {
+        let _op = crate::logging::Op::start("prefetch");
         let t0 = Instant::now();
         let list = match self.lock().store.read().files_with_missing_windows() {
             Ok(l) => l,

@@ -239,6 +239,7 @@ impl WorkspaceFs {
         report: &mut RollbackReport,
     ) -> FsResult<()> {
         // Bodies first, without the lock.
+        crate::logging::step("rollback", "build_bodies");
         let mut built: BTreeMap<InodeNo, PathBuf> = BTreeMap::new();
         for &ino in &plan.bodies {
             if let Some(Target {
@@ -252,6 +253,7 @@ impl WorkspaceFs {
             }
         }
         let mut guard = self.lock();
+        crate::logging::step("rollback", "locked");
         let inner: &mut Inner = &mut guard;
         // Everything open is in the store first, so that what changed since the checkpoint
         // shows in its change tables.
@@ -339,6 +341,7 @@ impl WorkspaceFs {
         // (see the module doc).
         let mut gone_bodies: Vec<InodeNo> = Vec::new();
         let mut new_no: BTreeMap<InodeNo, InodeNo> = BTreeMap::new();
+        crate::logging::step("rollback", "transaction");
         let tx = inner.store.write()?;
         for &ino in &inodes {
             let before = tx.get(ino)?;
@@ -424,6 +427,7 @@ impl WorkspaceFs {
         }
         tx.commit()?;
         if !renames.is_empty() {
+            crate::logging::step("rollback", "rename_bodies");
             rename_built(&self.state_dir, &self.bodies, &renames)?;
             let tx = inner.store.write()?;
             tx.persist_remove(ROLLBACK_RENAMES)?;
