@@ -151,6 +151,7 @@ fn a_restore_that_dies_midway_is_never_a_workspace_and_is_redone() {
             quick: false,
             chunk_size: CHUNK,
             remote: Some(Repo::new(remote.clone(), "ws")),
+            missing_remote: None,
         },
     )
     .expect("fsck of a state dir whose restore was killed");
