@@ -41,6 +41,9 @@ struct Wanted {
     id: ChunkId,
 }
 
+/// A file's claim on the windows a batch fetches, with the body they are written to.
+type Held<'a> = (Claim<'a>, Arc<File>);
+
 impl WorkspaceFs {
     /// Fetches the windows `set` names ((inode, window index), in order), `parallel` of
     /// them per batch with `PIPELINE` batches in flight, until done or `stop` is set.
@@ -88,11 +91,11 @@ impl WorkspaceFs {
         from: &mut dyn Iterator<Item = (InodeNo, u64)>,
         n: usize,
         skipped: &mut u64,
-    ) -> Option<(Vec<Wanted>, Vec<(Claim<'a>, Arc<File>)>)> {
+    ) -> Option<(Vec<Wanted>, Vec<Held<'a>>)> {
         let mut wanted = Vec::new();
-        let mut claims: HashMap<InodeNo, (Claim<'a>, Arc<File>)> = HashMap::new();
+        let mut claims: HashMap<InodeNo, Held<'a>> = HashMap::new();
         // The iterator may take the lock itself: taken per window here.
-        while let Some((ino, idx)) = from.next() {
+        for (ino, idx) in &mut *from {
             let guard = self.lock();
             let inner: &Inner = &guard;
             match self.claim_one(inner, &mut claims, ino, idx) {
@@ -113,7 +116,7 @@ impl WorkspaceFs {
     fn claim_one<'a>(
         &'a self,
         inner: &Inner,
-        claims: &mut HashMap<InodeNo, (Claim<'a>, Arc<File>)>,
+        claims: &mut HashMap<InodeNo, Held<'a>>,
         ino: InodeNo,
         idx: u64,
     ) -> FsResult<Option<ChunkId>> {
