@@ -127,7 +127,7 @@ impl Default for InitConfig {
             user: None,
             group: None,
             no_new_privs: false,
-            drop_capabilities: vec!["SYS_ADMIN".to_string()],
+            drop_capabilities: vec!["SYS_ADMIN".to_string(), "DAC_READ_SEARCH".to_string()],
             forward_to: ForwardTo::Group,
             workspace: true,
             isolate_state: true,
