@@ -48,8 +48,15 @@ pub struct ExecArgs {
     command: Vec<String>,
 }
 
-fn target(config: Option<&Path>, a: &ExecArgs) -> Result<Target, super::Failed> {
-    if let Some(u) = &a.url {
+/// Where a streaming command (`keel exec`, `keel files`) talks to keel: `--url` (with
+/// `--token`), else `--socket`, else the configured control socket.
+pub(super) fn target(
+    config: Option<&Path>,
+    url: Option<&String>,
+    token: Option<&String>,
+    socket: Option<&PathBuf>,
+) -> Result<Target, super::Failed> {
+    if let Some(u) = url {
         let Some((hostport, _)) = keel::config::parse_http_url(u) else {
             return Err(super::Failed::usage(format!(
                 "--url {u}: use http://HOST:PORT"
@@ -57,10 +64,10 @@ fn target(config: Option<&Path>, a: &ExecArgs) -> Result<Target, super::Failed> 
         };
         return Ok(Target::Tcp {
             addr: hostport,
-            token: a.token.clone(),
+            token: token.cloned(),
         });
     }
-    if let Some(s) = &a.socket {
+    if let Some(s) = socket {
         return Ok(Target::Socket(s.clone()));
     }
     let cfg = Config::resolve(config).map_err(super::Failed::usage)?;
@@ -101,7 +108,7 @@ fn why(body: &[u8]) -> String {
 
 pub fn main(config: Option<&Path>, a: ExecArgs) -> i32 {
     super::report("exec", || {
-        let t = target(config, &a)?;
+        let t = target(config, a.url.as_ref(), a.token.as_ref(), a.socket.as_ref())?;
         let req = body(&a)?;
         let code = std::cell::Cell::new(0u16);
         let mut seen = Vec::new();

@@ -8,8 +8,7 @@ use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use keel::config::Config;
-use keel::control::stream_client::{self, Target};
+use keel::control::stream_client;
 
 /// Read, write and list workspace files through the running keel (its control API)
 #[derive(clap::Args, Debug)]
@@ -82,25 +81,6 @@ pub fn helper(a: HelperArgs) -> i32 {
     keel::files::helper::main(&a.args)
 }
 
-fn target(config: Option<&Path>, a: &FilesArgs) -> Result<Target, super::Failed> {
-    if let Some(u) = &a.url {
-        let Some((hostport, _)) = keel::config::parse_http_url(u) else {
-            return Err(super::Failed::usage(format!(
-                "--url {u}: use http://HOST:PORT"
-            )));
-        };
-        return Ok(Target::Tcp {
-            addr: hostport,
-            token: a.token.clone(),
-        });
-    }
-    if let Some(s) = &a.socket {
-        return Ok(Target::Socket(s.clone()));
-    }
-    let cfg = Config::resolve(config).map_err(super::Failed::usage)?;
-    Ok(Target::Socket(keel::control::default_socket(&cfg)))
-}
-
 /// Percent-encodes a query value.
 fn enc(v: &str) -> String {
     let mut out = String::new();
@@ -123,7 +103,7 @@ fn why(body: &[u8]) -> String {
 
 pub fn main(config: Option<&Path>, a: FilesArgs) -> i32 {
     super::report("files", || {
-        let t = target(config, &a)?;
+        let t = super::exec::target(config, a.url.as_ref(), a.token.as_ref(), a.socket.as_ref())?;
         let user = a
             .user
             .as_ref()
