@@ -609,6 +609,11 @@ fn read_record(
     Ok(Some((r, info.version)))
 }
 
+/// A new lease holder id (16 hex digits).
+pub fn new_holder_id() -> String {
+    random_id()[..16].to_string()
+}
+
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
@@ -631,13 +636,15 @@ impl Lease {
     /// it. `takeover` says what to do about a live lease of another holder.
     /// `reclaim`: the holder id of a previous keel on this same state dir that is known to
     /// be gone (it stopped without releasing, e.g. killed): its live lease is taken at once,
-    /// whatever `takeover` says.
+    /// whatever `takeover` says. `holder`: the id the new lease is written with (the caller
+    /// records it where the next start finds it *before* calling, see `new_holder_id`).
     pub fn acquire(
         remote: Arc<dyn Remote>,
         key: &str,
         ttl: Duration,
         takeover: Takeover,
         reclaim: Option<&str>,
+        holder: &str,
     ) -> Result<Lease, LeaseError> {
         let mut wait_until: Option<i64> = None;
         let t0 = Instant::now();
@@ -708,7 +715,7 @@ impl Lease {
                 }
             };
             let record = LeaseRecord {
-                holder: random_id()[..16].to_string(),
+                holder: holder.to_string(),
                 host: host_name(),
                 pid: std::process::id(),
                 epoch,
@@ -787,7 +794,7 @@ impl Lease {
     ) -> Lease {
         let now = now_ns();
         let record = LeaseRecord {
-            holder: reclaim.map_or_else(|| random_id()[..16].to_string(), str::to_string),
+            holder: reclaim.map_or_else(new_holder_id, str::to_string),
             host: host_name(),
             pid: std::process::id(),
             epoch: 0,
@@ -1004,7 +1011,14 @@ mod tests {
     const KEY: &str = "ws/lease";
 
     fn take(r: &Arc<MemRemote>, ttl_ms: u64, t: Takeover) -> Result<Lease, LeaseError> {
-        Lease::acquire(r.clone(), KEY, Duration::from_millis(ttl_ms), t, None)
+        Lease::acquire(
+            r.clone(),
+            KEY,
+            Duration::from_millis(ttl_ms),
+            t,
+            None,
+            &new_holder_id(),
+        )
     }
 
     #[test]
@@ -1037,6 +1051,7 @@ mod tests {
             Duration::from_secs(30),
             Takeover::Refuse,
             Some("not-the-holder"),
+            "not-the-holder",
         );
         assert!(matches!(other, Err(LeaseError::Held { .. })));
         let b = Lease::acquire(
@@ -1045,10 +1060,11 @@ mod tests {
             Duration::from_secs(30),
             Takeover::Refuse,
             Some(&id),
+            &id,
         )
         .unwrap();
         assert_eq!(b.info().epoch, 2, "a reclaim is a new epoch");
-        assert_ne!(b.holder_id(), id);
+        assert_eq!(b.holder_id(), id, "the state dir keeps its id");
     }
 
     /// The stored record.
@@ -1182,6 +1198,7 @@ mod tests {
             Duration::from_millis(ttl_ms),
             Takeover::Refuse,
             None,
+            &new_holder_id(),
         )
         .unwrap();
         a.start_renewal().unwrap();
@@ -1266,6 +1283,7 @@ mod tests {
             Duration::from_millis(3000),
             Takeover::Refuse,
             Some(&id),
+            &id,
         )
         .err()
         .unwrap();

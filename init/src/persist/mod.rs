@@ -191,21 +191,52 @@ pub fn acquire_lease(
         return Ok(None);
     };
     let repo = open_remote(&url, cfg).map_err(|source| lease::LeaseError::Open { url, source })?;
-    let reclaim = previous_holder(state_dir, state_locked);
-    let l = lease::Lease::acquire(
+    acquire_recorded(
+        state_dir,
         repo.remote.clone(),
         &repo.lease_key(),
+        cfg,
+        state_locked,
+    )
+    .map(Some)
+}
+
+/// Takes the lease `key` on `remote` with this state dir's holder id, recorded in the state
+/// dir (`lease.holder`) *before* the remote sees it: a keel killed between the two writes (or whose write's
+/// reply was lost) leaves a live lease the next start here recognises as its own, instead
+/// of one nobody can take before it expires. The id stays the state dir's across starts.
+/// Another keel's state dir (its lock held) is left alone: a fresh id, not recorded.
+fn acquire_recorded(
+    state_dir: &Path,
+    remote: Arc<dyn remote::Remote>,
+    key: &str,
+    cfg: &PersistConfig,
+    state_locked: bool,
+) -> Result<lease::Lease, lease::LeaseError> {
+    let previous = previous_holder(state_dir, state_locked);
+    let reclaim = previous.as_ref().and_then(|p| p.id.clone());
+    let holder = reclaim.clone().unwrap_or_else(lease::new_holder_id);
+    if previous.is_some() && reclaim.is_none() {
+        let written =
+            private::create_dir_all(state_dir).and_then(|()| record_holder(state_dir, &holder));
+        if let Err(e) = written {
+            tracing::warn!(error = %e, "cannot record the lease holder in the state dir; after a crash the next start waits for the lease to expire");
+        }
+    }
+    lease::Lease::acquire(
+        remote,
+        key,
         cfg.lease_ttl,
         cfg.takeover,
         reclaim.as_deref(),
-    )?;
-    let holder = l.holder_id();
-    let written = private::create_dir_all(state_dir)
-        .and_then(|()| private::write(&state_dir.join(LEASE_HOLDER_FILE), holder.as_bytes()));
-    if let Err(e) = written {
-        tracing::warn!(error = %e, "cannot record the lease holder in the state dir; after a crash the next start waits for the lease to expire");
-    }
-    Ok(Some(l))
+        &holder,
+    )
+}
+
+/// Records a new holder id. Written once per state dir (its id is kept from then on), and
+/// before any lease carries it: a kill mid-write leaves no id and no lease with it.
+fn record_holder(state_dir: &Path, holder: &str) -> std::io::Result<()> {
+    private::write(&state_dir.join(LEASE_HOLDER_FILE), holder.as_bytes())
 }
 
 /// How long a start on a state dir holding a workspace tries to reach the remote for the
@@ -236,7 +267,7 @@ pub fn acquire_lease_at_start(
             };
             let repo =
                 open_remote(&url, cfg).map_err(|source| lease::LeaseError::Open { url, source })?;
-            let reclaim = previous_holder(state_dir, true);
+            let reclaim = previous_holder(state_dir, true).and_then(|p| p.id);
             let l = lease::Lease::pending(
                 repo.remote.clone(),
                 &repo.lease_key(),
@@ -245,9 +276,10 @@ pub fn acquire_lease_at_start(
                 reclaim.as_deref(),
                 &e,
             );
-            let holder = l.holder_id();
-            if let Err(e) = private::write(&state_dir.join(LEASE_HOLDER_FILE), holder.as_bytes()) {
-                tracing::warn!(error = %e, "cannot record the lease holder in the state dir");
+            if reclaim.is_none() {
+                if let Err(e) = record_holder(state_dir, &l.holder_id()) {
+                    tracing::warn!(error = %e, "cannot record the lease holder in the state dir");
+                }
             }
             Ok(Some(l))
         }
@@ -255,14 +287,29 @@ pub fn acquire_lease_at_start(
     }
 }
 
-/// The holder id recorded in `state_dir`, if no other keel can be running on it.
-fn previous_holder(state_dir: &Path, state_locked: bool) -> Option<String> {
-    let id = std::fs::read_to_string(state_dir.join(LEASE_HOLDER_FILE)).ok()?;
+/// This state dir's lease holder, when no other keel can be running on it (`None`: one
+/// is, its id is not ours to use or change).
+struct Previous {
+    /// The id recorded by an earlier start, if any.
+    id: Option<String>,
+}
+
+fn previous_holder(state_dir: &Path, state_locked: bool) -> Option<Previous> {
     if !state_locked {
-        // Free now (dropped at once): whoever recorded the id is gone.
-        crate::sys::file::try_lock(&state_dir.join("lock")).ok()??;
+        // Free now (dropped at once): whoever recorded the id is gone. (No state dir yet:
+        // nobody runs on it either.)
+        match crate::sys::file::try_lock(&state_dir.join("lock")) {
+            Ok(Some(_)) => {}
+            Ok(None) => return None,
+            Err(_) if !state_dir.join("lock").exists() => {}
+            Err(_) => return None,
+        }
     }
-    Some(id.trim().to_string())
+    let id = std::fs::read_to_string(state_dir.join(LEASE_HOLDER_FILE))
+        .ok()
+        .map(|id| id.trim().to_string())
+        .filter(|id| !id.is_empty());
+    Some(Previous { id })
 }
 
 /// Checkpoint parameters from the config.
@@ -279,6 +326,77 @@ pub fn params(ws: &WorkspaceConfig, p: &PersistConfig) -> PersistParams {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
+    use remote::{MemRemote, ObjectInfo, PutMode, Remote, RemoteError, RemoteResult};
+
+    /// A remote whose writes land but whose replies are lost: to the next start, the same
+    /// as a keel killed right after its lease reached the remote.
+    struct ReplyLost(Arc<MemRemote>);
+
+    impl Remote for ReplyLost {
+        fn describe(&self) -> String {
+            self.0.describe()
+        }
+        fn get(&self, key: &str) -> RemoteResult<Bytes> {
+            self.0.get(key)
+        }
+        fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> RemoteResult<Bytes> {
+            self.0.get_range(key, range)
+        }
+        fn head(&self, key: &str) -> RemoteResult<Option<ObjectInfo>> {
+            self.0.head(key)
+        }
+        fn put(&self, key: &str, data: Bytes, mode: PutMode) -> RemoteResult<Option<String>> {
+            self.0.put(key, data, mode)?;
+            Err(RemoteError::Temporary {
+                op: "put",
+                key: key.to_string(),
+                reason: "injected: the reply was lost".into(),
+            })
+        }
+        fn delete(&self, key: &str) -> RemoteResult<()> {
+            self.0.delete(key)
+        }
+        fn list(&self, prefix: &str) -> RemoteResult<Vec<ObjectInfo>> {
+            self.0.list(prefix)
+        }
+    }
+
+    /// The soak's finding: a start killed after its lease write reached the remote but
+    /// before it recorded the holder left a live lease the next start refused ("in use by
+    /// another writer") until it expired. The id is recorded first now, so it reclaims.
+    #[test]
+    fn a_start_whose_lease_landed_unrecorded_is_followed_by_one_that_reclaims_it() {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        let mem = Arc::new(MemRemote::new());
+        let cfg = PersistConfig {
+            lease_ttl: std::time::Duration::from_secs(600),
+            ..Default::default()
+        };
+        for round in 1..=3u64 {
+            let e = acquire_recorded(
+                &state,
+                Arc::new(ReplyLost(mem.clone())),
+                "lease",
+                &cfg,
+                false,
+            )
+            .err()
+            .expect("the reply was lost");
+            assert!(e.is_temporary(), "{e}");
+            let l = acquire_recorded(&state, mem.clone(), "lease", &cfg, false)
+                .unwrap_or_else(|e| panic!("round {round}: the next start was refused: {e}"));
+            assert_eq!(l.info().epoch, 2 * round, "each write is a new epoch");
+            drop(l); // killed: never released, still live
+        }
+        // Another state dir is still refused while it is live.
+        let other = d.path().join("other");
+        let e = acquire_recorded(&other, mem.clone(), "lease", &cfg, false)
+            .err()
+            .expect("another state dir must not take a live lease");
+        assert!(e.to_string().contains("in use by another writer"), "{e}");
+    }
 
     #[test]
     fn remove_scratch_takes_only_what_a_checkpoint_left() {
