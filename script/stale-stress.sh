@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# stale-stress: the long run of init/tests/mount_stale.rs (issue 39: "0 stale reads in
+# stale-stress: the long run of init/tests/mount/stale.rs (issue 39: "0 stale reads in
 # 1,000,000 rounds"). Threads of the test process and child processes write files through
 # one name or handle and read them back through another, in lock step per file, on one
 # `keel mount` per --passthrough on|off x --cache auto|kernel|none; every read must return
@@ -43,7 +43,7 @@ LOG=$(mktemp /tmp/stale-stress.XXXXXX)
 trap 'rm -f "$LOG"' EXIT
 START=$(date +%s)
 cd "$REPO" || exit 1
-cargo test --release --locked --test mount_stale -- --nocapture --test-threads 2 >"$LOG" 2>&1
+cargo test --release --locked --test mount stale:: -- --nocapture --test-threads 2 >"$LOG" 2>&1
 rc=$?
 echo "stale-stress: ${#MOUNTS[@]} mounts x $PER rounds, $(($(date +%s) - START)) s, keel ${KEEL_BIN:-$REPO/target/release/keel}"
 printf '%-30s %10s %7s %7s %10s  %s\n' mount rounds stale errors rounds/s seed

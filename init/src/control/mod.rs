@@ -129,9 +129,9 @@ impl Control {
 }
 
 /// Where `keel status` and `keel checkpoint` look by default: `[control] socket`, else the
-/// state dir's `control.sock` when it exists, else `/run/keel/control.sock` when it exists (a
-/// keel that is PID 1 puts it there; inside the sandbox the state dir is empty), else the
-/// state dir's (so the error names it).
+/// state dir's `control.sock` when it exists, else `/run/keel/control.sock` when it exists
+/// and PID 1 is keel (a keel that is PID 1 puts it there; inside the sandbox the state dir
+/// is empty), else the state dir's (so the error names it).
 pub fn default_socket(cfg: &Config) -> PathBuf {
     if let Some(s) = &cfg.control.socket {
         return s.clone();
@@ -141,8 +141,14 @@ pub fn default_socket(cfg: &Config) -> PathBuf {
         .state_dir
         .join(crate::config::control::SOCKET_NAME);
     let run = PathBuf::from(crate::config::control::RUN_SOCKET);
-    if !in_state.exists() && run.exists() {
+    if !in_state.exists() && run.exists() && pid1_is_keel() {
         return run;
     }
     in_state
+}
+
+/// Whether PID 1 here is keel: inside keel's container, where its socket is `RUN_SOCKET`
+/// (on a host, a socket left there by something else must not be taken for the state dir's).
+fn pid1_is_keel() -> bool {
+    std::fs::read_to_string("/proc/1/comm").is_ok_and(|c| c.trim_end() == "keel")
 }

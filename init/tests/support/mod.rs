@@ -1,4 +1,4 @@
-//! What the integration tests share, one module each test crate includes with `mod support;`:
+//! What the integration tests share, included once by each test binary's `main.rs`:
 //! `keel` is the one harness for a running keel (`keel mount` or `keel run`, cleaned up even
 //! when a test panics); `mount` gates on root + `/dev/fuse`, compares trees and waits
 //! (`poll_for`); `pid1` starts `keel run` as a subreaper or a true PID 1 and watches its
@@ -11,6 +11,7 @@
 
 pub mod control;
 pub mod keel;
+#[macro_use]
 pub mod mount;
 pub mod persist;
 pub mod pid1;

@@ -83,10 +83,24 @@ pub fn start_moto() -> Option<(Moto, u16)> {
     }
 }
 
+/// The credentials every S3 test uses (moto takes any); distinctive, so a test can look for
+/// them in keel's output.
+pub const ACCESS_KEY_ID: &str = "KEELTESTACCESSKEYID42";
+pub const SECRET_ACCESS_KEY: &str = "KeelTestSecretKey0123456789abcdefXYZ";
+
+/// Puts the credentials in this process's environment, where object_store reads them
+/// (`from_env`) and the keel processes a test starts inherit them. Once per process, with
+/// the same values for every test of the binary.
+pub fn credentials() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        std::env::set_var("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID);
+        std::env::set_var("AWS_SECRET_ACCESS_KEY", SECRET_ACCESS_KEY);
+    });
+}
+
 pub fn s3_config(port: u16) -> PersistConfig {
-    // object_store reads credentials from the environment (from_env).
-    std::env::set_var("AWS_ACCESS_KEY_ID", "k");
-    std::env::set_var("AWS_SECRET_ACCESS_KEY", "s");
+    credentials();
     PersistConfig {
         endpoint: Some(format!("http://127.0.0.1:{port}")),
         region: Some("us-east-1".into()),

@@ -1,5 +1,5 @@
 //! Unit tests of the checkpoint's steps, each on a fresh state dir and an in-memory remote
-//! (the whole checkpoint is tested end to end in `tests/persist_checkpoint.rs`).
+//! (the whole checkpoint is tested end to end in `tests/persist/checkpoint.rs`).
 
 use std::collections::HashMap;
 use std::sync::Arc;

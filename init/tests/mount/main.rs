@@ -1,0 +1,21 @@
+//! Real-mount tests (root and `/dev/fuse`; they fail loudly under `CI` without them): POSIX
+//! behaviour of a `keel mount` seen through the kernel, compared with ext4 where the kernel
+//! decides (ACLs, set-ID bits), and what survives a remount, a cold start or a lazy restore.
+//! One test binary per area, each file a module, so the test command links it once.
+
+#[macro_use]
+#[path = "../support/mod.rs"]
+mod support;
+
+mod acl;
+mod basic;
+mod cold;
+mod handles;
+mod lazy;
+mod mmap;
+mod persist;
+mod session;
+mod setid;
+mod sparse;
+mod stale;
+mod state;

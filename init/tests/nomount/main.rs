@@ -1,0 +1,13 @@
+//! Tests that need neither root nor a kernel mount: config parsing and the shipped config
+//! files, `WorkspaceFs` against a model, the OpenAPI description against the route table, and
+//! the layer rules. One test binary, each file a module.
+
+#[macro_use]
+#[path = "../support/mod.rs"]
+mod support;
+
+mod config;
+mod config_files;
+mod fs_model;
+mod layers;
+mod openapi;
