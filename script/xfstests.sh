@@ -4,7 +4,7 @@
 # conformance report (docs/CONFORMANCE.md's generated part, docs/conformance/*.tsv).
 #
 #   script/xfstests.sh [--group auto|quick|NAME] [--configs "keel keel:cache=none ..."]
-#                      [--no-scratch] [-j N] [--out DIR] [--no-report] [TEST...]
+#                      [--no-scratch|--scratch] [-j N] [--out DIR] [--no-report] [TEST...]
 #
 #   --group    xfstests group within generic (default auto: every test of a normal full run;
 #              the non-auto ones are broken, dangerous, soak or block-device-only)
@@ -41,7 +41,8 @@ while [ $# -gt 0 ]; do
         --out) out=$2; shift 2 ;;
         --no-report) report=0; shift ;;
         --no-scratch) noscratch=1; shift ;;
-        -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+        --scratch) noscratch=2; shift ;;
+        -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
         -*) echo "xfstests.sh: unknown option $1" >&2; exit 2 ;;
         *) tests+=("$1"); shift ;;
     esac
@@ -52,13 +53,17 @@ mkdir -p "$out"
 out=$(realpath "$out")
 xfst=$(ci/xfstests/build.sh)
 subset=()
-if [ "$noscratch" = 1 ] && [ ${#tests[@]} -eq 0 ]; then
+if [ "$noscratch" != 0 ] && [ ${#tests[@]} -eq 0 ]; then
     for t in $(awk -v g="$group" '!/^#/ { for (i = 2; i <= NF; i++) if ($i == g) print $1 }' \
         "$xfst/tests/generic/group.list"); do
-        grep -qE '_require_scratch|_scratch_mkfs|_require_dm|_require_block_device|_require_loop|_require_logdev' \
-            "$xfst/tests/generic/$t" || args+=("generic/$t")
+        if grep -qE '_require_scratch|_scratch_mkfs|_require_dm|_require_block_device|_require_loop|_require_logdev' \
+            "$xfst/tests/generic/$t"; then
+            [ "$noscratch" = 1 ] || args+=("generic/$t")
+        else
+            [ "$noscratch" = 2 ] || args+=("generic/$t")
+        fi
     done
-    subset=(--subset "no-scratch")
+    subset=(--subset "$([ "$noscratch" = 1 ] && echo no-scratch || echo scratch)")
 elif [ ${#tests[@]} -gt 0 ]; then
     args=("${tests[@]}")
 else
@@ -99,7 +104,7 @@ if [ "$report" = 1 ]; then
     done
     python3 ci/xfstests/report.py --group "generic/$group" ${subset[@]+"${subset[@]}"} \
         --doc docs/CONFORMANCE.md \
-        --tsv "docs/conformance/generic-$group${subset:+-no-scratch}.tsv" --exclude ci/xfstests/exclude \
+        --tsv "docs/conformance/generic-$group${subset:+-${subset[1]}}.tsv" --exclude ci/xfstests/exclude \
         --commit "${KEEL_COMMIT:-$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- init ||
             echo +changes)}" \
         "${runs[@]}"

@@ -60,7 +60,7 @@ def main():
     ap.add_argument("--exclude", required=True)
     ap.add_argument("--commit", default="")
     ap.add_argument("--subset", help="the runs hold only the group's tests of this kind "
-                    "(no-scratch: those that need no scratch device)")
+                    "(no-scratch: those that need no scratch device; scratch: the others)")
     ap.add_argument("--only", help="keep only the tests of this group (of --group-list)")
     ap.add_argument("--group-list", help="xfstests' tests/generic/group.list")
     ap.add_argument("runs", nargs="+")
@@ -112,6 +112,9 @@ def main():
     if a.subset == "no-scratch":
         run = ("the tests of the group that need no scratch device (`script/xfstests.sh "
                "--group %s --no-scratch`)" % a.group.split("/")[1])
+    elif a.subset == "scratch":
+        run = ("the tests of the group that need a scratch device (`script/xfstests.sh "
+               "--group %s --scratch`)" % a.group.split("/")[1])
     elif a.subset:
         run += " (%s)" % a.subset
     if a.only:

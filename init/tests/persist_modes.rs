@@ -1,7 +1,8 @@
 //! Private state on disk: every directory keel creates in a state dir and in a `file://`
 //! remote is 0700 and every file 0600, under umask 000 and under umask 022, whoever made the
 //! state dir. Two passes per umask: the library (workspace writes and fsync, lease,
-//! checkpoints, fork, gc, eager and lazy restore, the body pool, the space reserves) and,
+//! checkpoints, fork, gc, eager and lazy restore, a restore that died midway (its
+//! `restore.unfinished` marker), the body pool, the space reserves) and,
 //! with root and /dev/fuse, the `keel` binary (mount, writes through the kernel, `keel
 //! checkpoint` over the persist socket, stop, `keel gc`, `keel fork`, `keel snapshot
 //! restore`, and `keel run` with its control socket). Each tree is walked while keel has it
@@ -27,7 +28,7 @@ use keel::chunk::{BodyPool, BodyStore};
 use keel::config::PersistConfig;
 use keel::persist::hydrate::RemoteChunks;
 use keel::persist::restore::{restore, restore_with, RestoreMode};
-use keel::persist::{acquire_lease, fork::fork, gc, open_remote, Persister};
+use keel::persist::{acquire_lease, fork::fork, gc, open_remote, Persister, Repo};
 use support::persist::*;
 
 /// What a walk saw: entries by kind and name pattern, and every mode that is not private.
@@ -218,6 +219,20 @@ fn library_pass(tmp: &Path, walk: &mut Walk) {
         noise(1, 3 * CHUNK as usize + 17)
     );
 
+    // A restore that dies midway (a panic: nothing cleans up, as after SIGKILL) leaves its
+    // marker and the bodies it wrote so far, for the next restore to start over from.
+    let dying = tmp.join("dying");
+    premade_dir(&dying);
+    let tap = Tap::new(repo.remote.clone(), |op, key| {
+        if op == "get_many" && (key.starts_with("chunks/") || key.contains("/chunks/")) {
+            panic!("killed while fetching chunks (on purpose)");
+        }
+    });
+    let died = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        restore(&mut Repo::new(tap, repo.ws()), None, &dying)
+    }));
+    assert!(died.is_err(), "the tap did not fire");
+
     // The body pool makes files off the request path.
     let pool_root = tmp.join("pool-state");
     let store = BodyStore::open(&pool_root.join("bodies")).unwrap();
@@ -237,6 +252,7 @@ fn library_pass(tmp: &Path, walk: &mut Walk) {
     walk.tree("lib-remote", &remote_dir);
     walk.tree("lib-fork", &fork_dir);
     walk.tree("lib-restored", &eager);
+    walk.tree("lib-dying", &dying);
     walk.tree("lib-pool", &pool_root);
     for want in [
         "lib-state file   0600 /meta.db",
@@ -252,6 +268,7 @@ fn library_pass(tmp: &Path, walk: &mut Walk) {
         "lib-remote file   0600 /forks/",
         "lib-remote file   0600 /lease",
         "lib-fork file   0600 /head",
+        "lib-dying file   0600 /restore.unfinished",
     ] {
         walk.expect(want);
     }

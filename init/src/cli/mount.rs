@@ -65,9 +65,22 @@ enum MountError {
     Unmount(#[source] keel::workspace::SessionError),
 }
 
+/// Exit code of a `keel mount` that saved everything in its state dir but not all of it to
+/// the remote (the final checkpoint failed or ran out of time): what is missing is uploaded
+/// first at the next start on that state dir, and lost if the state dir is thrown away.
+/// EX_TEMPFAIL of sysexits.h.
+const EXIT_REMOTE_BEHIND: i32 = 75;
+
 impl From<MountError> for Failed {
     fn from(e: MountError) -> Self {
-        Failed::from(e.to_string())
+        let code = match &e {
+            MountError::Unmount(keel::workspace::SessionError::Finish(_)) => EXIT_REMOTE_BEHIND,
+            _ => super::EXIT_FAILED,
+        };
+        Failed {
+            code,
+            line: e.to_string(),
+        }
     }
 }
 
@@ -128,7 +141,7 @@ pub fn main(config_file: Option<&Path>, a: MountArgs) -> i32 {
 fn mount_foreground(cfg: &Config) -> Result<(), MountError> {
     use keel::sys::fgsig::{Stop, StopSignals};
     let signals = StopSignals::block().map_err(MountError::BlockSignals)?;
-    let ws = keel::boot::workspace::start(cfg).map_err(MountError::Start)?;
+    let mut ws = keel::boot::workspace::start(cfg).map_err(MountError::Start)?;
     let mounted = ws.mounted();
     loop {
         match signals.wait_or(mounted.ended().fd()) {
@@ -145,10 +158,18 @@ fn mount_foreground(cfg: &Config) -> Result<(), MountError> {
                 continue;
             }
             Ok(Stop::Signal(sig)) => tracing::info!(signal = sig, "stopping"),
-            Ok(Stop::Ended) => tracing::warn!(
-                mount_point = %mounted.mount_point().display(),
-                "the workspace was unmounted from outside (or its connection aborted); saving and stopping"
-            ),
+            Ok(Stop::Ended) => {
+                tracing::warn!(
+                    mount_point = %mounted.mount_point().display(),
+                    "the workspace was unmounted from outside (or its connection aborted); saving and stopping"
+                );
+                // No stop signal: no grace period runs out, so the final checkpoint is not
+                // cut at `[persist] flush_timeout` (a save whose outcome depended on the
+                // machine's load).
+                if let Some(s) = ws.persist_mut() {
+                    s.set_final_unbounded();
+                }
+            }
             Err(e) => tracing::warn!(error = %e, "waiting for signals failed; unmounting"),
         }
         break;

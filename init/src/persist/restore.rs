@@ -289,7 +289,7 @@ fn restore_inner(
     }
     // Durable before anything else is written: a crash from here until meta.db appears
     // leaves a state dir the next restore recognises and starts over.
-    std::fs::write(state_dir.join(UNFINISHED), b"")
+    super::private::write(&state_dir.join(UNFINISHED), b"")
         .and_then(|()| sync_file(&state_dir.join(UNFINISHED)))
         .and_then(|()| sync_file(state_dir))
         .map_err(|e| bad(format!("write {UNFINISHED}: {e}")))?;

@@ -82,7 +82,7 @@ pub enum ServiceError {
 
 /// The final checkpoint did not complete.
 #[derive(Debug, thiserror::Error)]
-#[error("final checkpoint failed ({reason}): {backlog}; they stay in the local state and are uploaded first at the next start")]
+#[error("final checkpoint failed ({reason}): {backlog}; they are safe in the state dir and are uploaded first at the next start on it (lost if the state dir is discarded)")]
 pub struct FinalError {
     pub reason: Box<ServiceError>,
     pub backlog: Backlog,
@@ -111,7 +111,8 @@ pub(crate) enum Cmd {
     },
     /// The last checkpoint: pauses periodic work, no flush (the caller just flushed).
     Final {
-        deadline: Instant,
+        /// `None`: none (`Service::set_final_unbounded`).
+        deadline: Option<Instant>,
         reply: Sender<Result<CheckpointReport, ServiceError>>,
     },
     /// Exit; `clean`: every write of the filesystem is recorded in the store.
@@ -312,7 +313,8 @@ pub struct Service {
     control: Option<control::Server>,
     state_dir: PathBuf,
     chunk_size: u64,
-    flush_timeout: Duration,
+    /// The final checkpoint's budget; `None`: none (`set_final_unbounded`).
+    flush_timeout: Option<Duration>,
     lease: Option<Lease>,
     published: Arc<Published>,
     busy: Arc<AtomicU8>,
@@ -711,7 +713,7 @@ impl Worker {
                     let r = crate::progress::scope(log, || {
                         self.checkpoint(
                             CheckpointOptions {
-                                deadline: Some(deadline),
+                                deadline,
                                 ..Default::default()
                             },
                             false,
@@ -737,7 +739,14 @@ impl Service {
     /// How long the final checkpoint at unmount may take (so the init's own deadline can
     /// still report what did not reach the remote).
     pub fn set_final_budget(&mut self, budget: Duration) {
-        self.flush_timeout = budget;
+        self.flush_timeout = Some(budget);
+    }
+
+    /// The final checkpoint runs to its end, however long it takes (a dead remote still
+    /// ends it: its retries give up): nobody waits to kill keel, as after an unmount from
+    /// outside, so what it saves does not depend on how loaded the machine is.
+    pub fn set_final_unbounded(&mut self) {
+        self.flush_timeout = None;
     }
 
     /// Calls `f` with the new state after every checkpoint attempt and lease renewal (for
@@ -849,7 +858,7 @@ impl Service {
             control: Some(control),
             state_dir: state.clone(),
             chunk_size: ws.chunk_size,
-            flush_timeout: cfg.flush_timeout,
+            flush_timeout: Some(cfg.flush_timeout),
             lease,
             published,
             busy,
@@ -889,27 +898,30 @@ impl Service {
     }
 
     /// The final checkpoint, right after the caller flushed the filesystem, within
-    /// `[persist] flush_timeout`. Periodic checkpoints and the control socket stop.
+    /// `[persist] flush_timeout` (unless `set_final_unbounded`). Periodic checkpoints and the
+    /// control socket stop.
     pub fn finish(&mut self) -> Result<CheckpointReport, FinalError> {
-        let deadline = Instant::now() + self.flush_timeout;
+        let deadline = self.flush_timeout.map(|t| Instant::now() + t);
         if let Some(c) = self.control.take() {
             c.stop();
         }
         let (reply, rx) = mpsc::channel();
         let sent = self.tx.send(Cmd::Final { deadline, reply }).is_ok();
         // The worker checks the deadline between steps; allow one remote round trip more.
-        let got = if sent {
-            rx.recv_timeout(self.flush_timeout + Duration::from_secs(2))
-                .ok()
-        } else {
-            None
+        let got = match (sent, self.flush_timeout) {
+            (false, _) => None,
+            (true, Some(t)) => rx.recv_timeout(t + Duration::from_secs(2)).ok(),
+            (true, None) => rx.recv().ok(),
         };
         match got {
             Some(Ok(r)) => Ok(r),
             other => {
                 let reason = match other {
                     Some(Err(e)) => e,
-                    _ => ServiceError::FinalTimeout(self.flush_timeout),
+                    _ => match self.flush_timeout {
+                        Some(t) => ServiceError::FinalTimeout(t),
+                        None => ServiceError::Stopped,
+                    },
                 };
                 let backlog = read_backlog(&self.state_dir, self.chunk_size).unwrap_or_default();
                 Err(FinalError {

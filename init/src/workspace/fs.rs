@@ -188,6 +188,8 @@ enum Handle {
     File {
         ino: InodeNo,
         passthrough: bool,
+        /// A passthrough handle open for writing (`OpenFile::pt_writers`).
+        writer: bool,
     },
     Dir {
         ino: InodeNo,
@@ -494,7 +496,7 @@ impl WorkspaceFs {
             .map(|(i, _)| *i)
             .collect();
         for ino in pt {
-            self.sync_from_body(inner, ino)?;
+            self.sync_written(inner, ino)?;
         }
         // What mappings wrote after the last close, before a checkpoint claims the changes.
         for ino in inner.mapped.inodes() {

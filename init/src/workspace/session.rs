@@ -482,11 +482,13 @@ impl Mounted {
         if let Some(f) = finisher {
             f.close(shut.is_ok() && unmounted.is_ok());
         }
+        // A local failure first: `Finish` alone means everything is safe in the state dir
+        // and only the remote is behind.
+        unmounted?;
+        shut?;
         if let Some(Err(e)) = finished {
             return Err(SessionError::Finish(e));
         }
-        unmounted?;
-        shut?;
         tracing::info!(
             mount_point = %self.mount_point.display(),
             fuse_requests = self.requests.all(),

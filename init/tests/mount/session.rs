@@ -221,6 +221,93 @@ fn aborted_connection_ends_keel_mount_and_is_unmounted() {
     ends_cleanly_when_the_connection_ends(abort);
 }
 
+/// A config whose final checkpoint has no time at all at a stop (`[persist] flush_timeout =
+/// "0s"`) and whose periodic ones are an hour apart: whether a stop leaves a file written
+/// just before it on the remote then depends only on how keel was stopped, never on the
+/// machine's load.
+fn no_final_budget(dir: &Path) -> String {
+    let cfg = dir.join("no-final-budget.toml");
+    fs::write(
+        &cfg,
+        "[persist]\nflush_timeout = \"0s\"\ninterval = \"1h\"\n",
+    )
+    .unwrap();
+    cfg.to_str().unwrap().to_string()
+}
+
+/// Unmounted from outside, keel has no grace period running out (nobody is about to kill
+/// it): its final checkpoint runs to its end whatever `[persist] flush_timeout` says (here
+/// 0 s, which no save meets), so the outcome cannot depend on the load: exit 0, and the
+/// remote has the file (restored from it into a fresh state dir).
+#[test]
+fn an_unmount_from_outside_saves_everything_to_the_remote_whatever_the_final_budget() {
+    let cfgdir = tempfile::tempdir().unwrap();
+    let cfg = no_final_budget(cfgdir.path());
+    let mut k = keel_or_skip!("--config", cfg.as_str());
+    let data = pattern(4 << 20, 5);
+    fs::write(k.p("big"), &data).unwrap();
+    umount(&k.mnt);
+    let st = k.wait_exit();
+    let log = k.log_text();
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "keel exited {st:?} after an unmount from outside; log:\n{log}"
+    );
+    assert!(!log.contains("did not reach the remote"), "{log}");
+    let fresh = tempfile::Builder::new()
+        .prefix("keel-mount-test.")
+        .tempdir()
+        .unwrap();
+    let restored = fresh.path().join("state");
+    let out = std::process::Command::new(support::mount::keel_bin())
+        .args(["snapshot", "restore", "latest", "--state"])
+        .arg(&restored)
+        .arg("--remote")
+        .arg(format!("file://{}/remote", k.state.display()))
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "restore: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let k2 = support::keel::Keel::start_in(fresh, restored, &[]);
+    assert!(
+        fs::read(k2.p("big")).unwrap() == data,
+        "the remote's copy of the file differs"
+    );
+}
+
+/// Stopped by a signal, keel's final checkpoint gets `[persist] flush_timeout` (a grace
+/// period is running out), here none: it exits 75, not 0 nor 1, and its last line says
+/// exactly where the file is: safe in the state dir, not on the remote, uploaded first at
+/// the next start (lost if the state dir is discarded). The next start has it.
+#[test]
+fn a_stop_whose_final_checkpoint_runs_out_of_time_exits_75_and_says_what_is_only_local() {
+    let cfgdir = tempfile::tempdir().unwrap();
+    let cfg = no_final_budget(cfgdir.path());
+    let mut k = keel_or_skip!("--config", cfg.as_str());
+    let data = pattern(4 << 20, 6);
+    fs::write(k.p("big"), &data).unwrap();
+    let st = k.terminate(libc::SIGTERM);
+    let log = k.log_text();
+    assert_eq!(st.code(), Some(75), "{st}; log:\n{log}");
+    let last = log.lines().rev().find(|l| !l.trim().is_empty()).unwrap();
+    for want in [
+        "keel: ",
+        "final checkpoint failed",
+        "did not reach the remote",
+        "safe in the state dir",
+        "uploaded first at the next start",
+        "lost if the state dir is discarded",
+    ] {
+        assert!(last.contains(want), "`{want}` not in the last line: {last}");
+    }
+    k.start_again();
+    assert!(fs::read(k.p("big")).unwrap() == data, "the file differs");
+}
+
 /// How long the remount over a dead keel's mount may take before the test calls it hung.
 const REMOUNT_TIMEOUT: Duration = Duration::from_secs(90);
 

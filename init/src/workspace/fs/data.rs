@@ -186,6 +186,7 @@ impl WorkspaceFs {
             && !self.lazy_incomplete(inner, ino, inode.size)?;
         let node = inner.nodes.get_mut(&ino).expect("loaded");
         let mut backing = None;
+        let mut writer = false;
         let write_only = flags & libc::O_ACCMODE == libc::O_WRONLY;
         // The kernel refuses to mix cached and passthrough handles on one inode.
         if passthrough
@@ -215,6 +216,11 @@ impl WorkspaceFs {
                 if flags & libc::O_ACCMODE == libc::O_RDWR {
                     of.pt_mappable = true;
                 }
+                if flags & libc::O_ACCMODE != libc::O_RDONLY {
+                    of.pt_writers += 1;
+                    of.pt_unseen = true;
+                    writer = true;
+                }
                 backing = Some(f.clone());
                 node.pt_opens += 1;
             }
@@ -238,6 +244,7 @@ impl WorkspaceFs {
             Handle::File {
                 ino,
                 passthrough: pt,
+                writer,
             },
         );
         Ok((fh, info))
@@ -407,12 +414,26 @@ impl WorkspaceFs {
     pub fn release(&self, fh: u64) -> FsResult<bool> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
-        let Some(Handle::File { ino, passthrough }) = inner.handles.remove(&fh) else {
+        let Some(Handle::File {
+            ino,
+            passthrough,
+            writer,
+        }) = inner.handles.remove(&fh)
+        else {
             return Err(FsError::BadHandle);
         };
         // A kernel write through a passthrough handle, or through a shared mapping of one
-        // after its close, shows only in the body: look before the file is settled.
-        if let Err(e) = self.sync_from_body(inner, ino) {
+        // after its close, shows only in the body: look before the file is settled. What a
+        // writable one wrote is marked whatever the body's stamp says (`sync_written`).
+        let synced = if writer {
+            if let Some(of) = inner.nodes.get_mut(&ino).and_then(|n| n.open.as_mut()) {
+                of.pt_writers = of.pt_writers.saturating_sub(1);
+            }
+            self.sync_written(inner, ino)
+        } else {
+            self.sync_from_body(inner, ino)
+        };
+        if let Err(e) = synced {
             tracing::warn!(ino = ino.0, error = %e, "release: cannot stat the body");
         }
         // The stamp of a body that may stay mapped writable after this close.
@@ -465,9 +486,12 @@ impl WorkspaceFs {
             }
             self.bodies.sync_entry(ino.0)?;
         }
-        self.flush(ino)?;
         let mut guard = self.lock();
-        guard.sync(self.opts.chunk_size)?;
+        let inner: &mut Inner = &mut guard;
+        // What passthrough handles wrote, whatever the body's stamp says (`sync_written`).
+        self.sync_written(inner, ino)?;
+        Self::write_back(inner, ino)?;
+        inner.sync(self.opts.chunk_size)?;
         drop(guard);
         if let Some(hook) = self.fsync_hook.get() {
             hook().map_err(|e| {
@@ -694,7 +718,105 @@ pub(super) fn zero_fill(f: &File, from: u64, to: u64) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::workspace::fs::FsOptions;
     use std::path::Path;
+    use std::sync::atomic::AtomicBool;
+
+    const CHUNK: u64 = 64 << 10;
+
+    /// A workspace whose kernel agreed to passthrough, with a 3-window file `f` in a body,
+    /// everything so far taken by a checkpoint.
+    fn passthrough_fs(dir: &Path) -> (WorkspaceFs, InodeNo) {
+        let fs = WorkspaceFs::new(
+            dir,
+            FsOptions {
+                cache: CacheMode::Auto,
+                inline_max: 64,
+                chunk_size: CHUNK,
+                passthrough: Arc::new(AtomicBool::new(true)),
+                posix_acl: Arc::new(AtomicBool::new(true)),
+            },
+        )
+        .unwrap();
+        let root = Caller {
+            uid: 0,
+            gid: 0,
+            pid: 0,
+            umask: 0,
+        };
+        let (a, fh, _) = fs
+            .create(root, InodeNo::ROOT, b"f", 0o644, libc::O_RDWR)
+            .unwrap();
+        fs.write(a.inode.ino, 0, &vec![b'a'; 3 * CHUNK as usize])
+            .unwrap();
+        fs.release(fh).unwrap();
+        taken_by_a_checkpoint(&fs);
+        assert_eq!(marked(&fs), []);
+        (fs, a.inode.ino)
+    }
+
+    /// What a checkpoint does to the change tables: it takes every window marked so far
+    /// (while a writable passthrough handle is open, the next `sync_all` marks its file's
+    /// windows again).
+    fn taken_by_a_checkpoint(fs: &WorkspaceFs) {
+        fs.sync_all().unwrap();
+        let guard = fs.lock();
+        let tx = guard.store.write().unwrap();
+        tx.clear_all_changes().unwrap();
+        tx.commit().unwrap();
+        drop(guard);
+        fs.lock().sync(CHUNK).unwrap();
+    }
+
+    /// The windows the next checkpoint will take.
+    fn marked(fs: &WorkspaceFs) -> Vec<(InodeNo, u64)> {
+        fs.sync_all().unwrap();
+        fs.lock().store.read().backlog_windows().unwrap()
+    }
+
+    /// The kernel writes `byte` over the first window of the body through a passthrough
+    /// handle, and the body's stamp does not show it: on a state volume whose clock ticks
+    /// coarser than the writes, a write of the same size within the tick of keel's last
+    /// look leaves size, mtime and ctime as keel saw them (here keel looks right after).
+    fn unseen_write(fs: &WorkspaceFs, ino: InodeNo, body: &File, byte: u8) {
+        body.write_all_at(&vec![byte; CHUNK as usize], 0).unwrap();
+        let mut guard = fs.lock();
+        WorkspaceFs::rebase(&mut guard, ino).unwrap();
+    }
+
+    #[test]
+    fn a_passthrough_write_the_bodys_stamp_does_not_show_is_in_the_next_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let (fs, ino) = passthrough_fs(dir.path());
+        let all: Vec<_> = (0..3).map(|w| (ino, w)).collect();
+        // At the release of the writable handle.
+        let (fh, info) = fs.open(ino, libc::O_WRONLY).unwrap();
+        let body = info.backing.expect("a passthrough handle");
+        unseen_write(&fs, ino, &body, b'b');
+        fs.release(fh).unwrap();
+        assert_eq!(marked(&fs), all, "after the release");
+        taken_by_a_checkpoint(&fs);
+        // While it is open: at the checkpoint (sync_all), then at fsync.
+        let (fh, info) = fs.open(ino, libc::O_RDWR).unwrap();
+        let body = info.backing.expect("a passthrough handle");
+        unseen_write(&fs, ino, &body, b'c');
+        assert_eq!(marked(&fs), all, "at a checkpoint while open");
+        taken_by_a_checkpoint(&fs);
+        unseen_write(&fs, ino, &body, b'd');
+        fs.fsync(ino, true).unwrap();
+        assert_eq!(
+            fs.lock().store.read().backlog_windows().unwrap(),
+            all,
+            "at fsync"
+        );
+        fs.release(fh).unwrap();
+        taken_by_a_checkpoint(&fs);
+        // Once no writable handle is open, a read-only one marks nothing.
+        let (fh, info) = fs.open(ino, libc::O_RDONLY).unwrap();
+        assert!(info.backing.is_some());
+        fs.release(fh).unwrap();
+        assert_eq!(marked(&fs), [], "after a read-only handle");
+    }
 
     fn file_with(dir: &Path, name: &str, bytes: &[u8]) -> File {
         let f = File::options()

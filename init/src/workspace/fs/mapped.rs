@@ -8,7 +8,9 @@
 //! last close the stamp moves here, and keel keeps comparing at every `getattr`, lookup, open
 //! and sync (`WorkspaceFs::sync_mapped`): a change moves the file's mtime and ctime as ext4
 //! would and marks every window for the next checkpoint. The kernel must ask for such a
-//! file's attributes each time (`Attr::volatile`). Nothing says when the last mapping is
+//! file's attributes each time (`Attr::volatile`). An unchanged stamp proves nothing while a
+//! writable handle is open (see `OpenFile::pt_unseen`): `sync_written` marks such a file's
+//! windows at fsync, release and checkpoint whatever it says. Nothing says when the last mapping is
 //! gone, so at most `MAPPED_MAX` files are watched, the longest-closed one compared a last
 //! time and dropped first. A small file that goes back inline at its last close keeps no
 //! body a mapping could write: what its mapping writes after the close is lost (the file's

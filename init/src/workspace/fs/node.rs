@@ -83,6 +83,14 @@ pub(super) struct OpenFile {
     /// passthrough handle: a process may map the body shared and writable, and write it
     /// with no request to keel (see `mapped`).
     pub(super) pt_mappable: bool,
+    /// Writable passthrough handles open now.
+    pub(super) pt_writers: u32,
+    /// A writable passthrough handle was open since `sync_written` last marked every
+    /// window: the kernel may have written the body without moving its stamp (a write of the
+    /// same size within one tick of the state volume's clock, or into a page a shared
+    /// mapping had dirtied already, which takes no fault), so an unchanged stamp proves
+    /// nothing about the bytes of such a file.
+    pub(super) pt_unseen: bool,
 }
 
 /// A taken pool slot (see `OpenFile::provisional`).
@@ -269,6 +277,24 @@ impl WorkspaceFs {
             of.inode.ctime = of.inode.ctime.max(now_stamp.ctime);
             of.touch(0, now_stamp.size, chunk);
             of.pt_base = Some(now_stamp);
+        }
+        Ok(())
+    }
+
+    /// `sync_from_body`, then, where no change may be missed (fsync, the release of a
+    /// writable passthrough handle, `sync_all` before a checkpoint, a rollback), every window
+    /// of a file a writable passthrough handle had open since the last time, whatever the
+    /// body's stamp says (`OpenFile::pt_unseen`): what such a handle wrote is in the next
+    /// checkpoint however coarse the state volume's timestamps are. The times stay as the
+    /// stamp says: the kernel did not move them either.
+    pub(super) fn sync_written(&self, inner: &mut Inner, ino: InodeNo) -> FsResult<()> {
+        self.sync_from_body(inner, ino)?;
+        if let Some(of) = inner.nodes.get_mut(&ino).and_then(|n| n.open.as_mut()) {
+            if of.pt_unseen {
+                let size = of.inode.size;
+                of.touch(0, size, self.opts.chunk_size);
+                of.pt_unseen = of.pt_writers > 0;
+            }
         }
         Ok(())
     }
@@ -467,6 +493,8 @@ impl WorkspaceFs {
             pt_base: None,
             pt_body: false,
             pt_mappable: false,
+            pt_writers: 0,
+            pt_unseen: false,
         }));
     }
 

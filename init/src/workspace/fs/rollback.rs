@@ -264,7 +264,7 @@ impl WorkspaceFs {
             .map(|(i, _)| *i)
             .collect();
         for ino in dirty {
-            self.sync_from_body(inner, ino)?;
+            self.sync_written(inner, ino)?;
             Self::write_back(inner, ino)?;
         }
         inner.commit_group(self.opts.chunk_size)?;
