@@ -18,7 +18,7 @@ use crate::config::{CacheMode, Passthrough, WorkspaceConfig};
 use crate::sys;
 use crate::sys::eventfd::EventFd;
 
-use super::fs::{FsOptions, Inval, WorkspaceFs};
+use super::fs::{FsError, FsOptions, Inval, WorkspaceFs};
 use super::fuse::{FuseAdapter, KernelFeatures, RequestCounters, Timeouts};
 
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +75,20 @@ impl MountedHandle {
     /// FUSE passthrough was negotiated with the kernel.
     pub fn passthrough(&self) -> bool {
         self.passthrough.load(Ordering::Relaxed)
+    }
+
+    /// The change feed, recording from now on, and the cursor after its newest event.
+    pub fn watch(
+        &self,
+    ) -> Result<
+        (
+            Arc<crate::workspace::feed::Feed>,
+            crate::workspace::feed::Cursor,
+        ),
+        FsError,
+    > {
+        let c = self.fs.watch()?;
+        Ok((self.fs.feed().clone(), c))
     }
 
     /// FUSE requests served so far on this mount.
@@ -265,6 +279,7 @@ pub fn open_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Opened, Ses
         path: state.clone(),
         reason: e.to_string(),
     })?;
+    fs.feed().set_window(cfg.watch_window);
     Ok(Opened {
         fs: Arc::new(fs),
         passthrough,
@@ -433,6 +448,8 @@ impl Mounted {
     /// unmount (its changes stay pending in the local state).
     pub fn unmount(mut self, mut finisher: Option<Box<dyn Finisher>>) -> Result<(), SessionError> {
         let started = std::time::Instant::now();
+        // Watchers get what is left of the feed, then its end.
+        self.fs.feed().close();
         let flushed = if self.ended().is_set() {
             // The kernel wrote its dirty pages back before it ended the connection; the
             // mount point is no longer this mount.

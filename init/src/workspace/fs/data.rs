@@ -169,7 +169,9 @@ impl WorkspaceFs {
             of.inode.mtime = t;
             of.inode.ctime = t;
             of.dirty = true;
+            of.changed();
             Self::rebase(inner, ino)?;
+            self.fed_touched(inner, ino);
         }
         // The kernel would read the sparse body directly: a file with windows still to
         // fetch is served through keel until it is complete.
@@ -352,8 +354,8 @@ impl WorkspaceFs {
         if end > inline_max {
             self.to_body(of)?;
         }
-        match &mut of.data {
-            Data::Body(f) => Ok(Some(f.clone())),
+        let target = match &mut of.data {
+            Data::Body(f) => Some(f.clone()),
             Data::Inline(v) => {
                 if let Some(data) = data {
                     if (v.len() as u64) < end {
@@ -366,9 +368,13 @@ impl WorkspaceFs {
                     of.inode.ctime = t;
                     of.touch(offset, end, self.opts.chunk_size);
                 }
-                Ok(None)
+                None
             }
+        };
+        if target.is_none() {
+            self.fed_touched(inner, ino);
         }
+        Ok(target)
     }
 
     /// After bytes `[offset, end)` went into body `f` without the lock: records them.
@@ -390,6 +396,7 @@ impl WorkspaceFs {
             of.inode.ctime = t;
             of.touch(offset, end, self.opts.chunk_size);
         }
+        self.fed_touched(inner, ino);
         Self::rebase(inner, ino)
     }
 
@@ -398,6 +405,7 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
+        self.fed_closed(inner, ino);
         Self::write_back(inner, ino)
     }
 
@@ -543,11 +551,13 @@ impl WorkspaceFs {
         of.inode.mtime = t;
         of.inode.ctime = t;
         of.dirty = true;
+        of.changed();
         let inode = of.inode.clone();
         let mut tx = Batch::new(&inner.store)?;
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
         Self::rebase(inner, ino)?;
+        self.fed_touched(inner, ino);
         self.settle(inner, ino)
     }
 

@@ -7,6 +7,7 @@ use super::{
 };
 use super::{LINK_MAX, NAME_MAX, PATH_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE};
 use crate::meta::{Dirent, InodeNo, Kind, Nanos, Storage};
+use crate::workspace::feed::Op;
 
 /// What to create in `make`.
 pub(super) struct New<'a> {
@@ -165,6 +166,18 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
         if set.size.is_some() {
+            self.fed_touched(inner, ino);
+        }
+        if set.mode.is_some()
+            || set.uid.is_some()
+            || set.gid.is_some()
+            || set.atime.is_some()
+            || set.mtime.is_some()
+        {
+            let size = Some(inode.size);
+            self.fed_inode(inner, Op::Attrib, ino, inode.kind, size);
+        }
+        if set.size.is_some() {
             Self::rebase(inner, ino)?;
             self.settle(inner, ino)?;
         }
@@ -240,6 +253,15 @@ impl WorkspaceFs {
         p.ctime = t;
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
+        self.fed_entry(
+            inner,
+            Op::Create,
+            parent,
+            name,
+            kind,
+            inode.ino,
+            Some(inode.size),
+        );
         Self::remember(inner, inode.ino);
         // Created with no xattr unless it inherited ACLs: a lost group forgets this too.
         if acls.is_empty() {
@@ -383,6 +405,7 @@ impl WorkspaceFs {
         }
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
+        self.fed_entry(inner, Op::Delete, parent, name, child.kind, child.ino, None);
         if delete_now {
             inner.nodes.remove(&child.ino);
             if child.storage == Storage::Body {
@@ -420,6 +443,8 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &inode)?;
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
+        let size = Some(inode.size);
+        self.fed_entry(inner, Op::Create, newparent, newname, inode.kind, ino, size);
         Self::remember(inner, ino);
         self.fresh_attr(inner, ino)
     }
@@ -555,6 +580,14 @@ impl WorkspaceFs {
             tx.save(&inner.nodes, &np)?;
         }
         tx.commit(&mut inner.nodes)?;
+        self.fed_rename(
+            inner,
+            (parent, name),
+            (newparent, newname),
+            s.kind,
+            src.ino,
+            dst.is_some(),
+        );
         if let Some(v) = victim {
             if v.nlink == 0 && !Self::in_use(inner, v.ino, v.kind) {
                 self.purge(inner, v.ino)?;
@@ -615,6 +648,10 @@ impl WorkspaceFs {
             tx.save(&inner.nodes, &np)?;
         }
         tx.commit(&mut inner.nodes)?;
+        // Each moved to where the other was.
+        let (pa, pb) = ((parent, &a.name[..]), (newparent, &b.name[..]));
+        self.fed_rename(inner, pa, pb, ia.kind, a.ino, true);
+        self.fed_rename(inner, pb, pa, ib.kind, b.ino, true);
         Ok(())
     }
 

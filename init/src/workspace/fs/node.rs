@@ -83,6 +83,21 @@ pub(super) struct OpenFile {
     /// passthrough handle: a process may map the body shared and writable, and write it
     /// with no request to keel (see `mapped`).
     pub(super) pt_mappable: bool,
+    /// Where the file is in reporting its changes to the change feed (`watch`).
+    pub(super) fed: Fed,
+}
+
+/// A file's data changes as the change feed has reported them (see `watch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Fed {
+    /// Nothing to report.
+    Quiet,
+    /// Changed, not reported yet.
+    Due,
+    /// Reported, unchanged since.
+    Reported,
+    /// Reported, then changed again: reported once more at close.
+    Again,
 }
 
 /// A taken pool slot (see `OpenFile::provisional`).
@@ -129,6 +144,15 @@ impl OpenFile {
         let last = to.max(from + 1).div_ceil(chunk_size);
         self.windows.extend(first..last);
         self.dirty = true;
+        self.changed();
+    }
+
+    /// Notes a change of the bytes or size for the change feed (see `Fed`).
+    pub(super) fn changed(&mut self) {
+        self.fed = match self.fed {
+            Fed::Quiet | Fed::Due => Fed::Due,
+            Fed::Reported | Fed::Again => Fed::Again,
+        };
     }
 }
 
@@ -269,6 +293,7 @@ impl WorkspaceFs {
             of.inode.ctime = of.inode.ctime.max(now_stamp.ctime);
             of.touch(0, now_stamp.size, chunk);
             of.pt_base = Some(now_stamp);
+            self.fed_touched(inner, ino);
         }
         Ok(())
     }
@@ -467,6 +492,7 @@ impl WorkspaceFs {
             pt_base: None,
             pt_body: false,
             pt_mappable: false,
+            fed: Fed::Quiet,
         }));
     }
 
@@ -488,6 +514,8 @@ impl WorkspaceFs {
         if node.opens > 0 {
             return Ok(());
         }
+        self.fed_closed(inner, ino);
+        let node = inner.nodes.get_mut(&ino).expect("node present");
         // A loaded file's link count is authoritative (`load` prefers it to the row).
         let loaded_nlink = node.open.as_ref().map(|of| of.inode.nlink);
         let inlined = self.back_inline(node)?;

@@ -11,6 +11,7 @@ use super::{now, Caller, FsError, FsResult, Inner, SetAttr, SetIdLoss, Workspace
 use super::{XATTR_CREATE, XATTR_NAME_MAX, XATTR_REPLACE, XATTR_SIZE_MAX};
 use crate::meta::{Inode, InodeNo, Kind};
 use crate::sys;
+use crate::workspace::feed::Op;
 
 /// Most inodes remembered as having no xattrs (the set starts over when full, emptied of
 /// its memory too: at 1 << 20 it held 18 MiB at a million files; a miss costs one row read).
@@ -138,6 +139,7 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
         inner.no_xattrs.remove(&ino);
+        self.fed_inode(inner, Op::Attrib, ino, inode.kind, Some(inode.size));
         Ok(())
     }
 
@@ -190,6 +192,7 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
         inner.no_xattrs.remove(&ino);
+        self.fed_inode(inner, Op::Attrib, ino, inode.kind, Some(inode.size));
         Ok(())
     }
 
@@ -405,6 +408,7 @@ impl WorkspaceFs {
         }
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
+        self.fed_inode(inner, Op::Attrib, ino, inode.kind, Some(inode.size));
         Ok(())
     }
 
