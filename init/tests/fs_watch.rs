@@ -118,7 +118,11 @@ fn a_write_is_reported_at_its_first_change_and_at_close_after_its_last() {
     fs.release(fh).unwrap();
     let all = since(&fs, c);
     assert_eq!(summary(&all), [ev("modify", "/f"), ev("modify", "/f")]);
-    assert_eq!(all[1].size, Some(10_006), "the last event has the final size");
+    assert_eq!(
+        all[1].size,
+        Some(10_006),
+        "the last event has the final size"
+    );
     // One write and a close: one event.
     let c = fs.feed().now();
     write_at(&fs, ino, 0, b"H");
