@@ -164,6 +164,7 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
     control
         .status()
         .mounted(&cfg, mounted.as_ref().map(|w| w.mounted()));
+    processes.set_workspace(mounted.as_ref().map(|w| w.mounted().handle()));
     if let Some(ns) = sandbox_namespace(&cfg, &booted, mounted.as_ref())? {
         supervisor.set_sandbox_ns(ns);
     }

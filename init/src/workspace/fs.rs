@@ -19,7 +19,8 @@
 //! directories), `data` (file bytes), `xattr` (xattrs, ACLs kept in step with the mode,
 //! set-ID dropping, access), `acl` (the POSIX ACL format and rules, pure), `lazy`
 //! (fetching lazily restored windows), `rollback` (rolling the live tree back), `watch`
-//! (what the mutating operations append to the change feed). This file
+//! (what the mutating operations append to the change feed), `track` (the state before of
+//! what changed while a tracker runs: `diff=true`). This file
 //! keeps the public types, `WorkspaceFs` with its lock, and the whole-filesystem calls.
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -50,6 +51,7 @@ mod nodes;
 mod reads;
 mod replay;
 mod rollback;
+mod track;
 mod watch;
 mod xattr;
 
@@ -59,6 +61,7 @@ pub use node::LINGER_MAX;
 pub use reads::READ_SET_MAX;
 pub use replay::ReplayReport;
 pub use rollback::{Inval, RollbackPlan, RollbackReport, RollbackTarget, Target, TargetData};
+pub use track::{Content, Seen, Side, TrackError, TrackId, Tracked};
 pub use xattr::{setid_lost, XattrReply};
 
 use group::{committer, discard_body, Batch};
@@ -224,6 +227,8 @@ struct Inner {
     feed: Arc<crate::workspace::feed::Feed>,
     /// Directory inode → `/`-rooted path, for the change feed's events (see `watch`).
     dir_paths: HashMap<InodeNo, Arc<str>>,
+    /// Spans whose changes are being recorded with their state before (see `track`).
+    trackers: track::Trackers,
 }
 
 /// The lock on `Inner`; letting go of it commits the open group when that is due.
@@ -403,6 +408,7 @@ impl WorkspaceFs {
             space_checked: None,
             feed: feed.clone(),
             dir_paths: HashMap::new(),
+            trackers: track::Trackers::default(),
         }));
         let committer_stop = Arc::new(AtomicBool::new(false));
         let (weak, stop, chunk) = (
@@ -440,6 +446,11 @@ impl WorkspaceFs {
             generations,
             feed,
         })
+    }
+
+    /// The chunk window of change tracking.
+    pub fn chunk_size(&self) -> u64 {
+        self.opts.chunk_size
     }
 
     /// The generation of inode `ino` (see `Attr::generation`).

@@ -62,6 +62,14 @@ pub struct MountedHandle {
     requests: Arc<RequestCounters>,
 }
 
+impl std::fmt::Debug for MountedHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MountedHandle")
+            .field("mount_point", &self.mount_point)
+            .finish_non_exhaustive()
+    }
+}
+
 impl MountedHandle {
     pub fn mount_point(&self) -> &Path {
         &self.mount_point
@@ -89,6 +97,24 @@ impl MountedHandle {
     > {
         let c = self.fs.watch()?;
         Ok((self.fs.feed().clone(), c))
+    }
+
+    /// Starts recording what changes with its state before (`fs::track`).
+    pub fn track_start(&self) -> Result<super::fs::TrackId, FsError> {
+        self.fs.track_start()
+    }
+
+    /// What changed since `track_start`, before and now.
+    pub fn track_finish(
+        &self,
+        t: super::fs::TrackId,
+    ) -> Result<super::fs::Tracked, super::fs::TrackError> {
+        self.fs.track_finish(t)
+    }
+
+    /// The chunk window of the workspace's change tracking.
+    pub fn chunk_size(&self) -> u64 {
+        self.fs.chunk_size()
     }
 
     /// FUSE requests served so far on this mount.

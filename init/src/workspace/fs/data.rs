@@ -158,6 +158,10 @@ impl WorkspaceFs {
         self.ensure_open(inner, ino)?;
         // What a mapping wrote since the last close, before a new stamp is taken.
         self.sync_mapped(inner, ino)?;
+        // A writer may go through passthrough, unseen until its close: the state before.
+        if flags & libc::O_ACCMODE != libc::O_RDONLY {
+            self.track_inode(inner, ino);
+        }
         if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
             self.sync_from_body(inner, ino)?;
             self.lazy_drop_from(inner, ino, 0)?;
@@ -350,6 +354,8 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         let inline_max = self.opts.inline_max;
+        self.file_of(inner, ino)?;
+        self.track_inode(inner, ino);
         let of = self.file_of(inner, ino)?;
         if end > inline_max {
             self.to_body(of)?;
@@ -513,6 +519,8 @@ impl WorkspaceFs {
         if mode & PUNCH == 0 {
             self.room_for_allocation(inner, len)?;
         }
+        self.file_of(inner, ino)?;
+        self.track_inode(inner, ino);
         let of = self.file_of(inner, ino)?;
         let grows = mode & KEEP_SIZE == 0 && end > of.inode.size;
         if grows {

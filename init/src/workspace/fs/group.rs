@@ -80,6 +80,7 @@ impl Inner {
         }
         tracing::error!("a metadata commit failed: operations since the last commit are lost");
         self.dir_paths.clear();
+        self.trackers.overflow("a metadata commit failed");
         if self.feed.active() {
             let mut e = crate::workspace::feed::NewEvent::new(
                 crate::workspace::feed::Op::Rescan,

@@ -118,6 +118,7 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
+        self.track_inode(inner, ino);
         if let Some(loss) = set.drop_setid {
             Self::kill_privs_locked(inner, ino, loss)?;
         }
@@ -253,6 +254,8 @@ impl WorkspaceFs {
         p.ctime = t;
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
+        self.track_entry(inner, parent, name, None);
+        self.track_new(inner, inode.ino);
         self.fed_entry(
             inner,
             Op::Create,
@@ -371,6 +374,8 @@ impl WorkspaceFs {
             Some(of) => of.inode.clone(),
             None => row,
         };
+        self.track_entry(inner, parent, name, Some((child.ino, child.kind)));
+        self.track_inode(inner, child.ino);
         let t = now();
         if dir {
             if child.kind != Kind::Dir {
@@ -433,6 +438,8 @@ impl WorkspaceFs {
         if inner.store.read().lookup(newparent, newname)?.is_some() {
             return Err(FsError::Exists);
         }
+        self.track_entry(inner, newparent, newname, None);
+        self.track_inode(inner, ino);
         let t = now();
         inode.nlink += 1;
         inode.ctime = t;
@@ -538,6 +545,15 @@ impl WorkspaceFs {
             victim = Some(v);
         }
 
+        if !inner.trackers.is_empty() {
+            self.track_entry(inner, parent, name, Some((src.ino, src.kind)));
+            let was = dst.as_ref().map(|d| (d.ino, d.kind));
+            self.track_entry(inner, newparent, newname, was);
+            self.track_inode(inner, src.ino);
+            if let Some(v) = &victim {
+                self.track_inode(inner, v.ino);
+            }
+        }
         let mut tx = Batch::new(&inner.store)?;
         tx.unlink(parent, name)?;
         if dst.is_some() {
@@ -617,6 +633,12 @@ impl WorkspaceFs {
             if ib.kind == Kind::Dir && Self::is_within(inner, parent, b.ino)? {
                 return Err(FsError::Invalid);
             }
+        }
+        if !inner.trackers.is_empty() {
+            self.track_entry(inner, parent, &a.name, Some((a.ino, a.kind)));
+            self.track_entry(inner, newparent, &b.name, Some((b.ino, b.kind)));
+            self.track_inode(inner, a.ino);
+            self.track_inode(inner, b.ino);
         }
         let mut tx = Batch::new(&inner.store)?;
         tx.relink(parent, &a.name, b.ino, ib.kind)?;

@@ -208,6 +208,7 @@ impl WorkspaceFs {
     /// Records that more changed than can be listed (a rollback, a lost commit group).
     pub(super) fn fed_rescan(&self, inner: &mut Inner, reason: &'static str) {
         inner.dir_paths.clear();
+        inner.trackers.overflow(reason);
         if !self.feed.active() {
             return;
         }

@@ -134,6 +134,7 @@ impl WorkspaceFs {
             return Err(FsError::XattrsFull);
         }
         inode.ctime = now();
+        self.track_inode(inner, ino);
         let mut tx = Batch::new(&inner.store)?;
         tx.set_xattr(ino, name, value)?;
         tx.save(&inner.nodes, &inode)?;
@@ -178,6 +179,7 @@ impl WorkspaceFs {
         if !access && inode.kind != Kind::Dir {
             return Err(FsError::Access);
         }
+        self.track_inode(inner, ino);
         let mut tx = Batch::new(&inner.store)?;
         if access {
             inode.perm = acl.equiv_mode(inode.perm);
@@ -321,6 +323,7 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
+        self.track_inode(inner, ino);
         Self::kill_privs_locked(inner, ino, loss)
     }
 
@@ -402,6 +405,7 @@ impl WorkspaceFs {
         let inner: &mut Inner = &mut guard;
         let mut inode = Self::load(inner, ino)?;
         inode.ctime = now();
+        self.track_inode(inner, ino);
         let mut tx = Batch::new(&inner.store)?;
         if !tx.remove_xattr(ino, name)? {
             return if is_acl { Ok(()) } else { Err(FsError::NoAttr) };
