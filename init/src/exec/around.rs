@@ -29,7 +29,7 @@ use crate::persist::agent::{Diff, Op, Rollback, SnapshotCreate};
 use crate::persist::format::{DataRec, InodeRec, Tree, TreeData, TreeInode};
 use crate::persist::service::ServiceError;
 use crate::persist::CheckpointHandle;
-use crate::workspace::fs::{Content, Seen, Side, TrackId};
+use crate::workspace::fs::{Content, Seen, Side, TrackId, Tracked};
 use crate::workspace::MountedHandle;
 
 /// What the step before the spawn left: the snapshot, the name that pins it only for the
@@ -146,12 +146,16 @@ fn tree(side: Side, chunk_size: u64) -> Tree {
     }
 }
 
+/// What a tracker saw, compared as `keel diff` compares two snapshots.
+pub fn diff_tracked(t: Tracked, chunk_size: u64) -> crate::persist::diff::Diff {
+    crate::persist::diff::diff_trees(&tree(t.before, chunk_size), &tree(t.after, chunk_size))
+}
+
 /// The changes the tracker saw, as `keel diff` of two snapshots shows them.
 fn tracked_diff(w: &MountedHandle, t: TrackId, from: Option<u64>) -> Result<Value, String> {
     let t0 = Instant::now();
     let tracked = w.track_finish(t).map_err(|e| e.to_string())?;
-    let cs = w.chunk_size();
-    let d = crate::persist::diff::diff_trees(&tree(tracked.before, cs), &tree(tracked.after, cs));
+    let d = diff_tracked(tracked, w.chunk_size());
     let mut v = serde_json::to_value(&d).map_err(|e| e.to_string())?;
     v["from"] = from.into();
     v["to"] = Value::Null;

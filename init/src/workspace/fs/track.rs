@@ -162,6 +162,8 @@ impl WorkspaceFs {
     pub fn track_start(&self) -> FsResult<TrackId> {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
+        // The finish names what changed by inode (once per state dir: see `index_names`).
+        inner.store.read().index_names()?;
         let id = TrackId(inner.trackers.next);
         inner.trackers.next += 1;
         inner.trackers.running.insert(id, Tracker::default());
