@@ -597,7 +597,9 @@ EOF
 # user: with the remote's credentials in the container's environment and in a credentials
 # file, a 0600 root file (inline and large) and a 0644 one whose ACL denies `sandbox` in
 # /workspace, and a local file:// remote outside the state dir, every attempt below must
-# fail; the case names each one that succeeds. Then
+# fail (the files API's too: keel's state dir, `..`, a symlink out of the workspace,
+# /proc/1/root, another user's 0600 file, as root through the socket and as the sandbox
+# user); the case names each one that succeeds. Then
 # `keel fsck` of the state is clean, and a fresh container restoring from the remote (every
 # chunk verified on read) finds the workspace intact.
 case_attacker() {

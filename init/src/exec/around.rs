@@ -264,11 +264,16 @@ pub fn after(
     m
 }
 
-/// When keel stops before the options after the exit could run.
-pub fn skipped(a: &Around, b: &Before, why: &str) -> Map<String, Value> {
+/// The process never started: its change tracker ends.
+pub fn abandon(b: &Before) {
     if let Some((w, t)) = &b.track {
         let _ = w.track_finish(*t);
     }
+}
+
+/// When keel stops before the options after the exit could run.
+pub fn skipped(a: &Around, b: &Before, why: &str) -> Map<String, Value> {
+    abandon(b);
     let mut m = Map::new();
     if let Some(s) = b.seq {
         m.insert("snapshot_before".into(), s.into());

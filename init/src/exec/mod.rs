@@ -360,6 +360,7 @@ impl Processes {
         let io = match self.spawn(&rec, &plan, &tpl, ids) {
             Ok(io) => io,
             Err(e) => {
+                around::abandon(&before);
                 self.forget(&rec);
                 return Err(e);
             }

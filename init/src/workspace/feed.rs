@@ -16,7 +16,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -185,6 +185,9 @@ pub struct Feed {
     active: AtomicBool,
     ring: Mutex<Ring>,
     more: Condvar,
+    /// Readers waiting on `more` (counted under the ring's lock): a push with none wakes
+    /// nobody, so it costs no futex call.
+    waiting: AtomicUsize,
 }
 
 impl fmt::Debug for Feed {
@@ -225,6 +228,7 @@ impl Feed {
                 closed: false,
             }),
             more: Condvar::new(),
+            waiting: AtomicUsize::new(0),
         }
     }
 
@@ -288,7 +292,7 @@ impl Feed {
             }
         }
         drop(r);
-        if any {
+        if any && self.waiting.load(Ordering::SeqCst) > 0 {
             self.more.notify_all();
         }
     }
@@ -339,12 +343,14 @@ impl Feed {
     /// are none (an empty answer: none came meanwhile).
     pub fn read(&self, after: Cursor, max: usize, wait: Duration) -> Result<Vec<Event>, FeedError> {
         let mut r = self.ring();
-        if r.next - 1 == after.seq && !r.closed {
+        if r.next - 1 == after.seq && !r.closed && !wait.is_zero() {
+            self.waiting.fetch_add(1, Ordering::SeqCst);
             r = self
                 .more
                 .wait_timeout_while(r, wait, |r| r.next - 1 == after.seq && !r.closed)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
         }
         self.check_in(&r, after)?;
         let skip = (after.seq - r.oldest()) as usize;
