@@ -259,8 +259,7 @@ impl WorkspaceFs {
         self.fed_entry(
             inner,
             Op::Create,
-            parent,
-            name,
+            (parent, name),
             kind,
             inode.ino,
             Some(inode.size),
@@ -410,7 +409,14 @@ impl WorkspaceFs {
         }
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
-        self.fed_entry(inner, Op::Delete, parent, name, child.kind, child.ino, None);
+        self.fed_entry(
+            inner,
+            Op::Delete,
+            (parent, name),
+            child.kind,
+            child.ino,
+            None,
+        );
         if delete_now {
             inner.nodes.remove(&child.ino);
             if child.storage == Storage::Body {
@@ -451,7 +457,14 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
         let size = Some(inode.size);
-        self.fed_entry(inner, Op::Create, newparent, newname, inode.kind, ino, size);
+        self.fed_entry(
+            inner,
+            Op::Create,
+            (newparent, newname),
+            inode.kind,
+            ino,
+            size,
+        );
         Self::remember(inner, ino);
         self.fresh_attr(inner, ino)
     }

@@ -86,11 +86,16 @@ impl From<crate::meta::MetaError> for TrackError {
     }
 }
 
+/// An entry: (parent, name).
+type Entry = (InodeNo, Vec<u8>);
+/// What an entry names, if it exists: (inode, kind).
+type Names = Option<(InodeNo, Kind)>;
+
 /// One tracker's pre-images (`None`: did not exist).
 #[derive(Default)]
 pub(super) struct Tracker {
     inodes: HashMap<InodeNo, Option<Seen>>,
-    entries: HashMap<(InodeNo, Vec<u8>), Option<(InodeNo, Kind)>>,
+    entries: HashMap<Entry, Names>,
     overflow: Option<&'static str>,
 }
 

@@ -94,8 +94,7 @@ impl WorkspaceFs {
         &self,
         inner: &mut Inner,
         op: Op,
-        parent: InodeNo,
-        name: &[u8],
+        (parent, name): (InodeNo, &[u8]),
         kind: Kind,
         ino: InodeNo,
         size: Option<u64>,
@@ -117,7 +116,6 @@ impl WorkspaceFs {
     }
 
     /// Records a rename (`replaced`: over another name, or an exchange).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn fed_rename(
         &self,
         inner: &mut Inner,
