@@ -269,13 +269,17 @@ def section_diff(a, sock):
     plain, withdiff, keel_diff = [], [], []
     # The command's own duration too: a tracker's pre-images are taken while it runs.
     run_plain, run_diff = [], []
+    cpu_plain, cpu_diff = [], []
+    hz = os.sysconf("SC_CLK_TCK")
     for rep in range(3):
         for diff in (False, True):
             d = rep * 2 + (1 if diff else 0)
             body = {"shell": cmd.format(d=d), "diff": diff}
+            c0 = cpu_ticks(a.keel_pid)
             t0 = time.perf_counter()
             evs = exec_events(sock, body)
             total = (time.perf_counter() - t0) * 1000
+            (cpu_diff if diff else cpu_plain).append((cpu_ticks(a.keel_pid) - c0) * 1000 / hz)
             ex = evs[-1]
             assert ex["code"] == 0, ex
             overhead = total - ex["duration_ms"]
@@ -297,7 +301,9 @@ def section_diff(a, sock):
     print(f"| time diff=true adds | {added:.1f} |")
     print(f"| of which the diff after the exit (keel's duration_ms) | {statistics.median(keel_diff):.1f} |")
     print(f"\nthe command's own duration, median: {statistics.median(run_plain):.1f} ms without diff, "
-          f"{statistics.median(run_diff):.1f} ms with (the pre-images are taken while it runs)")
+          f"{statistics.median(run_diff):.1f} ms with (the pre-images are taken while it runs); "
+          f"keel's CPU per exec, whole request: {statistics.median(cpu_plain):.0f} ms without, "
+          f"{statistics.median(cpu_diff):.0f} ms with")
 
 
 if __name__ == "__main__":

@@ -354,8 +354,10 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         let inline_max = self.opts.inline_max;
-        self.file_of(inner, ino)?;
-        self.track_inode(inner, ino);
+        if !inner.trackers.is_empty() {
+            self.file_of(inner, ino)?;
+            self.track_inode(inner, ino);
+        }
         let of = self.file_of(inner, ino)?;
         if end > inline_max {
             self.to_body(of)?;
@@ -519,8 +521,10 @@ impl WorkspaceFs {
         if mode & PUNCH == 0 {
             self.room_for_allocation(inner, len)?;
         }
-        self.file_of(inner, ino)?;
-        self.track_inode(inner, ino);
+        if !inner.trackers.is_empty() {
+            self.file_of(inner, ino)?;
+            self.track_inode(inner, ino);
+        }
         let of = self.file_of(inner, ino)?;
         let grows = mode & KEEP_SIZE == 0 && end > of.inode.size;
         if grows {

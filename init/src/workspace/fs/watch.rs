@@ -192,12 +192,15 @@ impl WorkspaceFs {
     /// A file is closed (FLUSH) or settled: reports what changed since its last report,
     /// and it is quiet again.
     pub(super) fn fed_closed(&self, inner: &mut Inner, ino: InodeNo) {
+        if !self.feed.active() {
+            return;
+        }
         let Some(of) = inner.nodes.get_mut(&ino).and_then(|n| n.open.as_mut()) else {
             return;
         };
         let due = matches!(of.fed, Fed::Due | Fed::Again);
         of.fed = Fed::Quiet;
-        if due && self.feed.active() {
+        if due {
             let size = of.inode.size;
             self.fed_inode(inner, Op::Modify, ino, Kind::File, Some(size));
         }
