@@ -597,7 +597,9 @@ EOF
 # user: with the remote's credentials in the container's environment and in a credentials
 # file, a 0600 root file (inline and large) and a 0644 one whose ACL denies `sandbox` in
 # /workspace, and a local file:// remote outside the state dir, every attempt below must
-# fail; the case names each one that succeeds. Then
+# fail (the files API's too: keel's state dir, `..`, a symlink out of the workspace,
+# /proc/1/root, another user's 0600 file, as root through the socket and as the sandbox
+# user); the case names each one that succeeds. Then
 # `keel fsck` of the state is clean, and a fresh container restoring from the remote (every
 # chunk verified on read) finds the workspace intact.
 case_attacker() {
@@ -662,6 +664,18 @@ agent_attack() {
     attempt "exec as root through the control socket" keel exec --user root -- touch /pwned-by-exec
     attempt "start a detached process through the API" keel exec --detach -- true
 }
+# The files API (`keel files`, over the socket): paths resolve beneath /workspace, as the
+# asked-for user; root may call it, the control group may not.
+files_attack() {
+    attempt "read keel's state dir through /files" keel files get /var/lib/keel/meta.db -o /tmp/f.out
+    attempt "list keel's state dir through /files" sh -c 'keel files ls /var/lib/keel | grep -q .'
+    attempt "write keel's state dir through /files" keel files put ../var/lib/keel/planted -i /etc/hostname
+    attempt "read outside the workspace through .. with /files" keel files get ../etc/hostname -o /tmp/f.out
+    attempt "read a symlink out of the workspace with /files" keel files get escape/hostname -o /tmp/f.out
+    attempt "read keel's root through /proc/1/root with /files" keel files get /proc/1/root/var/lib/keel/meta.db -o /tmp/f.out
+    attempt "read a symlink to /proc/1/root with /files" keel files get proc1/var/lib/keel/meta.db -o /tmp/f.out
+    attempt "read another user's 0600 file with /files as the sandbox user" keel files get --user sandbox small -o /tmp/f.out
+}
 # A file anyone could read but for an ACL entry that names the sandbox user.
 acl_attack() {
     attempt "read a 0644 file an ACL entry denies it" cat /workspace/acl-denied
@@ -674,21 +688,24 @@ printf '%s' "$SECRET" > small && chmod 600 small
 { head -c 300000 /dev/urandom; printf '%s' "$SECRET"; head -c 300000 /dev/urandom; } > big && chmod 600 big
 printf '%s' "$SECRET" > acl-denied && chmod 644 acl-denied && setfacl -m u:sandbox:--- acl-denied
 printf ok > acl-control && chmod 600 acl-control && setfacl -m u:sandbox:r-- acl-control
+ln -s /etc escape && ln -s /proc/1/root proc1
 sync small big acl-denied acl-control
 keel checkpoint >/dev/null 2>&1 && echo "checkpoint-from-inside ok" || echo "checkpoint-from-inside FAILED"
 keel status >/dev/null 2>&1 && echo "status-from-inside ok" || echo "status-from-inside FAILED"
 keel snapshot create --name atk >/dev/null 2>&1 && echo "snapshot-from-inside ok" || echo "snapshot-from-inside FAILED"
 [ "$(keel exec -- sh -c 'id -u; echo out; echo err >&2; exit 7' 2>/dev/null)" = "$(printf '0\nout')" ] \
     && { keel exec -- sh -c 'exit 7' >/dev/null 2>&1; [ $? = 7 ]; } && echo "exec-from-inside ok" || echo "exec-from-inside FAILED"
+[ "$(keel files get small 2>/dev/null)" = "$SECRET" ] && echo "files-from-inside ok" || echo "files-from-inside FAILED"
 WHO=root attack
-setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack; acl_attack"
+WHO=root files_attack
+setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack; files_attack; acl_attack"
 setpriv --reuid=1000 --regid=1000 --init-groups cat /workspace/acl-control >/dev/null 2>&1 && echo "acl-grant ok" || echo "acl-grant FAILED"
 setpriv --reuid=1000 --regid=1000 --init-groups keel status >/dev/null 2>&1 && echo "group-status ok" || echo "group-status FAILED"
 sha256sum small big acl-denied | sed 's/^/sum /'
 echo DONE
 EOF2
     # The functions alone, for the unprivileged run.
-    awk '{ print } /^}$/ && ++n == 3 { exit }' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
+    awk '{ print } /^}$/ && ++n == 4 { exit }' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
     chmod 0644 "$tmp/attack.sh" "$tmp/attack.sh.fns"
     run_c "$out" "${keel_flags[@]}" -v "$svol:/var/lib/keel" -v "$rvol:/srv/keel-remote" \
         -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \
@@ -703,7 +720,8 @@ EOF2
     grep -qx 'group-status ok' "$out" || fail "keel status for the control group failed"
     grep -qx 'acl-grant ok' "$out" || fail "an ACL entry did not let the sandbox user read a 0600 file"
     grep -qx 'exec-from-inside ok' "$out" || fail "keel exec from inside the sandbox (root) failed"
-    [ "$(grep -c '^denied ' "$out")" = 53 ] || fail "$(grep -c '^denied ' "$out") of 53 attempts reported as denied"
+    grep -qx 'files-from-inside ok' "$out" || fail "keel files from inside the sandbox (root) failed"
+    [ "$(grep -c '^denied ' "$out")" = 69 ] || fail "$(grep -c '^denied ' "$out") of 69 attempts reported as denied"
     while IFS= read -r line; do fail "${line#ATTEMPT-SUCCEEDED }"; done < <(grep '^ATTEMPT-SUCCEEDED ' "$out")
     grep -qF -e "$envsecret" -e "$filesecret" "$out.err" && fail "keel's log shows a secret"
     grep '^denied \|^ATTEMPT' "$out" | sed 's/^/    /'

@@ -8,8 +8,9 @@
 #     that no client reads;
 #   - the time diff=true adds to an exec changing 1,000 files of a 100,000-file workspace.
 #
-#   script/exec-bench.sh [--short]
+#   script/exec-bench.sh [--short] [--only SECTIONS]
 #
+# --only trips,output,rss,diff: run only these sections (comma-separated).
 # --short: 100 round trips, 64 MiB of output, a 256 MiB writer, 10 processes, 10,000 files
 # and 100 changed (checks that the benchmark works; the numbers mean little). Needs root,
 # /dev/fuse and python3. Prints Markdown tables (BENCHMARKS.md keeps them).
@@ -22,8 +23,9 @@ IMAGE=${KEEL_IMAGE:-localhost/keel:latest}
 ARGS=()
 while [ $# -gt 0 ]; do
     case $1 in
-        --short) ARGS=(--runs 100 --podman-runs 10 --size $((64 << 20)) --big $((256 << 20))
+        --short) ARGS+=(--runs 100 --podman-runs 10 --size $((64 << 20)) --big $((256 << 20))
                        --concurrent 10 --files 10000 --changed 100) ;;
+        --only) ARGS+=(--only "$2"); shift ;;
         *) echo "exec-bench: unknown argument $1" >&2; exit 2 ;;
     esac
     shift

@@ -77,13 +77,15 @@ pub fn main(args: RunOptions) -> Result<i32, RunError> {
     if let Err(e) = crate::sys::ns::set_not_dumpable() {
         tracing::warn!("PR_SET_DUMPABLE 0: {e}");
     }
-    let (cfg, booted, supervisor, mounted, control, processes) = match setup(args, signals) {
+    let (cfg, booted, mut supervisor, mounted, control, processes) = match setup(args, signals) {
         Ok(v) => v,
         Err(e) => {
             error!("{e}");
             return Err(e);
         }
     };
+    // Before "ready": a caller that waited for it may start a process at once.
+    supervisor.open_exec();
     info!(
         "ready after {} ({})",
         crate::shutdown::secs(t0.elapsed()),
@@ -164,6 +166,7 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
     control
         .status()
         .mounted(&cfg, mounted.as_ref().map(|w| w.mounted()));
+    processes.set_workspace(mounted.as_ref().map(|w| w.mounted().handle()));
     if let Some(ns) = sandbox_namespace(&cfg, &booted, mounted.as_ref())? {
         supervisor.set_sandbox_ns(ns);
     }

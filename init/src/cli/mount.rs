@@ -44,6 +44,10 @@ pub struct MountArgs {
     negative_timeout: Option<Duration>,
     #[command(flatten)]
     lease: super::TakeoverArg,
+    /// Record the change feed from the start, as once something watches (to measure what
+    /// a watcher costs the filesystem)
+    #[arg(long, hide = true)]
+    record_changes: bool,
     /// Gone: keel serves FUSE over /dev/fuse only
     #[arg(long, hide = true, num_args = 0..=1, value_name = "X")]
     io_uring: Option<Option<String>>,
@@ -130,7 +134,7 @@ fn config(config: Option<&Path>, a: &MountArgs) -> Result<Config, Failed> {
 pub fn main(config_file: Option<&Path>, a: MountArgs) -> i32 {
     report("mount", || {
         let cfg = config(config_file, &a)?;
-        mount_foreground(&cfg)?;
+        mount_foreground(&cfg, a.record_changes)?;
         Ok(0)
     })
 }
@@ -138,11 +142,16 @@ pub fn main(config_file: Option<&Path>, a: MountArgs) -> i32 {
 /// Mounts `cfg`'s workspace like `keel run` does (lock, lease, restore of an empty state
 /// dir, checkpoints: `boot::workspace`) and serves it until a stop signal or an unmount from
 /// outside, then saves and unmounts; SIGUSR1 logs the count of FUSE requests served.
-fn mount_foreground(cfg: &Config) -> Result<(), MountError> {
+fn mount_foreground(cfg: &Config, record_changes: bool) -> Result<(), MountError> {
     use keel::sys::fgsig::{Stop, StopSignals};
     let signals = StopSignals::block().map_err(MountError::BlockSignals)?;
     let mut ws = keel::boot::workspace::start(cfg).map_err(MountError::Start)?;
     let mounted = ws.mounted();
+    if record_changes {
+        if let Err(e) = mounted.handle().watch() {
+            tracing::warn!(error = %e, "cannot start the change feed");
+        }
+    }
     loop {
         match signals.wait_or(mounted.ended().fd()) {
             // SIGUSR1: the counters (benchmarks divide keel's CPU time by the requests).

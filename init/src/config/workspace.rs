@@ -147,6 +147,8 @@ pub struct WorkspaceConfig {
     #[serde(with = "size_str")]
     pub meta_cache: u64,
     pub on_fuse_unavailable: FuseUnavailable,
+    /// Events the change feed (`GET /watch`) keeps for readers to resume from (1 – 10M).
+    pub watch_window: usize,
 }
 
 impl Default for WorkspaceConfig {
@@ -168,6 +170,7 @@ impl Default for WorkspaceConfig {
             chunk_size: 512 * 1024,
             meta_cache: 32 << 20,
             on_fuse_unavailable: FuseUnavailable::Fail,
+            watch_window: crate::workspace::feed::DEFAULT_WINDOW,
         }
     }
 }
@@ -219,6 +222,12 @@ impl WorkspaceConfig {
             return bad(
                 "meta_cache",
                 format!("{} must be between 1MiB and 1GiB", self.meta_cache),
+            );
+        }
+        if !(1..=10_000_000).contains(&self.watch_window) {
+            return bad(
+                "watch_window",
+                format!("{} must be between 1 and 10000000", self.watch_window),
             );
         }
         if self.inline_max > 64 * 1024 {

@@ -17,6 +17,7 @@ pub mod server;
 pub mod snapshots;
 pub mod status;
 pub mod stream_client;
+pub mod watch;
 
 pub use status::{
     CheckpointFn, CheckpointReport, LeaseStatus, MountState, PersistStatus, ServiceState,

@@ -68,7 +68,7 @@ pub struct Route {
     pub handler: Handler,
 }
 
-use super::{api, files, processes, snapshots};
+use super::{api, files, processes, snapshots, watch};
 use Handler::{Plain, Stream};
 use Rights::{All, Observe};
 
@@ -115,6 +115,7 @@ pub static ROUTES: &[Route] = &[
     r("DELETE", "/files", All, Plain(files::delete)),
     r("POST", "/files/move", All, Plain(files::mv)),
     r("POST", "/files/mkdir", All, Plain(files::mkdir)),
+    r("GET", "/watch", All, Stream(watch::watch)),
 ];
 
 const fn r(method: &'static str, path: &'static str, rights: Rights, handler: Handler) -> Route {

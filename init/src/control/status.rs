@@ -316,6 +316,12 @@ impl StatusHandle {
         *lock(&self.0.workspace) = handle;
     }
 
+    /// The mounted workspace (`None` before the mount, once it unmounts, and with no FUSE
+    /// workspace).
+    pub fn workspace(&self) -> Option<MountedHandle> {
+        lock(&self.0.workspace).clone()
+    }
+
     /// The supervisor's view of every unit, and whether it is stopping (and why).
     pub fn set_services(&self, services: Vec<ServiceStatus>, stopping: Option<String>) {
         self.0.supervised.store(true, Ordering::Release);

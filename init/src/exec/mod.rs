@@ -140,6 +140,8 @@ pub struct Processes {
     dir: PathBuf,
     cgroups: Option<cgroup::Root>,
     table: Mutex<Table>,
+    /// The mounted FUSE workspace, for `diff=true`'s change tracker.
+    workspace: Mutex<Option<crate::workspace::MountedHandle>>,
 }
 
 impl Processes {
@@ -171,11 +173,17 @@ impl Processes {
                 next: 1,
                 ..Default::default()
             }),
+            workspace: Mutex::new(None),
         })
     }
 
     fn lock(&self) -> MutexGuard<'_, Table> {
         self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The FUSE workspace once mounted (`diff=true` tracks its changes).
+    pub fn set_workspace(&self, w: Option<crate::workspace::MountedHandle>) {
+        *self.workspace.lock().unwrap_or_else(|p| p.into_inner()) = w;
     }
 
     pub fn config(&self) -> &ExecConfig {
@@ -331,9 +339,15 @@ impl Processes {
             }
             (rec, tpl, ids)
         };
-        // 2. The workspace options before the spawn (a snapshot), without the lock.
+        // 2. The workspace options before the spawn (a snapshot, a change tracker), without
+        // the lock.
+        let ws = self
+            .workspace
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let before = match agent.as_ref().filter(|_| plan.around.any()) {
-            Some(a) => match around::before(&plan.around, rec.id, a) {
+            Some(a) => match around::before(&plan.around, rec.id, a, ws.as_ref()) {
                 Ok(b) => b,
                 Err(e) => {
                     self.forget(&rec);
@@ -346,6 +360,7 @@ impl Processes {
         let io = match self.spawn(&rec, &plan, &tpl, ids) {
             Ok(io) => io,
             Err(e) => {
+                around::abandon(&before);
                 self.forget(&rec);
                 return Err(e);
             }

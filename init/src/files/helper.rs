@@ -263,6 +263,9 @@ fn put(
     if old.is_some_and(|o| o.is_dir()) {
         return Err(Fail(409, format!("{rel}: is a directory")));
     }
+    // The file whose ETag was checked, as `stat` saw it while its bytes were hashed: the
+    // replace goes ahead only if the name still holds exactly that (see `replace`).
+    let mut checked: Option<Stat> = None;
     if let Some(c) = &cond {
         let current = match old {
             Some(st) if st.is_file() => {
@@ -270,9 +273,20 @@ fn put(
                     rel,
                     beneath::open_at(dir.as_fd(), &name, libc::O_RDONLY | libc::O_NONBLOCK, 0),
                 )?;
-                Some(etag_of(&mut File::from(fd), rel)?)
+                let before = at(rel, beneath::stat_fd(fd.as_fd()))?;
+                let mut f = File::from(fd);
+                let tag = etag_of(&mut f, rel)?;
+                let after = at(rel, beneath::stat_fd(f.as_fd()))?;
+                if before != after {
+                    return Err(changed(rel));
+                }
+                checked = Some(after);
+                Some(tag)
             }
-            Some(_) => Some(String::new()),
+            Some(st) => {
+                checked = Some(st);
+                Some(String::new())
+            }
             None => None,
         };
         let ok = match c.as_str() {
@@ -286,10 +300,7 @@ fn put(
             }),
         };
         if !ok {
-            return Err(Fail(
-                412,
-                format!("{rel}: changed meanwhile (its ETag is not the one If-Match names)"),
-            ));
+            return Err(changed(rel));
         }
     }
     let tmp = PathBuf::from(format!(
@@ -340,10 +351,7 @@ fn put(
                 let _ = beneath::chown_fd(f.as_fd(), o.uid, o.gid);
             }
         }
-        at(
-            rel,
-            beneath::rename_at(dir.as_fd(), &tmp, dir.as_fd(), &name, true),
-        )?;
+        replace(&dir, &tmp, &name, rel, cond.as_deref(), checked)?;
         Ok((size, format!("\"{}\"", h.finish().to_hex())))
     })();
     let (size, etag) = match done {
@@ -358,6 +366,75 @@ fn put(
         &json!({ "ok": true, "status": if old.is_some() { 200 } else { 201 }, "path": rel,
                  "size": size, "etag": etag, "created": old.is_none() }),
     )
+}
+
+fn changed(rel: &str) -> Fail {
+    Fail(
+        412,
+        format!("{rel}: changed meanwhile (its ETag is not the one If-Match names)"),
+    )
+}
+
+/// Puts the upload `tmp` in place of `name`. Without a condition: a rename over it. With
+/// `If-None-Match: *`: a rename that fails if `name` exists by then (412). With `If-Match`:
+/// the two names are exchanged in one step (`RENAME_EXCHANGE`), then the file swapped out
+/// must be the one whose ETag was checked (`checked`: same inode, size and mtime; it was
+/// also unchanged, ctime included, just before), else the exchange is undone and the answer
+/// is 412. So a writer that replaced or wrote the file between the check and the replace
+/// is never overwritten; one still holding the old file open can write to it after the
+/// replace (the write lands in the replaced file, as with any save by rename).
+fn replace(
+    dir: &OwnedFd,
+    tmp: &Path,
+    name: &Path,
+    rel: &str,
+    cond: Option<&str>,
+    checked: Option<Stat>,
+) -> R<()> {
+    let d = dir.as_fd();
+    match (cond, checked) {
+        (None, _) => at(rel, beneath::rename_at(d, tmp, d, name, true)),
+        (Some("*"), Some(_)) => {
+            // Whatever is there by then, as long as something is.
+            match beneath::exchange_at(d, tmp, name) {
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Err(changed(rel)),
+                r => {
+                    at(rel, r)?;
+                    let _ = beneath::unlink_at(d, tmp, false);
+                    Ok(())
+                }
+            }
+        }
+        (Some("none:*"), _) | (Some(_), None) => {
+            // If-None-Match: * (or a condition on a file that was not there): only if it
+            // still is not.
+            match beneath::rename_at(d, tmp, d, name, false) {
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Err(changed(rel)),
+                r => at(rel, r),
+            }
+        }
+        (Some(_), Some(c)) => {
+            match beneath::stat_at(d, name) {
+                Ok(now) if now == c => {}
+                Ok(_) => return Err(changed(rel)),
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Err(changed(rel)),
+                Err(e) => return Err(fail(rel, &e)),
+            }
+            match beneath::exchange_at(d, tmp, name) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Err(changed(rel)),
+                Err(e) => return Err(fail(rel, &e)),
+            }
+            // `tmp` now names the file that was in place.
+            let swapped = at(rel, beneath::stat_at(d, tmp))?;
+            if !swapped.same_file_and_bytes(&c) {
+                at(rel, beneath::exchange_at(d, tmp, name))?;
+                return Err(changed(rel));
+            }
+            let _ = beneath::unlink_at(d, tmp, false);
+            Ok(())
+        }
+    }
 }
 
 fn kind(st: &Stat) -> &'static str {

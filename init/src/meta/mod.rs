@@ -999,6 +999,29 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// Every entry naming `ino`, as (parent, name) in key order. Indexed only once
+    /// [`Tx::index_names`] ran (the change feed's paths); before, a scan of the entries.
+    pub fn names_of(&self, ino: InodeNo) -> Result<Vec<(InodeNo, Vec<u8>)>> {
+        let mut st = self
+            .conn
+            .counted("SELECT parent, name FROM dirent WHERE ino = ?1 ORDER BY parent, name")?;
+        let v = st
+            .query_map([ino.0 as i64], |r| {
+                Ok((InodeNo(r.get::<_, i64>(0)? as u64), r.get::<_, Vec<u8>>(1)?))
+            })?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(v)
+    }
+
+    /// Indexes the entries by the inode they name (for `names_of`), once: every insert and
+    /// delete of an entry maintains it from then on. Built when the change feed starts
+    /// recording, so a workspace nobody watches never pays for it.
+    pub fn index_names(&self) -> Result<()> {
+        self.conn
+            .execute_batch("CREATE INDEX IF NOT EXISTS dirent_ino ON dirent(ino)")?;
+        Ok(())
+    }
+
     pub fn dir_is_empty(&self, dir: InodeNo) -> Result<bool> {
         let mut st = self
             .conn

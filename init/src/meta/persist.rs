@@ -203,6 +203,17 @@ impl Tx<'_> {
         self.mark_changed(ino)
     }
 
+    /// The windows of one file written since the last checkpoint: recorded, or claimed by
+    /// a checkpoint not committed yet.
+    pub fn unsettled_windows(&self, ino: InodeNo) -> Result<Vec<u64>> {
+        let mut st = self.conn.counted(
+            "SELECT idx FROM dirty_window WHERE ino = ?1
+             UNION SELECT idx FROM pending_window WHERE ino = ?1",
+        )?;
+        let rows = st.query_map([ino.0 as i64], |r| Ok(r.get::<_, i64>(0)? as u64))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
     /// The chunk map of a file as of the last checkpoint, in window order.
     pub fn file_chunks(&self, ino: InodeNo) -> Result<Vec<ChunkRow>> {
         let mut st = self

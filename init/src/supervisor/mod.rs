@@ -236,8 +236,10 @@ impl Supervisor {
         self.exec = Some(p);
     }
 
-    /// The loop. Returns keel's exit code once the stop is complete and no descendant is left.
-    pub fn run(mut self) -> i32 {
+    /// Lets processes start through the API (once; `run` does it if nobody did). `keel run`
+    /// calls it before it says it is ready, so a caller that waited for that is never told
+    /// 503 "keel is starting".
+    pub fn open_exec(&mut self) {
         if let (Some(p), Some(mut t)) = (&self.exec, self.exec_template.take()) {
             if let Some(ns) = &self.sandbox_ns {
                 match ns.try_clone() {
@@ -251,8 +253,14 @@ impl Supervisor {
             // Without the sandbox's namespace nothing may start through the API.
             if self.sandbox_ns.is_none() || t.ns.is_some() {
                 p.open(t);
+                info!("exec: processes may start through the API");
             }
         }
+    }
+
+    /// The loop. Returns keel's exit code once the stop is complete and no descendant is left.
+    pub fn run(mut self) -> i32 {
+        self.open_exec();
         loop {
             let reaped = process::reap_all();
             for e in reaped.exited {

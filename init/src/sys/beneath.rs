@@ -50,13 +50,16 @@ pub fn open_at(dir: BorrowedFd<'_>, name: &Path, flags: i32, mode: u32) -> io::R
 }
 
 /// What `lstat` says of an entry.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stat {
     pub mode: u32,
     pub uid: u32,
     pub gid: u32,
     pub size: u64,
     pub mtime_ns: i128,
+    pub ctime_ns: i128,
+    pub dev: u64,
+    pub ino: u64,
 }
 
 impl Stat {
@@ -67,7 +70,17 @@ impl Stat {
             gid: s.st_gid,
             size: s.st_size as u64,
             mtime_ns: s.st_mtime as i128 * 1_000_000_000 + s.st_mtime_nsec as i128,
+            ctime_ns: s.st_ctime as i128 * 1_000_000_000 + s.st_ctime_nsec as i128,
+            dev: s.st_dev,
+            ino: s.st_ino,
         }
+    }
+
+    /// The same file with the same bytes as far as `stat` tells (inode, size, mtime):
+    /// what survives a rename, which changes the ctime.
+    pub fn same_file_and_bytes(&self, o: &Stat) -> bool {
+        (self.dev, self.ino, self.size, self.mtime_ns, self.kind())
+            == (o.dev, o.ino, o.size, o.mtime_ns, o.kind())
     }
     pub fn kind(&self) -> u32 {
         self.mode & libc::S_IFMT
@@ -135,6 +148,11 @@ pub fn rename_at(
         nix::fcntl::RenameFlags::RENAME_NOREPLACE
     };
     nix::fcntl::renameat2(from_dir, from, to_dir, to, flags).map_err(io_err)
+}
+
+/// `renameat2(RENAME_EXCHANGE)`: swaps two names atomically (both must exist).
+pub fn exchange_at(dir: BorrowedFd<'_>, a: &Path, b: &Path) -> io::Result<()> {
+    nix::fcntl::renameat2(dir, a, dir, b, nix::fcntl::RenameFlags::RENAME_EXCHANGE).map_err(io_err)
 }
 
 pub fn chmod_fd(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {

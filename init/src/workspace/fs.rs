@@ -18,7 +18,9 @@
 //! `node` (the in-memory inode and its life cycle), `namespace` (names, attributes,
 //! directories), `data` (file bytes), `xattr` (xattrs, ACLs kept in step with the mode,
 //! set-ID dropping, access), `acl` (the POSIX ACL format and rules, pure), `lazy`
-//! (fetching lazily restored windows), `rollback` (rolling the live tree back). This file
+//! (fetching lazily restored windows), `rollback` (rolling the live tree back), `watch`
+//! (what the mutating operations append to the change feed), `track` (the state before of
+//! what changed while a tracker runs: `diff=true`). This file
 //! keeps the public types, `WorkspaceFs` with its lock, and the whole-filesystem calls.
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -49,6 +51,8 @@ mod nodes;
 mod reads;
 mod replay;
 mod rollback;
+mod track;
+mod watch;
 mod xattr;
 
 pub use error::{FsError, FsResult};
@@ -57,6 +61,7 @@ pub use node::LINGER_MAX;
 pub use reads::READ_SET_MAX;
 pub use replay::ReplayReport;
 pub use rollback::{Inval, RollbackPlan, RollbackReport, RollbackTarget, Target, TargetData};
+pub use track::{Content, Seen, Side, TrackError, TrackId, Tracked};
 pub use xattr::{setid_lost, XattrReply};
 
 use group::{committer, discard_body, Batch};
@@ -220,6 +225,12 @@ struct Inner {
     /// When the free space of the state volume was last looked at (group commit pauses
     /// while it is low).
     space_checked: Option<std::time::Instant>,
+    /// The change feed (also `WorkspaceFs::feed`), for what only `Inner` sees (a lost group).
+    feed: Arc<crate::workspace::feed::Feed>,
+    /// Directory inode → `/`-rooted path, for the change feed's events (see `watch`).
+    dir_paths: HashMap<InodeNo, Arc<str>>,
+    /// Spans whose changes are being recorded with their state before (see `track`).
+    trackers: track::Trackers,
 }
 
 /// The lock on `Inner`; letting go of it commits the open group when that is due.
@@ -266,6 +277,8 @@ pub struct WorkspaceFs {
     committer_stop: Arc<AtomicBool>,
     /// Inode generations, fixed at the start (`meta::Generations`).
     generations: crate::meta::Generations,
+    /// The change feed (`watch`).
+    feed: Arc<crate::workspace::feed::Feed>,
 }
 
 impl Drop for WorkspaceFs {
@@ -382,6 +395,7 @@ impl WorkspaceFs {
                 filling.run_filler();
             })?;
         pool.request_fill();
+        let feed = Arc::new(crate::workspace::feed::Feed::default());
         let inner = Arc::new(Mutex::new(Inner {
             store,
             nodes: NodeMap::new(),
@@ -394,6 +408,9 @@ impl WorkspaceFs {
             lingering: VecDeque::new(),
             mapped: mapped::Mapped::default(),
             space_checked: None,
+            feed: feed.clone(),
+            dir_paths: HashMap::new(),
+            trackers: track::Trackers::default(),
         }));
         let committer_stop = Arc::new(AtomicBool::new(false));
         let (weak, stop, chunk) = (
@@ -429,7 +446,13 @@ impl WorkspaceFs {
             state_dir: state_dir.to_path_buf(),
             opts,
             generations,
+            feed,
         })
+    }
+
+    /// The chunk window of change tracking.
+    pub fn chunk_size(&self) -> u64 {
+        self.opts.chunk_size
     }
 
     /// The generation of inode `ino` (see `Attr::generation`).

@@ -18,7 +18,7 @@ use crate::config::{CacheMode, Passthrough, WorkspaceConfig};
 use crate::sys;
 use crate::sys::eventfd::EventFd;
 
-use super::fs::{FsOptions, Inval, WorkspaceFs};
+use super::fs::{FsError, FsOptions, Inval, WorkspaceFs};
 use super::fuse::{FuseAdapter, KernelFeatures, RequestCounters, Timeouts};
 
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +62,14 @@ pub struct MountedHandle {
     requests: Arc<RequestCounters>,
 }
 
+impl std::fmt::Debug for MountedHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MountedHandle")
+            .field("mount_point", &self.mount_point)
+            .finish_non_exhaustive()
+    }
+}
+
 impl MountedHandle {
     pub fn mount_point(&self) -> &Path {
         &self.mount_point
@@ -75,6 +83,38 @@ impl MountedHandle {
     /// FUSE passthrough was negotiated with the kernel.
     pub fn passthrough(&self) -> bool {
         self.passthrough.load(Ordering::Relaxed)
+    }
+
+    /// The change feed, recording from now on, and the cursor after its newest event.
+    pub fn watch(
+        &self,
+    ) -> Result<
+        (
+            Arc<crate::workspace::feed::Feed>,
+            crate::workspace::feed::Cursor,
+        ),
+        FsError,
+    > {
+        let c = self.fs.watch()?;
+        Ok((self.fs.feed().clone(), c))
+    }
+
+    /// Starts recording what changes with its state before (`fs::track`).
+    pub fn track_start(&self) -> Result<super::fs::TrackId, FsError> {
+        self.fs.track_start()
+    }
+
+    /// What changed since `track_start`, before and now.
+    pub fn track_finish(
+        &self,
+        t: super::fs::TrackId,
+    ) -> Result<super::fs::Tracked, super::fs::TrackError> {
+        self.fs.track_finish(t)
+    }
+
+    /// The chunk window of the workspace's change tracking.
+    pub fn chunk_size(&self) -> u64 {
+        self.fs.chunk_size()
     }
 
     /// FUSE requests served so far on this mount.
@@ -265,6 +305,7 @@ pub fn open_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Opened, Ses
         path: state.clone(),
         reason: e.to_string(),
     })?;
+    fs.feed().set_window(cfg.watch_window);
     Ok(Opened {
         fs: Arc::new(fs),
         passthrough,
@@ -433,6 +474,8 @@ impl Mounted {
     /// unmount (its changes stay pending in the local state).
     pub fn unmount(mut self, mut finisher: Option<Box<dyn Finisher>>) -> Result<(), SessionError> {
         let started = std::time::Instant::now();
+        // Watchers get what is left of the feed, then its end.
+        self.fs.feed().close();
         let flushed = if self.ended().is_set() {
             // The kernel wrote its dirty pages back before it ended the connection; the
             // mount point is no longer this mount.

@@ -619,3 +619,29 @@ fn keel_exec_from_outside_with_a_url_and_the_token() {
     assert!(marker.exists());
     stop(&mut k);
 }
+
+#[test]
+fn a_caller_that_waited_for_ready_is_never_told_keel_is_starting() {
+    if !require_root("exec readiness test") {
+        return;
+    }
+    // `keel` waits for "ready after" in keel's log; a process starts at once.
+    let mut k = keel("", false);
+    let r = exec(&k, json!({"argv": ["true"]}));
+    assert_eq!(r.code, 200, "right after ready: {r:?}");
+    assert_eq!(exit_of(&events(&r.body))["code"], 0);
+    // The order that makes it so: the table opens before keel says it is ready.
+    let log = k.log_text();
+    let line = |f: &dyn Fn(&str) -> bool| log.lines().position(f);
+    let open = line(&|l| l.contains("processes may start through the API"))
+        .unwrap_or_else(|| panic!("the exec table never opened:\n{log}"));
+    let ready = line(&|l| {
+        l.contains("ready after") && (l.contains("(subreaper)") || l.contains("(PID 1)"))
+    })
+    .unwrap_or_else(|| panic!("keel never said it was ready:\n{log}"));
+    assert!(
+        open < ready,
+        "keel said ready before processes could start:\n{log}"
+    );
+    stop(&mut k);
+}

@@ -181,6 +181,10 @@ fn diff_true_equals_keel_diff_of_the_snapshots_around_the_exec_and_options_name_
     );
     assert_eq!(x["code"], 0, "{x}");
     let d = &x["diff"];
+    assert_eq!(
+        d["trees"], "tracked",
+        "diff=true comes from the change tracker: {d}"
+    );
     let (from, to) = (d["from"].as_u64().unwrap(), d["to"].as_u64().unwrap());
     assert_eq!(x["snapshot_before"], from, "{x}");
     assert_eq!(
@@ -237,5 +241,93 @@ fn diff_true_equals_keel_diff_of_the_snapshots_around_the_exec_and_options_name_
         })
         .unwrap_or_else(|| panic!("no snapshot named before-edit: {l}"));
     assert_eq!(named["id"], from);
+    stop(&mut k);
+}
+
+/// `keel diff --json FROM TO`'s changes.
+fn keel_diff(k: &Keel, from: u64, to: u64) -> Value {
+    let out = Command::new(KEEL)
+        .args(["diff", "--json", "--config"])
+        .arg(k.path("config.toml"))
+        .args([&from.to_string(), &to.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cli: Value = serde_json::from_slice(&out.stdout).unwrap();
+    if cli["changes"].is_array() {
+        cli["changes"].clone()
+    } else {
+        cli["diff"]["changes"].clone()
+    }
+}
+
+fn snapshot(k: &Keel, name: &str) -> u64 {
+    let r = unix_request(&sock(k), "POST", &format!("/snapshots?name={name}"));
+    assert!(r.code == 200 || r.code == 201, "{r:?}");
+    r.json()["id"].as_u64().unwrap_or_else(|| panic!("{r:?}"))
+}
+
+#[test]
+fn diff_true_alone_takes_no_snapshot_and_equals_keel_diff_of_snapshots_taken_around() {
+    if !require_root_and_fuse("exec workspace test") {
+        return;
+    }
+    // Files of every kind, one with a hard link, one big enough for a body of several
+    // windows, checkpointed (clean) before the command.
+    let mut k = keel(
+        "cd $D/ws && mkdir -p a/b keep && echo one > a/b/f && echo same > same && \
+         ln a/b/f hard && ln -s a/b/f link && head -c 1200000 /dev/urandom > big && \
+         echo x > gone && mkdir dir && echo y > dir/in && touch mode && \
+         touch $D/ready; exec sleep 100000",
+    );
+    k.wait_file("ready");
+    let before = snapshot(&k, "around-before");
+    let (_, x) = run(
+        &k,
+        json!({"shell": "echo more >> a/b/f && echo same > same && chmod 600 mode && \
+                         rm gone && mv dir moved && echo z > moved/new && \
+                         printf 'X' | dd of=big bs=1 seek=700000 conv=notrunc 2>/dev/null && \
+                         echo tmp > tmp && rm tmp && mkdir t && mv t t2 && rmdir t2 && \
+                         ln -sf moved link2 && setfattr -n user.k -v v keep 2>/dev/null; \
+                         echo done",
+               "diff": true}),
+    );
+    assert_eq!(x["code"], 0, "{x}");
+    assert!(x["errors"].is_null(), "{x}");
+    assert!(
+        x["snapshot_before"].is_null(),
+        "diff=true alone took a snapshot: {x}"
+    );
+    let d = &x["diff"];
+    assert_eq!(d["trees"], "tracked", "{d}");
+    let after = snapshot(&k, "around-after");
+    let cli = keel_diff(&k, before, after);
+    assert_eq!(d["changes"], cli, "exec diff {d}\nkeel diff {cli}");
+    let paths: Vec<(&str, &str)> = cli
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["change"].as_str().unwrap(), c["path"].as_str().unwrap()))
+        .collect();
+    for want in [
+        ("modified", "/a/b/f"),
+        ("modified", "/hard"),
+        ("modified", "/mode"),
+        ("modified", "/big"),
+        ("removed", "/gone"),
+        ("renamed", "/moved"),
+        ("added", "/moved/new"),
+        ("added", "/link2"),
+    ] {
+        assert!(paths.contains(&want), "{want:?} not in {paths:?}");
+    }
+    // Rewritten with the same bytes, or made and removed within the command: no change.
+    for p in ["/same", "/tmp", "/t", "/t2"] {
+        assert!(!paths.iter().any(|(_, q)| *q == p), "{p} in {paths:?}");
+    }
     stop(&mut k);
 }

@@ -722,3 +722,66 @@ fn a_tar_stream_is_extracted_as_the_user_and_never_out_of_its_directory() {
         .is_none());
     stop(&mut k);
 }
+
+/// The names in the workspace's root that an upload in progress uses.
+fn uploads_in_progress(ws: &Path, name: &str) -> Vec<String> {
+    std::fs::read_dir(ws)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!(".{name}.keel-put-")))
+        .collect()
+}
+
+#[test]
+fn if_match_holds_until_the_replace_so_a_writer_that_slips_in_meanwhile_is_kept() {
+    if !require_root_and_fuse("files test") {
+        return;
+    }
+    let mut k = keel("");
+    let ws = k.path("ws");
+    for how in ["write in place", "rename over", "nothing"] {
+        std::fs::write(ws.join("f"), b"v1").unwrap();
+        std::fs::set_permissions(ws.join("f"), std::fs::Permissions::from_mode(0o666)).unwrap();
+        let etag = get(&k, "/files?path=f").header("etag").unwrap();
+        let mut s = UnixStream::connect(sock(&k)).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        write!(
+            s,
+            "PUT /files?path=f HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\
+             If-Match: {etag}\r\n\r\n6\r\nupload\r\n"
+        )
+        .unwrap();
+        // The helper makes its temporary file only after it checked the ETag: once it is
+        // there, the check is behind us.
+        poll("the upload's temporary file", || {
+            (!uploads_in_progress(&ws, "f").is_empty()).then_some(())
+        });
+        match how {
+            "write in place" => std::fs::write(ws.join("f"), b"writer").unwrap(),
+            "rename over" => {
+                std::fs::write(ws.join("g"), b"writer").unwrap();
+                std::fs::rename(ws.join("g"), ws.join("f")).unwrap();
+            }
+            _ => {}
+        }
+        s.write_all(b"1\r\n!\r\n0\r\n\r\n").unwrap();
+        let r = exchange(&mut s);
+        let now = std::fs::read(ws.join("f")).unwrap();
+        if how == "nothing" {
+            assert_eq!(r.code, 200, "{how}: {r:?}");
+            assert_eq!(now, b"upload!", "{how}");
+        } else {
+            assert_eq!(
+                r.code, 412,
+                "{how}: the writer's change was overwritten: {r:?}"
+            );
+            assert_eq!(now, b"writer", "{how}");
+        }
+        assert!(
+            uploads_in_progress(&ws, "f").is_empty(),
+            "{how}: a temporary file stayed"
+        );
+    }
+    stop(&mut k);
+}

@@ -158,6 +158,10 @@ impl WorkspaceFs {
         self.ensure_open(inner, ino)?;
         // What a mapping wrote since the last close, before a new stamp is taken.
         self.sync_mapped(inner, ino)?;
+        // A writer may go through passthrough, unseen until its close: the state before.
+        if flags & libc::O_ACCMODE != libc::O_RDONLY {
+            self.track_inode(inner, ino);
+        }
         if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
             self.sync_from_body(inner, ino)?;
             self.lazy_drop_from(inner, ino, 0)?;
@@ -169,7 +173,9 @@ impl WorkspaceFs {
             of.inode.mtime = t;
             of.inode.ctime = t;
             of.dirty = true;
+            of.changed();
             Self::rebase(inner, ino)?;
+            self.fed_touched(inner, ino);
         }
         // The kernel would read the sparse body directly: a file with windows still to
         // fetch is served through keel until it is complete.
@@ -355,12 +361,16 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         let inline_max = self.opts.inline_max;
+        if !inner.trackers.is_empty() {
+            self.file_of(inner, ino)?;
+            self.track_inode(inner, ino);
+        }
         let of = self.file_of(inner, ino)?;
         if end > inline_max {
             self.to_body(of)?;
         }
-        match &mut of.data {
-            Data::Body(f) => Ok(Some(f.clone())),
+        let target = match &mut of.data {
+            Data::Body(f) => Some(f.clone()),
             Data::Inline(v) => {
                 if let Some(data) = data {
                     if (v.len() as u64) < end {
@@ -373,9 +383,13 @@ impl WorkspaceFs {
                     of.inode.ctime = t;
                     of.touch(offset, end, self.opts.chunk_size);
                 }
-                Ok(None)
+                None
             }
+        };
+        if target.is_none() {
+            self.fed_touched(inner, ino);
         }
+        Ok(target)
     }
 
     /// After bytes `[offset, end)` went into body `f` without the lock: records them.
@@ -397,6 +411,7 @@ impl WorkspaceFs {
             of.inode.ctime = t;
             of.touch(offset, end, self.opts.chunk_size);
         }
+        self.fed_touched(inner, ino);
         Self::rebase(inner, ino)
     }
 
@@ -405,6 +420,7 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
+        self.fed_closed(inner, ino);
         Self::write_back(inner, ino)
     }
 
@@ -529,6 +545,10 @@ impl WorkspaceFs {
         if mode & PUNCH == 0 {
             self.room_for_allocation(inner, len)?;
         }
+        if !inner.trackers.is_empty() {
+            self.file_of(inner, ino)?;
+            self.track_inode(inner, ino);
+        }
         let of = self.file_of(inner, ino)?;
         let grows = mode & KEEP_SIZE == 0 && end > of.inode.size;
         if grows {
@@ -567,11 +587,13 @@ impl WorkspaceFs {
         of.inode.mtime = t;
         of.inode.ctime = t;
         of.dirty = true;
+        of.changed();
         let inode = of.inode.clone();
         let mut tx = Batch::new(&inner.store)?;
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
         Self::rebase(inner, ino)?;
+        self.fed_touched(inner, ino);
         self.settle(inner, ino)
     }
 

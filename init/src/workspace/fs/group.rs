@@ -79,6 +79,18 @@ impl Inner {
             return;
         }
         tracing::error!("a metadata commit failed: operations since the last commit are lost");
+        self.dir_paths.clear();
+        self.trackers.overflow("a metadata commit failed");
+        if self.feed.active() {
+            let mut e = crate::workspace::feed::NewEvent::new(
+                crate::workspace::feed::Op::Rescan,
+                crate::meta::Kind::Dir,
+                crate::meta::InodeNo::ROOT,
+                "/".into(),
+            );
+            e.reason = Some("a metadata commit failed: changes since the last commit are lost");
+            self.feed.push([e]);
+        }
         self.discard_after_commit.clear();
         self.pool.keep_held();
         self.no_xattrs.clear();

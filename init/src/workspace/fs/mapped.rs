@@ -154,11 +154,20 @@ impl WorkspaceFs {
             let size = of.inode.size;
             of.touch(0, size, chunk);
             Self::write_back(inner, ino)?;
+            self.fed_touched(inner, ino);
         } else {
             let mut tx = Batch::new(&inner.store)?;
             tx.save(&inner.nodes, &inode)?;
             tx.mark_whole_file_dirty(ino, window_count(inode.size, chunk))?;
             tx.commit(&mut inner.nodes)?;
+            let size = Some(inode.size);
+            self.fed_inode(
+                inner,
+                crate::workspace::feed::Op::Modify,
+                ino,
+                Kind::File,
+                size,
+            );
         }
         inner.mapped.restamp(ino, now);
         Ok(())

@@ -7,6 +7,7 @@ use super::{
 };
 use super::{LINK_MAX, NAME_MAX, PATH_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE};
 use crate::meta::{Dirent, InodeNo, Kind, Nanos, Storage};
+use crate::workspace::feed::Op;
 
 /// What to create in `make`.
 pub(super) struct New<'a> {
@@ -117,6 +118,7 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
+        self.track_inode(inner, ino);
         if let Some(loss) = set.drop_setid {
             Self::kill_privs_locked(inner, ino, loss)?;
         }
@@ -164,6 +166,18 @@ impl WorkspaceFs {
         Self::save_chmod_acl(&tx, ino, chmod_acl.as_ref())?;
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
+        if set.size.is_some() {
+            self.fed_touched(inner, ino);
+        }
+        if set.mode.is_some()
+            || set.uid.is_some()
+            || set.gid.is_some()
+            || set.atime.is_some()
+            || set.mtime.is_some()
+        {
+            let size = Some(inode.size);
+            self.fed_inode(inner, Op::Attrib, ino, inode.kind, size);
+        }
         if set.size.is_some() {
             Self::rebase(inner, ino)?;
             self.settle(inner, ino)?;
@@ -240,6 +254,16 @@ impl WorkspaceFs {
         p.ctime = t;
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
+        self.track_entry(inner, parent, name, None);
+        self.track_new(inner, inode.ino);
+        self.fed_entry(
+            inner,
+            Op::Create,
+            (parent, name),
+            kind,
+            inode.ino,
+            Some(inode.size),
+        );
         Self::remember(inner, inode.ino);
         // Created with no xattr unless it inherited ACLs: a lost group forgets this too.
         if acls.is_empty() {
@@ -349,6 +373,8 @@ impl WorkspaceFs {
             Some(of) => of.inode.clone(),
             None => row,
         };
+        self.track_entry(inner, parent, name, Some((child.ino, child.kind)));
+        self.track_inode(inner, child.ino);
         let t = now();
         if dir {
             if child.kind != Kind::Dir {
@@ -383,6 +409,14 @@ impl WorkspaceFs {
         }
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
+        self.fed_entry(
+            inner,
+            Op::Delete,
+            (parent, name),
+            child.kind,
+            child.ino,
+            None,
+        );
         if delete_now {
             inner.nodes.remove(&child.ino);
             if child.storage == Storage::Body {
@@ -410,6 +444,8 @@ impl WorkspaceFs {
         if inner.store.read().lookup(newparent, newname)?.is_some() {
             return Err(FsError::Exists);
         }
+        self.track_entry(inner, newparent, newname, None);
+        self.track_inode(inner, ino);
         let t = now();
         inode.nlink += 1;
         inode.ctime = t;
@@ -420,6 +456,15 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &inode)?;
         tx.save(&inner.nodes, &p)?;
         tx.commit(&mut inner.nodes)?;
+        let size = Some(inode.size);
+        self.fed_entry(
+            inner,
+            Op::Create,
+            (newparent, newname),
+            inode.kind,
+            ino,
+            size,
+        );
         Self::remember(inner, ino);
         self.fresh_attr(inner, ino)
     }
@@ -513,6 +558,15 @@ impl WorkspaceFs {
             victim = Some(v);
         }
 
+        if !inner.trackers.is_empty() {
+            self.track_entry(inner, parent, name, Some((src.ino, src.kind)));
+            let was = dst.as_ref().map(|d| (d.ino, d.kind));
+            self.track_entry(inner, newparent, newname, was);
+            self.track_inode(inner, src.ino);
+            if let Some(v) = &victim {
+                self.track_inode(inner, v.ino);
+            }
+        }
         let mut tx = Batch::new(&inner.store)?;
         tx.unlink(parent, name)?;
         if dst.is_some() {
@@ -555,6 +609,14 @@ impl WorkspaceFs {
             tx.save(&inner.nodes, &np)?;
         }
         tx.commit(&mut inner.nodes)?;
+        self.fed_rename(
+            inner,
+            (parent, name),
+            (newparent, newname),
+            s.kind,
+            src.ino,
+            dst.is_some(),
+        );
         if let Some(v) = victim {
             if v.nlink == 0 && !Self::in_use(inner, v.ino, v.kind) {
                 self.purge(inner, v.ino)?;
@@ -584,6 +646,12 @@ impl WorkspaceFs {
             if ib.kind == Kind::Dir && Self::is_within(inner, parent, b.ino)? {
                 return Err(FsError::Invalid);
             }
+        }
+        if !inner.trackers.is_empty() {
+            self.track_entry(inner, parent, &a.name, Some((a.ino, a.kind)));
+            self.track_entry(inner, newparent, &b.name, Some((b.ino, b.kind)));
+            self.track_inode(inner, a.ino);
+            self.track_inode(inner, b.ino);
         }
         let mut tx = Batch::new(&inner.store)?;
         tx.relink(parent, &a.name, b.ino, ib.kind)?;
@@ -615,6 +683,10 @@ impl WorkspaceFs {
             tx.save(&inner.nodes, &np)?;
         }
         tx.commit(&mut inner.nodes)?;
+        // Each moved to where the other was.
+        let (pa, pb) = ((parent, &a.name[..]), (newparent, &b.name[..]));
+        self.fed_rename(inner, pa, pb, ia.kind, a.ino, true);
+        self.fed_rename(inner, pb, pa, ib.kind, b.ino, true);
         Ok(())
     }
 

@@ -91,6 +91,21 @@ pub(super) struct OpenFile {
     /// mapping had dirtied already, which takes no fault), so an unchanged stamp proves
     /// nothing about the bytes of such a file.
     pub(super) pt_unseen: bool,
+    /// Where the file is in reporting its changes to the change feed (`watch`).
+    pub(super) fed: Fed,
+}
+
+/// A file's data changes as the change feed has reported them (see `watch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Fed {
+    /// Nothing to report.
+    Quiet,
+    /// Changed, not reported yet.
+    Due,
+    /// Reported, unchanged since.
+    Reported,
+    /// Reported, then changed again: reported once more at close.
+    Again,
 }
 
 /// A taken pool slot (see `OpenFile::provisional`).
@@ -137,6 +152,15 @@ impl OpenFile {
         let last = to.max(from + 1).div_ceil(chunk_size);
         self.windows.extend(first..last);
         self.dirty = true;
+        self.changed();
+    }
+
+    /// Notes a change of the bytes or size for the change feed (see `Fed`).
+    pub(super) fn changed(&mut self) {
+        self.fed = match self.fed {
+            Fed::Quiet | Fed::Due => Fed::Due,
+            Fed::Reported | Fed::Again => Fed::Again,
+        };
     }
 }
 
@@ -277,6 +301,7 @@ impl WorkspaceFs {
             of.inode.ctime = of.inode.ctime.max(now_stamp.ctime);
             of.touch(0, now_stamp.size, chunk);
             of.pt_base = Some(now_stamp);
+            self.fed_touched(inner, ino);
         }
         Ok(())
     }
@@ -495,6 +520,7 @@ impl WorkspaceFs {
             pt_mappable: false,
             pt_writers: 0,
             pt_unseen: false,
+            fed: Fed::Quiet,
         }));
     }
 
@@ -516,6 +542,8 @@ impl WorkspaceFs {
         if node.opens > 0 {
             return Ok(());
         }
+        self.fed_closed(inner, ino);
+        let node = inner.nodes.get_mut(&ino).expect("node present");
         // A loaded file's link count is authoritative (`load` prefers it to the row).
         let loaded_nlink = node.open.as_ref().map(|of| of.inode.nlink);
         let inlined = self.back_inline(node)?;

@@ -434,6 +434,7 @@ impl WorkspaceFs {
             tx.commit()?;
         }
         inner.sync(self.opts.chunk_size)?;
+        self.fed_rescan(inner, "rollback");
         for ino in gone_bodies {
             Self::discard_body(inner, ino);
         }

@@ -11,6 +11,7 @@ use super::{now, Caller, FsError, FsResult, Inner, SetAttr, SetIdLoss, Workspace
 use super::{XATTR_CREATE, XATTR_NAME_MAX, XATTR_REPLACE, XATTR_SIZE_MAX};
 use crate::meta::{Inode, InodeNo, Kind};
 use crate::sys;
+use crate::workspace::feed::Op;
 
 /// Most inodes remembered as having no xattrs (the set starts over when full, emptied of
 /// its memory too: at 1 << 20 it held 18 MiB at a million files; a miss costs one row read).
@@ -133,11 +134,13 @@ impl WorkspaceFs {
             return Err(FsError::XattrsFull);
         }
         inode.ctime = now();
+        self.track_inode(inner, ino);
         let mut tx = Batch::new(&inner.store)?;
         tx.set_xattr(ino, name, value)?;
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
         inner.no_xattrs.remove(&ino);
+        self.fed_inode(inner, Op::Attrib, ino, inode.kind, Some(inode.size));
         Ok(())
     }
 
@@ -176,6 +179,7 @@ impl WorkspaceFs {
         if !access && inode.kind != Kind::Dir {
             return Err(FsError::Access);
         }
+        self.track_inode(inner, ino);
         let mut tx = Batch::new(&inner.store)?;
         if access {
             inode.perm = acl.equiv_mode(inode.perm);
@@ -190,6 +194,7 @@ impl WorkspaceFs {
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
         inner.no_xattrs.remove(&ino);
+        self.fed_inode(inner, Op::Attrib, ino, inode.kind, Some(inode.size));
         Ok(())
     }
 
@@ -318,6 +323,7 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         self.sync_from_body(inner, ino)?;
+        self.track_inode(inner, ino);
         Self::kill_privs_locked(inner, ino, loss)
     }
 
@@ -399,12 +405,14 @@ impl WorkspaceFs {
         let inner: &mut Inner = &mut guard;
         let mut inode = Self::load(inner, ino)?;
         inode.ctime = now();
+        self.track_inode(inner, ino);
         let mut tx = Batch::new(&inner.store)?;
         if !tx.remove_xattr(ino, name)? {
             return if is_acl { Ok(()) } else { Err(FsError::NoAttr) };
         }
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
+        self.fed_inode(inner, Op::Attrib, ino, inode.kind, Some(inode.size));
         Ok(())
     }
 
