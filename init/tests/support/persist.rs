@@ -43,6 +43,8 @@ pub fn params() -> PersistParams {
     PersistParams {
         chunk_size: CHUNK,
         compact_every: 8,
+        pack_below: 64 << 10,
+        pack_size: 4 << 20,
         threads: 2,
     }
 }

@@ -28,6 +28,8 @@ fn params() -> PersistParams {
     PersistParams {
         chunk_size: CS,
         compact_every: 10,
+        pack_below: 64 << 10,
+        pack_size: 4 << 20,
         threads: 2,
     }
 }
@@ -400,7 +402,10 @@ fn hash_and_upload_sends_each_distinct_nonzero_chunk_once() {
     assert_eq!((r.windows_hashed, r.bytes_hashed), (4, 4 * CS));
     assert_eq!((r.chunks_uploaded, r.chunk_bytes_uploaded), (2, 2 * CS));
     let one = ChunkId::of(&vec![1u8; CS as usize]);
-    assert!(f.remote.head(&f.p.repo.chunk_key(&one)).unwrap().is_some());
+    // Both small enough for one pack (two objects: the pack and its index).
+    assert_eq!((r.packs_uploaded, r.packed_chunks), (1, 2));
+    assert!(f.remote.head(&f.p.repo.chunk_key(&one)).unwrap().is_none());
+    assert_eq!(f.p.repo.get_chunks(&[one])[0].as_ref().unwrap().len(), CS as usize);
     let rows = &pass.hashed.values().next().unwrap();
     assert_eq!(rows.len(), 4);
     assert_eq!(
