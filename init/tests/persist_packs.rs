@@ -157,8 +157,11 @@ fn a_restore_from_packs_equals_the_tree_byte_for_byte() {
         let h = keel::chunk::ChunkId::of(&first).to_hex();
         h[..16].to_string()
     })));
-    // A second file: no index read again.
+    // Its neighbour in the directory came with it (read around): no GET.
     gets.lock().unwrap().clear();
+    read_all(&lfs, resolve(&lfs, "node_modules/b/f8.js")).unwrap();
+    assert_eq!(gets.lock().unwrap().len(), 0, "{:?}", gets.lock().unwrap());
+    // A file of another directory: one ranged GET, no index read again.
     read_all(&lfs, resolve(&lfs, "node_modules/a/f3.js")).unwrap();
     assert_eq!(gets.lock().unwrap().len(), 1, "{:?}", gets.lock().unwrap());
     assert_eq!(dump(&lfs), want, "lazily read tree");

@@ -331,6 +331,82 @@ impl PackCache {
     }
 }
 
+/// A read of a pack covers whole aligned blocks of this many bytes around what it wants:
+/// the other chunks in them (a directory's other files, as packs are laid out) are kept
+/// in the `Around` cache, so reading a directory's files one after another costs one round
+/// trip per block rather than one per file.
+pub const READ_AROUND: u64 = 1 << 20;
+/// Bytes of chunks read around and not asked for yet that are kept at most.
+pub const AROUND_BYTES: u64 = 32 << 20;
+
+/// Chunks read around a wanted one (see `READ_AROUND`), taken out at their first use,
+/// oldest dropped first past `AROUND_BYTES`. Content-addressed and checked at use, so
+/// never stale.
+#[derive(Default)]
+pub struct Around {
+    inner: Mutex<AroundInner>,
+}
+
+#[derive(Default)]
+struct AroundInner {
+    by_id: HashMap<ChunkId, Bytes>,
+    order: std::collections::VecDeque<ChunkId>,
+    bytes: u64,
+}
+
+impl Around {
+    /// The bytes of `id` if they were read around, removed from the cache.
+    pub fn take(&self, id: &ChunkId) -> Option<Bytes> {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let b = g.by_id.remove(id)?;
+        g.bytes -= b.len() as u64;
+        Some(b)
+    }
+
+    pub fn put(&self, id: ChunkId, data: &[u8]) {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if g.by_id.contains_key(&id) {
+            return;
+        }
+        g.bytes += data.len() as u64;
+        g.by_id.insert(id, Bytes::copy_from_slice(data));
+        g.order.push_back(id);
+        while g.bytes > AROUND_BYTES {
+            let Some(old) = g.order.pop_front() else {
+                break;
+            };
+            if let Some(b) = g.by_id.remove(&old) {
+                g.bytes -= b.len() as u64;
+            }
+        }
+        if g.order.len() > 4 * g.by_id.len() + 64 {
+            // Ids taken out linger in the queue: drop them now and then.
+            let AroundInner { by_id, order, .. } = &mut *g;
+            order.retain(|i| by_id.contains_key(i));
+        }
+    }
+}
+
+/// Widens each read to whole `READ_AROUND` blocks (within the pack's `len`) and joins the
+/// reads of a pack that then touch.
+pub fn widen(reads: Vec<Read>, len: impl Fn(u32) -> u64) -> Vec<Read> {
+    let mut out: Vec<Read> = Vec::new();
+    for mut r in reads {
+        let l = len(r.pack);
+        r.range.start = r.range.start / READ_AROUND * READ_AROUND;
+        r.range.end = r.range.end.div_ceil(READ_AROUND).saturating_mul(READ_AROUND).min(l).max(r.range.end);
+        if let Some(last) = out.last_mut() {
+            if last.pack == r.pack && r.range.start <= last.range.end {
+                last.range.end = last.range.end.max(r.range.end);
+                last.parts.extend(r.parts);
+                continue;
+            }
+        }
+        out.push(r);
+    }
+    out
+}
+
 /// Ranged reads of a pack that fetch several wanted chunks at once: ranges closer than
 /// this are read as one (the bytes between are cheaper than another round trip).
 pub const MERGE_GAP: u64 = 512 << 10;
@@ -455,6 +531,48 @@ mod tests {
         p.add((1, 0, 0), id, chunk(9, 50).1);
         let (packs, loose) = p.cut(true);
         assert_eq!((packs.len(), loose.len()), (0, 1));
+    }
+
+    #[test]
+    fn widened_reads_cover_whole_blocks_inside_the_pack_and_join() {
+        let l = |pack, off, len| Loc { pack, off, len };
+        let reads = plan_reads(vec![
+            (0, l(0, READ_AROUND + 10, 10)),
+            (1, l(0, 3 * READ_AROUND + 5, 10)),
+            (2, l(1, 0, 10)),
+        ]);
+        assert_eq!(reads.len(), 3);
+        let w = widen(reads, |p| if p == 0 { 3 * READ_AROUND + 100 } else { 50 });
+        assert_eq!(w.len(), 3, "{w:?}");
+        assert_eq!(w[0].range, READ_AROUND..2 * READ_AROUND);
+        assert_eq!(w[1].range, 3 * READ_AROUND..3 * READ_AROUND + 100);
+        assert_eq!(w[2].range, 0..50);
+        // Neighbouring blocks join; others do not.
+        let reads = plan_reads(vec![(0, l(0, 10, 10)), (1, l(0, 2 * READ_AROUND + 1, 10))]);
+        assert_eq!(reads.len(), 2);
+        let w = widen(reads, |_| 10 * READ_AROUND);
+        assert_eq!(w.len(), 2, "blocks 0 and 2 do not touch: {w:?}");
+        let reads = plan_reads(vec![(0, l(0, 10, 10)), (1, l(0, READ_AROUND + MERGE_GAP + 100, 10))]);
+        assert_eq!(reads.len(), 2);
+        let w = widen(reads, |_| 10 * READ_AROUND);
+        assert_eq!(w.len(), 1, "blocks 0 and 1 touch: {w:?}");
+        assert_eq!(w[0].range, 0..2 * READ_AROUND);
+        assert_eq!(w[0].parts.len(), 2);
+    }
+
+    #[test]
+    fn the_around_cache_hands_out_once_and_stays_bounded() {
+        let a = Around::default();
+        let (id, b) = chunk(1, 100);
+        a.put(id, &b);
+        assert_eq!(a.take(&id).unwrap(), b);
+        assert!(a.take(&id).is_none());
+        let big = vec![7u8; (AROUND_BYTES / 4) as usize];
+        for k in 0..6u8 {
+            a.put(ChunkId([k; 32]), &big);
+        }
+        assert!(a.take(&ChunkId([0; 32])).is_none(), "oldest dropped");
+        assert!(a.take(&ChunkId([5; 32])).is_some());
     }
 
     #[test]

@@ -86,6 +86,8 @@ pub struct Repo {
     chunks: String,
     /// The chunk store's pack indexes, shared by the clones (see `pack`).
     packs: Arc<PackCache>,
+    /// Chunks read around wanted ones in packs, until asked for (`pack::Around`).
+    around: Arc<pack::Around>,
 }
 
 fn join(a: &str, b: &str) -> String {
@@ -106,6 +108,7 @@ impl Repo {
             ws,
             chunks,
             packs: Arc::new(PackCache::default()),
+            around: Arc::default(),
         }
     }
 
@@ -494,7 +497,16 @@ impl Repo {
     /// repacked since they were) before it counts as missing.
     pub fn get_chunks(&self, ids: &[ChunkId]) -> Vec<Result<Bytes, RepoError>> {
         let mut out: Vec<Option<Result<Bytes, RepoError>>> = (0..ids.len()).map(|_| None).collect();
-        let all: Vec<usize> = (0..ids.len()).collect();
+        let mut all: Vec<usize> = Vec::with_capacity(ids.len());
+        for (k, id) in ids.iter().enumerate() {
+            match self.around.take(id).filter(|b| id.verify(b)) {
+                Some(b) => out[k] = Some(Ok(b)),
+                None => all.push(k),
+            }
+        }
+        if all.is_empty() {
+            return out.into_iter().map(|r| r.expect("every chunk has a result")).collect();
+        }
         let map = self.packs_now();
         let rest = match &map {
             Some(m) => self.fetch_packed(m, ids, &all, &mut out),
@@ -575,7 +587,7 @@ impl Repo {
         if wanted.is_empty() {
             return rest;
         }
-        let reads = pack::plan_reads(wanted);
+        let reads = pack::widen(pack::plan_reads(wanted), |p| map.packs[p as usize].len);
         let reqs: Vec<(String, std::ops::Range<u64>)> = reads
             .iter()
             .map(|r| {
@@ -584,6 +596,9 @@ impl Repo {
             })
             .collect();
         for ((read, (key, _)), got) in reads.iter().zip(&reqs).zip(self.remote.get_ranges(&reqs)) {
+            if let Ok(b) = &got {
+                self.keep_around(&map.packs[read.pack as usize], read, b, ids);
+            }
             for (k, off, len) in &read.parts {
                 let id = ids[*k];
                 let at = (off - read.range.start) as usize;
@@ -622,6 +637,19 @@ impl Repo {
             }
         }
         rest
+    }
+
+    /// Keeps the chunks of `pack` that a read fetched without being asked for them.
+    fn keep_around(&self, pack: &PackIndex, read: &pack::Read, got: &Bytes, ids: &[ChunkId]) {
+        let first = pack.entries.partition_point(|e| e.off < read.range.start);
+        let end = read.range.start + got.len() as u64;
+        for e in pack.entries[first..].iter().take_while(|e| e.range().end <= end) {
+            if read.parts.iter().any(|(k, _, _)| ids[*k] == e.id) {
+                continue;
+            }
+            let at = (e.off - read.range.start) as usize;
+            self.around.put(e.id, &got[at..at + e.len as usize]);
+        }
     }
 
     /// Every chunk object: (id, info).

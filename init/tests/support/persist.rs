@@ -53,6 +53,16 @@ pub fn persister(dir: &Path, remote: Arc<dyn Remote>) -> Persister {
     Persister::open(dir, Repo::new(remote, "ws"), params()).expect("open persister")
 }
 
+/// A persister that stores every chunk as its own object (`pack_below = 0`), as keel did
+/// before packs: for tests that count the GETs of single windows.
+pub fn persister_loose(dir: &Path, remote: Arc<dyn Remote>) -> Persister {
+    let params = PersistParams {
+        pack_below: 0,
+        ..params()
+    };
+    Persister::open(dir, Repo::new(remote, "ws"), params).expect("open persister")
+}
+
 pub fn checkpoint(p: &mut Persister) -> CheckpointReport {
     p.checkpoint(&CheckpointOptions::default())
         .expect("checkpoint")
