@@ -28,7 +28,8 @@ the binary (default target/release/keel); --variants names config variants (`off
 defaults; `on`: prefetch = true, at the --prefetch-at latency only; more with KEEL_VARIANT_<name>
 environment variables holding extra `[persist]` lines); --populate-extra adds `[persist]`
 lines to the sessions that write the remote (the populating one and the previous session),
-e.g. `pack_below = "0"` for the layout before packs. The first checkpoint's line says how
+e.g. `pack_below = "0"` for the layout before packs. COLD_BENCH_KEEP=1 keeps the run
+directory (keel's logs; KEEL_LOG=info,keel::step=debug times each checkpoint step). The first checkpoint's line says how
 many objects the remote holds after it (and how many are chunks, packs and pack indexes).
 Needs root, /dev/fuse, moto_server,
 npm, git, curl. --short: a small generated workspace, D = 0 and 30, one rep (checks that
@@ -305,6 +306,13 @@ class Keel:
         subprocess.run(["umount", "-l", self.mnt], stderr=subprocess.DEVNULL)
 
 
+def checkpoint_seconds(log_path):
+    """The elapsed time keel's log gives for the last checkpoint that wrote a snapshot."""
+    import re
+    found = re.findall(r"snapshot \d+ \((?:full|delta)\): [^\n]*?, ([0-9.]+)s", open(log_path).read())
+    return float(found[-1]) if found else None
+
+
 def timed(cmd, cwd):
     t0 = time.monotonic()
     r = subprocess.run(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -360,7 +368,10 @@ def main():
         for m in mounts:
             subprocess.run(["umount", "-l", m], stderr=subprocess.DEVNULL)
         moto.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if os.environ.get("COLD_BENCH_KEEP"):
+            log(f"kept {run_dir} (COLD_BENCH_KEEP)")
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def bench(a, lat, workloads, src, run_dir, moto, mounts):
@@ -385,7 +396,7 @@ def bench(a, lat, workloads, src, run_dir, moto, mounts):
     k.stop()
     pop = moto.ctl("stats")
     upload = {"objects_put": pop["by_method"].get("PUT", 0), "seconds": time.monotonic() - t0,
-              "objects": moto.objects()}
+              "objects": moto.objects(), "checkpoint": checkpoint_seconds(os.path.join(run_dir, "populate.log"))}
     log(f"first checkpoint (at the stop) in {upload['seconds']:.1f} s: {json.dumps(pop['by_method'])}; "
         f"remote: {json.dumps(upload['objects'])}")
     if a.populate_extra:
@@ -492,8 +503,11 @@ def report(a, header, cols, workloads, res, upload):
             "–" if med(c, w) is None or not warm else f"{med(c, w) / warm:.2f}x" for c in cols[2:]) + " |")
     out.append("")
     o = upload["objects"]
+    cp = upload["checkpoint"]
     out.append(f"First checkpoint of the workspace (the stop after copying it in, at 0 ms): "
-               f"{upload['seconds']:.1f} s, {upload['objects_put']} PUTs; then {o['all']} objects "
+               f"{upload['seconds']:.1f} s from SIGTERM to exit, the checkpoint itself "
+               f"{'?' if cp is None else f'{cp:.2f}'} s (keel's log), "
+               f"{upload['objects_put']} PUTs; then {o['all']} objects "
                f"on the remote ({o['bytes'] >> 20} MiB): {o['chunks']} chunks, {o['packs']} packs, "
                f"{o['idx']} pack indexes.")
     text = "\n".join(out)
