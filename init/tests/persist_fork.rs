@@ -77,8 +77,12 @@ fn present(repo: &Repo, ids: &[ChunkId]) -> usize {
 
 /// Distinct chunks on the chunk store (own objects and packed).
 fn chunk_count(repo: &Repo) -> usize {
-    let mut ids: std::collections::HashSet<ChunkId> =
-        repo.list_chunks().unwrap().into_iter().map(|(id, _)| id).collect();
+    let mut ids: std::collections::HashSet<ChunkId> = repo
+        .list_chunks()
+        .unwrap()
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
     ids.extend(repo.load_packs(None).unwrap().ids().copied());
     ids.len()
 }

@@ -112,7 +112,11 @@ fn a_restore_from_packs_equals_the_tree_byte_for_byte() {
         r.chunks_uploaded
     );
     // Delta on top: a changed small file and a new one go into a new pack.
-    write_file(&fs, "src/f1.js", b"rewritten, and short enough to be inline");
+    write_file(
+        &fs,
+        "src/f1.js",
+        b"rewritten, and short enough to be inline",
+    );
     write_file(&fs, "src/new.js", &noise(77, 9_000));
     write_file(&fs, "src/new2.js", &noise(78, 9_000));
     let r2 = checkpoint(&mut p);
@@ -190,12 +194,19 @@ fn a_batch_of_chunks_of_one_pack_is_one_ranged_get() {
         .all_file_chunks()
         .unwrap()
         .values()
-        .flat_map(|rows| rows.iter().filter_map(|(_, id)| id.map(keel::chunk::ChunkId)))
+        .flat_map(|rows| {
+            rows.iter()
+                .filter_map(|(_, id)| id.map(keel::chunk::ChunkId))
+        })
         .collect();
     assert_eq!(ids.len(), 100);
     let got = repo.get_chunks(&ids);
     assert!(got.iter().all(|r| r.is_ok()));
-    assert_eq!(n.load(Ordering::SeqCst), 1, "100 chunks of one pack, one read");
+    assert_eq!(
+        n.load(Ordering::SeqCst),
+        1,
+        "100 chunks of one pack, one read"
+    );
 }
 
 #[test]
@@ -224,7 +235,11 @@ fn gc_keeps_a_half_dead_pack_repacks_a_mostly_dead_one_and_deletes_a_dead_one() 
     unlink(0, 8);
     checkpoint_full(&mut p);
     let g = gc_now(&repo, &p);
-    assert_eq!((g.packs_kept, g.packs_repacked, g.packs_deleted), (1, 0, 0), "{g}");
+    assert_eq!(
+        (g.packs_kept, g.packs_repacked, g.packs_deleted),
+        (1, 0, 0),
+        "{g}"
+    );
     let (_d, got) = restore_dump(&repo);
     assert_eq!(got, dump(&fs), "every live chunk kept");
 
@@ -232,7 +247,11 @@ fn gc_keeps_a_half_dead_pack_repacks_a_mostly_dead_one_and_deletes_a_dead_one() 
     unlink(8, 14);
     checkpoint_full(&mut p);
     let g = gc_now(&repo, &p);
-    assert_eq!((g.packs_kept, g.packs_repacked, g.packs_deleted), (0, 1, 0), "{g}");
+    assert_eq!(
+        (g.packs_kept, g.packs_repacked, g.packs_deleted),
+        (0, 1, 0),
+        "{g}"
+    );
     let packs = repo.list_packs().unwrap();
     assert_eq!(packs.len(), 1);
     assert_ne!(packs[0].name, old);
@@ -249,7 +268,11 @@ fn gc_keeps_a_half_dead_pack_repacks_a_mostly_dead_one_and_deletes_a_dead_one() 
     unlink(14, 20);
     checkpoint_full(&mut p);
     let g = gc_now(&repo, &p);
-    assert_eq!((g.packs_kept, g.packs_repacked, g.packs_deleted), (0, 0, 1), "{g}");
+    assert_eq!(
+        (g.packs_kept, g.packs_repacked, g.packs_deleted),
+        (0, 0, 1),
+        "{g}"
+    );
     assert_eq!(objects(&repo), (0, 0, 0));
 }
 
@@ -283,7 +306,13 @@ fn gc_removes_half_a_pack_a_checkpoint_left_once_old_enough() {
     assert!(says("has no index"), "{:?}", r.findings);
     assert!(says("names a pack that is not there"), "{:?}", r.findings);
     // Young: left alone.
-    let g = gc::gc(&mut repo.clone(), Some(p.store()), 1, Duration::from_secs(3600)).unwrap();
+    let g = gc::gc(
+        &mut repo.clone(),
+        Some(p.store()),
+        1,
+        Duration::from_secs(3600),
+    )
+    .unwrap();
     assert_eq!(g.packs_deleted, 0, "{g}");
     let g = gc_now(&repo, &p);
     assert_eq!((g.packs_kept, g.packs_deleted), (1, 2), "{g}");
@@ -326,7 +355,11 @@ fn a_fork_sharing_a_pack_survives_the_sources_gc() {
     }
     checkpoint_full(&mut pa);
     let g = gc_now(&origin, &pa);
-    assert_eq!((g.packs_kept, g.packs_repacked, g.packs_deleted), (1, 0, 0), "{g}");
+    assert_eq!(
+        (g.packs_kept, g.packs_repacked, g.packs_deleted),
+        (1, 0, 0),
+        "{g}"
+    );
     assert_eq!(g.sharing, 1, "{g}");
     let (d, got) = restore_dump(&fork_repo);
     assert_eq!(got, at_fork, "the fork after its source's gc");
@@ -344,16 +377,27 @@ fn a_fork_sharing_a_pack_survives_the_sources_gc() {
     }
     checkpoint_full(&mut pb);
     let g = gc_now(&fork_repo, &pb);
-    assert_eq!((g.packs_kept, g.packs_repacked, g.packs_deleted), (0, 1, 0), "{g}");
+    assert_eq!(
+        (g.packs_kept, g.packs_repacked, g.packs_deleted),
+        (0, 1, 0),
+        "{g}"
+    );
     let g = gc_now(&origin, &pa);
-    assert_eq!((g.packs_kept, g.packs_repacked, g.packs_deleted), (1, 0, 0), "{g}");
+    assert_eq!(
+        (g.packs_kept, g.packs_repacked, g.packs_deleted),
+        (1, 0, 0),
+        "{g}"
+    );
     let ids: Vec<_> = pb
         .store()
         .read()
         .all_file_chunks()
         .unwrap()
         .values()
-        .flat_map(|rows| rows.iter().filter_map(|(_, id)| id.map(keel::chunk::ChunkId)))
+        .flat_map(|rows| {
+            rows.iter()
+                .filter_map(|(_, id)| id.map(keel::chunk::ChunkId))
+        })
         .collect();
     assert_eq!(ids.len(), 3);
     // Its index names a pack that is gone: the miss reads the indexes again.
@@ -405,7 +449,9 @@ fn fsck_finds_a_corrupted_pack_entry_and_repairs_it_from_local_bytes() {
     mem.tamper(&repo.pack_index_key(&pack.name), |b| b[30] ^= 1);
     let r = fsck_of(src.path(), &repo, false);
     assert!(
-        r.findings.iter().any(|f| f.what.contains("checksum mismatch")),
+        r.findings
+            .iter()
+            .any(|f| f.what.contains("checksum mismatch")),
         "{:?}",
         r.findings
     );
@@ -441,7 +487,11 @@ fn a_remote_written_before_packs_restores_and_takes_packed_checkpoints() {
     copy_tree(&fx.path().join("remote"), &root.path().join("remote"));
     let remote: Arc<dyn Remote> = Arc::new(FsRemote::open(&root.path().join("remote")).unwrap());
     let repo = Repo::new(remote.clone(), "ws");
-    assert_eq!(repo.list_packs().unwrap().len(), 0, "the fixture has no packs");
+    assert_eq!(
+        repo.list_packs().unwrap().len(),
+        0,
+        "the fixture has no packs"
+    );
     let loose_before = repo.list_chunks().unwrap().len();
     assert!(loose_before > 15);
 

@@ -502,7 +502,10 @@ fn check_packs(repo: &Repo, stored: &mut HashSet<ChunkId>, rep: &mut FsckReport)
         match (&p.pack, &p.index) {
             (Some(pack), None) => rep.add(
                 Level::Warning,
-                format!("pack {} has no index (a checkpoint cut short; gc removes it)", pack.key),
+                format!(
+                    "pack {} has no index (a checkpoint cut short; gc removes it)",
+                    pack.key
+                ),
                 false,
             ),
             (None, Some(idx)) => rep.add(

@@ -33,7 +33,8 @@ pub(super) fn sweep_packs(
     for po in listed {
         match (&po.pack, &po.index, by_name.get(&po.name)) {
             (Some(pack), Some(idx), Some(pi)) => {
-                let alive: Vec<&Entry> = pi.entries.iter().filter(|e| live.contains(&e.id)).collect();
+                let alive: Vec<&Entry> =
+                    pi.entries.iter().filter(|e| live.contains(&e.id)).collect();
                 let live_bytes: u64 = alive.iter().map(|e| u64::from(e.len)).sum();
                 if alive.is_empty() {
                     if delete_pair(repo, running, pack, idx, old, report)? {

@@ -138,10 +138,7 @@ pub fn decode_index(key: &str, name: ChunkId, b: &[u8]) -> Result<PackIndex, Pac
     let len = u64_at(12);
     let count = u32_at(20) as usize;
     if body.len() != HEAD_LEN + count * ENTRY_LEN {
-        return Err(bad(format!(
-            "{} bytes for {count} entries",
-            body.len()
-        )));
+        return Err(bad(format!("{} bytes for {count} entries", body.len())));
     }
     let mut entries = Vec::with_capacity(count);
     for k in 0..count {
@@ -394,7 +391,13 @@ pub fn widen(reads: Vec<Read>, len: impl Fn(u32) -> u64) -> Vec<Read> {
     for mut r in reads {
         let l = len(r.pack);
         r.range.start = r.range.start / READ_AROUND * READ_AROUND;
-        r.range.end = r.range.end.div_ceil(READ_AROUND).saturating_mul(READ_AROUND).min(l).max(r.range.end);
+        r.range.end = r
+            .range
+            .end
+            .div_ceil(READ_AROUND)
+            .saturating_mul(READ_AROUND)
+            .min(l)
+            .max(r.range.end);
         if let Some(last) = out.last_mut() {
             if last.pack == r.pack && r.range.start <= last.range.end {
                 last.range.end = last.range.end.max(r.range.end);
@@ -552,7 +555,10 @@ mod tests {
         assert_eq!(reads.len(), 2);
         let w = widen(reads, |_| 10 * READ_AROUND);
         assert_eq!(w.len(), 2, "blocks 0 and 2 do not touch: {w:?}");
-        let reads = plan_reads(vec![(0, l(0, 10, 10)), (1, l(0, READ_AROUND + MERGE_GAP + 100, 10))]);
+        let reads = plan_reads(vec![
+            (0, l(0, 10, 10)),
+            (1, l(0, READ_AROUND + MERGE_GAP + 100, 10)),
+        ]);
         assert_eq!(reads.len(), 2);
         let w = widen(reads, |_| 10 * READ_AROUND);
         assert_eq!(w.len(), 1, "blocks 0 and 1 touch: {w:?}");

@@ -45,12 +45,9 @@ pub enum RepoError {
     ChunkCorrupt { id: ChunkId, actual: ChunkId },
     #[error("the remote has no snapshot yet (no head)")]
     NoHead,
-    #[error("chunk {id} in pack {key}: {reason}")]
-    PackRead {
-        id: ChunkId,
-        key: String,
-        reason: String,
-    },
+    /// A chunk's pack could not be read (`what` names the chunk and the pack).
+    #[error("{what}: {reason}")]
+    PackRead { what: String, reason: String },
     #[error(transparent)]
     Pack(#[from] pack::PackError),
 }
@@ -505,7 +502,10 @@ impl Repo {
             }
         }
         if all.is_empty() {
-            return out.into_iter().map(|r| r.expect("every chunk has a result")).collect();
+            return out
+                .into_iter()
+                .map(|r| r.expect("every chunk has a result"))
+                .collect();
         }
         let map = self.packs_now();
         let rest = match &map {
@@ -550,7 +550,8 @@ impl Repo {
                     for k in again {
                         if let Some(r @ Ok(_)) = retry[k].take() {
                             out[k] = Some(r);
-                        } else if let Some(r @ Err(RepoError::ChunkCorrupt { .. })) = retry[k].take()
+                        } else if let Some(r @ Err(RepoError::ChunkCorrupt { .. })) =
+                            retry[k].take()
                         {
                             out[k] = Some(r);
                         }
@@ -606,8 +607,7 @@ impl Repo {
                     Ok(b) if b.len() >= at + *len as usize => b.slice(at..at + *len as usize),
                     Ok(b) => {
                         out[*k] = Some(Err(RepoError::PackRead {
-                            id,
-                            key: key.clone(),
+                            what: format!("chunk {id} in pack {key}"),
                             reason: format!(
                                 "the pack is shorter than its index says ({} bytes at {})",
                                 b.len(),
@@ -619,8 +619,7 @@ impl Repo {
                     }
                     Err(e) => {
                         out[*k] = Some(Err(RepoError::PackRead {
-                            id,
-                            key: key.clone(),
+                            what: format!("chunk {id} in pack {key}"),
                             reason: e.to_string(),
                         }));
                         rest.push(*k);
@@ -643,7 +642,10 @@ impl Repo {
     fn keep_around(&self, pack: &PackIndex, read: &pack::Read, got: &Bytes, ids: &[ChunkId]) {
         let first = pack.entries.partition_point(|e| e.off < read.range.start);
         let end = read.range.start + got.len() as u64;
-        for e in pack.entries[first..].iter().take_while(|e| e.range().end <= end) {
+        for e in pack.entries[first..]
+            .iter()
+            .take_while(|e| e.range().end <= end)
+        {
             if read.parts.iter().any(|(k, _, _)| ids[*k] == e.id) {
                 continue;
             }

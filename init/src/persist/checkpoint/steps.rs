@@ -17,10 +17,10 @@ use super::{kv_u64, now_ns, CheckpointError, CheckpointReport, PersistParams, Pe
 use crate::chunk::chunker::{is_zero, window_count, window_range};
 use crate::chunk::ChunkId;
 use crate::meta::{ChunkRow, Inode, InodeNo, Kind, MissingRow, Nanos, Storage, Tx};
-use crate::persist::pack::{Built, Packer};
 use crate::persist::format::{
     self, Body, BodyWriter, DataRec, DirentRec, Header, InodeRec, Section, Spill,
 };
+use crate::persist::pack::{Built, Packer};
 use crate::persist::remote::{PutMode, RemoteError};
 use crate::persist::repo::Head;
 
@@ -640,7 +640,11 @@ impl Persister {
             }
             let last = end == total;
             let (packs, loose) = packer.cut(last);
-            upload.extend(loose.into_iter().map(|(id, d)| (self.repo.chunk_key(&id), d)));
+            upload.extend(
+                loose
+                    .into_iter()
+                    .map(|(id, d)| (self.repo.chunk_key(&id), d)),
+            );
             if !upload.is_empty() {
                 self.upload_chunks(upload, &mut shared, &mut pass.in_flight, &mut pass.report)?;
             }

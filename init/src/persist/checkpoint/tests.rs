@@ -420,7 +420,10 @@ fn hash_and_upload_sends_each_distinct_nonzero_chunk_once() {
     // Both small enough for one pack (two objects: the pack and its index).
     assert_eq!((r.packs_uploaded, r.packed_chunks), (1, 2));
     assert!(f.remote.head(&f.p.repo.chunk_key(&one)).unwrap().is_none());
-    assert_eq!(f.p.repo.get_chunks(&[one])[0].as_ref().unwrap().len(), CS as usize);
+    assert_eq!(
+        f.p.repo.get_chunks(&[one])[0].as_ref().unwrap().len(),
+        CS as usize
+    );
     let rows = &pass.hashed.values().next().unwrap();
     assert_eq!(rows.len(), 4);
     assert_eq!(
