@@ -3,6 +3,7 @@
 
     script/cold-bench.py [--short] [--reps N] [--latencies 0,30,100] [--bandwidth 100M]
                          [--prefetch-at 30] [--variants off,on] [--out FILE]
+                         [--populate-extra 'pack_below = "0"']
 
 The workspace is the npm-bench install (express, lodash, react, eslint, jest, typescript,
 webpack; about 13,000 files) plus rxjs and the @types of the main packages, and a
@@ -25,7 +26,12 @@ and on a warm keel (the populating state dir, every byte local, a fresh mount). 
 markdown table per variant (medians of --reps) and the ratios to warm keel. KEEL_BIN picks
 the binary (default target/release/keel); --variants names config variants (`off`: the
 defaults; `on`: prefetch = true, at the --prefetch-at latency only; more with KEEL_VARIANT_<name>
-environment variables holding extra `[persist]` lines). Needs root, /dev/fuse, moto_server,
+environment variables holding extra `[persist]` lines); --populate-extra adds `[persist]`
+lines to the sessions that write the remote (the populating one and the previous session),
+e.g. `pack_below = "0"` for the layout before packs. COLD_BENCH_KEEP=1 keeps the run
+directory (keel's logs; KEEL_LOG=info,keel::step=debug times each checkpoint step). The first checkpoint's line says how
+many objects the remote holds after it (and how many are chunks, packs and pack indexes).
+Needs root, /dev/fuse, moto_server,
 npm, git, curl. --short: a small generated workspace, D = 0 and 30, one rep (checks that
 the script works).
 """
@@ -200,6 +206,31 @@ class Moto:
         s = self.ctl("stats")
         return s["by_method"].get("GET", 0) + s["by_method"].get("GET_RANGE", 0), s
 
+    def objects(self):
+        """Objects in the bucket: {"all": n, "chunks": loose chunks, "packs": .pack, "idx": .idx}."""
+        import urllib.parse
+        import xml.etree.ElementTree as ET
+        ns = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+        out = {"all": 0, "chunks": 0, "packs": 0, "idx": 0, "bytes": 0}
+        token = None
+        while True:
+            q = {"list-type": "2", "max-keys": "1000"}
+            if token:
+                q["continuation-token"] = token
+            url = f"http://127.0.0.1:{self.port}/keel?" + urllib.parse.urlencode(q)
+            root = ET.fromstring(urllib.request.urlopen(url, timeout=60).read())
+            for c in root.iter(ns + "Contents"):
+                key = c.find(ns + "Key").text
+                out["all"] += 1
+                out["bytes"] += int(c.find(ns + "Size").text)
+                if "/chunks/packs/" in key:
+                    out["packs" if key.endswith(".pack") else "idx"] += 1
+                elif "/chunks/" in key:
+                    out["chunks"] += 1
+            if root.findtext(ns + "IsTruncated") != "true":
+                return out
+            token = root.findtext(ns + "NextContinuationToken")
+
     def close(self):
         for p in reversed(self.procs):
             p.terminate()
@@ -275,6 +306,13 @@ class Keel:
         subprocess.run(["umount", "-l", self.mnt], stderr=subprocess.DEVNULL)
 
 
+def checkpoint_seconds(log_path):
+    """The elapsed time keel's log gives for the last checkpoint that wrote a snapshot."""
+    import re
+    found = re.findall(r"snapshot \d+ \((?:full|delta)\): [^\n]*?, ([0-9.]+)s", open(log_path).read())
+    return float(found[-1]) if found else None
+
+
 def timed(cmd, cwd):
     t0 = time.monotonic()
     r = subprocess.run(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -305,6 +343,7 @@ def main():
     ap.add_argument("--variants", default="off,on")
     ap.add_argument("--workloads", default="status,js,tsc")
     ap.add_argument("--out")
+    ap.add_argument("--populate-extra", default="")
     a = ap.parse_args()
     lat = [float(x) for x in (a.latencies or ("0,30" if a.short else "0,30,100")).split(",")]
     workloads = a.workloads.split(",")
@@ -329,7 +368,10 @@ def main():
         for m in mounts:
             subprocess.run(["umount", "-l", m], stderr=subprocess.DEVNULL)
         moto.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if os.environ.get("COLD_BENCH_KEEP"):
+            log(f"kept {run_dir} (COLD_BENCH_KEEP)")
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def bench(a, lat, workloads, src, run_dir, moto, mounts):
@@ -343,7 +385,7 @@ def bench(a, lat, workloads, src, run_dir, moto, mounts):
     mounts.append(mnt)
     # Populate: copy the tree in, stop cleanly (the final checkpoint uploads it).
     cfg_pop = os.path.join(run_dir, "populate.toml")
-    config(cfg_pop, moto)
+    config(cfg_pop, moto, extra=a.populate_extra)
     warm_state = os.path.join(run_dir, "warm-state")
     k = Keel(cfg_pop, warm_state, mnt, os.path.join(run_dir, "populate.log"))
     k.wait_usable(".")
@@ -353,8 +395,12 @@ def bench(a, lat, workloads, src, run_dir, moto, mounts):
     t0 = time.monotonic()
     k.stop()
     pop = moto.ctl("stats")
-    upload = {"objects_put": pop["by_method"].get("PUT", 0), "seconds": time.monotonic() - t0}
-    log(f"first checkpoint (at the stop) in {upload['seconds']:.1f} s: {json.dumps(pop['by_method'])}")
+    upload = {"objects_put": pop["by_method"].get("PUT", 0), "seconds": time.monotonic() - t0,
+              "objects": moto.objects(), "checkpoint": checkpoint_seconds(os.path.join(run_dir, "populate.log"))}
+    log(f"first checkpoint (at the stop) in {upload['seconds']:.1f} s: {json.dumps(pop['by_method'])}; "
+        f"remote: {json.dumps(upload['objects'])}")
+    if a.populate_extra:
+        header.append(f"# sessions that wrote the remote: [persist] {a.populate_extra}")
     # The previous session: a cold start that runs every workload, then stops cleanly.
     log("previous session (cold start, every workload, clean stop)")
     prev = os.path.join(run_dir, "prev-state")
@@ -456,8 +502,14 @@ def report(a, header, cols, workloads, res, upload):
         out.append(f"| {w} | " + " | ".join(
             "–" if med(c, w) is None or not warm else f"{med(c, w) / warm:.2f}x" for c in cols[2:]) + " |")
     out.append("")
+    o = upload["objects"]
+    cp = upload["checkpoint"]
     out.append(f"First checkpoint of the workspace (the stop after copying it in, at 0 ms): "
-               f"{upload['seconds']:.1f} s, {upload['objects_put']} PUTs.")
+               f"{upload['seconds']:.1f} s from SIGTERM to exit, the checkpoint itself "
+               f"{'?' if cp is None else f'{cp:.2f}'} s (keel's log), "
+               f"{upload['objects_put']} PUTs; then {o['all']} objects "
+               f"on the remote ({o['bytes'] >> 20} MiB): {o['chunks']} chunks, {o['packs']} packs, "
+               f"{o['idx']} pack indexes.")
     text = "\n".join(out)
     print(text)
     if a.out:

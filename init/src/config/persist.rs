@@ -103,6 +103,12 @@ pub struct PersistConfig {
     pub keep_size: Option<u64>,
     /// Write a full snapshot after this many deltas (compaction).
     pub compact_every: u32,
+    /// Chunks smaller than this go into packs (0: every chunk is its own object).
+    #[serde(with = "size_str")]
+    pub pack_below: u64,
+    /// Bytes of chunks a pack holds (it is cut once it reaches this).
+    #[serde(with = "size_str")]
+    pub pack_size: u64,
     /// Unreferenced chunks younger than this are kept (an upload may be about to use them).
     #[serde(with = "duration_str")]
     pub gc_grace: Duration,
@@ -152,6 +158,8 @@ impl Default for PersistConfig {
             keep_age: None,
             keep_size: None,
             compact_every: 32,
+            pack_below: 64 << 10,
+            pack_size: 4 << 20,
             gc_grace: Duration::from_secs(15 * 60),
             gc_every: 16,
             flush_timeout: Duration::from_secs(2),
@@ -203,6 +211,21 @@ impl PersistConfig {
         }
         if self.compact_every == 0 {
             return bad("compact_every", "must be at least 1".into());
+        }
+        if self.pack_below > 0 && !(64 << 10..=256 << 20).contains(&self.pack_size) {
+            return bad(
+                "pack_size",
+                format!("{} bytes is not between 64KiB and 256MiB", self.pack_size),
+            );
+        }
+        if self.pack_below > 16 << 20 {
+            return bad(
+                "pack_below",
+                format!(
+                    "{} bytes is more than 16MiB (packs are for small chunks; 0 turns them off)",
+                    self.pack_below
+                ),
+            );
         }
         if !(1..=256).contains(&self.concurrency) {
             return bad(

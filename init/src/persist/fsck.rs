@@ -422,13 +422,14 @@ fn check_remote(
             }
         }
     }
-    let stored: HashSet<ChunkId> = match repo.list_chunks() {
+    let mut stored: HashSet<ChunkId> = match repo.list_chunks() {
         Ok(v) => v.into_iter().map(|(id, _)| id).collect(),
         Err(e) => {
             rep.add(Level::Error, format!("list chunks: {e}"), false);
             return Ok(());
         }
     };
+    check_packs(&repo, &mut stored, rep);
     let mut bad_ids = Vec::new();
     for id in &wanted {
         if !stored.contains(id) {
@@ -484,6 +485,63 @@ fn check_remote(
         rep.add(Level::Error, format!("{why}{who}"), repaired);
     }
     Ok(())
+}
+
+/// The packs on the chunk store: each index must read back (else the chunks it names are
+/// unreachable), and every pack must have its index and every index its pack. Adds the
+/// chunks the indexes name to `stored`; their bytes are checked with every other chunk's.
+fn check_packs(repo: &Repo, stored: &mut HashSet<ChunkId>, rep: &mut FsckReport) {
+    let listed = match repo.list_packs() {
+        Ok(l) => l,
+        Err(e) => {
+            rep.add(Level::Error, format!("list packs: {e}"), false);
+            return;
+        }
+    };
+    for p in &listed {
+        match (&p.pack, &p.index) {
+            (Some(pack), None) => rep.add(
+                Level::Warning,
+                format!(
+                    "pack {} has no index (a checkpoint cut short; gc removes it)",
+                    pack.key
+                ),
+                false,
+            ),
+            (None, Some(idx)) => rep.add(
+                Level::Error,
+                format!("pack index {} names a pack that is not there", idx.key),
+                false,
+            ),
+            _ => {}
+        }
+    }
+    match repo.load_listed_packs(&listed, None) {
+        Ok(map) => {
+            for why in &map.bad {
+                rep.add(Level::Error, why.clone(), false);
+            }
+            let sizes: HashMap<ChunkId, u64> = listed
+                .iter()
+                .filter_map(|p| p.pack.as_ref().map(|i| (p.name, i.size)))
+                .collect();
+            for p in &map.packs {
+                if let Some(size) = sizes.get(&p.name).filter(|s| **s != p.len) {
+                    rep.add(
+                        Level::Error,
+                        format!(
+                            "pack {}: {size} bytes, but its index says {}",
+                            repo.pack_key(&p.name),
+                            p.len
+                        ),
+                        false,
+                    );
+                }
+            }
+            stored.extend(map.ids().copied());
+        }
+        Err(e) => rep.add(Level::Error, format!("read pack indexes: {e}"), false),
+    }
 }
 
 #[cfg(test)]

@@ -27,6 +27,10 @@
 //! chunks it uploaded first are unreferenced until its snapshot lands. Before it reads who
 //! shares the store, gc leaves a live marker of its own there (`fork::announce_gc`): a fork
 //! registered too late for this gc to see waits for it to end before reading its source.
+//!
+//! Packs (`gc_packs`) follow the same rules by what is in them: one is kept while any live
+//! chunk is in it, deleted once none is, and rewritten with its live chunks only once more
+//! than half of its bytes are dead.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::{Duration, SystemTime};
@@ -66,6 +70,11 @@ pub enum GcError {
     Announce(RepoError),
     #[error("stopped: {0}")]
     MarkerLapsed(#[from] super::marker::Lapsed),
+    #[error("repack {key}: {source}")]
+    Repack {
+        key: String,
+        source: super::remote::RemoteError,
+    },
 }
 
 /// The limits on unnamed history (`[persist] keep`, `keep_age`, `keep_size`).
@@ -255,6 +264,11 @@ pub struct GcReport {
     pub snapshots_deleted: u64,
     pub chunks_kept: u64,
     pub chunks_deleted: u64,
+    /// Packs kept (some chunk in them is live), deleted (none is, or a piece without its
+    /// other half), and rewritten with their live chunks only (more than half dead).
+    pub packs_kept: u64,
+    pub packs_deleted: u64,
+    pub packs_repacked: u64,
     /// Metadata images no kept snapshot names any more (see `image`).
     pub images_deleted: u64,
     /// Bytes of the deleted objects (snapshots, chunks and images).
@@ -283,6 +297,13 @@ impl std::fmt::Display for GcReport {
             self.kept_bytes,
             self.chunks_kept
         )?;
+        if self.packs_kept + self.packs_deleted + self.packs_repacked > 0 {
+            write!(
+                f,
+                "; packs: {} kept, {} deleted, {} repacked",
+                self.packs_kept, self.packs_deleted, self.packs_repacked
+            )?;
+        }
         if let Some((seq, limit)) = self.cut {
             write!(f, "; history ended by {} at snapshot {seq}", limit.key())?;
         }
@@ -349,7 +370,17 @@ pub fn gc_with(
         None => None,
     };
     let listed = repo.list_chunks().map_err(GcError::List)?;
-    let chunk_sizes: HashMap<ChunkId, u64> = listed.iter().map(|(id, i)| (*id, i.size)).collect();
+    let mut chunk_sizes: HashMap<ChunkId, u64> =
+        listed.iter().map(|(id, i)| (*id, i.size)).collect();
+    let packs_listed = repo.list_packs().map_err(GcError::List)?;
+    let pack_map = repo
+        .load_listed_packs(&packs_listed, None)
+        .map_err(GcError::List)?;
+    for p in &pack_map.packs {
+        for e in &p.entries {
+            chunk_sizes.entry(e.id).or_insert(u64::from(e.len));
+        }
+    }
 
     // Kept whatever the limits: the local state's snapshot, what the others need, and
     // named snapshots (until their name is deleted).
@@ -450,6 +481,16 @@ pub fn gc_with(
             Fate::Young | Fate::Gone => {}
         }
     }
+    op.step("sweep_packs");
+    super::gc_packs::sweep_packs(
+        repo,
+        &running,
+        &packs_listed,
+        &pack_map,
+        &chunks,
+        &old_chunk,
+        &mut report,
+    )?;
     // Metadata images go with the last kept snapshot that names them.
     op.step("sweep_images");
     let (n, bytes) = super::image::sweep(repo, &closed, grace).map_err(GcError::Images)?;
@@ -464,7 +505,7 @@ pub fn gc_with(
 
 /// What `sweep` did with one listed object.
 #[derive(Debug, PartialEq, Eq)]
-enum Fate {
+pub(super) enum Fate {
     Referenced,
     /// Unreferenced but younger than the grace window (counted in `young_skipped`).
     Young,
@@ -478,7 +519,7 @@ enum Fate {
 /// existing unreferenced chunk again refreshes its age before writing the snapshot, maybe
 /// after this gc listed it. (What remains is a refresh landing between that last look and
 /// the delete; the chunk store has no conditional delete to close it.)
-fn sweep(
+pub(super) fn sweep(
     repo: &Repo,
     running: &LiveMarker,
     info: &ObjectInfo,

@@ -17,6 +17,7 @@ pub mod fork;
 pub mod format;
 pub mod fsck;
 pub mod gc;
+mod gc_packs;
 pub mod history;
 pub mod hydrate;
 pub mod image;
@@ -25,6 +26,7 @@ pub mod marker;
 pub mod metrics;
 pub mod objstore;
 pub mod ops;
+pub mod pack;
 pub mod private;
 pub mod readset;
 pub mod remote;
@@ -317,6 +319,8 @@ pub fn params(ws: &WorkspaceConfig, p: &PersistConfig) -> PersistParams {
     PersistParams {
         chunk_size: ws.chunk_size,
         compact_every: p.compact_every,
+        pack_below: p.pack_below,
+        pack_size: p.pack_size,
         threads: std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(2),

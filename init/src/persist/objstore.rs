@@ -508,6 +508,28 @@ impl Remote for ObjectStoreRemote {
                 .collect(),
         )
     }
+
+    fn get_ranges(&self, reqs: &[(String, Range<u64>)]) -> Vec<RemoteResult<Bytes>> {
+        let store = self.store.as_ref();
+        let (policy, deadline) = (self.retry, current_deadline());
+        let jobs = reqs.iter().map(|(k, range)| {
+            let p = self.path(k);
+            async move {
+                retrying(policy, deadline, "get", k, || async {
+                    store
+                        .get_range(&p, range.clone())
+                        .await
+                        .map_err(|e| classify("get", k, e))
+                })
+                .await
+            }
+        });
+        self.rt.block_on(
+            futures::stream::iter(jobs)
+                .buffered(self.concurrency)
+                .collect(),
+        )
+    }
 }
 
 #[cfg(test)]

@@ -158,6 +158,12 @@ pub trait Remote: Send + Sync {
     fn get_many(&self, keys: &[String]) -> Vec<RemoteResult<Bytes>> {
         keys.iter().map(|k| self.get(k)).collect()
     }
+    /// Fetches several byte ranges (of packs); results in input order.
+    fn get_ranges(&self, reqs: &[(String, Range<u64>)]) -> Vec<RemoteResult<Bytes>> {
+        reqs.iter()
+            .map(|(k, r)| self.get_range(k, r.clone()))
+            .collect()
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -701,6 +707,15 @@ impl Remote for Counted {
 
     fn get_many(&self, keys: &[String]) -> Vec<RemoteResult<Bytes>> {
         let r = self.inner.get_many(keys);
+        for x in r.iter().flatten() {
+            Self::add(&self.c.gets, 1);
+            Self::add(&self.c.bytes_got, x.len() as u64);
+        }
+        r
+    }
+
+    fn get_ranges(&self, reqs: &[(String, Range<u64>)]) -> Vec<RemoteResult<Bytes>> {
+        let r = self.inner.get_ranges(reqs);
         for x in r.iter().flatten() {
             Self::add(&self.c.gets, 1);
             Self::add(&self.c.bytes_got, x.len() as u64);

@@ -7,7 +7,12 @@
 //! <ws>/snapshots/<seq:016x>     snapshot objects (full or delta, see `format`)
 //! <ws>/images/<blake3>.db.zst  metadata images of full snapshots (see `image`)
 //! <chunks>/<aa>/<64 hex>        chunk objects, named by blake3, shared by all snapshots
+//! <chunks>/packs/<blake3>.pack   small chunks packed together, and their index (`pack`)
+//! <chunks>/packs/<blake3>.idx
 //! ```
+//!
+//! A chunk is read from a pack when a pack's index names it (one ranged read for the
+//! chunks of one pack that lie close together), else from its own object.
 //!
 //! `<chunks>` is `<ws>/chunks` for a new workspace; the manifest records it so a fork
 //! points at the chunk store of the workspace it came from (`fork`, which also keeps the
@@ -20,6 +25,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use super::format::{self, Body, FormatError, Header, Tree};
+use super::pack::{self, PackCache, PackIndex, PackMap};
 use super::remote::{ObjectInfo, PutMode, Remote, RemoteError};
 use crate::chunk::ChunkId;
 
@@ -39,6 +45,11 @@ pub enum RepoError {
     ChunkCorrupt { id: ChunkId, actual: ChunkId },
     #[error("the remote has no snapshot yet (no head)")]
     NoHead,
+    /// A chunk's pack could not be read (`what` names the chunk and the pack).
+    #[error("{what}: {reason}")]
+    PackRead { what: String, reason: String },
+    #[error(transparent)]
+    Pack(#[from] pack::PackError),
 }
 
 /// The workspace manifest.
@@ -70,6 +81,10 @@ pub struct Repo {
     pub remote: Arc<dyn Remote>,
     ws: String,
     chunks: String,
+    /// The chunk store's pack indexes, shared by the clones (see `pack`).
+    packs: Arc<PackCache>,
+    /// Chunks read around wanted ones in packs, until asked for (`pack::Around`).
+    around: Arc<pack::Around>,
 }
 
 fn join(a: &str, b: &str) -> String {
@@ -85,7 +100,13 @@ impl Repo {
     pub fn new(remote: Arc<dyn Remote>, ws: &str) -> Repo {
         let ws = ws.trim_matches('/').to_string();
         let chunks = join(&ws, "chunks");
-        Repo { remote, ws, chunks }
+        Repo {
+            remote,
+            ws,
+            chunks,
+            packs: Arc::new(PackCache::default()),
+            around: Arc::default(),
+        }
     }
 
     pub fn describe(&self) -> String {
@@ -365,22 +386,272 @@ impl Repo {
         })
     }
 
-    /// Fetches chunks and checks each against its id. Results in input order.
+    /// The prefix of the chunk store's packs and their indexes.
+    pub fn pack_prefix(&self) -> String {
+        format!("{}/packs/", self.chunks)
+    }
+
+    pub fn pack_key(&self, name: &ChunkId) -> String {
+        format!("{}{}.pack", self.pack_prefix(), name.to_hex())
+    }
+
+    pub fn pack_index_key(&self, name: &ChunkId) -> String {
+        format!("{}{}.idx", self.pack_prefix(), name.to_hex())
+    }
+
+    /// Every pack object and index object on the chunk store: (name, pack, index), either
+    /// may be missing (a pack whose index was never written, an index left by a gc cut
+    /// short).
+    pub fn list_packs(&self) -> Result<Vec<PackObjects>, RepoError> {
+        let prefix = self.pack_prefix();
+        let mut by: std::collections::BTreeMap<ChunkId, PackObjects> = Default::default();
+        for i in self.remote.list(&prefix)? {
+            let name = &i.key[prefix.len()..];
+            let (hex, is_idx) = match (name.strip_suffix(".pack"), name.strip_suffix(".idx")) {
+                (Some(h), _) => (h, false),
+                (_, Some(h)) => (h, true),
+                _ => continue,
+            };
+            let Ok(id) = ChunkId::from_hex(hex) else {
+                continue;
+            };
+            let e = by.entry(id).or_insert_with(|| PackObjects {
+                name: id,
+                pack: None,
+                index: None,
+            });
+            if is_idx {
+                e.index = Some(i);
+            } else {
+                e.pack = Some(i);
+            }
+        }
+        Ok(by.into_values().collect())
+    }
+
+    /// Reads the index of every pack on the chunk store (those `prev` already holds are not
+    /// fetched again) and makes it the map the clones of this repo read through.
+    pub fn load_packs(&self, prev: Option<&PackMap>) -> Result<Arc<PackMap>, RepoError> {
+        let listed = self.list_packs()?;
+        self.load_listed_packs(&listed, prev)
+    }
+
+    /// `load_packs` from a listing already made.
+    pub fn load_listed_packs(
+        &self,
+        listed: &[PackObjects],
+        prev: Option<&PackMap>,
+    ) -> Result<Arc<PackMap>, RepoError> {
+        let known: std::collections::HashMap<ChunkId, &PackIndex> = prev
+            .filter(|p| p.store == self.chunks)
+            .map(|p| p.packs.iter().map(|i| (i.name, i)).collect())
+            .unwrap_or_default();
+        let mut packs = Vec::new();
+        let mut fetch = Vec::new();
+        for p in listed.iter().filter(|p| p.index.is_some()) {
+            match known.get(&p.name) {
+                Some(i) => packs.push((*i).clone()),
+                None => fetch.push(p.name),
+            }
+        }
+        let keys: Vec<String> = fetch.iter().map(|n| self.pack_index_key(n)).collect();
+        let mut bad = Vec::new();
+        for ((name, key), r) in fetch.iter().zip(&keys).zip(self.remote.get_many(&keys)) {
+            match r {
+                Ok(b) => match pack::decode_index(key, *name, &b) {
+                    Ok(i) => packs.push(i),
+                    Err(e) => bad.push(e.to_string()),
+                },
+                // Deleted since the listing (a gc): its chunks are elsewhere by now.
+                Err(e) if e.is_not_found() => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        packs.sort_by_key(|p| p.name);
+        let map = Arc::new(PackMap::new(&self.chunks, packs, bad));
+        self.packs.set(map.clone());
+        Ok(map)
+    }
+
+    /// The pack map, loaded once (an error is logged and reads go to loose chunks only).
+    fn packs_now(&self) -> Option<Arc<PackMap>> {
+        if let Some(m) = self.packs.get().filter(|m| m.store == self.chunks) {
+            return Some(m);
+        }
+        match self.load_packs(None) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the pack indexes; reading loose chunks only");
+                None
+            }
+        }
+    }
+
+    /// Fetches chunks and checks each against its id. Results in input order. A chunk an
+    /// index names is read from its pack (one ranged read for the wanted chunks of a pack
+    /// that lie close together, `pack::plan_reads`), else, or when that fails, from its own
+    /// object; one that is in neither makes the pack indexes be read again (a pack written or
+    /// repacked since they were) before it counts as missing.
     pub fn get_chunks(&self, ids: &[ChunkId]) -> Vec<Result<Bytes, RepoError>> {
-        let keys: Vec<String> = ids.iter().map(|id| self.chunk_key(id)).collect();
-        self.remote
-            .get_many(&keys)
-            .into_iter()
-            .zip(ids)
-            .map(|(r, id)| {
-                let b = r?;
-                let actual = ChunkId::of(&b);
-                if actual != *id {
-                    return Err(RepoError::ChunkCorrupt { id: *id, actual });
+        let mut out: Vec<Option<Result<Bytes, RepoError>>> = (0..ids.len()).map(|_| None).collect();
+        let mut all: Vec<usize> = Vec::with_capacity(ids.len());
+        for (k, id) in ids.iter().enumerate() {
+            match self.around.take(id).filter(|b| id.verify(b)) {
+                Some(b) => out[k] = Some(Ok(b)),
+                None => all.push(k),
+            }
+        }
+        if all.is_empty() {
+            return out
+                .into_iter()
+                .map(|r| r.expect("every chunk has a result"))
+                .collect();
+        }
+        let map = self.packs_now();
+        let rest = match &map {
+            Some(m) => self.fetch_packed(m, ids, &all, &mut out),
+            None => all,
+        };
+        let keys: Vec<String> = rest.iter().map(|k| self.chunk_key(&ids[*k])).collect();
+        let mut again = Vec::new();
+        for (k, r) in rest.iter().zip(self.remote.get_many(&keys)) {
+            let id = ids[*k];
+            match r {
+                Ok(b) => {
+                    let actual = ChunkId::of(&b);
+                    out[*k] = Some(if actual == id {
+                        Ok(b)
+                    } else {
+                        Err(RepoError::ChunkCorrupt { id, actual })
+                    });
                 }
-                Ok(b)
-            })
+                Err(e) if e.is_not_found() => {
+                    // A pack's bytes that did not match stay the error to report.
+                    if !matches!(out[*k], Some(Err(RepoError::ChunkCorrupt { .. }))) {
+                        again.push(*k);
+                    }
+                    if out[*k].is_none() {
+                        out[*k] = Some(Err(e.into()));
+                    }
+                }
+                Err(e) => {
+                    if out[*k].is_none() {
+                        out[*k] = Some(Err(e.into()));
+                    }
+                }
+            }
+        }
+        if !again.is_empty() {
+            match self.load_packs(map.as_deref()) {
+                Ok(m) => {
+                    let mut retry: Vec<Option<Result<Bytes, RepoError>>> =
+                        (0..ids.len()).map(|_| None).collect();
+                    self.fetch_packed(&m, ids, &again, &mut retry);
+                    for k in again {
+                        if let Some(r @ Ok(_)) = retry[k].take() {
+                            out[k] = Some(r);
+                        } else if let Some(r @ Err(RepoError::ChunkCorrupt { .. })) =
+                            retry[k].take()
+                        {
+                            out[k] = Some(r);
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the pack indexes again");
+                }
+            }
+        }
+        out.into_iter()
+            .map(|r| r.expect("every chunk has a result"))
             .collect()
+    }
+
+    /// Reads the chunks at `which` (positions in `ids`) that `map` places in packs into
+    /// `out`; returns the positions left to read from their own objects (not packed, or the
+    /// pack read failed or did not verify: that error is in `out` meanwhile).
+    fn fetch_packed(
+        &self,
+        map: &PackMap,
+        ids: &[ChunkId],
+        which: &[usize],
+        out: &mut [Option<Result<Bytes, RepoError>>],
+    ) -> Vec<usize> {
+        let mut rest = Vec::new();
+        let mut wanted = Vec::new();
+        for k in which {
+            match map.find(&ids[*k]).first() {
+                Some(l) => wanted.push((*k, *l)),
+                None => rest.push(*k),
+            }
+        }
+        if wanted.is_empty() {
+            return rest;
+        }
+        let reads = pack::widen(pack::plan_reads(wanted), |p| map.packs[p as usize].len);
+        let reqs: Vec<(String, std::ops::Range<u64>)> = reads
+            .iter()
+            .map(|r| {
+                let name = map.packs[r.pack as usize].name;
+                (self.pack_key(&name), r.range.clone())
+            })
+            .collect();
+        for ((read, (key, _)), got) in reads.iter().zip(&reqs).zip(self.remote.get_ranges(&reqs)) {
+            if let Ok(b) = &got {
+                self.keep_around(&map.packs[read.pack as usize], read, b, ids);
+            }
+            for (k, off, len) in &read.parts {
+                let id = ids[*k];
+                let at = (off - read.range.start) as usize;
+                let piece = match &got {
+                    Ok(b) if b.len() >= at + *len as usize => b.slice(at..at + *len as usize),
+                    Ok(b) => {
+                        out[*k] = Some(Err(RepoError::PackRead {
+                            what: format!("chunk {id} in pack {key}"),
+                            reason: format!(
+                                "the pack is shorter than its index says ({} bytes at {})",
+                                b.len(),
+                                read.range.start
+                            ),
+                        }));
+                        rest.push(*k);
+                        continue;
+                    }
+                    Err(e) => {
+                        out[*k] = Some(Err(RepoError::PackRead {
+                            what: format!("chunk {id} in pack {key}"),
+                            reason: e.to_string(),
+                        }));
+                        rest.push(*k);
+                        continue;
+                    }
+                };
+                let actual = ChunkId::of(&piece);
+                if actual == id {
+                    out[*k] = Some(Ok(piece));
+                } else {
+                    out[*k] = Some(Err(RepoError::ChunkCorrupt { id, actual }));
+                    rest.push(*k);
+                }
+            }
+        }
+        rest
+    }
+
+    /// Keeps the chunks of `pack` that a read fetched without being asked for them.
+    fn keep_around(&self, pack: &PackIndex, read: &pack::Read, got: &Bytes, ids: &[ChunkId]) {
+        let first = pack.entries.partition_point(|e| e.off < read.range.start);
+        let end = read.range.start + got.len() as u64;
+        for e in pack.entries[first..]
+            .iter()
+            .take_while(|e| e.range().end <= end)
+        {
+            if read.parts.iter().any(|(k, _, _)| ids[*k] == e.id) {
+                continue;
+            }
+            let at = (e.off - read.range.start) as usize;
+            self.around.put(e.id, &got[at..at + e.len as usize]);
+        }
     }
 
     /// Every chunk object: (id, info).
@@ -394,6 +665,14 @@ impl Repo {
         }
         Ok(out)
     }
+}
+
+/// The objects of one pack as listed (see `Repo::list_packs`).
+#[derive(Debug, Clone)]
+pub struct PackObjects {
+    pub name: ChunkId,
+    pub pack: Option<ObjectInfo>,
+    pub index: Option<ObjectInfo>,
 }
 
 /// Snapshots between a chain's full snapshot and its head fetched at once on the guess that

@@ -40,6 +40,8 @@ fn persister_512k(dir: &std::path::Path, remote: Arc<dyn Remote>) -> Persister {
         PersistParams {
             chunk_size: CS,
             compact_every: 32,
+            pack_below: 64 << 10,
+            pack_size: 4 << 20,
             threads: std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(2),

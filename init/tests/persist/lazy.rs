@@ -5,6 +5,8 @@
 //! (also after a crash); a corrupt chunk fails the read with EIO naming it; a crash between
 //! the body write and its record refetches instead of showing zeros; truncates and whole
 //! window overwrites respect unfetched windows. Over `MemRemote` and over real S3 (moto).
+//! Every chunk is its own object here (`persister_loose`), so a GET is a window; reads
+//! from packs are `persist_packs`'s.
 
 use crate::support;
 
@@ -85,7 +87,7 @@ impl Lazy {
         let want = dump(&fs);
         fs.shutdown().unwrap();
         drop(fs);
-        let mut p = persister(src.path(), remote.clone());
+        let mut p = persister_loose(src.path(), remote.clone());
         checkpoint(&mut p);
         drop(p);
         let dst = tempfile::tempdir().unwrap();
@@ -199,7 +201,7 @@ fn on_demand(inner: Arc<dyn Remote>) {
     let mut want_a = a_bytes();
     want_a[(7 * CHUNK + 10) as usize..(7 * CHUNK + 15) as usize].copy_from_slice(b"patch");
     fs.sync_all().unwrap();
-    let mut p = persister(l.dst.path(), l.remote.clone());
+    let mut p = persister_loose(l.dst.path(), l.remote.clone());
     let r = checkpoint(&mut p);
     assert_eq!(r.windows_hashed, 1, "{r}");
     assert_eq!(r.chunks_uploaded, 1, "{r}");
@@ -249,7 +251,7 @@ fn lazy_restore_fetches_on_demand_s3() {
 #[test]
 fn checkpoint_after_a_crash_never_hashes_unfetched_windows() {
     let l = Lazy::new(Arc::new(MemRemote::new()));
-    let mut p = persister(l.dst.path(), l.remote.clone());
+    let mut p = persister_loose(l.dst.path(), l.remote.clone());
     // Mounted, then killed: every body looks modified since the last clean point.
     p.mark_running(true).unwrap();
     let fs = l.open();
@@ -260,7 +262,7 @@ fn checkpoint_after_a_crash_never_hashes_unfetched_windows() {
     drop(fs);
     drop(p);
 
-    let mut p = persister(l.dst.path(), l.remote.clone());
+    let mut p = persister_loose(l.dst.path(), l.remote.clone());
     let r = checkpoint(&mut p);
     // Every window of every body was suspect; the unfetched ones kept their ids. Files the
     // crashed mount never touched have no body yet, so nothing of theirs is suspect.
@@ -472,14 +474,14 @@ fn a_rollback_to_an_inline_file_forgets_its_unfetched_windows() {
     let f = write_file(&fs, "f", b"small\n");
     fs.shutdown().unwrap();
     drop(fs);
-    let mut p = persister(src.path(), remote.clone());
+    let mut p = persister_loose(src.path(), remote.clone());
     let small = checkpoint(&mut p).seq.unwrap();
     drop(p);
     let fs = open_fs(src.path());
     assert_eq!(write_file(&fs, "f", &noise(5, 3 * CHUNK as usize)), f);
     fs.shutdown().unwrap();
     drop(fs);
-    let mut p = persister(src.path(), remote.clone());
+    let mut p = persister_loose(src.path(), remote.clone());
     let big = checkpoint(&mut p).seq.unwrap();
     drop(p);
     let dst = tempfile::tempdir().unwrap();
@@ -515,7 +517,7 @@ fn a_rollback_to_an_inline_file_forgets_its_unfetched_windows() {
     assert_eq!(read_all(&fs, f).unwrap(), want);
     fs.shutdown().unwrap();
     drop(fs);
-    let mut p = persister(dst.path(), remote.clone());
+    let mut p = persister_loose(dst.path(), remote.clone());
     let after = checkpoint(&mut p).seq.unwrap();
     let t = repo.load_tree(after).unwrap().0;
     let old: Vec<ChunkId> = noise(5, 3 * CHUNK as usize)
@@ -545,7 +547,7 @@ fn a_foreign_head_after_a_lazy_restore_carries_the_unfetched_windows_over() {
     write_file(&fs2, "theirs", b"the other writer's\n");
     fs2.shutdown().unwrap();
     drop(fs2);
-    let theirs = checkpoint(&mut persister(other.path(), l.remote.clone()))
+    let theirs = checkpoint(&mut persister_loose(other.path(), l.remote.clone()))
         .seq
         .unwrap();
 
@@ -554,7 +556,7 @@ fn a_foreign_head_after_a_lazy_restore_carries_the_unfetched_windows_over() {
     fs.shutdown().unwrap();
     drop(fs);
     let before = l.n();
-    let r = checkpoint(&mut persister(l.dst.path(), l.remote.clone()));
+    let r = checkpoint(&mut persister_loose(l.dst.path(), l.remote.clone()));
     assert!(r.full, "{r}");
     assert_eq!(l.n(), before, "the checkpoint fetched chunks");
     assert_eq!(
@@ -589,7 +591,7 @@ fn a_rollback_stopped_before_its_renames_is_finished_at_the_next_start() {
     let ino = write_file(&fs, "f", &noise(1, 3 * CHUNK as usize));
     fs.shutdown().unwrap();
     drop(fs);
-    checkpoint(&mut persister(dir.path(), remote.clone()));
+    checkpoint(&mut persister_loose(dir.path(), remote.clone()));
     // What the rollback leaves: the new body built, the record of where it goes committed.
     let tmp = dir.path().join("rollback.tmp");
     std::fs::create_dir(&tmp).unwrap();
@@ -611,7 +613,7 @@ fn a_rollback_stopped_before_its_renames_is_finished_at_the_next_start() {
     let want = dump(&fs);
     fs.shutdown().unwrap();
     drop(fs);
-    let r = checkpoint(&mut persister(dir.path(), remote.clone()));
+    let r = checkpoint(&mut persister_loose(dir.path(), remote.clone()));
     assert_eq!(r.windows_hashed, 3, "{r}");
     let (_d, got) = eager_dump(remote);
     assert_eq!(got["/f"], want["/f"], "the remote has the new bytes");
@@ -657,7 +659,7 @@ fn a_fetched_window_written_before_it_settled_keeps_the_write() {
         "the write is lost after the crash"
     );
     fs.sync_all().unwrap();
-    let mut p = persister(l.dst.path(), l.remote.clone());
+    let mut p = persister_loose(l.dst.path(), l.remote.clone());
     checkpoint(&mut p);
     drop(p);
     drop(fs);

@@ -28,6 +28,8 @@ fn s3_checkpoint_restore_gc_and_stale_head() {
     let params = PersistParams {
         chunk_size: CHUNK,
         compact_every: 8,
+        pack_below: 64 << 10,
+        pack_size: 4 << 20,
         threads: 2,
     };
 
@@ -135,6 +137,8 @@ fn s3_unreachable_reports_backlog() {
         PersistParams {
             chunk_size: CHUNK,
             compact_every: 8,
+            pack_below: 64 << 10,
+            pack_size: 4 << 20,
             threads: 2,
         },
     )

@@ -43,12 +43,24 @@ pub fn params() -> PersistParams {
     PersistParams {
         chunk_size: CHUNK,
         compact_every: 8,
+        pack_below: 64 << 10,
+        pack_size: 4 << 20,
         threads: 2,
     }
 }
 
 pub fn persister(dir: &Path, remote: Arc<dyn Remote>) -> Persister {
     Persister::open(dir, Repo::new(remote, "ws"), params()).expect("open persister")
+}
+
+/// A persister that stores every chunk as its own object (`pack_below = 0`), as keel did
+/// before packs: for tests that count the GETs of single windows.
+pub fn persister_loose(dir: &Path, remote: Arc<dyn Remote>) -> Persister {
+    let params = PersistParams {
+        pack_below: 0,
+        ..params()
+    };
+    Persister::open(dir, Repo::new(remote, "ws"), params).expect("open persister")
 }
 
 pub fn checkpoint(p: &mut Persister) -> CheckpointReport {

@@ -82,6 +82,9 @@ pub struct CheckpointReport {
     /// Chunks the remote already had but the last checkpoint's chunk maps did not name:
     /// rewritten or touched (fresh age) so that no gc deletes them meanwhile.
     pub chunks_refreshed: u64,
+    /// Chunks uploaded inside packs (counted in `chunks_uploaded` too), and the packs.
+    pub packed_chunks: u64,
+    pub packs_uploaded: u64,
     pub snapshot_bytes: u64,
     pub elapsed: Duration,
 }
@@ -92,13 +95,17 @@ impl std::fmt::Display for CheckpointReport {
             None => write!(f, "nothing changed since the last checkpoint"),
             Some(s) => write!(
                 f,
-                "snapshot {s} ({}): {} inodes changed, {} windows / {} bytes hashed, {} chunks / {} bytes uploaded{}, snapshot {} bytes, {:.3}s",
+                "snapshot {s} ({}): {} inodes changed, {} windows / {} bytes hashed, {} chunks / {} bytes uploaded{}{}, snapshot {} bytes, {:.3}s",
                 if self.full { "full" } else { "delta" },
                 self.inodes,
                 self.windows_hashed,
                 self.bytes_hashed,
                 self.chunks_uploaded,
                 self.chunk_bytes_uploaded,
+                match self.packs_uploaded {
+                    0 => String::new(),
+                    n => format!(" ({} of them in {n} packs)", self.packed_chunks),
+                },
                 match self.chunks_refreshed {
                     0 => String::new(),
                     n => format!(" ({n} already there, refreshed)"),
@@ -149,6 +156,10 @@ pub struct PersistParams {
     pub chunk_size: u64,
     pub compact_every: u32,
     pub threads: usize,
+    /// Chunks smaller than this are uploaded in packs (0: none are; see `persist::pack`).
+    pub pack_below: u64,
+    /// Bytes of chunks per pack.
+    pub pack_size: u64,
 }
 
 /// SQLite page cache of the checkpointer's connection, KiB: it walks the changes once per

@@ -28,6 +28,8 @@ fn params() -> PersistParams {
     PersistParams {
         chunk_size: CS,
         compact_every: 10,
+        pack_below: 64 << 10,
+        pack_size: 4 << 20,
         threads: 2,
     }
 }
@@ -188,6 +190,21 @@ fn wants_full_when_asked_new_untrusted_resized_or_deltas_add_up() {
     for c in &cases {
         assert!(wants_full(c, false, &params), "{c:?}");
     }
+    // Deltas past a quarter of a large full snapshot: full (the restore would replay them
+    // record by record); up to a quarter, or under the floor, a delta.
+    let big = |delta_bytes| Prior {
+        full_bytes: 40 << 20,
+        delta_bytes,
+        ..delta.clone()
+    };
+    assert!(!wants_full(&big(10 << 20), false, &params));
+    assert!(wants_full(&big((10 << 20) + 1), false, &params));
+    let small = Prior {
+        full_bytes: 1000,
+        delta_bytes: COMPACT_FLOOR,
+        ..delta.clone()
+    };
+    assert!(!wants_full(&small, false, &params));
 }
 
 #[test]
@@ -400,7 +417,13 @@ fn hash_and_upload_sends_each_distinct_nonzero_chunk_once() {
     assert_eq!((r.windows_hashed, r.bytes_hashed), (4, 4 * CS));
     assert_eq!((r.chunks_uploaded, r.chunk_bytes_uploaded), (2, 2 * CS));
     let one = ChunkId::of(&vec![1u8; CS as usize]);
-    assert!(f.remote.head(&f.p.repo.chunk_key(&one)).unwrap().is_some());
+    // Both small enough for one pack (two objects: the pack and its index).
+    assert_eq!((r.packs_uploaded, r.packed_chunks), (1, 2));
+    assert!(f.remote.head(&f.p.repo.chunk_key(&one)).unwrap().is_none());
+    assert_eq!(
+        f.p.repo.get_chunks(&[one])[0].as_ref().unwrap().len(),
+        CS as usize
+    );
     let rows = &pass.hashed.values().next().unwrap();
     assert_eq!(rows.len(), 4);
     assert_eq!(

@@ -342,6 +342,8 @@ fn check_remote(
         rep.add(Level::Warning, what, false);
     }
     let mut probed = 0;
+    // Read once, at the first chunk that is not a single object.
+    let mut packs: Option<Option<std::sync::Arc<crate::persist::pack::PackMap>>> = None;
     'files: for i in files {
         for (idx, id) in r.file_chunks(i.ino)? {
             let Some(id) = id else { continue };
@@ -351,7 +353,20 @@ fn check_remote(
             probed += 1;
             rep.chunks_checked += 1;
             let id = crate::chunk::ChunkId(id);
-            match repo.remote.head(&repo.chunk_key(&id)) {
+            let head = repo.remote.head(&repo.chunk_key(&id));
+            if let Ok(None) = head {
+                let map = packs.get_or_insert_with(|| match repo.load_packs(None) {
+                    Ok(m) => Some(m),
+                    Err(e) => {
+                        rep.add(Level::Error, format!("read pack indexes: {e}"), false);
+                        None
+                    }
+                });
+                if map.as_ref().is_some_and(|m| m.contains(&id)) {
+                    continue;
+                }
+            }
+            match head {
                 Ok(Some(_)) => {}
                 Ok(None) => rep.add(
                     Level::Error,

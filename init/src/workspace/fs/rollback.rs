@@ -427,6 +427,12 @@ impl WorkspaceFs {
         }
         tx.commit()?;
         if !renames.is_empty() {
+            // The transaction may only have joined the open metadata group (`Tx::commit` in
+            // a group releases a savepoint): it must be committed, and durable, before the
+            // first body is renamed, or a kill between the two leaves the old metadata over
+            // new bytes with no record of the renames (the soak found it: a kill at
+            // `rollback/rename_bodies`).
+            inner.sync(self.opts.chunk_size)?;
             crate::logging::step("rollback", "rename_bodies");
             rename_built(&self.state_dir, &self.bodies, &renames)?;
             let tx = inner.store.write()?;
