@@ -129,7 +129,7 @@ fn mount_foreground(cfg: &Config) -> Result<(), MountError> {
     use keel::sys::fgsig::{Stop, StopSignals};
     let signals = StopSignals::block().map_err(MountError::BlockSignals)?;
     let ws = keel::boot::workspace::start(cfg).map_err(MountError::Start)?;
-    let mounted = ws.mounted();
+    let mounted = ws.mounted().expect("keel mount mounts FUSE");
     loop {
         match signals.wait_or(mounted.ended().fd()) {
             // SIGUSR1: the counters (benchmarks divide keel's CPU time by the requests).

@@ -140,6 +140,7 @@ const STATE_FRESH: &[&str] = &[
     LEASE_HOLDER_FILE,
     "bodies",
     "remote",
+    "workspace",
 ];
 
 /// The same for a `file://` remote's root.

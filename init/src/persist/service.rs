@@ -769,8 +769,22 @@ impl Service {
         ws: &WorkspaceConfig,
         cfg: &PersistConfig,
         flush: FlushFn,
+        lease: Option<Lease>,
+        main: Option<std::sync::Arc<dyn super::agent::MainCommand>>,
+    ) -> Result<Option<Service>, ServiceError> {
+        Self::start_with(ws, cfg, flush, lease, main, None)
+    }
+
+    /// [`Service::start`] for a workspace whose file bytes are not in the state dir's
+    /// bodies: `opener` opens a file by inode number for the checkpoint (the `dir`
+    /// provider's tree).
+    pub fn start_with(
+        ws: &WorkspaceConfig,
+        cfg: &PersistConfig,
+        flush: FlushFn,
         mut lease: Option<Lease>,
         main: Option<std::sync::Arc<dyn super::agent::MainCommand>>,
+        opener: Option<super::checkpoint::BodyOpener>,
     ) -> Result<Option<Service>, ServiceError> {
         let state = &ws.state_dir;
         let Some(url) = cfg.remote_url(state) else {
@@ -785,6 +799,7 @@ impl Service {
             source,
         })?;
         let mut p = Persister::open(state, repo, super::params(ws, cfg))?;
+        p.set_body_opener(opener);
         p.mark_running(true)?;
         let same_volume = on_state_volume(&url, state);
         let published = Arc::new(Published::default());

@@ -5,6 +5,7 @@
 //! Knows nothing of checkpoints: `boot` wires the persist service in (`session::Finisher`).
 
 mod backing;
+pub mod dir;
 pub mod fs;
 pub mod fuse;
 pub mod metrics;
