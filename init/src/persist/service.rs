@@ -261,7 +261,8 @@ impl CheckpointHandle {
     pub fn agent(&self, op: super::agent::Op) -> Result<serde_json::Value, ServiceError> {
         let rollback = matches!(op, super::agent::Op::Rollback(_));
         // A request that can never work says so, whatever else is running.
-        if matches!(&op, super::agent::Op::Rollback(r) if r.restart) && !self.has_main {
+        if matches!(&op, super::agent::Op::Rollback(r) if r.restart == Some(true)) && !self.has_main
+        {
             return Err(super::agent::AgentError::NoMain.into());
         }
         if rollback {
@@ -327,6 +328,8 @@ pub(super) struct Worker {
     pub(super) paused: bool,
     /// See `agent::RollbackFn`; `None` until the filesystem sets it.
     pub(super) rollback: Option<super::agent::RollbackFn>,
+    /// A rollback stops the main command unless asked not to (the `dir` provider).
+    pub(super) rollback_restarts: bool,
     /// Recent snapshots' trees for diffs and rollbacks (`history`); loaded on the first.
     pub(super) history: Option<super::history::History>,
     /// See `agent::MainCommand`; `None` under `keel mount`.
@@ -799,6 +802,9 @@ impl Service {
             source,
         })?;
         let mut p = Persister::open(state, repo, super::params(ws, cfg))?;
+        // A workspace read through an opener is the `dir` provider's: its rollbacks stop
+        // the main command unless asked not to.
+        let rollback_restarts = opener.is_some();
         p.set_body_opener(opener);
         p.mark_running(true)?;
         let same_volume = on_state_volume(&url, state);
@@ -820,6 +826,7 @@ impl Service {
         let busy = Arc::new(AtomicU8::new(IDLE));
         let has_main = main.is_some();
         let worker = Worker {
+            rollback_restarts,
             p,
             cfg: cfg.clone(),
             flush,
