@@ -215,11 +215,18 @@ impl Walk<'_> {
                     None => self.inodes.get(pi).is_some_and(|i| looks_same(i, &st)),
                 }
         });
+        // Found under another name: a rename or a hard link keeps the mtime; a host inode
+        // number freed and given to a new file (most filesystems reuse them at once) does
+        // not, and is a new inode (a file renamed and rewritten counts as new too).
         let known = same_here.map(|(i, _)| i).or_else(|| {
-            self.by_host
-                .get(&st.ino)
-                .copied()
-                .filter(|i| self.inodes.get(i).is_some_and(|x| x.kind == kind))
+            self.by_host.get(&st.ino).copied().filter(|i| {
+                self.inodes.get(i).is_some_and(|x| x.kind == kind)
+                    && (self.synced.contains(i)
+                        || self
+                            .host
+                            .get(i)
+                            .is_some_and(|h| h.mtime == st.mtime_ns || kind == Kind::Dir))
+            })
         });
         if kind == Kind::Dir && known.is_some_and(|i| self.names.contains_key(&i)) {
             return Ok(None); // met twice: renamed while the walk ran
