@@ -43,6 +43,7 @@ fn blake(b: &[u8]) -> String {
 /// directories), size, mtime, rdev, xattrs, and the bytes' hash or the symlink's target.
 type Manifest = BTreeMap<String, String>;
 
+#[allow(clippy::too_many_arguments)]
 fn line(
     kind: &str,
     perm: u32,
