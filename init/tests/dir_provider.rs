@@ -495,3 +495,38 @@ fn a_file_swapped_for_a_symlink_after_the_walk_is_not_read_through_it() {
     assert!(m["/d"].starts_with("sym "), "{}", m["/d"]);
     assert_eq!(m, host_manifest(tree.root()));
 }
+
+#[test]
+fn fsck_is_clean_and_an_offline_checkpoint_is_refused_on_a_dir_state_dir() {
+    if !is_root() {
+        return;
+    }
+    let a = tempfile::tempdir().unwrap();
+    let tree = DirTree::open(a.path(), 4096, CHUNK).unwrap();
+    build_host_tree(tree.root());
+    let remote: Arc<dyn Remote> = Arc::new(MemRemote::new());
+    let mut p = dir_persister(a.path(), remote.clone(), &tree);
+    tree.scan().unwrap();
+    checkpoint(&mut p);
+    drop(p);
+    // Its bytes are in the tree, not in bodies: fsck checks the rest and finds nothing.
+    for quick in [false, true] {
+        let opts = keel::persist::fsck::FsckOptions {
+            repair: false,
+            quick,
+            chunk_size: CHUNK,
+            remote: Some(Repo::new(remote.clone(), "ws")),
+            missing_remote: None,
+        };
+        let rep = keel::persist::fsck::fsck(a.path(), &opts).unwrap();
+        assert!(rep.is_clean(), "{:?}", rep.findings);
+    }
+    // A checkpoint that would read bodies (none: the files are in the tree) is refused.
+    std::fs::write(tree.root().join("d/small"), b"changed").unwrap();
+    tree.scan().unwrap();
+    let mut offline = persister(a.path(), remote);
+    let e = offline
+        .checkpoint(&keel::persist::CheckpointOptions::default())
+        .expect_err("no opener");
+    assert!(e.to_string().contains("dir workspace"), "{e}");
+}

@@ -10,6 +10,19 @@ use rusqlite::params;
 
 use super::{Counted, InodeNo, Result, Store, Tx};
 
+/// `persist_state` key: which provider last ran on this state dir (`dir`, or absent).
+pub const PROVIDER_KEY: &str = "workspace_provider";
+/// `persist_state` key: the `dir` tree holds what the store says (absent: it must be built
+/// from the store first).
+pub const TREE_KEY: &str = "dir_tree";
+
+impl Store {
+    /// Whether the `dir` provider keeps this store's file bytes (in its tree, not bodies).
+    pub fn is_dir_workspace(&self) -> Result<bool> {
+        Ok(self.read().persist_get(PROVIDER_KEY)?.as_deref() == Some("dir"))
+    }
+}
+
 /// What the last walk saw of one inode in the tree.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostRow {

@@ -19,7 +19,7 @@ mod schema;
 
 pub use bulk::{amend_bulk, create_bulk, Amender, BulkWriter};
 pub use generation::Generations;
-pub use host::HostRow;
+pub use host::{HostRow, PROVIDER_KEY, TREE_KEY};
 pub use lazy::MissingRow;
 pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 

@@ -180,6 +180,7 @@ pub struct Persister {
     lease: Option<LeaseHandle>,
     /// Where file bytes are read from when not from `bodies` (see [`BodyOpener`]).
     pub(crate) opener: Option<BodyOpener>,
+    state_dir: PathBuf,
 }
 
 fn kv_u64(tx: &Tx<'_>, k: &str) -> Result<Option<u64>, MetaError> {
@@ -216,6 +217,7 @@ impl Persister {
             recovered: false,
             lease: None,
             opener: None,
+            state_dir: state_dir.to_path_buf(),
         })
     }
 
@@ -335,6 +337,12 @@ impl Persister {
         opts: &CheckpointOptions,
     ) -> Result<CheckpointReport, CheckpointError> {
         let t0 = Instant::now();
+        if self.opener.is_none() && self.store.is_dir_workspace()? {
+            return Err(CheckpointError::OpenState {
+                path: self.state_dir.clone(),
+                reason: "it holds a dir workspace, whose files only the keel running on it walks and checkpoints (start keel on it, then keel checkpoint)".into(),
+            });
+        }
         let op = crate::logging::Op::start("checkpoint");
         let r = self.take_checkpoint(opts, &op);
         let done = r.as_ref().ok();

@@ -43,11 +43,7 @@ use crate::meta::{InodeNo, Kind, MetaError, Nanos, Store};
 pub const TREE: &str = "workspace";
 /// Where a new tree is built before it is swapped in.
 pub const TREE_NEW: &str = "workspace.new";
-/// `persist_state` key: which provider last ran on this state dir (`dir` or absent).
-pub const PROVIDER_KEY: &str = "workspace_provider";
-/// `persist_state` key: the tree holds what the store says (written when a build is in
-/// place and its host rows are recorded; absent: the tree must be built from the store).
-pub const TREE_KEY: &str = "dir_tree";
+pub use crate::meta::{PROVIDER_KEY, TREE_KEY};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DirError {

@@ -74,7 +74,11 @@ struct Walk<'a> {
     inline_max: u64,
     chunk_size: u64,
     start_ns: i64,
+    /// Inode records read so far (only those the walk needs: changed, new, renamed).
     inodes: HashMap<InodeNo, Inode>,
+    /// Inodes whose links may have changed in this walk (their link count is checked at
+    /// the end, and those left without a name are deleted).
+    touched: HashSet<InodeNo>,
     /// The store's entries of each directory not walked yet.
     entries: HashMap<InodeNo, HashMap<Vec<u8>, (InodeNo, Kind)>>,
     host: HashMap<InodeNo, HostRow>,
@@ -111,12 +115,6 @@ pub(super) fn scan(
             .or_default()
             .insert(d.name, (d.ino, d.kind));
     }
-    let inodes: HashMap<InodeNo, Inode> = tx
-        .all_inodes()?
-        .into_iter()
-        .filter(|i| i.nlink > 0 || i.ino == InodeNo::ROOT)
-        .map(|i| (i.ino, i))
-        .collect();
     let host = tx.host_rows()?;
     let by_host = host.iter().map(|(i, h)| (h.host_ino, *i)).collect();
     let mut w = Walk {
@@ -124,7 +122,8 @@ pub(super) fn scan(
         inline_max,
         chunk_size,
         start_ns: now().0,
-        inodes,
+        inodes: HashMap::new(),
+        touched: HashSet::new(),
         entries,
         host,
         by_host,
@@ -162,11 +161,12 @@ pub(super) fn scan(
                 stack.push(sub);
             }
         }
-        for (name, _) in old {
+        for (name, (ino, _)) in old {
             w.tx.unlink(dir, &name)?;
+            w.touched.insert(ino);
         }
     }
-    w.finish(root_st)?;
+    w.finish()?;
     let Walk {
         mut report, paths, ..
     } = w;
@@ -183,6 +183,19 @@ fn vanished(e: &std::io::Error) -> bool {
 }
 
 impl Walk<'_> {
+    /// The store's record of `ino` (read once).
+    fn inode(&mut self, ino: InodeNo) -> Result<Option<&Inode>, DirError> {
+        if !self.inodes.contains_key(&ino) {
+            match self.tx.get(ino)? {
+                Some(i) if i.nlink > 0 || ino == InodeNo::ROOT => {
+                    self.inodes.insert(ino, i);
+                }
+                _ => return Ok(None),
+            }
+        }
+        Ok(self.inodes.get(&ino))
+    }
+
     /// One entry of directory `dir` (open as `fd`, at `rel` below the root): linked in the
     /// store to the inode it is; a directory to walk is returned.
     fn entry(
@@ -208,26 +221,35 @@ impl Walk<'_> {
         // Which inode of the store this is: the one at this name if it is the same host
         // inode (or has no record yet and looks the same), else the one that host inode
         // is anywhere (renamed, or another hard link), else a new one.
-        let same_here = prev.filter(|(pi, pk)| {
-            *pk == kind
-                && match self.host.get(pi) {
-                    Some(h) => h.host_ino == st.ino,
-                    None => self.inodes.get(pi).is_some_and(|i| looks_same(i, &st)),
-                }
-        });
+        let same_here = match prev {
+            Some((pi, pk)) if pk == kind => match self.host.get(&pi) {
+                Some(h) => (h.host_ino == st.ino).then_some(pi),
+                None => self
+                    .inode(pi)?
+                    .is_some_and(|i| looks_same(i, &st))
+                    .then_some(pi),
+            },
+            _ => None,
+        };
         // Found under another name: a rename or a hard link keeps the mtime; a host inode
         // number freed and given to a new file (most filesystems reuse them at once) does
         // not, and is a new inode (a file renamed and rewritten counts as new too).
-        let known = same_here.map(|(i, _)| i).or_else(|| {
-            self.by_host.get(&st.ino).copied().filter(|i| {
-                self.inodes.get(i).is_some_and(|x| x.kind == kind)
-                    && (self.synced.contains(i)
+        let known = match same_here {
+            Some(i) => Some(i),
+            None => match self.by_host.get(&st.ino).copied() {
+                Some(i)
+                    if (self.synced.contains(&i)
                         || self
                             .host
-                            .get(i)
+                            .get(&i)
                             .is_some_and(|h| h.mtime == st.mtime_ns || kind == Kind::Dir))
-            })
-        });
+                        && self.inode(i)?.is_some_and(|x| x.kind == kind) =>
+                {
+                    Some(i)
+                }
+                _ => None,
+            },
+        };
         if kind == Kind::Dir && known.is_some_and(|i| self.names.contains_key(&i)) {
             return Ok(None); // met twice: renamed while the walk ran
         }
@@ -258,22 +280,21 @@ impl Walk<'_> {
         }
         old.remove(&key);
         if prev != Some((ino, kind)) {
-            if prev.is_some() {
+            if let Some((was, _)) = prev {
                 self.tx.relink(dir, &key, ino, kind)?;
+                self.touched.insert(was);
             } else {
                 self.tx.link(dir, &key, ino, kind)?;
             }
+            self.touched.insert(ino);
         }
         *self.names.entry(ino).or_default() += 1;
-        if kind == Kind::File && self.inodes.get(&ino).map(|i| i.storage) == Some(Storage::Body) {
+        if kind == Kind::File {
             self.paths.entry(ino).or_insert((path.clone(), st.ino));
         }
         Ok(match sub {
             Some(s) => {
                 *self.subdirs.entry(dir).or_default() += 1;
-                if let Some(i) = self.inodes.get_mut(&ino) {
-                    i.parent = dir;
-                }
                 Some((s, ino, path))
             }
             None => None,
@@ -290,6 +311,7 @@ impl Walk<'_> {
         let ino = self.tx.insert(&i)?;
         i.ino = ino;
         self.inodes.insert(ino, i);
+        self.touched.insert(ino);
         self.by_host.insert(st.ino, ino);
         self.report.created += 1;
         Ok(ino)
@@ -306,19 +328,19 @@ impl Walk<'_> {
         path: &Path,
     ) -> Result<(), DirError> {
         self.synced.insert(ino);
-        let Some(cur) = self.inodes.get(&ino).cloned() else {
+        let rec = self.host.get(&ino).copied();
+        if rec.is_some_and(|h| {
+            h.host_ino == st.ino
+                && h.size == st.size
+                && h.mtime == st.mtime_ns
+                && h.ctime == st.ctime_ns
+        }) {
+            return Ok(()); // the common case: nothing read from the store
+        }
+        let Some(cur) = self.inode(ino)?.cloned() else {
             return Ok(());
         };
-        let rec = self.host.get(&ino).copied();
-        let unchanged = match rec {
-            Some(h) => {
-                h.host_ino == st.ino
-                    && h.size == st.size
-                    && h.mtime == st.mtime_ns
-                    && h.ctime == st.ctime_ns
-            }
-            None => looks_same(&cur, st) && cur.perm == st.mode & 0o7777,
-        };
+        let unchanged = rec.is_none() && looks_same(&cur, st) && cur.perm == st.mode & 0o7777;
         let row = HostRow {
             host_ino: st.ino,
             size: st.size,
@@ -331,9 +353,6 @@ impl Walk<'_> {
             },
             ctime: st.ctime_ns,
         };
-        if unchanged && rec.is_some() {
-            return Ok(());
-        }
         if unchanged {
             // Built from the store (nothing else writes the tree before the walk that
             // follows a build): taken as it is, times and all.
@@ -446,6 +465,7 @@ impl Walk<'_> {
         if differs || !same {
             self.tx.update(&new)?;
             self.inodes.insert(ino, new);
+            self.touched.insert(ino);
             self.report.changed += 1;
         }
         self.tx.put_host(ino, &row)?;
@@ -501,44 +521,38 @@ impl Walk<'_> {
 
     /// After the walk: entries of directories that are gone, inodes with no name left,
     /// link counts.
-    fn finish(&mut self, root_st: FullStat) -> Result<(), DirError> {
-        let _ = root_st;
+    fn finish(&mut self) -> Result<(), DirError> {
+        // Directories not walked are gone: their entries, and what they named.
         let gone_dirs: Vec<InodeNo> = self.entries.keys().copied().collect();
         for d in gone_dirs {
+            if let Some(es) = self.entries.remove(&d) {
+                self.touched.extend(es.values().map(|(i, _)| *i));
+            }
             self.tx.unlink_all(d)?;
         }
-        let mut gone = Vec::new();
-        for (ino, i) in &self.inodes {
-            if *ino == InodeNo::ROOT {
+        self.touched.insert(InodeNo::ROOT);
+        let mut touched: Vec<InodeNo> = self.touched.iter().copied().collect();
+        touched.sort();
+        for ino in touched {
+            let names = self.names.get(&ino).copied();
+            let Some(i) = self.inode(ino)?.cloned() else {
+                continue;
+            };
+            if names.is_none() && ino != InodeNo::ROOT {
+                self.tx.delete(ino)?;
+                self.report.removed += 1;
                 continue;
             }
-            match self.names.get(ino) {
-                None => gone.push(*ino),
-                Some(&n) => {
-                    let want = if i.kind == Kind::Dir {
-                        2 + self.subdirs.get(ino).copied().unwrap_or(0)
-                    } else {
-                        n
-                    };
-                    if i.nlink != want {
-                        let mut x = i.clone();
-                        x.nlink = want;
-                        self.tx.update(&x)?;
-                    }
-                }
-            }
-        }
-        let root_links = 2 + self.subdirs.get(&InodeNo::ROOT).copied().unwrap_or(0);
-        if let Some(r) = self.inodes.get(&InodeNo::ROOT) {
-            if r.nlink != root_links {
-                let mut x = r.clone();
-                x.nlink = root_links;
+            let want = if i.kind == Kind::Dir {
+                2 + self.subdirs.get(&ino).copied().unwrap_or(0)
+            } else {
+                names.unwrap_or(1)
+            };
+            if i.nlink != want {
+                let mut x = i.clone();
+                x.nlink = want;
                 self.tx.update(&x)?;
             }
-        }
-        for ino in gone {
-            self.tx.delete(ino)?;
-            self.report.removed += 1;
         }
         Ok(())
     }
