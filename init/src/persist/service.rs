@@ -641,7 +641,11 @@ impl Worker {
                     if self.lease_lost() {
                         continue;
                     }
-                    let changed = (self.flush)().is_ok() && self.p.has_changes().unwrap_or(true);
+                    let flushed = (self.flush)();
+                    if let Err(e) = &flushed {
+                        tracing::warn!(error = %e, "periodic checkpoint skipped: the workspace's changes could not be collected");
+                    }
+                    let changed = flushed.is_ok() && self.p.has_changes().unwrap_or(true);
                     if changed {
                         if let Err(e) = self.checkpoint(CheckpointOptions::default(), false) {
                             if !self.lease_lost() {

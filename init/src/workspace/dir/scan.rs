@@ -46,16 +46,19 @@ pub struct ScanReport {
     /// Directories that could not be read (what the store had below them is kept).
     pub unreadable: u64,
     pub elapsed: Duration,
+    /// Of `elapsed`: reading the store's entries and the last walk's records.
+    pub loaded: Duration,
 }
 
 impl std::fmt::Display for ScanReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "walked {} entries in {} dirs in {:.1} ms: {} new, {} changed ({} rewritten), {} gone",
+            "walked {} entries in {} dirs in {:.1} ms ({:.1} ms reading the store): {} new, {} changed ({} rewritten), {} gone",
             self.entries,
             self.dirs,
             self.elapsed.as_secs_f64() * 1e3,
+            self.loaded.as_secs_f64() * 1e3,
             self.created,
             self.changed,
             self.rewritten,
@@ -82,7 +85,10 @@ struct Walk<'a> {
     /// The store's entries of each directory not walked yet.
     entries: HashMap<InodeNo, HashMap<Vec<u8>, (InodeNo, Kind)>>,
     host: HashMap<InodeNo, HostRow>,
-    by_host: HashMap<u64, InodeNo>,
+    /// Built from `host` when first needed (see `by_host()`); until then the host inodes
+    /// of new entries wait in `new_hosts`.
+    by_host: Option<HashMap<u64, InodeNo>>,
+    new_hosts: Vec<(u64, InodeNo)>,
     /// Names found per inode; subdirectories found per directory.
     names: HashMap<InodeNo, u32>,
     subdirs: HashMap<InodeNo, u32>,
@@ -116,7 +122,7 @@ pub(super) fn scan(
             .insert(d.name, (d.ino, d.kind));
     }
     let host = tx.host_rows()?;
-    let by_host = host.iter().map(|(i, h)| (h.host_ino, *i)).collect();
+    let loaded = t0.elapsed();
     let mut w = Walk {
         tx: &tx,
         inline_max,
@@ -126,7 +132,8 @@ pub(super) fn scan(
         touched: HashSet::new(),
         entries,
         host,
-        by_host,
+        by_host: None,
+        new_hosts: Vec::new(),
         names: HashMap::new(),
         subdirs: HashMap::new(),
         synced: HashSet::new(),
@@ -141,7 +148,7 @@ pub(super) fn scan(
         InodeNo::ROOT,
         Path::new(""),
     )?;
-    w.by_host.insert(root_st.ino, InodeNo::ROOT);
+    w.note_host(root_st.ino, InodeNo::ROOT);
     let mut stack: Vec<(OwnedFd, InodeNo, PathBuf)> =
         vec![(root_fd, InodeNo::ROOT, PathBuf::new())];
     while let Some((fd, dir, rel)) = stack.pop() {
@@ -172,6 +179,7 @@ pub(super) fn scan(
     } = w;
     tx.commit()?;
     report.elapsed = t0.elapsed();
+    report.loaded = loaded;
     Ok((report, paths))
 }
 
@@ -183,6 +191,27 @@ fn vanished(e: &std::io::Error) -> bool {
 }
 
 impl Walk<'_> {
+    /// Host inode → store inode, built when first needed (a new name, a rename, a hard link).
+    fn by_host(&mut self) -> &HashMap<u64, InodeNo> {
+        if self.by_host.is_none() {
+            let mut m: HashMap<u64, InodeNo> =
+                self.host.iter().map(|(i, h)| (h.host_ino, *i)).collect();
+            m.extend(self.new_hosts.iter().copied());
+            self.by_host = Some(m);
+        }
+        self.by_host.as_ref().expect("just built")
+    }
+
+    /// Records that host inode `host` is store inode `ino` (a new one, or the root).
+    fn note_host(&mut self, host: u64, ino: InodeNo) {
+        match self.by_host.as_mut() {
+            Some(m) => {
+                m.insert(host, ino);
+            }
+            None => self.new_hosts.push((host, ino)),
+        }
+    }
+
     /// The store's record of `ino` (read once).
     fn inode(&mut self, ino: InodeNo) -> Result<Option<&Inode>, DirError> {
         if !self.inodes.contains_key(&ino) {
@@ -216,8 +245,29 @@ impl Walk<'_> {
             return Ok(None);
         };
         self.report.entries += 1;
+        let prev = old.get(name.as_bytes()).copied();
+        // The common case, decided without the store: the same host inode at the same name,
+        // its size and times as the last walk recorded them, one link.
+        if let Some((pi, pk)) = prev {
+            let same = pk == kind
+                && kind != Kind::Dir
+                && st.nlink == 1
+                && self.host.get(&pi).is_some_and(|h| {
+                    h.host_ino == st.ino
+                        && h.size == st.size
+                        && h.mtime == st.mtime_ns
+                        && h.ctime == st.ctime_ns
+                });
+            if same {
+                old.remove(name.as_bytes());
+                self.names.insert(pi, 1);
+                if kind == Kind::File {
+                    self.paths.insert(pi, (path, st.ino));
+                }
+                return Ok(None);
+            }
+        }
         let key = name.as_bytes().to_vec();
-        let prev = old.get(&key).copied();
         // Which inode of the store this is: the one at this name if it is the same host
         // inode (or has no record yet and looks the same), else the one that host inode
         // is anywhere (renamed, or another hard link), else a new one.
@@ -236,7 +286,7 @@ impl Walk<'_> {
         // not, and is a new inode (a file renamed and rewritten counts as new too).
         let known = match same_here {
             Some(i) => Some(i),
-            None => match self.by_host.get(&st.ino).copied() {
+            None => match self.by_host().get(&st.ino).copied() {
                 Some(i)
                     if (self.synced.contains(&i)
                         || self
@@ -312,7 +362,7 @@ impl Walk<'_> {
         i.ino = ino;
         self.inodes.insert(ino, i);
         self.touched.insert(ino);
-        self.by_host.insert(st.ino, ino);
+        self.note_host(st.ino, ino);
         self.report.created += 1;
         Ok(ino)
     }
