@@ -19,7 +19,7 @@ set +e   # lib.sh is errexit-friendly; the cases check every status themselves
 CASES=(exit_code default_cmd pid1_reaps tty_session script_run workspace_is_fuse
        persist_across_stop stop_waits_for_trap stop_kills_at_grace missing_cap missing_fuse bad_config profiles_load
        nonroot_cannot_umount nonroot_can_write health_after_mount remote_checkpoint_restore
-       remote_restore transport attacker agent_rollback)
+       remote_restore transport attacker agent_rollback dir_without_sys_admin dir_without_device)
 
 if [ "${1:-}" = --list ]; then printf '%s\n' "${CASES[@]}"; exit 0; fi
 selected=("$@")
@@ -302,12 +302,13 @@ case_stop_kills_at_grace() {
     echo "    stop took ${e}s"
 }
 
-# Without one of the two flags keel exits at once, non-zero, naming the missing flag, and
-# runs nothing.
+# Without one of the two flags and with on_fuse_unavailable = "fail" (ci.toml), keel exits
+# at once, non-zero, naming the missing flag, and runs nothing. (By default it uses the dir
+# provider instead: the dir_* cases.)
 check_missing() {   # check_missing FLAG-NAMED-IN-MESSAGE PODMAN-FLAGS...
     local want="$1"; shift
     local out="$tmp/missing.out" rc
-    run_c "$out" "$@" "$image" sh -c 'echo COMMAND-RAN'; rc=$?
+    run_c "$out" "$@" -e KEEL_CONFIG=/etc/keel/ci.toml "$image" sh -c 'echo COMMAND-RAN'; rc=$?
     [ "$rc" != 0 ] || fail "exit status 0 without $want"
     all "$out" | grep -qF -- "$want" || fail "message does not name $want"
     ! grep -qx COMMAND-RAN "$out" || fail "the command ran without $want"
@@ -740,6 +741,104 @@ EOF2
     grep -qx 'acl user:1000:---' "$tmp/after.out" || fail "the restored workspace lost acl-denied's ACL"
     [ -n "$(grep '^sum ' "$out")" ] || fail "no checksums from the attacker run"
     [ -z "$CASE_ERR" ] || { show "$out" attacker; show "$tmp/after.out" reader; }
+}
+
+# The image as users start it without CAP_SYS_ADMIN (`podman run --device /dev/fuse IMAGE`)
+# or without the device either (`podman run IMAGE`): the default config uses the dir
+# provider, saying so in one line. With an S3 remote (moto): a tree with every kind of entry
+# and a file still open at the stop survives `podman stop` + a new container on the same
+# volume (found at once, nothing restored) and a fresh volume (restored before the command,
+# eagerly, with progress lines), equal by ci/tree-manifest.py; a FUSE keel restores the same
+# tree, and a tree a FUSE keel wrote restores into dir, both byte for byte; keel snapshot
+# create / diff / rollback work (the rollback stops and restarts the main command).
+case_dir_without_sys_admin() { dir_roundtrip nocap --device /dev/fuse; }
+case_dir_without_device() { dir_roundtrip nodev; }
+
+vol_tree() { echo "$(pm volume inspect -f '{{.Mountpoint}}' "$1")/workspace"; }
+vol_manifest() { python3 "$repo/ci/tree-manifest.py" "$(vol_tree "$1")" >"$2"; }
+
+dir_roundtrip() {   # dir_roundtrip LABEL PODMAN-FLAGS...
+    local label=$1; shift
+    local flags=("$@") bucket="keel-e2e-dir-$label" v1="$prefix-dir1-$label" v2="$prefix-dir2-$label"
+    local v3="$prefix-dir3-$label" w="$prefix-dirw-$label" f="$prefix-dirf-$label" port pid
+    [ -n "$(command -v moto_server)" ] || python3 -m pip install -q "moto[server]" >"$tmp/pip.log" 2>&1 || { fail "pip install moto[server]"; return; }
+    hash -r
+    start_moto "$tmp/moto-$label.log" || { fail "moto_server did not start"; return; }
+    port=$MOTO_PORT
+    curl -s -f -X PUT "http://127.0.0.1:$port/$bucket" >/dev/null || { fail "cannot create the bucket"; return; }
+    printf '[persist]\nremote = "s3://%s/ws"\nendpoint = "http://127.0.0.1:%s"\nallow_http = true\nregion = "us-east-1"\ninterval = "1h"\n' \
+        "$bucket" "$port" >"$tmp/dir-$label.toml"
+    # Only the remote: every other key is the built-in default (provider = "auto").
+    local s3=(--network host -e AWS_ACCESS_KEY_ID=e2e -e AWS_SECRET_ACCESS_KEY=e2e
+              -v "$tmp/dir-$label.toml:/etc/keel/config.toml:ro")
+    for v in "$v1" "$v2" "$v3"; do pm volume create "$v" >/dev/null || { fail "volume create"; return; }; done
+    pm run -d --name "$w" "${flags[@]}" "${s3[@]}" -v "$v1:/var/lib/keel" "$image" sh -c '
+        set -e
+        [ -L /workspace ] || echo NOT-A-SYMLINK
+        cd /workspace
+        mkdir -p src/deep; echo hello > src/hello.txt
+        head -c 3000000 /dev/urandom > src/deep/blob.bin
+        truncate -s 50M src/sparse; printf end >> src/sparse
+        ln src/hello.txt src/hard; ln -s hello.txt src/link; mkfifo src/fifo
+        chmod 0700 src/deep; chmod 4755 src/hello.txt; chown 1000:1000 src/deep/blob.bin
+        setfacl -m u:1000:r src/hello.txt
+        keel snapshot create --name first >/dev/null
+        echo changed > src/changed; rm src/hard
+        keel diff first > /tmp/diff; grep -q "A /src/changed" /tmp/diff && echo DIFF-OK
+        touch -d "2020-01-02 03:04:05" src/deep
+        exec 3> open-at-stop.log; echo "still open" >&3
+        echo READY
+        exec sleep infinity' >/dev/null || { fail "writer did not start"; return; }
+    wait_ready "$w" || return
+    pm stop -t 30 "$w" >/dev/null 2>&1
+    pm logs "$w" >"$tmp/dir-w-$label.log" 2>&1
+    grep -q 'workspace: provider dir (FUSE cannot be mounted' "$tmp/dir-w-$label.log" || fail "no line saying the dir provider is used and why"
+    grep -qx NOT-A-SYMLINK "$tmp/dir-w-$label.log" && fail "/workspace is not a symlink to the tree"
+    grep -qx DIFF-OK "$tmp/dir-w-$label.log" || fail "keel diff did not show the new file"
+    grep -q 'final checkpoint report=snapshot' "$tmp/dir-w-$label.log" || fail "no final checkpoint"
+    vol_manifest "$v1" "$tmp/dir-before-$label" || { fail "manifest of the volume"; return; }
+    grep -q '^open-at-stop.log f .* s11 ' "$tmp/dir-before-$label" || fail "the file open at the stop lost its bytes"
+    # The same volume: found at once.
+    run_c "$tmp/dir-same-$label" "${flags[@]}" "${s3[@]}" -v "$v1:/var/lib/keel" "$image" cat /workspace/open-at-stop.log \
+        || fail "a new container on the same volume failed"
+    grep -qx 'still open' "$tmp/dir-same-$label" || fail "the same volume lost the open file"
+    grep -q 'restored snapshot' "$tmp/dir-same-$label.err" && fail "the same volume was restored again"
+    # A fresh volume: restored before the command.
+    run_c "$tmp/dir-fresh-$label" "${flags[@]}" "${s3[@]}" -v "$v2:/var/lib/keel" "$image" true || fail "a fresh volume did not start"
+    awk '/restored snapshot .*\(eager\)/ { r = NR } /started main command/ { s = NR } END { exit !(r && s && r < s) }' "$tmp/dir-fresh-$label.err" \
+        || { fail "a fresh volume was not restored (eagerly) before the main command"; show "$tmp/dir-fresh-$label" fresh; }
+    vol_manifest "$v2" "$tmp/dir-fresh-m-$label"
+    diff -u "$tmp/dir-before-$label" "$tmp/dir-fresh-m-$label" >"$tmp/dir-d1-$label" || { fail "the fresh volume's tree differs"; show "$tmp/dir-d1-$label" diff; }
+    # A FUSE keel restores the same tree; what it writes restores into dir.
+    pm run -d --name "$f" "${keel_flags[@]}" "${s3[@]}" "$image" sh -c '
+        echo READY; exec sleep infinity' >/dev/null || { fail "the FUSE reader did not start"; return; }
+    if wait_ready "$f"; then
+        pid=$(pm inspect -f '{{.State.Pid}}' "$f")
+        python3 "$repo/ci/tree-manifest.py" "/proc/$pid/root/workspace" >"$tmp/dir-fuse-$label"
+        diff -u "$tmp/dir-before-$label" "$tmp/dir-fuse-$label" >"$tmp/dir-d2-$label" || { fail "the FUSE restore differs"; show "$tmp/dir-d2-$label" diff; }
+        pm exec "$f" sh -c 'cd /workspace && echo from-fuse > src/fuse.txt && head -c 1000000 /dev/urandom > src/deep/fuse.bin && setfacl -m u:1000:rw src/fuse.txt && rm src/link' \
+            || fail "writing under FUSE failed"
+        python3 "$repo/ci/tree-manifest.py" "/proc/$pid/root/workspace" >"$tmp/dir-fuse2-$label"
+        pm stop -t 30 "$f" >/dev/null 2>&1
+        run_c "$tmp/dir-back-$label" "${flags[@]}" "${s3[@]}" -v "$v3:/var/lib/keel" "$image" true || fail "dir restore of the FUSE tree failed"
+        vol_manifest "$v3" "$tmp/dir-back-m-$label"
+        diff -u "$tmp/dir-fuse2-$label" "$tmp/dir-back-m-$label" >"$tmp/dir-d3-$label" || { fail "the FUSE-written tree differs under dir"; show "$tmp/dir-d3-$label" diff; }
+    fi
+    # Rollback on the dir workspace: stops the main command and starts it again.
+    run_c "$tmp/dir-rb-$label" "${flags[@]}" "${s3[@]}" -v "$v3:/var/lib/keel" "$image" sh -c '
+        cd /workspace
+        if [ -e /tmp/second ]; then cat src/hello.txt; ls src; exit 0; fi
+        keel snapshot create --name before-edit >/dev/null
+        echo edited > src/hello.txt; rm -r src/deep
+        touch /tmp/second
+        keel rollback before-edit >/dev/null
+        sleep 1000' || fail "the rollback container failed"
+    grep -q 'rollback --restart: the main command has stopped' "$tmp/dir-rb-$label.err" || fail "the rollback did not stop the main command"
+    grep -qx hello "$tmp/dir-rb-$label" || { fail "the rollback did not bring src/hello.txt back"; show "$tmp/dir-rb-$label" rollback; }
+    grep -qx deep "$tmp/dir-rb-$label" || fail "the rollback did not bring src/deep back"
+    kill "$MOTO_PID" 2>/dev/null; wait "$MOTO_PID" 2>/dev/null; MOTO_PID=""
+    [ -z "$CASE_ERR" ] || show "$tmp/dir-w-$label.log" writer
+    return 0
 }
 
 # --- main ---------------------------------------------------------------------------------------

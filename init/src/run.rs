@@ -138,8 +138,14 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
     // Before anything creates files in the state dir (control socket): the state dir's lock,
     // the single-writer lease before anything reads or writes the remote, the restore of an
     // empty state dir. Released if the start fails from here on.
+    // Which provider serves the workspace, before the restore (the `dir` provider's is
+    // eager).
+    let plan = boot::check_workspace(&cfg)?;
     let prepared = if cfg.init.workspace {
-        Some(boot::workspace::prepare(&cfg)?)
+        Some(boot::workspace::prepare_for(
+            &cfg,
+            matches!(plan, WorkspacePlan::Dir(_)),
+        )?)
     } else {
         None
     };
@@ -156,17 +162,22 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
     let main = supervisor
         .main_hold()
         .map(|h| h as std::sync::Arc<dyn crate::persist::agent::MainCommand>);
-    let mounted = mount_workspace(&cfg, prepared, main)?;
+    let mounted = mount_workspace(&cfg, plan, prepared, main)?;
     if let Some(w) = &mounted {
-        give_fresh_workspace_to_user(&cfg, w.mounted().mount_point());
+        give_fresh_workspace_to_user(&cfg, w.mount_point());
         if let Some(p) = w.persist() {
             publish_checkpoints(control.status(), p);
         }
     }
     control
         .status()
-        .mounted(&cfg, mounted.as_ref().map(|w| w.mounted()));
-    processes.set_workspace(mounted.as_ref().map(|w| w.mounted().handle()));
+        .mounted(&cfg, mounted.as_ref().and_then(|w| w.mounted()));
+    processes.set_workspace(
+        mounted
+            .as_ref()
+            .and_then(|w| w.mounted())
+            .map(|m| m.handle()),
+    );
     if let Some(ns) = sandbox_namespace(&cfg, &booted, mounted.as_ref())? {
         supervisor.set_sandbox_ns(ns);
     }
@@ -271,6 +282,14 @@ fn sandbox_namespace(
     mounted: Option<&Workspace>,
 ) -> Result<Option<crate::sys::ns::SandboxNs>, RunError> {
     if !cfg.init.isolate_state || !cfg.init.workspace {
+        return Ok(None);
+    }
+    if mounted.is_some_and(|w| w.dir_tree().is_some()) {
+        // The tree lives in the state dir, which the namespace would cover.
+        tracing::warn!(
+            "STATE NOT ISOLATED: with the dir provider the workspace lives in {}, so no sandbox namespace covers it (use the FUSE provider to hide it)",
+            cfg.workspace.state_dir.display()
+        );
         return Ok(None);
     }
     if !crate::sys::caps::has_sys_admin() {
@@ -422,30 +441,37 @@ fn give_fresh_workspace_to_user(cfg: &Config, mount_point: &std::path::Path) {
 /// restored); `None` when disabled or a plain dir.
 fn mount_workspace(
     cfg: &Config,
+    plan: WorkspacePlan,
     prepared: Option<boot::workspace::Prepared>,
     main: Option<std::sync::Arc<dyn crate::persist::agent::MainCommand>>,
 ) -> Result<Option<Workspace>, RunError> {
-    match boot::check_workspace(cfg)? {
-        WorkspacePlan::Disabled | WorkspacePlan::PlainDir(_) => Ok(None),
-        WorkspacePlan::Fuse => {
-            let Some(prepared) = prepared else {
-                return Ok(None);
-            };
-            match prepared.mount(cfg, main) {
-                Ok(mut w) => {
-                    if let Some(p) = w.persist_mut() {
-                        // Leave a quarter of the flush budget to report what did not get out.
-                        p.set_final_budget(cfg.shutdown.flush_timeout * 3 / 4);
-                    }
-                    Ok(Some(w))
+    let Some(prepared) = prepared else {
+        return Ok(None);
+    };
+    let opened = match plan {
+        WorkspacePlan::Disabled => return Ok(None),
+        WorkspacePlan::Dir(why) => prepared.open_dir(cfg, main, &why)?,
+        WorkspacePlan::Fuse => match prepared.mount(cfg, main.clone()) {
+            Ok(w) => w,
+            Err(e) => match e.mount_source().and_then(boot::mount_denied_hint) {
+                Some(h) => {
+                    let WorkspacePlan::Dir(why) = boot::unavailable(cfg, format!("{e}: {h}"))?
+                    else {
+                        unreachable!("unavailable gives Dir or an error")
+                    };
+                    // The failed mount let go of the state dir: take it again.
+                    boot::workspace::prepare_for(cfg, true)?.open_dir(cfg, main, &why)?
                 }
-                Err(e) => match e.mount_source().and_then(boot::mount_denied_hint) {
-                    Some(h) => Ok(boot::unavailable(cfg, format!("{e}: {h}")).map(|_| None)?),
-                    None => Err(e.into()),
-                },
-            }
-        }
+                None => return Err(e.into()),
+            },
+        },
+    };
+    let mut w = opened;
+    if let Some(p) = w.persist_mut() {
+        // Leave a quarter of the flush budget to report what did not get out.
+        p.set_final_budget(cfg.shutdown.flush_timeout * 3 / 4);
     }
+    Ok(Some(w))
 }
 
 #[cfg(test)]

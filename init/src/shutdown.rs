@@ -90,19 +90,16 @@ pub fn finish_workspace(
     budget: Duration,
     since: Instant,
 ) -> Result<(), ShutdownError> {
-    let mount_point = ws.mounted().mount_point().to_path_buf();
+    let mount_point = ws.mount_point().to_path_buf();
+    let fuse = ws.mounted().is_some();
     let (tx, rx) = mpsc::channel();
     let worker = std::thread::Builder::new()
         .name("keel-flush".into())
         .spawn(move || {
-            let r = ws
-                .mounted()
-                .flush()
-                .map_err(ShutdownError::Flush)
-                .and_then(|()| {
-                    info!("workspace flushed");
-                    ws.unmount().map_err(ShutdownError::Unmount)
-                });
+            let r = ws.flush().map_err(ShutdownError::Flush).and_then(|()| {
+                info!("workspace flushed");
+                ws.unmount().map_err(ShutdownError::Unmount)
+            });
             let _ = tx.send(r);
         });
     if let Err(e) = worker {
@@ -116,13 +113,17 @@ pub fn finish_workspace(
         }
         Ok(Err(e)) => {
             error!("{e}");
-            let _ = crate::sys::mount::unmount_lazy(&mount_point);
+            if fuse {
+                let _ = crate::sys::mount::unmount_lazy(&mount_point);
+            }
             Err(e)
         }
         Err(_) => {
             let e = ShutdownError::FlushTimeout(budget);
             warn!("{e}");
-            let _ = crate::sys::mount::unmount_lazy(&mount_point);
+            if fuse {
+                let _ = crate::sys::mount::unmount_lazy(&mount_point);
+            }
             Err(e)
         }
     }

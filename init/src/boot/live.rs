@@ -19,6 +19,7 @@ use crate::persist::format::{Tree, TreeData, TreeInode};
 use crate::persist::history::{Changed, View};
 use crate::persist::hydrate::RemoteChunks;
 use crate::persist::Repo;
+use crate::workspace::dir::{DirError, DirTree, Source as DirSource, SourceData, SourceInode};
 use crate::workspace::fs::{
     FsError, RollbackPlan, RollbackTarget, Target, TargetData, WorkspaceFs,
 };
@@ -223,6 +224,111 @@ pub fn rollback_fn(fs: Arc<WorkspaceFs>, inval: Invalidate) -> crate::persist::a
                 "invalidations": r.inval.len(),
                 "invalidations_unknown_to_kernel": inval_failed,
                 "invalidate_ms": (t0.elapsed().as_secs_f64() * 1e6).round() / 1e3,
+            }))
+        },
+    )
+}
+
+/// A snapshot tree as the `dir` provider builds it: entries and inodes from the tree,
+/// bytes from the remote's chunks, or hard-linked from the live tree when the file's
+/// bytes did not change between the last checkpoint (`cur`) and the target.
+struct SnapshotSource<'a> {
+    tree: &'a Tree,
+    cur: &'a View<'a>,
+    chunks: RemoteChunks,
+}
+
+impl DirSource for SnapshotSource<'_> {
+    fn entries(&self, dir: InodeNo) -> Result<Vec<(Vec<u8>, InodeNo, Kind)>, DirError> {
+        Ok(self
+            .tree
+            .dirents
+            .range((dir.0, Vec::new())..(dir.0 + 1, Vec::new()))
+            .filter_map(|((_, name), (ino, kind))| {
+                Some((name.clone(), InodeNo(*ino), Kind::from_mode(*kind)?))
+            })
+            .collect())
+    }
+
+    fn inode(&self, ino: InodeNo) -> Result<Option<SourceInode>, DirError> {
+        let Some(t) = self.tree.inodes.get(&ino.0) else {
+            return Ok(None);
+        };
+        let Some(inode) = t.inode() else {
+            return Ok(None);
+        };
+        Ok(Some(SourceInode {
+            inode,
+            xattrs: t.rec.xattrs.clone(),
+            data: match &t.data {
+                TreeData::None => SourceData::None,
+                TreeData::Inline(v) => SourceData::Inline(v.clone()),
+                TreeData::Symlink(v) => SourceData::Symlink(v.clone()),
+                TreeData::Chunks(_) => SourceData::Body,
+            },
+        }))
+    }
+
+    fn same_bytes_as_live(&self, ino: InodeNo) -> bool {
+        match (self.cur.inode(ino.0), self.tree.inodes.get(&ino.0)) {
+            (Some(a), Some(b)) => a.rec.size == b.rec.size && a.data == b.data,
+            _ => false,
+        }
+    }
+
+    fn write_bytes(&self, ino: InodeNo, _size: u64, f: &std::fs::File) -> std::io::Result<u64> {
+        use std::os::unix::fs::FileExt;
+        let Some(TreeData::Chunks(map)) = self.tree.inodes.get(&ino.0).map(|t| &t.data) else {
+            return Ok(0);
+        };
+        let cs = self.tree.chunk_size;
+        let wanted: Vec<(usize, ChunkId)> = map
+            .iter()
+            .enumerate()
+            .filter_map(|(i, id)| id.map(|id| (i, id)))
+            .collect();
+        let mut n = 0;
+        for batch in wanted.chunks(64) {
+            let ids: Vec<ChunkId> = batch.iter().map(|(_, id)| *id).collect();
+            for ((idx, _), got) in batch.iter().zip(self.chunks.fetch(&ids)) {
+                let b = got.map_err(|e| std::io::Error::other(e.to_string()))?;
+                f.write_all_at(&b, *idx as u64 * cs)?;
+                n += b.len() as u64;
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// What the checkpoint service calls to roll a `dir` workspace back: the whole target tree
+/// is built beside the live one (files whose bytes did not change hard-linked from it,
+/// the others fetched) and swapped in with one rename; the walk then records it, and the
+/// service's next checkpoint makes it a snapshot.
+pub fn dir_rollback_fn(tree: Arc<DirTree>) -> crate::persist::agent::RollbackFn {
+    Box::new(
+        move |repo: &Repo,
+              cur: &View,
+              target: &View,
+              _changed: &Changed,
+              sparse: Option<&Sparse>| {
+            let full = match sparse {
+                Some(_) => repo.load_tree(target.seq)?.0,
+                None => target.to_tree(),
+            };
+            let src = SnapshotSource {
+                tree: &full,
+                cur,
+                chunks: RemoteChunks::new(repo.clone()),
+            };
+            let r = tree.build_and_swap(&src)?;
+            Ok(serde_json::json!({
+                "provider": "dir",
+                "files": r.files,
+                "dirs": r.dirs,
+                "files_unchanged_linked": r.reused,
+                "bytes_written": r.bytes,
+                "build_ms": (r.elapsed.as_secs_f64() * 1e6).round() / 1e3,
+                "not_set": r.skipped_note(),
             }))
         },
     )

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use tracing::{debug, info, warn};
 
-use crate::config::{Config, FuseUnavailable};
+use crate::config::{Config, FuseUnavailable, Provider};
 use crate::sys::{caps, mount, process};
 
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +29,8 @@ pub enum BootError {
     },
     #[error("FUSE unavailable: {0}")]
     FuseUnavailable(String),
+    #[error("workspace.provider = \"fuse\", but {0} holds a `dir` workspace (its tree is {0}/workspace): start with provider = \"dir\" or \"auto\", or restore it from the remote into an empty state dir")]
+    DirState(PathBuf),
 }
 
 /// What boot learned about where keel runs.
@@ -105,14 +107,30 @@ pub enum WorkspacePlan {
     Disabled,
     /// Mount the FUSE filesystem.
     Fuse,
-    /// FUSE is unavailable and `on_fuse_unavailable = "plain-dir"`: a plain directory.
-    PlainDir(String),
+    /// The `dir` provider: a plain directory on the state volume; why it was chosen.
+    Dir(String),
 }
 
-/// Creates the mount point and checks /dev/fuse and CAP_SYS_ADMIN, naming the missing flag.
+/// Which provider serves the workspace (`[workspace] provider`), checking /dev/fuse and
+/// CAP_SYS_ADMIN for FUSE (naming the missing flag) and creating its mount point. `auto`
+/// keeps a state dir the `dir` provider wrote with `dir`, and falls back to `dir` when FUSE
+/// cannot be mounted unless `on_fuse_unavailable = "fail"`.
 pub fn check_workspace(cfg: &Config) -> Result<WorkspacePlan, BootError> {
     if !cfg.init.workspace {
         return Ok(WorkspacePlan::Disabled);
+    }
+    let ws = &cfg.workspace;
+    let holds_dir = ws.state_dir.join(crate::workspace::dir::TREE).is_dir();
+    match ws.provider {
+        Provider::Dir => return Ok(WorkspacePlan::Dir("workspace.provider = \"dir\"".into())),
+        Provider::Auto if holds_dir => {
+            return Ok(WorkspacePlan::Dir(format!(
+                "{} holds a dir workspace (provider = \"auto\" keeps it)",
+                ws.state_dir.display()
+            )))
+        }
+        Provider::Fuse if holds_dir => return Err(BootError::DirState(ws.state_dir.clone())),
+        _ => {}
     }
     let mp = &cfg.workspace.mount_point;
     match std::fs::metadata(mp) {
@@ -140,17 +158,13 @@ pub fn check_workspace(cfg: &Config) -> Result<WorkspacePlan, BootError> {
     unavailable(cfg, missing.join("; "))
 }
 
-/// Applies `on_fuse_unavailable` to a reason FUSE cannot be used.
+/// Applies `provider` and `on_fuse_unavailable` to a reason FUSE cannot be used.
 pub fn unavailable(cfg: &Config, reason: String) -> Result<WorkspacePlan, BootError> {
-    match cfg.workspace.on_fuse_unavailable {
-        FuseUnavailable::Fail => Err(BootError::FuseUnavailable(reason)),
-        FuseUnavailable::PlainDir => {
-            warn!(
-                "WORKSPACE IS NOT DURABLE: {reason}; using {} as a plain directory (workspace.on_fuse_unavailable = \"plain-dir\")",
-                cfg.workspace.mount_point.display()
-            );
-            Ok(WorkspacePlan::PlainDir(reason))
-        }
+    match (cfg.workspace.provider, cfg.workspace.on_fuse_unavailable) {
+        (Provider::Fuse, _) | (_, FuseUnavailable::Fail) => Err(BootError::FuseUnavailable(reason)),
+        (_, FuseUnavailable::Dir) => Ok(WorkspacePlan::Dir(format!(
+            "FUSE cannot be mounted ({reason}; or set on_fuse_unavailable = \"fail\" to stop instead)"
+        ))),
     }
 }
 

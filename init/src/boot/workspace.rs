@@ -19,6 +19,7 @@ use crate::persist::lease::{LeaseError, ReleaseOnDrop};
 use crate::persist::restore::{self, RestoreError, RestoreMode};
 use crate::persist::service::{FlushFn, ServiceError};
 use crate::persist::{RemoteError, Service};
+use crate::workspace::dir::DirTree;
 use crate::workspace::fs::{ReplayReport, WorkspaceFs};
 use crate::workspace::{Finisher, Mounted, SessionError, StateLock};
 
@@ -43,6 +44,8 @@ pub enum StartError {
     Prefetch(#[source] std::io::Error),
     #[error("checkpoints: {0}")]
     Checkpoints(#[source] ServiceError),
+    #[error("dir workspace: {0}")]
+    Dir(#[source] crate::workspace::dir::DirError),
     #[error("state dir {0}: a restore into it did not finish, and no remote is configured to finish it (start with the remote it came from, or empty the state dir)")]
     UnfinishedRestore(std::path::PathBuf),
 }
@@ -72,6 +75,12 @@ pub struct Prepared {
 /// from the remote (lazily by default), so a fresh state dir never starts empty and
 /// checkpoints an empty tree over the workspace.
 pub fn prepare(cfg: &Config) -> Result<Prepared, StartError> {
+    prepare_for(cfg, false)
+}
+
+/// [`prepare`] for the provider chosen: the `dir` provider restores eagerly (its tree is
+/// written whole before anything starts).
+pub fn prepare_for(cfg: &Config, dir: bool) -> Result<Prepared, StartError> {
     // Private before anything is written there; a dir that cannot be made is reported by
     // the lock that needs it.
     if let Err(e) = crate::persist::secure_at_start(&cfg.workspace.state_dir, Some(&cfg.persist)) {
@@ -90,7 +99,7 @@ pub fn prepare(cfg: &Config) -> Result<Prepared, StartError> {
     crate::logging::step("start", "restore");
     let log = crate::progress::Logged::new("restore", crate::persist::service::LOG_EVERY);
     let mut restored_from = None;
-    if let Some((what, repo)) = crate::progress::scope(log, || restore_on_start(cfg))? {
+    if let Some((what, repo)) = crate::progress::scope(log, || restore_on_start(cfg, dir))? {
         tracing::info!("{what}");
         restored_from = Some(repo);
     }
@@ -125,7 +134,10 @@ pub fn restore_wanted(cfg: &Config) -> bool {
 /// restores the remote's head: a fresh container with no state volume gets its workspace
 /// back. `Ok(None)`: nothing to do (state present, default remote, or an empty remote);
 /// else what was restored, and the remote it came from.
-fn restore_on_start(cfg: &Config) -> Result<Option<(String, crate::persist::Repo)>, StartError> {
+fn restore_on_start(
+    cfg: &Config,
+    dir: bool,
+) -> Result<Option<(String, crate::persist::Repo)>, StartError> {
     let state = &cfg.workspace.state_dir;
     if !restore_wanted(cfg) {
         return Ok(None);
@@ -136,6 +148,7 @@ fn restore_on_start(cfg: &Config) -> Result<Option<(String, crate::persist::Repo
     let mut repo = crate::persist::open_remote(&url, &cfg.persist)
         .map_err(|source| StartError::RestoreOpen { url, source })?;
     let mode = match cfg.persist.restore {
+        _ if dir => RestoreMode::Eager,
         crate::config::persist::RestoreMode::Eager => RestoreMode::Eager,
         crate::config::persist::RestoreMode::Lazy => RestoreMode::Lazy,
     };
@@ -174,8 +187,11 @@ fn stop_prefetch(p: Option<Prefetch>) {
 /// A mounted workspace with what `persist` adds to it. Dropping it unmounts too, but only
 /// [`Workspace::unmount`] takes the final checkpoint and reports errors.
 pub struct Workspace {
-    /// `None` only once unmounted or dropped.
+    /// `None` only once unmounted or dropped, or with the `dir` provider.
     mounted: Option<Mounted>,
+    /// The `dir` provider's tree (and the state dir's lock, held until the stop).
+    dir: Option<(Arc<DirTree>, Option<StateLock>)>,
+    mount_point: std::path::PathBuf,
     /// The checkpoint service, when checkpoints are on.
     persist: Option<Service>,
     /// Background fetch of lazily restored windows.
@@ -216,12 +232,14 @@ impl Prepared {
         }
         let mounted = opened.mount(&cfg.workspace).map_err(StartError::Mount)?;
         let mut ws = Workspace {
+            mount_point: mounted.mount_point().to_path_buf(),
             mounted: Some(mounted),
+            dir: None,
             persist: None,
             prefetch: None,
         };
         crate::logging::step("start", "lazy_source");
-        let inval = ws.mounted().invalidator();
+        let inval = ws.mounted().and_then(|m| m.invalidator());
         if lazy.is_some() {
             let beside = found
                 .clone()
@@ -239,6 +257,84 @@ impl Prepared {
         }
         crate::logging::step("start", "ready");
         Ok(ws)
+    }
+}
+
+impl Prepared {
+    /// The `dir` provider's start: the tree (built from the store when a restore or a FUSE
+    /// provider wrote it), the mount point a symlink to it, the checkpoint service walking
+    /// it before each checkpoint, rollbacks building the target tree beside it. `why`: the
+    /// reason the provider was chosen, said in one line with what is and is not protected.
+    pub fn open_dir(
+        mut self,
+        cfg: &Config,
+        main: Option<Arc<dyn MainCommand>>,
+        why: &str,
+    ) -> Result<Workspace, StartError> {
+        crate::logging::step("start", "tree");
+        let ws = &cfg.workspace;
+        crate::meta::set_cache_ceiling(ws.meta_cache);
+        let tree = Arc::new(
+            DirTree::open(&ws.state_dir, ws.inline_max, ws.chunk_size).map_err(StartError::Dir)?,
+        );
+        // The sandbox's user reaches the tree through the state dir: search only (0711),
+        // nothing listed, everything else in it 0700/0600.
+        if let Err(e) = crate::persist::secure_state_dir(&ws.state_dir).and_then(|()| {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&ws.state_dir, std::fs::Permissions::from_mode(0o711))
+        }) {
+            tracing::warn!(state = %ws.state_dir.display(), error = %e, "cannot make the state dir private (0711)");
+        }
+        crate::workspace::dir::link_mount_point(&ws.mount_point, tree.root())
+            .map_err(StartError::Dir)?;
+        tracing::info!(
+            "workspace: provider dir ({why}): {} -> {}; {}",
+            ws.mount_point.display(),
+            tree.root().display(),
+            dir_protection(cfg)
+        );
+        crate::logging::step("start", "checkpoints");
+        let t2 = tree.clone();
+        let flush: FlushFn = Box::new(move || {
+            let r = t2.scan()?;
+            tracing::debug!(%r, "walk before the checkpoint");
+            Ok(())
+        });
+        let persist = Service::start_with(
+            ws,
+            &cfg.persist,
+            flush,
+            self.lease.take(),
+            main,
+            Some(tree.opener()),
+        )
+        .map_err(StartError::Checkpoints)?;
+        if let Some(svc) = &persist {
+            svc.set_rollback(super::live::dir_rollback_fn(tree.clone()));
+        }
+        crate::logging::step("start", "ready");
+        Ok(Workspace {
+            mounted: None,
+            dir: Some((tree, Some(self.lock))),
+            mount_point: ws.mount_point.clone(),
+            persist,
+            prefetch: None,
+        })
+    }
+}
+
+/// The line a `dir` start says about what is and is not protected.
+fn dir_protection(cfg: &Config) -> String {
+    let user = cfg.init.user.as_deref();
+    let root_sandbox = user.is_none_or(|u| u == "root" || u == "0");
+    let keel_root = crate::sys::beneath::euid() == 0;
+    let state = cfg.workspace.state_dir.display();
+    if !keel_root {
+        format!("NOT PROTECTED: keel runs as uid {} and everything it starts shares that user, so the sandbox can read and change {state} (the store, the lock) and a local remote", crate::sys::beneath::euid())
+    } else if root_sandbox {
+        format!("NOT PROTECTED: the main command runs as root, which can read and change {state} (the store) and a local remote without CAP_SYS_ADMIN to hide them; set [init] user to a non-root user so that modes 0700/0600 keep them from it")
+    } else {
+        format!("protected from user {}: {state} (0711: searchable, not listable; the store and everything else 0700/0600), a local remote and the credentials file by their modes, and capabilities are dropped; NOT protected: nothing hides them from root in the container (no CAP_SYS_ADMIN for a mount namespace)", user.unwrap_or("?"))
     }
 }
 
@@ -348,9 +444,32 @@ pub fn start(cfg: &Config) -> Result<Workspace, StartError> {
 }
 
 impl Workspace {
-    /// The mounted filesystem.
-    pub fn mounted(&self) -> &Mounted {
-        self.mounted.as_ref().expect("mounted until unmount")
+    /// The mounted FUSE filesystem (`None` with the `dir` provider).
+    pub fn mounted(&self) -> Option<&Mounted> {
+        self.mounted.as_ref()
+    }
+
+    /// Where the workspace is (a FUSE mount, or the symlink to the `dir` tree).
+    pub fn mount_point(&self) -> &std::path::Path {
+        &self.mount_point
+    }
+
+    /// The `dir` provider's tree.
+    pub fn dir_tree(&self) -> Option<&Arc<DirTree>> {
+        self.dir.as_ref().map(|(t, _)| t)
+    }
+
+    /// Makes everything written so far visible to the final checkpoint: the FUSE mount's
+    /// flush, or a walk of the `dir` tree.
+    pub fn flush(&self) -> Result<(), SessionError> {
+        match (&self.mounted, &self.dir) {
+            (Some(m), _) => m.flush(),
+            (None, Some((t, _))) => t
+                .scan()
+                .map(|r| tracing::info!(%r, "final walk"))
+                .map_err(|e| SessionError::Flush(e.to_string())),
+            (None, None) => Ok(()),
+        }
     }
 
     /// The checkpoint service, when checkpoints are on.
@@ -368,11 +487,25 @@ impl Workspace {
     /// `Mounted::unmount`).
     pub fn unmount(mut self) -> Result<(), SessionError> {
         stop_prefetch(self.prefetch.take());
-        let m = self.mounted.take().expect("mounted until unmount");
         let fin = self
             .persist
             .take()
             .map(|s| Box::new(s) as Box<dyn Finisher>);
+        if let Some((_, lock)) = self.dir.as_mut() {
+            // The tree stays; the final checkpoint follows the caller's walk (`flush`).
+            let lock = lock.take();
+            let r = match fin {
+                Some(mut f) => {
+                    let r = f.finish();
+                    f.close(r.is_ok());
+                    r
+                }
+                None => Ok(()),
+            };
+            drop(lock);
+            return r.map_err(|e| SessionError::Flush(format!("final checkpoint: {e}")));
+        }
+        let m = self.mounted.take().expect("mounted until unmount");
         m.unmount(fin)
     }
 }
@@ -382,6 +515,12 @@ impl Drop for Workspace {
     /// dir's lock is released.
     fn drop(&mut self) {
         stop_prefetch(self.prefetch.take());
+        if let Some((_, lock)) = self.dir.as_mut() {
+            let lock = lock.take();
+            drop(self.persist.take());
+            drop(lock);
+            return;
+        }
         if let Some(m) = self.mounted.take() {
             let lock = m.release_lock();
             drop(self.persist.take());

@@ -146,7 +146,7 @@ fn mount_foreground(cfg: &Config, record_changes: bool) -> Result<(), MountError
     use keel::sys::fgsig::{Stop, StopSignals};
     let signals = StopSignals::block().map_err(MountError::BlockSignals)?;
     let mut ws = keel::boot::workspace::start(cfg).map_err(MountError::Start)?;
-    let mounted = ws.mounted();
+    let mounted = ws.mounted().expect("keel mount mounts FUSE");
     if record_changes {
         if let Err(e) = mounted.handle().watch() {
             tracing::warn!(error = %e, "cannot start the change feed");

@@ -22,7 +22,7 @@ pub use init::{ForwardTo, InitConfig, Rlimit};
 pub use persist::{FsyncMode, PersistConfig, Takeover};
 pub use service::{Probe, Readiness, Restart, ServiceConfig};
 pub use shutdown::ShutdownConfig;
-pub use workspace::{CacheMode, FuseUnavailable, Passthrough, Switch, WorkspaceConfig};
+pub use workspace::{CacheMode, FuseUnavailable, Passthrough, Provider, Switch, WorkspaceConfig};
 
 use serde::Deserialize;
 use std::path::{Path, PathBuf};

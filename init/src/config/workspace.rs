@@ -75,12 +75,39 @@ impl std::str::FromStr for Switch {
 /// Whether to hand file I/O to the kernel via FUSE passthrough.
 pub type Passthrough = Switch;
 
-/// What to do when FUSE cannot be mounted (no `/dev/fuse`, no CAP_SYS_ADMIN).
+/// What to do when FUSE cannot be mounted (no `/dev/fuse`, no CAP_SYS_ADMIN) and the
+/// provider is `auto`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum FuseUnavailable {
+    /// Stop, naming the missing `docker run` / `podman run` flag.
     Fail,
-    PlainDir,
+    /// Use the `dir` provider (durable: checkpoints found by walking the tree). The old
+    /// name `plain-dir` (a workspace that was not durable) now means this.
+    #[serde(alias = "plain-dir")]
+    Dir,
+}
+
+/// How `/workspace` is provided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Provider {
+    /// FUSE when it can be mounted, else `dir` (unless `on_fuse_unavailable = "fail"`).
+    Auto,
+    /// FUSE or nothing: a start without `/dev/fuse` or CAP_SYS_ADMIN stops.
+    Fuse,
+    /// A plain directory on the state volume, checkpointed by walking it.
+    Dir,
+}
+
+impl Provider {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Fuse => "fuse",
+            Self::Dir => "dir",
+        }
+    }
 }
 
 /// How keel's default mount source starts (`keel:<state dir>`). Older keels mounted with the
@@ -149,6 +176,8 @@ pub struct WorkspaceConfig {
     pub on_fuse_unavailable: FuseUnavailable,
     /// Events the change feed (`GET /watch`) keeps for readers to resume from (1 – 10M).
     pub watch_window: usize,
+    /// `auto` (FUSE when it can mount, else `dir`), `fuse` or `dir`.
+    pub provider: Provider,
 }
 
 impl Default for WorkspaceConfig {
@@ -169,8 +198,9 @@ impl Default for WorkspaceConfig {
             inline_max: 4096,
             chunk_size: 512 * 1024,
             meta_cache: 32 << 20,
-            on_fuse_unavailable: FuseUnavailable::Fail,
+            on_fuse_unavailable: FuseUnavailable::Dir,
             watch_window: crate::workspace::feed::DEFAULT_WINDOW,
+            provider: Provider::Auto,
         }
     }
 }

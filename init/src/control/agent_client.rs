@@ -212,8 +212,10 @@ pub fn rollback(cfg: &Config, r: &Rollback) -> Result<serde_json::Value, AgentCl
         return Ok(agent_cmd::rollback(cfg, r)?);
     };
     let mut route = format!("/rollback?to={}", enc(&r.to));
-    if r.restart {
-        route.push_str("&restart=1");
+    match r.restart {
+        Some(true) => route.push_str("&restart=1"),
+        Some(false) => route.push_str("&restart=0"),
+        None => {}
     }
     json(&call(&sock, "POST", &route)?)
 }

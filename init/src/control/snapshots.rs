@@ -200,7 +200,7 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
             let Some(to) = param(q, "to").filter(|t| !t.is_empty()) else {
                 return error(400, "to=ID|NAME is required");
             };
-            let restart = param(q, "restart").is_some_and(|v| v == "1" || v == "true");
+            let restart = param(q, "restart").map(|v| v == "1" || v == "true");
             match agent.agent(Op::Rollback(Rollback { to, restart })) {
                 Ok(v) => json(200, &v),
                 Err(e) => error_for(e),

@@ -84,8 +84,8 @@ pub enum MountState {
     Mounted,
     /// `[init] workspace = false`.
     Disabled,
-    /// FUSE unavailable and `on_fuse_unavailable = "plain-dir"`: a plain, non-durable directory.
-    PlainDir,
+    /// The `dir` provider: a plain directory on the state volume, checkpointed by walks.
+    Dir,
     /// The final flush and unmount are running.
     Unmounting,
     Unmounted,
@@ -100,7 +100,7 @@ impl MountState {
     fn settled(self) -> bool {
         matches!(
             self,
-            MountState::Mounted | MountState::Disabled | MountState::PlainDir
+            MountState::Mounted | MountState::Disabled | MountState::Dir
         )
     }
 }
@@ -299,7 +299,7 @@ impl StatusHandle {
         self.set_mount(match (m, cfg.init.workspace) {
             (Some(_), _) => MountState::Mounted,
             (None, false) => MountState::Disabled,
-            (None, true) => MountState::PlainDir,
+            (None, true) => MountState::Dir,
         });
     }
 
@@ -566,7 +566,7 @@ fn mount_word(m: MountState) -> &'static str {
         MountState::Pending | MountState::Mounting => "not mounted yet",
         MountState::Mounted => "mounted",
         MountState::Disabled => "disabled by config",
-        MountState::PlainDir => "is a plain directory",
+        MountState::Dir => "is a directory on the state volume (provider dir)",
         MountState::Unmounting => "is being unmounted",
         MountState::Unmounted => "unmounted",
     }
@@ -719,7 +719,7 @@ mod tests {
 
     #[test]
     fn disabled_or_plain_dir_workspace_counts_as_settled() {
-        for m in [MountState::Disabled, MountState::PlainDir] {
+        for m in [MountState::Disabled, MountState::Dir] {
             let h = StatusHandle::new(&Config::default());
             h.set_mount(m);
             h.set_services(vec![], None);

@@ -209,7 +209,7 @@ pub fn after(
         if wanted {
             let op = Op::Rollback(Rollback {
                 to: to.to_string(),
-                restart: false,
+                restart: Some(false),
             });
             match agent.agent(op) {
                 Ok(v) => {

@@ -12,12 +12,14 @@
 
 mod bulk;
 mod generation;
+mod host;
 mod lazy;
 mod persist;
 mod schema;
 
 pub use bulk::{amend_bulk, create_bulk, Amender, BulkWriter};
 pub use generation::Generations;
+pub use host::{HostRow, PROVIDER_KEY, TREE_KEY};
 pub use lazy::MissingRow;
 pub use persist::{ChangeCounts, ChunkRow, Xattrs};
 

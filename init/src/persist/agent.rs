@@ -111,9 +111,10 @@ pub struct Rollback {
     /// `ID|NAME|head`.
     pub to: String,
     /// Stop the main command (its process group) first and start it again after
-    /// (`keel run` only).
+    /// (`keel run` only). `None`: the provider's default (the `dir` provider stops it,
+    /// since a rollback replaces the tree its processes work in; FUSE rolls back live).
     #[serde(default)]
-    pub restart: bool,
+    pub restart: Option<bool>,
 }
 
 /// The main command of `keel run`, for `keel rollback --restart` (the supervisor's
@@ -423,7 +424,10 @@ fn rollback(w: &mut Worker, req: &Rollback) -> Result<serde_json::Value, AgentEr
     }
     let repo = w.p.repo().clone();
     let target = snapshots::resolve(&repo, &req.to).map_err(AgentError::ResolveSnapshot)?;
-    if !req.restart {
+    let restart = req
+        .restart
+        .unwrap_or(w.rollback_restarts && w.main.is_some());
+    if !restart {
         return rollback_to(w, target, t0);
     }
     let Some(main) = w.main.clone() else {

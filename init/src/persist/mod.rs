@@ -142,6 +142,7 @@ const STATE_FRESH: &[&str] = &[
     LEASE_HOLDER_FILE,
     "bodies",
     "remote",
+    "workspace",
 ];
 
 /// The same for a `file://` remote's root.

@@ -26,6 +26,22 @@ pub const FILE_MODE: u32 = 0o600;
 /// Bits a private entry never has: any access for group or others, set-ID and sticky.
 const LOOSE_BITS: u32 = 0o7077;
 
+/// Entries of a state dir that are the sandbox's, not keel's: the `dir` provider's tree
+/// (and the one being built). Walks leave them alone, and a state dir that holds one is
+/// searchable by everyone (0711: the sandbox user reaches its workspace through it, but
+/// lists nothing, and every other entry stays 0700/0600).
+pub const SHARED: &[&str] = &["workspace", "workspace.new"];
+
+/// Bits the root of `root` may have beyond 0700: search for group and others when it holds
+/// the `dir` provider's tree.
+fn root_allowed(root: &Path) -> u32 {
+    if std::fs::symlink_metadata(root.join(SHARED[0])).is_ok_and(|m| m.is_dir()) {
+        0o011
+    } else {
+        0
+    }
+}
+
 /// Whether `mode` gives group or others any access (or carries set-ID/sticky bits).
 pub fn is_loose(mode: u32) -> bool {
     mode & LOOSE_BITS != 0
@@ -120,7 +136,8 @@ pub fn secure_dir(root: &Path, what: &str) -> io::Result<Option<Tightened>> {
             format!("{} is not a directory", root.display()),
         ));
     }
-    if !is_loose(meta.mode()) {
+    let allowed = root_allowed(root);
+    if !is_loose(meta.mode() & !allowed) {
         return Ok(None);
     }
     let mut t = Tightened::default();
@@ -134,7 +151,7 @@ pub fn secure_dir(root: &Path, what: &str) -> io::Result<Option<Tightened>> {
     })
     .unwrap_or_else(|e| note(&mut t, root, e));
     // The root last: a walk cut short leaves it loose, so the next start walks again.
-    match std::fs::set_permissions(root, Permissions::from_mode(DIR_MODE)) {
+    match std::fs::set_permissions(root, Permissions::from_mode(DIR_MODE | allowed)) {
         Ok(()) => t.changed += 1,
         Err(e) => note(&mut t, root, e),
     }
@@ -185,7 +202,7 @@ pub struct Loose {
 pub fn loose_paths(root: &Path) -> io::Result<Vec<Loose>> {
     let meta = std::fs::metadata(root)?;
     let mut out = Vec::new();
-    if is_loose(meta.mode()) {
+    if is_loose(meta.mode() & !root_allowed(root)) {
         out.push(Loose {
             path: root.to_path_buf(),
             mode: meta.mode() & 0o7777,
@@ -218,6 +235,9 @@ fn walk(root: &Path, dev: u64, f: &mut dyn FnMut(&Path, &Metadata)) -> io::Resul
         };
         for e in entries {
             let e = e?;
+            if dir == root && SHARED.iter().any(|n| e.file_name() == *n) {
+                continue;
+            }
             let path = e.path();
             let m = match std::fs::symlink_metadata(&path) {
                 Ok(m) => m,

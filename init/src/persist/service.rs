@@ -262,7 +262,8 @@ impl CheckpointHandle {
     pub fn agent(&self, op: super::agent::Op) -> Result<serde_json::Value, ServiceError> {
         let rollback = matches!(op, super::agent::Op::Rollback(_));
         // A request that can never work says so, whatever else is running.
-        if matches!(&op, super::agent::Op::Rollback(r) if r.restart) && !self.has_main {
+        if matches!(&op, super::agent::Op::Rollback(r) if r.restart == Some(true)) && !self.has_main
+        {
             return Err(super::agent::AgentError::NoMain.into());
         }
         if rollback {
@@ -329,6 +330,8 @@ pub(super) struct Worker {
     pub(super) paused: bool,
     /// See `agent::RollbackFn`; `None` until the filesystem sets it.
     pub(super) rollback: Option<super::agent::RollbackFn>,
+    /// A rollback stops the main command unless asked not to (the `dir` provider).
+    pub(super) rollback_restarts: bool,
     /// Recent snapshots' trees for diffs and rollbacks (`history`); loaded on the first.
     pub(super) history: Option<super::history::History>,
     /// See `agent::MainCommand`; `None` under `keel mount`.
@@ -640,7 +643,11 @@ impl Worker {
                     if self.lease_lost() {
                         continue;
                     }
-                    let changed = (self.flush)().is_ok() && self.p.has_changes().unwrap_or(true);
+                    let flushed = (self.flush)();
+                    if let Err(e) = &flushed {
+                        tracing::warn!(error = %e, "periodic checkpoint skipped: the workspace's changes could not be collected");
+                    }
+                    let changed = flushed.is_ok() && self.p.has_changes().unwrap_or(true);
                     if changed {
                         if let Err(e) = self.checkpoint(CheckpointOptions::default(), false) {
                             if !self.lease_lost() {
@@ -778,8 +785,22 @@ impl Service {
         ws: &WorkspaceConfig,
         cfg: &PersistConfig,
         flush: FlushFn,
+        lease: Option<Lease>,
+        main: Option<std::sync::Arc<dyn super::agent::MainCommand>>,
+    ) -> Result<Option<Service>, ServiceError> {
+        Self::start_with(ws, cfg, flush, lease, main, None)
+    }
+
+    /// [`Service::start`] for a workspace whose file bytes are not in the state dir's
+    /// bodies: `opener` opens a file by inode number for the checkpoint (the `dir`
+    /// provider's tree).
+    pub fn start_with(
+        ws: &WorkspaceConfig,
+        cfg: &PersistConfig,
+        flush: FlushFn,
         mut lease: Option<Lease>,
         main: Option<std::sync::Arc<dyn super::agent::MainCommand>>,
+        opener: Option<super::checkpoint::BodyOpener>,
     ) -> Result<Option<Service>, ServiceError> {
         let state = &ws.state_dir;
         let Some(url) = cfg.remote_url(state) else {
@@ -794,6 +815,10 @@ impl Service {
             source,
         })?;
         let mut p = Persister::open(state, repo, super::params(ws, cfg))?;
+        // A workspace read through an opener is the `dir` provider's: its rollbacks stop
+        // the main command unless asked not to.
+        let rollback_restarts = opener.is_some();
+        p.set_body_opener(opener);
         p.mark_running(true)?;
         let same_volume = on_state_volume(&url, state);
         let published = Arc::new(Published::default());
@@ -814,6 +839,7 @@ impl Service {
         let busy = Arc::new(AtomicU8::new(IDLE));
         let has_main = main.is_some();
         let worker = Worker {
+            rollback_restarts,
             p,
             cfg: cfg.clone(),
             flush,

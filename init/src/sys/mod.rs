@@ -17,3 +17,4 @@ pub mod pty;
 pub mod sched;
 pub mod signal;
 pub mod socket;
+pub mod tree;

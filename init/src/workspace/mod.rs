@@ -6,6 +6,7 @@
 //! Knows nothing of checkpoints: `boot` wires the persist service in (`session::Finisher`).
 
 mod backing;
+pub mod dir;
 pub mod feed;
 pub mod fs;
 pub mod fuse;

@@ -174,7 +174,7 @@ fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
         for e in entries.flatten() {
             let name = e.file_name();
             let name = name.to_string_lossy();
-            if !HARMLESS.contains(&name.as_ref()) && name != "bodies" {
+            if !HARMLESS.contains(&name.as_ref()) && name != "bodies" && name != "workspace" {
                 return Err(bad(format!(
                     "not a keel state dir (it holds `{name}` but no meta.db); refusing to touch it"
                 )));

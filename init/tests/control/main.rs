@@ -11,4 +11,5 @@ mod e2e;
 mod exec;
 mod exec_workspace;
 mod files;
+mod watch;
 mod workspace;

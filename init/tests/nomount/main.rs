@@ -9,5 +9,7 @@ mod support;
 mod config;
 mod config_files;
 mod fs_model;
+mod fs_track;
+mod fs_watch;
 mod layers;
 mod openapi;

@@ -397,20 +397,29 @@ fn missing_cap_sys_admin_names_the_flag() {
     if !require_root("CAP_SYS_ADMIN check") {
         return;
     }
-    let (code, err, started) = without_sys_admin("");
-    assert_eq!(code, 1, "{err}");
-    assert!(err.contains("--cap-add SYS_ADMIN"), "{err}");
-    assert!(
-        !started,
-        "nothing may start when the workspace cannot be mounted"
-    );
+    for refuse in [
+        "on_fuse_unavailable = \"fail\"",
+        "provider = \"fuse\"\non_fuse_unavailable = \"dir\"",
+    ] {
+        let (code, err, started) = without_sys_admin(refuse);
+        assert_eq!(code, 1, "{refuse}: {err}");
+        assert!(err.contains("--cap-add SYS_ADMIN"), "{err}");
+        assert!(
+            !started,
+            "nothing may start when the workspace cannot be mounted ({refuse})"
+        );
+    }
 
-    let (code, err, started) = without_sys_admin("on_fuse_unavailable = \"plain-dir\"");
+    // The default (`provider = "auto"`): the `dir` provider, saying which and why in one
+    // line, and what is protected in it.
+    let (code, err, started) = without_sys_admin("");
     assert_eq!(code, 0, "{err}");
-    assert!(
-        err.contains("WORKSPACE IS NOT DURABLE") && err.contains("--cap-add SYS_ADMIN"),
-        "{err}"
-    );
+    let line = err
+        .lines()
+        .find(|l| l.contains("workspace: provider dir"))
+        .unwrap_or_else(|| panic!("no provider line: {err}"));
+    assert!(line.contains("--cap-add SYS_ADMIN"), "{line}");
+    assert!(line.contains("NOT PROTECTED"), "{line}");
     assert!(started);
 }
 
@@ -425,7 +434,7 @@ fn missing_dev_fuse_names_the_flag() {
     std::fs::write(
         &cfg,
         format!(
-            "[workspace]\nmount_point = \"{0}/ws\"\nstate_dir = \"{0}/state\"\n",
+            "[workspace]\nmount_point = \"{0}/ws\"\nstate_dir = \"{0}/state\"\non_fuse_unavailable = \"fail\"\n",
             dir.path().display()
         ),
     )

@@ -7,6 +7,7 @@
 mod support;
 
 mod basic;
+mod dir_run;
 mod hold;
 mod isolation;
 mod ns;

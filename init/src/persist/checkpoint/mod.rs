@@ -175,6 +175,10 @@ pub fn now_ns() -> i64 {
         .unwrap_or(0)
 }
 
+/// Opens a file's bytes by inode number, for a workspace that does not keep them in the
+/// state dir's bodies (the `dir` provider's tree). An error fails the checkpoint.
+pub type BodyOpener = std::sync::Arc<dyn Fn(u64) -> std::io::Result<std::fs::File> + Send + Sync>;
+
 /// Checkpoints one state dir to one remote. Holds its own connection to the state
 /// database, so it runs alongside a mounted filesystem.
 pub struct Persister {
@@ -185,6 +189,9 @@ pub struct Persister {
     recovered: bool,
     /// The single-writer lease that fences every head write (`None`: no lease).
     lease: Option<LeaseHandle>,
+    /// Where file bytes are read from when not from `bodies` (see [`BodyOpener`]).
+    pub(crate) opener: Option<BodyOpener>,
+    state_dir: PathBuf,
 }
 
 fn kv_u64(tx: &Tx<'_>, k: &str) -> Result<Option<u64>, MetaError> {
@@ -220,6 +227,8 @@ impl Persister {
             params,
             recovered: false,
             lease: None,
+            opener: None,
+            state_dir: state_dir.to_path_buf(),
         })
     }
 
@@ -227,6 +236,11 @@ impl Persister {
     /// head is written only after the remote confirmed it is still ours.
     pub fn set_lease(&mut self, lease: Option<LeaseHandle>) {
         self.lease = lease;
+    }
+
+    /// Reads file bytes through `opener` instead of the state dir's bodies.
+    pub fn set_body_opener(&mut self, opener: Option<BodyOpener>) {
+        self.opener = opener;
     }
 
     pub fn lease(&self) -> Option<&LeaseHandle> {
@@ -334,6 +348,12 @@ impl Persister {
         opts: &CheckpointOptions,
     ) -> Result<CheckpointReport, CheckpointError> {
         let t0 = Instant::now();
+        if self.opener.is_none() && self.store.is_dir_workspace()? {
+            return Err(CheckpointError::OpenState {
+                path: self.state_dir.clone(),
+                reason: "it holds a dir workspace, whose files only the keel running on it walks and checkpoints (start keel on it, then keel checkpoint)".into(),
+            });
+        }
         let op = crate::logging::Op::start("checkpoint");
         let r = self.take_checkpoint(opts, &op);
         let done = r.as_ref().ok();

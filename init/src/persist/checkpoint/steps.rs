@@ -893,6 +893,7 @@ impl Persister {
         let files: Mutex<HashMap<InodeNo, Option<Arc<File>>>> = Mutex::new(HashMap::new());
         let threads = self.params.threads.clamp(1, 16).min(jobs.len().max(1));
         let bodies = &self.bodies;
+        let opener = self.opener.as_ref();
         std::thread::scope(|s| {
             for _ in 0..threads {
                 s.spawn(|| loop {
@@ -903,11 +904,28 @@ impl Persister {
                     let job = &jobs[k];
                     let f = {
                         let mut m = files.lock().unwrap();
-                        m.entry(job.ino)
-                            .or_insert_with(|| {
-                                File::open(bodies.path(job.ino.0)).ok().map(Arc::new)
-                            })
-                            .clone()
+                        match m.get(&job.ino) {
+                            Some(f) => f.clone(),
+                            None => {
+                                let f = match opener {
+                                    // Bytes that cannot be read fail the checkpoint.
+                                    Some(open) => match open(job.ino.0) {
+                                        Ok(f) => Some(Arc::new(f)),
+                                        Err(source) => {
+                                            *err.lock().unwrap() =
+                                                Some(CheckpointError::ReadBody {
+                                                    ino: job.ino.0,
+                                                    source,
+                                                });
+                                            return;
+                                        }
+                                    },
+                                    None => File::open(bodies.path(job.ino.0)).ok().map(Arc::new),
+                                };
+                                m.insert(job.ino, f.clone());
+                                f
+                            }
+                        }
                     };
                     // A window that is one hole in the body (sparse file) is all zeros:
                     // no need to read or hash it.

@@ -4,7 +4,7 @@
 //! file's writes are one `modify` at the first change and one more at close when it changed
 //! again; nothing is recorded before the first watch.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

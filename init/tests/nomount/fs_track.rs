@@ -4,7 +4,7 @@
 //! exchanges, hard links, unlinks, rmdirs, chmods, xattrs, symlinks), and the tracker's diff
 //! must equal `keel diff` of the two snapshots, change for change.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 

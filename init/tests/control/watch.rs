@@ -6,7 +6,7 @@
 //! `end` when keel stops; a tokenless TCP listener and a `[control] group` member get 403.
 //! Reads wait for the events a step caused, with a hang guard; nothing depends on timing.
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;

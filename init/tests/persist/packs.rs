@@ -6,7 +6,7 @@
 //! pack entry (and repairs it from the local bytes) and a damaged index; a remote written
 //! by the build before packs (a fixture) restores, and takes packed checkpoints on top.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::Path;
