@@ -180,6 +180,9 @@ pub struct WorkspaceConfig {
     pub provider: Provider,
 }
 
+/// Events the change feed keeps by default (`watch_window`).
+pub const DEFAULT_WATCH_WINDOW: usize = 65536;
+
 impl Default for WorkspaceConfig {
     fn default() -> Self {
         Self {
@@ -199,7 +202,7 @@ impl Default for WorkspaceConfig {
             chunk_size: 512 * 1024,
             meta_cache: 32 << 20,
             on_fuse_unavailable: FuseUnavailable::Dir,
-            watch_window: crate::workspace::feed::DEFAULT_WINDOW,
+            watch_window: DEFAULT_WATCH_WINDOW,
             provider: Provider::Auto,
         }
     }

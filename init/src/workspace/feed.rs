@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use crate::meta::{InodeNo, Kind, Nanos};
 
-/// Events kept by default (`[workspace] watch_window`).
-pub const DEFAULT_WINDOW: usize = 65536;
+/// Events kept by default (`[workspace] watch_window`; the config owns the number).
+pub const DEFAULT_WINDOW: usize = crate::config::workspace::DEFAULT_WATCH_WINDOW;
 /// Bytes of paths the journal keeps at most, whatever the window.
 pub const MAX_BYTES: usize = 64 << 20;
 
