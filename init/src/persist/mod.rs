@@ -219,21 +219,28 @@ fn acquire_recorded(
     let previous = previous_holder(state_dir, state_locked);
     let reclaim = previous.as_ref().and_then(|p| p.id.clone());
     let holder = reclaim.clone().unwrap_or_else(lease::new_holder_id);
-    if previous.is_some() && reclaim.is_none() {
-        let written =
-            private::create_dir_all(state_dir).and_then(|()| record_holder(state_dir, &holder));
-        if let Err(e) = written {
-            tracing::warn!(error = %e, "cannot record the lease holder in the state dir; after a crash the next start waits for the lease to expire");
-        }
+    let record = previous.is_some() && reclaim.is_none();
+    // A state dir that is not there yet is made only once the lease is taken: a refused or
+    // failed command leaves nothing behind (and no lease can carry an id before it exists).
+    let exists = state_dir.is_dir();
+    let warn = |e: std::io::Error| tracing::warn!(error = %e, "cannot record the lease holder in the state dir; after a crash the next start waits for the lease to expire");
+    if record && exists {
+        record_holder(state_dir, &holder).unwrap_or_else(warn);
     }
-    lease::Lease::acquire(
+    let l = lease::Lease::acquire(
         remote,
         key,
         cfg.lease_ttl,
         cfg.takeover,
         reclaim.as_deref(),
         &holder,
-    )
+    )?;
+    if record && !exists {
+        private::create_dir_all(state_dir)
+            .and_then(|()| record_holder(state_dir, &holder))
+            .unwrap_or_else(warn);
+    }
+    Ok(l)
 }
 
 /// Records a new holder id. Written once per state dir (its id is kept from then on), and
@@ -374,6 +381,7 @@ mod tests {
     fn a_start_whose_lease_landed_unrecorded_is_followed_by_one_that_reclaims_it() {
         let d = tempfile::tempdir().unwrap();
         let state = d.path().join("state");
+        std::fs::create_dir(&state).unwrap();
         let mem = Arc::new(MemRemote::new());
         let cfg = PersistConfig {
             lease_ttl: std::time::Duration::from_secs(600),
@@ -401,6 +409,7 @@ mod tests {
             .err()
             .expect("another state dir must not take a live lease");
         assert!(e.to_string().contains("in use by another writer"), "{e}");
+        assert!(!other.exists(), "a refused command made its state dir");
     }
 
     #[test]
