@@ -204,11 +204,13 @@ pub fn acquire_lease(
     .map(Some)
 }
 
-/// Takes the lease `key` on `remote` with this state dir's holder id, recorded in the state
-/// dir (`lease.holder`) *before* the remote sees it: a keel killed between the two writes (or whose write's
-/// reply was lost) leaves a live lease the next start here recognises as its own, instead
-/// of one nobody can take before it expires. The id stays the state dir's across starts.
-/// Another keel's state dir (its lock held) is left alone: a fresh id, not recorded.
+/// Takes the lease `key` on `remote` with this state dir's holder id (`lease.holder`),
+/// recorded *before* the remote sees it when the state dir exists: a keel killed between
+/// the two writes (or whose write's reply was lost) leaves a live lease the next start here
+/// recognises as its own, instead of one nobody can take before it expires. The id stays
+/// the state dir's across starts. A state dir not there yet is made, and the id recorded,
+/// only once the lease is taken. Another keel's state dir (its lock held) is left alone: a
+/// fresh id, not recorded.
 fn acquire_recorded(
     state_dir: &Path,
     remote: Arc<dyn remote::Remote>,
