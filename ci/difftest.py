@@ -777,6 +777,12 @@ def main():
     ap.add_argument("--minimize", action="store_true",
                     help="find a minimal failing subset of the first --ops operations")
     args = ap.parse_args()
+    if os.path.lexists("/nonexistent"):
+        # The generated symlinks point at /nonexistent/x on purpose (a dangling absolute
+        # target); where that path exists, writes through them would reach the host and
+        # both sides would share one file, so the comparison would mean nothing.
+        sys.exit("difftest: /nonexistent exists on this host; the generated dangling "
+                 "symlinks would write into it. Remove it and run again.")
     return minimize(args) if args.minimize else run(args)
 
 
