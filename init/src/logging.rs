@@ -73,4 +73,24 @@ impl Drop for Op {
 /// One step line (see [`Op`]).
 pub fn step(op: &'static str, step: &'static str) {
     tracing::debug!(target: "keel::step", "step {op} {step}");
+    if die_at().is_some_and(|at| at.split_once('/') == Some((op, step))) {
+        die();
+    }
+}
+
+/// `KEEL_DIE_AT=OP/STEP` (e.g. `rollback/renamed_body`): keel kills itself with SIGKILL as
+/// it enters that step. A crash test's deterministic kill point where the
+/// soak's random kills find a window only now and then; the environment is keel's own
+/// (whoever starts keel), never the sandbox's. Read once.
+fn die_at() -> Option<&'static str> {
+    static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    AT.get_or_init(|| std::env::var("KEEL_DIE_AT").ok().filter(|v| !v.is_empty()))
+        .as_deref()
+}
+
+fn die() -> ! {
+    tracing::warn!("KEEL_DIE_AT: killing keel here, as asked");
+    // A PID 1 ignores its own SIGKILL; abort then ends it all the same.
+    let _ = crate::sys::signal::send(std::process::id() as i32, libc::SIGKILL);
+    std::process::abort()
 }

@@ -706,3 +706,58 @@ fn rollback_restart_stops_and_starts_the_main_command() {
     );
     k.terminate(libc::SIGTERM);
 }
+
+/// A rollback killed between two body renames (`KEEL_DIE_AT=rollback/renamed_body`): the
+/// next start finishes it, so the tree is the target's, never old metadata over new bytes.
+/// The rollback's metadata transaction may only have joined the open group commit; before
+/// it was made durable ahead of the first rename, the restart came back with the old
+/// metadata, no record of the renames, and one file holding the target's bytes (the soak's
+/// finding at `rollback/rename_bodies`).
+#[test]
+fn a_rollback_killed_between_body_renames_is_finished_at_the_next_start() {
+    let Some(mut k) = Keel::start(&[]) else {
+        return;
+    };
+    let state = k.state.to_str().unwrap().to_string();
+    let len = 96 << 10; // over inline_max: each file has a body the rollback builds
+    let names = ["a", "b", "c", "d"];
+    for (i, n) in names.iter().enumerate() {
+        fs::write(k.p(n), support::mount::pattern(len, i as u64)).unwrap();
+    }
+    keel(&["snapshot", "create", "--state", &state, "--name", "before"]);
+    let want = read_tree(&k.mnt);
+    for (i, n) in names.iter().enumerate() {
+        fs::write(k.p(n), support::mount::pattern(len, 100 + i as u64)).unwrap();
+    }
+    k.stop();
+    k.set_env(&[("KEEL_DIE_AT", "rollback/renamed_body")]);
+    k.start_again();
+    let out = Command::new(keel_bin())
+        .args(["rollback", "--state", &state, "before"])
+        .output()
+        .expect("run keel rollback");
+    assert!(
+        !out.status.success(),
+        "the rollback finished although keel was to die in it"
+    );
+    assert!(k.wait_exit().is_some(), "keel did not die");
+    assert!(
+        k.log_text().contains("KEEL_DIE_AT: killing keel here"),
+        "keel did not die at rollback/renamed_body; log:\n{}",
+        k.log_text()
+    );
+    k.set_env(&[]);
+    k.start_again();
+    let got = read_tree(&k.mnt);
+    for n in names {
+        assert!(
+            got.get(n) == want.get(n),
+            "{n} after a rollback killed between renames and a restart is not the target's (same bytes: {})",
+            got.get(n).map(|g| &g.2) == want.get(n).map(|w| &w.2)
+        );
+    }
+    assert_eq!(got.len(), want.len(), "entries after the restart");
+    k.stop();
+    let fsck = keel(&["fsck", "--state", &state]);
+    assert!(fsck.contains("; 0 errors"), "{fsck}");
+}

@@ -13,7 +13,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use super::mount::{
-    fuse_available, is_fuse_mount, keel_bin, lazy_unmount, poll_for, spawn_mount, wait_timeout,
+    fuse_available, is_fuse_mount, keel_bin, lazy_unmount, poll_for, spawn_mount_env, wait_timeout,
     MountOutcome, READY_TIMEOUT, STOP_TIMEOUT,
 };
 use super::sys;
@@ -39,7 +39,10 @@ pub struct Opts<'a> {
 
 enum Launch {
     /// `keel mount --state STATE MNT ARGS...`; can be stopped and started again.
-    Mount { args: Vec<String> },
+    Mount {
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+    },
     /// `keel run`: started once.
     Run,
 }
@@ -91,6 +94,7 @@ impl Keel {
             out: tmp.path().join("keel.log"),
             launch: Launch::Mount {
                 args: args.iter().map(|s| s.to_string()).collect(),
+                env: Vec::new(),
             },
             child: None,
             started: Instant::now(),
@@ -170,10 +174,10 @@ impl Keel {
 
     fn mount(&mut self) {
         assert!(self.child.is_none(), "already running");
-        let Launch::Mount { args } = &self.launch else {
+        let Launch::Mount { args, env } = &self.launch else {
             panic!("a `keel run` cannot be started again")
         };
-        match spawn_mount(&self.state, &self.mnt, args, &self.log) {
+        match spawn_mount_env(&self.state, &self.mnt, args, env, &self.log) {
             MountOutcome::Mounted(child) => {
                 self.child = Some(child);
                 self.status = None;
@@ -333,6 +337,17 @@ impl Keel {
             )
         });
         (code, self.started.elapsed())
+    }
+
+    /// Sets keel's added environment for the next `start_again` (a `keel mount` only).
+    pub fn set_env(&mut self, vars: &[(&str, &str)]) {
+        let Launch::Mount { env, .. } = &mut self.launch else {
+            panic!("only a `keel mount` is started again")
+        };
+        *env = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
     }
 
     /// Mounts again after `stop`/`kill9`/`wait_exit`.

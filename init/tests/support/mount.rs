@@ -129,6 +129,17 @@ pub enum MountOutcome {
 /// Spawns `keel mount --state STATE MNT ARGS...` with output appended to `log`, and waits until
 /// the mount appears or the process exits.
 pub fn spawn_mount(state: &Path, mnt: &Path, args: &[String], log: &Path) -> MountOutcome {
+    spawn_mount_env(state, mnt, args, &[], log)
+}
+
+/// [`spawn_mount`] with `env` added to keel's environment.
+pub fn spawn_mount_env(
+    state: &Path,
+    mnt: &Path,
+    args: &[String],
+    env: &[(String, String)],
+    log: &Path,
+) -> MountOutcome {
     // Not through a mount a dead keel left (a stat of it may wait forever): that one is the
     // new keel's to clear.
     let dead = fuse_mount_id(mnt);
@@ -147,6 +158,7 @@ pub fn spawn_mount(state: &Path, mnt: &Path, args: &[String], log: &Path) -> Mou
         .arg(state)
         .arg(mnt)
         .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(out.try_clone().expect("dup log"))
         .stderr(out)

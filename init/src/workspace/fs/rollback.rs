@@ -138,6 +138,8 @@ fn rename_built(state_dir: &Path, bodies: &BodyStore, renames: &[(u64, u64)]) ->
             std::fs::create_dir_all(d)?;
         }
         std::fs::rename(&src, &dst)?;
+        // A kill point between renames (`KEEL_DIE_AT=rollback/renamed_body`).
+        crate::logging::step("rollback", "renamed_body");
     }
     Ok(())
 }
