@@ -100,6 +100,10 @@ for d in docs:
         json.dump(data, open(f"{tmp}/secret-env.json", "w"))
     elif kind == "ConfigMap":
         d["data"]["config.toml"] = d["data"]["config.toml"].replace("[persist]\n", "[persist]\nallow_http = true\n")
+        import tomllib
+        ws = tomllib.loads(d["data"]["config.toml"]).get("workspace", {}).get("mount_point", "/workspace")
+        open(f"{tmp}/ws-path", "w").write(ws)
+        workload = workload.replace("/workspace", ws)
         out.append(d)
     elif kind == "StatefulSet":
         name = f"{prefix}-{d['metadata']['name']}-0"
@@ -136,6 +140,16 @@ for d in docs:
                       "KEEL_CONTROL_PORT": {"value": port}}.get(e["name"], {}))
         c["readinessProbe"]["httpGet"]["port"] = int(port)
         open(f"{tmp}/grace", "w").write(str(spec.get("terminationGracePeriodSeconds", "")))
+        # What the kubelet does that podman does not: a pod's fsGroup owns its volumes.
+        sc = spec.get("securityContext", {})
+        if "fsGroup" in sc:
+            open(f"{tmp}/fsgroup", "w").write(str(sc["fsGroup"]))
+            open(f"{tmp}/claims", "w").write("\n".join(
+                f"{v['metadata']['name']}-{name}" for v in d["spec"].get("volumeClaimTemplates", [])))
+        open(f"{tmp}/run-as", "w").write(str(c.get("securityContext", {}).get("runAsUser", sc.get("runAsUser", ""))))
+        # No FUSE device given to the pod: keel runs the dir provider.
+        has_fuse = any(v.get("hostPath", {}).get("path") == "/dev/fuse" for v in spec.get("volumes", []))
+        open(f"{tmp}/provider", "w").write("fuse" if has_fuse else "dir")
         open(f"{tmp}/pod", "w").write(name)
         open(f"{tmp}/container", "w").write(f"{name}-{c['name']}")
         out.append(pod)
@@ -147,6 +161,28 @@ yaml.safe_dump_all([d for d in out if d["kind"] != "PersistentVolumeClaim"],
                    open(f"{tmp}/play-again.yaml", "w"), sort_keys=False)
 EOF
 pod=$(cat "$tmp/pod"); ctr=$(cat "$tmp/container"); grace=$(cat "$tmp/grace")
+provider=$(cat "$tmp/provider"); run_as=$(cat "$tmp/run-as"); ws_path=$(cat "$tmp/ws-path")
+first_yaml="$tmp/play.yaml"
+if [ -s "$tmp/fsgroup" ]; then
+    # The kubelet gives a pod's volumes to its fsGroup (group-owned, setgid, group-writable);
+    # podman kube play does not: make the claim's volume that way, then play without the claim.
+    fsgroup=$(cat "$tmp/fsgroup")
+    while read -r claim || [ -n "$claim" ]; do
+        [ -n "$claim" ] || continue
+        pm volume create "$claim" >/dev/null || { error "cannot create volume $claim"; exit 1; }
+        # podman gives a new volume, at its first mount, the owner and mode of the image's
+        # directory there (/var/lib/keel: root's, 0700), which no kubelet does: that first
+        # mount happens here, where the image has no directory.
+        pm run --rm -v "$claim:/kube-volume" --entrypoint true "$image" >/dev/null 2>&1 \
+            || { error "cannot mount volume $claim once"; exit 1; }
+        mp=$(pm volume inspect -f '{{.Mountpoint}}' "$claim")
+        # A fresh ext4 PersistentVolume holds lost+found.
+        mkdir -m 0700 "$mp/lost+found" &&
+            chgrp "$fsgroup" "$mp" && chmod 2775 "$mp" || { error "cannot give $claim to group $fsgroup"; exit 1; }
+    done <"$tmp/claims"
+    first_yaml="$tmp/play-again.yaml"
+    info "fsGroup $fsgroup: the claim's volume made group-writable as the kubelet would"
+fi
 [ -n "$grace" ] || error "the manifest sets no terminationGracePeriodSeconds"
 if [ -s "$tmp/secret.yaml" ]; then
     secret=$(python3 -c 'import sys,yaml; print(yaml.safe_load(open(sys.argv[1]))["metadata"]["name"])' "$tmp/secret.yaml")
@@ -160,7 +196,7 @@ fi
 play() {
     local t0 i code
     t0=$(now)
-    local yml="$tmp/play.yaml"
+    local yml="$first_yaml"
     [ "$1" = first ] || yml="$tmp/play-again.yaml"
     pm kube play --network host "$yml" >"$tmp/play-$1.out" 2>&1 \
         || { error "kube play ($1): $(tail -n 3 "$tmp/play-$1.out" | paste -sd' ' -)"; return 1; }
@@ -179,7 +215,14 @@ ready() {
     for ((i = 0; i < 600; i++)); do pm logs "$ctr" 2>&1 | grep -qx READY && return 0; sleep 0.1; done
     error "the workload did not say READY"; return 1
 }
-root_of() { echo "/proc/$(pm inspect -f '{{.State.Pid}}' "$ctr")/root/workspace"; }
+# /workspace inside the container, from the host (with `dir` a symlink into the state volume,
+# resolved inside the container's root, not the host's).
+root_of() {
+    local r ws
+    r="/proc/$(pm inspect -f '{{.State.Pid}}' "$ctr")/root"
+    ws=$(pm exec "$ctr" readlink -f "$ws_path")
+    echo "$r${ws:-$ws_path}"
+}
 # podman before 4.4 stops the pods of `kube down` with a timeout of 0 (SIGTERM, then SIGKILL
 # at once) whatever terminationGracePeriodSeconds says; there the pod is first stopped as the
 # kubelet would (SIGTERM, SIGKILL after the grace period), then `kube down` removes it.
@@ -209,9 +252,25 @@ down() {   # down PHASE: kube down with keel's log captured; prints what the sto
 }
 
 if play first && ready; then
-    fs=$(pm exec "$ctr" awk '$2 == "/workspace" { print $3 }' /proc/mounts | tail -n 1)
-    [ "${fs%%.*}" = fuse ] || error "/workspace is not a FUSE mount ($fs)"
-    info "/workspace: $fs; pod stop timeout $(pm inspect -f '{{.Config.StopTimeout}}' "$ctr")s (terminationGracePeriodSeconds $grace)"
+    if [ "$provider" = fuse ]; then
+        fs=$(pm exec "$ctr" awk -v p="$ws_path" '$2 == p { print $3 }' /proc/mounts | tail -n 1)
+        [ "${fs%%.*}" = fuse ] || error "$ws_path is not a FUSE mount ($fs)"
+    else
+        # No device, no SYS_ADMIN: the dir provider, the mount point a symlink to a directory
+        # on the volume.
+        fs="dir provider, $ws_path -> $(pm exec "$ctr" readlink "$ws_path")"
+        [ "$(pm exec "$ctr" readlink "$ws_path")" = /var/lib/keel/workspace ] \
+            || error "$ws_path is not the dir provider's directory ($fs)"
+        line=$(pm logs "$ctr" 2>&1 | grep -m1 'workspace: provider dir')
+        [ -n "$line" ] || error "keel's log does not say it runs the dir provider"
+        info "${line#*keel: }"
+    fi
+    if [ -n "$run_as" ]; then
+        uid=$(pm exec "$ctr" awk '/^Uid:/ { print $2 }' /proc/1/status)
+        [ "$uid" = "$run_as" ] || error "keel (PID 1) runs as uid $uid, the manifest says $run_as"
+        info "keel (PID 1) runs as uid $uid"
+    fi
+    info "$ws_path: $fs; pod stop timeout $(pm inspect -f '{{.Config.StopTimeout}}' "$ctr")s (terminationGracePeriodSeconds $grace)"
     sm=$(cat "$tmp/secret-mount" 2>/dev/null)
     creds="/proc/$(pm inspect -f '{{.State.Pid}}' "$ctr")/root$sm/credentials"
     grep -q '^AWS_SECRET_ACCESS_KEY=' "$creds" 2>/dev/null \

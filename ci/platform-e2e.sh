@@ -29,7 +29,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 set +e   # lib.sh is errexit-friendly; the cases check every status themselves
 
 CASES=(lifecycle no_credentials_in_sandbox five_instances sigkill_restores_last_checkpoint
-       same_id_waits_for_lease remote_down_at_stop time_to_usable kube_play)
+       same_id_waits_for_lease remote_down_at_stop time_to_usable kube_play kube_play_restricted)
 
 if [ "${1:-}" = --list ]; then printf '%s\n' "${CASES[@]}"; exit 0; fi
 selected=("$@")
@@ -580,14 +580,21 @@ case_time_to_usable() {
 }
 
 # deploy/kubernetes/keel.yaml through `podman kube play`: see ci/kube-e2e.sh.
-case_kube_play() {
-    KEEL_IMAGE="$image" MOTO_PORT="$moto_port" BUCKET="$bucket" PREFIX="$prefix" \
-        bash "$repo/ci/kube-e2e.sh" >"$tmp/kube.out" 2>&1
+case_kube_play() { kube_e2e keel.yaml kube; }
+
+# deploy/kubernetes/keel-restricted.yaml (restricted Pod Security: no SYS_ADMIN, no
+# /dev/fuse, a non-root user; keel runs the dir provider): the same checks.
+case_kube_play_restricted() { kube_e2e keel-restricted.yaml kube-r; }
+
+kube_e2e() {   # kube_e2e MANIFEST NAME
+    KEEL_IMAGE="$image" MOTO_PORT="$moto_port" BUCKET="$bucket" PREFIX="$prefix-$2" \
+        KEEL_KUBE_MANIFEST="$repo/deploy/kubernetes/$1" \
+        bash "$repo/ci/kube-e2e.sh" >"$tmp/$2.out" 2>&1
     local rc=$?
-    sed -n 's/^info: /    /p' "$tmp/kube.out"
+    sed -n 's/^info: /    /p' "$tmp/$2.out"
     if [ "$rc" != 0 ]; then
-        fail "$(grep '^error: ' "$tmp/kube.out" | sed 's/^error: //' | paste -sd';' - | cut -c1-400)"
-        show "$tmp/kube.out" "kube-e2e" 40
+        fail "$(grep '^error: ' "$tmp/$2.out" | sed 's/^error: //' | paste -sd';' - | cut -c1-400)"
+        show "$tmp/$2.out" "kube-e2e ($1)" 40
     fi
 }
 
