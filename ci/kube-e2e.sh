@@ -265,6 +265,9 @@ if play first && ready; then
         [ -n "$line" ] || error "keel's log does not say it runs the dir provider"
         info "${line#*keel: }"
     fi
+    # `kubectl exec POD -- keel status`: the control socket is where the CLI looks (a non-root
+    # PID 1 cannot make /run/keel: it keeps the socket in the state dir).
+    st=$(pm exec "$ctr" keel status 2>&1) || error "keel status in the pod failed: $(echo "$st" | tail -n 2 | paste -sd' ' -)"
     if [ -n "$run_as" ]; then
         uid=$(pm exec "$ctr" awk '/^Uid:/ { print $2 }' /proc/1/status)
         [ "$uid" = "$run_as" ] || error "keel (PID 1) runs as uid $uid, the manifest says $run_as"

@@ -210,7 +210,7 @@ pub fn sandbox_covers(cfg: &Config) -> Vec<(PathBuf, crate::sys::ns::Cover)> {
     }
     let socket = cfg
         .control
-        .socket_path(cfg, crate::sys::process::is_pid1())
+        .socket_path(cfg, crate::sys::process::is_root_pid1())
         .filter(|s| {
             std::fs::symlink_metadata(s).is_ok_and(|m| {
                 use std::os::unix::fs::FileTypeExt;

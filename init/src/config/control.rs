@@ -1,7 +1,7 @@
 //! The `[control]` table: the small HTTP control API (`/health`, `/status`, `/checkpoint`,
 //! `/metrics`) is off unless `listen` is set; `token` (or `KEEL_CONTROL_TOKEN`, which wins)
 //! guards every route but `/health`. `socket` moves or enables the root-only Unix socket that
-//! `keel status` reads (default `/run/keel/control.sock` for a keel that is PID 1, else
+//! `keel status` reads (default `/run/keel/control.sock` for a root keel that is PID 1, else
 //! `<state_dir>/control.sock`, whenever the workspace is enabled); `group` opens it to a group.
 
 use serde::Deserialize;
@@ -66,7 +66,7 @@ pub struct ControlConfig {
     /// Bearer token every route but `/health` requires. `KEEL_CONTROL_TOKEN` overrides it.
     pub token: Option<Secret>,
     /// Unix socket for `keel status` and `keel checkpoint`. Default while the workspace is
-    /// enabled: `/run/keel/control.sock` when keel is PID 1 (a container; outside the state
+    /// enabled: `/run/keel/control.sock` when keel is PID 1 and root (a container; outside the state
     /// dir, so the sandbox reaches it), else `<workspace.state_dir>/control.sock` (which the
     /// sandbox reaches bound into the cover of the state dir); none when `[init] workspace =
     /// false`.
@@ -129,11 +129,13 @@ impl ControlConfig {
     }
 
     /// Where the control socket lives, if anywhere: `socket`, else (workspace enabled)
-    /// `/run/keel/control.sock` for a keel that is PID 1, `<state_dir>/control.sock` otherwise.
-    pub fn socket_path(&self, cfg: &super::Config, pid1: bool) -> Option<PathBuf> {
+    /// `/run/keel/control.sock` for a keel that is PID 1 and root (`root_pid1`),
+    /// `<state_dir>/control.sock` otherwise (a non-root PID 1, as in a restricted pod,
+    /// cannot make `/run/keel`; its sandbox is its own user and reaches the state dir anyway).
+    pub fn socket_path(&self, cfg: &super::Config, root_pid1: bool) -> Option<PathBuf> {
         match &self.socket {
             Some(p) => Some(p.clone()),
-            None if cfg.init.workspace && pid1 => Some(PathBuf::from(RUN_SOCKET)),
+            None if cfg.init.workspace && root_pid1 => Some(PathBuf::from(RUN_SOCKET)),
             None if cfg.init.workspace => Some(cfg.workspace.state_dir.join(SOCKET_NAME)),
             None => None,
         }

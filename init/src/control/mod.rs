@@ -89,7 +89,7 @@ pub fn start(cfg: &Config) -> Result<Control, ControlError> {
         ),
         None => None,
     };
-    let unix = match c.socket_path(cfg, crate::sys::process::is_pid1()) {
+    let unix = match c.socket_path(cfg, crate::sys::process::is_root_pid1()) {
         Some(path) => match server::serve_unix(&path, status.clone(), group) {
             Ok(s) => Some(s),
             Err(e) if c.socket.is_some() => return Err(ControlError::Socket(e)),

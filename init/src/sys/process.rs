@@ -447,6 +447,11 @@ pub fn is_pid1() -> bool {
     std::process::id() == 1
 }
 
+/// PID 1 and root: the keel that owns `/run` in its container.
+pub fn is_root_pid1() -> bool {
+    is_pid1() && nix::unistd::geteuid().is_root()
+}
+
 pub fn chdir_root() -> Result<(), ProcessError> {
     nix::unistd::chdir("/").map_err(ProcessError::Chdir)
 }
