@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# deploy/kubernetes/keel.yaml through `podman kube play` (podman runs real Kubernetes YAML):
-# the StatefulSet's Pod (as the StatefulSet names it: <name>-0, its claim <claim>-<name>-0)
-# starts, /health answers 200, /workspace is a FUSE mount; `podman kube down` stops it with
-# SIGTERM (the main command's TERM trap leaves a mark in /workspace); a second `kube play` on
-# the same volume sees every file. Run by ci/platform-e2e.sh (case kube_play), or alone.
+# deploy/kubernetes/keel.yaml (or KEEL_KUBE_MANIFEST, e.g. keel-restricted.yaml) through
+# `podman kube play` (podman runs real Kubernetes YAML): the StatefulSet's Pod (as the
+# StatefulSet names it: <name>-0, its claim <claim>-<name>-0) starts, /health answers 200,
+# /workspace is a FUSE mount (restricted: the dir provider's symlink, keel as the pod's
+# non-root user), `keel status` works in the pod; `podman kube down` stops it with SIGTERM
+# (the main command's TERM trap leaves a mark in /workspace); a second `kube play` on the same
+# volume sees every file, and a third on a fresh volume restores them from the bucket. Run by
+# ci/platform-e2e.sh (cases kube_play, kube_play_restricted), or alone.
 #
 # What the test changes in the YAML (podman has no StatefulSet, CI has no registry and no R2):
 # the StatefulSet becomes its Pod plus a PersistentVolumeClaim, the image is $KEEL_IMAGE,
@@ -163,25 +166,30 @@ EOF
 pod=$(cat "$tmp/pod"); ctr=$(cat "$tmp/container"); grace=$(cat "$tmp/grace")
 provider=$(cat "$tmp/provider"); run_as=$(cat "$tmp/run-as"); ws_path=$(cat "$tmp/ws-path")
 first_yaml="$tmp/play.yaml"
-if [ -s "$tmp/fsgroup" ]; then
-    # The kubelet gives a pod's volumes to its fsGroup (group-owned, setgid, group-writable);
-    # podman kube play does not: make the claim's volume that way, then play without the claim.
+# prepare_claims: the kubelet gives a pod's volumes to its fsGroup (group-owned, setgid,
+# group-writable); podman kube play does not: make each claim's volume that way (then the
+# pod is played without its claims).
+prepare_claims() {
+    local claim mp fsgroup
     fsgroup=$(cat "$tmp/fsgroup")
     while read -r claim || [ -n "$claim" ]; do
         [ -n "$claim" ] || continue
-        pm volume create "$claim" >/dev/null || { error "cannot create volume $claim"; exit 1; }
+        pm volume create "$claim" >/dev/null || { error "cannot create volume $claim"; return 1; }
         # podman gives a new volume, at its first mount, the owner and mode of the image's
         # directory there (/var/lib/keel: root's, 0700), which no kubelet does: that first
         # mount happens here, where the image has no directory.
         pm run --rm -v "$claim:/kube-volume" --entrypoint true "$image" >/dev/null 2>&1 \
-            || { error "cannot mount volume $claim once"; exit 1; }
+            || { error "cannot mount volume $claim once"; return 1; }
         mp=$(pm volume inspect -f '{{.Mountpoint}}' "$claim")
         # A fresh ext4 PersistentVolume holds lost+found.
         mkdir -m 0700 "$mp/lost+found" &&
-            chgrp "$fsgroup" "$mp" && chmod 2775 "$mp" || { error "cannot give $claim to group $fsgroup"; exit 1; }
+            chgrp "$fsgroup" "$mp" && chmod 2775 "$mp" || { error "cannot give $claim to group $fsgroup"; return 1; }
     done <"$tmp/claims"
+}
+if [ -s "$tmp/fsgroup" ]; then
+    prepare_claims || exit 1
     first_yaml="$tmp/play-again.yaml"
-    info "fsGroup $fsgroup: the claim's volume made group-writable as the kubelet would"
+    info "fsGroup $(cat "$tmp/fsgroup"): the claim's volume made group-writable as the kubelet would"
 fi
 [ -n "$grace" ] || error "the manifest sets no terminationGracePeriodSeconds"
 if [ -s "$tmp/secret.yaml" ]; then
@@ -197,7 +205,7 @@ play() {
     local t0 i code
     t0=$(now)
     local yml="$first_yaml"
-    [ "$1" = first ] || yml="$tmp/play-again.yaml"
+    [ "$1" = second ] && yml="$tmp/play-again.yaml"
     pm kube play --network host "$yml" >"$tmp/play-$1.out" 2>&1 \
         || { error "kube play ($1): $(tail -n 3 "$tmp/play-$1.out" | paste -sd' ' -)"; return 1; }
     for ((i = 0; i < 1200; i++)); do
@@ -294,6 +302,21 @@ if play first && ready; then
         [ "$(cat "$(root_of)/marks/stopped-by-sigterm" 2>/dev/null)" = "stopped by SIGTERM" ] \
             || error "the main command did not get SIGTERM at kube down (no mark in /workspace)"
         down second
+    fi
+    # A rescheduled pod on a new node: a fresh volume, the workspace restored from the bucket.
+    pm volume rm -f "state-$pod" >/dev/null 2>&1
+    if [ -s "$tmp/fsgroup" ]; then prepare_claims || exit 1; fi
+    if play third && ready; then
+        python3 "$repo/ci/tree-manifest.py" "$(root_of)" marks >"$tmp/restored" || error "manifest (third)"
+        if diff "$tmp/before" "$tmp/restored" >"$tmp/diff"; then
+            info "third kube play on a fresh volume: restored from the bucket, all $(wc -l <"$tmp/before") entries identical"
+        else
+            error "third kube play on a fresh volume: trees differ ($(grep -c '^[<>]' "$tmp/diff") lines)"
+            head -n 10 "$tmp/diff" | sed 's/^/info:   | /'
+        fi
+        line=$(pm logs "$ctr" 2>&1 | grep -m1 '^keel: restored snapshot')
+        [ -n "$line" ] && info "${line#keel: }" || error "third kube play: keel's log says nothing about a restore"
+        down third
     fi
 fi
 [ "$errors" = 0 ]

@@ -346,8 +346,9 @@ pub fn link_mount_point(mount_point: &Path, root: &Path) -> Result<(), DirError>
             }
             std::fs::remove_dir(mount_point).map_err(|e| {
                 bad(format!(
-                    "must be empty or absent (it becomes a symlink to {}): {e}",
-                    root.display()
+                    "must be empty or absent (it becomes a symlink to {}): {e}{}",
+                    root.display(),
+                    not_permitted_hint(&e)
                 ))
             })?;
         }
@@ -359,7 +360,19 @@ pub fn link_mount_point(mount_point: &Path, root: &Path) -> Result<(), DirError>
         }
         Err(e) => return Err(bad(e.to_string())),
     }
-    std::os::unix::fs::symlink(root, mount_point).map_err(|e| bad(format!("symlink: {e}")))
+    std::os::unix::fs::symlink(root, mount_point)
+        .map_err(|e| bad(format!("symlink: {e}{}", not_permitted_hint(&e))))
+}
+
+/// What to do when keel may not replace the mount point: a non-root keel (a restricted pod,
+/// `--user`) cannot change a directory like `/`.
+fn not_permitted_hint(e: &io::Error) -> &'static str {
+    match e.kind() {
+        io::ErrorKind::PermissionDenied => {
+            " (its parent directory is not keel's to change: as a non-root user, set [workspace] mount_point to a path keel's user may create, e.g. under its home)"
+        }
+        _ => "",
+    }
 }
 
 /// Kind of a host file type (`None`: not one keel stores).
