@@ -281,6 +281,9 @@ impl Prepared {
         // nothing listed, everything else in it 0700/0600.
         if let Err(e) = crate::persist::secure_state_dir(&ws.state_dir).and_then(|()| {
             use std::os::unix::fs::PermissionsExt;
+            if !crate::persist::private::may_chmod(&std::fs::metadata(&ws.state_dir)?) {
+                return Ok(()); // not keel's user's to change (see `may_chmod`)
+            }
             std::fs::set_permissions(&ws.state_dir, std::fs::Permissions::from_mode(0o711))
         }) {
             tracing::warn!(state = %ws.state_dir.display(), error = %e, "cannot make the state dir private (0711)");

@@ -42,6 +42,16 @@ fn root_allowed(root: &Path) -> u32 {
     }
 }
 
+/// Whether keel may change the mode of what `meta` describes: root may, another user only
+/// what it owns. A state dir keel's user does not own (a volume given to its group, as
+/// Kubernetes' `fsGroup` gives one to a non-root pod) keeps the mode its owner chose; keel
+/// makes whatever it creates there 0700/0600 all the same, and walks nothing at each start
+/// (it could never mark the walk done by making the root private).
+pub fn may_chmod(meta: &Metadata) -> bool {
+    let me = crate::sys::beneath::euid();
+    me == 0 || meta.uid() == me
+}
+
 /// Whether `mode` gives group or others any access (or carries set-ID/sticky bits).
 pub fn is_loose(mode: u32) -> bool {
     mode & LOOSE_BITS != 0
@@ -137,7 +147,7 @@ pub fn secure_dir(root: &Path, what: &str) -> io::Result<Option<Tightened>> {
         ));
     }
     let allowed = root_allowed(root);
-    if !is_loose(meta.mode() & !allowed) {
+    if !is_loose(meta.mode() & !allowed) || !may_chmod(&meta) {
         return Ok(None);
     }
     let mut t = Tightened::default();
