@@ -259,6 +259,16 @@ down() {   # down PHASE: kube down with keel's log captured; prints what the sto
     info "keel: $(grep -E 'stopping:|workspace flush|checkpoint report|exit [0-9]' "$tmp/logs-$1" | sed 's/^.*keel: *//' | paste -sd'|' - | cut -c1-300)"
 }
 
+same_tree() {   # same_tree PHASE WHAT: the workspace now against the first play's manifest
+    python3 "$repo/ci/tree-manifest.py" "$(root_of)" marks >"$tmp/$1" || error "manifest ($1)"
+    if diff "$tmp/before" "$tmp/$1" >"$tmp/diff"; then
+        info "$2: all $(wc -l <"$tmp/before") entries identical"
+    else
+        error "$2: trees differ ($(grep -c '^[<>]' "$tmp/diff") lines)"
+        head -n 10 "$tmp/diff" | sed 's/^/info:   | /'
+    fi
+}
+
 if play first && ready; then
     if [ "$provider" = fuse ]; then
         fs=$(pm exec "$ctr" awk -v p="$ws_path" '$2 == p { print $3 }' /proc/mounts | tail -n 1)
@@ -292,13 +302,7 @@ if play first && ready; then
     down first
     pm volume exists "state-$pod" || error "the state volume is gone after kube down"
     if play second && ready; then
-        python3 "$repo/ci/tree-manifest.py" "$(root_of)" marks >"$tmp/after" || error "manifest (second)"
-        if diff "$tmp/before" "$tmp/after" >"$tmp/diff"; then
-            info "second kube play on the same volume: all $(wc -l <"$tmp/before") entries identical"
-        else
-            error "second kube play: trees differ ($(grep -c '^[<>]' "$tmp/diff") lines)"
-            head -n 10 "$tmp/diff" | sed 's/^/info:   | /'
-        fi
+        same_tree second "second kube play on the same volume"
         [ "$(cat "$(root_of)/marks/stopped-by-sigterm" 2>/dev/null)" = "stopped by SIGTERM" ] \
             || error "the main command did not get SIGTERM at kube down (no mark in /workspace)"
         down second
@@ -307,13 +311,7 @@ if play first && ready; then
     pm volume rm -f "state-$pod" >/dev/null 2>&1
     if [ -s "$tmp/fsgroup" ]; then prepare_claims || exit 1; fi
     if play third && ready; then
-        python3 "$repo/ci/tree-manifest.py" "$(root_of)" marks >"$tmp/restored" || error "manifest (third)"
-        if diff "$tmp/before" "$tmp/restored" >"$tmp/diff"; then
-            info "third kube play on a fresh volume: restored from the bucket, all $(wc -l <"$tmp/before") entries identical"
-        else
-            error "third kube play on a fresh volume: trees differ ($(grep -c '^[<>]' "$tmp/diff") lines)"
-            head -n 10 "$tmp/diff" | sed 's/^/info:   | /'
-        fi
+        same_tree third "third kube play on a fresh volume (restored from the bucket)"
         line=$(pm logs "$ctr" 2>&1 | grep -m1 '^keel: restored snapshot')
         [ -n "$line" ] && info "${line#keel: }" || error "third kube play: keel's log says nothing about a restore"
         down third
