@@ -224,7 +224,7 @@ impl Processes {
                 s.kill_asked = true;
                 s.killed = true;
             });
-            let _ = r.wake.signal();
+            r.wake();
         }
     }
 
@@ -249,7 +249,7 @@ impl Processes {
             s.exit = Some((e.exit, e.usage));
             s.ended = Some(Instant::now());
         });
-        let _ = r.wake.signal();
+        r.wake();
         true
     }
 
@@ -360,7 +360,9 @@ impl Processes {
         let io = match self.spawn(&rec, &plan, &tpl, ids) {
             Ok(io) => io,
             Err(e) => {
-                around::abandon(&before);
+                for e in around::abandon(&before, agent.as_ref()) {
+                    warn!("exec {}: {e}", rec.id);
+                }
                 self.forget(&rec);
                 return Err(e);
             }
@@ -377,13 +379,26 @@ impl Processes {
         let me = self.clone();
         let r = rec.clone();
         let grace = tpl.grace;
+        // The options after the exit, should the thread not start.
+        let (agent2, before2) = (agent.clone(), before.clone());
         let spawned = std::thread::Builder::new()
             .name(format!("keel-exec-{}", rec.id))
             .spawn(move || pump::run(&me, &r, io, grace, agent, before));
         if let Err(e) = spawned {
-            // Without its thread nobody reads its output: end it now.
+            // Without its thread nobody reads its output or finishes the record: end both
+            // now (the reaper still collects the process).
             warn!("exec {}: no thread for it: {e}", rec.id);
             kill_tree(&rec);
+            let mut errors = around::abandon(&before2, agent2.as_ref());
+            errors.insert(0, format!("no thread for the process: {e}"));
+            drop(agent2);
+            rec.drop_wake();
+            rec.update(|s| {
+                s.killed = true;
+                s.workspace.insert("errors".into(), errors.into());
+                s.phase = Phase::Done;
+                s.done = Some(Instant::now());
+            });
         }
         Ok(Started::New(rec))
     }
@@ -400,9 +415,10 @@ impl Processes {
             source,
         })?;
         let out = |name: &str| {
-            let path = self.dir.join(format!("{id}.{name}"));
-            output::Output::create(&path, self.cfg.output_limit)
-                .map_err(|source| ExecError::Output { path, source })
+            output::Output::create(
+                &self.dir.join(format!("{id}.{name}")),
+                self.cfg.output_limit,
+            )
         };
         Ok(Record {
             id,
@@ -421,8 +437,8 @@ impl Processes {
             around: plan.around.clone(),
             started_wall: SystemTime::now(),
             started: Instant::now(),
-            stdout: out("stdout")?,
-            stderr: out("stderr")?,
+            stdout: out("stdout"),
+            stderr: out("stderr"),
             state: Mutex::new(record::State {
                 phase: Phase::Starting,
                 pid: None,
@@ -439,10 +455,12 @@ impl Processes {
                 version: 0,
             }),
             cv: Default::default(),
-            wake: EventFd::new().map_err(|source| ExecError::Output {
-                path: "eventfd".into(),
-                source,
-            })?,
+            wake: Mutex::new(Some(Arc::new(EventFd::new().map_err(|source| {
+                ExecError::Output {
+                    path: "eventfd".into(),
+                    source,
+                }
+            })?))),
             input: Default::default(),
             master: OnceLock::new(),
             cgroup: OnceLock::new(),
@@ -501,16 +519,19 @@ impl Processes {
                 stdin: plan.stdin != Stdin::None,
             },
         };
+        // Its cgroup.procs stays open only until the fork.
+        let mut procs = None;
         if let Some(root) = &self.cgroups {
             let name = format!("keel-exec-{}-{}", std::process::id(), rec.id);
             match root.create(&name) {
-                Ok(cg) => {
+                Ok((cg, p)) => {
                     let _ = rec.cgroup.set(cg);
+                    procs = Some(p);
                 }
                 Err(e) => warn!("exec {}: cgroup {name}: {e}", rec.id),
             }
         }
-        spec.cgroup_procs = rec.cgroup.get().map(|c| c.procs_fd());
+        spec.cgroup_procs = procs.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
         let spawned = {
             let mut t = self.lock();
             if t.closed.is_some() {
@@ -622,7 +643,7 @@ impl Processes {
                 s.kill_asked = true;
                 s.killed = true;
             });
-            let _ = rec.wake.signal();
+            rec.wake();
             // The pump thread sends TERM, KILL after the grace, and ends once the tree is
             // gone; the wait only bounds a thread that never answers.
             rec.wait_done(grace + Duration::from_secs(60));

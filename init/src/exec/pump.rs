@@ -57,6 +57,10 @@ pub(super) fn run(
         streams.push((File::from(fd), which));
     }
     let mut buf = vec![0u8; 256 << 10];
+    let Some(wake) = rec.wake_fd() else {
+        warn!("exec {}: its pump started twice", rec.id);
+        return;
+    };
     // Counted from the spawn (the options before it may have taken a while).
     let deadline = rec.timeout.map(|t| Instant::now() + t);
     // After a TERM: when the KILL goes out, and whether it did.
@@ -106,7 +110,7 @@ pub(super) fn run(
         let ready = {
             let mut fds: Vec<std::os::fd::BorrowedFd<'_>> =
                 streams.iter().map(|(f, _)| f.as_fd()).collect();
-            fds.push(rec.wake.as_fd());
+            fds.push(wake.as_fd());
             match pipe::wait_readable(&fds, timeout) {
                 Ok(r) => r,
                 Err(e) => {
@@ -117,7 +121,7 @@ pub(super) fn run(
             }
         };
         if ready.last() == Some(&true) {
-            rec.wake.clear();
+            wake.clear();
         }
         let mut ended = Vec::new();
         for (i, (f, which)) in streams.iter_mut().enumerate() {
@@ -157,6 +161,8 @@ pub(super) fn run(
             streams.remove(i);
         }
     }
+    drop(wake);
+    rec.drop_wake();
     finish(table, rec, agent, before);
 }
 
@@ -178,18 +184,19 @@ fn finish(
         s.tree_cpu = cpu;
         s.tree_peak_kib = peak;
     });
-    let (success, timed_out) = {
+    let (spawned, success, timed_out) = {
         let s = rec.lock();
         (
+            s.error.is_none(),
             s.exit.is_some_and(|(e, _)| e.success()) && s.error.is_none(),
             s.timed_out,
         )
     };
     if let Some(agent) = agent.filter(|_| rec.around.any()) {
         let ws = if table.closed() {
-            around::skipped(&rec.around, &before, "keel is stopping")
+            around::skipped(&rec.around, &before, "keel is stopping", &agent)
         } else {
-            around::after(&rec.around, &before, success, timed_out, &agent)
+            around::after(&rec.around, &before, spawned, success, timed_out, &agent)
         };
         rec.update(|s| s.workspace = ws);
     }
