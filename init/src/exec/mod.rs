@@ -21,7 +21,7 @@ pub mod stream;
 
 mod pump;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -124,6 +124,11 @@ struct Table {
     /// Why no process may start any more (keel stops).
     closed: Option<String>,
     records: BTreeMap<ProcessId, Arc<Record>>,
+    /// Records not done yet (admission compares it with `max_processes`).
+    running: usize,
+    /// Done records, oldest first, with when they were done: what `prune` looks at, so a
+    /// start costs the same with 10 or 10,000 records kept.
+    finished: VecDeque<(Instant, ProcessId)>,
     by_pid: HashMap<i32, Arc<Record>>,
     by_request: HashMap<String, ProcessId>,
     next: u64,
@@ -270,27 +275,40 @@ impl Processes {
     }
 
     /// Forgets records whose process ended more than `retention` ago and left nothing
-    /// running, with their output files and cgroup.
+    /// running, with their output files and cgroup (one whose leftovers still run is looked
+    /// at again a retention later).
     fn prune(&self, t: &mut Table) {
         let now = Instant::now();
-        let old: Vec<ProcessId> = t
-            .records
-            .values()
-            .filter(|r| {
-                r.lock()
-                    .done
-                    .is_some_and(|d| now.saturating_duration_since(d) >= self.cfg.retention)
-            })
-            .filter(|r| !tree_alive(r))
-            .map(|r| r.id)
-            .collect();
-        for id in old {
+        let mut again = Vec::new();
+        while let Some(&(done, id)) = t.finished.front() {
+            if now.saturating_duration_since(done) < self.cfg.retention {
+                break;
+            }
+            t.finished.pop_front();
+            let Some(r) = t.records.get(&id) else {
+                continue;
+            };
+            if tree_alive(r) {
+                again.push((now, id));
+                continue;
+            }
             if let Some(r) = t.records.remove(&id) {
                 forget_files(&r);
                 if let Some(q) = &r.request_id {
                     t.by_request.remove(q);
                 }
             }
+        }
+        t.finished.extend(again);
+    }
+
+    /// `rec` is done (its pump thread finished it): it no longer counts against
+    /// `max_processes` and `prune` may forget it a retention from now.
+    fn finished(&self, rec: &Record) {
+        let mut t = self.lock();
+        if t.records.contains_key(&rec.id) {
+            t.running = t.running.saturating_sub(1);
+            t.finished.push_back((Instant::now(), rec.id));
         }
     }
 
@@ -315,12 +333,7 @@ impl Processes {
                 let rec = t.records.get(r).cloned().expect("request ids name records");
                 return Ok(Started::Attached(rec));
             }
-            let running = t
-                .records
-                .values()
-                .filter(|r| r.phase() != Phase::Done)
-                .count();
-            if running >= self.cfg.max_processes as usize {
+            if t.running >= self.cfg.max_processes as usize {
                 return Err(ExecError::TooMany(self.cfg.max_processes));
             }
             if plan.around.any() && agent.is_none() {
@@ -334,6 +347,7 @@ impl Processes {
             t.next += 1;
             let rec = Arc::new(self.new_record(id, &plan, &tpl, ids.as_ref())?);
             t.records.insert(id, rec.clone());
+            t.running += 1;
             if let Some(q) = &plan.request_id {
                 t.by_request.insert(q.clone(), id);
             }
@@ -399,6 +413,7 @@ impl Processes {
                 s.phase = Phase::Done;
                 s.done = Some(Instant::now());
             });
+            self.finished(&rec);
         }
         Ok(Started::New(rec))
     }
@@ -470,7 +485,9 @@ impl Processes {
     /// Drops a record that never ran (its options before the spawn failed).
     fn forget(&self, rec: &Record) {
         let mut t = self.lock();
-        t.records.remove(&rec.id);
+        if t.records.remove(&rec.id).is_some() {
+            t.running = t.running.saturating_sub(1);
+        }
         if let Some(q) = &rec.request_id {
             t.by_request.remove(q);
         }
@@ -732,12 +749,7 @@ impl Processes {
     /// Running processes and kept records, for `/status`.
     pub fn counts(&self) -> (usize, usize) {
         let t = self.lock();
-        let running = t
-            .records
-            .values()
-            .filter(|r| r.phase() != Phase::Done)
-            .count();
-        (running, t.records.len())
+        (t.running, t.records.len())
     }
 
     pub fn dir(&self) -> &Path {

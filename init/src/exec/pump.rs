@@ -205,6 +205,7 @@ fn finish(
         s.phase = Phase::Done;
         s.done = Some(Instant::now());
     });
+    table.finished(rec);
     if let Some((e, _)) = exit {
         info!(
             "exec {}: ended: {e} after {:.3}s",
