@@ -11,6 +11,7 @@
 
 use std::fs::File;
 use std::io;
+use std::os::fd::BorrowedFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
@@ -131,6 +132,26 @@ impl Output {
         Ok(())
     }
 
+    /// Moves what the pipe `pipe` holds now (at most `max` bytes, in one contiguous piece
+    /// of the file) into the stream without copying it through keel (the one writer only).
+    /// 0: the pipe is empty (or at its end: a read tells which). EINVAL: the pipe cannot be
+    /// spliced into the file; `append` what is read instead.
+    pub fn splice_from(&self, pipe: BorrowedFd<'_>, max: usize) -> io::Result<usize> {
+        let want = crate::sys::pipe::available(pipe)?.min(max);
+        if want == 0 {
+            return Ok(0);
+        }
+        let pos = self.len.load(SeqCst);
+        let (at, room) = self.place(pos);
+        let n = (room as usize).min(want);
+        let file = self.file_for_write()?;
+        // Exactly what the pipe holds (nobody else reads it) or less: announced before.
+        self.writing.store(pos + n as u64, SeqCst);
+        let moved = crate::sys::pipe::splice_to_file(pipe, file, at, n)?;
+        self.len.store(pos + moved as u64, SeqCst);
+        Ok(moved)
+    }
+
     /// Reads from logical offset `from` into `buf`.
     pub fn read(&self, from: u64, buf: &mut [u8]) -> io::Result<Chunk> {
         let len = self.len();
@@ -165,6 +186,7 @@ impl Output {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
 
     fn read_all(o: &Output, mut from: u64) -> (Vec<u8>, Vec<(u64, u64)>) {
         let (mut data, mut gaps) = (Vec::new(), Vec::new());
@@ -194,6 +216,33 @@ mod tests {
         assert_eq!(read_all(&o, 0), (b"hello world".to_vec(), vec![]));
         assert_eq!(read_all(&o, 6), (b"world".to_vec(), vec![]));
         assert_eq!(read_all(&o, 11), (vec![], vec![]));
+    }
+
+    #[test]
+    fn bytes_spliced_from_a_pipe_keep_the_head_and_tail_as_appended_ones() {
+        use std::io::Write;
+        let d = tempfile::tempdir().unwrap();
+        let o = Output::create(&d.path().join("out"), 100);
+        let (r, w) = nix::unistd::pipe().unwrap();
+        let mut w = std::fs::File::from(w);
+        // Nothing in the pipe: nothing moved, and no file made yet.
+        assert_eq!(o.splice_from(r.as_fd(), 1 << 20).unwrap(), 0);
+        assert!(!d.path().join("out").exists());
+        let all: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+        for c in all.chunks(130) {
+            w.write_all(c).unwrap();
+            let mut moved = 0;
+            while moved < c.len() {
+                let n = o.splice_from(r.as_fd(), 1 << 20).unwrap();
+                assert!(n > 0, "the pipe holds {} more bytes", c.len() - moved);
+                moved += n;
+            }
+        }
+        let (data, gaps) = read_all(&o, 0);
+        assert_eq!(gaps, vec![(25, 925)]);
+        assert_eq!(&data[..25], &all[..25]);
+        assert_eq!(&data[25..], &all[925..]);
+        assert_eq!(o.len(), 1000);
     }
 
     #[test]

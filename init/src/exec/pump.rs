@@ -50,11 +50,12 @@ pub(super) fn run(
                 let _ = (&w).write_all(&bytes);
             });
     }
-    let mut streams: Vec<(File, u8)> = Vec::new();
+    // (its fd, 1 or 2, whether it can be spliced into its file: a pipe can, a terminal not).
+    let mut streams: Vec<(File, u8, bool)> = Vec::new();
     for (fd, which) in io.outputs {
         let _ = pipe::set_nonblocking(&fd);
         let _ = pipe::set_pipe_size(&fd, 1 << 20);
-        streams.push((File::from(fd), which));
+        streams.push((File::from(fd), which, true));
     }
     let mut buf = vec![0u8; 256 << 10];
     let Some(wake) = rec.wake_fd() else {
@@ -109,7 +110,7 @@ pub(super) fn run(
         let timeout = next.map(|n| n.saturating_duration_since(now));
         let ready = {
             let mut fds: Vec<std::os::fd::BorrowedFd<'_>> =
-                streams.iter().map(|(f, _)| f.as_fd()).collect();
+                streams.iter().map(|(f, _, _)| f.as_fd()).collect();
             fds.push(wake.as_fd());
             match pipe::wait_readable(&fds, timeout) {
                 Ok(r) => r,
@@ -124,7 +125,7 @@ pub(super) fn run(
             wake.clear();
         }
         let mut ended = Vec::new();
-        for (i, (f, which)) in streams.iter_mut().enumerate() {
+        for (i, (f, which, splice)) in streams.iter_mut().enumerate() {
             if !ready[i] {
                 continue;
             }
@@ -135,6 +136,20 @@ pub(super) fn run(
             };
             let mut taken = 0;
             while taken < ROUND {
+                // Straight from the pipe into the file; a read when it holds nothing (it
+                // may be at its end) or cannot be spliced.
+                if *splice {
+                    match out.splice_from(f.as_fd(), ROUND - taken) {
+                        Ok(0) => {}
+                        Ok(n) => {
+                            taken += n;
+                            rec.update(|_| {});
+                            continue;
+                        }
+                        Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                        Err(_) => *splice = false,
+                    }
+                }
                 match f.read(&mut buf) {
                     Ok(0) => {
                         ended.push(i);
