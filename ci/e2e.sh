@@ -714,6 +714,11 @@ keel snapshot create --name atk >/dev/null 2>&1 && echo "snapshot-from-inside ok
 WHO=root attack
 WHO=root files_attack
 WHO=root api_attack
+# Controls for the attempts above: curl reaches both (root may watch on the socket; /health
+# needs no token on TCP).
+WHO=root api_ok --unix-socket /run/keel/control.sock 'http://keel/watch?path=/&recursive=1' \
+    && echo "watch-from-inside ok" || echo "watch-from-inside FAILED"
+api_ok http://127.0.0.1:8789/health && echo "tcp-listener ok" || echo "tcp-listener FAILED"
 setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack; files_attack; api_attack; acl_attack"
 setpriv --reuid=1000 --regid=1000 --init-groups cat /workspace/acl-control >/dev/null 2>&1 && echo "acl-grant ok" || echo "acl-grant FAILED"
 setpriv --reuid=1000 --regid=1000 --init-groups keel status >/dev/null 2>&1 && echo "group-status ok" || echo "group-status FAILED"
@@ -737,6 +742,8 @@ EOF2
     grep -qx 'acl-grant ok' "$out" || fail "an ACL entry did not let the sandbox user read a 0600 file"
     grep -qx 'exec-from-inside ok' "$out" || fail "keel exec from inside the sandbox (root) failed"
     grep -qx 'files-from-inside ok' "$out" || fail "keel files from inside the sandbox (root) failed"
+    grep -qx 'watch-from-inside ok' "$out" || fail "GET /watch on the socket as root failed (the watch attempts prove nothing)"
+    grep -qx 'tcp-listener ok' "$out" || fail "the TCP listener did not answer /health (the TCP attempts prove nothing)"
     [ "$(grep -c '^denied ' "$out")" = 76 ] || fail "$(grep -c '^denied ' "$out") of 76 attempts reported as denied"
     while IFS= read -r line; do fail "${line#ATTEMPT-SUCCEEDED }"; done < <(grep '^ATTEMPT-SUCCEEDED ' "$out")
     grep -qF -e "$envsecret" -e "$filesecret" "$out.err" && fail "keel's log shows a secret"
