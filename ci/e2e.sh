@@ -600,7 +600,8 @@ EOF
 # /workspace, and a local file:// remote outside the state dir, every attempt below must
 # fail (the files API's too: keel's state dir, `..`, a symlink out of the workspace,
 # /proc/1/root, another user's 0600 file, as root through the socket and as the sandbox
-# user); the case names each one that succeeds. Then
+# user; the change feed as the sandbox user; exec, files and watch on the TCP listener
+# without the token); the case names each one that succeeds. Then
 # `keel fsck` of the state is clean, and a fresh container restoring from the remote (every
 # chunk verified on read) finds the workspace intact.
 case_attacker() {
@@ -613,6 +614,7 @@ remote = "file:///srv/keel-remote"
 credentials_file = "/run/secrets/keel/credentials"
 [control]
 group = "sandbox"
+listen = "127.0.0.1:8789"
 EOF2
     printf '# e2e\nAWS_ACCESS_KEY_ID=e2e-file-key-id\nexport AWS_SESSION_TOKEN=%s\nKEEL_CONTROL_TOKEN=%s\n' \
         "$filesecret" "$filesecret-token" >"$tmp/attack.creds"
@@ -677,6 +679,18 @@ files_attack() {
     attempt "read a symlink to /proc/1/root with /files" keel files get proc1/var/lib/keel/meta.db -o /tmp/f.out
     attempt "read another user's 0600 file with /files as the sandbox user" keel files get --user sandbox small -o /tmp/f.out
 }
+# The API with curl: the change feed over the socket (the control group may not watch; root
+# may), and the TCP listener without the token (the token is only in the credentials file):
+# the attempt succeeds when keel answers 200 (a stream that would go on is cut at 5 s).
+api_ok() { [ "$(curl -s -o /dev/null -m 5 -w '%{http_code}' "$@")" = 200 ]; }
+api_attack() {
+    [ "$WHO" = root ] || attempt "watch the workspace's changes through the socket" \
+        api_ok --unix-socket /run/keel/control.sock 'http://keel/watch?path=/&recursive=1'
+    attempt "exec through TCP without the token" \
+        api_ok -X POST -H 'Content-Type: application/json' -d '{"argv":["touch","/workspace/pwned-by-tcp"]}' http://127.0.0.1:8789/exec
+    attempt "read a file through TCP without the token" api_ok 'http://127.0.0.1:8789/files?path=small'
+    attempt "watch the workspace through TCP without the token" api_ok 'http://127.0.0.1:8789/watch?path=/&recursive=1'
+}
 # A file anyone could read but for an ACL entry that names the sandbox user.
 acl_attack() {
     attempt "read a 0644 file an ACL entry denies it" cat /workspace/acl-denied
@@ -699,14 +713,20 @@ keel snapshot create --name atk >/dev/null 2>&1 && echo "snapshot-from-inside ok
 [ "$(keel files get small 2>/dev/null)" = "$SECRET" ] && echo "files-from-inside ok" || echo "files-from-inside FAILED"
 WHO=root attack
 WHO=root files_attack
-setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack; files_attack; acl_attack"
+WHO=root api_attack
+# Controls for the attempts above: curl reaches both (root may watch on the socket; /health
+# needs no token on TCP).
+WHO=root api_ok --unix-socket /run/keel/control.sock 'http://keel/watch?path=/&recursive=1' \
+    && echo "watch-from-inside ok" || echo "watch-from-inside FAILED"
+api_ok http://127.0.0.1:8789/health && echo "tcp-listener ok" || echo "tcp-listener FAILED"
+setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack; files_attack; api_attack; acl_attack"
 setpriv --reuid=1000 --regid=1000 --init-groups cat /workspace/acl-control >/dev/null 2>&1 && echo "acl-grant ok" || echo "acl-grant FAILED"
 setpriv --reuid=1000 --regid=1000 --init-groups keel status >/dev/null 2>&1 && echo "group-status ok" || echo "group-status FAILED"
 sha256sum small big acl-denied | sed 's/^/sum /'
 echo DONE
 EOF2
     # The functions alone, for the unprivileged run.
-    awk '{ print } /^}$/ && ++n == 4 { exit }' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
+    awk '{ print } /^}$/ && ++n == 5 { exit }' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
     chmod 0644 "$tmp/attack.sh" "$tmp/attack.sh.fns"
     run_c "$out" "${keel_flags[@]}" -v "$svol:/var/lib/keel" -v "$rvol:/srv/keel-remote" \
         -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \
@@ -722,7 +742,9 @@ EOF2
     grep -qx 'acl-grant ok' "$out" || fail "an ACL entry did not let the sandbox user read a 0600 file"
     grep -qx 'exec-from-inside ok' "$out" || fail "keel exec from inside the sandbox (root) failed"
     grep -qx 'files-from-inside ok' "$out" || fail "keel files from inside the sandbox (root) failed"
-    [ "$(grep -c '^denied ' "$out")" = 69 ] || fail "$(grep -c '^denied ' "$out") of 69 attempts reported as denied"
+    grep -qx 'watch-from-inside ok' "$out" || fail "GET /watch on the socket as root failed (the watch attempts prove nothing)"
+    grep -qx 'tcp-listener ok' "$out" || fail "the TCP listener did not answer /health (the TCP attempts prove nothing)"
+    [ "$(grep -c '^denied ' "$out")" = 76 ] || fail "$(grep -c '^denied ' "$out") of 76 attempts reported as denied"
     while IFS= read -r line; do fail "${line#ATTEMPT-SUCCEEDED }"; done < <(grep '^ATTEMPT-SUCCEEDED ' "$out")
     grep -qF -e "$envsecret" -e "$filesecret" "$out.err" && fail "keel's log shows a secret"
     grep '^denied \|^ATTEMPT' "$out" | sed 's/^/    /'

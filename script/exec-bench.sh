@@ -3,7 +3,8 @@
 # real `keel run` with the FUSE workspace on this machine:
 #   - exec round trip of `true` (p50, p99) over the Unix socket and over TCP with a token,
 #     beside `podman exec CONTAINER true` (a container of $KEEL_IMAGE when podman has it);
-#   - output throughput of `head -c 1G /dev/zero` to a reading client (NDJSON and raw);
+#   - output throughput of `head -c 1G /dev/zero` to a reading client (NDJSON and raw, three
+#     rounds: on a shared machine one round says little);
 #   - keel's RSS idle, with 100 concurrent processes, and while one process writes 10 GiB
 #     that no client reads;
 #   - the time diff=true adds to an exec changing 1,000 files of a 100,000-file workspace.
@@ -23,7 +24,7 @@ IMAGE=${KEEL_IMAGE:-localhost/keel:latest}
 ARGS=()
 while [ $# -gt 0 ]; do
     case $1 in
-        --short) ARGS+=(--runs 100 --podman-runs 10 --size $((64 << 20)) --big $((256 << 20))
+        --short) ARGS+=(--runs 100 --podman-runs 10 --size $((64 << 20)) --big $((256 << 20)) --rounds 1
                        --concurrent 10 --files 10000 --changed 100) ;;
         --only) ARGS+=(--only "$2"); shift ;;
         *) echo "exec-bench: unknown argument $1" >&2; exit 2 ;;

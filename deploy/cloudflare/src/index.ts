@@ -5,6 +5,8 @@
 // checkpointed every 30 s while it changes and at SIGTERM (Cloudflare sends SIGTERM, then
 // SIGKILL up to 15 min later), so an instance can be stopped and moved at any time.
 import { Container, getContainer } from "@cloudflare/containers";
+import { KeelClient } from "./keel.js";
+import { route } from "./routes.js";
 
 interface Env {
   KEEL: DurableObjectNamespace<KeelContainer>;
@@ -69,12 +71,21 @@ export default {
   async fetch(request: Request, env: Env): Promise<Response> {
     const url = new URL(request.url);
     const m = url.pathname.match(/^\/w\/([A-Za-z0-9._-]{1,64})(\/.*)?$/);
-    if (!m) return new Response("usage: /w/<workspace>/{health,status,checkpoint,metrics}\n", { status: 404 });
+    if (!m) {
+      return new Response("usage: /w/<workspace>/{health,status,checkpoint,metrics,run,fs/<path>,changes}\n", {
+        status: 404,
+      });
+    }
     const container = getContainer(env.KEEL, m[1]);
     const inner = new URL(m[2] ?? "/status", url);
     if (inner.pathname !== "/health" && !(await healthy(container))) {
       return new Response("workspace not ready\n", { status: 503 });
     }
+    // The Worker's routes for processes and files (routes.ts), with the caller's token.
+    const bearer = request.headers.get("Authorization")?.match(/^Bearer (.+)$/)?.[1];
+    const client = new KeelClient("http://localhost", bearer, (r) => container.fetch(r));
+    const answer = await route(client, inner.pathname, new Request(inner, request));
+    if (answer) return answer;
     // The control API checks the bearer token itself; pass the caller's header through.
     return container.fetch(new Request(inner, request));
   },

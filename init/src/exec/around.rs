@@ -164,10 +164,12 @@ fn tracked_diff(w: &MountedHandle, t: TrackId, from: Option<u64>) -> Result<Valu
     Ok(v)
 }
 
-/// The options after the exit (`success`: exit code 0).
+/// The options after the exit (`success`: exit code 0; `spawned`: the command started at
+/// all, its exec did not fail).
 pub fn after(
     a: &Around,
     b: &Before,
+    spawned: bool,
     success: bool,
     timed_out: bool,
     agent: &CheckpointHandle,
@@ -202,10 +204,13 @@ pub fn after(
         }
     }
     if let (Some(on), Some(to)) = (a.rollback_on, b.seq) {
-        let wanted = match on {
-            RollbackOn::Failure => !success || timed_out,
-            RollbackOn::Timeout => timed_out,
-        };
+        // A command that never started changed nothing: a rollback would only undo what
+        // others wrote meanwhile.
+        let wanted = spawned
+            && match on {
+                RollbackOn::Failure => !success || timed_out,
+                RollbackOn::Timeout => timed_out,
+            };
         if wanted {
             let op = Op::Rollback(Rollback {
                 to: to.to_string(),
@@ -264,16 +269,24 @@ pub fn after(
     m
 }
 
-/// The process never started: its change tracker ends.
-pub fn abandon(b: &Before) {
+/// The process never started (or never got its thread): its change tracker ends and the
+/// name that pinned the snapshot before goes (what it could not delete is returned).
+pub fn abandon(b: &Before, agent: Option<&CheckpointHandle>) -> Vec<String> {
     if let Some((w, t)) = &b.track {
         let _ = w.track_finish(*t);
     }
+    let mut errors = Vec::new();
+    if let Some(agent) = agent {
+        unpin(b, agent, &mut errors);
+    }
+    errors
 }
 
-/// When keel stops before the options after the exit could run.
-pub fn skipped(a: &Around, b: &Before, why: &str) -> Map<String, Value> {
-    abandon(b);
+/// When keel stops before the options after the exit could run: nothing is diffed, rolled
+/// back or checkpointed, and the temporary name of the snapshot before goes all the same.
+pub fn skipped(a: &Around, b: &Before, why: &str, agent: &CheckpointHandle) -> Map<String, Value> {
+    let mut errors = abandon(b, Some(agent));
+    errors.insert(0, format!("diff, rollback and checkpoint skipped: {why}"));
     let mut m = Map::new();
     if let Some(s) = b.seq {
         m.insert("snapshot_before".into(), s.into());
@@ -281,10 +294,7 @@ pub fn skipped(a: &Around, b: &Before, why: &str) -> Map<String, Value> {
     if let Some(n) = &a.snapshot {
         m.insert("snapshot".into(), n.clone().into());
     }
-    m.insert(
-        "errors".into(),
-        vec![format!("diff, rollback and checkpoint skipped: {why}")].into(),
-    );
+    m.insert("errors".into(), errors.into());
     m
 }
 

@@ -21,7 +21,7 @@ pub mod stream;
 
 mod pump;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -124,6 +124,11 @@ struct Table {
     /// Why no process may start any more (keel stops).
     closed: Option<String>,
     records: BTreeMap<ProcessId, Arc<Record>>,
+    /// Records not done yet (admission compares it with `max_processes`).
+    running: usize,
+    /// Done records, oldest first, with when they were done: what `prune` looks at, so a
+    /// start costs the same with 10 or 10,000 records kept.
+    finished: VecDeque<(Instant, ProcessId)>,
     by_pid: HashMap<i32, Arc<Record>>,
     by_request: HashMap<String, ProcessId>,
     next: u64,
@@ -224,7 +229,7 @@ impl Processes {
                 s.kill_asked = true;
                 s.killed = true;
             });
-            let _ = r.wake.signal();
+            r.wake();
         }
     }
 
@@ -249,7 +254,7 @@ impl Processes {
             s.exit = Some((e.exit, e.usage));
             s.ended = Some(Instant::now());
         });
-        let _ = r.wake.signal();
+        r.wake();
         true
     }
 
@@ -270,27 +275,40 @@ impl Processes {
     }
 
     /// Forgets records whose process ended more than `retention` ago and left nothing
-    /// running, with their output files and cgroup.
+    /// running, with their output files and cgroup (one whose leftovers still run is looked
+    /// at again a retention later).
     fn prune(&self, t: &mut Table) {
         let now = Instant::now();
-        let old: Vec<ProcessId> = t
-            .records
-            .values()
-            .filter(|r| {
-                r.lock()
-                    .done
-                    .is_some_and(|d| now.saturating_duration_since(d) >= self.cfg.retention)
-            })
-            .filter(|r| !tree_alive(r))
-            .map(|r| r.id)
-            .collect();
-        for id in old {
+        let mut again = Vec::new();
+        while let Some(&(done, id)) = t.finished.front() {
+            if now.saturating_duration_since(done) < self.cfg.retention {
+                break;
+            }
+            t.finished.pop_front();
+            let Some(r) = t.records.get(&id) else {
+                continue;
+            };
+            if tree_alive(r) {
+                again.push((now, id));
+                continue;
+            }
             if let Some(r) = t.records.remove(&id) {
                 forget_files(&r);
                 if let Some(q) = &r.request_id {
                     t.by_request.remove(q);
                 }
             }
+        }
+        t.finished.extend(again);
+    }
+
+    /// `rec` is done (its pump thread finished it): it no longer counts against
+    /// `max_processes` and `prune` may forget it a retention from now.
+    fn finished(&self, rec: &Record) {
+        let mut t = self.lock();
+        if t.records.contains_key(&rec.id) {
+            t.running = t.running.saturating_sub(1);
+            t.finished.push_back((Instant::now(), rec.id));
         }
     }
 
@@ -315,12 +333,7 @@ impl Processes {
                 let rec = t.records.get(r).cloned().expect("request ids name records");
                 return Ok(Started::Attached(rec));
             }
-            let running = t
-                .records
-                .values()
-                .filter(|r| r.phase() != Phase::Done)
-                .count();
-            if running >= self.cfg.max_processes as usize {
+            if t.running >= self.cfg.max_processes as usize {
                 return Err(ExecError::TooMany(self.cfg.max_processes));
             }
             if plan.around.any() && agent.is_none() {
@@ -334,6 +347,7 @@ impl Processes {
             t.next += 1;
             let rec = Arc::new(self.new_record(id, &plan, &tpl, ids.as_ref())?);
             t.records.insert(id, rec.clone());
+            t.running += 1;
             if let Some(q) = &plan.request_id {
                 t.by_request.insert(q.clone(), id);
             }
@@ -360,7 +374,9 @@ impl Processes {
         let io = match self.spawn(&rec, &plan, &tpl, ids) {
             Ok(io) => io,
             Err(e) => {
-                around::abandon(&before);
+                for e in around::abandon(&before, agent.as_ref()) {
+                    warn!("exec {}: {e}", rec.id);
+                }
                 self.forget(&rec);
                 return Err(e);
             }
@@ -377,13 +393,27 @@ impl Processes {
         let me = self.clone();
         let r = rec.clone();
         let grace = tpl.grace;
+        // The options after the exit, should the thread not start.
+        let (agent2, before2) = (agent.clone(), before.clone());
         let spawned = std::thread::Builder::new()
             .name(format!("keel-exec-{}", rec.id))
             .spawn(move || pump::run(&me, &r, io, grace, agent, before));
         if let Err(e) = spawned {
-            // Without its thread nobody reads its output: end it now.
+            // Without its thread nobody reads its output or finishes the record: end both
+            // now (the reaper still collects the process).
             warn!("exec {}: no thread for it: {e}", rec.id);
             kill_tree(&rec);
+            let mut errors = around::abandon(&before2, agent2.as_ref());
+            errors.insert(0, format!("no thread for the process: {e}"));
+            drop(agent2);
+            rec.drop_wake();
+            rec.update(|s| {
+                s.killed = true;
+                s.workspace.insert("errors".into(), errors.into());
+                s.phase = Phase::Done;
+                s.done = Some(Instant::now());
+            });
+            self.finished(&rec);
         }
         Ok(Started::New(rec))
     }
@@ -400,9 +430,10 @@ impl Processes {
             source,
         })?;
         let out = |name: &str| {
-            let path = self.dir.join(format!("{id}.{name}"));
-            output::Output::create(&path, self.cfg.output_limit)
-                .map_err(|source| ExecError::Output { path, source })
+            output::Output::create(
+                &self.dir.join(format!("{id}.{name}")),
+                self.cfg.output_limit,
+            )
         };
         Ok(Record {
             id,
@@ -421,8 +452,8 @@ impl Processes {
             around: plan.around.clone(),
             started_wall: SystemTime::now(),
             started: Instant::now(),
-            stdout: out("stdout")?,
-            stderr: out("stderr")?,
+            stdout: out("stdout"),
+            stderr: out("stderr"),
             state: Mutex::new(record::State {
                 phase: Phase::Starting,
                 pid: None,
@@ -439,10 +470,12 @@ impl Processes {
                 version: 0,
             }),
             cv: Default::default(),
-            wake: EventFd::new().map_err(|source| ExecError::Output {
-                path: "eventfd".into(),
-                source,
-            })?,
+            wake: Mutex::new(Some(Arc::new(EventFd::new().map_err(|source| {
+                ExecError::Output {
+                    path: "eventfd".into(),
+                    source,
+                }
+            })?))),
             input: Default::default(),
             master: OnceLock::new(),
             cgroup: OnceLock::new(),
@@ -452,7 +485,9 @@ impl Processes {
     /// Drops a record that never ran (its options before the spawn failed).
     fn forget(&self, rec: &Record) {
         let mut t = self.lock();
-        t.records.remove(&rec.id);
+        if t.records.remove(&rec.id).is_some() {
+            t.running = t.running.saturating_sub(1);
+        }
         if let Some(q) = &rec.request_id {
             t.by_request.remove(q);
         }
@@ -501,16 +536,19 @@ impl Processes {
                 stdin: plan.stdin != Stdin::None,
             },
         };
+        // Its cgroup.procs stays open only until the fork.
+        let mut procs = None;
         if let Some(root) = &self.cgroups {
             let name = format!("keel-exec-{}-{}", std::process::id(), rec.id);
             match root.create(&name) {
-                Ok(cg) => {
+                Ok((cg, p)) => {
                     let _ = rec.cgroup.set(cg);
+                    procs = Some(p);
                 }
                 Err(e) => warn!("exec {}: cgroup {name}: {e}", rec.id),
             }
         }
-        spec.cgroup_procs = rec.cgroup.get().map(|c| c.procs_fd());
+        spec.cgroup_procs = procs.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
         let spawned = {
             let mut t = self.lock();
             if t.closed.is_some() {
@@ -622,7 +660,7 @@ impl Processes {
                 s.kill_asked = true;
                 s.killed = true;
             });
-            let _ = rec.wake.signal();
+            rec.wake();
             // The pump thread sends TERM, KILL after the grace, and ends once the tree is
             // gone; the wait only bounds a thread that never answers.
             rec.wait_done(grace + Duration::from_secs(60));
@@ -711,12 +749,7 @@ impl Processes {
     /// Running processes and kept records, for `/status`.
     pub fn counts(&self) -> (usize, usize) {
         let t = self.lock();
-        let running = t
-            .records
-            .values()
-            .filter(|r| r.phase() != Phase::Done)
-            .count();
-        (running, t.records.len())
+        (t.running, t.records.len())
     }
 
     pub fn dir(&self) -> &Path {

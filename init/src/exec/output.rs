@@ -11,9 +11,11 @@
 
 use std::fs::File;
 use std::io;
+use std::os::fd::BorrowedFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::OnceLock;
 
 /// What a read found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,7 +30,9 @@ pub enum Chunk {
 
 #[derive(Debug)]
 pub struct Output {
-    file: File,
+    /// Made at the first byte written: a process that prints nothing (most of them) costs
+    /// no file create, unlink or open descriptor.
+    file: OnceLock<File>,
     path: PathBuf,
     head: u64,
     tail: u64,
@@ -37,25 +41,41 @@ pub struct Output {
 }
 
 impl Output {
-    /// A new, empty stream file at `path` (0600) keeping `limit` bytes.
-    pub fn create(path: &Path, limit: u64) -> io::Result<Output> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(path)?;
+    /// A new, empty stream keeping `limit` bytes in a file at `path` (0600), made when the
+    /// first byte is written.
+    pub fn create(path: &Path, limit: u64) -> Output {
         let head = limit / 4;
-        Ok(Output {
-            file,
+        Output {
+            file: OnceLock::new(),
             path: path.to_path_buf(),
             head,
             tail: limit - head,
             len: AtomicU64::new(0),
             writing: AtomicU64::new(0),
-        })
+        }
+    }
+
+    /// The stream's file, made now if nothing was written yet (the one writer only).
+    fn file_for_write(&self) -> io::Result<&File> {
+        use std::os::unix::fs::OpenOptionsExt;
+        if let Some(f) = self.file.get() {
+            return Ok(f);
+        }
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&self.path)?;
+        Ok(self.file.get_or_init(|| f))
+    }
+
+    /// The stream's file, there once a byte was written (`len` > 0).
+    fn file_for_read(&self) -> io::Result<&File> {
+        self.file
+            .get()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no output file yet"))
     }
 
     /// Bytes written to the stream so far (kept or not).
@@ -96,16 +116,40 @@ impl Output {
             pos += skip as u64;
             buf = &buf[skip..];
         }
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let file = self.file_for_write()?;
         self.writing.store(pos + buf.len() as u64, SeqCst);
         while !buf.is_empty() {
             let (at, room) = self.place(pos);
             let n = (room as usize).min(buf.len());
-            self.file.write_all_at(&buf[..n], at)?;
+            file.write_all_at(&buf[..n], at)?;
             pos += n as u64;
             buf = &buf[n..];
         }
         self.len.store(pos, SeqCst);
         Ok(())
+    }
+
+    /// Moves what the pipe `pipe` holds now (at most `max` bytes, in one contiguous piece
+    /// of the file) into the stream without copying it through keel (the one writer only).
+    /// 0: the pipe is empty (or at its end: a read tells which). EINVAL: the pipe cannot be
+    /// spliced into the file; `append` what is read instead.
+    pub fn splice_from(&self, pipe: BorrowedFd<'_>, max: usize) -> io::Result<usize> {
+        let want = crate::sys::pipe::available(pipe)?.min(max);
+        if want == 0 {
+            return Ok(0);
+        }
+        let pos = self.len.load(SeqCst);
+        let (at, room) = self.place(pos);
+        let n = (room as usize).min(want);
+        let file = self.file_for_write()?;
+        // Exactly what the pipe holds (nobody else reads it) or less: announced before.
+        self.writing.store(pos + n as u64, SeqCst);
+        let moved = crate::sys::pipe::splice_to_file(pipe, file, at, n)?;
+        self.len.store(pos + moved as u64, SeqCst);
+        Ok(moved)
     }
 
     /// Reads from logical offset `from` into `buf`.
@@ -117,7 +161,7 @@ impl Output {
         if from < self.head {
             let n = (self.head.min(len) - from).min(buf.len() as u64) as usize;
             if n > 0 {
-                self.file.read_exact_at(&mut buf[..n], from)?;
+                self.file_for_read()?.read_exact_at(&mut buf[..n], from)?;
                 return Ok(Chunk::Data(n));
             }
         }
@@ -127,7 +171,7 @@ impl Output {
         }
         let (at, room) = self.place(from);
         let n = (len - from).min(room).min(buf.len() as u64) as usize;
-        self.file.read_exact_at(&mut buf[..n], at)?;
+        self.file_for_read()?.read_exact_at(&mut buf[..n], at)?;
         // The writer may have reached these bytes while they were read.
         let reached = self.writing.load(SeqCst);
         if reached > from + self.tail {
@@ -142,6 +186,7 @@ impl Output {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
 
     fn read_all(o: &Output, mut from: u64) -> (Vec<u8>, Vec<(u64, u64)>) {
         let (mut data, mut gaps) = (Vec::new(), Vec::new());
@@ -164,7 +209,7 @@ mod tests {
     #[test]
     fn small_output_is_kept_whole_and_resumable() {
         let d = tempfile::tempdir().unwrap();
-        let o = Output::create(&d.path().join("out"), 100).unwrap();
+        let o = Output::create(&d.path().join("out"), 100);
         o.append(b"hello ").unwrap();
         o.append(b"world").unwrap();
         assert_eq!(o.len(), 11);
@@ -174,10 +219,37 @@ mod tests {
     }
 
     #[test]
+    fn bytes_spliced_from_a_pipe_keep_the_head_and_tail_as_appended_ones() {
+        use std::io::Write;
+        let d = tempfile::tempdir().unwrap();
+        let o = Output::create(&d.path().join("out"), 100);
+        let (r, w) = nix::unistd::pipe().unwrap();
+        let mut w = std::fs::File::from(w);
+        // Nothing in the pipe: nothing moved, and no file made yet.
+        assert_eq!(o.splice_from(r.as_fd(), 1 << 20).unwrap(), 0);
+        assert!(!d.path().join("out").exists());
+        let all: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+        for c in all.chunks(130) {
+            w.write_all(c).unwrap();
+            let mut moved = 0;
+            while moved < c.len() {
+                let n = o.splice_from(r.as_fd(), 1 << 20).unwrap();
+                assert!(n > 0, "the pipe holds {} more bytes", c.len() - moved);
+                moved += n;
+            }
+        }
+        let (data, gaps) = read_all(&o, 0);
+        assert_eq!(gaps, vec![(25, 925)]);
+        assert_eq!(&data[..25], &all[..25]);
+        assert_eq!(&data[25..], &all[925..]);
+        assert_eq!(o.len(), 1000);
+    }
+
+    #[test]
     fn head_and_tail_are_kept_and_the_gap_is_marked() {
         let d = tempfile::tempdir().unwrap();
         // 25 bytes of head, 75 of tail.
-        let o = Output::create(&d.path().join("out"), 100).unwrap();
+        let o = Output::create(&d.path().join("out"), 100);
         let all: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
         for c in all.chunks(13) {
             o.append(c).unwrap();

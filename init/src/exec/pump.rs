@@ -50,13 +50,18 @@ pub(super) fn run(
                 let _ = (&w).write_all(&bytes);
             });
     }
-    let mut streams: Vec<(File, u8)> = Vec::new();
+    // (its fd, 1 or 2, whether it can be spliced into its file: a pipe can, a terminal not).
+    let mut streams: Vec<(File, u8, bool)> = Vec::new();
     for (fd, which) in io.outputs {
         let _ = pipe::set_nonblocking(&fd);
         let _ = pipe::set_pipe_size(&fd, 1 << 20);
-        streams.push((File::from(fd), which));
+        streams.push((File::from(fd), which, true));
     }
     let mut buf = vec![0u8; 256 << 10];
+    let Some(wake) = rec.wake_fd() else {
+        warn!("exec {}: its pump started twice", rec.id);
+        return;
+    };
     // Counted from the spawn (the options before it may have taken a while).
     let deadline = rec.timeout.map(|t| Instant::now() + t);
     // After a TERM: when the KILL goes out, and whether it did.
@@ -105,8 +110,8 @@ pub(super) fn run(
         let timeout = next.map(|n| n.saturating_duration_since(now));
         let ready = {
             let mut fds: Vec<std::os::fd::BorrowedFd<'_>> =
-                streams.iter().map(|(f, _)| f.as_fd()).collect();
-            fds.push(rec.wake.as_fd());
+                streams.iter().map(|(f, _, _)| f.as_fd()).collect();
+            fds.push(wake.as_fd());
             match pipe::wait_readable(&fds, timeout) {
                 Ok(r) => r,
                 Err(e) => {
@@ -117,10 +122,10 @@ pub(super) fn run(
             }
         };
         if ready.last() == Some(&true) {
-            rec.wake.clear();
+            wake.clear();
         }
         let mut ended = Vec::new();
-        for (i, (f, which)) in streams.iter_mut().enumerate() {
+        for (i, (f, which, splice)) in streams.iter_mut().enumerate() {
             if !ready[i] {
                 continue;
             }
@@ -131,6 +136,20 @@ pub(super) fn run(
             };
             let mut taken = 0;
             while taken < ROUND {
+                // Straight from the pipe into the file; a read when it holds nothing (it
+                // may be at its end) or cannot be spliced.
+                if *splice {
+                    match out.splice_from(f.as_fd(), ROUND - taken) {
+                        Ok(0) => {}
+                        Ok(n) => {
+                            taken += n;
+                            rec.update(|_| {});
+                            continue;
+                        }
+                        Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                        Err(_) => *splice = false,
+                    }
+                }
                 match f.read(&mut buf) {
                     Ok(0) => {
                         ended.push(i);
@@ -157,6 +176,8 @@ pub(super) fn run(
             streams.remove(i);
         }
     }
+    drop(wake);
+    rec.drop_wake();
     finish(table, rec, agent, before);
 }
 
@@ -178,18 +199,19 @@ fn finish(
         s.tree_cpu = cpu;
         s.tree_peak_kib = peak;
     });
-    let (success, timed_out) = {
+    let (spawned, success, timed_out) = {
         let s = rec.lock();
         (
+            s.error.is_none(),
             s.exit.is_some_and(|(e, _)| e.success()) && s.error.is_none(),
             s.timed_out,
         )
     };
     if let Some(agent) = agent.filter(|_| rec.around.any()) {
         let ws = if table.closed() {
-            around::skipped(&rec.around, &before, "keel is stopping")
+            around::skipped(&rec.around, &before, "keel is stopping", &agent)
         } else {
-            around::after(&rec.around, &before, success, timed_out, &agent)
+            around::after(&rec.around, &before, spawned, success, timed_out, &agent)
         };
         rec.update(|s| s.workspace = ws);
     }
@@ -198,6 +220,7 @@ fn finish(
         s.phase = Phase::Done;
         s.done = Some(Instant::now());
     });
+    table.finished(rec);
     if let Some((e, _)) = exit {
         info!(
             "exec {}: ended: {e} after {:.3}s",

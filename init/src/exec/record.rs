@@ -3,7 +3,7 @@
 //! on its condition variable for new output or a new state; every change bumps `version`.
 
 use std::path::PathBuf;
-use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::{json, Value};
@@ -97,8 +97,9 @@ pub struct Record {
     pub stderr: Output,
     pub(super) state: Mutex<State>,
     pub(super) cv: Condvar,
-    /// Wakes the pump thread (exit seen, kill asked).
-    pub(super) wake: EventFd,
+    /// Wakes the pump thread (exit seen, kill asked); gone once the record is done, so a
+    /// kept record holds no descriptor of its own (every fork copies keel's fd table).
+    pub(super) wake: Mutex<Option<Arc<EventFd>>>,
     pub(super) input: Mutex<Input>,
     /// The terminal's master side, for resizing.
     pub(super) master: OnceLock<std::os::fd::OwnedFd>,
@@ -112,6 +113,23 @@ fn ms(d: Duration) -> u64 {
 impl Record {
     pub(super) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes the pump thread, while there is one.
+    pub(super) fn wake(&self) {
+        if let Some(w) = &*self.wake.lock().unwrap_or_else(|p| p.into_inner()) {
+            let _ = w.signal();
+        }
+    }
+
+    /// The pump thread's end of `wake` (None once the record is done).
+    pub(super) fn wake_fd(&self) -> Option<Arc<EventFd>> {
+        self.wake.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The record is done: nothing will wait on `wake` any more.
+    pub(super) fn drop_wake(&self) {
+        self.wake.lock().unwrap_or_else(|p| p.into_inner()).take();
     }
 
     /// Changes the state under the lock, bumps the version and wakes every reader.

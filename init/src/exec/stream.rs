@@ -34,6 +34,8 @@ pub struct Follow {
 
 /// Bytes per output event.
 const CHUNK: usize = 256 << 10;
+/// Bytes per write of a raw stream.
+const RAW_CHUNK: usize = 1 << 20;
 /// How often a waiting stream checks that its client is still there.
 const ALIVE_CHECK: Duration = Duration::from_secs(1);
 
@@ -150,13 +152,15 @@ pub fn raw(
 ) {
     let out = if stderr { &r.stderr } else { &r.stdout };
     let mut at = from;
-    let mut buf = vec![0u8; CHUNK];
     loop {
         let seen = r.version();
         let done = r.phase() == Phase::Done;
+        // Read into the buffer that is sent: one copy from the file, none more.
+        let mut buf = vec![0u8; RAW_CHUNK];
         match out.read(at, &mut buf) {
             Ok(Chunk::Data(n)) => {
-                if !send(buf[..n].to_vec()) {
+                buf.truncate(n);
+                if !send(buf) {
                     return;
                 }
                 at += n as u64;

@@ -9,7 +9,7 @@
 
 use std::fs::File;
 use std::io::{self, Write};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
 
 /// Where keel may create its groups: the directory of keel's own cgroup.
@@ -68,8 +68,10 @@ impl Root {
         &self.dir
     }
 
-    /// Makes the group `name` (a leftover of that name, empty, is replaced).
-    pub fn create(&self, name: &str) -> io::Result<Cgroup> {
+    /// Makes the group `name` (a leftover of that name, empty, is replaced), with its
+    /// `cgroup.procs` open for writing: the fd a child writes itself into
+    /// (`SpawnSpec::cgroup_procs`), to close once the child is spawned.
+    pub fn create(&self, name: &str) -> io::Result<(Cgroup, File)> {
         let dir = self.dir.join(name);
         if dir.exists() {
             std::fs::remove_dir(&dir)?;
@@ -79,7 +81,7 @@ impl Root {
             .write(true)
             .open(dir.join("cgroup.procs"));
         match procs {
-            Ok(procs) => Ok(Cgroup { dir, procs }),
+            Ok(procs) => Ok((Cgroup { dir }, procs)),
             Err(e) => {
                 let _ = std::fs::remove_dir(&dir);
                 Err(e)
@@ -92,15 +94,9 @@ impl Root {
 #[derive(Debug)]
 pub struct Cgroup {
     dir: PathBuf,
-    procs: File,
 }
 
 impl Cgroup {
-    /// The fd a child writes itself into (`SpawnSpec::cgroup_procs`).
-    pub fn procs_fd(&self) -> RawFd {
-        self.procs.as_raw_fd()
-    }
-
     pub fn dir(&self) -> &Path {
         &self.dir
     }

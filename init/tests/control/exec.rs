@@ -645,3 +645,51 @@ fn a_caller_that_waited_for_ready_is_never_told_keel_is_starting() {
     );
     stop(&mut k);
 }
+
+#[test]
+fn max_processes_counts_the_running_ones_and_done_records_go_after_the_retention() {
+    if !require_root("exec limits test") {
+        return;
+    }
+    let mut k = keel("[exec]\nmax_processes = 2\nretention = \"1s\"", false);
+    let detach = |argv: &[&str]| exec(&k, json!({"argv": argv, "detach": true}));
+    let a = detach(&["sleep", "100000"]);
+    let b = detach(&["sleep", "100000"]);
+    assert_eq!((a.code, b.code), (200, 200), "{a:?} {b:?}");
+    let c = detach(&["true"]);
+    assert_eq!(c.code, 429, "a third process while two run: {c:?}");
+    assert!(c.body.contains("max_processes"), "{c:?}");
+    // A kill frees a place; a process that ended holds none.
+    let (a, b) = (id_of(&a.json()), id_of(&b.json()));
+    let r = unix_request(&sock(&k), "DELETE", &format!("/processes/{a}"));
+    assert_eq!(r.code, 200, "{r:?}");
+    for _ in 0..3 {
+        let (_, _, x) = run(&k, json!({"argv": ["true"]}));
+        assert_eq!(x["code"], 0, "{x}");
+    }
+    // Full again: one more runs, the next is refused.
+    let d = detach(&["sleep", "100000"]);
+    assert_eq!(d.code, 200, "{d:?}");
+    assert_eq!(detach(&["true"]).code, 429);
+    let d = id_of(&d.json());
+    let r = unix_request(&sock(&k), "DELETE", &format!("/processes/{d}"));
+    assert_eq!(r.code, 200, "{r:?}");
+    // Done records go once the retention has passed (every later call prunes); the running
+    // one stays.
+    poll("the done records to be forgotten", || {
+        let l = unix_get(&sock(&k), "/processes").json();
+        let ids: Vec<u64> = l["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(id_of)
+            .collect();
+        (ids == vec![b]).then_some(())
+    });
+    assert_eq!(
+        unix_get(&sock(&k), &format!("/processes/{a}")).code,
+        404,
+        "the killed record after its retention"
+    );
+    stop(&mut k);
+}

@@ -4,7 +4,8 @@
 //! user, umask, limits, environment); `rollback_on=failure` leaves the workspace as it was
 //! when the command fails and keeps a success's changes; `diff=true` equals `keel diff` of
 //! the snapshots around the exec; `snapshot=NAME` and `checkpoint=wait` name snapshots that
-//! exist.
+//! exist; the temporary name pinning the snapshot before goes whatever happens (a spawn that
+//! fails, which rolls nothing back, or keel's stop while the command runs).
 
 use crate::support;
 
@@ -330,4 +331,99 @@ fn diff_true_alone_takes_no_snapshot_and_equals_keel_diff_of_snapshots_taken_aro
         assert!(!paths.iter().any(|(_, q)| *q == p), "{p} in {paths:?}");
     }
     stop(&mut k);
+}
+
+/// The names of snapshots that start with `exec-` (the temporary pins of `rollback_on` and
+/// of `diff` without a change tracker).
+fn exec_pins(k: &Keel) -> Vec<String> {
+    let l = unix_get(&sock(k), "/snapshots").json();
+    l["snapshots"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{l}"))
+        .iter()
+        .flat_map(|s| s["names"].as_array().unwrap().clone())
+        .map(|n| n.as_str().unwrap().to_string())
+        .filter(|n| n.starts_with("exec-"))
+        .collect()
+}
+
+#[test]
+fn an_exec_whose_spawn_fails_rolls_nothing_back_and_leaves_no_pinned_snapshot() {
+    if !require_root_and_fuse("exec workspace test") {
+        return;
+    }
+    let mut k = keel(
+        "echo data > $D/ws/plain && touch $D/ready; \
+         exec sleep 100000",
+    );
+    k.wait_file("ready");
+    let cases = [
+        (
+            "missing binary",
+            json!({"argv": ["/no/such/binary"], "rollback_on": "failure"}),
+            127,
+        ),
+        (
+            "not executable",
+            json!({"argv": [k.path("ws/plain")], "rollback_on": "timeout", "diff": true}),
+            126,
+        ),
+    ];
+    for (what, req, code) in cases {
+        let (_, x) = run(&k, req);
+        assert_eq!(x["code"], code, "{what}: {x}");
+        assert!(x["error"].is_string(), "{what}: {x}");
+        // A command that never started changed nothing: no rollback (it would only undo
+        // what others wrote meanwhile).
+        assert_eq!(x["rollback"]["rolled_back"], false, "{what}: {x}");
+        assert_eq!(exec_pins(&k), Vec::<String>::new(), "{what}: {x}");
+    }
+    // A user that does not exist is refused before any snapshot.
+    let r = unix_send(
+        &sock(&k),
+        "POST",
+        "/exec",
+        json!({"argv": ["true"], "user": "no-such-user-keel", "rollback_on": "failure"})
+            .to_string()
+            .as_bytes(),
+    );
+    assert_eq!(r.code, 400, "{r:?}");
+    stop(&mut k);
+}
+
+#[test]
+fn a_transactional_exec_cut_short_by_keels_stop_leaves_no_pinned_snapshot() {
+    if !require_root_and_fuse("exec workspace test") {
+        return;
+    }
+    let mut k = keel("exec sleep 100000");
+    let r = unix_send(
+        &sock(&k),
+        "POST",
+        "/exec",
+        json!({"argv": ["sleep", "100000"], "rollback_on": "failure", "detach": true})
+            .to_string()
+            .as_bytes(),
+    );
+    assert_eq!(r.code, 200, "{r:?}");
+    let pins = exec_pins(&k);
+    assert_eq!(pins.len(), 1, "the running exec's pin: {pins:?}");
+    stop(&mut k);
+    // The store after the stop: the snapshot before is there, its temporary name is not.
+    let out = Command::new(KEEL)
+        .args(["snapshot", "list", "--json", "--config"])
+        .arg(k.path("config.toml"))
+        .output()
+        .unwrap();
+    let listed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{listed}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !listed.contains(&pins[0]),
+        "{} is still pinned after the stop: {listed}",
+        pins[0]
+    );
 }
