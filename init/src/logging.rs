@@ -14,11 +14,14 @@ pub fn init() {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .with_target(false);
-    let _ = if json {
+    let installed = if json {
         builder.json().try_init()
     } else {
         builder.without_time().event_format(KeelFormat).try_init()
     };
+    if let (Ok(()), Some(at)) = (installed, die_at()) {
+        tracing::warn!("{DIE_AT_ENV}={at} is set: keel kills itself when it gets there (a crash test's hook; never set it in production)");
+    }
 }
 
 struct KeelFormat;
@@ -84,9 +87,13 @@ pub fn step(op: &'static str, step: &'static str) {
 /// (whoever starts keel), never the sandbox's. Read once.
 fn die_at() -> Option<&'static str> {
     static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    AT.get_or_init(|| std::env::var("KEEL_DIE_AT").ok().filter(|v| !v.is_empty()))
+    AT.get_or_init(|| std::env::var(DIE_AT_ENV).ok().filter(|v| !v.is_empty()))
         .as_deref()
 }
+
+/// The variable of [`die_at`]; no process keel starts inherits it (a nested keel would die
+/// at the same step).
+pub const DIE_AT_ENV: &str = "KEEL_DIE_AT";
 
 fn die() -> ! {
     tracing::warn!("KEEL_DIE_AT: killing keel here, as asked");

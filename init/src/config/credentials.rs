@@ -197,10 +197,12 @@ pub fn secret_values() -> impl Iterator<Item = &'static str> {
 pub const SECRET_PREFIXES: &[&str] = &["AWS_", "GOOGLE_", "AZURE_"];
 
 /// True when no child of keel may inherit the variable `name`: the remote's variables, the
-/// control token, and whatever `extra` names (exact names, or prefixes written `PREFIX*`).
+/// control token, keel's crash-test hook (`KEEL_DIE_AT`), and whatever `extra` names (exact
+/// names, or prefixes written `PREFIX*`).
 pub fn is_secret_var(name: &str, extra: &[String]) -> bool {
     SECRET_PREFIXES.iter().any(|p| name.starts_with(p))
         || name == super::control::TOKEN_ENV
+        || name == crate::logging::DIE_AT_ENV
         || extra.iter().any(|e| match e.strip_suffix('*') {
             Some(prefix) => name.starts_with(prefix),
             None => name == e,
@@ -282,6 +284,7 @@ mod tests {
             "GOOGLE_SERVICE_ACCOUNT",
             "AZURE_STORAGE_ACCOUNT_KEY",
             "KEEL_CONTROL_TOKEN",
+            "KEEL_DIE_AT",
             "MY_TOKEN",
             "VAULT_ADDR",
         ] {
