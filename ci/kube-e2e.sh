@@ -290,6 +290,9 @@ if play first && ready; then
         uid=$(pm exec "$ctr" awk '/^Uid:/ { print $2 }' /proc/1/status)
         [ "$uid" = "$run_as" ] || error "keel (PID 1) runs as uid $uid, the manifest says $run_as"
         info "keel (PID 1) runs as uid $uid"
+        # A volume keel's user does not own (fsGroup's) is not walked and chmod'ed at each start.
+        n=$(pm logs "$ctr" 2>&1 | grep -c 'could not tighten\|cannot make the state dir private')
+        [ "$n" = 0 ] || error "keel tried to tighten a state dir it does not own ($n warnings)"
     fi
     info "$ws_path: $fs; pod stop timeout $(pm inspect -f '{{.Config.StopTimeout}}' "$ctr")s (terminationGracePeriodSeconds $grace)"
     sm=$(cat "$tmp/secret-mount" 2>/dev/null)
