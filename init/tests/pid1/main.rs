@@ -8,6 +8,7 @@ mod support;
 
 mod basic;
 mod dir_run;
+mod full_volume;
 mod hold;
 mod isolation;
 mod ns;
