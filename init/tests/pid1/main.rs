@@ -12,6 +12,7 @@ mod full_volume;
 mod hold;
 mod isolation;
 mod ns;
+mod seccomp;
 mod shutdown;
 mod signals;
 mod workspace;
