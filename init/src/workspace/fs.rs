@@ -638,6 +638,13 @@ impl WorkspaceFs {
 
     /// Final step before unmount: sync everything and fold the WAL into the database.
     pub fn shutdown(&self) -> FsResult<()> {
+        self.shutdown_unfolded()?;
+        self.fold()
+    }
+
+    /// `shutdown` but the fold: sync and commit everything and record the clean stop, for a
+    /// caller with writes of its own to make before [`WorkspaceFs::fold`].
+    pub fn shutdown_unfolded(&self) -> FsResult<()> {
         self.close_fetchers();
         self.sync_all()?;
         // No new pool files from here on.
@@ -666,6 +673,22 @@ impl WorkspaceFs {
                 r => break r?,
             }
         }
+        drop(guard);
+        // Bodies of files that went back inline, too.
+        self.pool.recycle_released();
+        // What is written after this (the checkpointer's record of the clean stop) gets
+        // the space a reserve holds when the volume has less.
+        if VolumeUsage::of(&self.state_dir).is_some_and(|v| v.full()) {
+            let _ = self.reserve.release() || self.boot_reserve.release();
+        }
+        Ok(())
+    }
+
+    /// After `shutdown` and the last writes of others (the checkpointer's): folds the WAL
+    /// into the database file and truncates it.
+    pub fn fold(&self) -> FsResult<()> {
+        let guard = self.lock();
+        let reserve = || self.reserve.release() || self.boot_reserve.release();
         // Folding the WAL into the database grows the database file. When a full volume
         // has no room for that even with the reserves given back, the WAL stays where it is:
         // synced, consistent, and folded by a later start or shutdown with room.
@@ -683,9 +706,6 @@ impl WorkspaceFs {
                 r => break r?,
             }
         }
-        drop(guard);
-        // Bodies of files that went back inline, too.
-        self.pool.recycle_released();
         Ok(())
     }
 }

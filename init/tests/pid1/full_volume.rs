@@ -53,6 +53,7 @@ fn check_run(k: &mut Keel, state: &Path, what: &str) -> String {
         "workspace unmount: flush",
         "keel stopped without flushing",
         "cannot commit metadata",
+        "could not record the clean stop",
     ] {
         assert!(!log.contains(bad), "{what}: {bad:?} in the log:\n{log}");
     }
