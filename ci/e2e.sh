@@ -782,7 +782,7 @@ EOF2
         || fail "$(cat "$out" "$tmp/fullvol.out" | grep -c '^denied ') of 79 attempts reported as denied"
     while IFS= read -r line; do fail "${line#ATTEMPT-SUCCEEDED }"; done < <(grep -h '^ATTEMPT-SUCCEEDED ' "$out" "$tmp/fullvol.out")
     grep -qF -e "$envsecret" -e "$filesecret" "$out.err" && fail "keel's log shows a secret"
-    grep -h '^denied \|^ATTEMPT\|^volume ' "$out" "$tmp/fullvol.out" | sed 's/^/    /'
+    grep -h '^denied \|^ATTEMPT\|^volume \|^flood-refused ' "$out" "$tmp/fullvol.out" | sed 's/^/    /'
     # Afterwards: the store and the remote are consistent, and the workspace is intact.
     run_c "$tmp/fsck.out" "${base_flags[@]}" -v "$svol:/var/lib/keel" -v "$rvol:/srv/keel-remote" \
         -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \

@@ -244,6 +244,19 @@ fn resolve_user(
         })
 }
 
+/// The filter of `[sandbox] seccomp` (None when off, or when it cannot be made here: then
+/// keel says so and children start without it).
+fn seccomp_filter(cfg: &Config) -> Option<std::sync::Arc<crate::sys::seccomp::Filter>> {
+    let allow = cfg.sandbox.seccomp.allowed()?;
+    match crate::sys::seccomp::Filter::compile(allow) {
+        Ok(f) => f.map(std::sync::Arc::new),
+        Err(e) => {
+            tracing::warn!(error = %e, "no seccomp filter: processes keel starts may make user namespaces and mounts");
+            None
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -380,18 +393,5 @@ mod tests {
         let mut plan = Plan::new(&cfg, &b);
         plan.add_main(Vec::new()).unwrap();
         assert!(plan.units.is_empty() && plan.order.is_empty() && plan.main.is_none());
-    }
-}
-
-/// The filter of `[sandbox] seccomp` (None when off, or when it cannot be made here: then
-/// keel says so and children start without it).
-fn seccomp_filter(cfg: &Config) -> Option<std::sync::Arc<crate::sys::seccomp::Filter>> {
-    let allow = cfg.sandbox.seccomp.allowed()?;
-    match crate::sys::seccomp::Filter::compile(allow) {
-        Ok(f) => f.map(std::sync::Arc::new),
-        Err(e) => {
-            tracing::warn!(error = %e, "no seccomp filter: processes keel starts may make user namespaces and mounts");
-            None
-        }
     }
 }
