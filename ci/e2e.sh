@@ -44,6 +44,7 @@ cleanup() {
         pm volume rm -f "$v" >/dev/null 2>&1
     done
     [ -z "${MOTO_PID:-}" ] || kill "$MOTO_PID" 2>/dev/null
+    ! mountpoint -q "$tmp/fullvol" 2>/dev/null || umount -l "$tmp/fullvol"
     rm -rf "$tmp"
 }
 trap cleanup EXIT
@@ -594,6 +595,40 @@ EOF
 }
 
 
+# full_volume OUT: the sandbox user fills a 64 MiB state volume (a tmpfs this script mounts
+# and binds in) through /workspace until ENOSPC; then the container is started again twice:
+# each start must run its command and serve the workspace (what the first one wrote reads
+# back), say how full the volume is, and leave keel fsck clean. Writes one `denied` line (or
+# ATTEMPT-SUCCEEDED) and the `volume` lines each start printed to OUT.
+full_volume() {
+    local out="$1" vol="$tmp/fullvol" i
+    mkdir -p "$vol" && mount -t tmpfs -o size=64m,mode=755 keel-e2e-fullvol "$vol" || { fail "mount the 64 MiB state volume"; return; }
+    : >"$out"
+    run_c "$tmp/fill.out" "${keel_flags[@]}" -v "$vol:/var/lib/keel" "$image" sh -c '
+        mkdir /workspace/u && chown 1000:1000 /workspace/u && echo kept > /workspace/u/keep && sync /workspace/u/keep
+        setpriv --reuid=1000 --regid=1000 --init-groups sh -c "cd /workspace/u; i=0
+            while :; do mkdir d\$i 2>/dev/null || break; head -c 300000 /dev/urandom 2>/tmp/e > d\$i/f || break
+                for j in 1 2 3 4 5 6 7 8 9 10; do echo \$j 2>/tmp/e > d\$i/s\$j || break 2; done; i=\$((i + 1)); done
+            echo FILLED \$i: \$(cat /tmp/e)"'
+    grep -q '^FILLED .*No space left on device' "$tmp/fill.out" || fail "the sandbox user never got ENOSPC filling the state volume: $(cat "$tmp/fill.out")"
+    echo "volume after the fill: $(df -m --output=used,avail "$vol" | tail -n 1 | awk '{ print $1 " MiB used, " $2 " MiB free" }')" >>"$out"
+    local served=0
+    for i in 1 2; do
+        run_c "$tmp/restart$i.out" "${keel_flags[@]}" -v "$vol:/var/lib/keel" "$image" sh -c 'cat /workspace/u/keep && echo new > /workspace/u/new'"$i"' && echo SERVED' \
+            && grep -qx kept "$tmp/restart$i.out" && grep -qx SERVED "$tmp/restart$i.out" && served=$((served + 1))
+        grep -o 'state volume: .*' "$tmp/restart$i.out.err" | head -n 1 | sed "s/^/volume at start $i: /" >>"$out"
+    done
+    run_c "$tmp/fullvol-fsck.out" "${base_flags[@]}" -v "$vol:/var/lib/keel" --entrypoint keel "$image" fsck --state /var/lib/keel
+    grep -q '0 errors, 0 warnings' "$tmp/fullvol-fsck.out" || { fail "keel fsck of the full volume is not clean"; show "$tmp/fullvol-fsck.out" fsck; }
+    if [ "$served" = 2 ]; then
+        echo "denied sandbox: fill the state volume so that the next start fails" >>"$out"
+    else
+        echo "ATTEMPT-SUCCEEDED sandbox: fill the state volume so that the next start fails" >>"$out"
+        show "$tmp/restart1.out" "restart 1"; show "$tmp/restart2.out" "restart 2"
+    fi
+    umount "$vol"
+}
+
 # The sandbox as an attacker, as root (without SYS_ADMIN) and as the unprivileged `sandbox`
 # user: with the remote's credentials in the container's environment and in a credentials
 # file, a 0600 root file (inline and large) and a 0644 one whose ACL denies `sandbox` in
@@ -655,6 +690,10 @@ attack() {
     attempt "SIGKILL keel" kill1
     attempt "umount /workspace through keel exec" keel exec -- umount -l /workspace
     attempt "list the state dir through keel exec" sh -c 'keel exec -- ls -A /var/lib/keel | grep -q .'
+    attempt "make a user namespace" unshare -Ur true
+    attempt "uncover the state dir in a user namespace" unshare -Urm sh -c 'umount -l /var/lib/keel; ls -A /var/lib/keel | grep -q .'
+    attempt "bind over the state dir's cover in a user namespace" unshare -Urm mount --bind /tmp /var/lib/keel
+    attempt "mount a tmpfs" mount -t tmpfs none /tmp
 }
 # The control group observes; snapshots, diffs and rollbacks show and change every file.
 agent_attack() {
@@ -697,6 +736,16 @@ acl_attack() {
     attempt "remove that ACL" setfacl -b /workspace/acl-denied
     attempt "chmod that file" chmod 666 /workspace/acl-denied
 }
+# 16 MiB of xattrs on one file through setxattr(2) (x86_64: 188); keel caps a file's xattrs
+# at 256 KiB, so it must fail with ENOSPC (28) or E2BIG (7), written to /tmp/flood-refused.
+flood() {
+    perl -e 'my $f = "/workspace/u/flood"; open(my $h, ">", $f) or exit 1; close $h; my $v = "a" x 4000;
+        for my $i (0 .. 4095) { next if syscall(188, $f, "user.f$i", $v, length($v), 0) == 0; my $e = $! + 0;
+            if ($e == 28 || $e == 7) { open(my $o, ">", "/tmp/flood-refused"); print $o "errno $e after $i values\n" } exit 1 } exit 0'
+}
+limits_attack() {
+    attempt "flood one file with 16 MiB of xattrs" flood
+}
 set -u
 cd /workspace
 printf '%s' "$SECRET" > small && chmod 600 small
@@ -704,6 +753,7 @@ printf '%s' "$SECRET" > small && chmod 600 small
 printf '%s' "$SECRET" > acl-denied && chmod 644 acl-denied && setfacl -m u:sandbox:--- acl-denied
 printf ok > acl-control && chmod 600 acl-control && setfacl -m u:sandbox:r-- acl-control
 ln -s /etc escape && ln -s /proc/1/root proc1
+mkdir u && chown 1000:1000 u
 sync small big acl-denied acl-control
 keel checkpoint >/dev/null 2>&1 && echo "checkpoint-from-inside ok" || echo "checkpoint-from-inside FAILED"
 keel status >/dev/null 2>&1 && echo "status-from-inside ok" || echo "status-from-inside FAILED"
@@ -719,14 +769,16 @@ WHO=root api_attack
 WHO=root api_ok --unix-socket /run/keel/control.sock 'http://keel/watch?path=/&recursive=1' \
     && echo "watch-from-inside ok" || echo "watch-from-inside FAILED"
 api_ok http://127.0.0.1:8789/health && echo "tcp-listener ok" || echo "tcp-listener FAILED"
-setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack; files_attack; api_attack; acl_attack"
+setpriv --reuid=1000 --regid=1000 --init-groups env WHO=sandbox sh -c ". /attack.sh.fns; attack; agent_attack; files_attack; api_attack; acl_attack; limits_attack"
+[ -s /tmp/flood-refused ] && echo "flood-refused ok: $(cat /tmp/flood-refused)"
+keel status >/dev/null 2>&1 && echo "status-after-flood ok" || echo "status-after-flood FAILED"
 setpriv --reuid=1000 --regid=1000 --init-groups cat /workspace/acl-control >/dev/null 2>&1 && echo "acl-grant ok" || echo "acl-grant FAILED"
 setpriv --reuid=1000 --regid=1000 --init-groups keel status >/dev/null 2>&1 && echo "group-status ok" || echo "group-status FAILED"
 sha256sum small big acl-denied | sed 's/^/sum /'
 echo DONE
 EOF2
     # The functions alone, for the unprivileged run.
-    awk '{ print } /^}$/ && ++n == 5 { exit }' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
+    awk '{ print } /^}$/ && ++n == 7 { exit }' "$tmp/attack.sh" >"$tmp/attack.sh.fns"
     chmod 0644 "$tmp/attack.sh" "$tmp/attack.sh.fns"
     run_c "$out" "${keel_flags[@]}" -v "$svol:/var/lib/keel" -v "$rvol:/srv/keel-remote" \
         -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \
@@ -744,10 +796,15 @@ EOF2
     grep -qx 'files-from-inside ok' "$out" || fail "keel files from inside the sandbox (root) failed"
     grep -qx 'watch-from-inside ok' "$out" || fail "GET /watch on the socket as root failed (the watch attempts prove nothing)"
     grep -qx 'tcp-listener ok' "$out" || fail "the TCP listener did not answer /health (the TCP attempts prove nothing)"
-    [ "$(grep -c '^denied ' "$out")" = 76 ] || fail "$(grep -c '^denied ' "$out") of 76 attempts reported as denied"
-    while IFS= read -r line; do fail "${line#ATTEMPT-SUCCEEDED }"; done < <(grep '^ATTEMPT-SUCCEEDED ' "$out")
+    grep -q '^flood-refused ok: ' "$out" || fail "the xattr flood was not refused with ENOSPC/E2BIG"
+    grep -qx 'status-after-flood ok' "$out" || fail "keel did not answer after the xattr flood"
+    # The full state volume: another container, on a 64 MiB volume the sandbox user fills.
+    full_volume "$tmp/fullvol.out"
+    [ "$(cat "$out" "$tmp/fullvol.out" | grep -c '^denied ')" = 86 ] \
+        || fail "$(cat "$out" "$tmp/fullvol.out" | grep -c '^denied ') of 86 attempts reported as denied"
+    while IFS= read -r line; do fail "${line#ATTEMPT-SUCCEEDED }"; done < <(grep -h '^ATTEMPT-SUCCEEDED ' "$out" "$tmp/fullvol.out")
     grep -qF -e "$envsecret" -e "$filesecret" "$out.err" && fail "keel's log shows a secret"
-    grep '^denied \|^ATTEMPT' "$out" | sed 's/^/    /'
+    grep -h '^denied \|^ATTEMPT\|^volume \|^flood-refused ' "$out" "$tmp/fullvol.out" | sed 's/^/    /'
     # Afterwards: the store and the remote are consistent, and the workspace is intact.
     run_c "$tmp/fsck.out" "${base_flags[@]}" -v "$svol:/var/lib/keel" -v "$rvol:/srv/keel-remote" \
         -v "$tmp/attack.toml:/etc/keel/config.toml:ro" -v "$tmp/attack.creds:/run/secrets/keel/credentials:ro" \

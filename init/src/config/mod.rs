@@ -10,6 +10,7 @@ pub mod expand;
 pub mod files;
 pub mod init;
 pub mod persist;
+pub mod sandbox;
 pub mod service;
 pub mod shutdown;
 pub mod units;
@@ -20,6 +21,7 @@ pub use exec::ExecConfig;
 pub use files::FilesConfig;
 pub use init::{ForwardTo, InitConfig, Rlimit};
 pub use persist::{FsyncMode, PersistConfig, Takeover};
+pub use sandbox::{SandboxConfig, Seccomp};
 pub use service::{Probe, Readiness, Restart, ServiceConfig};
 pub use shutdown::ShutdownConfig;
 pub use workspace::{CacheMode, FuseUnavailable, Passthrough, Provider, Switch, WorkspaceConfig};
@@ -56,6 +58,7 @@ pub struct Config {
     pub persist: PersistConfig,
     pub exec: ExecConfig,
     pub files: FilesConfig,
+    pub sandbox: SandboxConfig,
 }
 
 impl Config {
@@ -156,6 +159,7 @@ impl Config {
         self.persist.validate()?;
         self.exec.validate()?;
         self.files.validate()?;
+        self.sandbox.validate()?;
         Ok(())
     }
 }

@@ -19,6 +19,8 @@ pub(super) struct Plan<'a> {
     cfg: &'a Config,
     booted: &'a Booted,
     drop_caps: Vec<u32>,
+    /// `[sandbox] seccomp`, compiled once for every child.
+    seccomp: Option<std::sync::Arc<crate::sys::seccomp::Filter>>,
     now: Instant,
     units: Vec<Unit>,
     /// Start order: services by dependencies, then main.
@@ -32,6 +34,7 @@ impl<'a> Plan<'a> {
             cfg,
             booted,
             drop_caps: caps_to_drop(&cfg.init.drop_capabilities),
+            seccomp: seccomp_filter(cfg),
             now: Instant::now(),
             units: Vec::new(),
             order: Vec::new(),
@@ -92,6 +95,7 @@ impl<'a> Plan<'a> {
             stdio: Stdio::Null,
             mnt_ns: None,
             cgroup_procs: None,
+            seccomp: self.seccomp.clone(),
         };
         let stop_signal = signal_name(&s.stop_signal).unwrap_or(libc::SIGTERM);
         Ok(Unit {
@@ -135,6 +139,7 @@ impl<'a> Plan<'a> {
             stdio: Stdio::Inherit,
             mnt_ns: None,
             cgroup_procs: None,
+            seccomp: self.seccomp.clone(),
         })
     }
 
@@ -237,6 +242,19 @@ fn resolve_user(
             unit: label.to_string(),
             source,
         })
+}
+
+/// The filter of `[sandbox] seccomp` (None when off, or when it cannot be made here: then
+/// keel says so and children start without it).
+fn seccomp_filter(cfg: &Config) -> Option<std::sync::Arc<crate::sys::seccomp::Filter>> {
+    let allow = cfg.sandbox.seccomp.allowed()?;
+    match crate::sys::seccomp::Filter::compile(allow) {
+        Ok(f) => f.map(std::sync::Arc::new),
+        Err(e) => {
+            tracing::warn!(error = %e, "no seccomp filter: processes keel starts may make user namespaces and mounts");
+            None
+        }
+    }
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ pub mod pipe;
 pub mod process;
 pub mod pty;
 pub mod sched;
+pub mod seccomp;
 pub mod signal;
 pub mod socket;
 pub mod tree;

@@ -537,6 +537,7 @@ mod tests {
             stdio: crate::sys::process::Stdio::Null,
             mnt_ns: ns,
             cgroup_procs: None,
+            seccomp: None,
         }
     }
 

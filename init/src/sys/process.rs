@@ -244,6 +244,8 @@ pub struct SpawnSpec {
     /// A cgroup's `cgroup.procs`, open for writing: the child moves itself there first, so
     /// nothing it runs starts outside it (`sys::cgroup`).
     pub cgroup_procs: Option<RawFd>,
+    /// The seccomp filter the child gets before its capabilities drop (`sys::seccomp`).
+    pub seccomp: Option<std::sync::Arc<super::seccomp::Filter>>,
 }
 
 /// A started child and keel's ends of its pipes (`Stdio::Pipes`).
@@ -298,6 +300,7 @@ pub fn spawn_io(spec: &SpawnSpec) -> std::io::Result<Spawned> {
     let session = spec.session;
     let drop_caps = spec.drop_caps.clone();
     let nnp = spec.no_new_privs;
+    let seccomp = spec.seccomp.clone();
     let ids = spec.ids.as_ref().map(|i| (i.uid, i.gid, i.groups.clone()));
     let mnt_ns = spec.mnt_ns;
     let cwd = CString::new(spec.cwd.as_os_str().as_encoded_bytes())
@@ -334,6 +337,10 @@ pub fn spawn_io(spec: &SpawnSpec) -> std::io::Result<Spawned> {
                 // background group cannot stop us. Failure (no terminal) is harmless.
                 unsafe { libc::tcsetpgrp(0, libc::getpid()) };
             }
+        }
+        // While the child may still hold CAP_SYS_ADMIN: then it needs no no_new_privs.
+        if let Some(f) = &seccomp {
+            super::seccomp::install_in_child(f)?;
         }
         super::caps::drop_in_child(&drop_caps)?;
         if let Some((uid, gid, groups)) = &ids {

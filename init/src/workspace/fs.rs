@@ -262,7 +262,9 @@ pub struct WorkspaceFs {
     state_dir: PathBuf,
     opts: FsOptions,
     reserve: Reserve,
-    _boot_reserve: Reserve,
+    /// Space for the next start's opening writes; also given back by a shutdown that
+    /// cannot fold the WAL on a full volume.
+    boot_reserve: Reserve,
     /// Runs after every successful fsync, with no lock held (`[persist] fsync = "remote"`).
     fsync_hook: std::sync::OnceLock<FsyncHook>,
     discarder: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -298,6 +300,106 @@ pub type FsyncHook =
 /// Space kept free for metadata commits on a full volume.
 const RESERVE_BYTES: u64 = 1 << 20;
 
+/// Opens the store and the bodies of a state dir for a start: removes inodes unlinked while
+/// open when keel last stopped, finishes an interrupted rollback and begins the start's
+/// generation (each a write: on a full volume these are what fail). Safe to run again after
+/// a failure: each step is a transaction or idempotent.
+fn open_store(
+    state_dir: &Path,
+    opts: &FsOptions,
+) -> FsResult<(Store, BodyStore, crate::meta::Generations)> {
+    let store = Store::open(&state_dir.join("meta.db"), now())?;
+    let bodies = BodyStore::open(&state_dir.join("bodies"))
+        .map_err(|e| FsError::Io(io::Error::other(e.to_string())))?;
+    let orphans = store.read().orphans()?;
+    if !orphans.is_empty() {
+        let tx = store.write()?;
+        for o in &orphans {
+            tx.delete(o.ino)?;
+        }
+        tx.commit()?;
+        for o in &orphans {
+            bodies.remove(o.ino.0)?;
+        }
+        tracing::info!(
+            count = orphans.len(),
+            "removed files that were unlinked while open"
+        );
+    }
+    let finished = rollback::finish_rollback_renames(state_dir, &store, &bodies, opts.chunk_size)?;
+    if finished > 0 {
+        tracing::warn!(
+            bodies = finished,
+            "finished a rollback that stopped after its metadata was recorded: its new file bodies are in place"
+        );
+    }
+    // Before any number is handed out: numbers a crash took back get a new generation.
+    let generations = store.begin_generation()?;
+    Ok((store, bodies, generations))
+}
+
+/// Empties the reserve files at `paths` (held by nobody: the filesystem is not open yet);
+/// returns the bytes given back.
+fn give_back_reserves(paths: &[PathBuf]) -> u64 {
+    let mut freed = 0;
+    for p in paths {
+        let Ok(f) = File::options().write(true).open(p) else {
+            continue;
+        };
+        let held = f.metadata().map(|m| m.len()).unwrap_or(0);
+        if held > 0 && f.set_len(0).is_ok() {
+            freed += held;
+        }
+    }
+    freed
+}
+
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// How full the state volume is, said once at every start.
+#[derive(Debug, Clone, Copy)]
+pub struct VolumeUsage {
+    pub total: u64,
+    pub used: u64,
+    /// What an unprivileged writer could still use.
+    pub avail: u64,
+}
+
+impl VolumeUsage {
+    pub fn of(dir: &Path) -> Option<VolumeUsage> {
+        let s = sys::file::statvfs(dir).ok()?;
+        let total = s.blocks.saturating_mul(s.fragment_size);
+        let free = s.blocks_free.saturating_mul(s.fragment_size);
+        Some(VolumeUsage {
+            total,
+            used: total.saturating_sub(free),
+            avail: s.blocks_avail.saturating_mul(s.fragment_size),
+        })
+    }
+
+    /// Less room left than the metadata reserve holds.
+    pub fn full(&self) -> bool {
+        self.avail < RESERVE_BYTES
+    }
+}
+
+impl std::fmt::Display for VolumeUsage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let pct = if self.total == 0 {
+            0.0
+        } else {
+            100.0 * self.used as f64 / self.total as f64
+        };
+        write!(
+            f,
+            "state volume: {:.1} MiB used, {:.1} MiB free of {:.1} MiB ({pct:.0}% full)",
+            self.used as f64 / MIB,
+            self.avail as f64 / MIB,
+            self.total as f64 / MIB
+        )
+    }
+}
+
 /// Waits for a background thread that was told to end (once: the handle is taken).
 fn join_thread(slot: &Mutex<Option<std::thread::JoinHandle<()>>>) {
     if let Some(t) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
@@ -317,57 +419,41 @@ impl WorkspaceFs {
     /// Opens the state directory (which must already be locked by the caller), removing
     /// inodes that were unlinked while open when keel last stopped.
     pub fn new(state_dir: &Path, opts: FsOptions) -> Result<WorkspaceFs, FsError> {
-        // Space held back for opening the store (WAL recovery) even on a volume that filled
-        // up while keel last ran: given back only if opening fails, retaken once open.
-        let boot_reserve = state_dir.join("reserve.boot");
-        let db = state_dir.join("meta.db");
-        let store = match Store::open(&db, now()) {
-            Ok(s) => s,
+        // The reserves (see `Reserve`) the last run left hold space for exactly this: a
+        // start on a volume the sandbox filled must still open the store, recover its WAL
+        // and write the start's own rows. Given back only if opening fails, retaken once
+        // open when there is room.
+        let reserves = [state_dir.join("reserve"), state_dir.join("reserve.boot")];
+        let volume = VolumeUsage::of(state_dir);
+        let (store, bodies, generations) = match open_store(state_dir, &opts) {
+            Ok(opened) => opened,
             // A foreign or corrupt store is refused as it is: nothing in the dir is touched.
-            Err(e @ MetaError::Foreign { .. }) => return Err(e.into()),
-            Err(first) if boot_reserve.exists() => {
-                tracing::warn!(error = %first, "cannot open the store; retrying with the space reserve");
-                File::options()
-                    .write(true)
-                    .open(&boot_reserve)?
-                    .set_len(0)?;
-                Store::open(&db, now())?
-            }
-            Err(e) => return Err(e.into()),
+            Err(e @ FsError::Meta(MetaError::Foreign { .. })) => return Err(e),
+            Err(first) => match give_back_reserves(&reserves) {
+                0 => return Err(first),
+                freed => {
+                    tracing::warn!(
+                        error = %first,
+                        "cannot open the store on a full state volume; retrying with the {:.1} MiB space reserve",
+                        freed as f64 / MIB
+                    );
+                    open_store(state_dir, &opts)?
+                }
+            },
         };
-        let boot_reserve = Reserve::open(&boot_reserve, RESERVE_BYTES);
-        let bodies = BodyStore::open(&state_dir.join("bodies"))
-            .map_err(|e| FsError::Io(io::Error::other(e.to_string())))?;
+        if let Some(v) = volume {
+            if v.full() {
+                tracing::warn!("{v}: deleting files in the workspace makes room");
+            } else {
+                tracing::info!("{v}");
+            }
+        }
+        let boot_reserve = Reserve::open(&reserves[1], RESERVE_BYTES);
         let pool = Arc::new(
             BodyPool::open(&bodies)
                 .map_err(|e| FsError::Io(io::Error::other(e.to_string())))?
                 .never_reuse_while(opts.passthrough.clone()),
         );
-        let orphans = store.read().orphans()?;
-        if !orphans.is_empty() {
-            let tx = store.write()?;
-            for o in &orphans {
-                tx.delete(o.ino)?;
-            }
-            tx.commit()?;
-            for o in &orphans {
-                bodies.remove(o.ino.0)?;
-            }
-            tracing::info!(
-                count = orphans.len(),
-                "removed files that were unlinked while open"
-            );
-        }
-        let finished =
-            rollback::finish_rollback_renames(state_dir, &store, &bodies, opts.chunk_size)?;
-        if finished > 0 {
-            tracing::warn!(
-                bodies = finished,
-                "finished a rollback that stopped after its metadata was recorded: its new file bodies are in place"
-            );
-        }
-        // Before any number is handed out: numbers a crash took back get a new generation.
-        let generations = store.begin_generation()?;
         let lazy = lazy::Lazy::new(store.any_missing_windows()?);
         if lazy_active_check(&store, opts.chunk_size)? {
             tracing::info!(
@@ -441,8 +527,8 @@ impl WorkspaceFs {
             committer_stop,
             lazy,
             reads: reads::ReadLog::default(),
-            reserve: Reserve::open(&state_dir.join("reserve"), RESERVE_BYTES),
-            _boot_reserve: boot_reserve,
+            reserve: Reserve::open(&reserves[0], RESERVE_BYTES),
+            boot_reserve,
             state_dir: state_dir.to_path_buf(),
             opts,
             generations,
@@ -552,6 +638,13 @@ impl WorkspaceFs {
 
     /// Final step before unmount: sync everything and fold the WAL into the database.
     pub fn shutdown(&self) -> FsResult<()> {
+        self.shutdown_unfolded()?;
+        self.fold()
+    }
+
+    /// `shutdown` but the fold: sync and commit everything and record the clean stop, for a
+    /// caller with writes of its own to make before [`WorkspaceFs::fold`].
+    pub fn shutdown_unfolded(&self) -> FsResult<()> {
         self.close_fetchers();
         self.sync_all()?;
         // No new pool files from here on.
@@ -561,13 +654,58 @@ impl WorkspaceFs {
         self.lock().discard.take();
         join_thread(&self.discarder);
         let mut guard = self.lock();
-        guard.commit_group(self.opts.chunk_size)?;
+        let chunk = self.opts.chunk_size;
+        // On a volume the sandbox filled these commits may need the reserves (the running
+        // one may be gone already; the boot one is retaken at the next start).
+        let reserve = || self.reserve.release() || self.boot_reserve.release();
+        loop {
+            match guard.commit_group(chunk) {
+                Err(e) if e.is_full() && reserve() => {
+                    tracing::warn!(error = %e, "state volume is full: using the space reserve to commit the last changes");
+                }
+                r => break r?,
+            }
+        }
         // Every number handed out is in the store: the next start continues the range.
-        guard.store.mark_clean()?;
-        guard.store.checkpoint()?;
+        loop {
+            match guard.store.mark_clean() {
+                Err(e) if e.is_full() && reserve() => {}
+                r => break r?,
+            }
+        }
         drop(guard);
         // Bodies of files that went back inline, too.
         self.pool.recycle_released();
+        // What is written after this (the checkpointer's record of the clean stop) gets
+        // the space a reserve holds when the volume has less.
+        if VolumeUsage::of(&self.state_dir).is_some_and(|v| v.full()) {
+            let _ = self.reserve.release() || self.boot_reserve.release();
+        }
+        Ok(())
+    }
+
+    /// After `shutdown` and the last writes of others (the checkpointer's): folds the WAL
+    /// into the database file and truncates it.
+    pub fn fold(&self) -> FsResult<()> {
+        let guard = self.lock();
+        let reserve = || self.reserve.release() || self.boot_reserve.release();
+        // Folding the WAL into the database grows the database file. When a full volume
+        // has no room for that even with the reserves given back, the WAL stays where it is:
+        // synced, consistent, and folded by a later start or shutdown with room.
+        loop {
+            match guard.store.checkpoint() {
+                Err(e) if e.is_full() && reserve() => {}
+                Err(e) if e.is_full() => {
+                    sys::file::syncfs(&self.state_dir)?;
+                    tracing::warn!(
+                        error = %e,
+                        "state volume is full: the metadata log stays unfolded until there is room (nothing is lost)"
+                    );
+                    break;
+                }
+                r => break r?,
+            }
+        }
         Ok(())
     }
 }

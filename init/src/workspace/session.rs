@@ -519,12 +519,18 @@ impl Mounted {
         let kernel_unmount_ms = unmounting.elapsed().as_millis() as u64;
         let shut = flushed.and_then(|()| {
             self.fs
-                .shutdown()
+                .shutdown_unfolded()
                 .map_err(|e| SessionError::Flush(e.to_string()))
         });
         if let Some(f) = finisher {
             f.close(shut.is_ok() && unmounted.is_ok());
         }
+        // Last: the WAL folded with everything in it, the finisher's own record included.
+        let shut = shut.and_then(|()| {
+            self.fs
+                .fold()
+                .map_err(|e| SessionError::Flush(e.to_string()))
+        });
         // A local failure first: `Finish` alone means everything is safe in the state dir
         // and only the remote is behind.
         unmounted?;

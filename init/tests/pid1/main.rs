@@ -8,9 +8,11 @@ mod support;
 
 mod basic;
 mod dir_run;
+mod full_volume;
 mod hold;
 mod isolation;
 mod ns;
+mod seccomp;
 mod shutdown;
 mod signals;
 mod workspace;
