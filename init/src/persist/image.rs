@@ -13,7 +13,7 @@
 //! no-op. gc keeps an image while a kept snapshot names it; fsck checks that the images of
 //! the checked chains are there (the full check also re-hashes them).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
@@ -282,35 +282,30 @@ pub(super) fn restore(
     Ok(())
 }
 
-/// Replays one delta snapshot onto the database, as `Tree::apply` replays it onto a tree.
+/// Replays one delta snapshot onto the database, as `Tree::apply` replays it onto a tree,
+/// in bulk: the deleted inodes removed with one statement a table, then each run of records
+/// with distinct numbers (a delta names an inode once, so one run) as one removal of the
+/// inodes it re-states and batched inserts of what they become, then the unlinked entries
+/// removed and the entries written the same way. A record that patches a chunk map reads
+/// the map it patches first; an inode numbered above every inode already in the database
+/// is new, so nothing is read or removed for it (after a session that created many files,
+/// most records of its deltas).
 fn apply_delta(a: &mut Amender<'_>, b: &Body, cs: u64) -> Result<(), DeltaError> {
     let e = DeltaError::Db;
-    for ino in &b.deleted {
-        a.delete_inode(InodeNo(*ino)).map_err(e)?;
+    let deleted: Vec<InodeNo> = b.deleted.iter().map(|i| InodeNo(*i)).collect();
+    a.delete_inodes(&deleted).map_err(e)?;
+    let mut rest = &b.inodes[..];
+    while !rest.is_empty() {
+        let mut seen = HashSet::new();
+        let n = rest
+            .iter()
+            .position(|r| !seen.insert(r.ino))
+            .unwrap_or(rest.len());
+        apply_records(a, &rest[..n], cs)?;
+        rest = &rest[n..];
     }
-    for rec in &b.inodes {
-        let ino = InodeNo(rec.ino);
-        let old = match &rec.data {
-            DataRec::Chunks {
-                complete: false, ..
-            } => Some(TreeData::Chunks(
-                a.chunk_map(ino)
-                    .map_err(e)?
-                    .into_iter()
-                    .map(|c| c.map(ChunkId))
-                    .collect(),
-            )),
-            _ => None,
-        };
-        a.delete_inode(ino).map_err(e)?;
-        let t = tree_inode(rec, old, cs);
-        let mut scratch = RestoreReport::default();
-        write_inode(a.writer(), &t, 0, RestoreMode::Lazy, &mut scratch)
-            .map_err(|x| DeltaError::WriteInode(Box::new(x)))?;
-    }
-    for (p, n) in &b.unlinked {
-        a.remove_dirent(InodeNo(*p), n).map_err(e)?;
-    }
+    a.remove_dirents(b.unlinked.iter().map(|(p, n)| (InodeNo(*p), &n[..])))
+        .map_err(e)?;
     for d in &b.dirents {
         let k = Kind::from_mode(d.kind).ok_or_else(|| DeltaError::BadKind {
             name: String::from_utf8_lossy(&d.name).into_owned(),
@@ -318,6 +313,39 @@ fn apply_delta(a: &mut Amender<'_>, b: &Body, cs: u64) -> Result<(), DeltaError>
         })?;
         a.put_dirent(InodeNo(d.parent), &d.name, InodeNo(d.ino), k)
             .map_err(e)?;
+    }
+    Ok(())
+}
+
+/// Records of distinct inodes: each replaces its inode (a chunk-map patch laid over the map
+/// the database holds).
+fn apply_records(a: &mut Amender<'_>, recs: &[InodeRec], cs: u64) -> Result<(), DeltaError> {
+    let e = DeltaError::Db;
+    let known = a.max_ino().map_err(e)?;
+    let mut old = HashMap::new();
+    for rec in recs.iter().filter(|r| r.ino <= known.0) {
+        if let DataRec::Chunks {
+            complete: false, ..
+        } = rec.data
+        {
+            let map = a.chunk_map(InodeNo(rec.ino)).map_err(e)?;
+            old.insert(
+                rec.ino,
+                TreeData::Chunks(map.into_iter().map(|c| c.map(ChunkId)).collect()),
+            );
+        }
+    }
+    let restated: Vec<InodeNo> = recs
+        .iter()
+        .filter(|r| r.ino <= known.0)
+        .map(|r| InodeNo(r.ino))
+        .collect();
+    a.delete_inodes(&restated).map_err(e)?;
+    let mut scratch = RestoreReport::default();
+    for rec in recs {
+        let t = tree_inode(rec, old.remove(&rec.ino), cs);
+        write_inode(a.writer(), &t, 0, RestoreMode::Lazy, &mut scratch)
+            .map_err(|x| DeltaError::WriteInode(Box::new(x)))?;
     }
     Ok(())
 }
