@@ -67,6 +67,10 @@ pub enum ImageError {
     List(RemoteError),
     #[error("delete {key}: {source}")]
     Delete { key: String, source: RemoteError },
+    #[error("start the thread that decodes the deltas: {0}")]
+    Decoder(#[source] std::io::Error),
+    #[error("the thread decoding the deltas ended before the last one")]
+    DecoderGone,
 }
 
 /// Which step of replaying one delta snapshot onto the image database failed.
@@ -203,7 +207,9 @@ fn compress(path: &Path) -> Result<(Vec<u8>, u64), ImageError> {
 /// Restores a chain (its full snapshot must name an image) lazily into `building`: the
 /// image, then the deltas (as the chain fetched them); creates the bodies of the files with
 /// no window to fetch. `state` holds the bookkeeping rows to set. Fills the counts of
-/// `report`.
+/// `report`. The deltas are decoded on a thread of their own from the start, while the
+/// image is fetched and decompressed and while the earlier ones are applied (at most two
+/// decoded deltas wait at a time).
 pub(super) fn restore(
     repo: &Repo,
     chain: &Chain,
@@ -212,6 +218,61 @@ pub(super) fn restore(
     state: &[(&'static str, String)],
     report: &mut RestoreReport,
     laps: &mut dyn FnMut(&'static str),
+) -> Result<(), ImageError> {
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let decoder = std::thread::Builder::new()
+            .name("keel-delta-decode".into())
+            .spawn_scoped(s, move || {
+                let mut took = Duration::ZERO;
+                for (key, h, obj) in &chain.deltas {
+                    let t = Instant::now();
+                    let r = super::format::decode(key, obj)
+                        .map(|(_, b)| b)
+                        .map_err(|source| ImageError::ReadDelta {
+                            seq: h.seq,
+                            source: source.into(),
+                        });
+                    took += t.elapsed();
+                    let failed = r.is_err();
+                    // The receiver gone: the restore failed before it took every delta.
+                    if tx.send((h.seq, h.chunk_size, r)).is_err() || failed {
+                        break;
+                    }
+                }
+                took
+            });
+        let decoder = match decoder {
+            Ok(d) => d,
+            Err(e) => return Err(ImageError::Decoder(e)),
+        };
+        let r = restore_decoded(repo, chain, building, bodies, state, report, laps, rx);
+        let decoding = decoder.join().unwrap_or_default();
+        if r.is_ok() {
+            tracing::info!(
+                "restore: {} deltas decoded in {:.2} s of their own thread",
+                chain.deltas.len(),
+                decoding.as_secs_f64()
+            );
+        }
+        r
+    })
+}
+
+/// A delta decoded: (seq, its chunk size, its body).
+type Decoded = (u64, u64, Result<Body, ImageError>);
+
+/// `restore`, the deltas taken from `decoded` in chain order.
+#[allow(clippy::too_many_arguments)]
+fn restore_decoded(
+    repo: &Repo,
+    chain: &Chain,
+    building: &Path,
+    bodies: &BodyStore,
+    state: &[(&'static str, String)],
+    report: &mut RestoreReport,
+    laps: &mut dyn FnMut(&'static str),
+    decoded: std::sync::mpsc::Receiver<Decoded>,
 ) -> Result<(), ImageError> {
     let full = &chain.full;
     let r = full.image.expect("the caller checked");
@@ -255,22 +316,30 @@ pub(super) fn restore(
 
     let mut complete = Vec::new();
     let mut counts = [0; 3];
+    let (mut records, mut waited) = (0, Duration::ZERO);
     amend_bulk(building, |a| -> Result<(), ImageError> {
-        for (key, h, obj) in &chain.deltas {
-            let b = super::format::decode(key, obj).map_err(|source| ImageError::ReadDelta {
-                seq: h.seq,
-                source: source.into(),
-            })?;
-            apply_delta(a, &b.1, h.chunk_size)
-                .map_err(|source| ImageError::ApplyDelta { seq: h.seq, source })?;
+        for (_, h, _) in &chain.deltas {
+            let t = Instant::now();
+            let (seq, cs, b) = decoded.recv().map_err(|_| ImageError::DecoderGone)?;
+            waited += t.elapsed();
+            debug_assert_eq!(seq, h.seq);
+            let b = b?;
+            records += b.inodes.len() + b.deleted.len() + b.dirents.len() + b.unlinked.len();
+            apply_delta(a, &b, cs).map_err(|source| ImageError::ApplyDelta { seq, source })?;
         }
         for (k, v) in state {
             a.persist_set(k, v)?;
         }
+        laps("deltas");
         (complete, counts) = a.bodies()?;
         Ok(())
     })?;
-    laps("deltas");
+    laps("body list");
+    tracing::info!(
+        "restore: {} deltas, {records} records applied in bulk ({:.2} s of it waiting for their decoding)",
+        chain.deltas.len(),
+        waited.as_secs_f64()
+    );
     for (ino, size) in complete {
         bodies
             .open_rw(ino.0)
