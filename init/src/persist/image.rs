@@ -208,8 +208,8 @@ fn compress(path: &Path) -> Result<(Vec<u8>, u64), ImageError> {
 /// image, then the deltas (as the chain fetched them); creates the bodies of the files with
 /// no window to fetch. `state` holds the bookkeeping rows to set. Fills the counts of
 /// `report`. The deltas are decoded on a thread of their own from the start, while the
-/// image is fetched and decompressed and while the earlier ones are applied (at most two
-/// decoded deltas wait at a time).
+/// image is fetched and decompressed and while the earlier ones are applied (one decoded
+/// delta waits beside the one being applied).
 pub(super) fn restore(
     repo: &Repo,
     chain: &Chain,
@@ -220,7 +220,8 @@ pub(super) fn restore(
     laps: &mut dyn FnMut(&'static str),
 ) -> Result<(), ImageError> {
     std::thread::scope(|s| {
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        // A rendezvous: one delta decoded ahead of the one being applied, no more.
+        let (tx, rx) = std::sync::mpsc::sync_channel(0);
         let decoder = std::thread::Builder::new()
             .name("keel-delta-decode".into())
             .spawn_scoped(s, move || {
