@@ -454,7 +454,8 @@ def bench(a, lat, workloads, src, run_dir, moto, mounts):
                     g2, _ = moto.gets()
                     add(col, w + " gets", g2 - g1)
                     add(col, w + " rss", vm(k.p.pid, "VmHWM"))
-                    log(f"  D={d:g} ms {v}: {w} {res[(col, w)][-1]:.2f} s, {g2 - g1} GETs")
+                    log(f"  D={d:g} ms {v}: usable in {res[(col, 'usable')][-1]:.2f} s ({g1 - g0} GETs), "
+                        f"{w} {res[(col, w)][-1]:.2f} s, {g2 - g1} GETs")
                 except RuntimeError as e:
                     # A failed session is reported in the table, not retried.
                     add(col, w + " failed", 1)

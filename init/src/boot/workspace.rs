@@ -380,6 +380,8 @@ fn wire_lazy(
     fs.set_chunk_source(Arc::new(crate::persist::hydrate::RemoteChunks::new(
         repo.clone(),
     )));
+    // The pack indexes load beside the rest of the start, not in front of the first read.
+    drop(repo.load_packs_ahead());
     // As many requests wait for the remote at once as it serves in parallel.
     fs.set_fetch_threads(p.concurrency);
     Ok(Some(repo))

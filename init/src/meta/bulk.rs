@@ -10,9 +10,10 @@
 //!
 //! [`amend_bulk`] changes such a database before it is renamed into place (a restore from a
 //! metadata image replays the delta snapshots after the image onto it): the same fast
-//! connection, with the triggers that record directory changes for the next checkpoint
-//! dropped while it runs (the running totals and the cleanup triggers stay: they keep the
-//! database consistent row by row).
+//! connection, set-based: rows inserted through the same batches, removals as one `DELETE`
+//! a table over a temporary table of keys, every trigger dropped while it runs (what they
+//! do is done once for the whole set: the cleanup of an inode's rows by the removal itself,
+//! the running totals from what was inserted and removed).
 
 use std::path::Path;
 
@@ -416,12 +417,32 @@ impl super::Tx<'_> {
 pub type FileSize = (InodeNo, u64);
 
 /// Changes to a database built by [`create_bulk`], before it becomes a workspace (see
-/// [`amend_bulk`]). Every method that deletes or reads first inserts the rows the
-/// writer still buffers, so operations apply in the order they are called.
+/// [`amend_bulk`]). New rows go through the writer's batches (and [`Amender::put_dirent`]'s);
+/// every method that deletes or reads first inserts what the batches still hold, so
+/// operations apply in the order they are called. Removals are set-based: the keys go into
+/// a temporary table, then one `DELETE` a table removes them.
 pub struct Amender<'c> {
     conn: &'c Connection,
     w: BulkWriter<'c>,
+    /// `INSERT OR REPLACE` of directory entries.
+    put: Batch<'c>,
+    /// Keys into `temp.amend_gone` / `temp.amend_unlinked`.
+    gone: Batch<'c>,
+    unlinked: Batch<'c>,
+    /// (rows, live inodes, bytes of live regular files) of the inode rows removed, for
+    /// `inode_totals` (its triggers are dropped while the amender runs).
+    removed: [i64; 3],
 }
+
+/// The tables keyed by inode that hold an inode's rows.
+const INODE_TABLES: [&str; 6] = [
+    "inode",
+    "xattr",
+    "inline_data",
+    "symlink",
+    "file_chunk",
+    "missing_window",
+];
 
 impl<'c> Amender<'c> {
     /// The writer for new rows (inodes, their xattrs and data, missing windows).
@@ -429,28 +450,62 @@ impl<'c> Amender<'c> {
         &mut self.w
     }
 
-    /// Removes an inode with its xattrs, data, chunk map and missing windows (nothing when
-    /// it does not exist).
-    pub fn delete_inode(&mut self, ino: InodeNo) -> Result<()> {
+    /// Inserts what the batches hold.
+    fn flush(&mut self) -> Result<()> {
         self.w.flush()?;
-        for t in [
-            "inode",
-            "xattr",
-            "inline_data",
-            "symlink",
-            "file_chunk",
-            "missing_window",
-        ] {
+        self.put.flush()
+    }
+
+    /// The highest inode number in the database (0 when it has none): a number above it
+    /// has no row in any table yet, so there is nothing to remove or read for it.
+    pub fn max_ino(&mut self) -> Result<InodeNo> {
+        self.flush()?;
+        let n: i64 = self
+            .conn
+            .prepare_cached("SELECT coalesce(max(ino), 0) FROM inode")?
+            .query_row([], |r| r.get(0))?;
+        Ok(InodeNo(n as u64))
+    }
+
+    /// Removes these inodes with their xattrs, data, chunk maps and missing windows (the
+    /// numbers that do not exist are skipped): one statement a table.
+    pub fn delete_inodes(&mut self, inos: &[InodeNo]) -> Result<()> {
+        self.flush()?;
+        if inos.is_empty() {
+            return Ok(());
+        }
+        self.conn
+            .prepare_cached("DELETE FROM temp.amend_gone")?
+            .execute([])?;
+        for ino in inos {
+            self.gone.push([int(ino.0)])?;
+        }
+        self.gone.flush()?;
+        let (rows, live, bytes): (i64, i64, i64) = self
+            .conn
+            .prepare_cached(
+                "SELECT count(*), coalesce(sum(nlink > 0), 0),
+                    coalesce(sum(CASE WHEN nlink > 0 AND (mode & 61440) = 32768
+                                 THEN size ELSE 0 END), 0)
+                 FROM inode WHERE ino IN (SELECT ino FROM temp.amend_gone)",
+            )?
+            .query_row([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+        self.removed[0] += rows;
+        self.removed[1] += live;
+        self.removed[2] += bytes;
+        for t in INODE_TABLES {
             self.conn
-                .prepare_cached(&format!("DELETE FROM {t} WHERE ino = ?1"))?
-                .execute([ino.0 as i64])?;
+                .prepare_cached(&format!(
+                    "DELETE FROM {t} WHERE ino IN (SELECT ino FROM temp.amend_gone)"
+                ))?
+                .execute([])?;
         }
         Ok(())
     }
 
     /// A file's chunk map, window by window (`None`: all zeros); empty when it has none.
     pub fn chunk_map(&mut self, ino: InodeNo) -> Result<Vec<Option<[u8; 32]>>> {
-        self.w.flush()?;
+        self.flush()?;
         let mut st = self
             .conn
             .prepare_cached("SELECT idx, id FROM file_chunk WHERE ino = ?1 ORDER BY idx")?;
@@ -471,7 +526,7 @@ impl<'c> Amender<'c> {
         Ok(map)
     }
 
-    /// Adds or repoints a directory entry.
+    /// Adds or repoints a directory entry (batched: inserted by the next flush).
     pub fn put_dirent(
         &mut self,
         parent: InodeNo,
@@ -479,26 +534,39 @@ impl<'c> Amender<'c> {
         ino: InodeNo,
         kind: Kind,
     ) -> Result<()> {
-        self.w.flush()?;
-        self.conn
-            .prepare_cached(
-                "INSERT OR REPLACE INTO dirent (parent, name, ino, kind) VALUES (?1, ?2, ?3, ?4)",
-            )?
-            .execute(params![
-                parent.0 as i64,
-                name,
-                ino.0 as i64,
-                kind.mode_bits()
-            ])?;
-        Ok(())
+        self.put.push([
+            int(parent.0),
+            blob(name),
+            int(ino.0),
+            int(u64::from(kind.mode_bits())),
+        ])
     }
 
-    /// Removes a directory entry (nothing when it does not exist).
-    pub fn remove_dirent(&mut self, parent: InodeNo, name: &[u8]) -> Result<()> {
-        self.w.flush()?;
+    /// Removes these directory entries (those that do not exist are skipped) with one
+    /// statement.
+    pub fn remove_dirents<'n>(
+        &mut self,
+        keys: impl IntoIterator<Item = (InodeNo, &'n [u8])>,
+    ) -> Result<()> {
+        self.flush()?;
         self.conn
-            .prepare_cached("DELETE FROM dirent WHERE parent = ?1 AND name = ?2")?
-            .execute(params![parent.0 as i64, name])?;
+            .prepare_cached("DELETE FROM temp.amend_unlinked")?
+            .execute([])?;
+        let mut any = false;
+        for (p, n) in keys {
+            self.unlinked.push([int(p.0), blob(n)])?;
+            any = true;
+        }
+        if !any {
+            return Ok(());
+        }
+        self.unlinked.flush()?;
+        self.conn
+            .prepare_cached(
+                "DELETE FROM dirent WHERE (parent, name) IN
+                 (SELECT parent, name FROM temp.amend_unlinked)",
+            )?
+            .execute([])?;
         Ok(())
     }
 
@@ -511,7 +579,7 @@ impl<'c> Amender<'c> {
     /// fetch, in inode order (the files a lazy restore creates a sparse body for), and
     /// (files with a body, their bytes, windows left to fetch).
     pub fn bodies(&mut self) -> Result<(Vec<FileSize>, [u64; 3])> {
-        self.w.flush()?;
+        self.flush()?;
         let mut st = self.conn.prepare(
             "SELECT ino, size, EXISTS (SELECT 1 FROM missing_window m WHERE m.ino = inode.ino)
              FROM inode WHERE storage = 1 AND nlink > 0 ORDER BY ino",
@@ -534,14 +602,28 @@ impl<'c> Amender<'c> {
             })? as u64;
         Ok((complete, counts))
     }
+
+    /// Inserts what is left and adds what was inserted and removed to `inode_totals`.
+    fn finish(mut self) -> Result<()> {
+        self.flush()?;
+        let t = self.w.totals;
+        let r = self.removed;
+        self.conn.execute(
+            "UPDATE inode_totals SET rows = rows + ?1, live = live + ?2, bytes = bytes + ?3",
+            params![t[0] - r[0], t[1] - r[1], t[2] - r[2]],
+        )?;
+        Ok(())
+    }
 }
 
 /// Opens the database at `path`, built by [`create_bulk`] and not yet a workspace, and lets
 /// `change` amend it in one transaction, with no journal and no syncs (a crash leaves a file
-/// the caller throws away). The triggers on `dirent` (they record changes for the next
-/// checkpoint, and the amended tree is already on the remote) are dropped meanwhile and
-/// recreated from their own SQL. The file is left in WAL mode with nothing in its WAL; the
-/// caller makes it durable before renaming it.
+/// the caller throws away). Every trigger is dropped meanwhile and recreated from its own SQL
+/// afterwards: those on `dirent` record changes for the next checkpoint (the amended tree
+/// is already on the remote), the cleanup ones on `inode` are what [`Amender::delete_inodes`]
+/// does table by table, and `inode_totals` gets what was inserted and removed once at the
+/// end, instead of a trigger run per row. The file is left in WAL mode with nothing in its
+/// WAL; the caller makes it durable before renaming it.
 pub fn amend_bulk<E: From<MetaError>>(
     path: &Path,
     change: impl FnOnce(&mut Amender<'_>) -> std::result::Result<(), E>,
@@ -568,7 +650,7 @@ pub fn amend_bulk<E: From<MetaError>>(
         let mut st = conn
             .prepare(
                 "SELECT name, sql FROM sqlite_master
-                 WHERE type = 'trigger' AND tbl_name = 'dirent' AND sql IS NOT NULL ORDER BY name",
+                 WHERE type = 'trigger' AND sql IS NOT NULL ORDER BY name",
             )
             .map_err(MetaError::from)?;
         let v = st
@@ -583,13 +665,31 @@ pub fn amend_bulk<E: From<MetaError>>(
         conn.execute_batch(&format!("DROP TRIGGER \"{name}\""))
             .map_err(MetaError::from)?;
     }
+    conn.execute_batch(
+        "CREATE TEMP TABLE amend_gone (ino INTEGER PRIMARY KEY);
+         CREATE TEMP TABLE amend_unlinked (parent INTEGER NOT NULL, name BLOB NOT NULL,
+            PRIMARY KEY (parent, name)) WITHOUT ROWID;",
+    )
+    .map_err(MetaError::from)?;
     {
         let mut a = Amender {
             conn: &conn,
             w: writer(&conn)?,
+            put: Batch::new(
+                &conn,
+                "INSERT OR REPLACE INTO dirent (parent, name, ino, kind)",
+                4,
+            )?,
+            gone: Batch::new(&conn, "INSERT OR IGNORE INTO temp.amend_gone (ino)", 1)?,
+            unlinked: Batch::new(
+                &conn,
+                "INSERT OR IGNORE INTO temp.amend_unlinked (parent, name)",
+                2,
+            )?,
+            removed: [0; 3],
         };
         change(&mut a)?;
-        a.w.flush()?;
+        a.finish()?;
     }
     for (_, sql) in &dropped {
         conn.execute_batch(sql).map_err(MetaError::from)?;

@@ -13,7 +13,7 @@
 //! no-op. gc keeps an image while a kept snapshot names it; fsck checks that the images of
 //! the checked chains are there (the full check also re-hashes them).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
@@ -67,6 +67,10 @@ pub enum ImageError {
     List(RemoteError),
     #[error("delete {key}: {source}")]
     Delete { key: String, source: RemoteError },
+    #[error("start the thread that decodes the deltas: {0}")]
+    Decoder(#[source] std::io::Error),
+    #[error("the thread decoding the deltas ended before the last one")]
+    DecoderGone,
 }
 
 /// Which step of replaying one delta snapshot onto the image database failed.
@@ -203,7 +207,9 @@ fn compress(path: &Path) -> Result<(Vec<u8>, u64), ImageError> {
 /// Restores a chain (its full snapshot must name an image) lazily into `building`: the
 /// image, then the deltas (as the chain fetched them); creates the bodies of the files with
 /// no window to fetch. `state` holds the bookkeeping rows to set. Fills the counts of
-/// `report`.
+/// `report`. The deltas are decoded on a thread of their own from the start, while the
+/// image is fetched and decompressed and while the earlier ones are applied (one decoded
+/// delta waits beside the one being applied).
 pub(super) fn restore(
     repo: &Repo,
     chain: &Chain,
@@ -212,6 +218,62 @@ pub(super) fn restore(
     state: &[(&'static str, String)],
     report: &mut RestoreReport,
     laps: &mut dyn FnMut(&'static str),
+) -> Result<(), ImageError> {
+    std::thread::scope(|s| {
+        // A rendezvous: one delta decoded ahead of the one being applied, no more.
+        let (tx, rx) = std::sync::mpsc::sync_channel(0);
+        let decoder = std::thread::Builder::new()
+            .name("keel-delta-decode".into())
+            .spawn_scoped(s, move || {
+                let mut took = Duration::ZERO;
+                for (key, h, obj) in &chain.deltas {
+                    let t = Instant::now();
+                    let r = super::format::decode(key, obj)
+                        .map(|(_, b)| b)
+                        .map_err(|source| ImageError::ReadDelta {
+                            seq: h.seq,
+                            source: source.into(),
+                        });
+                    took += t.elapsed();
+                    let failed = r.is_err();
+                    // The receiver gone: the restore failed before it took every delta.
+                    if tx.send((h.seq, h.chunk_size, r)).is_err() || failed {
+                        break;
+                    }
+                }
+                took
+            });
+        let decoder = match decoder {
+            Ok(d) => d,
+            Err(e) => return Err(ImageError::Decoder(e)),
+        };
+        let r = restore_decoded(repo, chain, building, bodies, state, report, laps, rx);
+        let decoding = decoder.join().unwrap_or_default();
+        if r.is_ok() {
+            tracing::info!(
+                "restore: {} deltas decoded in {:.2} s of their own thread",
+                chain.deltas.len(),
+                decoding.as_secs_f64()
+            );
+        }
+        r
+    })
+}
+
+/// A delta decoded: (seq, its chunk size, its body).
+type Decoded = (u64, u64, Result<Body, ImageError>);
+
+/// `restore`, the deltas taken from `decoded` in chain order.
+#[allow(clippy::too_many_arguments)]
+fn restore_decoded(
+    repo: &Repo,
+    chain: &Chain,
+    building: &Path,
+    bodies: &BodyStore,
+    state: &[(&'static str, String)],
+    report: &mut RestoreReport,
+    laps: &mut dyn FnMut(&'static str),
+    decoded: std::sync::mpsc::Receiver<Decoded>,
 ) -> Result<(), ImageError> {
     let full = &chain.full;
     let r = full.image.expect("the caller checked");
@@ -255,22 +317,30 @@ pub(super) fn restore(
 
     let mut complete = Vec::new();
     let mut counts = [0; 3];
+    let (mut records, mut waited) = (0, Duration::ZERO);
     amend_bulk(building, |a| -> Result<(), ImageError> {
-        for (key, h, obj) in &chain.deltas {
-            let b = super::format::decode(key, obj).map_err(|source| ImageError::ReadDelta {
-                seq: h.seq,
-                source: source.into(),
-            })?;
-            apply_delta(a, &b.1, h.chunk_size)
-                .map_err(|source| ImageError::ApplyDelta { seq: h.seq, source })?;
+        for (_, h, _) in &chain.deltas {
+            let t = Instant::now();
+            let (seq, cs, b) = decoded.recv().map_err(|_| ImageError::DecoderGone)?;
+            waited += t.elapsed();
+            debug_assert_eq!(seq, h.seq);
+            let b = b?;
+            records += b.inodes.len() + b.deleted.len() + b.dirents.len() + b.unlinked.len();
+            apply_delta(a, &b, cs).map_err(|source| ImageError::ApplyDelta { seq, source })?;
         }
         for (k, v) in state {
             a.persist_set(k, v)?;
         }
+        laps("deltas");
         (complete, counts) = a.bodies()?;
         Ok(())
     })?;
-    laps("deltas");
+    laps("body list");
+    tracing::info!(
+        "restore: {} deltas, {records} records applied in bulk ({:.2} s of it waiting for their decoding)",
+        chain.deltas.len(),
+        waited.as_secs_f64()
+    );
     for (ino, size) in complete {
         bodies
             .open_rw(ino.0)
@@ -282,35 +352,30 @@ pub(super) fn restore(
     Ok(())
 }
 
-/// Replays one delta snapshot onto the database, as `Tree::apply` replays it onto a tree.
+/// Replays one delta snapshot onto the database, as `Tree::apply` replays it onto a tree,
+/// in bulk: the deleted inodes removed with one statement a table, then each run of records
+/// with distinct numbers (a delta names an inode once, so one run) as one removal of the
+/// inodes it re-states and batched inserts of what they become, then the unlinked entries
+/// removed and the entries written the same way. A record that patches a chunk map reads
+/// the map it patches first; an inode numbered above every inode already in the database
+/// is new, so nothing is read or removed for it (after a session that created many files,
+/// most records of its deltas).
 fn apply_delta(a: &mut Amender<'_>, b: &Body, cs: u64) -> Result<(), DeltaError> {
     let e = DeltaError::Db;
-    for ino in &b.deleted {
-        a.delete_inode(InodeNo(*ino)).map_err(e)?;
+    let deleted: Vec<InodeNo> = b.deleted.iter().map(|i| InodeNo(*i)).collect();
+    a.delete_inodes(&deleted).map_err(e)?;
+    let mut rest = &b.inodes[..];
+    while !rest.is_empty() {
+        let mut seen = HashSet::new();
+        let n = rest
+            .iter()
+            .position(|r| !seen.insert(r.ino))
+            .unwrap_or(rest.len());
+        apply_records(a, &rest[..n], cs)?;
+        rest = &rest[n..];
     }
-    for rec in &b.inodes {
-        let ino = InodeNo(rec.ino);
-        let old = match &rec.data {
-            DataRec::Chunks {
-                complete: false, ..
-            } => Some(TreeData::Chunks(
-                a.chunk_map(ino)
-                    .map_err(e)?
-                    .into_iter()
-                    .map(|c| c.map(ChunkId))
-                    .collect(),
-            )),
-            _ => None,
-        };
-        a.delete_inode(ino).map_err(e)?;
-        let t = tree_inode(rec, old, cs);
-        let mut scratch = RestoreReport::default();
-        write_inode(a.writer(), &t, 0, RestoreMode::Lazy, &mut scratch)
-            .map_err(|x| DeltaError::WriteInode(Box::new(x)))?;
-    }
-    for (p, n) in &b.unlinked {
-        a.remove_dirent(InodeNo(*p), n).map_err(e)?;
-    }
+    a.remove_dirents(b.unlinked.iter().map(|(p, n)| (InodeNo(*p), &n[..])))
+        .map_err(e)?;
     for d in &b.dirents {
         let k = Kind::from_mode(d.kind).ok_or_else(|| DeltaError::BadKind {
             name: String::from_utf8_lossy(&d.name).into_owned(),
@@ -318,6 +383,39 @@ fn apply_delta(a: &mut Amender<'_>, b: &Body, cs: u64) -> Result<(), DeltaError>
         })?;
         a.put_dirent(InodeNo(d.parent), &d.name, InodeNo(d.ino), k)
             .map_err(e)?;
+    }
+    Ok(())
+}
+
+/// Records of distinct inodes: each replaces its inode (a chunk-map patch laid over the map
+/// the database holds).
+fn apply_records(a: &mut Amender<'_>, recs: &[InodeRec], cs: u64) -> Result<(), DeltaError> {
+    let e = DeltaError::Db;
+    let known = a.max_ino().map_err(e)?;
+    let mut old = HashMap::new();
+    for rec in recs.iter().filter(|r| r.ino <= known.0) {
+        if let DataRec::Chunks {
+            complete: false, ..
+        } = rec.data
+        {
+            let map = a.chunk_map(InodeNo(rec.ino)).map_err(e)?;
+            old.insert(
+                rec.ino,
+                TreeData::Chunks(map.into_iter().map(|c| c.map(ChunkId)).collect()),
+            );
+        }
+    }
+    let restated: Vec<InodeNo> = recs
+        .iter()
+        .filter(|r| r.ino <= known.0)
+        .map(|r| InodeNo(r.ino))
+        .collect();
+    a.delete_inodes(&restated).map_err(e)?;
+    let mut scratch = RestoreReport::default();
+    for rec in recs {
+        let t = tree_inode(rec, old.remove(&rec.ino), cs);
+        write_inode(a.writer(), &t, 0, RestoreMode::Lazy, &mut scratch)
+            .map_err(|x| DeltaError::WriteInode(Box::new(x)))?;
     }
     Ok(())
 }

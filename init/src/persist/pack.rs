@@ -9,8 +9,8 @@
 //!
 //! Both are named by the blake3 of the pack's bytes. A checkpoint writes the pack, then its
 //! index, before the snapshot that names any chunk in it. A chunk is found by its id in
-//! the indexes of every pack on the chunk store (`PackMap`, loaded once per `Repo` and
-//! again when a lookup misses), else as a loose object (`<chunks>/<aa>/<hex>`): snapshots
+//! the indexes of every pack on the chunk store (`PackMap`, loaded once per `Repo`, by a
+//! lazy start in the background right after its restore, and again when a lookup misses), else as a loose object (`<chunks>/<aa>/<hex>`): snapshots
 //! written before packs, and chunks too large to pack, are loose. The snapshot format does
 //! not change: a chunk map names chunk ids, wherever they live.
 //!
@@ -312,10 +312,14 @@ impl PackMap {
     }
 }
 
-/// The pack map a `Repo` and its clones share: loaded on first use, again on a miss.
+/// The pack map a `Repo` and its clones share: loaded on first use (or ahead of it, in the
+/// background, by a lazy start), again on a miss.
 #[derive(Default)]
 pub struct PackCache {
     map: Mutex<Option<Arc<PackMap>>>,
+    /// Held while the map is first loaded: a read that needs it meanwhile waits for that
+    /// load instead of listing and fetching every index again.
+    pub(super) loading: Mutex<()>,
 }
 
 impl PackCache {

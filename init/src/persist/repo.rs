@@ -473,9 +473,15 @@ impl Repo {
         Ok(map)
     }
 
-    /// The pack map, loaded once (an error is logged and reads go to loose chunks only).
+    /// The pack map, loaded once (an error is logged and reads go to loose chunks only); a
+    /// load under way (`load_packs_ahead`) is waited for, not repeated.
     fn packs_now(&self) -> Option<Arc<PackMap>> {
-        if let Some(m) = self.packs.get().filter(|m| m.store == self.chunks) {
+        let loaded = || self.packs.get().filter(|m| m.store == self.chunks);
+        if let Some(m) = loaded() {
+            return Some(m);
+        }
+        let _one = self.packs.loading.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = loaded() {
             return Some(m);
         }
         match self.load_packs(None) {
@@ -485,6 +491,30 @@ impl Repo {
                 None
             }
         }
+    }
+
+    /// Loads the pack map on a thread of its own, so that the first read of a packed chunk
+    /// does not wait for the listing and the index GETs (a lazy start calls it right after
+    /// the restore); a read that comes first waits for this load rather than making its own.
+    /// The thread, to wait for (`None`: it could not be started, after a warning).
+    pub fn load_packs_ahead(&self) -> Option<std::thread::JoinHandle<()>> {
+        let repo = self.clone();
+        let started = std::thread::Builder::new()
+            .name("keel-pack-index".into())
+            .spawn(move || {
+                let t = std::time::Instant::now();
+                if let Some(m) = repo.packs_now() {
+                    tracing::info!(
+                        packs = m.packs.len(),
+                        chunks = m.len(),
+                        seconds = t.elapsed().as_secs_f64(),
+                        "pack indexes loaded ahead of the first read"
+                    );
+                }
+            });
+        started
+            .inspect_err(|e| tracing::warn!(error = %e, "cannot start loading the pack indexes ahead; the first read loads them"))
+            .ok()
     }
 
     /// Fetches chunks and checks each against its id. Results in input order. A chunk an

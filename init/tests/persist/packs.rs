@@ -523,3 +523,78 @@ fn a_remote_written_before_packs_restores_and_takes_packed_checkpoints() {
     assert_clean(&fsck_of(d2.path(), &repo, false));
     let _ = InodeNo::ROOT;
 }
+
+/// A lazy start loads the pack indexes ahead of the first read (`Repo::load_packs_ahead`,
+/// what `keel mount` and `keel run` call once the chunk source is wired): the first read of
+/// a packed chunk is then one ranged GET, no index GET in front of it. A read racing that
+/// load waits for it: every index is fetched once either way.
+#[test]
+fn the_pack_indexes_load_ahead_of_the_first_read_and_only_once() {
+    let remote: Arc<dyn Remote> = Arc::new(MemRemote::new());
+    let src = tempfile::tempdir().unwrap();
+    let fs = open_fs(src.path());
+    small_files(&fs, "a", 120, 1);
+    small_files(&fs, "b", 120, 2);
+    let mut p = persister(src.path(), remote.clone());
+    let r = checkpoint(&mut p);
+    assert!(r.packs_uploaded >= 1 && r.packed_chunks >= 240, "{r}");
+    let want = dump(&fs);
+    let packs = objects(&Repo::new(remote.clone(), "ws")).2;
+    let gets: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+    let g = gets.clone();
+    let tap = Tap::new(remote.clone(), move |op, key| {
+        if key.contains("/chunks/") {
+            g.lock().unwrap().push((op.to_string(), key.to_string()));
+        }
+    });
+    let index_gets = || {
+        gets.lock()
+            .unwrap()
+            .iter()
+            .filter(|(op, k)| op == "get_many" && k.ends_with(".idx"))
+            .count()
+    };
+    let lazy_fs = |dst: &Path| {
+        restore_with(
+            &mut Repo::new(tap.clone(), "ws"),
+            None,
+            dst,
+            RestoreMode::Lazy,
+        )
+        .unwrap();
+        let lfs = open_fs(dst);
+        let mut reader = Repo::new(tap.clone(), "ws");
+        reader.manifest().unwrap();
+        lfs.set_chunk_source(Arc::new(RemoteChunks::new(reader.clone())));
+        (lfs, reader)
+    };
+
+    // Ahead of the read: the read is one ranged GET of a pack.
+    let dst = tempfile::tempdir().unwrap();
+    let (lfs, reader) = lazy_fs(dst.path());
+    gets.lock().unwrap().clear();
+    reader.load_packs_ahead().expect("started").join().unwrap();
+    assert_eq!(index_gets(), packs, "{:?}", gets.lock().unwrap());
+    gets.lock().unwrap().clear();
+    let got = read_all(&lfs, resolve(&lfs, "b/f7.js")).unwrap();
+    let seen = gets.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert!(
+        seen[0].0 == "get_range" && seen[0].1.ends_with(".pack"),
+        "{seen:?}"
+    );
+    assert!(want["/b/f7.js"].contains(&format!("bytes:{}:", got.len())));
+
+    // Racing: the load ahead and a read started together fetch every index once.
+    let dst = tempfile::tempdir().unwrap();
+    let (lfs, reader) = lazy_fs(dst.path());
+    gets.lock().unwrap().clear();
+    std::thread::scope(|s| {
+        let ahead = reader.load_packs_ahead().expect("started");
+        let read = s.spawn(|| read_all(&lfs, resolve(&lfs, "a/f3.js")).unwrap());
+        ahead.join().unwrap();
+        read.join().unwrap();
+    });
+    assert_eq!(index_gets(), packs, "{:?}", gets.lock().unwrap());
+    assert_eq!(dump(&lfs), want, "lazily read tree");
+}
