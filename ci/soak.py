@@ -1483,7 +1483,13 @@ class Soak:
             self.kill_keel("lazy", {"op": "lazy_start", "offset": round(at, 3)})
         else:
             if not d.wait_line(r"step start ready", 180):
-                raise Finding("won't start", f"lazy restore start: {d.output()[-800:]}")
+                if not self.fresh_start_refused_in_outage(d, fault):
+                    raise Finding("won't start", f"lazy restore start: {d.output()[-800:]}")
+                # The remote is back: the new host starts now.
+                d = self.start_keel(cfg=cfg, extra=["--takeover=force"], expect_ready=False)
+                t0 = now()
+                if not d.wait_line(r"step start ready", 180):
+                    raise Finding("won't start", f"lazy restore start after the outage: {d.output()[-800:]}")
             self.learn("lazy_start", now() - t0, False)
             # Cold reads: every file once (the prefetch may race them).
             reader = threading.Thread(target=lambda: self.swallow(manifest, self.mnt), daemon=True)
@@ -1506,6 +1512,20 @@ class Soak:
             f(*a)
         except OSError:
             pass
+
+    def fresh_start_refused_in_outage(self, d, fault):
+        """A new host (an empty state dir) started while the remote is gone has nothing to
+        serve: keel says the remote did not answer and exits (the designed behaviour,
+        `persist::acquire_lease_at_start`). True when that is what happened, after waiting
+        for the outage to end."""
+        if d.alive() or not (fault and fault.get("until")) or "gave up after" not in d.output():
+            return False
+        self.say("a fresh state dir started in the outage: keel exited (nothing to serve); "
+                 "starting it again once the remote is back")
+        while now() < fault["until"]:
+            time.sleep(0.2)
+        self.end_fault(fault)
+        return True
 
     def sc_eager(self, fault):
         want, old, d, t0 = self.switch_state(self.cfg_eager, "eager")
