@@ -11,5 +11,6 @@ mod e2e;
 mod exec;
 mod exec_workspace;
 mod files;
+mod starve;
 mod watch;
 mod workspace;
