@@ -684,7 +684,7 @@ async fn answer(
     (to_hyper(r), true)
 }
 
-fn to_hyper(r: Response) -> hyper::Response<Body> {
+pub(super) fn to_hyper(r: Response) -> hyper::Response<Body> {
     let mut b = hyper::Response::builder()
         .status(r.status)
         .header(hyper::header::CONTENT_TYPE, r.content_type)
