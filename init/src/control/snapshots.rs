@@ -201,9 +201,12 @@ const PART: usize = 64 * 1024;
 impl Parts {
     fn send(&mut self) -> std::io::Result<()> {
         let b = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(PART)));
+        // The worker is no runtime thread: the timer is made inside `block_on`, where the
+        // runtime is entered.
+        let tx = &self.tx;
         let sent = self
             .handle
-            .block_on(tokio::time::timeout(WRITE_TIMEOUT, self.tx.send(b)));
+            .block_on(async move { tokio::time::timeout(WRITE_TIMEOUT, tx.send(b)).await });
         match sent {
             Ok(Ok(())) => Ok(()),
             _ => Err(std::io::Error::new(
