@@ -165,6 +165,12 @@ fn a_30000_level_chain_is_diffed_with_keel_holding_one_path() {
     std::io::copy(child.stdout.as_mut().unwrap(), &mut cli).unwrap();
     assert!(child.wait().unwrap().success(), "keel diff failed");
     let peak_cli = status_kib(pid, "VmHWM:");
+    eprintln!(
+        "deep diff: keel RSS before {} MiB; peak during keel diff {} MiB ({} MB out)",
+        rss / 1024,
+        peak_cli / 1024,
+        cli.bytes / 1_000_000
+    );
     assert_eq!(cli.lines, DEPTH + 1);
     let paths: u64 = (1..=DEPTH).map(|k| 2 * k + 3).sum();
     let summary = cli.last_line();
@@ -183,6 +189,11 @@ fn a_30000_level_chain_is_diffed_with_keel_holding_one_path() {
     reset_peak(pid);
     let (code, api) = get_counted(&sock, "/diff?from=before&to=deep");
     let peak_api = status_kib(pid, "VmHWM:");
+    eprintln!(
+        "deep diff: peak during GET /diff {} MiB ({} MB out)",
+        peak_api / 1024,
+        api.bytes / 1_000_000
+    );
     if code != 200 {
         let log = k.log_text();
         panic!(
@@ -197,14 +208,6 @@ fn a_30000_level_chain_is_diffed_with_keel_holding_one_path() {
     assert!(head.contains(r#""path":"/d""#), "{head}");
     assert!(api.last_line().contains("\"trees\""), "{}", api.last_line());
 
-    eprintln!(
-        "deep diff: keel RSS before {} MiB; peak during keel diff {} MiB ({} MB out), during GET /diff {} MiB ({} MB out)",
-        rss / 1024,
-        peak_cli / 1024,
-        cli.bytes / 1_000_000,
-        peak_api / 1024,
-        api.bytes / 1_000_000
-    );
     assert!(
         peak_cli / 1024 <= BOUND_MIB,
         "keel diff: keel peaked at {} MiB",
