@@ -37,12 +37,14 @@ enum RouteError {
 
 impl RouteError {
     /// 409: refused while a checkpoint or rollback runs; 404: no such snapshot, or no such
-    /// file in one; 400: a bad snapshot name; 500: anything else.
+    /// file in one; 400: a bad snapshot name; 413: a diff over `[control] diff_max_entries`;
+    /// 500: anything else.
     fn http_status(&self) -> u16 {
         match self {
             RouteError::Service(e) => service_status(e),
             RouteError::Snapshots(e) => snapshots_status(e),
             RouteError::Diff(DiffError::NoPath { .. }) => 404,
+            RouteError::Diff(DiffError::TooMany { .. }) => 413,
             RouteError::Diff(_) => 500,
         }
     }
@@ -63,6 +65,7 @@ fn agent_status(e: &AgentError) -> u16 {
         | AgentError::RecordSnapshot(s) => snapshots_status(s),
         AgentError::Checkpoint(s) => service_status(s),
         AgentError::Unfinished { source, .. } => agent_status(source),
+        AgentError::Diff(DiffError::TooMany { .. }) => 413,
         _ => 500,
     }
 }
@@ -417,6 +420,15 @@ mod tests {
                 .into(),
                 404,
                 "a/b: no such file in snapshot 3",
+            ),
+            (
+                ServiceError::Agent(AgentError::Diff(DiffError::TooMany {
+                    entries: 30001,
+                    limit: 30000,
+                }))
+                .into(),
+                413,
+                "the diff has 30001 changed entries, more than [control] diff_max_entries = 30000",
             ),
             (
                 DiffError::NotFile {
