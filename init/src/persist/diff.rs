@@ -15,6 +15,12 @@
 //! their chains (`Repo::load_tree`) and compared whole. File contents are
 //! compared by their chunk ids, never by reading chunks; only `-- PATH` fetches chunks, of
 //! that one file.
+//!
+//! The changes come out one at a time in tree order (`each`: a depth-first walk of both
+//! trees, one path buffer each) and are written as they come (`out::Answer`, text or
+//! JSON): `keel diff` and `GET /diff` never hold the answer, so a chain of 30,000
+//! directories costs keel a path, not the 900 MB of all of them. `diff_trees` and friends
+//! collect the same changes, for callers that want them whole.
 
 use std::collections::{BTreeSet, HashMap};
 
