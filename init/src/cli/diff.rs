@@ -34,7 +34,10 @@ pub fn main(config: Option<&Path>, a: DiffArgs) -> i32 {
             None,
             super::TakeoverArg::default(),
         )?;
-        let out = keel::control::agent_client::diff(
+        // Written as it arrives: a diff of a huge or deep tree is never held here.
+        let stdout = std::io::stdout();
+        let mut out = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
+        keel::control::agent_client::diff(
             &cfg,
             &DiffOptions {
                 from: a.from,
@@ -42,11 +45,9 @@ pub fn main(config: Option<&Path>, a: DiffArgs) -> i32 {
                 json: a.json,
                 path: a.path,
             },
+            &mut out,
         )?;
-        print!("{out}");
-        if !out.is_empty() && !out.ends_with('\n') {
-            println!();
-        }
+        std::io::Write::flush(&mut out).map_err(|e| format!("write the answer: {e}"))?;
         Ok(0)
     })
 }

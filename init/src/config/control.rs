@@ -6,6 +6,7 @@
 
 use serde::Deserialize;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// Environment variable that supplies (and overrides) the bearer token.
 pub const TOKEN_ENV: &str = "KEEL_CONTROL_TOKEN";
@@ -58,7 +59,7 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ControlConfig {
     /// `host:port` for the HTTP API, e.g. "0.0.0.0:8787". Unset: no TCP listener at all.
@@ -74,6 +75,39 @@ pub struct ControlConfig {
     /// A group (name or gid) whose members may use the socket too (0660, directory 0750).
     /// Unset: root and keel's own user only (0600, directory 0700).
     pub group: Option<String>,
+    /// Time a client has to send its whole request head once connected (then the body gets
+    /// the same again).
+    #[serde(with = "super::units::duration_str")]
+    pub head_timeout: Duration,
+    /// Connections whose request head is still coming, per listener; past it the oldest
+    /// such connection is closed to make room for the new one.
+    pub max_pending: usize,
+    /// The same, per peer address (per uid on the Unix socket): the oldest of that peer's
+    /// is closed first.
+    pub max_pending_per_peer: usize,
+    /// Requests served at once per listener and per class (the token's holder or a
+    /// privileged socket peer; everyone else), the next ones of that class get 503 "busy".
+    /// `/health` and the answers that need no handler (401, 404) take no slot.
+    pub max_connections: usize,
+    /// Changed entries one diff answer (`keel diff`, `GET /diff`) may hold; past it the
+    /// diff is refused with one line naming the limit. 0: no limit.
+    pub diff_max_entries: u64,
+}
+
+impl Default for ControlConfig {
+    fn default() -> Self {
+        ControlConfig {
+            listen: None,
+            token: None,
+            socket: None,
+            group: None,
+            head_timeout: Duration::from_secs(3),
+            max_pending: 512,
+            max_pending_per_peer: 64,
+            max_connections: 256,
+            diff_max_entries: 1_000_000,
+        }
+    }
 }
 
 impl ControlConfig {
@@ -96,6 +130,27 @@ impl ControlConfig {
             if !ok {
                 return bad("group", format!("`{g}` is not a group name or gid"));
             }
+        }
+        if self.head_timeout.is_zero() || self.head_timeout > Duration::from_secs(3600) {
+            return bad("head_timeout", "must be more than 0 and at most 1h".into());
+        }
+        for (k, v) in [
+            ("max_pending", self.max_pending),
+            ("max_pending_per_peer", self.max_pending_per_peer),
+            ("max_connections", self.max_connections),
+        ] {
+            if v == 0 || v > 65536 {
+                return bad(k, format!("{v} must be between 1 and 65536"));
+            }
+        }
+        if self.max_pending_per_peer > self.max_pending {
+            return bad(
+                "max_pending_per_peer",
+                format!(
+                    "{} is more than max_pending ({})",
+                    self.max_pending_per_peer, self.max_pending
+                ),
+            );
         }
         if let Some(s) = &self.socket {
             if !s.is_absolute() {

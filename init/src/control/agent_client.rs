@@ -39,6 +39,8 @@ pub enum AgentClientError {
     Refused(String),
     #[error("unexpected answer from keel: {0}")]
     Answer(#[source] serde_json::Error),
+    #[error("write the answer: {0}")]
+    Output(#[source] std::io::Error),
 }
 
 impl From<OpsError> for AgentClientError {
@@ -125,11 +127,15 @@ fn call(sock: &Path, method: &str, route: &str) -> Result<String, AgentClientErr
     if code == 200 {
         return Ok(body);
     }
-    let why = serde_json::from_str::<serde_json::Value>(&body)
+    Err(AgentClientError::Refused(refusal(&body)))
+}
+
+/// The API's `error` in an error answer (or the body).
+fn refusal(body: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(body)
         .ok()
         .and_then(|v| v["error"].as_str().map(str::to_string))
-        .unwrap_or_else(|| body.trim().to_string());
-    Err(AgentClientError::Refused(why))
+        .unwrap_or_else(|| body.trim().to_string())
 }
 
 fn json(body: &str) -> Result<serde_json::Value, AgentClientError> {
@@ -191,9 +197,14 @@ pub fn snapshot_delete(cfg: &Config, what: &str) -> Result<Vec<String>, AgentCli
         .unwrap_or_default())
 }
 
-pub fn diff(cfg: &Config, o: &DiffOptions) -> Result<String, AgentClientError> {
+/// `keel diff`, written to `out` as it arrives.
+pub fn diff(
+    cfg: &Config,
+    o: &DiffOptions,
+    out: &mut dyn std::io::Write,
+) -> Result<(), AgentClientError> {
     let Some(sock) = api_socket(cfg) else {
-        return Ok(agent_cmd::diff(cfg, o)?);
+        return Ok(agent_cmd::diff(cfg, o, out)?);
     };
     let mut route = format!("/diff?from={}", enc(&o.from));
     if let Some(t) = &o.to {
@@ -204,7 +215,24 @@ pub fn diff(cfg: &Config, o: &DiffOptions) -> Result<String, AgentClientError> {
     } else if !o.json {
         route.push_str("&format=text");
     }
-    call(&sock, "GET", &route)
+    if o.path.is_some() {
+        let mut text = call(&sock, "GET", &route)?;
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        return out
+            .write_all(text.as_bytes())
+            .map_err(AgentClientError::Output);
+    }
+    let refused =
+        super::client::request_to(&sock, "GET", &route, API_TIMEOUT, out).map_err(|e| match e {
+            ClientError::Denied { .. } => AgentClientError::Denied(e),
+            e => AgentClientError::Request(e),
+        })?;
+    match refused {
+        None => Ok(()),
+        Some((_, body)) => Err(AgentClientError::Refused(refusal(&body))),
+    }
 }
 
 pub fn rollback(cfg: &Config, r: &Rollback) -> Result<serde_json::Value, AgentClientError> {

@@ -79,6 +79,88 @@ pub fn request_within(
     Ok((code, body.to_string()))
 }
 
+/// `request_within`, with the body of a 200 copied to `out` as it arrives (chunked, or up to
+/// the end of the connection): an answer keel streams is never held here either. Any other
+/// status: `Some((code, body))`, the body read whole (an error answer is one line).
+pub fn request_to(
+    path: &Path,
+    method: &str,
+    route: &str,
+    timeout: Duration,
+    out: &mut dyn Write,
+) -> Result<Option<(u16, String)>, ClientError> {
+    use std::io::BufRead;
+    let p = || path.to_path_buf();
+    let s = UnixStream::connect(path).map_err(|source| match source.kind() {
+        io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => {
+            ClientError::NotListening { path: p() }
+        }
+        io::ErrorKind::PermissionDenied => ClientError::Denied { path: p() },
+        _ => ClientError::Connect { path: p(), source },
+    })?;
+    let _ = s.set_read_timeout(Some(timeout));
+    let _ = s.set_write_timeout(Some(timeout));
+    let req = format!(
+        "{method} {route} HTTP/1.1\r\nHost: keel\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    );
+    (&s).write_all(req.as_bytes())
+        .map_err(|source| ClientError::Send { path: p(), source })?;
+    let recv = |source| ClientError::Receive { path: p(), source };
+    let bad = |what: &str| ClientError::BadResponse {
+        path: p(),
+        what: what.to_string(),
+    };
+    let mut r = io::BufReader::with_capacity(64 * 1024, &s);
+    let mut line = String::new();
+    r.read_line(&mut line).map_err(recv)?;
+    let code = line
+        .strip_prefix("HTTP/1.1 ")
+        .and_then(|r| r.get(..3))
+        .and_then(|c| c.parse::<u16>().ok())
+        .ok_or_else(|| bad("no status line"))?;
+    let mut chunked = false;
+    loop {
+        line.clear();
+        if r.read_line(&mut line).map_err(recv)? == 0 {
+            return Err(bad("no header end"));
+        }
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = l.split_once(':') {
+            if k.trim().eq_ignore_ascii_case("transfer-encoding")
+                && v.trim().eq_ignore_ascii_case("chunked")
+            {
+                chunked = true;
+            }
+        }
+    }
+    let mut error_body = Vec::new();
+    let sink: &mut dyn Write = if code == 200 { out } else { &mut error_body };
+    if chunked {
+        loop {
+            line.clear();
+            r.read_line(&mut line).map_err(recv)?;
+            let size = line.trim_end().split(';').next().unwrap_or("");
+            let n = u64::from_str_radix(size.trim(), 16).map_err(|_| bad("bad chunk size"))?;
+            if n == 0 {
+                break;
+            }
+            let copied = io::copy(&mut (&mut r).take(n), sink).map_err(recv)?;
+            if copied != n {
+                return Err(bad("the answer ended in a chunk"));
+            }
+            line.clear();
+            r.read_line(&mut line).map_err(recv)?;
+        }
+    } else {
+        io::copy(&mut r, sink).map_err(recv)?;
+    }
+    sink.flush().map_err(recv)?;
+    Ok((code != 200).then(|| (code, String::from_utf8_lossy(&error_body).into_owned())))
+}
+
 /// `GET /status` from the keel listening at `path`: the JSON body.
 pub fn status(path: &Path) -> Result<String, ClientError> {
     match request(path, "GET", "/status")? {

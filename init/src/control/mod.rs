@@ -63,8 +63,13 @@ pub fn start(cfg: &Config) -> Result<Control, ControlError> {
         Some(addr) => {
             let token = c.effective_token().map_err(ControlError::Token)?;
             let secured = token.is_some();
-            let s = server::serve_tcp(addr, status.clone(), Access::Token(token))
-                .map_err(ControlError::Listen)?;
+            let s = server::serve_tcp(
+                addr,
+                status.clone(),
+                Access::Token(token),
+                server::Limits::of(c),
+            )
+            .map_err(ControlError::Listen)?;
             let bound = s.local_addr().map(|a| a.to_string());
             let shown = bound.as_deref().unwrap_or(addr);
             if secured {
@@ -90,7 +95,8 @@ pub fn start(cfg: &Config) -> Result<Control, ControlError> {
         None => None,
     };
     let unix = match c.socket_path(cfg, crate::sys::process::is_root_pid1()) {
-        Some(path) => match server::serve_unix(&path, status.clone(), group) {
+        Some(path) => match server::serve_unix(&path, status.clone(), group, server::Limits::of(c))
+        {
             Ok(s) => Some(s),
             Err(e) if c.socket.is_some() => return Err(ControlError::Socket(e)),
             Err(e) => {

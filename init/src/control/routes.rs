@@ -80,7 +80,7 @@ pub static ROUTES: &[Route] = &[
     r("GET", "/snapshots", All, Plain(snapshots::route)),
     r("POST", "/snapshots", All, Plain(snapshots::route)),
     r("DELETE", "/snapshots/{name}", All, Plain(snapshots::route)),
-    r("GET", "/diff", All, Plain(snapshots::route)),
+    r("GET", "/diff", All, Stream(snapshots::diff)),
     r("POST", "/rollback", All, Plain(snapshots::route)),
     r("POST", "/exec", All, Stream(processes::exec)),
     r("GET", "/processes", All, Plain(processes::list)),

@@ -1,23 +1,28 @@
 //! The listeners, on hyper 1.x: one thread per listener runs a current-thread tokio runtime
 //! that accepts on the TCP port or the Unix socket and serves each connection as one HTTP/1.1
 //! request (`Connection: close`). The bounds: a request head of at most `MAX_HEAD` bytes
-//! (else 431) read within `READ_DEADLINE`, a body of at most `MAX_BODY` (else 413), at most
-//! `MAX_CONNECTIONS` connections served at once (the next `BUSY_QUEUE` get a quick 503
-//! "busy", the rest are closed), and `WRITE_TIMEOUT` for the reply once it is ready. Routing
-//! is `api::handle` on keel's own `Request`/`Response`; it runs on the blocking pool, so a
-//! long `POST /checkpoint` holds nobody else up. The Unix socket is mode 0600 (0660 and
-//! group-owned with `[control] group`) and every peer is checked with `SO_PEERCRED` as
-//! well: root, keel's own user, or a member of that group; anyone else gets 403. Stopping
-//! ends the accept loop at once, gives requests in flight `STOP_GRACE`, and removes the
-//! socket file.
+//! (else 431) read within `Limits::head_timeout`, a body of at most `MAX_BODY` (else 413)
+//! read within `READ_DEADLINE`, and `WRITE_TIMEOUT` for the reply once it is ready. The
+//! sandbox shares the network namespace, so nobody may starve the API by holding half-sent
+//! requests: connections still sending their head are bounded per peer and in all
+//! (`Pending`: a new one always gets in, the oldest of that peer, else of all, is closed),
+//! and only once its head is read does a request take a slot, from its class's own pool
+//! (`Slots`: the token's holder never waits for anyone else); `/health` and the answers
+//! given at once take none. Routing is `api::handle` on keel's own `Request`/`Response`;
+//! it runs on the blocking pool, so a long `POST /checkpoint` holds nobody else up. The
+//! Unix socket is mode 0600 (0660 and group-owned with `[control] group`) and every peer
+//! is checked with `SO_PEERCRED` as well: root, keel's own user, or a member of that
+//! group; anyone else gets 403. Stopping ends the accept loop at once, gives requests in
+//! flight `STOP_GRACE`, and removes the socket file.
 
+use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -27,7 +32,7 @@ use hyper::body::{Bytes, Incoming};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::{oneshot, Notify, Semaphore};
+use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::debug;
 
 use super::api::{self, Access, Request, Response, Rights};
@@ -35,22 +40,44 @@ use super::routes::{Body, Call, Handler};
 use super::status::StatusHandle;
 use crate::sys;
 
-/// Connections served at once per listener; more are refused with 503 right away. Streams
-/// of processes started through the API hold theirs while they run.
-pub const MAX_CONNECTIONS: usize = 256;
 /// Largest request head (request line and headers) accepted.
 pub const MAX_HEAD: usize = 16 * 1024;
 /// Largest request body accepted.
 pub const MAX_BODY: usize = 16 * 1024;
-/// Time a client has to send its request head, and then its body.
+/// Time a client has to send its request body once its head is read.
 pub const READ_DEADLINE: Duration = Duration::from_secs(10);
 /// Time a client has to take the reply once it is ready.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections over the limit waiting for their 503, and the time each may take.
-const BUSY_QUEUE: usize = 64;
-const BUSY_TIME: Duration = Duration::from_millis(200);
 /// How long stopping waits for requests in flight (and then for their handlers).
 const STOP_GRACE: Duration = Duration::from_secs(1);
+
+/// The bounds of one listener (`[control]` head_timeout, max_pending, max_pending_per_peer,
+/// max_connections).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub head_timeout: Duration,
+    pub max_pending: usize,
+    pub max_pending_per_peer: usize,
+    /// Per class: privileged callers, and everyone else.
+    pub max_connections: usize,
+}
+
+impl Limits {
+    pub fn of(c: &crate::config::control::ControlConfig) -> Self {
+        Limits {
+            head_timeout: c.head_timeout,
+            max_pending: c.max_pending,
+            max_pending_per_peer: c.max_pending_per_peer,
+            max_connections: c.max_connections,
+        }
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits::of(&Default::default())
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -102,7 +129,12 @@ impl std::fmt::Debug for Server {
 }
 
 /// Serves the HTTP API on `addr` (`host:port`).
-pub fn serve_tcp(addr: &str, status: StatusHandle, access: Access) -> Result<Server, ServerError> {
+pub fn serve_tcp(
+    addr: &str,
+    status: StatusHandle,
+    access: Access,
+    limits: Limits,
+) -> Result<Server, ServerError> {
     let bind_err = |source| ServerError::Bind {
         addr: addr.to_string(),
         source,
@@ -110,7 +142,14 @@ pub fn serve_tcp(addr: &str, status: StatusHandle, access: Access) -> Result<Ser
     let l = std::net::TcpListener::bind(addr).map_err(bind_err)?;
     l.set_nonblocking(true).map_err(bind_err)?;
     let local = l.local_addr().ok();
-    start(StdListener::Tcp(l), status, Gate::Tcp(access), local, None)
+    start(
+        StdListener::Tcp(l),
+        status,
+        Gate::Tcp(access),
+        local,
+        None,
+        limits,
+    )
 }
 
 /// Serves the API without a token on a Unix socket at `path` that only root and keel's own
@@ -121,6 +160,7 @@ pub fn serve_unix(
     path: &Path,
     status: StatusHandle,
     group: Option<u32>,
+    limits: Limits,
 ) -> Result<Server, ServerError> {
     let p = || path.to_path_buf();
     let (dir_mode, sock_mode) = if group.is_some() {
@@ -173,6 +213,7 @@ pub fn serve_unix(
         Gate::Unix { group },
         None,
         Some((p(), ino)),
+        limits,
     )
 }
 
@@ -197,6 +238,7 @@ fn start(
     gate: Gate,
     addr: Option<SocketAddr>,
     socket: Option<(PathBuf, u64)>,
+    limits: Limits,
 ) -> Result<Server, ServerError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_io()
@@ -215,7 +257,7 @@ fn start(
     let thread = std::thread::Builder::new()
         .name("keel-control".into())
         .spawn(move || {
-            rt.block_on(accept_loop(listener, stopped, status, gate));
+            rt.block_on(accept_loop(listener, stopped, status, gate, limits));
             rt.shutdown_timeout(STOP_GRACE);
         })
         .map_err(ServerError::SpawnThread)?;
@@ -264,8 +306,115 @@ impl Drop for Server {
 #[derive(Clone)]
 enum Verdict {
     Serve(StatusHandle, Access),
-    /// A fixed answer: 503 over the limit, 403 for a socket peer that may not call.
+    /// A fixed answer: 403 for a socket peer that may not call.
     Refuse(u16, &'static str),
+}
+
+/// Who is on the other end, for the bound on connections whose head is still coming: the
+/// address over TCP, the uid on the Unix socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum PeerKey {
+    Ip(IpAddr),
+    Uid(u32),
+    Unknown,
+}
+
+/// Connections whose request head is still coming, oldest first. A new one always gets in:
+/// when its peer holds `max_pending_per_peer` of them, that peer's oldest is closed if it
+/// has had `HEAD_GRACE` to send its head (a burst of clients that send theirs at once is not
+/// cut short before keel has read them), and at twice that many whatever its age; else when
+/// `max_pending` are held, the oldest of all likewise. So a client that sends its head at
+/// once (a probe, the token's holder) is read however many half-sent requests others hold.
+#[derive(Default)]
+struct Pending {
+    next: u64,
+    conns: BTreeMap<u64, (PeerKey, Arc<Notify>, tokio::time::Instant)>,
+    per_peer: HashMap<PeerKey, usize>,
+}
+
+/// How long a connection may hold back its head before a newer one may push it out.
+const HEAD_GRACE: Duration = Duration::from_secs(1);
+
+impl Pending {
+    /// Registers a connection of `peer` (closing another as above); returns its id and what
+    /// tells it it was closed.
+    fn admit(&mut self, peer: PeerKey, limits: &Limits) -> (u64, Arc<Notify>) {
+        let now = tokio::time::Instant::now();
+        let held = self.per_peer.get(&peer).copied().unwrap_or(0);
+        let (mine, cap) = if held >= limits.max_pending_per_peer {
+            (true, limits.max_pending_per_peer)
+        } else {
+            (false, limits.max_pending)
+        };
+        let count = if mine { held } else { self.conns.len() };
+        if count >= cap {
+            let victim = self
+                .conns
+                .iter()
+                .filter(|(_, (p, _, _))| !mine || *p == peer)
+                .take(1)
+                .find(|(_, (_, _, since))| count >= 2 * cap || now - *since >= HEAD_GRACE)
+                .map(|(id, _)| *id);
+            if let Some((_, evicted)) = victim.and_then(|id| self.remove(id)) {
+                evicted.notify_one();
+            }
+        }
+        let id = self.next;
+        self.next += 1;
+        let evicted = Arc::new(Notify::new());
+        self.conns.insert(id, (peer, evicted.clone(), now));
+        *self.per_peer.entry(peer).or_default() += 1;
+        (id, evicted)
+    }
+
+    fn remove(&mut self, id: u64) -> Option<(PeerKey, Arc<Notify>)> {
+        let (peer, n, _) = self.conns.remove(&id)?;
+        if let Some(c) = self.per_peer.get_mut(&peer) {
+            *c -= 1;
+            if *c == 0 {
+                self.per_peer.remove(&peer);
+            }
+        }
+        Some((peer, n))
+    }
+}
+
+/// A connection's place in `Pending`, given up when its head has been read or it ends.
+struct PendingEntry {
+    pending: Arc<Mutex<Pending>>,
+    id: u64,
+}
+
+impl PendingEntry {
+    fn done(&self) {
+        if let Ok(mut p) = self.pending.lock() {
+            p.remove(self.id);
+        }
+    }
+}
+
+impl Drop for PendingEntry {
+    fn drop(&mut self) {
+        self.done();
+    }
+}
+
+/// The slots of requests being served, one pool per class: a request that needs a handler
+/// takes one once its head is read (privileged callers never wait for anyone else's);
+/// `/health` and the answers given at once (401, 403, 404, 405) take none.
+#[derive(Clone)]
+struct Slots {
+    privileged: Arc<Semaphore>,
+    others: Arc<Semaphore>,
+}
+
+/// What serving one connection needs.
+struct ConnCtx {
+    verdict: Verdict,
+    head_timeout: Duration,
+    entry: PendingEntry,
+    evicted: Arc<Notify>,
+    slots: Slots,
 }
 
 async fn accept_loop(
@@ -273,16 +422,24 @@ async fn accept_loop(
     mut stop: oneshot::Receiver<()>,
     status: StatusHandle,
     gate: Gate,
+    limits: Limits,
 ) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    let queue = Arc::new(Semaphore::new(BUSY_QUEUE));
+    let slots = Slots {
+        privileged: Arc::new(Semaphore::new(limits.max_connections)),
+        others: Arc::new(Semaphore::new(limits.max_connections)),
+    };
+    let pending = Arc::new(Mutex::new(Pending::default()));
     let mut warned = None::<tokio::time::Instant>;
     loop {
         let accept = std::pin::pin!(l.accept());
-        let conn = match futures::future::select(&mut stop, accept).await {
+        let (conn, peer) = match futures::future::select(&mut stop, accept).await {
             Either::Left(_) => {
                 // Requests in flight get a moment to finish.
-                let all = slots.acquire_many(MAX_CONNECTIONS as u32);
+                let n = limits.max_connections as u32;
+                let all = futures::future::join(
+                    slots.privileged.acquire_many(n),
+                    slots.others.acquire_many(n),
+                );
                 let _ = tokio::time::timeout(STOP_GRACE, all).await;
                 return;
             }
@@ -297,36 +454,48 @@ async fn accept_loop(
                 continue;
             }
         };
-        if let Ok(slot) = slots.clone().try_acquire_owned() {
-            let verdict = match (&conn, &gate) {
-                (Conn::Unix(s), Gate::Unix { group }) => match peer_rights(s, *group) {
-                    Some(rights) => Verdict::Serve(status.clone(), Access::Peer(rights)),
-                    None => Verdict::Refuse(403, "forbidden\n"),
-                },
-                (Conn::Tcp(_), Gate::Tcp(access)) => Verdict::Serve(status.clone(), access.clone()),
-                // A listener accepts only its own kind of connection.
-                _ => Verdict::Refuse(403, "forbidden\n"),
-            };
-            tokio::spawn(async move {
-                let _slot = slot;
-                conn.serve(verdict, READ_DEADLINE).await;
-            });
-        } else if let Ok(queued) = queue.clone().try_acquire_owned() {
-            tokio::spawn(async move {
-                let _queued = queued;
-                let busy = conn.serve(Verdict::Refuse(503, "busy\n"), BUSY_TIME);
-                let _ = tokio::time::timeout(BUSY_TIME * 2, busy).await;
-            });
-        }
-        // Past the queue's capacity a connection is simply closed.
+        let verdict = match (&conn, &gate) {
+            (Conn::Unix(s), Gate::Unix { group }) => match peer_rights(s, *group) {
+                Some(rights) => Verdict::Serve(status.clone(), Access::Peer(rights)),
+                None => Verdict::Refuse(403, "forbidden\n"),
+            },
+            (Conn::Tcp(_), Gate::Tcp(access)) => Verdict::Serve(status.clone(), access.clone()),
+            // A listener accepts only its own kind of connection.
+            _ => Verdict::Refuse(403, "forbidden\n"),
+        };
+        let (id, evicted) = match pending.lock() {
+            Ok(mut p) => p.admit(peer, &limits),
+            Err(_) => return,
+        };
+        let ctx = ConnCtx {
+            verdict,
+            head_timeout: limits.head_timeout,
+            entry: PendingEntry {
+                pending: pending.clone(),
+                id,
+            },
+            evicted,
+            slots: slots.clone(),
+        };
+        tokio::spawn(conn.serve(ctx));
+        // Let it read a head that is already there before the next connection is counted.
+        tokio::task::yield_now().await;
     }
 }
 
 impl Listener {
-    async fn accept(&self) -> io::Result<Conn> {
+    async fn accept(&self) -> io::Result<(Conn, PeerKey)> {
         match self {
-            Listener::Tcp(l) => l.accept().await.map(|(s, _)| Conn::Tcp(s)),
-            Listener::Unix(l) => l.accept().await.map(|(s, _)| Conn::Unix(s)),
+            Listener::Tcp(l) => l
+                .accept()
+                .await
+                .map(|(s, a)| (Conn::Tcp(s), PeerKey::Ip(a.ip().to_canonical()))),
+            Listener::Unix(l) => l.accept().await.map(|(s, _)| {
+                let key = sys::socket::peer_uid(&s)
+                    .map(PeerKey::Uid)
+                    .unwrap_or(PeerKey::Unknown);
+                (Conn::Unix(s), key)
+            }),
         }
     }
 }
@@ -356,27 +525,42 @@ enum Conn {
 }
 
 impl Conn {
-    async fn serve(self, verdict: Verdict, read_deadline: Duration) {
+    async fn serve(self, ctx: ConnCtx) {
         match self {
-            Conn::Tcp(s) => serve_conn(s, verdict, read_deadline).await,
-            Conn::Unix(s) => serve_conn(s, verdict, read_deadline).await,
+            Conn::Tcp(s) => serve_conn(s, ctx).await,
+            Conn::Unix(s) => serve_conn(s, ctx).await,
         }
     }
 }
 
-/// Serves one request on `io`; a whole reply, once ready, has `WRITE_TIMEOUT` to go out (a
-/// streamed one has it for each part: `processes::streamed`).
-async fn serve_conn<S>(io: S, verdict: Verdict, read_deadline: Duration)
+/// Serves one request on `io`: its head within `head_timeout` (unless another connection
+/// pushes this one out of `Pending` first), then a slot of its class; a whole reply, once
+/// ready, has `WRITE_TIMEOUT` to go out (a streamed one has it for each part:
+/// `processes::streamed`).
+async fn serve_conn<S>(io: S, ctx: ConnCtx)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let ConnCtx {
+        verdict,
+        head_timeout,
+        entry,
+        evicted,
+        slots,
+    } = ctx;
     let replied = Arc::new(Notify::new());
     let r = replied.clone();
+    let entry = Arc::new(entry);
+    // The slot the request holds, for as long as the connection lasts.
+    let held: Arc<Mutex<Option<OwnedSemaphorePermit>>> = Arc::default();
+    let h = held.clone();
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-        let (verdict, replied) = (verdict.clone(), r.clone());
+        entry.done();
+        let (verdict, replied, slots, held) =
+            (verdict.clone(), r.clone(), slots.clone(), h.clone());
         async move {
             let (resp, whole) = match verdict {
-                Verdict::Serve(status, access) => answer(req, status, access).await,
+                Verdict::Serve(status, access) => answer(req, status, access, &slots, &held).await,
                 Verdict::Refuse(code, text) => (to_hyper(Response::text(code, text)), true),
             };
             if whole {
@@ -389,17 +573,26 @@ where
         .timer(TokioTimer::new())
         .keep_alive(false)
         .max_buf_size(MAX_HEAD)
-        .header_read_timeout(read_deadline)
+        .header_read_timeout(head_timeout)
         .serve_connection(TokioIo::new(io), service);
     let write_limit = async move {
         replied.notified().await;
         tokio::time::sleep(WRITE_TIMEOUT).await;
     };
-    match futures::future::select(std::pin::pin!(conn), std::pin::pin!(write_limit)).await {
+    let write_limit = std::pin::pin!(write_limit);
+    let pushed_out = std::pin::pin!(evicted.notified());
+    let ended = futures::future::select(write_limit, pushed_out);
+    match futures::future::select(std::pin::pin!(conn), std::pin::pin!(ended)).await {
         Either::Left((Err(e), _)) => debug!("control: {e}"),
         Either::Left((Ok(()), _)) => {}
-        Either::Right(_) => debug!("control: the client did not take its reply in time"),
+        Either::Right((Either::Left(_), _)) => {
+            debug!("control: the client did not take its reply in time")
+        }
+        Either::Right((Either::Right(_), _)) => {
+            debug!("control: closed a connection still sending its head to make room")
+        }
     }
+    drop(held);
 }
 
 /// Dispatches (`api::dispatch`); a plain route's body is read (bounded in size and time) and
@@ -409,6 +602,8 @@ async fn answer(
     req: hyper::Request<Incoming>,
     status: StatusHandle,
     access: Access,
+    slots: &Slots,
+    held: &Mutex<Option<OwnedSemaphorePermit>>,
 ) -> (hyper::Response<Body>, bool) {
     let (parts, body) = req.into_parts();
     let mut req = Request {
@@ -429,6 +624,25 @@ async fn answer(
         api::Dispatch::Answer(r) => return (to_hyper(r), true),
         api::Dispatch::Route(route, params) => (route, params),
     };
+    // Past the token check: the token's holder (or a privileged socket peer) has slots of
+    // its own, never taken by anyone else.
+    let privileged = match &access {
+        Access::Token(t) => t.is_some(),
+        Access::Peer(r) => *r == Rights::All,
+    };
+    let pool = if privileged {
+        &slots.privileged
+    } else {
+        &slots.others
+    };
+    match pool.clone().try_acquire_owned() {
+        Ok(slot) => {
+            if let Ok(mut h) = held.lock() {
+                *h = Some(slot);
+            }
+        }
+        Err(_) => return (to_hyper(Response::text(503, "busy\n")), true),
+    }
     let f = match route.handler {
         Handler::Stream(f) => {
             let call = Call {
@@ -470,7 +684,7 @@ async fn answer(
     (to_hyper(r), true)
 }
 
-fn to_hyper(r: Response) -> hyper::Response<Body> {
+pub(super) fn to_hyper(r: Response) -> hyper::Response<Body> {
     let mut b = hyper::Response::builder()
         .status(r.status)
         .header(hyper::header::CONTENT_TYPE, r.content_type)

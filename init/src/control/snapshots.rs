@@ -6,9 +6,19 @@
 //! are `{"ok": false, "error": "..."}` with 400 (bad request), 404 (no such snapshot), 409
 //! (refused: a checkpoint or rollback runs) or 503 (no checkpoint service).
 
+use std::convert::Infallible;
+
+use futures::future::Either;
+use futures::StreamExt;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Bytes, Frame};
+
 use super::api::{Request, Response};
+use super::routes::{Body, Call, StreamFuture};
+use super::server::{to_hyper, WRITE_TIMEOUT};
 use super::status::{CheckpointOutcome, StatusHandle};
 use crate::persist::agent::{AgentError, Diff as AgentDiff, Op, Rollback, SnapshotCreate};
+use crate::persist::diff::Format;
 use crate::persist::diff::{self, DiffError};
 use crate::persist::service::ServiceError;
 use crate::persist::snapshots::{self, SnapshotsError};
@@ -27,12 +37,14 @@ enum RouteError {
 
 impl RouteError {
     /// 409: refused while a checkpoint or rollback runs; 404: no such snapshot, or no such
-    /// file in one; 400: a bad snapshot name; 500: anything else.
+    /// file in one; 400: a bad snapshot name; 413: a diff over `[control] diff_max_entries`;
+    /// 500: anything else.
     fn http_status(&self) -> u16 {
         match self {
             RouteError::Service(e) => service_status(e),
             RouteError::Snapshots(e) => snapshots_status(e),
             RouteError::Diff(DiffError::NoPath { .. }) => 404,
+            RouteError::Diff(DiffError::TooMany { .. }) => 413,
             RouteError::Diff(_) => 500,
         }
     }
@@ -53,6 +65,7 @@ fn agent_status(e: &AgentError) -> u16 {
         | AgentError::RecordSnapshot(s) => snapshots_status(s),
         AgentError::Checkpoint(s) => service_status(s),
         AgentError::Unfinished { source, .. } => agent_status(source),
+        AgentError::Diff(DiffError::TooMany { .. }) => 413,
         _ => 500,
     }
 }
@@ -113,6 +126,115 @@ pub fn param(query: &str, key: &str) -> Option<String> {
         .filter_map(|kv| kv.split_once('=').or(Some((kv, ""))))
         .find(|(k, _)| *k == key)
         .map(|(_, v)| decode(v))
+}
+
+/// `GET /diff`: the list of changes is written as the worker finds them (`diff_to`, through
+/// a channel of a few 64 KiB parts: the client's pace holds the worker back, for at most
+/// `WRITE_TIMEOUT` a part), so keel never holds the answer; a failure before the first
+/// change is the usual error answer. One file's diff (`path=`), and a bad request, are
+/// answered whole by `handle`.
+pub fn diff(c: Call) -> StreamFuture {
+    Box::pin(diff_async(c))
+}
+
+async fn diff_async(c: Call) -> hyper::Response<Body> {
+    let Call { req, status, .. } = c;
+    let q = req.query.clone();
+    let agent = status.agent();
+    let (Some(agent), Some(from), None) = (agent, param(&q, "from"), param(&q, "path")) else {
+        let r = tokio::task::spawn_blocking(move || handle(&req, &status)).await;
+        return to_hyper(r.unwrap_or_else(|_| error(500, "internal error")));
+    };
+    let to = param(&q, "to").filter(|t| !t.is_empty() && t != "live");
+    let (format, content_type) = if param(&q, "format").as_deref() == Some("text") {
+        (Format::Text, "text/plain; charset=utf-8")
+    } else {
+        (Format::Json, "application/json")
+    };
+    let limit = status.diff_max_entries();
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(4);
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let out = Parts {
+        tx,
+        buf: Vec::new(),
+        handle: tokio::runtime::Handle::current(),
+    };
+    tokio::task::spawn_blocking(move || {
+        let r = agent.diff_to(AgentDiff { from, to }, format, limit, Box::new(out));
+        let _ = done_tx.send(r);
+    });
+    // The first part says it worked; the end without one says how it failed.
+    let first = {
+        let first = std::pin::pin!(rx.recv());
+        match futures::future::select(first, done_rx).await {
+            Either::Left((Some(b), _)) => Some(b),
+            Either::Left((None, done)) => match done.await {
+                Ok(Err(e)) => return to_hyper(error_for(e)),
+                _ => None,
+            },
+            Either::Right((Ok(Err(e)), _)) => return to_hyper(error_for(e)),
+            Either::Right(_) => None,
+        }
+    };
+    let frames = futures::stream::iter(first.map(|b| Ok::<_, Infallible>(Frame::data(b)))).chain(
+        futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv()
+                .await
+                .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+        }),
+    );
+    hyper::Response::builder()
+        .status(200)
+        .header(hyper::header::CONTENT_TYPE, content_type)
+        .header(hyper::header::CACHE_CONTROL, "no-store")
+        .body(BodyExt::boxed(StreamBody::new(frames)))
+        .unwrap_or_else(|_| hyper::Response::new(Full::new(Bytes::new()).boxed()))
+}
+
+/// A writer that sends what it is given in parts of `PART` bytes over a bounded channel,
+/// waiting at most `WRITE_TIMEOUT` for the client to take the one before.
+struct Parts {
+    tx: tokio::sync::mpsc::Sender<Bytes>,
+    buf: Vec<u8>,
+    handle: tokio::runtime::Handle,
+}
+
+const PART: usize = 64 * 1024;
+
+impl Parts {
+    fn send(&mut self) -> std::io::Result<()> {
+        let b = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(PART)));
+        // The worker is no runtime thread: the timer is made inside `block_on`, where the
+        // runtime is entered.
+        let tx = &self.tx;
+        let sent = self
+            .handle
+            .block_on(async move { tokio::time::timeout(WRITE_TIMEOUT, tx.send(b)).await });
+        match sent {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "the client is gone or did not take the answer in time",
+            )),
+        }
+    }
+}
+
+impl std::io::Write for Parts {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        if self.buf.len() >= PART {
+            self.send()?;
+        }
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        self.send()
+    }
 }
 
 /// The route table's entry point for these routes (they share one handler).
@@ -298,6 +420,15 @@ mod tests {
                 .into(),
                 404,
                 "a/b: no such file in snapshot 3",
+            ),
+            (
+                ServiceError::Agent(AgentError::Diff(DiffError::TooMany {
+                    entries: 30001,
+                    limit: 30000,
+                }))
+                .into(),
+                413,
+                "the diff has 30001 changed entries, more than [control] diff_max_entries = 30000",
             ),
             (
                 DiffError::NotFile {

@@ -193,6 +193,8 @@ struct Shared {
     started_wall: SystemTime,
     mount_point: String,
     cache: &'static str,
+    /// `[control] diff_max_entries`.
+    diff_max_entries: u64,
     state: Mutex<State>,
     workspace: Mutex<Option<MountedHandle>>,
     checkpoint: Mutex<Option<Arc<CheckpointFn>>>,
@@ -253,6 +255,7 @@ impl StatusHandle {
             started_wall: SystemTime::now(),
             mount_point: cfg.workspace.mount_point.display().to_string(),
             cache: cfg.workspace.cache.as_str(),
+            diff_max_entries: cfg.control.diff_max_entries,
             state: Mutex::new(State {
                 phase: Phase::Starting,
                 mount: MountState::Pending,
@@ -368,6 +371,11 @@ impl StatusHandle {
     /// The checkpoint service, once registered.
     pub fn agent(&self) -> Option<crate::persist::CheckpointHandle> {
         lock(&self.0.agent).clone()
+    }
+
+    /// Changed entries one diff answer may list (`[control] diff_max_entries`; 0: any).
+    pub fn diff_max_entries(&self) -> u64 {
+        self.0.diff_max_entries
     }
 
     /// Processes started through the API from now on (`/exec`, `/processes`).

@@ -254,6 +254,42 @@ fn load(repo: &Repo, seq: u64) -> Result<Tree, AgentError> {
 
 fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, AgentError> {
     let t0 = Instant::now();
+    let (repo, from, to, head) = diff_sides(w, req)?;
+    let mut changes = Vec::new();
+    let (how, t_hist) = diff_each(w, &repo, (from, to, head), 0, t0, &mut |c| {
+        changes.push(c.clone());
+        Ok(())
+    })?;
+    let d = super::diff::Diff { from, to, changes };
+    Ok(diff_json(&d, how, t0, t_hist))
+}
+
+/// `keel diff` and `GET /diff` written to `out` as the changes are found (text, or JSON
+/// with `trees` and `duration_ms` at its end): keel holds no more of the answer than a
+/// change. More than `limit` changed entries (0: no limit) is an error before anything is
+/// written, as is every other failure; a writer that fails (the client gone) ends it.
+pub(super) fn diff_to(
+    w: &mut Worker,
+    req: &Diff,
+    format: super::diff::Format,
+    limit: u64,
+    out: &mut dyn std::io::Write,
+) -> Result<(), AgentError> {
+    let t0 = Instant::now();
+    let (repo, from, to, head) = diff_sides(w, req)?;
+    let mut answer = super::diff::Answer::new(out, format, from, to);
+    let (how, _) = diff_each(w, &repo, (from, to, head), limit, t0, &mut |c| {
+        answer.change(c)
+    })?;
+    answer
+        .finish(&[("trees", how.into()), ("duration_ms", ms(t0).into())])
+        .map_err(AgentError::Diff)?;
+    Ok(())
+}
+
+/// The remote and the two snapshots of a diff (and the last checkpoint), the live
+/// workspace checkpointed first when `to` is not given.
+fn diff_sides(w: &mut Worker, req: &Diff) -> Result<(Repo, u64, u64, u64), AgentError> {
     let repo = w.p.repo().clone();
     if req.to.is_none() {
         if !w.paused {
@@ -266,33 +302,49 @@ fn diff(w: &mut Worker, req: &Diff) -> Result<serde_json::Value, AgentError> {
     let from = resolve(&req.from)?;
     let to = resolve(req.to.as_deref().unwrap_or("head"))?;
     let head = last_seq(w)?.ok_or(AgentError::NoSnapshot("the workspace has no snapshot yet"))?;
+    Ok((repo, from, to, head))
+}
+
+/// Hands each change from `from` to `to` to `out`; returns how the trees were got and when
+/// (ms after `t0`) they were there.
+fn diff_each(
+    w: &mut Worker,
+    repo: &Repo,
+    (from, to, head): (u64, u64, u64),
+    limit: u64,
+    t0: Instant,
+    out: &mut dyn FnMut(&super::diff::Change) -> Result<(), super::diff::DiffError>,
+) -> Result<(&'static str, f64), AgentError> {
     if !keeps_history(w, head)? {
         // A large workspace: as a stopped one is compared (`diff::diff_how`: the parts of
         // the trees the snapshots between touched, else one tree advanced along them, else
         // both decoded), with no history tree beside them.
-        let (d, how) = super::diff::diff_how(&repo, from, to).map_err(AgentError::Diff)?;
+        let how = super::diff::diff_how_each(repo, from, to, limit, out).map_err(AgentError::Diff);
         // The trees are gone: give their pages back (RSS stayed at the peak before).
         crate::sys::mem::release_free_heap();
-        let t_hist = ms(t0);
-        return Ok(diff_json(&d, how, t0, t_hist));
+        return Ok((how?, ms(t0)));
     }
     let h = history_at(w, head)?;
     let t_hist = ms(t0);
-    let (d, how) = match (h.view(from), h.view(to), h.changed(from, to)) {
-        (Some(a), Some(b), Some(c)) => (super::diff::diff_views(&a, &b, &c), "history"),
+    let how = match (h.view(from), h.view(to), h.changed(from, to)) {
+        (Some(a), Some(b), Some(c)) => {
+            super::diff::diff_views_each(&a, &b, &c, limit, out).map_err(AgentError::Diff)?;
+            "history"
+        }
         (a, b, _) => {
             let ta = match a {
                 Some(v) => v.to_tree(),
-                None => load(&repo, from)?,
+                None => load(repo, from)?,
             };
             let tb = match b {
                 Some(v) => v.to_tree(),
-                None => load(&repo, to)?,
+                None => load(repo, to)?,
             };
-            (super::diff::diff_trees(&ta, &tb), "decoded")
+            super::diff::diff_trees_each(&ta, &tb, limit, out).map_err(AgentError::Diff)?;
+            "decoded"
         }
     };
-    Ok(diff_json(&d, how, t0, t_hist))
+    Ok((how, t_hist))
 }
 
 /// The answer to a diff: its text, the changes, and how keel got them (`how`: from the

@@ -10,7 +10,7 @@ use super::agent::{Op, Rollback, SnapshotCreate};
 use super::checkpoint::{now_ns, CheckpointError, CheckpointOptions};
 use super::control::RequestError;
 use super::diff::DiffError;
-use super::ops::{ask, repo_of, with_offline_writer, OpsError};
+use super::ops::{ask, ask_stream, repo_of, with_offline_writer, OpsError};
 use super::snapshots::SnapshotsError;
 use super::{control, diff, snapshots};
 use crate::config::Config;
@@ -140,23 +140,39 @@ pub fn snapshot_delete(cfg: &Config, what: &str) -> Result<Vec<String>, AgentCmd
     snapshots::delete(&repo_of(cfg)?, what).map_err(AgentCmdError::DeleteName)
 }
 
-/// `keel diff`: the changes as text or JSON, or a unified diff of one file.
-pub fn diff(cfg: &Config, o: &DiffOptions) -> Result<String, AgentCmdError> {
+/// `keel diff`: the changes as text or JSON, written to `out` as they are found (by the
+/// running keel, over `persist.sock`, else from the remote here), or a unified diff of one
+/// file. At most `limit` changed entries (0: any).
+pub fn diff(
+    cfg: &Config,
+    o: &DiffOptions,
+    out: &mut dyn std::io::Write,
+) -> Result<(), AgentCmdError> {
+    let limit = cfg.control.diff_max_entries;
+    let format = if o.json {
+        diff::Format::Json
+    } else {
+        diff::Format::Text
+    };
     if o.path.is_none() {
         // A running keel compares from its history of recent snapshots (`history`).
         if o.to.is_none() {
             sync_mount(cfg)?;
         }
-        let op = Op::Diff(super::agent::Diff {
-            from: o.from.clone(),
-            to: o.to.clone(),
-        });
-        if let Some(v) = ask_agent(cfg, &op)? {
-            return Ok(if o.json {
-                serde_json::to_string_pretty(&v["diff"]).expect("diff serialises")
-            } else {
-                v["text"].as_str().unwrap_or_default().to_string()
-            });
+        let req = control::DiffRequest {
+            diff: super::agent::Diff {
+                from: o.from.clone(),
+                to: o.to.clone(),
+            },
+            format,
+            limit,
+        };
+        let line = format!(
+            "diff {}",
+            serde_json::to_string(&req).expect("request serialises")
+        );
+        if ask_stream(&cfg.workspace.state_dir, &line, out)? {
+            return Ok(());
         }
     }
     let to = match &o.to {
@@ -180,14 +196,19 @@ pub fn diff(cfg: &Config, o: &DiffOptions) -> Result<String, AgentCmdError> {
     let from = snapshots::resolve(&repo, &o.from).map_err(AgentCmdError::ResolveSnapshot)?;
     let to = snapshots::resolve(&repo, &to).map_err(AgentCmdError::ResolveSnapshot)?;
     if let Some(p) = &o.path {
-        return diff::file_diff(&repo, from, to, p).map_err(AgentCmdError::Diff);
+        let mut text = diff::file_diff(&repo, from, to, p).map_err(AgentCmdError::Diff)?;
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        return out
+            .write_all(text.as_bytes())
+            .map_err(|e| AgentCmdError::Diff(DiffError::Write(e)));
     }
-    let d = diff::diff(&repo, from, to).map_err(AgentCmdError::Diff)?;
-    Ok(if o.json {
-        serde_json::to_string_pretty(&d).expect("diff serialises")
-    } else {
-        diff::render(&d)
-    })
+    let mut answer = diff::Answer::new(out, format, from, to);
+    diff::diff_how_each(&repo, from, to, limit, &mut |c| answer.change(c))
+        .map_err(AgentCmdError::Diff)?;
+    answer.finish(&[]).map_err(AgentCmdError::Diff)?;
+    Ok(())
 }
 
 /// `keel rollback`: only against a running keel (a stopped workspace is restored with

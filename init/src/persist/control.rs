@@ -4,6 +4,9 @@
 //! (`checkpoint`, `checkpoint full`, `gc`, `status`, `mount-point`, `agent <JSON>`: a named
 //! snapshot or a rollback, see `agent`) with one line, `ok <text>` or
 //! `error <text>`. `keel checkpoint` and `keel gc` use it to reach a mounted workspace.
+//! `diff <JSON of DiffRequest>` (`keel diff`) is answered `ok` and a newline, then the diff
+//! as the worker writes it (`agent::diff_to`) to the end of the connection, or with the
+//! one line `error <text>`.
 
 use std::fs::Permissions;
 use std::io::{BufRead, BufReader, Write};
@@ -17,6 +20,61 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::service::Cmd;
+
+/// `diff <JSON>` on the socket.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiffRequest {
+    pub diff: super::agent::Diff,
+    pub format: super::diff::Format,
+    /// Changed entries the answer may list (0: any).
+    pub limit: u64,
+}
+
+/// How long the worker waits for the client to take a part of a streamed answer.
+const STREAM_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Answers `diff <JSON>` on `conn`: `ok`, then the diff as it is produced.
+fn stream_diff(json: &str, agent: &super::CheckpointHandle, conn: &UnixStream) {
+    let req: DiffRequest = match serde_json::from_str(json) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = writeln!(&*conn, "error bad diff request: {e}");
+            return;
+        }
+    };
+    let Ok(w) = conn.try_clone() else { return };
+    let _ = w.set_write_timeout(Some(STREAM_WRITE_TIMEOUT));
+    let started = Arc::new(AtomicBool::new(false));
+    let out = OkFirst {
+        w: std::io::BufWriter::with_capacity(64 * 1024, w),
+        started: started.clone(),
+    };
+    if let Err(e) = agent.diff_to(req.diff, req.format, req.limit, Box::new(out)) {
+        if !started.load(Ordering::SeqCst) {
+            let _ = writeln!(&*conn, "error {}", e.to_string().replace('\n', " "));
+        }
+    }
+}
+
+/// A writer that says `ok` before its first byte.
+struct OkFirst<W: Write> {
+    w: W,
+    started: Arc<AtomicBool>,
+}
+
+impl<W: Write> Write for OkFirst<W> {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if !self.started.swap(true, Ordering::SeqCst) {
+            self.w.write_all(b"ok\n")?;
+        }
+        self.w.write(b)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.w.flush()
+    }
+}
 
 /// File name of the socket inside the state dir.
 pub const SOCKET_NAME: &str = "persist.sock";
@@ -119,6 +177,10 @@ impl Server {
                     if BufReader::new(&conn).read_line(&mut line).is_err() {
                         continue;
                     }
+                    if let Some(json) = line.trim().strip_prefix("diff ") {
+                        stream_diff(json, &agent, &conn);
+                        continue;
+                    }
                     let out = answer(&line, &tx, &agent);
                     let _ = writeln!(conn, "{}", out.replace('\n', " "));
                 }
@@ -174,6 +236,8 @@ pub enum RequestError {
     /// The running keel's own `error ...` answer.
     #[error("{0}")]
     Refused(String),
+    #[error("write the answer: {0}")]
+    Output(#[source] std::io::Error),
     #[error("unexpected answer `{0}`")]
     Unexpected(String),
 }
@@ -205,4 +269,48 @@ pub fn request(
         _ if line == "ok" => Ok(Some(String::new())),
         _ => Err(RequestError::Unexpected(line.to_string())),
     }
+}
+
+/// Sends a command whose answer is streamed (`diff`) to the keel running on `state_dir`, and
+/// copies the answer to `out` as it comes. `Ok(false)`: nobody is listening.
+pub fn request_stream(
+    state_dir: &Path,
+    cmd: &str,
+    timeout: Duration,
+    out: &mut dyn Write,
+) -> Result<bool, RequestError> {
+    let path = state_dir.join(SOCKET_NAME);
+    let Ok(mut s) = UnixStream::connect(&path) else {
+        return Ok(false);
+    };
+    if let Err(source) = s.set_read_timeout(Some(timeout)) {
+        return Err(RequestError::SetTimeout { path, source });
+    }
+    if let Err(source) = writeln!(s, "{cmd}") {
+        return Err(RequestError::Send { path, source });
+    }
+    let mut r = BufReader::with_capacity(64 * 1024, &s);
+    let mut line = String::new();
+    if let Err(source) = r.read_line(&mut line) {
+        return Err(RequestError::NoAnswer { path, source });
+    }
+    let line = line.trim_end();
+    if let Some(why) = line.strip_prefix("error ") {
+        return Err(RequestError::Refused(why.to_string()));
+    }
+    if line != "ok" {
+        return Err(RequestError::Unexpected(line.to_string()));
+    }
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match std::io::Read::read(&mut r, &mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(source) => return Err(RequestError::NoAnswer { path, source }),
+        };
+        out.write_all(&buf[..n]).map_err(RequestError::Output)?;
+    }
+    out.flush().map_err(RequestError::Output)?;
+    Ok(true)
 }

@@ -15,8 +15,14 @@
 //! their chains (`Repo::load_tree`) and compared whole. File contents are
 //! compared by their chunk ids, never by reading chunks; only `-- PATH` fetches chunks, of
 //! that one file.
+//!
+//! The changes come out one at a time in tree order (`each`: a depth-first walk of both
+//! trees, one path buffer each) and are written as they come (`out::Answer`, text or
+//! JSON): `keel diff` and `GET /diff` never hold the answer, so a chain of 30,000
+//! directories costs keel a path, not the 900 MB of all of them. `diff_trees` and friends
+//! collect the same changes, for callers that want them whole.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 
 use serde::Serialize;
 
@@ -26,6 +32,11 @@ use super::repo::{Repo, RepoError};
 use crate::chunk::ChunkId;
 
 mod across;
+mod each;
+mod out;
+
+pub use each::each as diff_trees_each;
+pub use out::{Answer, Format};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DiffError {
@@ -45,6 +56,12 @@ pub enum DiffError {
         path: String,
         source: Box<RepoError>,
     },
+    #[error(
+        "the diff has {entries} changed entries, more than [control] diff_max_entries = {limit} (compare nearer snapshots, or raise the limit)"
+    )]
+    TooMany { entries: u64, limit: u64 },
+    #[error("write the diff: {0}")]
+    Write(#[source] std::io::Error),
 }
 
 /// One changed path.
@@ -83,55 +100,6 @@ fn kind_of(mode: u32) -> &'static str {
         libc::S_IFBLK => "block",
         _ => "unknown",
     }
-}
-
-/// Every path (hard links have several) of the inodes in `wanted`, `/`-rooted, sorted.
-/// Only the directories above them are named, so the cost beyond one pass over the entries
-/// is proportional to the change.
-fn paths(t: &Tree, wanted: &BTreeSet<u64>) -> HashMap<u64, Vec<String>> {
-    // ino -> its first entry (parent, name), for directories (one entry each).
-    let mut up: HashMap<u64, (u64, &[u8])> = HashMap::new();
-    for ((p, n), (ino, kind)) in &t.dirents {
-        if *kind & libc::S_IFMT == libc::S_IFDIR {
-            up.entry(*ino).or_insert((*p, n.as_slice()));
-        }
-    }
-    let mut memo: HashMap<u64, String> = HashMap::new();
-    memo.insert(crate::meta::InodeNo::ROOT.0, String::new());
-    fn dir_path(
-        ino: u64,
-        up: &HashMap<u64, (u64, &[u8])>,
-        memo: &mut HashMap<u64, String>,
-        depth: usize,
-    ) -> String {
-        if let Some(p) = memo.get(&ino) {
-            return p.clone();
-        }
-        let s = match up.get(&ino) {
-            Some((p, n)) if depth < 4096 => format!(
-                "{}/{}",
-                dir_path(*p, up, memo, depth + 1),
-                String::from_utf8_lossy(n)
-            ),
-            _ => format!("/?{ino}"),
-        };
-        memo.insert(ino, s.clone());
-        s
-    }
-    let mut out: HashMap<u64, Vec<String>> = HashMap::new();
-    for ((p, n), (ino, _)) in &t.dirents {
-        if !wanted.contains(ino) {
-            continue;
-        }
-        let dir = dir_path(*p, &up, &mut memo, 0);
-        out.entry(*ino)
-            .or_default()
-            .push(format!("{dir}/{}", String::from_utf8_lossy(n)));
-    }
-    for v in out.values_mut() {
-        v.sort();
-    }
-    out
 }
 
 /// Inodes whose record, bytes or entries differ between `a` and `b`.
@@ -195,137 +163,15 @@ fn what_changed(a: &TreeInode, b: &TreeInode) -> Vec<&'static str> {
     w
 }
 
-/// Compares two trees (`a` the older).
+/// Compares two trees (`a` the older): every change, in tree order ([`diff_trees_each`]
+/// hands them out one at a time instead).
 pub fn diff_trees(a: &Tree, b: &Tree) -> Diff {
-    let cand = candidates(a, b);
-    let (pa, pb) = (paths(a, &cand), paths(b, &cand));
-    let none: Vec<String> = Vec::new();
     let mut changes = Vec::new();
-    let size = |t: &TreeInode| (t.rec.mode & libc::S_IFMT == libc::S_IFREG).then_some(t.rec.size);
-    for (ino, ta) in cand.iter().filter_map(|i| a.inodes.get(i).map(|t| (i, t))) {
-        let paths_a = pa.get(ino).unwrap_or(&none);
-        match b.inodes.get(ino) {
-            None => {
-                for p in paths_a {
-                    changes.push(Change {
-                        change: "removed",
-                        path: p.clone(),
-                        from: None,
-                        kind: kind_of(ta.rec.mode),
-                        what: Vec::new(),
-                        size_before: size(ta),
-                        size_after: None,
-                    });
-                }
-            }
-            Some(tb) => {
-                let paths_b = pb.get(ino).unwrap_or(&none);
-                let what = what_changed(ta, tb);
-                let (sa, sb) = (size(ta), size(tb));
-                let kind = kind_of(tb.rec.mode);
-                if paths_a == paths_b {
-                    if !what.is_empty() {
-                        for p in paths_b {
-                            changes.push(Change {
-                                change: "modified",
-                                path: p.clone(),
-                                from: None,
-                                kind,
-                                what: what.clone(),
-                                size_before: sa,
-                                size_after: sb,
-                            });
-                        }
-                    }
-                    continue;
-                }
-                // Paths that stayed are left alone; the others pair up as renames, and
-                // what is left over was linked or unlinked.
-                let gone: Vec<&String> = paths_a.iter().filter(|p| !paths_b.contains(p)).collect();
-                let new: Vec<&String> = paths_b.iter().filter(|p| !paths_a.contains(p)).collect();
-                for i in 0..gone.len().max(new.len()) {
-                    let (change, path, from) = match (gone.get(i), new.get(i)) {
-                        (Some(f), Some(t)) => ("renamed", (*t).clone(), Some((*f).clone())),
-                        (None, Some(t)) => ("added", (*t).clone(), None),
-                        (Some(f), None) => ("removed", (*f).clone(), None),
-                        (None, None) => unreachable!("i < max of both lengths"),
-                    };
-                    changes.push(Change {
-                        change,
-                        path,
-                        from,
-                        kind,
-                        what: what.clone(),
-                        size_before: sa,
-                        size_after: sb,
-                    });
-                }
-                if !what.is_empty() {
-                    for p in paths_b.iter().filter(|p| paths_a.contains(p)) {
-                        changes.push(Change {
-                            change: "modified",
-                            path: p.clone(),
-                            from: None,
-                            kind,
-                            what: what.clone(),
-                            size_before: sa,
-                            size_after: sb,
-                        });
-                    }
-                }
-            }
-        }
-    }
-    for (ino, tb) in cand.iter().filter_map(|i| b.inodes.get(i).map(|t| (i, t))) {
-        if a.inodes.contains_key(ino) {
-            continue;
-        }
-        for p in pb.get(ino).unwrap_or(&none) {
-            changes.push(Change {
-                change: "added",
-                path: p.clone(),
-                from: None,
-                kind: kind_of(tb.rec.mode),
-                what: Vec::new(),
-                size_before: None,
-                size_after: size(tb),
-            });
-        }
-    }
-    // A path whose inode was replaced by another (a rollback of an open file, an editor
-    // that writes a new file and renames it over) is one modification, or none.
-    let mut by_path: HashMap<String, (Option<usize>, Option<usize>)> = HashMap::new();
-    for (i, c) in changes.iter().enumerate() {
-        match c.change {
-            "removed" => by_path.entry(c.path.clone()).or_default().0 = Some(i),
-            "added" => by_path.entry(c.path.clone()).or_default().1 = Some(i),
-            _ => {}
-        }
-    }
-    let mut drop = vec![false; changes.len()];
-    for (path, pair) in by_path {
-        let (Some(ri), Some(ai)) = pair else { continue };
-        let (Some(ia), Some(ib)) = (lookup(a, &path), lookup(b, &path)) else {
-            continue;
-        };
-        let (Some(ta), Some(tb)) = (a.inodes.get(&ia), b.inodes.get(&ib)) else {
-            continue;
-        };
-        let what = what_changed(ta, tb);
-        drop[ai] = true;
-        if what.is_empty() {
-            drop[ri] = true;
-        } else {
-            let c = &mut changes[ri];
-            c.change = "modified";
-            c.kind = kind_of(tb.rec.mode);
-            c.what = what;
-            c.size_after = size(tb);
-        }
-    }
-    let mut keep = drop.into_iter().map(|d| !d);
-    changes.retain(|_| keep.next().unwrap_or(true));
-    changes.sort_by(|x, y| x.path.cmp(&y.path).then(x.change.cmp(y.change)));
+    let r = diff_trees_each(a, b, 0, &mut |c| {
+        changes.push(c.clone());
+        Ok(())
+    });
+    debug_assert!(r.is_ok(), "no limit, and collecting cannot fail");
     Diff {
         from: a.seq.unwrap_or(0),
         to: b.seq.unwrap_or(0),
@@ -338,6 +184,56 @@ pub fn diff_trees(a: &Tree, b: &Tree) -> Diff {
 pub fn diff_views(a: &View, b: &View, changed: &Changed) -> Diff {
     let cand = super::history::diff_candidates(a, b, changed);
     diff_trees(&a.partial(&cand), &b.partial(&cand))
+}
+
+/// [`diff_views`], each change handed to `out` as it is found (`limit`: as
+/// [`diff_trees_each`]).
+pub fn diff_views_each(
+    a: &View,
+    b: &View,
+    changed: &Changed,
+    limit: u64,
+    out: &mut dyn FnMut(&Change) -> Result<(), DiffError>,
+) -> Result<(), DiffError> {
+    let cand = super::history::diff_candidates(a, b, changed);
+    let (ta, tb) = (a.partial(&cand), b.partial(&cand));
+    drop(cand);
+    diff_trees_each(&ta, &tb, limit, out)
+}
+
+/// [`diff_how`], each change handed to `out` as it is found (`limit`: as
+/// [`diff_trees_each`]); returns how it got the trees.
+pub fn diff_how_each(
+    repo: &Repo,
+    from: u64,
+    to: u64,
+    limit: u64,
+    out: &mut dyn FnMut(&Change) -> Result<(), DiffError>,
+) -> Result<&'static str, DiffError> {
+    if let Some(s) = sparse(repo, from, to)? {
+        diff_trees_each(&s.from, &s.to, limit, out)?;
+        return Ok(s.how);
+    }
+    if from != to {
+        if let Some((h, changed)) = along(repo, from, to) {
+            if let (Some(a), Some(b)) = (h.view(from), h.view(to)) {
+                diff_views_each(&a, &b, &changed, limit, out)?;
+                return Ok("along");
+            }
+        }
+    }
+    let load = |seq| {
+        repo.load_tree(seq)
+            .map(|(t, _)| t)
+            .map_err(|source| DiffError::Load {
+                seq,
+                source: Box::new(source),
+            })
+    };
+    let a = load(from)?;
+    let b = if to == from { None } else { Some(load(to)?) };
+    diff_trees_each(&a, b.as_ref().unwrap_or(&a), limit, out)?;
+    Ok("decoded")
 }
 
 /// Compares two snapshots: from the parts of their trees that can differ (`diff_sparse`),
@@ -590,6 +486,13 @@ fn diff_sparse_how(
 /// them is missing, does not follow or has another chunk size, when they are more than
 /// `history::MAX_ALONG` apart, or when the changes outgrew the history's window.
 pub(super) fn diff_along(repo: &Repo, from: u64, to: u64) -> Option<Diff> {
+    let (h, changed) = along(repo, from, to)?;
+    let (a, b) = (h.view(from)?, h.view(to)?);
+    Some(diff_views(&a, &b, &changed))
+}
+
+/// The history [`diff_along`] compares through, and what changed between the two.
+fn along(repo: &Repo, from: u64, to: u64) -> Option<(History, Changed)> {
     let (lo, hi) = (from.min(to), from.max(to));
     if hi - lo > super::history::MAX_ALONG {
         return None;
@@ -601,55 +504,19 @@ pub(super) fn diff_along(repo: &Repo, from: u64, to: u64) -> Option<Diff> {
             return None;
         }
     }
-    let (a, b) = (h.view(from)?, h.view(to)?);
-    Some(diff_views(&a, &b, &h.changed(from, to)?))
+    let changed = h.changed(from, to)?;
+    Some((h, changed))
 }
 
-/// The diff as text: one line per change, then a summary.
+/// The diff as text: one line per change, then a summary (no newline after it).
 pub fn render(d: &Diff) -> String {
-    use std::fmt::Write;
-    let mut s = String::new();
-    let sz = |v: Option<u64>| v.map(|n| n.to_string()).unwrap_or_else(|| "-".into());
-    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut a = Answer::new(Vec::new(), Format::Text, d.from, d.to);
     for c in &d.changes {
-        *counts.entry(c.change).or_default() += 1;
-        let tag = match c.change {
-            "added" => "A",
-            "removed" => "D",
-            "renamed" => "R",
-            _ => "M",
-        };
-        let what = if c.what.is_empty() {
-            String::new()
-        } else {
-            format!(" ({})", c.what.join(","))
-        };
-        let sizes = match (c.size_before, c.size_after) {
-            (None, None) => String::new(),
-            (Some(a), None) | (None, Some(a)) => format!("  {a} bytes"),
-            (a, b) if a == b => format!("  {} bytes", sz(a)),
-            (a, b) => format!("  {} -> {} bytes", sz(a), sz(b)),
-        };
-        match &c.from {
-            Some(f) => {
-                let _ = writeln!(s, "{tag} {f} -> {}{what}{sizes}", c.path);
-            }
-            None => {
-                let _ = writeln!(s, "{tag} {}{what}{sizes}", c.path);
-            }
-        }
+        let _ = a.change(c);
     }
-    let _ = write!(
-        s,
-        "snapshot {} -> {}: {} added, {} removed, {} modified, {} renamed",
-        d.from,
-        d.to,
-        counts.get("added").unwrap_or(&0),
-        counts.get("removed").unwrap_or(&0),
-        counts.get("modified").unwrap_or(&0),
-        counts.get("renamed").unwrap_or(&0)
-    );
-    s
+    let mut text = String::from_utf8(a.finish(&[]).unwrap_or_default()).unwrap_or_default();
+    text.pop();
+    text
 }
 
 /// The names `path` walks (`/`-separated, relative to the workspace root; empty and `.`

@@ -117,6 +117,32 @@ pub(super) fn ask(state: &Path, cmd: &str) -> Result<Option<String>, OpsError> {
     }
 }
 
+/// [`ask`] for a command whose answer is streamed to `out` (`control::request_stream`);
+/// `Ok(false)`: no keel runs there.
+pub(super) fn ask_stream(
+    state: &Path,
+    cmd: &str,
+    out: &mut dyn std::io::Write,
+) -> Result<bool, OpsError> {
+    let t0 = std::time::Instant::now();
+    loop {
+        if control::request_stream(state, cmd, Duration::from_secs(3600), out)
+            .map_err(OpsError::Ask)?
+        {
+            return Ok(true);
+        }
+        let held = state.join("lock").exists()
+            && sys::file::try_lock(&state.join("lock"))
+                .ok()
+                .flatten()
+                .is_none();
+        if !held || t0.elapsed() > Duration::from_secs(5) {
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// What a command printed and whether it succeeded.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Answer {

@@ -124,6 +124,14 @@ pub(crate) enum Cmd {
         op: super::agent::Op,
         reply: Sender<Result<serde_json::Value, ServiceError>>,
     },
+    /// A diff written to `out` as it is produced (`agent::diff_to`).
+    DiffTo {
+        req: super::agent::Diff,
+        format: super::diff::Format,
+        limit: u64,
+        out: Box<dyn std::io::Write + Send>,
+        reply: Sender<Result<(), ServiceError>>,
+    },
     /// The remote, for listings and diffs.
     Repo {
         reply: Sender<super::Repo>,
@@ -287,6 +295,29 @@ impl CheckpointHandle {
             self.busy.store(IDLE, Ordering::SeqCst);
         }
         r
+    }
+
+    /// `keel diff` / `GET /diff` on the worker, written to `out` as the changes are found
+    /// (`agent::diff_to`): nothing is written when it fails before the first change.
+    pub fn diff_to(
+        &self,
+        req: super::agent::Diff,
+        format: super::diff::Format,
+        limit: u64,
+        out: Box<dyn std::io::Write + Send>,
+    ) -> Result<(), ServiceError> {
+        let (reply, rx) = mpsc::channel();
+        let cmd = Cmd::DiffTo {
+            req,
+            format,
+            limit,
+            out,
+            reply,
+        };
+        match self.tx.send(cmd) {
+            Ok(()) => rx.recv().map_err(|_| ServiceError::Stopped).and_then(|r| r),
+            Err(_) => Err(ServiceError::Stopped),
+        }
     }
 
     /// The workspace's remote (for listings and diffs, which only read it).
@@ -694,6 +725,18 @@ impl Worker {
                 Ok(Cmd::Agent { op, reply }) => {
                     let _ =
                         reply.send(super::agent::run(&mut self, op).map_err(ServiceError::from));
+                }
+                Ok(Cmd::DiffTo {
+                    req,
+                    format,
+                    limit,
+                    mut out,
+                    reply,
+                }) => {
+                    let r = super::agent::diff_to(&mut self, &req, format, limit, &mut out);
+                    // The writer ends the answer when it goes (before the reply).
+                    drop(out);
+                    let _ = reply.send(r.map_err(ServiceError::from));
                 }
                 Ok(Cmd::Repo { reply }) => {
                     let _ = reply.send(self.p.repo().clone());

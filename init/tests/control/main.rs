@@ -7,9 +7,11 @@
 mod support;
 
 mod api;
+mod deep_diff;
 mod e2e;
 mod exec;
 mod exec_workspace;
 mod files;
+mod starve;
 mod watch;
 mod workspace;

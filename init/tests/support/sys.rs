@@ -476,3 +476,35 @@ pub fn open_by_handle(
     // SAFETY: fd was just returned to us and is owned by nothing else.
     Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }
+
+/// A TCP connection to `to` from the local IPv4 address `from` (any of 127.0.0.0/8 is
+/// loopback): a client the server sees at another address.
+#[allow(dead_code)]
+pub fn connect_from(
+    from: std::net::Ipv4Addr,
+    to: std::net::SocketAddrV4,
+) -> io::Result<std::net::TcpStream> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let sin = |a: std::net::SocketAddrV4| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*a.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain socket(2); the descriptor is owned at once.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let (src, dst) = (sin(std::net::SocketAddrV4::new(from, 0)), sin(to));
+    // SAFETY: `src` and `dst` are valid sockaddr_in of `len` bytes for the calls' duration.
+    check(unsafe { libc::bind(fd.as_raw_fd(), std::ptr::from_ref(&src).cast(), len) })?;
+    // SAFETY: as above.
+    check(unsafe { libc::connect(fd.as_raw_fd(), std::ptr::from_ref(&dst).cast(), len) })?;
+    Ok(std::net::TcpStream::from(fd))
+}
