@@ -63,8 +63,9 @@ fn a_process_gets_exactly_what_the_main_command_gets() {
     if !require_root_and_fuse("exec workspace test") {
         return;
     }
+    // Written whole, then renamed: `wait_file` must not see it half-written.
     let main = format!(
-        "({}) > $D/main.self; exec sleep 100000",
+        "({}) > $D/main.self.tmp && mv $D/main.self.tmp $D/main.self; exec sleep 100000",
         SELF.replace("STATE", "$D/state")
     );
     let mut k = keel(&main);
