@@ -46,15 +46,7 @@ pub fn request_within(
     timeout: Duration,
 ) -> Result<(u16, String), ClientError> {
     let p = || path.to_path_buf();
-    let mut s = UnixStream::connect(path).map_err(|source| match source.kind() {
-        io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => {
-            ClientError::NotListening { path: p() }
-        }
-        io::ErrorKind::PermissionDenied => ClientError::Denied { path: p() },
-        _ => ClientError::Connect { path: p(), source },
-    })?;
-    let _ = s.set_read_timeout(Some(timeout));
-    let _ = s.set_write_timeout(Some(timeout));
+    let mut s = connect(path, timeout)?;
     let req = format!(
         "{method} {route} HTTP/1.1\r\nHost: keel\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
     );
@@ -91,15 +83,7 @@ pub fn request_to(
 ) -> Result<Option<(u16, String)>, ClientError> {
     use std::io::BufRead;
     let p = || path.to_path_buf();
-    let s = UnixStream::connect(path).map_err(|source| match source.kind() {
-        io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => {
-            ClientError::NotListening { path: p() }
-        }
-        io::ErrorKind::PermissionDenied => ClientError::Denied { path: p() },
-        _ => ClientError::Connect { path: p(), source },
-    })?;
-    let _ = s.set_read_timeout(Some(timeout));
-    let _ = s.set_write_timeout(Some(timeout));
+    let s = connect(path, timeout)?;
     let req = format!(
         "{method} {route} HTTP/1.1\r\nHost: keel\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
     );
@@ -171,6 +155,22 @@ pub fn status(path: &Path) -> Result<String, ClientError> {
             body: body.trim().to_string(),
         }),
     }
+}
+
+/// Connects to the socket at `path` with `timeout` for each read and write; a socket nobody
+/// listens on, or one this user may not use, gets its own error.
+fn connect(path: &Path, timeout: Duration) -> Result<UnixStream, ClientError> {
+    let p = || path.to_path_buf();
+    let s = UnixStream::connect(path).map_err(|source| match source.kind() {
+        io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => {
+            ClientError::NotListening { path: p() }
+        }
+        io::ErrorKind::PermissionDenied => ClientError::Denied { path: p() },
+        _ => ClientError::Connect { path: p(), source },
+    })?;
+    let _ = s.set_read_timeout(Some(timeout));
+    let _ = s.set_write_timeout(Some(timeout));
+    Ok(s)
 }
 
 #[cfg(test)]

@@ -222,18 +222,21 @@ pub fn diff_how_each(
             }
         }
     }
-    let load = |seq| {
-        repo.load_tree(seq)
-            .map(|(t, _)| t)
-            .map_err(|source| DiffError::Load {
-                seq,
-                source: Box::new(source),
-            })
-    };
+    let load = |seq| load_tree(repo, seq);
     let a = load(from)?;
     let b = if to == from { None } else { Some(load(to)?) };
     diff_trees_each(&a, b.as_ref().unwrap_or(&a), limit, out)?;
     Ok("decoded")
+}
+
+/// Snapshot `seq`'s whole tree, decoded.
+fn load_tree(repo: &Repo, seq: u64) -> Result<Tree, DiffError> {
+    repo.load_tree(seq)
+        .map(|(t, _)| t)
+        .map_err(|source| DiffError::Load {
+            seq,
+            source: Box::new(source),
+        })
 }
 
 /// Compares two snapshots: from the parts of their trees that can differ (`diff_sparse`),
@@ -254,14 +257,7 @@ pub fn diff_how(repo: &Repo, from: u64, to: u64) -> Result<(Diff, &'static str),
             return Ok((d, "along"));
         }
     }
-    let load = |seq| {
-        repo.load_tree(seq)
-            .map(|(t, _)| t)
-            .map_err(|source| DiffError::Load {
-                seq,
-                source: Box::new(source),
-            })
-    };
+    let load = |seq| load_tree(repo, seq);
     let a = load(from)?;
     let b = if to == from { None } else { Some(load(to)?) };
     Ok((diff_trees(&a, b.as_ref().unwrap_or(&a)), "decoded"))
