@@ -55,10 +55,15 @@ pub(super) fn run(
     for (fd, which) in io.outputs {
         let _ = pipe::set_nonblocking(&fd);
         let _ = pipe::set_pipe_size(&fd, 1 << 20);
-        streams.push((File::from(fd), which, true));
+        streams.push((File::from(fd), which, !rec.pty));
     }
     let mut buf = vec![0u8; 256 << 10];
     let Some(wake) = rec.wake_fd() else {
+        // Only a record its pump finished has no wake fd: it is done already, so there is
+        // nothing to finish; a second pump is a bug.
+        if cfg!(debug_assertions) {
+            panic!("exec {}: its pump started twice", rec.id);
+        }
         warn!("exec {}: its pump started twice", rec.id);
         return;
     };
@@ -216,10 +221,7 @@ fn finish(
         rec.update(|s| s.workspace = ws);
     }
     let exit = rec.lock().exit;
-    rec.update(|s| {
-        s.phase = Phase::Done;
-        s.done = Some(Instant::now());
-    });
+    // Done, its place in `max_processes` free and queued for `prune`, in one step.
     table.finished(rec);
     if let Some((e, _)) = exit {
         info!(
