@@ -469,6 +469,7 @@ impl Processes {
                 ended: None,
                 done: None,
                 error: None,
+                output_error: None,
                 timed_out: false,
                 killed: false,
                 kill_asked: false,
