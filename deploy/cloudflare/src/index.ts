@@ -5,8 +5,7 @@
 // checkpointed every 30 s while it changes and at SIGTERM (Cloudflare sends SIGTERM, then
 // SIGKILL up to 15 min later), so an instance can be stopped and moved at any time.
 import { Container, getContainer } from "@cloudflare/containers";
-import { KeelClient } from "./keel.js";
-import { route } from "./routes.js";
+import { worker } from "./routes.js";
 
 interface Env {
   KEEL: DurableObjectNamespace<KeelContainer>;
@@ -18,8 +17,6 @@ interface Env {
 }
 
 const CONTROL_PORT = 8787;
-/** How long a request waits for a starting instance's GET /health to answer 200. */
-const HEALTH_WAIT_MS = 60_000;
 
 export class KeelContainer extends Container<Env> {
   // keel's control API (`[control] listen` in /etc/keel/cloudflare.toml). The platform waits
@@ -56,37 +53,8 @@ export class KeelContainer extends Container<Env> {
   }
 }
 
-/** Waits until the instance's GET /health is 200 (workspace mounted, services ready). */
-async function healthy(container: { fetch(r: Request): Promise<Response> }): Promise<boolean> {
-  const until = Date.now() + HEALTH_WAIT_MS;
-  while (Date.now() < until) {
-    const r = await container.fetch(new Request("http://localhost/health"));
-    if (r.status === 200) return true;
-    await new Promise((done) => setTimeout(done, 200));
-  }
-  return false;
-}
-
 export default {
-  async fetch(request: Request, env: Env): Promise<Response> {
-    const url = new URL(request.url);
-    const m = url.pathname.match(/^\/w\/([A-Za-z0-9._-]{1,64})(\/.*)?$/);
-    if (!m) {
-      return new Response("usage: /w/<workspace>/{health,status,checkpoint,metrics,run,fs/<path>,changes}\n", {
-        status: 404,
-      });
-    }
-    const container = getContainer(env.KEEL, m[1]);
-    const inner = new URL(m[2] ?? "/status", url);
-    if (inner.pathname !== "/health" && !(await healthy(container))) {
-      return new Response("workspace not ready\n", { status: 503 });
-    }
-    // The Worker's routes for processes and files (routes.ts), with the caller's token.
-    const bearer = request.headers.get("Authorization")?.match(/^Bearer (.+)$/)?.[1];
-    const client = new KeelClient("http://localhost", bearer, (r) => container.fetch(r));
-    const answer = await route(client, inner.pathname, new Request(inner, request));
-    if (answer) return answer;
-    // The control API checks the bearer token itself; pass the caller's header through.
-    return container.fetch(new Request(inner, request));
+  fetch(request: Request, env: Env): Promise<Response> {
+    return worker(request, (name) => getContainer(env.KEEL, name));
   },
 };

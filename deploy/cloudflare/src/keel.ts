@@ -56,7 +56,11 @@ export interface ExitEvent {
   peak_rss_kib: number;
   stdout_bytes: number;
   stderr_bytes: number;
+  stdout_dropped: number;
+  stderr_dropped: number;
   error?: string;
+  /** keel could not keep the output (no space, no descriptor): the first failure; the rest was dropped. */
+  output_error?: string;
   /** With `diff: true`: the changes the command made, as `keel diff` shows them. */
   diff?: { changes: Change[] };
   rollback?: { rolled_back: boolean; on: string };
@@ -93,6 +97,7 @@ export interface ProcessRecord {
   pid: number | null;
   stdout_bytes: number;
   stderr_bytes: number;
+  output_error?: string;
   exit?: Omit<ExitEvent, "type" | "id">;
 }
 
@@ -318,7 +323,7 @@ export function fromBase64(s: string): Uint8Array {
   return out;
 }
 
-function concat(parts: Uint8Array[]): Uint8Array {
+export function concat(parts: Uint8Array[]): Uint8Array {
   const out = new Uint8Array(parts.reduce((n, p) => n + p.length, 0));
   let at = 0;
   for (const p of parts) {

@@ -3,7 +3,7 @@
 // Compiled by tsc with the Worker's own settings and run by node; any failed check throws,
 // and run.sh fails unless the last line is "client test: N checks passed".
 import { KeelClient, KeelError, type ExecEvent, type WatchEvent } from "../src/keel.js";
-import { route } from "../src/routes.js";
+import { RUN_OUTPUT_MAX, route, worker, type Instance } from "../src/routes.js";
 
 declare const process: { env: Record<string, string | undefined> };
 
@@ -88,13 +88,21 @@ const first = await feed.next();
 check(!first.done && first.value.type === "watching", "watch starts with its cursor", first.value);
 await keel.putFile("client/watched.txt", "w");
 let seen: WatchEvent | undefined;
-for (;;) {
-  const n = await feed.next();
-  if (n.done) break;
-  if (n.value.path === "/client/watched.txt") {
-    seen = n.value;
-    break;
+// A guard, not a race: a feed that never shows the write fails the test instead of hanging it.
+const guard = setTimeout(() => abort.abort(), 120_000);
+try {
+  for (;;) {
+    const n = await feed.next();
+    if (n.done) break;
+    if (n.value.path === "/client/watched.txt") {
+      seen = n.value;
+      break;
+    }
   }
+} catch (e) {
+  check(false, "watch sees the write before its guard", String(e));
+} finally {
+  clearTimeout(guard);
 }
 check(seen !== undefined && ["create", "modify", "rename"].includes(seen.type), "watch sees the write", seen);
 await feed.return(undefined);
@@ -102,7 +110,7 @@ abort.abort();
 
 // The Worker's routes, on the same client.
 const call = (path: string, init: RequestInit = {}) =>
-  route(keel, new URL(path, "http://worker").pathname, new Request(`http://worker${path}`, init)).then((a) => {
+  route(keel, new URL(path, "http://worker"), new Request(`http://worker${path}`, init)).then((a) => {
     if (!a) throw new Error(`no route for ${path}`);
     return a;
   });
@@ -118,6 +126,80 @@ check(missing.status === 404, "GET /fs/ of a missing file is keel's 404", missin
 const stream = await call("/run?stream=1", { method: "POST", body: JSON.stringify({ argv: ["true"] }) });
 const streamed = (await stream.text()).trim().split("\n").map((l) => JSON.parse(l) as ExecEvent);
 check(streamed.at(-1)?.type === "exit", "POST /run?stream=1 streams the events", streamed);
-check((await route(keel, "/status", new Request("http://worker/status"))) === null, "other paths are not the Worker's");
+check((await route(keel, new URL("http://worker/status"), new Request("http://worker/status"))) === null, "other paths are not the Worker's");
+
+// The whole Worker (index.ts's fetch is `worker`), its container a fetch to this keel, with
+// requests whose body can be used once, as in workerd ("Cannot reconstruct a Request with a
+// used body"): a body-carrying request passed through to keel, or taken by a route.
+class OnceRequest extends Request {
+  #taken = false;
+  #take(): void {
+    if (this.#taken) throw new TypeError("Cannot reconstruct a Request with a used body");
+    this.#taken = true;
+  }
+  override get body(): ReadableStream<Uint8Array> | null {
+    this.#take();
+    return super.body;
+  }
+  override json<T>(): Promise<T> {
+    this.#take();
+    return super.json();
+  }
+  override text(): Promise<string> {
+    this.#take();
+    return super.text();
+  }
+  override arrayBuffer(): Promise<ArrayBuffer> {
+    this.#take();
+    return super.arrayBuffer();
+  }
+}
+const container: Instance = {
+  fetch: (r) => {
+    const to = new URL(r.url);
+    const body = r.method === "GET" || r.method === "HEAD" ? undefined : r.body;
+    return fetch(new URL(to.pathname + to.search, url), {
+      method: r.method,
+      headers: r.headers,
+      body,
+      signal: r.signal,
+      ...(body ? { duplex: "half" } : {}),
+    } as RequestInit);
+  },
+};
+const auth = { Authorization: `Bearer ${token}` };
+const viaWorker = (path: string, init: RequestInit = {}) =>
+  worker(new OnceRequest(`http://worker/w/test${path}`, { ...init, ...(init.body ? { duplex: "half" } : {}) } as RequestInit), () => container);
+const execd = await viaWorker("/exec", { method: "POST", headers: auth, body: JSON.stringify({ argv: ["echo", "passed"] }) });
+const execLines = (await execd.text()).trim().split("\n").map((l) => JSON.parse(l) as ExecEvent);
+check(execd.status === 200 && execLines.at(-1)?.type === "exit", "POST /exec passed through the Worker", [execd.status, execLines]);
+const putW = await viaWorker("/fs/client/worker.txt", { method: "PUT", headers: auth, body: "through the worker" });
+check(putW.status === 200, "PUT /fs/ through the Worker", putW.status);
+check(text((await keel.getFile("client/worker.txt")).bytes) === "through the worker", "PUT /fs/ through the Worker wrote it");
+const putFiles = await viaWorker("/files?path=client/passed.txt", {
+  method: "PUT",
+  headers: { ...auth, "Content-Type": "application/octet-stream" },
+  body: "passed through" });
+const putFilesBody = await putFiles.clone().text();
+check(putFiles.status === 201 && text((await keel.getFile("client/passed.txt")).bytes) === "passed through", "PUT /files passed through the Worker", [putFiles.status, putFilesBody]);
+const runW = await viaWorker("/run", { method: "POST", headers: auth, body: JSON.stringify({ argv: ["echo", "w"] }) });
+check(runW.status === 200 && ((await runW.json()) as { stdout: string }).stdout === "w\n", "POST /run through the Worker");
+
+// keel's refusals are the answer's status, streamed routes too; a bad escape is a 400.
+const noToken = await viaWorker("/run?stream=1", { method: "POST", body: JSON.stringify({ argv: ["true"] }) });
+check(noToken.status === 401, "POST /run?stream=1 without a token is keel's 401", noToken.status);
+const badExec = await viaWorker("/run?stream=1", { method: "POST", headers: auth, body: JSON.stringify({ argv: [] }) });
+check(badExec.status === 400, "POST /run?stream=1 of a bad request is keel's 400", badExec.status);
+const feedNoToken = await viaWorker("/changes");
+check(feedNoToken.status === 401, "GET /changes without a token is keel's 401", feedNoToken.status);
+const badEscape = await viaWorker("/fs/%zz", { headers: auth });
+check(badEscape.status === 400, "GET /fs/%zz is a 400", badEscape.status);
+
+// POST /run buffers at most RUN_OUTPUT_MAX bytes of output; past it a 413 points to ?stream=1.
+const big = await viaWorker("/run", { method: "POST", headers: auth, body: JSON.stringify({ argv: ["head", "-c", String(RUN_OUTPUT_MAX + 1), "/dev/zero"] }) });
+const bigJson = (await big.json()) as { error: string };
+check(big.status === 413 && bigJson.error.includes("?stream=1"), "POST /run past its output cap is a 413", [big.status, bigJson]);
+const atCap = await viaWorker("/run", { method: "POST", headers: auth, body: JSON.stringify({ argv: ["head", "-c", String(RUN_OUTPUT_MAX), "/dev/zero"] }) });
+check(atCap.status === 200 && ((await atCap.json()) as { stdout: string }).stdout.length === RUN_OUTPUT_MAX, "POST /run of exactly its cap", atCap.status);
 
 console.log(`client test: ${checks} checks passed`);

@@ -45,7 +45,7 @@ ADDR=$(grep -o 'control API on http://[0-9.:]*' "$D/keel.log" | head -n1 | sed '
 cd "$HERE"
 rm -rf .test-build
 npx --no-install tsc -p test
-out=$(KEEL_URL="http://$ADDR" KEEL_TOKEN="$TOKEN" node .test-build/test/client.test.js 2>&1) || {
+out=$(KEEL_URL="http://$ADDR" KEEL_TOKEN="$TOKEN" timeout 300 node .test-build/test/client.test.js 2>&1) || {
     echo "$out" >&2
     echo "--- keel's log" >&2; tail -n 30 "$D/keel.log" >&2
     exit 1

@@ -302,13 +302,21 @@ impl Processes {
         t.finished.extend(again);
     }
 
-    /// `rec` is done (its pump thread finished it): it no longer counts against
-    /// `max_processes` and `prune` may forget it a retention from now.
+    /// `rec` is done (its pump thread finished it): marked done (which wakes its waiters and
+    /// sends its exit event), no longer counted against `max_processes`, and queued for
+    /// `prune`, all under the table's lock, so whoever sees it done (a client that got the
+    /// exit event and starts the next process, a `DELETE` that forgets the record) sees its
+    /// place free. The table's lock is taken before the record's, as `start` does.
     fn finished(&self, rec: &Record) {
         let mut t = self.lock();
+        let now = Instant::now();
+        rec.update(|s| {
+            s.phase = Phase::Done;
+            s.done = Some(now);
+        });
+        t.running = t.running.saturating_sub(1);
         if t.records.contains_key(&rec.id) {
-            t.running = t.running.saturating_sub(1);
-            t.finished.push_back((Instant::now(), rec.id));
+            t.finished.push_back((now, rec.id));
         }
     }
 
@@ -461,6 +469,7 @@ impl Processes {
                 ended: None,
                 done: None,
                 error: None,
+                output_error: None,
                 timed_out: false,
                 killed: false,
                 kill_asked: false,

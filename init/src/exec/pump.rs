@@ -50,15 +50,21 @@ pub(super) fn run(
                 let _ = (&w).write_all(&bytes);
             });
     }
-    // (its fd, 1 or 2, whether it can be spliced into its file: a pipe can, a terminal not).
-    let mut streams: Vec<(File, u8, bool)> = Vec::new();
+    // (its fd, 1 or 2, whether it can be spliced into its file: a pipe can, a terminal not;
+    // whether its bytes are kept: not after its file failed, then the pipe is only drained).
+    let mut streams: Vec<(File, u8, bool, bool)> = Vec::new();
     for (fd, which) in io.outputs {
         let _ = pipe::set_nonblocking(&fd);
         let _ = pipe::set_pipe_size(&fd, 1 << 20);
-        streams.push((File::from(fd), which, true));
+        streams.push((File::from(fd), which, !rec.pty, true));
     }
     let mut buf = vec![0u8; 256 << 10];
     let Some(wake) = rec.wake_fd() else {
+        // Only a record its pump finished has no wake fd: it is done already, so there is
+        // nothing to finish; a second pump is a bug.
+        if cfg!(debug_assertions) {
+            panic!("exec {}: its pump started twice", rec.id);
+        }
         warn!("exec {}: its pump started twice", rec.id);
         return;
     };
@@ -110,7 +116,7 @@ pub(super) fn run(
         let timeout = next.map(|n| n.saturating_duration_since(now));
         let ready = {
             let mut fds: Vec<std::os::fd::BorrowedFd<'_>> =
-                streams.iter().map(|(f, _, _)| f.as_fd()).collect();
+                streams.iter().map(|(f, ..)| f.as_fd()).collect();
             fds.push(wake.as_fd());
             match pipe::wait_readable(&fds, timeout) {
                 Ok(r) => r,
@@ -125,7 +131,7 @@ pub(super) fn run(
             wake.clear();
         }
         let mut ended = Vec::new();
-        for (i, (f, which, splice)) in streams.iter_mut().enumerate() {
+        for (i, (f, which, splice, keep)) in streams.iter_mut().enumerate() {
             if !ready[i] {
                 continue;
             }
@@ -138,7 +144,7 @@ pub(super) fn run(
             while taken < ROUND {
                 // Straight from the pipe into the file; a read when it holds nothing (it
                 // may be at its end) or cannot be spliced.
-                if *splice {
+                if *splice && *keep {
                     match out.splice_from(f.as_fd(), ROUND - taken) {
                         Ok(0) => {}
                         Ok(n) => {
@@ -157,8 +163,13 @@ pub(super) fn run(
                     }
                     Ok(n) => {
                         taken += n;
-                        if let Err(e) = out.append(&buf[..n]) {
-                            warn!("exec {}: keep its output: {e}", rec.id);
+                        if *keep {
+                            if let Err(e) = out.append(&buf[..n]) {
+                                // Once: the rest of this stream is read and dropped, so the
+                                // process never blocks on a full pipe; the record says why.
+                                *keep = false;
+                                output_failed(rec, *which, &e);
+                            }
                         }
                         rec.update(|_| {});
                     }
@@ -179,6 +190,24 @@ pub(super) fn run(
     drop(wake);
     rec.drop_wake();
     finish(table, rec, agent, before);
+}
+
+/// The output file of stream `which` (1 stdout or the terminal, 2 stderr) failed with `e`
+/// (no space, no descriptor left to create it): the record's `output_error` names the first
+/// such failure (the exit event and the process's JSON show it), and one warning says it.
+fn output_failed(rec: &Record, which: u8, e: &std::io::Error) {
+    let name = if which == 1 { "stdout" } else { "stderr" };
+    let at = if which == 1 {
+        rec.stdout.len()
+    } else {
+        rec.stderr.len()
+    };
+    let msg =
+        format!("{name}: keeping its output failed after {at} bytes: {e}; the rest was dropped");
+    warn!("exec {}: {msg}", rec.id);
+    rec.update(|s| {
+        s.output_error.get_or_insert(msg);
+    });
 }
 
 /// The process has ended and its output is in: count what it cost, run the options after it,
@@ -216,10 +245,7 @@ fn finish(
         rec.update(|s| s.workspace = ws);
     }
     let exit = rec.lock().exit;
-    rec.update(|s| {
-        s.phase = Phase::Done;
-        s.done = Some(Instant::now());
-    });
+    // Done, its place in `max_processes` free and queued for `prune`, in one step.
     table.finished(rec);
     if let Some((e, _)) = exit {
         info!(

@@ -58,6 +58,9 @@ pub struct State {
     pub done: Option<Instant>,
     /// It could not start: why (the exit is 127/126/1 then).
     pub error: Option<String>,
+    /// Its output could not be kept (an output file not created or written: no space, no
+    /// descriptor): the first such failure; the bytes after it were read and dropped.
+    pub output_error: Option<String>,
     pub timed_out: bool,
     /// Killed on request (DELETE) or by keel's stop.
     pub killed: bool,
@@ -190,6 +193,9 @@ impl Record {
             "stdout_bytes": self.stdout.len(),
             "stderr_bytes": self.stderr.len(),
         });
+        if let Some(e) = &s.output_error {
+            v["output_error"] = e.clone().into();
+        }
         if s.exit.is_some() || s.error.is_some() {
             v["exit"] = exit_json(&s, self);
         }
@@ -231,6 +237,9 @@ fn exit_json(s: &State, r: &Record) -> Value {
     });
     if let Some(e) = &s.error {
         v["error"] = e.clone().into();
+    }
+    if let Some(e) = &s.output_error {
+        v["output_error"] = e.clone().into();
     }
     for (k, x) in &s.workspace {
         v[k] = x.clone();

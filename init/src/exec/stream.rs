@@ -155,19 +155,23 @@ pub fn raw(
     loop {
         let seen = r.version();
         let done = r.phase() == Phase::Done;
-        // Read into the buffer that is sent: one copy from the file, none more.
-        let mut buf = vec![0u8; RAW_CHUNK];
-        match out.read(at, &mut buf) {
-            Ok(Chunk::Data(n)) => {
-                buf.truncate(n);
-                if !send(buf) {
-                    return;
+        // Read into the buffer that is sent: one copy from the file, none more; sized to
+        // what is there (a wake-up for a few bytes allocates a few), none when nothing is.
+        let there = out.len().saturating_sub(at);
+        if there > 0 {
+            let mut buf = vec![0u8; usize::try_from(there).map_or(RAW_CHUNK, |n| n.min(RAW_CHUNK))];
+            match out.read(at, &mut buf) {
+                Ok(Chunk::Data(n)) => {
+                    buf.truncate(n);
+                    if !send(buf) {
+                        return;
+                    }
+                    at += n as u64;
+                    continue;
                 }
-                at += n as u64;
-                continue;
+                Ok(Chunk::Gap { .. }) | Err(_) => return,
+                Ok(Chunk::Nothing) => {}
             }
-            Ok(Chunk::Gap { .. }) | Err(_) => return,
-            Ok(Chunk::Nothing) => {}
         }
         if done || !follow {
             return;

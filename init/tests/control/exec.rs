@@ -659,11 +659,12 @@ fn max_processes_counts_the_running_ones_and_done_records_go_after_the_retention
     let c = detach(&["true"]);
     assert_eq!(c.code, 429, "a third process while two run: {c:?}");
     assert!(c.body.contains("max_processes"), "{c:?}");
-    // A kill frees a place; a process that ended holds none.
+    // A kill frees a place by the time it answers; a process that ended holds none by the
+    // time its exit event is out (one runs right after the other, each in the one free place).
     let (a, b) = (id_of(&a.json()), id_of(&b.json()));
     let r = unix_request(&sock(&k), "DELETE", &format!("/processes/{a}"));
     assert_eq!(r.code, 200, "{r:?}");
-    for _ in 0..3 {
+    for _ in 0..30 {
         let (_, _, x) = run(&k, json!({"argv": ["true"]}));
         assert_eq!(x["code"], 0, "{x}");
     }
@@ -690,6 +691,66 @@ fn max_processes_counts_the_running_ones_and_done_records_go_after_the_retention
         unix_get(&sock(&k), &format!("/processes/{a}")).code,
         404,
         "the killed record after its retention"
+    );
+    stop(&mut k);
+}
+
+/// Detaches the tmpfs put over keel's output files when the test ends, however it ends.
+struct Detach(PathBuf);
+impl Drop for Detach {
+    fn drop(&mut self) {
+        let _ = support::sys::umount_detach(&self.0);
+    }
+}
+
+#[test]
+fn output_that_cannot_be_kept_is_an_output_error_and_the_process_still_ends() {
+    if !require_root("exec output error test") {
+        return;
+    }
+    let mut k = keel("", false);
+    // keel's output files go to a 64 KiB filesystem: the first MiB of a 4 MiB output fills
+    // it (ENOSPC).
+    let dir = k.path("state/exec");
+    std::fs::create_dir_all(&dir).unwrap();
+    support::sys::mount_tmpfs(&dir, "size=64k,mode=700").expect("mount a 64 KiB tmpfs");
+    let _detach = Detach(dir);
+    let (out, err, exit) = run(
+        &k,
+        json!({"shell": "head -c 4194304 /dev/zero; echo done >&2"}),
+    );
+    // The process was never blocked on its pipe (the rest was drained) and exited 0; the
+    // exit event says the output was not all kept, and why.
+    assert_eq!(exit["code"], 0, "{exit}");
+    let why = exit["output_error"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no output_error: {exit}"));
+    assert!(
+        why.starts_with("stdout: ") && why.contains("No space left"),
+        "{why}"
+    );
+    assert!(out.len() < 4 << 20, "{} bytes kept", out.len());
+    assert_eq!(
+        exit["stdout_bytes"].as_u64(),
+        Some(out.len() as u64),
+        "{exit}"
+    );
+    assert!(err.is_empty(), "{err:?}");
+    let id = exit["id"].as_u64().unwrap();
+    let rec = unix_get(&sock(&k), &format!("/processes/{id}")).json();
+    assert_eq!(rec["output_error"], exit["output_error"], "{rec}");
+    assert_eq!(rec["exit"]["output_error"], exit["output_error"], "{rec}");
+    // One warning per stream (stderr's file could not be made either), not one per chunk.
+    let log = k.log_text();
+    assert_eq!(
+        log.matches("stdout: keeping its output failed").count(),
+        1,
+        "{log}"
+    );
+    assert_eq!(
+        log.matches("stderr: keeping its output failed").count(),
+        1,
+        "{log}"
     );
     stop(&mut k);
 }
