@@ -869,6 +869,10 @@ class Soak:
 
     def start_keel(self, state=None, cfg=None, extra=(), timeout=180, expect_ready=True):
         state = state or self.state
+        if getattr(self, "new_host", None) == state and not any(e.startswith("--takeover") for e in extra):
+            # A new host killed before it ever came up may not hold the lease yet: the old
+            # host's is still live, and taking it over is what the new host was started for.
+            extra = [*extra, "--takeover=force"]
         d = Proc(self, [self.keel, "mount", "--config", cfg or self.cfg, "--state", state,
                         *extra, self.mnt], "keel")
         self.daemon = d
@@ -880,6 +884,7 @@ class Soak:
                     raise Finding("hang", f"keel mount not ready after {timeout}s (inside {pts}); log {d.logpath}")
                 raise Finding("won't start", f"keel mount exited {d.p.returncode}: {d.output()[-800:]}")
             self.timing("ready", now() - t0)
+            self.new_host = None
         return d
 
     def kill_keel(self, scenario, extra=None):
@@ -1468,6 +1473,7 @@ class Soak:
         umount_all(self.mnt)
         old = self.state
         self.state = self.new_state_dir()
+        self.new_host = self.state
         t0 = now()
         d = self.start_keel(cfg=cfg, extra=["--takeover=force"], expect_ready=False)
         return want, old, d, t0
