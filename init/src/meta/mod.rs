@@ -21,7 +21,7 @@ pub use bulk::{amend_bulk, create_bulk, Amender, BulkWriter};
 pub use generation::Generations;
 pub use host::{HostRow, PROVIDER_KEY, TREE_KEY};
 pub use lazy::MissingRow;
-pub use persist::{ChangeCounts, ChunkRow, Xattrs};
+pub use persist::{ChangeCounts, ChunkRow, Xattrs, ROLLBACK_RENAMES, ROLLBACK_TMP};
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};

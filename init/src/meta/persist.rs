@@ -12,6 +12,11 @@ use super::{
     Result, Store, Tx,
 };
 
+/// The `persist_state` key of a rollback's pending body renames (see `Tx::rollback_renames`).
+pub const ROLLBACK_RENAMES: &str = "rollback_renames";
+/// The state dir's directory where a rollback builds bodies before renaming them into place.
+pub const ROLLBACK_TMP: &str = "rollback.tmp";
+
 /// One window of a file's chunk map: `None` is an all-zero window (a hole).
 pub type ChunkRow = (u64, Option<[u8; 32]>);
 
@@ -400,6 +405,17 @@ impl Tx<'_> {
             f(finish_inode(row_to_inode(r)?)?)?;
         }
         Ok(())
+    }
+
+    /// The body renames of a rollback whose transaction committed but which was stopped
+    /// before it renamed them all (`ROLLBACK_RENAMES`): pairs of (inode the body goes to,
+    /// name of the built body under `ROLLBACK_TMP`). `Err(text)`: the record is unreadable.
+    pub fn rollback_renames(&self) -> Result<std::result::Result<Vec<(u64, u64)>, String>> {
+        Ok(match self.persist_get(ROLLBACK_RENAMES)? {
+            None => Ok(Vec::new()),
+            Some(v) => serde_json::from_str(&v)
+                .map_err(|e| format!("state dir: {ROLLBACK_RENAMES} is not a list of pairs: {e}")),
+        })
     }
 
     pub fn persist_get(&self, key: &str) -> Result<Option<String>> {

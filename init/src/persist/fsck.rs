@@ -40,7 +40,7 @@ mod bodies;
 mod quick;
 mod tree;
 
-use bodies::{check_bodies, check_body, BodyCtx};
+use bodies::{check_bodies, check_body, pending_renames, BodyCtx};
 use tree::check_tree;
 
 use crate::meta::{InodeNo, MetaError, Nanos, Store, Tx};
@@ -224,8 +224,9 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
             false,
         );
     }
+    let pending = pending_renames(&store.read(), state_dir, &mut rep)?;
     if opts.quick && !opts.repair && !dir_tree {
-        rep.sample = Some(quick::check(&store, &bodies, &mut rep, opts)?);
+        rep.sample = Some(quick::check(&store, &bodies, pending, &mut rep, opts)?);
         rep.elapsed_s = t0.elapsed().as_secs_f64();
         return Ok(rep);
     }
@@ -235,7 +236,7 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
     check_tree(&store, &mut rep, opts.repair)?;
     check_totals(&store, &mut rep, opts.repair)?;
     if !dir_tree {
-        check_bodies(&store, &bodies, &mut rep, opts)?;
+        check_bodies(&store, &bodies, pending, &mut rep, opts)?;
     }
     if let Some(repo) = &opts.remote {
         check_remote(&store, &bodies, repo.clone(), &mut rep, opts)?;

@@ -32,6 +32,7 @@ struct BodyScan {
 pub(super) fn check_bodies(
     store: &Store,
     bodies: &BodyStore,
+    pending: std::collections::HashMap<u64, PathBuf>,
     rep: &mut FsckReport,
     opts: &FsckOptions,
 ) -> Result<(), FsckError> {
@@ -47,7 +48,7 @@ pub(super) fn check_bodies(
         None
     };
     scan.check_orphans(bodies, &ids, rep, opts.repair);
-    scan.check_files(&store.read(), bodies, &ids, rep, opts, tx.as_ref())?;
+    scan.check_files(&store.read(), bodies, &ids, pending, rep, opts, tx.as_ref())?;
     if let Some(tx) = tx {
         tx.commit()?;
     }
@@ -98,11 +99,13 @@ impl BodyScan {
     /// `check_body` for every file with a body, except lazily restored ones whose body
     /// comes at first use (`present`: the body files there are, sorted). Each file's inode
     /// and chunk map are read from `r` when it is checked.
+    #[allow(clippy::too_many_arguments)]
     fn check_files(
         &self,
         r: &Tx,
         bodies: &BodyStore,
         present: &[u64],
+        pending: std::collections::HashMap<u64, PathBuf>,
         rep: &mut FsckReport,
         opts: &FsckOptions,
         tx: Option<&Tx>,
@@ -110,6 +113,7 @@ impl BodyScan {
         let lazy_files: HashSet<InodeNo> = self.missing.iter().map(|(ino, _)| *ino).collect();
         crate::progress::stage("local file bodies checked", Some(self.files.len() as u64));
         let ctx = BodyCtx {
+            pending,
             cs: opts.chunk_size,
             maps_fit: self.map_cs == Some(opts.chunk_size),
             unclean: self.unclean,
@@ -138,6 +142,9 @@ impl BodyScan {
 
 /// What checking one file's body needs besides the file.
 pub(super) struct BodyCtx {
+    /// Bodies a rollback built and had not renamed into place when it was stopped (inode ->
+    /// the built file): the next start renames them, so they are what is checked.
+    pub pending: std::collections::HashMap<u64, PathBuf>,
     pub cs: u64,
     /// The chunk maps were made with `cs` (else their window numbers mean other ranges).
     pub maps_fit: bool,
@@ -145,6 +152,48 @@ pub(super) struct BodyCtx {
     /// written without a record, not damaged.
     pub unclean: bool,
     pub repair: bool,
+}
+
+impl BodyCtx {
+    /// The file that is `ino`'s body: a rollback's built body still waiting to be renamed
+    /// into place, else the body store's.
+    fn body_path(&self, bodies: &BodyStore, ino: u64) -> PathBuf {
+        match self.pending.get(&ino) {
+            Some(p) if p.exists() => p.clone(),
+            _ => bodies.path(ino),
+        }
+    }
+}
+
+/// The bodies a stopped rollback has still to rename into place (`Tx::rollback_renames`),
+/// and a note saying so; an unreadable record is an error.
+pub(super) fn pending_renames(
+    r: &Tx,
+    state_dir: &std::path::Path,
+    rep: &mut FsckReport,
+) -> Result<std::collections::HashMap<u64, PathBuf>, FsckError> {
+    let renames = match r.rollback_renames()? {
+        Ok(v) => v,
+        Err(e) => {
+            rep.add(Level::Error, e, false);
+            return Ok(Default::default());
+        }
+    };
+    if !renames.is_empty() {
+        rep.add(
+            Level::Note,
+            format!(
+                "a rollback was stopped while renaming its {} built bodies into place: the next start finishes it (checked as they will be)",
+                renames.len()
+            ),
+            false,
+        );
+    }
+    let tmp = state_dir.join(crate::meta::ROLLBACK_TMP);
+    Ok(renames
+        .into_iter()
+        .map(|(at, name)| (at, tmp.join(name.to_string())))
+        .collect())
 }
 
 /// One file's body (`i` has `Storage::Body`): present unless `i` is empty, no longer or
@@ -161,7 +210,8 @@ pub(super) fn check_body(
     rep: &mut FsckReport,
     tx: Option<&Tx>,
 ) -> Result<(), FsckError> {
-    if !check_body_length(bodies, i, rep) {
+    let path = ctx.body_path(bodies, i.ino.0);
+    if !check_body_length(&path, i, rep) {
         return Ok(());
     }
     let Some(map) = map else { return Ok(()) };
@@ -172,7 +222,7 @@ pub(super) fn check_body(
     if *budget == 0 {
         return Ok(());
     }
-    let f = match File::open(bodies.path(i.ino.0)) {
+    let f = match File::open(&path) {
         Ok(f) => f,
         Err(e) => {
             rep.add(
@@ -198,11 +248,11 @@ pub(super) fn check_body(
 
 /// The body's length against the file's size. False when there is no body file (an error
 /// unless the file is empty): nothing more to check.
-fn check_body_length(bodies: &BodyStore, i: &Inode, rep: &mut FsckReport) -> bool {
+fn check_body_length(path: &std::path::Path, i: &Inode, rep: &mut FsckReport) -> bool {
     let ino = i.ino;
-    let len = match bodies.stat(ino.0) {
-        Ok(Some((l, _))) => l,
-        Ok(None) => {
+    let len = match std::fs::metadata(path) {
+        Ok(m) => m.len(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if i.size > 0 {
                 rep.add(
                     Level::Error,
@@ -337,6 +387,7 @@ mod tests {
 
     fn ctx(unclean: bool) -> BodyCtx {
         BodyCtx {
+            pending: Default::default(),
             cs: CS,
             maps_fit: true,
             unclean,
@@ -421,14 +472,21 @@ mod tests {
         for (size, data, more, level, what) in cases {
             let (i, _) = file(&d, size, data);
             let mut rep = FsckReport::default();
-            assert_eq!(check_body_length(&d.bodies, &i, &mut rep), more);
+            assert_eq!(
+                check_body_length(&d.bodies.path(i.ino.0), &i, &mut rep),
+                more
+            );
             assert_eq!(rep.findings.len(), 1);
             assert_eq!(rep.findings[0].level, level);
             assert!(rep.findings[0].what.contains(what), "{:?}", rep.findings);
         }
         let (empty, _) = file(&d, 0, None);
         let mut rep = FsckReport::default();
-        assert!(!check_body_length(&d.bodies, &empty, &mut rep));
+        assert!(!check_body_length(
+            &d.bodies.path(empty.ino.0),
+            &empty,
+            &mut rep
+        ));
         assert!(rep.findings.is_empty(), "an empty file needs no body");
     }
 
@@ -522,7 +580,7 @@ mod tests {
             ..Default::default()
         };
         let mut rep = FsckReport::default();
-        check_bodies(&d.store, &d.bodies, &mut rep, &opts).unwrap();
+        check_bodies(&d.store, &d.bodies, Default::default(), &mut rep, &opts).unwrap();
         assert_eq!(rep.bodies, 1);
         assert_eq!(rep.findings.len(), 1, "{:?}", rep.findings);
         assert!(rep.findings[0].repaired);

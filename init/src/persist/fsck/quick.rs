@@ -44,6 +44,7 @@ pub struct Sample {
 pub(super) fn check(
     store: &Store,
     bodies: &BodyStore,
+    pending: std::collections::HashMap<u64, std::path::PathBuf>,
     rep: &mut FsckReport,
     opts: &FsckOptions,
 ) -> Result<Sample, FsckError> {
@@ -104,6 +105,7 @@ pub(super) fn check(
 
     let dirty: HashSet<(InodeNo, u64)> = windows.into_iter().collect();
     let ctx = BodyCtx {
+        pending,
         cs: opts.chunk_size,
         maps_fit: r
             .persist_get("chunk_size")?

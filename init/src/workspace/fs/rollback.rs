@@ -25,7 +25,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
@@ -33,7 +33,7 @@ use bytes::Bytes;
 use super::{FsError, FsResult, Inner, WorkspaceFs};
 use crate::chunk::chunker::window_count;
 use crate::chunk::{BodyStore, ChunkId, FetchError};
-use crate::meta::{Inode, InodeNo, Kind, Storage, Store};
+use crate::meta::{Inode, InodeNo, Kind, Storage, Store, ROLLBACK_RENAMES, ROLLBACK_TMP};
 
 /// What the target snapshot holds for one inode.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,12 +117,9 @@ fn fetch_err(e: FetchError) -> FsError {
 }
 
 /// The state-dir key recording a committed rollback's bodies still to rename into place:
-/// JSON pairs of (inode the body goes to, name under `rollback.tmp`).
-pub(super) const ROLLBACK_RENAMES: &str = "rollback_renames";
-
 /// Where a rollback builds bodies.
 fn rollback_tmp(state_dir: &Path) -> PathBuf {
-    state_dir.join("rollback.tmp")
+    state_dir.join(ROLLBACK_TMP)
 }
 
 /// Renames each built body (`rollback.tmp/<name>`) over inode `at`'s body. One already
@@ -154,14 +151,13 @@ pub(super) fn finish_rollback_renames(
     bodies: &BodyStore,
     chunk_size: u64,
 ) -> FsResult<usize> {
-    let Some(v) = store.read().persist_get(ROLLBACK_RENAMES)? else {
+    let renames = store
+        .read()
+        .rollback_renames()?
+        .map_err(|e| FsError::Io(io::Error::other(e)))?;
+    if renames.is_empty() {
         return Ok(0);
-    };
-    let renames: Vec<(u64, u64)> = serde_json::from_str(&v).map_err(|e| {
-        FsError::Io(io::Error::other(format!(
-            "state dir: {ROLLBACK_RENAMES} is not a list of pairs: {e}"
-        )))
-    })?;
+    }
     rename_built(state_dir, bodies, &renames)?;
     let tx = store.write()?;
     for &(at, _) in &renames {
@@ -190,11 +186,13 @@ impl WorkspaceFs {
         report: &mut RollbackReport,
     ) -> FsResult<PathBuf> {
         let path = self.rollback_tmp().join(ino.0.to_string());
+        // 0600 as every body (it becomes one by a rename): not the umask's 0644.
         let f = File::options()
             .read(true)
             .write(true)
             .create(true)
             .truncate(true)
+            .mode(0o600)
             .open(&path)?;
         let cs = t.chunk_size();
         let wanted: Vec<(usize, ChunkId)> = map
