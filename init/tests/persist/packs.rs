@@ -79,6 +79,20 @@ fn checkpoint_full(p: &mut Persister) -> keel::persist::CheckpointReport {
     .expect("checkpoint")
 }
 
+/// Every chunk the files of `p`'s state dir are made of (holes left out).
+fn chunk_ids(p: &Persister) -> Vec<keel::chunk::ChunkId> {
+    p.store()
+        .read()
+        .all_file_chunks()
+        .unwrap()
+        .values()
+        .flat_map(|rows| {
+            rows.iter()
+                .filter_map(|(_, id)| id.map(keel::chunk::ChunkId))
+        })
+        .collect()
+}
+
 fn gc_now(repo: &Repo, p: &Persister) -> gc::GcReport {
     gc::gc(&mut repo.clone(), Some(p.store()), 1, Duration::ZERO).expect("gc")
 }
@@ -188,17 +202,7 @@ fn a_batch_of_chunks_of_one_pack_is_one_ranged_get() {
         }
     });
     let repo = Repo::new(tap, "ws");
-    let ids: Vec<_> = p
-        .store()
-        .read()
-        .all_file_chunks()
-        .unwrap()
-        .values()
-        .flat_map(|rows| {
-            rows.iter()
-                .filter_map(|(_, id)| id.map(keel::chunk::ChunkId))
-        })
-        .collect();
+    let ids = chunk_ids(&p);
     assert_eq!(ids.len(), 100);
     let got = repo.get_chunks(&ids);
     assert!(got.iter().all(|r| r.is_ok()));
@@ -388,17 +392,7 @@ fn a_fork_sharing_a_pack_survives_the_sources_gc() {
         (1, 0, 0),
         "{g}"
     );
-    let ids: Vec<_> = pb
-        .store()
-        .read()
-        .all_file_chunks()
-        .unwrap()
-        .values()
-        .flat_map(|rows| {
-            rows.iter()
-                .filter_map(|(_, id)| id.map(keel::chunk::ChunkId))
-        })
-        .collect();
+    let ids = chunk_ids(&pb);
     assert_eq!(ids.len(), 3);
     // Its index names a pack that is gone: the miss reads the indexes again.
     assert!(reader.get_chunks(&ids).iter().all(|r| r.is_ok()));
