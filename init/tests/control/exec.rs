@@ -516,26 +516,7 @@ fn only_the_token_root_and_keels_user_may_start_processes() {
     // The group member (nobody, primary group nogroup) on the socket.
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(k.scratch(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let as_nobody = |args: &[&str]| {
-        let out = std::process::Command::new("setpriv")
-            .args([
-                "--reuid=nobody",
-                "--regid=nogroup",
-                "--clear-groups",
-                "curl",
-                "-sS",
-                "-o",
-                "/dev/null",
-                "-w",
-                "%{http_code}",
-                "--unix-socket",
-            ])
-            .arg(sock(&k))
-            .args(args)
-            .output()
-            .expect("setpriv + curl");
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let as_nobody = |args: &[&str]| support::control::status_as_nobody(&sock(&k), args);
     assert_eq!(
         as_nobody(&["http://k/status"]),
         "200",

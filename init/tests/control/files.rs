@@ -474,24 +474,10 @@ fn files_run_as_the_user_inside_the_sandbox_and_cannot_leave_the_workspace() {
     );
     assert_eq!(r.code, 403, "{r:?}");
     std::fs::set_permissions(k.scratch(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = std::process::Command::new("setpriv")
-        .args([
-            "--reuid=nobody",
-            "--regid=nogroup",
-            "--clear-groups",
-            "curl",
-            "-sS",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            "--unix-socket",
-        ])
-        .arg(sock(&k))
-        .arg("http://k/files?path=secret")
-        .output()
-        .expect("setpriv + curl");
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "403", "{out:?}");
+    assert_eq!(
+        support::control::status_as_nobody(&sock(&k), &["http://k/files?path=secret"]),
+        "403"
+    );
     assert!(!ws.join("tcp").exists());
     stop(&mut k);
 }

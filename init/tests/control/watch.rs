@@ -291,26 +291,7 @@ fn an_old_or_foreign_cursor_is_refused_and_only_the_agents_rights_may_watch() {
     assert_eq!(get(addr, "/status", None).code, 200);
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(k.scratch(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let as_nobody = |url: &str| {
-        let out = std::process::Command::new("setpriv")
-            .args([
-                "--reuid=nobody",
-                "--regid=nogroup",
-                "--clear-groups",
-                "curl",
-                "-sS",
-                "-o",
-                "/dev/null",
-                "-w",
-                "%{http_code}",
-                "--unix-socket",
-            ])
-            .arg(sock(&k))
-            .arg(url)
-            .output()
-            .expect("setpriv + curl");
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let as_nobody = |url: &str| support::control::status_as_nobody(&sock(&k), &[url]);
     assert_eq!(as_nobody("http://k/status"), "200");
     assert_eq!(as_nobody("http://k/watch"), "403");
     k.signal(nix::sys::signal::Signal::SIGTERM);

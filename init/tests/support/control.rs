@@ -99,6 +99,30 @@ pub fn unix_request(socket: &Path, method: &str, path: &str) -> Resp {
 }
 
 /// The value of the Prometheus sample `line_prefix` (e.g. `keel_services{state="ready"}`).
+/// The HTTP status `curl ARGS...` gets over the Unix socket `socket` when run as `nobody`
+/// (primary group `nogroup`, no others): the socket's rights as a stranger or a `[control]
+/// group` member sees them. The socket's directories must be searchable by others.
+pub fn status_as_nobody(socket: &Path, args: &[&str]) -> String {
+    let out = std::process::Command::new("setpriv")
+        .args([
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            "curl",
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--unix-socket",
+        ])
+        .arg(socket)
+        .args(args)
+        .output()
+        .expect("setpriv + curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 pub fn metric(text: &str, line_prefix: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(line_prefix)?.strip_prefix(' ')?.parse().ok())
