@@ -4,10 +4,13 @@
 # conformance report (docs/CONFORMANCE.md's generated part, docs/conformance/*.tsv).
 #
 #   script/xfstests.sh [--group auto|quick|NAME] [--configs "keel keel:cache=none ..."]
-#                      [--no-scratch|--scratch] [-j N] [--out DIR] [--no-report] [TEST...]
+#                      [--no-scratch|--scratch] [--not-in GROUP] [-j N] [--out DIR]
+#                      [--no-report] [TEST...]
 #
 #   --group    xfstests group within generic (default auto: every test of a normal full run;
 #              the non-auto ones are broken, dangerous, soak or block-device-only)
+#   --not-in G only the group's tests that are not in group G too (`--group auto --not-in
+#              quick`: the long tests a full run adds to the quick ones)
 #   --configs  the configurations (ci/xfstests/run.sh CONFIG; default: keel
 #              keel:passthrough=off keel:cache=none tmpfs ext4)
 #   --no-scratch  only the group's tests that need no scratch device (their source names
@@ -32,6 +35,7 @@ jobs=1
 out=
 report=1
 noscratch=0
+notin=
 tests=()
 while [ $# -gt 0 ]; do
     case $1 in
@@ -42,7 +46,8 @@ while [ $# -gt 0 ]; do
         --no-report) report=0; shift ;;
         --no-scratch) noscratch=1; shift ;;
         --scratch) noscratch=2; shift ;;
-        -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+        --not-in) notin=$2; shift 2 ;;
+        -h | --help) sed -n '2,25p' "$0"; exit 0 ;;
         -*) echo "xfstests.sh: unknown option $1" >&2; exit 2 ;;
         *) tests+=("$1"); shift ;;
     esac
@@ -53,7 +58,14 @@ mkdir -p "$out"
 out=$(realpath "$out")
 xfst=$(ci/xfstests/build.sh)
 subset=()
-if [ "$noscratch" != 0 ] && [ ${#tests[@]} -eq 0 ]; then
+if [ -n "$notin" ] && [ ${#tests[@]} -eq 0 ]; then
+    for t in $(awk -v g="$group" -v n="$notin" '!/^#/ { a = 0; b = 0
+            for (i = 2; i <= NF; i++) { if ($i == g) a = 1; if ($i == n) b = 1 }
+            if (a && !b) print $1 }' "$xfst/tests/generic/group.list"); do
+        args+=("generic/$t")
+    done
+    subset=(--subset "not-$notin")
+elif [ "$noscratch" != 0 ] && [ ${#tests[@]} -eq 0 ]; then
     for t in $(awk -v g="$group" '!/^#/ { for (i = 2; i <= NF; i++) if ($i == g) print $1 }' \
         "$xfst/tests/generic/group.list"); do
         if grep -qE '_require_scratch|_scratch_mkfs|_require_dm|_require_block_device|_require_loop|_require_logdev' \
@@ -108,7 +120,7 @@ if [ "$report" = 1 ]; then
         --commit "${KEEL_COMMIT:-$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- init ||
             echo +changes)}" \
         "${runs[@]}"
-    if [ "$group" = auto ] && [ "$noscratch" = 0 ]; then
+    if [ "$group" = auto ] && [ "$noscratch" = 0 ] && [ -z "$notin" ]; then
         # The quick group's view of the same runs (its tests are auto tests too).
         python3 ci/xfstests/report.py --group "generic/$group" --only quick \
             --group-list "$(ci/xfstests/build.sh)/tests/generic/group.list" \

@@ -115,6 +115,9 @@ def main():
     elif a.subset == "scratch":
         run = ("the tests of the group that need a scratch device (`script/xfstests.sh "
                "--group %s --scratch`)" % a.group.split("/")[1])
+    elif a.subset and a.subset.startswith("not-"):
+        run = ("the tests of the group that are not in the `%s` group (`script/xfstests.sh "
+               "--group %s --not-in %s`)" % (a.subset[4:], a.group.split("/")[1], a.subset[4:]))
     elif a.subset:
         run += " (%s)" % a.subset
     if a.only:
