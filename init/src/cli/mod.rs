@@ -88,7 +88,7 @@ pub fn main() -> i32 {
         let _ = keel::sys::signal::default_sigpipe();
     }
     match cli.command {
-        None => run::main(config, cli.run),
+        None => run::implicit(config, cli.run),
         Some(Command::Run(a)) => run::main(config, a),
         Some(Command::Mount(a)) => mount::main(config, a),
         Some(Command::Status(a)) => status::main(config, a),

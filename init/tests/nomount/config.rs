@@ -144,6 +144,35 @@ fn every_subcommand_uses_the_configured_values() {
     assert!(err.contains(remote.to_str().unwrap()), "{all}");
 }
 
+/// A mistyped subcommand on a host (keel not PID 1) is refused before keel sets anything up:
+/// a bare `keel WORD` is `keel run WORD`, which would make the state dir and the mount point
+/// first. (That a word on PATH or a path still runs: `cli::run`'s unit test.)
+#[test]
+fn a_mistyped_subcommand_is_refused_before_anything_is_made() {
+    let d = tempfile::tempdir().unwrap();
+    let state = d.path().join("state");
+    let mnt = d.path().join("mnt");
+    let cfg = d.path().join("keel.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[workspace]\nstate_dir = \"{}\"\nmount_point = \"{}\"\n",
+            state.display(),
+            mnt.display()
+        ),
+    )
+    .unwrap();
+    let o = keel(&["restor", "--state", "/nonexistent"], Some(&cfg));
+    let all = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{all}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr)
+            .contains("'restor' is not a keel subcommand and no command of that name is on PATH"),
+        "{all}"
+    );
+    assert!(!state.exists() && !mnt.exists(), "{all}");
+}
+
 /// A command that prints and exits (`keel completions`, `keel status | head`) whose reader
 /// has gone ends quietly by SIGPIPE, like any Unix filter, not with a panic from `println!`.
 #[test]
