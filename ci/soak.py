@@ -1521,9 +1521,10 @@ class Soak:
 
     def fresh_start_refused_in_outage(self, d, fault):
         """A new host (an empty state dir) started while the remote is gone has nothing to
-        serve: keel says the remote did not answer and exits (the designed behaviour,
-        `persist::acquire_lease_at_start`). True when that is what happened, after waiting
-        for the outage to end."""
+        serve: keel waits for the remote up to `[persist] start_wait` (60 s), then says it
+        did not answer and exits (the designed behaviour, `boot::workspace::StartWait`); an
+        outage shorter than that is waited out. True when keel gave up, after waiting for
+        the outage to end."""
         if d.alive() or not (fault and fault.get("until")) or "gave up after" not in d.output():
             return False
         self.say("a fresh state dir started in the outage: keel exited (nothing to serve); "

@@ -92,14 +92,21 @@ pub fn prepare_for(cfg: &Config, dir: bool) -> Result<Prepared, StartError> {
     // The lease before anything reads or writes the remote; the lock is ours, so a lease
     // this state dir recorded is taken back at once.
     crate::logging::step("start", "lease");
-    let lease = ReleaseOnDrop::new(crate::persist::acquire_lease_at_start(
-        &cfg.workspace.state_dir,
-        &cfg.persist,
-    )?);
+    // A new host has nothing to serve without the remote: it waits for one that does not
+    // answer, up to `[persist] start_wait`.
+    let wait = StartWait::new(restore_wanted(cfg).then_some(cfg.persist.start_wait));
+    let lease = ReleaseOnDrop::new(wait.retry("take the lease", |deadline| {
+        let _d = crate::persist::retry::deadline_scope(deadline);
+        crate::persist::acquire_lease_at_start(&cfg.workspace.state_dir, &cfg.persist)
+            .map_err(StartError::from)
+    })?);
     crate::logging::step("start", "restore");
-    let log = crate::progress::Logged::new("restore", crate::persist::service::LOG_EVERY);
     let mut restored_from = None;
-    if let Some((what, repo)) = crate::progress::scope(log, || restore_on_start(cfg, dir))? {
+    let restored = wait.retry("restore", |_| {
+        let log = crate::progress::Logged::new("restore", crate::persist::service::LOG_EVERY);
+        crate::progress::scope(log, || restore_on_start(cfg, dir))
+    })?;
+    if let Some((what, repo)) = restored {
         tracing::info!("{what}");
         restored_from = Some(repo);
     }
@@ -111,6 +118,75 @@ pub fn prepare_for(cfg: &Config, dir: bool) -> Result<Prepared, StartError> {
         lease,
         restored_from,
     })
+}
+
+impl StartError {
+    /// The remote could not be reached or did not answer in time (a later try may work).
+    fn is_temporary(&self) -> bool {
+        match self {
+            StartError::Lease(e) => e.is_temporary(),
+            StartError::RestoreOpen { source, .. } => source.is_temporary(),
+            StartError::Restore(e) => e.is_temporary(),
+            _ => false,
+        }
+    }
+}
+
+/// How long a new host's start keeps trying a remote that does not answer.
+struct StartWait {
+    /// `None`: a failure is final (a state dir that holds a workspace, or `start_wait = 0s`).
+    deadline: Option<std::time::Instant>,
+    total: std::time::Duration,
+}
+
+/// The pause between two tries of a start step while the remote does not answer.
+const START_WAIT_PAUSE: std::time::Duration = std::time::Duration::from_secs(3);
+
+impl StartWait {
+    fn new(wait: Option<std::time::Duration>) -> Self {
+        let total = wait.unwrap_or_default();
+        StartWait {
+            deadline: (!total.is_zero()).then(|| std::time::Instant::now() + total),
+            total,
+        }
+    }
+
+    /// Runs `step` (given the deadline its remote requests must keep), again after a pause
+    /// while it fails because the remote does not answer, until the deadline or a stop
+    /// signal; says each time what it waits for.
+    fn retry<T>(
+        &self,
+        what: &str,
+        mut step: impl FnMut(Option<std::time::Instant>) -> Result<T, StartError>,
+    ) -> Result<T, StartError> {
+        loop {
+            let e = match step(self.deadline) {
+                Err(e) if e.is_temporary() => e,
+                r => return r,
+            };
+            let Some(deadline) = self.deadline else {
+                return Err(e);
+            };
+            let now = std::time::Instant::now();
+            if now >= deadline || crate::sys::signal::stop_pending() {
+                return Err(e);
+            }
+            let left = deadline - now;
+            tracing::warn!(
+                "{what}: the remote does not answer ({e}); a new host has no workspace without it: trying again in {}s ({}s left of [persist] start_wait = {}s)",
+                START_WAIT_PAUSE.min(left).as_secs(),
+                left.as_secs(),
+                self.total.as_secs()
+            );
+            let until = now + START_WAIT_PAUSE.min(left);
+            while std::time::Instant::now() < until {
+                if crate::sys::signal::stop_pending() {
+                    return Err(e);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
+    }
 }
 
 /// A restore's marker without a database after the start's restore step: no remote

@@ -142,6 +142,11 @@ pub struct PersistConfig {
     pub lease_ttl: Duration,
     /// What to do when another live writer holds the lease.
     pub takeover: Takeover,
+    /// How long a start with an empty state dir (a new host) keeps trying a remote that does
+    /// not answer before it gives up: without the remote it has no workspace to serve.
+    /// `0s`: give up after one round of retries.
+    #[serde(with = "duration_str")]
+    pub start_wait: Duration,
     /// A file of `KEY=VALUE` lines with the remote's credentials (the variables it would read
     /// from the environment), read once at start; its values win over the environment and
     /// never reach a process keel starts. See `config::credentials`.
@@ -174,6 +179,7 @@ impl Default for PersistConfig {
             allow_http: false,
             lease_ttl: Duration::from_secs(30),
             takeover: Takeover::Refuse,
+            start_wait: Duration::from_secs(60),
             credentials_file: None,
         }
     }

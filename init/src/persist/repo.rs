@@ -52,6 +52,13 @@ pub enum RepoError {
     Pack(#[from] pack::PackError),
 }
 
+impl RepoError {
+    /// The remote could not be reached or did not answer in time (a later try may work).
+    pub fn is_temporary(&self) -> bool {
+        matches!(self, RepoError::Remote(e) if e.is_temporary())
+    }
+}
+
 /// The workspace manifest.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {

@@ -53,6 +53,18 @@ pub enum RestoreError {
     ImageSync(#[source] std::io::Error),
 }
 
+impl RestoreError {
+    /// The remote could not be reached or did not answer in time (a later try may work).
+    pub fn is_temporary(&self) -> bool {
+        match self {
+            RestoreError::ReadHead(e)
+            | RestoreError::LoadSnapshot { source: e, .. }
+            | RestoreError::FetchChunk { source: e, .. } => e.is_temporary(),
+            _ => false,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct RestoreReport {
     pub seq: u64,

@@ -139,6 +139,23 @@ pub fn block_all() -> Result<Signals, SignalError> {
     Ok(Signals { fd })
 }
 
+/// A stop signal (TERM, INT or QUIT) is waiting for keel, blocked and not read yet from the
+/// signalfd: a step before the supervisor reads signals (a start that waits for the remote)
+/// gives up early for it.
+pub fn stop_pending() -> bool {
+    let mut set = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+    // SAFETY: `set` is valid writable memory for one sigset_t, which sigpending fills.
+    if unsafe { libc::sigpending(set.as_mut_ptr()) } != 0 {
+        return false;
+    }
+    // SAFETY: sigpending returned 0, so it initialised the set.
+    let set = unsafe { set.assume_init() };
+    [libc::SIGTERM, libc::SIGINT, libc::SIGQUIT]
+        .into_iter()
+        // SAFETY: `set` is an initialised sigset_t and each signal number is valid.
+        .any(|sig| unsafe { libc::sigismember(&set, sig) } == 1)
+}
+
 /// The signalfd every signal to keel arrives on.
 pub struct Signals {
     fd: SignalFd,

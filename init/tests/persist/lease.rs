@@ -798,3 +798,86 @@ fn keel_mount_twice_on_one_prefix() {
     lazy_unmount(&m2);
     assert!(st.is_some_and(|s| s.success()), "second keel stop: {st:?}");
 }
+
+/// A new host (an empty state dir) started while the remote does not answer waits for it
+/// (`[persist] start_wait`), saying what it waits for, and comes up with the workspace once
+/// the remote answers. Where every start is a new host (Cloudflare-style platforms), a
+/// remote blip at start was a failed start: one round of retries (at most ~23 s of backoff,
+/// connections refused at once), then exit 1. The remote here is gone for 25 s.
+#[test]
+fn a_new_host_waits_for_a_remote_that_does_not_answer_yet() {
+    use support::mount::{
+        fuse_available, is_fuse_mount, lazy_unmount, spawn_mount, wait_timeout, MountOutcome,
+    };
+    if !fuse_available() {
+        return;
+    }
+    let Some((_moto, port)) = start_moto() else {
+        return;
+    };
+    let proxy = Arc::new(Proxy::start(port));
+    // The workspace a host before this one left on the remote (no lease left behind).
+    let c = cfg(proxy.port(), "newhost", Duration::ZERO, Takeover::Refuse);
+    let old = tempfile::tempdir().unwrap();
+    let fs = open_fs(old.path());
+    write_file(&fs, "a", b"kept by the host before");
+    Persister::open(old.path(), open_remote(&c.remote, &c).unwrap(), params())
+        .unwrap()
+        .checkpoint(&CheckpointOptions::default())
+        .unwrap();
+
+    let tmp = tempfile::tempdir().unwrap();
+    let conf = tmp.path().join("config.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "[persist]\nremote = \"s3://keel/newhost\"\nendpoint = \"http://127.0.0.1:{}\"\nregion = \"us-east-1\"\nallow_http = true\nstart_wait = \"100s\"\n",
+            proxy.port()
+        ),
+    )
+    .unwrap();
+    let args = vec!["--config".to_string(), conf.display().to_string()];
+    let (state, mnt, log) = (
+        tmp.path().join("state"),
+        tmp.path().join("mnt"),
+        tmp.path().join("keel.log"),
+    );
+    proxy.cut();
+    let back = {
+        let proxy = proxy.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(25));
+            proxy.restore();
+        })
+    };
+    let t0 = Instant::now();
+    let outcome = spawn_mount(&state, &mnt, &args, &log);
+    back.join().unwrap();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let MountOutcome::Mounted(mut keel) = outcome else {
+        panic!("the new host gave up on the remote:\n{text}");
+    };
+    println!("mounted {:.1}s after the start", t0.elapsed().as_secs_f64());
+    assert_eq!(
+        std::fs::read(mnt.join("a")).unwrap(),
+        b"kept by the host before"
+    );
+    assert!(
+        text.contains("the remote does not answer")
+            && text.contains("a new host has no workspace without it")
+            && text.contains("start_wait = 100s"),
+        "{text}"
+    );
+    assert!(proxy.refused() > 0);
+    no_secret("log", &text);
+    support::sys::kill(keel.id(), libc::SIGTERM);
+    // A hang guard only (a loaded machine's moto can be slow to take the final checkpoint).
+    let st = wait_timeout(&mut keel, Duration::from_secs(180));
+    lazy_unmount(&mnt);
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "stop: {st:?}\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    assert!(!is_fuse_mount(&mnt));
+}
