@@ -19,9 +19,48 @@ pub fn init() {
     } else {
         builder.without_time().event_format(KeelFormat).try_init()
     };
+    if installed.is_ok() {
+        install_panic_hook();
+    }
     if let (Ok(()), Some(at)) = (installed, die_at()) {
         tracing::warn!("{DIE_AT_ENV}={at} is set: keel kills itself when it gets there (a crash test's hook; never set it in production)");
     }
+}
+
+/// A panic in any of keel's threads becomes one error line through the logger (a JSON
+/// object under `KEEL_LOG_FORMAT=json`, like every other line), naming the thread and where,
+/// before it unwinds; std's own report (and its backtrace) follows only when
+/// `RUST_BACKTRACE` asks for one.
+fn install_panic_hook() {
+    let std_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info
+            .payload()
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| info.payload().downcast_ref::<String>().map(String::as_str));
+        let thread = std::thread::current();
+        let line = panic_line(thread.name(), info.location(), payload);
+        tracing::error!("{line}");
+        if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
+            std_hook(info);
+        }
+    }));
+}
+
+/// The panic's line: `thread 'NAME' panicked at FILE:LINE: MESSAGE`, as std words it.
+fn panic_line(
+    thread: Option<&str>,
+    at: Option<&std::panic::Location<'_>>,
+    message: Option<&str>,
+) -> String {
+    format!(
+        "thread '{}' panicked at {}: {}",
+        thread.unwrap_or("<unnamed>"),
+        at.map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column()))
+            .unwrap_or_else(|| "an unknown place".into()),
+        message.unwrap_or("(a panic without a message)")
+    )
 }
 
 struct KeelFormat;
@@ -76,13 +115,22 @@ impl Drop for Op {
 /// One step line (see [`Op`]).
 pub fn step(op: &'static str, step: &'static str) {
     tracing::debug!(target: "keel::step", "step {op} {step}");
-    if die_at().is_some_and(|at| at.split_once('/') == Some((op, step))) {
-        die();
+    if let Some(at) = die_at() {
+        let (point, panic) = match at.strip_suffix(":panic") {
+            Some(point) => (point, true),
+            None => (at, false),
+        };
+        if point.split_once('/') == Some((op, step)) {
+            if panic {
+                panic!("{DIE_AT_ENV}: panicking at {op}/{step}, as asked");
+            }
+            die();
+        }
     }
 }
 
 /// `KEEL_DIE_AT=OP/STEP` (e.g. `rollback/renamed_body`): keel kills itself with SIGKILL as
-/// it enters that step. A crash test's deterministic kill point where the
+/// it enters that step (`OP/STEP:panic`: panics there instead, in the thread at that step). A crash test's deterministic kill point where the
 /// soak's random kills find a window only now and then; the environment is keel's own
 /// (whoever starts keel), never the sandbox's. Read once.
 fn die_at() -> Option<&'static str> {
@@ -100,4 +148,28 @@ fn die() -> ! {
     // A PID 1 ignores its own SIGKILL; abort then ends it all the same.
     let _ = crate::sys::signal::send(std::process::id() as i32, libc::SIGKILL);
     std::process::abort()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::panic_line;
+
+    #[test]
+    fn a_panic_line_names_the_thread_the_place_and_the_message() {
+        let here = std::panic::Location::caller();
+        let line = panic_line(Some("checkpoint"), Some(here), Some("boom"));
+        assert_eq!(
+            line,
+            format!(
+                "thread 'checkpoint' panicked at {}:{}:{}: boom",
+                here.file(),
+                here.line(),
+                here.column()
+            )
+        );
+        assert_eq!(
+            panic_line(None, None, None),
+            "thread '<unnamed>' panicked at an unknown place: (a panic without a message)"
+        );
+    }
 }
