@@ -314,6 +314,19 @@ impl Prepared {
         .map_err(StartError::Checkpoints)?;
         if let Some(svc) = &persist {
             svc.set_rollback(super::live::dir_rollback_fn(tree.clone()));
+            // Periodic checkpoints walk what change notification names (when it covers the
+            // tree); every other checkpoint walks the whole tree (the flush above).
+            match tree.watch() {
+                Ok(()) => {
+                    let t3 = tree.clone();
+                    svc.set_periodic_flush(Box::new(move || {
+                        let r = t3.scan_changed()?;
+                        tracing::debug!(%r, "walk before the periodic checkpoint");
+                        Ok(())
+                    }));
+                }
+                Err(e) => tracing::info!(error = %e, "no change notification: every checkpoint walks the whole tree"),
+            }
         }
         crate::logging::step("start", "ready");
         Ok(Workspace {

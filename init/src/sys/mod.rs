@@ -7,6 +7,7 @@ pub mod cgroup;
 pub mod creds;
 pub mod eventfd;
 pub mod fgsig;
+pub mod inotify;
 pub mod file;
 pub mod mem;
 pub mod mount;

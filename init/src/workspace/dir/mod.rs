@@ -25,6 +25,7 @@
 
 mod build;
 mod scan;
+pub mod watch;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -63,6 +64,8 @@ pub enum DirError {
     MountPoint { path: PathBuf, why: String },
     #[error("open {path}: {source}")]
     Open { path: PathBuf, source: io::Error },
+    #[error("watch {path} for changes (inotify): {source}")]
+    Watch { path: PathBuf, source: io::Error },
 }
 
 /// Where the walk last found each regular file kept in a body (not inline): the path below
@@ -77,6 +80,9 @@ pub struct DirTree {
     inline_max: u64,
     chunk_size: u64,
     paths: Arc<Mutex<Paths>>,
+    /// Change notification, once [`DirTree::watch`] started it (dropped when the host's
+    /// watch limit is reached).
+    watch: Mutex<Option<watch::Watch>>,
 }
 
 /// Opens a file of the tree by inode number for the checkpoint (see [`DirTree::opener`]).
@@ -97,6 +103,7 @@ impl DirTree {
             inline_max,
             chunk_size,
             paths: Arc::default(),
+            watch: Mutex::new(None),
         };
         t.settle()?;
         Ok(t)
@@ -238,12 +245,112 @@ impl DirTree {
         open_dir(&self.root).map(Some)
     }
 
-    /// Walks the tree and brings the store up to date (see `scan`).
+    /// Walks the whole tree and brings the store up to date (see `scan`); with change
+    /// notification on, every directory is watched before it is listed.
     pub fn scan(&self) -> Result<ScanReport, DirError> {
         let s = self.store();
-        let (report, paths) = scan::scan(&s, &self.root, self.inline_max, self.chunk_size)?;
+        let w = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(w) = w.as_ref() {
+            w.begin_full();
+        }
+        let add = |rel: &Path| {
+            if let Some(w) = w.as_ref() {
+                w.add(rel)
+            }
+        };
+        let r = scan::scan(&s, &self.root, self.inline_max, self.chunk_size, &add);
+        if let (Err(e), Some(w)) = (&r, w.as_ref()) {
+            w.force_full(format!("the last walk failed: {e}"));
+        }
+        let (report, paths) = r?;
         *self.paths.lock().unwrap_or_else(|p| p.into_inner()) = paths;
         Ok(report)
+    }
+
+    /// Starts change notification (see `watch`): the next walk is full and watches every
+    /// directory; periodic walks ([`DirTree::scan_changed`]) list only the directories
+    /// something happened in from then on.
+    pub fn watch(&self) -> Result<(), DirError> {
+        {
+            let s = self.store();
+            let tx = s.write()?;
+            // A narrowed walk counts a file's names in the store.
+            tx.index_names()?;
+            tx.commit()?;
+        }
+        let w = watch::Watch::start(&self.root).map_err(|source| DirError::Watch {
+            path: self.root.clone(),
+            source,
+        })?;
+        *self.watch.lock().unwrap_or_else(|p| p.into_inner()) = Some(w);
+        Ok(())
+    }
+
+    /// How many directories change notification watches (`None`: it is off).
+    pub fn watched(&self) -> Option<usize> {
+        self.watch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|w| w.watched())
+    }
+
+    /// The walk before a periodic checkpoint: only the directories change notification
+    /// named since the last walk when it covers the whole tree, else the whole tree (see
+    /// `watch` for when, and why that is safe).
+    pub fn scan_changed(&self) -> Result<ScanReport, DirError> {
+        let plan = {
+            let mut g = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+            match g.as_ref().map(|w| (w.dead(), w)) {
+                None => None,
+                Some((Some(why), _)) => {
+                    tracing::info!("change notification is off: {why}; every checkpoint walks the whole tree");
+                    *g = None;
+                    None
+                }
+                Some((None, w)) => Some(w.plan()),
+            }
+        };
+        let dirs = match plan {
+            Some(watch::Plan::Dirs(d)) => d,
+            Some(watch::Plan::Full(why)) => {
+                tracing::debug!("full walk: {why}");
+                return self.scan();
+            }
+            None => return self.scan(),
+        };
+        let s = self.store();
+        let w = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+        let add = |rel: &Path| {
+            if let Some(w) = w.as_ref() {
+                w.add(rel)
+            }
+        };
+        let mut paths = std::mem::take(&mut *self.paths.lock().unwrap_or_else(|p| p.into_inner()));
+        let r = scan::scan_dirs(
+            &s,
+            &self.root,
+            self.inline_max,
+            self.chunk_size,
+            &dirs,
+            &mut paths,
+            &add,
+        );
+        *self.paths.lock().unwrap_or_else(|p| p.into_inner()) = paths;
+        match r {
+            Ok(scan::Narrowed::Done(report)) => Ok(report),
+            Ok(scan::Narrowed::NeedFull(why)) => {
+                tracing::debug!("narrowed walk gave way to a full one: {why}");
+                drop((s, w));
+                self.scan()
+            }
+            Err(e) => {
+                if let Some(w) = w.as_ref() {
+                    w.force_full(format!("the last walk failed: {e}"));
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Opens the file the last walk found for inode `ino`, beneath the tree and only if it
