@@ -286,6 +286,15 @@ impl DirTree {
         Ok(())
     }
 
+    /// Tests: the watcher's reader thread leaves events queued in the kernel while `on`
+    /// (see `watch::Watch::hold`).
+    #[doc(hidden)]
+    pub fn hold_events(&self, on: bool) {
+        if let Some(w) = self.watch.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            w.hold(on);
+        }
+    }
+
     /// How many directories change notification watches (`None`: it is off).
     pub fn watched(&self) -> Option<usize> {
         self.watch

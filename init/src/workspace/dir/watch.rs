@@ -156,6 +156,8 @@ pub struct Watch {
     fd: Arc<Inotify>,
     state: Arc<Mutex<State>>,
     stop: Arc<AtomicBool>,
+    /// See [`Watch::hold`].
+    held: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -189,11 +191,16 @@ impl Watch {
             ..State::default()
         }));
         let stop = Arc::new(AtomicBool::new(false));
-        let (fd2, state2, stop2) = (fd.clone(), state.clone(), stop.clone());
+        let held = Arc::new(AtomicBool::new(false));
+        let (fd2, state2, stop2, held2) = (fd.clone(), state.clone(), stop.clone(), held.clone());
         let thread = std::thread::Builder::new()
             .name("keel-inotify".into())
             .spawn(move || {
                 while !stop2.load(Ordering::Relaxed) {
+                    if held2.load(Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(20));
+                        continue;
+                    }
                     match fd2.ready(Duration::from_millis(200)) {
                         Ok(true) => drain(&fd2, &mut lock(&state2)),
                         Ok(false) => {}
@@ -209,6 +216,7 @@ impl Watch {
             fd,
             state,
             stop,
+            held,
             thread: Some(thread),
         })
     }
@@ -239,6 +247,12 @@ impl Watch {
                 format!("cannot watch {}: {e}", self.root.join(rel).display()),
             ),
         }
+    }
+
+    /// Whether the reader thread leaves the events in the kernel's queue (a test's way to
+    /// make it overflow; a walk still reads them).
+    pub fn hold(&self, on: bool) {
+        self.held.store(on, Ordering::Relaxed);
     }
 
     /// Why the watcher gave up for good, if it did.
