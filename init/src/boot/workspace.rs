@@ -325,7 +325,9 @@ impl Prepared {
                         Ok(())
                     }));
                 }
-                Err(e) => tracing::info!(error = %e, "no change notification: every checkpoint walks the whole tree"),
+                Err(e) => {
+                    tracing::info!(error = %e, "no change notification: every checkpoint walks the whole tree")
+                }
             }
         }
         crate::logging::step("start", "ready");

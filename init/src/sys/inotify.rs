@@ -31,7 +31,8 @@ pub struct Inotify {
 
 impl Inotify {
     pub fn new() -> io::Result<Inotify> {
-        let fd = NixInotify::init(InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK).map_err(io_err)?;
+        let fd =
+            NixInotify::init(InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK).map_err(io_err)?;
         Ok(Inotify { fd })
     }
 

@@ -118,8 +118,7 @@ fn an_unlink_reaches_the_snapshot() {
 #[test]
 fn a_chmod_and_an_xattr_change_reach_the_snapshot() {
     let mut f = fixture();
-    std::fs::set_permissions(f.root().join("b/z"), std::fs::Permissions::from_mode(0o600))
-        .unwrap();
+    std::fs::set_permissions(f.root().join("b/z"), std::fs::Permissions::from_mode(0o600)).unwrap();
     xattr_set(&f.root().join("c/deep/w"), b"user.tag", b"v1");
     std::fs::set_permissions(f.root().join("c"), std::fs::Permissions::from_mode(0o700)).unwrap();
     let r = f.periodic();
@@ -151,8 +150,8 @@ fn a_write_through_a_shared_mapping_kept_open_reaches_the_snapshot() {
     };
     assert_ne!(addr, libc::MAP_FAILED);
     drop(file); // the mapping keeps the file open (no IN_CLOSE_* until it goes)
-    // A walk while it is mapped and not written yet: its directory is listed (a file is
-    // open there), nothing changed.
+                // A walk while it is mapped and not written yet: its directory is listed (a file is
+                // open there), nothing changed.
     let r = f.tree.scan_changed().unwrap();
     assert!(r.narrowed && r.dirs == 1 && r.changed == 0, "{r}");
     // Written through the mapping only: no inotify event, the mtime moves at the fault.
@@ -180,8 +179,7 @@ fn an_overflowed_event_queue_falls_back_to_the_full_walk() {
         std::fs::write(f.root().join(format!("a/fill{i}")), b"x").unwrap();
     }
     // A change whose event is lost in the overflow.
-    std::fs::set_permissions(f.root().join("b/z"), std::fs::Permissions::from_mode(0o604))
-        .unwrap();
+    std::fs::set_permissions(f.root().join("b/z"), std::fs::Permissions::from_mode(0o604)).unwrap();
     f.tree.hold_events(false);
     let r = f.periodic();
     assert!(!r.narrowed, "{r}");

@@ -17,7 +17,8 @@
 //!
 //! What it cannot do that FUSE can: hide the state dir from root in the sandbox (no mount
 //! namespace without CAP_SYS_ADMIN: only modes protect it, and root has
-//! CAP_DAC_OVERRIDE), see a change as it happens (a checkpoint walks the whole tree), take
+//! CAP_DAC_OVERRIDE), see a change as it happens (a checkpoint walks the tree; periodic
+//! ones only the directories inotify named, see `watch`, when it watches them all), take
 //! a point-in-time copy of files still being written (a periodic checkpoint of a file
 //! rewritten meanwhile is taken again at the next one; the final checkpoint runs after
 //! every process stopped), or restore lazily (the tree is written whole before the main
@@ -290,7 +291,12 @@ impl DirTree {
     /// (see `watch::Watch::hold`).
     #[doc(hidden)]
     pub fn hold_events(&self, on: bool) {
-        if let Some(w) = self.watch.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        if let Some(w) = self
+            .watch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
             w.hold(on);
         }
     }
@@ -313,7 +319,9 @@ impl DirTree {
             match g.as_ref().map(|w| (w.dead(), w)) {
                 None => None,
                 Some((Some(why), _)) => {
-                    tracing::info!("change notification is off: {why}; every checkpoint walks the whole tree");
+                    tracing::info!(
+                        "change notification is off: {why}; every checkpoint walks the whole tree"
+                    );
                     *g = None;
                     None
                 }

@@ -250,56 +250,7 @@ pub(super) fn scan_dirs(
         walked: HashSet::new(),
         bail: None,
     };
-    let r = (|| -> Result<(), DirError> {
-        w.sync(
-            InodeNo::ROOT,
-            &root_st,
-            Some(&root_fd),
-            InodeNo::ROOT,
-            Path::new(""),
-        )?;
-        let mut stack = Vec::new();
-        let open = |rel: &Path| {
-            crate::sys::beneath::open_beneath(
-                root_fd.as_fd(),
-                rel,
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_NONBLOCK,
-                0,
-            )
-        };
-        for (rel, ino, parent) in todo {
-            if ino == InodeNo::ROOT {
-                let fd = root_fd.try_clone().map_err(|e| walk_err(root, e))?;
-                stack.push((fd, ino, rel));
-                continue;
-            }
-            let up = match rel.parent() {
-                Some(p) if !p.as_os_str().is_empty() => p,
-                _ => Path::new("."),
-            };
-            let (fd, up_fd) = match (open(&rel), open(up)) {
-                (Ok(fd), Ok(up_fd)) => (fd, up_fd),
-                (Err(e), _) | (_, Err(e)) => {
-                    w.bail = Some(format!("{}: {e}", rel.display()));
-                    return Ok(());
-                }
-            };
-            let st = t::fstat(fd.as_fd()).map_err(|e| walk_err(&rel, e))?;
-            if w.host.get(&ino).is_none_or(|h| h.host_ino != st.ino) {
-                w.bail = Some(format!("{} was replaced", rel.display()));
-                return Ok(());
-            }
-            // Its own attributes (an entry made or removed in it moves its times), which
-            // its parent's listing would look at.
-            w.sync(ino, &st, Some(&up_fd), parent, &rel)?;
-            stack.push((fd, ino, rel));
-        }
-        w.walk(root, stack, on_dir)?;
-        if w.bail.is_none() {
-            w.finish()?;
-        }
-        Ok(())
-    })();
+    let r = narrowed_walk(&mut w, root, &root_fd, &root_st, todo, on_dir);
     let Walk {
         mut report,
         paths: new_paths,
@@ -316,6 +267,70 @@ pub(super) fn scan_dirs(
     report.loaded = loaded;
     report.narrowed = true;
     Ok(Narrowed::Done(report))
+}
+/// The listing part of [`scan_dirs`]: each directory of `todo` (its path, inode and
+/// parent's inode) opened beneath the root, checked to be the host inode the store knows,
+/// its own attributes synced, then walked.
+fn narrowed_walk(
+    w: &mut Walk<'_>,
+    root: &Path,
+    root_fd: &OwnedFd,
+    root_st: &FullStat,
+    todo: Vec<(PathBuf, InodeNo, InodeNo)>,
+    on_dir: &dyn Fn(&Path),
+) -> Result<(), DirError> {
+    let walk_err = |path: &Path, source: std::io::Error| DirError::Walk {
+        path: path.to_path_buf(),
+        source,
+    };
+    w.sync(
+        InodeNo::ROOT,
+        root_st,
+        Some(root_fd),
+        InodeNo::ROOT,
+        Path::new(""),
+    )?;
+    let mut stack = Vec::new();
+    let open = |rel: &Path| {
+        crate::sys::beneath::open_beneath(
+            root_fd.as_fd(),
+            rel,
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_NONBLOCK,
+            0,
+        )
+    };
+    for (rel, ino, parent) in todo {
+        if ino == InodeNo::ROOT {
+            let fd = root_fd.try_clone().map_err(|e| walk_err(root, e))?;
+            stack.push((fd, ino, rel));
+            continue;
+        }
+        let up = match rel.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let (fd, up_fd) = match (open(&rel), open(up)) {
+            (Ok(fd), Ok(up_fd)) => (fd, up_fd),
+            (Err(e), _) | (_, Err(e)) => {
+                w.bail = Some(format!("{}: {e}", rel.display()));
+                return Ok(());
+            }
+        };
+        let st = t::fstat(fd.as_fd()).map_err(|e| walk_err(&rel, e))?;
+        if w.host.get(&ino).is_none_or(|h| h.host_ino != st.ino) {
+            w.bail = Some(format!("{} was replaced", rel.display()));
+            return Ok(());
+        }
+        // Its own attributes (an entry made or removed in it moves its times), which
+        // its parent's listing would look at.
+        w.sync(ino, &st, Some(&up_fd), parent, &rel)?;
+        stack.push((fd, ino, rel));
+    }
+    w.walk(root, stack, on_dir)?;
+    if w.bail.is_none() {
+        w.finish()?;
+    }
+    Ok(())
 }
 
 fn vanished(e: &std::io::Error) -> bool {

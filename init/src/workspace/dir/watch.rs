@@ -61,7 +61,9 @@ struct State {
 impl State {
     fn need_full(&mut self, kind: &'static str, why: String) {
         if self.said.insert(kind) {
-            tracing::info!("change notification: {why}: the next checkpoint walks the whole tree (said once)");
+            tracing::info!(
+                "change notification: {why}: the next checkpoint walks the whole tree (said once)"
+            );
         } else {
             tracing::debug!("change notification: {why}: the next walk is full");
         }
@@ -97,8 +99,7 @@ impl State {
             return;
         };
         if e.mask.contains(Mask::IN_ISDIR) {
-            if e
-                .mask
+            if e.mask
                 .intersects(Mask::IN_DELETE | Mask::IN_MOVED_FROM | Mask::IN_MOVED_TO)
             {
                 self.need_full("dirmove", "a directory was removed or moved".into());
@@ -110,8 +111,7 @@ impl State {
         if e.mask.contains(Mask::IN_OPEN) {
             *self.open.entry(dir.clone()).or_default() += 1;
         }
-        if e
-            .mask
+        if e.mask
             .intersects(Mask::IN_CLOSE_WRITE | Mask::IN_CLOSE_NOWRITE)
         {
             if let Some(n) = self.open.get_mut(&dir) {
@@ -205,7 +205,8 @@ impl Watch {
                         Ok(true) => drain(&fd2, &mut lock(&state2)),
                         Ok(false) => {}
                         Err(e) => {
-                            lock(&state2).dead = Some(format!("waiting for inotify events failed: {e}"));
+                            lock(&state2).dead =
+                                Some(format!("waiting for inotify events failed: {e}"));
                             return;
                         }
                     }
