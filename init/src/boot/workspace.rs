@@ -484,10 +484,14 @@ impl Workspace {
     pub fn flush(&self) -> Result<(), SessionError> {
         match (&self.mounted, &self.dir) {
             (Some(m), _) => m.flush(),
-            (None, Some((t, _))) => t
-                .scan()
-                .map(|r| tracing::info!(%r, "final walk"))
-                .map_err(|e| SessionError::Flush(e.to_string())),
+            (None, Some((t, _))) => {
+                let r = t
+                    .scan()
+                    .map(|r| tracing::info!(%r, "final walk"))
+                    .map_err(|e| SessionError::Flush(e.to_string()));
+                t.make_room_if_full();
+                r
+            }
             (None, None) => Ok(()),
         }
     }
@@ -523,7 +527,8 @@ impl Workspace {
                 None => Ok(()),
             };
             drop(lock);
-            return r.map_err(|e| SessionError::Flush(format!("final checkpoint: {e}")));
+            // As under FUSE: the remote is behind, the state dir holds everything.
+            return r.map_err(SessionError::Finish);
         }
         let m = self.mounted.take().expect("mounted until unmount");
         m.unmount(fin)

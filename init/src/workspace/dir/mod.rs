@@ -38,6 +38,7 @@ use std::sync::{Arc, Mutex};
 pub use build::{BuildReport, Source, SourceData, SourceInode};
 pub use scan::ScanReport;
 
+use crate::chunk::reserve::Reserve;
 use crate::chunk::BodyStore;
 use crate::meta::{InodeNo, Kind, MetaError, Nanos, Store};
 
@@ -84,6 +85,11 @@ pub struct DirTree {
     /// Change notification, once [`DirTree::watch`] started it (dropped when the host's
     /// watch limit is reached).
     watch: Mutex<Option<watch::Watch>>,
+    /// The FUSE provider's two space reserves (the same files): given back when a walk's
+    /// commit, or the start's, finds the state volume full (the sandbox filled it through
+    /// the tree), retaken once there is room.
+    reserve: Reserve,
+    boot_reserve: Reserve,
 }
 
 /// Opens a file of the tree by inode number for the checkpoint (see [`DirTree::opener`]).
@@ -94,20 +100,88 @@ impl DirTree {
     /// store says the tree does not hold it yet (after a restore, or on a state dir the FUSE
     /// provider wrote), the tree is built from the store and its bodies first, and the
     /// bodies are removed once it is in place.
+    ///
+    /// On a state volume the sandbox filled, a store that cannot be opened or a tree that
+    /// cannot be recorded gets the space the reserves the last run left hold (as under
+    /// FUSE), and the start says how full the volume is.
     pub fn open(state_dir: &Path, inline_max: u64, chunk_size: u64) -> Result<DirTree, DirError> {
-        let store = Store::open(&state_dir.join("meta.db"), now())?;
-        store.ensure_host_map()?;
-        let t = DirTree {
-            state_dir: state_dir.to_path_buf(),
-            root: state_dir.join(TREE),
-            store: Mutex::new(store),
-            inline_max,
-            chunk_size,
-            paths: Arc::default(),
-            watch: Mutex::new(None),
+        use crate::workspace::fs::{give_back_reserves, VolumeUsage, MIB, RESERVE_BYTES};
+        let reserves = [state_dir.join("reserve"), state_dir.join("reserve.boot")];
+        let volume = VolumeUsage::of(state_dir);
+        let open = || -> Result<DirTree, DirError> {
+            let store = Store::open(&state_dir.join("meta.db"), now())?;
+            store.ensure_host_map()?;
+            let t = DirTree {
+                state_dir: state_dir.to_path_buf(),
+                root: state_dir.join(TREE),
+                store: Mutex::new(store),
+                inline_max,
+                chunk_size,
+                paths: Arc::default(),
+                watch: Mutex::new(None),
+                // Taken below, once the store is open.
+                reserve: Reserve::unheld(&reserves[0], RESERVE_BYTES),
+                boot_reserve: Reserve::unheld(&reserves[1], RESERVE_BYTES),
+            };
+            t.settle()?;
+            Ok(t)
         };
-        t.settle()?;
+        let mut t = match open() {
+            Ok(t) => t,
+            // A foreign or corrupt store is refused as it is.
+            Err(e @ DirError::Meta(MetaError::Foreign { .. })) => return Err(e),
+            Err(first) => match give_back_reserves(&reserves) {
+                0 => return Err(first),
+                freed => {
+                    tracing::warn!(
+                        error = %first,
+                        "cannot open the store on a full state volume; retrying with the {:.1} MiB space reserve",
+                        freed as f64 / MIB
+                    );
+                    open()?
+                }
+            },
+        };
+        if let Some(v) = volume {
+            if v.full() {
+                tracing::warn!("{v}: deleting files in the workspace makes room");
+            } else {
+                tracing::info!("{v}");
+            }
+        }
+        t.boot_reserve = Reserve::open(&reserves[1], RESERVE_BYTES);
+        t.reserve = Reserve::open(&reserves[0], RESERVE_BYTES);
         Ok(t)
+    }
+
+    /// Runs `f` (a walk: one transaction), once more with the running reserve's space when
+    /// the state volume is full; retaken after it when there is room. The boot reserve is
+    /// the next start's (a workload that fills the volume through the tree takes whatever
+    /// keel gives back, so it is not spent on walks).
+    fn with_room<T>(&self, f: impl Fn() -> Result<T, DirError>) -> Result<T, DirError> {
+        loop {
+            match f() {
+                Err(DirError::Meta(e)) if e.is_full() && self.reserve.release() => {
+                    tracing::warn!(error = %e, "state volume is full: using the space reserve to record the workspace's changes");
+                }
+                r => {
+                    if r.is_ok() {
+                        self.reserve.refill_if_room();
+                    }
+                    return r;
+                }
+            }
+        }
+    }
+
+    /// Before the final checkpoint: on a full state volume, the checkpoint's records get
+    /// the space the running reserve holds (if the walk left it). The boot reserve stays
+    /// held: the next start opens the store with it when something else filled the volume
+    /// meanwhile.
+    pub fn make_room_if_full(&self) {
+        if crate::workspace::fs::VolumeUsage::of(&self.state_dir).is_some_and(|v| v.full()) {
+            self.reserve.release();
+        }
     }
 
     /// The tree's root, `<state_dir>/workspace`.
@@ -249,6 +323,10 @@ impl DirTree {
     /// Walks the whole tree and brings the store up to date (see `scan`); with change
     /// notification on, every directory is watched before it is listed.
     pub fn scan(&self) -> Result<ScanReport, DirError> {
+        self.with_room(|| self.scan_once())
+    }
+
+    fn scan_once(&self) -> Result<ScanReport, DirError> {
         let s = self.store();
         let w = self.watch.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(w) = w.as_ref() {
@@ -314,6 +392,10 @@ impl DirTree {
     /// named since the last walk when it covers the whole tree, else the whole tree (see
     /// `watch` for when, and why that is safe).
     pub fn scan_changed(&self) -> Result<ScanReport, DirError> {
+        self.with_room(|| self.scan_changed_once())
+    }
+
+    fn scan_changed_once(&self) -> Result<ScanReport, DirError> {
         let plan = {
             let mut g = self.watch.lock().unwrap_or_else(|p| p.into_inner());
             match g.as_ref().map(|w| (w.dead(), w)) {
@@ -359,7 +441,7 @@ impl DirTree {
             Ok(scan::Narrowed::NeedFull(why)) => {
                 tracing::debug!("narrowed walk gave way to a full one: {why}");
                 drop((s, w));
-                self.scan()
+                self.scan_once()
             }
             Err(e) => {
                 if let Some(w) = w.as_ref() {
