@@ -414,9 +414,9 @@ impl DirTree {
             Some(watch::Plan::Dirs(d)) => d,
             Some(watch::Plan::Full(why)) => {
                 tracing::debug!("full walk: {why}");
-                return self.scan();
+                return self.scan_once();
             }
-            None => return self.scan(),
+            None => return self.scan_once(),
         };
         let s = self.store();
         let w = self.watch.lock().unwrap_or_else(|p| p.into_inner());

@@ -48,7 +48,9 @@ pub enum Plan {
 struct State {
     wds: HashMap<Wd, PathBuf>,
     dirty: HashSet<PathBuf>,
-    open: HashMap<PathBuf, u32>,
+    /// Files open now per watched directory (by watch: a directory renamed keeps it, one
+    /// removed takes its count with it).
+    open: HashMap<Wd, u32>,
     /// Why the next walk must be full.
     full: Option<String>,
     /// Why the watcher gave up for good.
@@ -82,6 +84,7 @@ impl State {
         }
         if e.mask.contains(Mask::IN_IGNORED) {
             self.wds.remove(&e.wd);
+            self.open.remove(&e.wd);
             return;
         }
         let Some(dir) = self.wds.get(&e.wd).cloned() else {
@@ -109,15 +112,15 @@ impl State {
             return;
         }
         if e.mask.contains(Mask::IN_OPEN) {
-            *self.open.entry(dir.clone()).or_default() += 1;
+            *self.open.entry(e.wd).or_default() += 1;
         }
         if e.mask
             .intersects(Mask::IN_CLOSE_WRITE | Mask::IN_CLOSE_NOWRITE)
         {
-            if let Some(n) = self.open.get_mut(&dir) {
+            if let Some(n) = self.open.get_mut(&e.wd) {
                 *n = n.saturating_sub(1);
                 if *n == 0 {
-                    self.open.remove(&dir);
+                    self.open.remove(&e.wd);
                 }
             }
         }
@@ -292,7 +295,13 @@ impl Watch {
         }
         st.narrowed_since_full += 1;
         let mut dirs: Vec<PathBuf> = st.dirty.drain().collect();
-        dirs.extend(st.open.keys().cloned());
+        let open: Vec<PathBuf> = st
+            .open
+            .keys()
+            .filter_map(|wd| st.wds.get(wd))
+            .cloned()
+            .collect();
+        dirs.extend(open);
         dirs.sort();
         dirs.dedup();
         Plan::Dirs(dirs)
