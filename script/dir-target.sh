@@ -21,8 +21,11 @@ state_dir = "$RUN/dir-state"
 [persist]
 remote = "file://$RUN/dir-remote"
 TOML
+    # It exits 0 on SIGTERM, so keel run's status (the main command's) says whether the stop
+    # (final walk and checkpoint) worked.
     "$KEEL_BIN" run --config "$RUN/dir.toml" -- \
-        sh -c "touch '$RUN/dir.ready'; exec sleep infinity" >"$RUN/dir.log" 2>&1 &
+        sh -c "trap 'exit 0' TERM; touch '$RUN/dir.ready'; sleep infinity & wait" \
+        >"$RUN/dir.log" 2>&1 &
     DIR_PID=$!
     local i
     for i in $(seq 1200); do
