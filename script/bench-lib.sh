@@ -7,6 +7,7 @@
 #             FUSE_WRITEBACK_CACHE only without passthrough)
 #   ext4      a plain directory under BENCH_DIR (same disk as keel's state)
 #   tmpfs     a tmpfs mounted here (size 4g)
+#   dir       `keel run` with provider = "dir": see script/dir-target.sh
 #   juicefs   JuiceFS, SQLite metadata, --storage file under BENCH_DIR, mounted with -d;
 #             --trash-days 0: its trash would keep every overwritten slice for a day (a
 #             fio run of 1 GiB grew its bucket by ~13 GB per repetition and filled the disk)
@@ -17,6 +18,8 @@ KEEL_BIN=${KEEL_BIN:-$REPO/target/release/keel}
 export KEEL_BIN
 KEEL_ARGS=${KEEL_ARGS:-}
 declare -A ROOT KEEL_PID
+# shellcheck source=script/dir-target.sh
+. "$REPO/script/dir-target.sh"
 
 # keel_state TARGET -> state dir of a keel target
 keel_state() { echo "$RUN/$1-state"; }
@@ -35,6 +38,9 @@ setup_target() {
             ;;
         ext4)
             mkdir -p "$d"
+            ;;
+        dir)
+            start_dir_target || return 1
             ;;
         tmpfs)
             mkdir -p "$d" && mount -t tmpfs -o size=4g,mode=755 keel-bench "$d" || return 1
@@ -76,6 +82,7 @@ teardown_target() {
             umount -l "$d" 2>/dev/null
             FAILED=1
             ;;
+        dir) stop_dir_target || FAILED=1 ;;
         tmpfs) umount "$d" 2>/dev/null ;;
         juicefs) juicefs umount "$d" >/dev/null 2>&1 || umount -l "$d" 2>/dev/null ;;
     esac
@@ -115,6 +122,7 @@ describe_targets() {
 target_alive() {
     case $1 in
         keel|keel-wb) "$REPO/ci/keelctl.sh" status "$(keel_state "$1")" "${ROOT[$1]}" ;;
+        dir) dir_target_alive ;;
         tmpfs) [ "$(findmnt -n -o FSTYPE -M "${ROOT[$1]}")" = tmpfs ] ;;
         juicefs) [ "$(findmnt -n -o FSTYPE -M "${ROOT[$1]}")" = fuse.juicefs ] ;;
         *) return 0 ;;

@@ -5,6 +5,10 @@
 #
 # TARGETs (default: keel ext4 tmpfs, plus juicefs when the `juicefs` binary is installed):
 #   keel     a `keel mount` started here on a fresh state dir under BENCH_DIR (same disk as ext4)
+#   dir      `keel run` with [workspace] provider = "dir" (no FUSE: the workspace is a directory
+#            on the state volume under BENCH_DIR, the same disk as ext4) and `sleep infinity` as
+#            its main command: periodic checkpoints (default interval) walk it to a `file://`
+#            remote beside it while the scenarios run (issue 42: the goal is ext4's times)
 #   keel-old another keel binary (KEEL_OLD_BIN, options KEEL_OLD_ARGS), e.g. the last build
 #            before a change, mounted the same way: the table gains a keel/keel-old column
 #   ext4     a plain directory under BENCH_DIR (whatever filesystem that is; printed)
@@ -108,6 +112,7 @@ cleanup() {
             keel|keel-old) "$REPO/ci/keelctl.sh" status "$RUN/$t-state" "$RUN/$t" &&
                       "$REPO/ci/keelctl.sh" stop "$RUN/$t-state" "$RUN/$t" ;;
             tmpfs) umount "$RUN/tmpfs" 2>/dev/null ;;
+            dir) stop_dir_target ;;
             juicefs) juicefs umount "$RUN/juicefs" >/dev/null 2>&1 || umount -l "$RUN/juicefs" 2>/dev/null ;;
         esac
     done
@@ -142,6 +147,10 @@ export npm_config_cache=$SRC/npm-cache npm_config_update_notifier=false
 export npm_config_fund=false npm_config_audit=false
 
 # ---------------------------------------------------------------------------------------------
+NAME=fs-bench
+# shellcheck source=script/dir-target.sh
+. "$REPO/script/dir-target.sh"
+
 setup_target() {
     local t=$1 d=$RUN/$1
     case $t in
@@ -158,6 +167,9 @@ setup_target() {
             ;;
         ext4)
             mkdir -p "$d"
+            ;;
+        dir)
+            start_dir_target || return 1
             ;;
         tmpfs)
             mkdir -p "$d" && mount -t tmpfs -o size=4g,mode=755 keel-bench "$d" || return 1
@@ -468,7 +480,8 @@ for line in open(samples):
     else:
         data.setdefault((i, t), []).append(float(ms))
 ratios = [b for b in ("keel-old", "ext4", "tmpfs", "juicefs") if b in targets and "keel" in targets]
-head = ["scenario"] + [f"{t} ms" for t in targets] + [f"keel/{b}" for b in ratios]
+dir_ratio = "dir" in targets and "ext4" in targets
+head = ["scenario"] + [f"{t} ms" for t in targets] + [f"keel/{b}" for b in ratios] + (["dir/ext4"] if dir_ratio else [])
 print("| " + " | ".join(head) + " |")
 print("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
 for i in sorted(name, key=int):
@@ -482,6 +495,8 @@ for i in sorted(name, key=int):
             cells.append(f"{med[t]:.1f}")
     for b in ratios:
         cells.append(f"{med['keel'] / med[b]:.2f}x" if "keel" in med and med.get(b) else "-")
+    if dir_ratio:
+        cells.append(f"{med['dir'] / med['ext4']:.2f}x" if "dir" in med and med.get("ext4") else "-")
     print("| " + " | ".join(cells) + " |")
 if os.path.exists(floors) and os.path.getsize(floors):
     medians = {k: statistics.median(v) for k, v in data.items()}

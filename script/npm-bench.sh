@@ -15,7 +15,8 @@
 # --short: one small package (ms), 1 rep (CI: only checks that the script works). Without
 # network, --short falls back to a locally packed package.
 # TARGETs (default keel ext4 tmpfs juicefs): see script/bench-lib.sh (`keel-wb` = keel with
-# --passthrough off). Exit status non-zero only if a target could not be set up or an install
+# --passthrough off; `dir` = `keel run` with provider = "dir", checkpoints running, shown as
+# dir/ext4). Exit status non-zero only if a target could not be set up or an install
 # failed. Environment: BENCH_DIR (default REPO/.bench), KEEL_BIN, KEEL_ARGS. Needs root, npm.
 set -uo pipefail
 
@@ -187,9 +188,9 @@ for line in open(samples):
     if h != "-":
         hwm.setdefault(t, []).append(int(h))
 med = {t: statistics.median(v) for t, v in data.items() if t not in failed}
-keels = [k for k in ("keel", "keel-wb") if k in targets]
+keels = [k for k in ("keel", "keel-wb", "dir") if k in targets]
 bases = [b for b in ("ext4", "tmpfs", "juicefs") if b in targets]
-pairs = [(k, b) for k in keels for b in bases]
+pairs = [(k, b) for k in keels for b in bases if not (k == "dir" and b != "ext4")]
 head = ["npm install"] + [f"{t} s" for t in targets] + [f"{k}/{b}" for k, b in pairs]
 print("| " + " | ".join(head) + " |")
 print("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")

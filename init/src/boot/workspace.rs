@@ -390,6 +390,21 @@ impl Prepared {
         .map_err(StartError::Checkpoints)?;
         if let Some(svc) = &persist {
             svc.set_rollback(super::live::dir_rollback_fn(tree.clone()));
+            // Periodic checkpoints walk what change notification names (when it covers the
+            // tree); every other checkpoint walks the whole tree (the flush above).
+            match tree.watch() {
+                Ok(()) => {
+                    let t3 = tree.clone();
+                    svc.set_periodic_flush(Box::new(move || {
+                        let r = t3.scan_changed()?;
+                        tracing::debug!(%r, "walk before the periodic checkpoint");
+                        Ok(())
+                    }));
+                }
+                Err(e) => {
+                    tracing::info!(error = %e, "no change notification: every checkpoint walks the whole tree")
+                }
+            }
         }
         crate::logging::step("start", "ready");
         Ok(Workspace {
@@ -545,10 +560,14 @@ impl Workspace {
     pub fn flush(&self) -> Result<(), SessionError> {
         match (&self.mounted, &self.dir) {
             (Some(m), _) => m.flush(),
-            (None, Some((t, _))) => t
-                .scan()
-                .map(|r| tracing::info!(%r, "final walk"))
-                .map_err(|e| SessionError::Flush(e.to_string())),
+            (None, Some((t, _))) => {
+                let r = t
+                    .scan()
+                    .map(|r| tracing::info!(%r, "final walk"))
+                    .map_err(|e| SessionError::Flush(e.to_string()));
+                t.make_room_if_full();
+                r
+            }
             (None, None) => Ok(()),
         }
     }
@@ -584,7 +603,8 @@ impl Workspace {
                 None => Ok(()),
             };
             drop(lock);
-            return r.map_err(|e| SessionError::Flush(format!("final checkpoint: {e}")));
+            // As under FUSE: the remote is behind, the state dir holds everything.
+            return r.map_err(SessionError::Finish);
         }
         let m = self.mounted.take().expect("mounted until unmount");
         m.unmount(fin)

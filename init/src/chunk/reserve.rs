@@ -33,6 +33,16 @@ impl Reserve {
         r
     }
 
+    /// A reserve at `path` that holds nothing until [`Reserve::refill_if_room`] (or a later
+    /// `open`) takes its space.
+    pub fn unheld(path: &Path, size: u64) -> Reserve {
+        Reserve {
+            path: path.to_path_buf(),
+            size,
+            held: Mutex::new(None),
+        }
+    }
+
     fn fill(&self) -> io::Result<bool> {
         let f = OpenOptions::new()
             .read(true)

@@ -71,6 +71,31 @@ impl Tx<'_> {
         Ok(out)
     }
 
+    /// The rows of directory `dir` and of every inode it names (a narrowed walk's).
+    pub fn host_rows_in(&self, dir: InodeNo) -> Result<HashMap<InodeNo, HostRow>> {
+        let mut st = self.conn.counted(
+            "SELECT ino, host_ino, size, mtime, ctime FROM dir_host
+             WHERE ino = ?1 OR ino IN (SELECT ino FROM dirent WHERE parent = ?1)",
+        )?;
+        let rows = st.query_map([dir.0 as i64], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                HostRow {
+                    host_ino: r.get::<_, i64>(1)? as u64,
+                    size: r.get::<_, i64>(2)? as u64,
+                    mtime: r.get(3)?,
+                    ctime: r.get(4)?,
+                },
+            ))
+        })?;
+        let mut out = HashMap::new();
+        for r in rows {
+            let (ino, row) = r?;
+            out.insert(InodeNo(ino as u64), row);
+        }
+        Ok(out)
+    }
+
     pub fn put_host(&self, ino: InodeNo, row: &HostRow) -> Result<()> {
         self.conn
             .counted(

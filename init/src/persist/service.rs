@@ -136,6 +136,11 @@ pub(crate) enum Cmd {
     Repo {
         reply: Sender<super::Repo>,
     },
+    /// What periodic checkpoints flush with instead of the service's `FlushFn` (the `dir`
+    /// provider's walk of what changed; every other checkpoint walks everything).
+    SetPeriodicFlush {
+        f: FlushFn,
+    },
     /// What rolls the mounted workspace back (set once the filesystem is up).
     SetRollback {
         f: super::agent::RollbackFn,
@@ -357,6 +362,8 @@ pub(super) struct Worker {
     pub(super) p: Persister,
     cfg: PersistConfig,
     flush: FlushFn,
+    /// See `Cmd::SetPeriodicFlush`.
+    periodic_flush: Option<FlushFn>,
     since_gc: u32,
     pub(super) paused: bool,
     /// See `agent::RollbackFn`; `None` until the filesystem sets it.
@@ -674,7 +681,10 @@ impl Worker {
                     if self.lease_lost() {
                         continue;
                     }
-                    let flushed = (self.flush)();
+                    let flushed = match &self.periodic_flush {
+                        Some(f) => f(),
+                        None => (self.flush)(),
+                    };
                     if let Err(e) = &flushed {
                         tracing::warn!(error = %e, "periodic checkpoint skipped: the workspace's changes could not be collected");
                     }
@@ -742,6 +752,7 @@ impl Worker {
                     let _ = reply.send(self.p.repo().clone());
                 }
                 Ok(Cmd::SetRollback { f }) => self.rollback = Some(f),
+                Ok(Cmd::SetPeriodicFlush { f }) => self.periodic_flush = Some(f),
                 Ok(Cmd::SetReadSet { f, found }) => {
                     self.read_set = Some(ReadSets {
                         get: f,
@@ -889,6 +900,7 @@ impl Service {
             since_gc: 0,
             paused: false,
             rollback: None,
+            periodic_flush: None,
             history: None,
             main,
             busy: busy.clone(),
@@ -942,6 +954,11 @@ impl Service {
     }
 
     /// Lets rollbacks reach the mounted filesystem (see `agent::RollbackFn`).
+    /// Periodic checkpoints flush with `f` (see `Cmd::SetPeriodicFlush`).
+    pub fn set_periodic_flush(&self, f: FlushFn) {
+        let _ = self.tx.send(Cmd::SetPeriodicFlush { f });
+    }
+
     pub fn set_rollback(&self, f: super::agent::RollbackFn) {
         let _ = self.tx.send(Cmd::SetRollback { f });
     }

@@ -8,6 +8,7 @@ pub mod creds;
 pub mod eventfd;
 pub mod fgsig;
 pub mod file;
+pub mod inotify;
 pub mod mem;
 pub mod mount;
 pub mod ns;

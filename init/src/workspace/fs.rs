@@ -298,7 +298,7 @@ pub type FsyncHook =
     Box<dyn Fn() -> Result<(), Box<dyn std::error::Error + Send + Sync>> + Send + Sync>;
 
 /// Space kept free for metadata commits on a full volume.
-const RESERVE_BYTES: u64 = 1 << 20;
+pub(crate) const RESERVE_BYTES: u64 = 1 << 20;
 
 /// Opens the store and the bodies of a state dir for a start: removes inodes unlinked while
 /// open when keel last stopped, finishes an interrupted rollback and begins the start's
@@ -340,7 +340,7 @@ fn open_store(
 
 /// Empties the reserve files at `paths` (held by nobody: the filesystem is not open yet);
 /// returns the bytes given back.
-fn give_back_reserves(paths: &[PathBuf]) -> u64 {
+pub(crate) fn give_back_reserves(paths: &[PathBuf]) -> u64 {
     let mut freed = 0;
     for p in paths {
         let Ok(f) = File::options().write(true).open(p) else {
@@ -354,7 +354,7 @@ fn give_back_reserves(paths: &[PathBuf]) -> u64 {
     freed
 }
 
-const MIB: f64 = (1u64 << 20) as f64;
+pub(crate) const MIB: f64 = (1u64 << 20) as f64;
 
 /// How full the state volume is, said once at every start.
 #[derive(Debug, Clone, Copy)]

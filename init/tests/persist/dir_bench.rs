@@ -4,7 +4,9 @@
 //! N files (1,000 per directory, 1–8 KiB each, every 100th 64 KiB), then, five times, one
 //! file changed and the walk alone, the checkpoint after it, and a bare `lstat` walk of the
 //! same tree (the floor: what any walk costs); then a fresh state dir restored from the
-//! remote (eager) and the tree built from it.
+//! remote (eager) and the tree built from it (`DIR_BENCH_NO_RESTORE=1`: not). Between the
+//! two, with change notification (inotify) on, five rounds of one file changed and the
+//! periodic (narrowed) walk and the checkpoint after it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -140,6 +142,38 @@ fn dir_checkpoint_after_one_change() {
         walk + cp,
         walk / bare
     );
+    // With change notification: the periodic walk lists the changed directory only.
+    tree.watch().unwrap();
+    tree.scan().unwrap(); // full: watches every directory
+    let (mut nwalks, mut ncps) = (Vec::new(), Vec::new());
+    for round in 0..5 {
+        let target = tree.root().join(format!(
+            "d{:04}/f{:04}",
+            (round * 11 + 3) % files.div_ceil(per_dir),
+            5
+        ));
+        std::fs::write(&target, format!("notified in round {round}\n").repeat(300)).unwrap();
+        let t = Instant::now();
+        let w = tree.scan_changed().unwrap();
+        let walk = t.elapsed();
+        let r = p.checkpoint(&CheckpointOptions::default()).unwrap();
+        let cp = t.elapsed() - walk;
+        assert!(w.narrowed && w.rewritten == 1, "{w}");
+        assert!(r.seq.is_some(), "{r}");
+        nwalks.push(ms(walk));
+        ncps.push(ms(cp));
+    }
+    let (nwalk, ncp) = (median(nwalks), median(ncps));
+    println!("| files | walk with inotify (ms) | checkpoint after it (ms) | walk + checkpoint (ms) | dirs watched |");
+    println!("|---|---|---|---|---|");
+    println!(
+        "| {files} | {nwalk:.1} | {ncp:.1} | {:.1} | {} |",
+        nwalk + ncp,
+        tree.watched().unwrap_or(0)
+    );
+    if std::env::var_os("DIR_BENCH_NO_RESTORE").is_some() {
+        return;
+    }
     // A fresh host: restore (eager) and build the tree.
     let fresh = tmp.path().join("fresh");
     std::fs::create_dir(&fresh).unwrap();

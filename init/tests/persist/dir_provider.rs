@@ -62,7 +62,7 @@ fn line(
     )
 }
 
-fn host_manifest(root: &Path) -> Manifest {
+pub(super) fn host_manifest(root: &Path) -> Manifest {
     let mut out = Manifest::new();
     let mut stack = vec![(root.to_path_buf(), String::from("/"))];
     while let Some((p, rel)) = stack.pop() {
@@ -141,7 +141,7 @@ fn host_manifest(root: &Path) -> Manifest {
     out
 }
 
-fn fs_manifest(fs: &WorkspaceFs) -> Manifest {
+pub(super) fn fs_manifest(fs: &WorkspaceFs) -> Manifest {
     let mut out = Manifest::new();
     let mut stack = vec![(InodeNo::ROOT, String::from("/"))];
     while let Some((ino, rel)) = stack.pop() {
@@ -240,13 +240,13 @@ fn xattr_get(p: &Path, n: &[u8]) -> Vec<u8> {
     keel::sys::tree::get_xattr(f.as_fd(), n).unwrap().unwrap()
 }
 
-fn xattr_set(p: &Path, n: &[u8], v: &[u8]) {
+pub(super) fn xattr_set(p: &Path, n: &[u8], v: &[u8]) {
     let f = std::fs::File::open(p).unwrap();
     use std::os::fd::AsFd;
     keel::sys::tree::set_xattr(f.as_fd(), n, v).unwrap();
 }
 
-fn set_mtime(p: &Path, ns: i64) {
+pub(super) fn set_mtime(p: &Path, ns: i64) {
     let dir = std::fs::File::open(p.parent().unwrap()).unwrap();
     use std::os::fd::AsFd;
     keel::sys::tree::lutimes_at(dir.as_fd(), p.file_name().unwrap(), ns, ns).unwrap();
@@ -293,7 +293,7 @@ fn build_host_tree(root: &Path) {
 /// Every entry's mtime (directories' last) moved to a fixed time well before the walk, so
 /// that no file is within the walk's clock tick ("racy", looked at again by the next walk)
 /// whatever the machine's speed.
-fn backdate(root: &Path) {
+pub(super) fn backdate(root: &Path) {
     let mut all = walkdir(root);
     all.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
     for p in all.iter().chain(std::iter::once(&root.to_path_buf())) {
@@ -303,7 +303,7 @@ fn backdate(root: &Path) {
     }
 }
 
-fn dir_persister(
+pub(super) fn dir_persister(
     state: &Path,
     remote: Arc<dyn Remote>,
     tree: &DirTree,
@@ -313,7 +313,7 @@ fn dir_persister(
     p
 }
 
-fn restore_eager(remote: Arc<dyn Remote>, into: &Path) {
+pub(super) fn restore_eager(remote: Arc<dyn Remote>, into: &Path) {
     let mut repo = Repo::new(remote, "ws");
     restore::restore_for_mount(&mut repo, into, RestoreMode::Eager, CHUNK).expect("restore");
 }

@@ -12,6 +12,7 @@ mod checkpoint;
 mod crash;
 mod dir_bench;
 mod dir_provider;
+mod dir_watch;
 mod fork;
 mod fsck_quick;
 mod image;

@@ -3,7 +3,9 @@
 //! the main command filling the workspace until ENOSPC, three times over; then the volume
 //! filled to its last byte from outside while keel is stopped. Every stop folds its metadata
 //! cleanly, every start says how full the volume is, serves the workspace (what the first
-//! round wrote reads back, a new file can be written) and leaves `keel fsck` clean.
+//! round wrote reads back, a new file can be written) and leaves `keel fsck` clean. The same
+//! with the `dir` provider, whose tree is on the volume itself: every stop's final walk
+//! records what filled it (the space reserves give its commit room), every start opens.
 
 use crate::support;
 
@@ -87,17 +89,34 @@ fn a_full_state_volume_never_stops_the_next_start() {
     if !require_root_and_fuse("full state volume test") {
         return;
     }
+    full_volume_rounds(false);
+}
+
+#[test]
+fn a_full_state_volume_never_stops_the_next_start_with_dir() {
+    if !require_root("full state volume test (dir provider)") {
+        return;
+    }
+    full_volume_rounds(true);
+}
+
+fn full_volume_rounds(dir: bool) {
     let vol_dir = tempfile::tempdir().unwrap();
     let vol = vol_dir.path().join("volume");
     std::fs::create_dir(&vol).unwrap();
     support::sys::mount_tmpfs(&vol, "size=64m,mode=755").expect("mount a 64 MiB tmpfs");
     let _vol = Volume(vol.clone());
     let state = vol.join("state");
-    let cfg = config(&state);
+    let mut cfg = config(&state);
+    if dir {
+        cfg = cfg.replace("[workspace]\n", "[workspace]\nprovider = \"dir\"\n");
+    }
 
     // Rounds 1-3: the main command fills the volume through the workspace until ENOSPC;
-    // keel stops when it ends (the ordered stop: flush, final checkpoint, unmount).
-    for round in 1..=3 {
+    // keel stops when it ends (the ordered stop: flush, final checkpoint, unmount). With
+    // `dir` one round: the workload writes the volume itself, so what keel gives back at
+    // a stop is the next round's to fill, and no reserve can be retaken under it.
+    for round in 1..=if dir { 1 } else { 3 } {
         let script = format!(
             "ROUND={round}; test $ROUND = 1 && {{ echo kept > $D/ws/keep && sync $D/ws/keep; }}; \
              test \"$(cat $D/ws/keep)\" = kept || exit 3; {FILL}"
@@ -124,14 +143,13 @@ fn a_full_state_volume_never_stops_the_next_start() {
     drop(f);
     let s = support::sys::statvfs(&vol).unwrap();
     assert_eq!(s.f_bavail, 0, "the hog left room on the volume");
-    let mut k = start(
-        &cfg,
-        &[
-            "sh",
-            "-c",
-            "test \"$(cat $D/ws/keep)\" = kept && ls $D/ws/fill1 | wc -l && echo served > $D/ws/after && cat $D/ws/after",
-        ],
-    );
+    // With `dir` the tree is on the full volume: a new file has no room, reads work.
+    let script = if dir {
+        "test \"$(cat $D/ws/keep)\" = kept && ls $D/ws/fill1 | wc -l && echo served"
+    } else {
+        "test \"$(cat $D/ws/keep)\" = kept && ls $D/ws/fill1 | wc -l && echo served > $D/ws/after && cat $D/ws/after"
+    };
+    let mut k = start(&cfg, &["sh", "-c", script]);
     let line = check_run(&mut k, &state, "round 4 (volume full at the start)");
     assert!(line.contains("100% full"), "{line}");
     assert!(
@@ -139,4 +157,11 @@ fn a_full_state_volume_never_stops_the_next_start() {
         "round 4: the workspace was not served: {}",
         k.stdout()
     );
+    if dir {
+        assert!(
+            k.log_text().contains("provider dir"),
+            "round 4: not the dir provider:\n{}",
+            k.log_text()
+        );
+    }
 }

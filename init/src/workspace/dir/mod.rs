@@ -17,7 +17,8 @@
 //!
 //! What it cannot do that FUSE can: hide the state dir from root in the sandbox (no mount
 //! namespace without CAP_SYS_ADMIN: only modes protect it, and root has
-//! CAP_DAC_OVERRIDE), see a change as it happens (a checkpoint walks the whole tree), take
+//! CAP_DAC_OVERRIDE), see a change as it happens (a checkpoint walks the tree; periodic
+//! ones only the directories inotify named, see `watch`, when it watches them all), take
 //! a point-in-time copy of files still being written (a periodic checkpoint of a file
 //! rewritten meanwhile is taken again at the next one; the final checkpoint runs after
 //! every process stopped), or restore lazily (the tree is written whole before the main
@@ -25,6 +26,7 @@
 
 mod build;
 mod scan;
+pub mod watch;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -36,6 +38,7 @@ use std::sync::{Arc, Mutex};
 pub use build::{BuildReport, Source, SourceData, SourceInode};
 pub use scan::ScanReport;
 
+use crate::chunk::reserve::Reserve;
 use crate::chunk::BodyStore;
 use crate::meta::{InodeNo, Kind, MetaError, Nanos, Store};
 
@@ -63,6 +66,8 @@ pub enum DirError {
     MountPoint { path: PathBuf, why: String },
     #[error("open {path}: {source}")]
     Open { path: PathBuf, source: io::Error },
+    #[error("watch {path} for changes (inotify): {source}")]
+    Watch { path: PathBuf, source: io::Error },
 }
 
 /// Where the walk last found each regular file kept in a body (not inline): the path below
@@ -77,6 +82,14 @@ pub struct DirTree {
     inline_max: u64,
     chunk_size: u64,
     paths: Arc<Mutex<Paths>>,
+    /// Change notification, once [`DirTree::watch`] started it (dropped when the host's
+    /// watch limit is reached).
+    watch: Mutex<Option<watch::Watch>>,
+    /// The FUSE provider's two space reserves (the same files): given back when a walk's
+    /// commit, or the start's, finds the state volume full (the sandbox filled it through
+    /// the tree), retaken once there is room.
+    reserve: Reserve,
+    boot_reserve: Reserve,
 }
 
 /// Opens a file of the tree by inode number for the checkpoint (see [`DirTree::opener`]).
@@ -87,19 +100,88 @@ impl DirTree {
     /// store says the tree does not hold it yet (after a restore, or on a state dir the FUSE
     /// provider wrote), the tree is built from the store and its bodies first, and the
     /// bodies are removed once it is in place.
+    ///
+    /// On a state volume the sandbox filled, a store that cannot be opened or a tree that
+    /// cannot be recorded gets the space the reserves the last run left hold (as under
+    /// FUSE), and the start says how full the volume is.
     pub fn open(state_dir: &Path, inline_max: u64, chunk_size: u64) -> Result<DirTree, DirError> {
-        let store = Store::open(&state_dir.join("meta.db"), now())?;
-        store.ensure_host_map()?;
-        let t = DirTree {
-            state_dir: state_dir.to_path_buf(),
-            root: state_dir.join(TREE),
-            store: Mutex::new(store),
-            inline_max,
-            chunk_size,
-            paths: Arc::default(),
+        use crate::workspace::fs::{give_back_reserves, VolumeUsage, MIB, RESERVE_BYTES};
+        let reserves = [state_dir.join("reserve"), state_dir.join("reserve.boot")];
+        let volume = VolumeUsage::of(state_dir);
+        let open = || -> Result<DirTree, DirError> {
+            let store = Store::open(&state_dir.join("meta.db"), now())?;
+            store.ensure_host_map()?;
+            let t = DirTree {
+                state_dir: state_dir.to_path_buf(),
+                root: state_dir.join(TREE),
+                store: Mutex::new(store),
+                inline_max,
+                chunk_size,
+                paths: Arc::default(),
+                watch: Mutex::new(None),
+                // Taken below, once the store is open.
+                reserve: Reserve::unheld(&reserves[0], RESERVE_BYTES),
+                boot_reserve: Reserve::unheld(&reserves[1], RESERVE_BYTES),
+            };
+            t.settle()?;
+            Ok(t)
         };
-        t.settle()?;
+        let mut t = match open() {
+            Ok(t) => t,
+            // A foreign or corrupt store is refused as it is.
+            Err(e @ DirError::Meta(MetaError::Foreign { .. })) => return Err(e),
+            Err(first) => match give_back_reserves(&reserves) {
+                0 => return Err(first),
+                freed => {
+                    tracing::warn!(
+                        error = %first,
+                        "cannot open the store on a full state volume; retrying with the {:.1} MiB space reserve",
+                        freed as f64 / MIB
+                    );
+                    open()?
+                }
+            },
+        };
+        if let Some(v) = volume {
+            if v.full() {
+                tracing::warn!("{v}: deleting files in the workspace makes room");
+            } else {
+                tracing::info!("{v}");
+            }
+        }
+        t.boot_reserve = Reserve::open(&reserves[1], RESERVE_BYTES);
+        t.reserve = Reserve::open(&reserves[0], RESERVE_BYTES);
         Ok(t)
+    }
+
+    /// Runs `f` (a walk: one transaction), once more with the running reserve's space when
+    /// the state volume is full; retaken after it when there is room. The boot reserve is
+    /// the next start's (a workload that fills the volume through the tree takes whatever
+    /// keel gives back, so it is not spent on walks).
+    fn with_room<T>(&self, f: impl Fn() -> Result<T, DirError>) -> Result<T, DirError> {
+        loop {
+            match f() {
+                Err(DirError::Meta(e)) if e.is_full() && self.reserve.release() => {
+                    tracing::warn!(error = %e, "state volume is full: using the space reserve to record the workspace's changes");
+                }
+                r => {
+                    if r.is_ok() {
+                        self.reserve.refill_if_room();
+                    }
+                    return r;
+                }
+            }
+        }
+    }
+
+    /// Before the final checkpoint: on a full state volume, the checkpoint's records get
+    /// the space the running reserve holds (if the walk left it). The boot reserve stays
+    /// held: the next start opens the store with it when something else filled the volume
+    /// meanwhile.
+    pub fn make_room_if_full(&self) {
+        if crate::workspace::fs::VolumeUsage::of(&self.state_dir).is_some_and(|v| v.full()) {
+            self.reserve.release();
+        }
     }
 
     /// The tree's root, `<state_dir>/workspace`.
@@ -238,12 +320,136 @@ impl DirTree {
         open_dir(&self.root).map(Some)
     }
 
-    /// Walks the tree and brings the store up to date (see `scan`).
+    /// Walks the whole tree and brings the store up to date (see `scan`); with change
+    /// notification on, every directory is watched before it is listed.
     pub fn scan(&self) -> Result<ScanReport, DirError> {
+        self.with_room(|| self.scan_once())
+    }
+
+    fn scan_once(&self) -> Result<ScanReport, DirError> {
         let s = self.store();
-        let (report, paths) = scan::scan(&s, &self.root, self.inline_max, self.chunk_size)?;
+        let w = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(w) = w.as_ref() {
+            w.begin_full();
+        }
+        let add = |rel: &Path| {
+            if let Some(w) = w.as_ref() {
+                w.add(rel)
+            }
+        };
+        let r = scan::scan(&s, &self.root, self.inline_max, self.chunk_size, &add);
+        if let (Err(e), Some(w)) = (&r, w.as_ref()) {
+            w.force_full(format!("the last walk failed: {e}"));
+        }
+        let (report, paths) = r?;
         *self.paths.lock().unwrap_or_else(|p| p.into_inner()) = paths;
         Ok(report)
+    }
+
+    /// Starts change notification (see `watch`): the next walk is full and watches every
+    /// directory; periodic walks ([`DirTree::scan_changed`]) list only the directories
+    /// something happened in from then on.
+    pub fn watch(&self) -> Result<(), DirError> {
+        {
+            let s = self.store();
+            let tx = s.write()?;
+            // A narrowed walk counts a file's names in the store.
+            tx.index_names()?;
+            tx.commit()?;
+        }
+        let w = watch::Watch::start(&self.root).map_err(|source| DirError::Watch {
+            path: self.root.clone(),
+            source,
+        })?;
+        *self.watch.lock().unwrap_or_else(|p| p.into_inner()) = Some(w);
+        Ok(())
+    }
+
+    /// Tests: the watcher's reader thread leaves events queued in the kernel while `on`
+    /// (see `watch::Watch::hold`).
+    #[doc(hidden)]
+    pub fn hold_events(&self, on: bool) {
+        if let Some(w) = self
+            .watch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            w.hold(on);
+        }
+    }
+
+    /// How many directories change notification watches (`None`: it is off).
+    pub fn watched(&self) -> Option<usize> {
+        self.watch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|w| w.watched())
+    }
+
+    /// The walk before a periodic checkpoint: only the directories change notification
+    /// named since the last walk when it covers the whole tree, else the whole tree (see
+    /// `watch` for when, and why that is safe).
+    pub fn scan_changed(&self) -> Result<ScanReport, DirError> {
+        self.with_room(|| self.scan_changed_once())
+    }
+
+    fn scan_changed_once(&self) -> Result<ScanReport, DirError> {
+        let plan = {
+            let mut g = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+            match g.as_ref().map(|w| (w.dead(), w)) {
+                None => None,
+                Some((Some(why), _)) => {
+                    tracing::info!(
+                        "change notification is off: {why}; every checkpoint walks the whole tree"
+                    );
+                    *g = None;
+                    None
+                }
+                Some((None, w)) => Some(w.plan()),
+            }
+        };
+        let dirs = match plan {
+            Some(watch::Plan::Dirs(d)) => d,
+            Some(watch::Plan::Full(why)) => {
+                tracing::debug!("full walk: {why}");
+                return self.scan_once();
+            }
+            None => return self.scan_once(),
+        };
+        let s = self.store();
+        let w = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+        let add = |rel: &Path| {
+            if let Some(w) = w.as_ref() {
+                w.add(rel)
+            }
+        };
+        let mut paths = std::mem::take(&mut *self.paths.lock().unwrap_or_else(|p| p.into_inner()));
+        let r = scan::scan_dirs(
+            &s,
+            &self.root,
+            self.inline_max,
+            self.chunk_size,
+            &dirs,
+            &mut paths,
+            &add,
+        );
+        *self.paths.lock().unwrap_or_else(|p| p.into_inner()) = paths;
+        match r {
+            Ok(scan::Narrowed::Done(report)) => Ok(report),
+            Ok(scan::Narrowed::NeedFull(why)) => {
+                tracing::debug!("narrowed walk gave way to a full one: {why}");
+                drop((s, w));
+                self.scan_once()
+            }
+            Err(e) => {
+                if let Some(w) = w.as_ref() {
+                    w.force_full(format!("the last walk failed: {e}"));
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Opens the file the last walk found for inode `ino`, beneath the tree and only if it

@@ -48,15 +48,18 @@ pub struct ScanReport {
     pub elapsed: Duration,
     /// Of `elapsed`: reading the store's entries and the last walk's records.
     pub loaded: Duration,
+    /// Only the directories change notification named were listed (see `watch`).
+    pub narrowed: bool,
 }
 
 impl std::fmt::Display for ScanReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "walked {} entries in {} dirs in {:.1} ms ({:.1} ms reading the store): {} new, {} changed ({} rewritten), {} gone",
+            "walked {} entries in {} {}dirs in {:.1} ms ({:.1} ms reading the store): {} new, {} changed ({} rewritten), {} gone",
             self.entries,
             self.dirs,
+            if self.narrowed { "changed " } else { "" },
             self.elapsed.as_secs_f64() * 1e3,
             self.loaded.as_secs_f64() * 1e3,
             self.created,
@@ -96,15 +99,25 @@ struct Walk<'a> {
     synced: HashSet<InodeNo>,
     paths: Paths,
     report: ScanReport,
+    /// A narrowed walk (`scan_dirs`): only some directories are listed, existing
+    /// subdirectories are not descended into, and what it cannot decide from the
+    /// directories it lists (`bail`) sends the caller to a full walk.
+    narrowed: bool,
+    /// Directories listed whole by this walk.
+    walked: HashSet<InodeNo>,
+    bail: Option<String>,
 }
 
 /// Walks the tree at `root` into `store`; returns what it did and where each file kept in
 /// a body is.
+/// `on_dir` is called with each directory's path below the root before it is listed (the
+/// watcher adds its watch then).
 pub(super) fn scan(
     store: &Store,
     root: &Path,
     inline_max: u64,
     chunk_size: u64,
+    on_dir: &dyn Fn(&Path),
 ) -> Result<(ScanReport, Paths), DirError> {
     let t0 = Instant::now();
     let walk_err = |path: &Path, source: std::io::Error| DirError::Walk {
@@ -139,6 +152,9 @@ pub(super) fn scan(
         synced: HashSet::new(),
         paths: HashMap::new(),
         report: ScanReport::default(),
+        narrowed: false,
+        walked: HashSet::new(),
+        bail: None,
     };
     // The root: inode 1 whatever its host inode.
     w.sync(
@@ -149,30 +165,7 @@ pub(super) fn scan(
         Path::new(""),
     )?;
     w.note_host(root_st.ino, InodeNo::ROOT);
-    let mut stack: Vec<(OwnedFd, InodeNo, PathBuf)> =
-        vec![(root_fd, InodeNo::ROOT, PathBuf::new())];
-    while let Some((fd, dir, rel)) = stack.pop() {
-        w.report.dirs += 1;
-        let names = match t::read_names(fd.as_fd()) {
-            Ok(n) => n,
-            Err(e) => {
-                tracing::warn!(path = %root.join(&rel).display(), error = %e, "cannot read a directory of the workspace: keeping what the last checkpoint had below it");
-                w.report.unreadable += 1;
-                w.keep_subtree(dir);
-                continue;
-            }
-        };
-        let mut old = w.entries.remove(&dir).unwrap_or_default();
-        for name in names {
-            if let Some(sub) = w.entry(&fd, dir, &rel, &name, &mut old)? {
-                stack.push(sub);
-            }
-        }
-        for (name, (ino, _)) in old {
-            w.tx.unlink(dir, &name)?;
-            w.touched.insert(ino);
-        }
-    }
+    w.walk(root, vec![(root_fd, InodeNo::ROOT, PathBuf::new())], on_dir)?;
     w.finish()?;
     let Walk {
         mut report, paths, ..
@@ -183,6 +176,163 @@ pub(super) fn scan(
     Ok((report, paths))
 }
 
+/// What a narrowed walk did: done (the report and where each file kept in a body is now),
+/// or a full walk is needed (nothing was written), and why.
+pub(super) enum Narrowed {
+    Done(ScanReport),
+    NeedFull(String),
+}
+
+/// A narrowed walk: the directories `dirs` (paths below the root, each in the store and
+/// watched) listed whole and compared with the store's entries of each, new directories
+/// found in them walked whole, the root's own attributes looked at; `paths` (the last
+/// walk's) brought up to date. Whatever it cannot decide from those directories alone (a
+/// directory replaced, removed or moved; a hard link to a file elsewhere; a name of a
+/// hard-linked file gone) leaves the store as it was and asks for a full walk.
+pub(super) fn scan_dirs(
+    store: &Store,
+    root: &Path,
+    inline_max: u64,
+    chunk_size: u64,
+    dirs: &[PathBuf],
+    paths: &mut Paths,
+    on_dir: &dyn Fn(&Path),
+) -> Result<Narrowed, DirError> {
+    let t0 = Instant::now();
+    let walk_err = |path: &Path, source: std::io::Error| DirError::Walk {
+        path: path.to_path_buf(),
+        source,
+    };
+    let root_fd = super::open_dir(root)?;
+    let root_st = t::fstat(root_fd.as_fd()).map_err(|e| walk_err(root, e))?;
+    let tx = store.write()?;
+    // Each directory's inode (by its names from the root) and the records of it and of
+    // its entries, all before the walk (a file renamed between two of them is found by
+    // its host inode in either).
+    let mut host = tx.host_rows_in(InodeNo::ROOT)?;
+    let mut todo = Vec::new();
+    for rel in dirs {
+        let (mut ino, mut parent) = (InodeNo::ROOT, InodeNo::ROOT);
+        for c in rel.components() {
+            match tx.lookup(ino, c.as_os_str().as_bytes())? {
+                Some(d) if d.kind == Kind::Dir => (parent, ino) = (ino, d.ino),
+                _ => {
+                    return Ok(Narrowed::NeedFull(format!(
+                        "{} is not in the store",
+                        rel.display()
+                    )))
+                }
+            }
+        }
+        if ino != InodeNo::ROOT {
+            host.extend(tx.host_rows_in(ino)?);
+        }
+        todo.push((rel.clone(), ino, parent));
+    }
+    let loaded = t0.elapsed();
+    let mut w = Walk {
+        tx: &tx,
+        inline_max,
+        chunk_size,
+        start_ns: now().0,
+        inodes: HashMap::new(),
+        touched: HashSet::new(),
+        entries: HashMap::new(),
+        host,
+        by_host: None,
+        new_hosts: Vec::new(),
+        names: HashMap::new(),
+        subdirs: HashMap::new(),
+        synced: HashSet::new(),
+        paths: std::mem::take(paths),
+        report: ScanReport::default(),
+        narrowed: true,
+        walked: HashSet::new(),
+        bail: None,
+    };
+    let r = narrowed_walk(&mut w, root, &root_fd, &root_st, todo, on_dir);
+    let Walk {
+        mut report,
+        paths: new_paths,
+        bail,
+        ..
+    } = w;
+    *paths = new_paths;
+    r?;
+    if let Some(why) = bail {
+        return Ok(Narrowed::NeedFull(why)); // the transaction is dropped: nothing written
+    }
+    tx.commit()?;
+    report.elapsed = t0.elapsed();
+    report.loaded = loaded;
+    report.narrowed = true;
+    Ok(Narrowed::Done(report))
+}
+/// The listing part of [`scan_dirs`]: each directory of `todo` (its path, inode and
+/// parent's inode) opened beneath the root, checked to be the host inode the store knows,
+/// its own attributes synced, then walked.
+fn narrowed_walk(
+    w: &mut Walk<'_>,
+    root: &Path,
+    root_fd: &OwnedFd,
+    root_st: &FullStat,
+    todo: Vec<(PathBuf, InodeNo, InodeNo)>,
+    on_dir: &dyn Fn(&Path),
+) -> Result<(), DirError> {
+    let walk_err = |path: &Path, source: std::io::Error| DirError::Walk {
+        path: path.to_path_buf(),
+        source,
+    };
+    w.sync(
+        InodeNo::ROOT,
+        root_st,
+        Some(root_fd),
+        InodeNo::ROOT,
+        Path::new(""),
+    )?;
+    let mut stack = Vec::new();
+    let open = |rel: &Path| {
+        crate::sys::beneath::open_beneath(
+            root_fd.as_fd(),
+            rel,
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_NONBLOCK,
+            0,
+        )
+    };
+    for (rel, ino, parent) in todo {
+        if ino == InodeNo::ROOT {
+            let fd = root_fd.try_clone().map_err(|e| walk_err(root, e))?;
+            stack.push((fd, ino, rel));
+            continue;
+        }
+        let up = match rel.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let (fd, up_fd) = match (open(&rel), open(up)) {
+            (Ok(fd), Ok(up_fd)) => (fd, up_fd),
+            (Err(e), _) | (_, Err(e)) => {
+                w.bail = Some(format!("{}: {e}", rel.display()));
+                return Ok(());
+            }
+        };
+        let st = t::fstat(fd.as_fd()).map_err(|e| walk_err(&rel, e))?;
+        if w.host.get(&ino).is_none_or(|h| h.host_ino != st.ino) {
+            w.bail = Some(format!("{} was replaced", rel.display()));
+            return Ok(());
+        }
+        // Its own attributes (an entry made or removed in it moves its times), which
+        // its parent's listing would look at.
+        w.sync(ino, &st, Some(&up_fd), parent, &rel)?;
+        stack.push((fd, ino, rel));
+    }
+    w.walk(root, stack, on_dir)?;
+    if w.bail.is_none() {
+        w.finish()?;
+    }
+    Ok(())
+}
+
 fn vanished(e: &std::io::Error) -> bool {
     matches!(
         e.raw_os_error(),
@@ -191,6 +341,73 @@ fn vanished(e: &std::io::Error) -> bool {
 }
 
 impl Walk<'_> {
+    /// Lists the directories of `stack` and those found below them (below each known one
+    /// too, unless the walk is narrowed), comparing each entry with the store.
+    fn walk(
+        &mut self,
+        root: &Path,
+        mut stack: Vec<(OwnedFd, InodeNo, PathBuf)>,
+        on_dir: &dyn Fn(&Path),
+    ) -> Result<(), DirError> {
+        while let Some((fd, dir, rel)) = stack.pop() {
+            if self.bail.is_some() {
+                return Ok(());
+            }
+            if !self.walked.insert(dir) {
+                continue; // named twice (a narrowed walk's directory and its new parent)
+            }
+            self.report.dirs += 1;
+            on_dir(&rel);
+            let names = match t::read_names(fd.as_fd()) {
+                Ok(n) => n,
+                Err(e) if self.narrowed => {
+                    self.bail = Some(format!("cannot read {}: {e}", rel.display()));
+                    return Ok(());
+                }
+                Err(e) => {
+                    tracing::warn!(path = %root.join(&rel).display(), error = %e, "cannot read a directory of the workspace: keeping what the last checkpoint had below it");
+                    self.report.unreadable += 1;
+                    self.keep_subtree(dir);
+                    continue;
+                }
+            };
+            let mut old = match self.entries.remove(&dir) {
+                Some(o) => o,
+                None if self.narrowed => self
+                    .tx
+                    .list(dir)?
+                    .into_iter()
+                    .map(|d| (d.name, (d.ino, d.kind)))
+                    .collect(),
+                None => HashMap::new(),
+            };
+            for name in names {
+                if let Some(sub) = self.entry(&fd, dir, &rel, &name, &mut old)? {
+                    stack.push(sub);
+                }
+                if self.bail.is_some() {
+                    return Ok(());
+                }
+            }
+            for (name, (ino, kind)) in old {
+                if self.narrowed {
+                    // What a narrowed walk cannot follow: a directory gone (its subtree), a
+                    // name gone of a file that has others (where its bytes are read from).
+                    if kind == Kind::Dir || self.inode(ino)?.is_some_and(|i| i.nlink > 1) {
+                        self.bail = Some(format!(
+                            "{} went and was a directory or a hard link",
+                            rel.join(OsStr::from_bytes(&name)).display()
+                        ));
+                        return Ok(());
+                    }
+                }
+                self.tx.unlink(dir, &name)?;
+                self.touched.insert(ino);
+            }
+        }
+        Ok(())
+    }
+
     /// Host inode → store inode, built when first needed (a new name, a rename, a hard link).
     fn by_host(&mut self) -> &HashMap<u64, InodeNo> {
         if self.by_host.is_none() {
@@ -303,6 +520,21 @@ impl Walk<'_> {
         if kind == Kind::Dir && known.is_some_and(|i| self.names.contains_key(&i)) {
             return Ok(None); // met twice: renamed while the walk ran
         }
+        if self.narrowed {
+            let why = if matches!(prev, Some((_, Kind::Dir))) && same_here.is_none() {
+                Some("a directory was replaced")
+            } else if kind == Kind::Dir && known.is_some() && same_here.is_none() {
+                Some("a directory was moved here")
+            } else if kind != Kind::Dir && known.is_none() && st.nlink > 1 {
+                Some("a hard link to a file that may be named elsewhere")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                self.bail = Some(format!("{}: {why}", path.display()));
+                return Ok(None);
+            }
+        }
         // A directory is opened before it is linked: one that went meanwhile is skipped.
         let sub = if kind == Kind::Dir {
             match t::open_at(
@@ -340,12 +572,13 @@ impl Walk<'_> {
         }
         *self.names.entry(ino).or_default() += 1;
         if kind == Kind::File {
-            self.paths.entry(ino).or_insert((path.clone(), st.ino));
+            self.paths.insert(ino, (path.clone(), st.ino));
         }
         Ok(match sub {
             Some(s) => {
                 *self.subdirs.entry(dir).or_default() += 1;
-                Some((s, ino, path))
+                // A narrowed walk lists only new directories below those it was given.
+                (!self.narrowed || known.is_none()).then_some((s, ino, path))
             }
             None => None,
         })
@@ -551,6 +784,41 @@ impl Walk<'_> {
         Ok(differs)
     }
 
+    /// [`Walk::finish`] of a narrowed walk: link counts from the store (the entries of the
+    /// directories not listed are as they were), directories' only for those listed whole.
+    fn finish_narrowed(&mut self) -> Result<(), DirError> {
+        let mut touched: Vec<InodeNo> = self.touched.iter().copied().collect();
+        touched.extend(self.walked.iter().copied());
+        touched.sort();
+        touched.dedup();
+        for ino in touched {
+            let Some(i) = self.inode(ino)?.cloned() else {
+                continue;
+            };
+            let want = if i.kind == Kind::Dir {
+                if !self.walked.contains(&ino) {
+                    continue;
+                }
+                2 + self.subdirs.get(&ino).copied().unwrap_or(0)
+            } else {
+                let n = self.tx.names_of(ino)?.len() as u32;
+                if n == 0 {
+                    self.tx.delete(ino)?;
+                    self.paths.remove(&ino);
+                    self.report.removed += 1;
+                    continue;
+                }
+                n
+            };
+            if i.nlink != want {
+                let mut x = i.clone();
+                x.nlink = want;
+                self.tx.update(&x)?;
+            }
+        }
+        Ok(())
+    }
+
     /// A directory that could not be read keeps everything the store had below it.
     fn keep_subtree(&mut self, dir: InodeNo) {
         let mut todo = vec![dir];
@@ -572,6 +840,9 @@ impl Walk<'_> {
     /// After the walk: entries of directories that are gone, inodes with no name left,
     /// link counts.
     fn finish(&mut self) -> Result<(), DirError> {
+        if self.narrowed {
+            return self.finish_narrowed();
+        }
         // Directories not walked are gone: their entries, and what they named.
         let gone_dirs: Vec<InodeNo> = self.entries.keys().copied().collect();
         for d in gone_dirs {

@@ -1,0 +1,323 @@
+//! Change notification for the `dir` provider: one inotify watch per directory of the tree,
+//! so a periodic checkpoint walks only the directories something happened in instead of
+//! the whole tree. The walk stays the truth; this only narrows it, and whenever it cannot
+//! vouch for the whole tree the next walk is full:
+//!
+//! - until a full walk has added a watch to every directory (watches are added before a
+//!   directory is listed, so nothing written after its listing goes unseen), and again
+//!   after a directory could not be watched;
+//! - after the event queue overflowed (`IN_Q_OVERFLOW`), or a directory was removed or
+//!   moved (the paths below it change: a full walk relearns them);
+//! - every [`FULL_EVERY`]th periodic walk, and always for the final checkpoint, `keel
+//!   checkpoint`, `snapshot create`, `diff` and `rollback` (the caller chooses those);
+//! - for good once the host's watch limit (`fs.inotify.max_user_watches`, read, never
+//!   changed) is reached: the watches are dropped and every walk is full, said once.
+//!
+//! Writes through a shared writable mmap make no event (only `IN_CLOSE_WRITE`, when the last
+//! reference to the open file goes, which a mapping holds). So every directory with a file
+//! open now (an `IN_OPEN` not yet matched by an `IN_CLOSE_*`) is walked by every narrowed
+//! walk, which compares the file's size, mtime and ctime (a write fault through a mapping
+//! moves the mtime) like any walk. Opens are counted per directory: a file renamed to
+//! another directory while open closes there, so the first directory may stay counted (a
+//! wasted listing) and the second undercounted — the periodic full walk bounds that case.
+
+use std::collections::{HashMap, HashSet};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::sys::inotify::{self, Event, Inotify, Mask, Wd};
+
+/// A periodic walk is full every this many (the rest walk what changed).
+pub const FULL_EVERY: u32 = 10;
+
+/// What the next walk must cover.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    /// Every directory, and why.
+    Full(String),
+    /// Only these directories (below the tree's root; `""` is the root), listed whole; new
+    /// directories found in them are walked whole too.
+    Dirs(Vec<PathBuf>),
+}
+
+#[derive(Default)]
+struct State {
+    wds: HashMap<Wd, PathBuf>,
+    dirty: HashSet<PathBuf>,
+    /// Files open now per watched directory (by watch: a directory renamed keeps it, one
+    /// removed takes its count with it).
+    open: HashMap<Wd, u32>,
+    /// Why the next walk must be full.
+    full: Option<String>,
+    /// Why the watcher gave up for good.
+    dead: Option<String>,
+    narrowed_since_full: u32,
+    /// Fallback reasons said in the log already (each once).
+    said: HashSet<&'static str>,
+}
+
+impl State {
+    fn need_full(&mut self, kind: &'static str, why: String) {
+        if self.said.insert(kind) {
+            tracing::info!(
+                "change notification: {why}: the next checkpoint walks the whole tree (said once)"
+            );
+        } else {
+            tracing::debug!("change notification: {why}: the next walk is full");
+        }
+        if self.full.is_none() {
+            self.full = Some(why);
+        }
+    }
+
+    fn apply(&mut self, e: Event) {
+        if e.mask.contains(Mask::IN_Q_OVERFLOW) {
+            self.need_full(
+                "overflow",
+                "the inotify queue overflowed (fs.inotify.max_queued_events)".into(),
+            );
+            return;
+        }
+        if e.mask.contains(Mask::IN_IGNORED) {
+            self.wds.remove(&e.wd);
+            self.open.remove(&e.wd);
+            return;
+        }
+        let Some(dir) = self.wds.get(&e.wd).cloned() else {
+            return; // a watch dropped since
+        };
+        let Some(_name) = e.name else {
+            // About the watched directory itself: its parent's watch reports the same with
+            // a name (and a narrowed walk always looks at the root). The root going away
+            // is a rollback's swap: relearned by a full walk.
+            if dir.as_os_str().is_empty()
+                && e.mask.intersects(Mask::IN_DELETE_SELF | Mask::IN_MOVE_SELF)
+            {
+                self.need_full("root", "the tree's root was replaced".into());
+            }
+            return;
+        };
+        if e.mask.contains(Mask::IN_ISDIR) {
+            if e.mask
+                .intersects(Mask::IN_DELETE | Mask::IN_MOVED_FROM | Mask::IN_MOVED_TO)
+            {
+                self.need_full("dirmove", "a directory was removed or moved".into());
+            } else if e.mask.intersects(Mask::IN_CREATE | Mask::IN_ATTRIB) {
+                self.dirty.insert(dir);
+            }
+            return;
+        }
+        if e.mask.contains(Mask::IN_OPEN) {
+            *self.open.entry(e.wd).or_default() += 1;
+        }
+        if e.mask
+            .intersects(Mask::IN_CLOSE_WRITE | Mask::IN_CLOSE_NOWRITE)
+        {
+            if let Some(n) = self.open.get_mut(&e.wd) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.open.remove(&e.wd);
+                }
+            }
+        }
+        if e.mask.intersects(
+            Mask::IN_CREATE
+                | Mask::IN_DELETE
+                | Mask::IN_MODIFY
+                | Mask::IN_ATTRIB
+                | Mask::IN_MOVED_FROM
+                | Mask::IN_MOVED_TO
+                | Mask::IN_CLOSE_WRITE,
+        ) {
+            self.dirty.insert(dir);
+        }
+    }
+}
+
+/// The events a watch asks for.
+fn mask() -> Mask {
+    Mask::IN_CREATE
+        | Mask::IN_DELETE
+        | Mask::IN_MODIFY
+        | Mask::IN_ATTRIB
+        | Mask::IN_MOVED_FROM
+        | Mask::IN_MOVED_TO
+        | Mask::IN_OPEN
+        | Mask::IN_CLOSE_WRITE
+        | Mask::IN_CLOSE_NOWRITE
+        | Mask::IN_DELETE_SELF
+        | Mask::IN_MOVE_SELF
+}
+
+/// The watches of one tree and what they reported since the last walk.
+pub struct Watch {
+    root: PathBuf,
+    fd: Arc<Inotify>,
+    state: Arc<Mutex<State>>,
+    stop: Arc<AtomicBool>,
+    /// See [`Watch::hold`].
+    held: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn lock(s: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    s.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Reads what is queued and applies it, under the state's lock (so no event read is
+/// between the reader and the state when a walk takes its plan).
+fn drain(fd: &Inotify, st: &mut State) {
+    loop {
+        match fd.read() {
+            Ok(v) if v.is_empty() => return,
+            Ok(v) => v.into_iter().for_each(|e| st.apply(e)),
+            Err(e) => {
+                st.need_full("read", format!("reading inotify events failed: {e}"));
+                return;
+            }
+        }
+    }
+}
+
+impl Watch {
+    /// An inotify instance for the tree at `root`, its events read by a thread as they
+    /// come (so the kernel's queue rarely overflows). No directory is watched yet: the
+    /// first walk is full and adds the watches.
+    pub fn start(root: &Path) -> io::Result<Watch> {
+        let fd = Arc::new(Inotify::new()?);
+        let state = Arc::new(Mutex::new(State {
+            full: Some("no walk has watched the tree yet".into()),
+            ..State::default()
+        }));
+        let stop = Arc::new(AtomicBool::new(false));
+        let held = Arc::new(AtomicBool::new(false));
+        let (fd2, state2, stop2, held2) = (fd.clone(), state.clone(), stop.clone(), held.clone());
+        let thread = std::thread::Builder::new()
+            .name("keel-inotify".into())
+            .spawn(move || {
+                while !stop2.load(Ordering::Relaxed) {
+                    if held2.load(Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(20));
+                        continue;
+                    }
+                    match fd2.ready(Duration::from_millis(200)) {
+                        Ok(true) => drain(&fd2, &mut lock(&state2)),
+                        Ok(false) => {}
+                        Err(e) => {
+                            lock(&state2).dead =
+                                Some(format!("waiting for inotify events failed: {e}"));
+                            return;
+                        }
+                    }
+                }
+            })?;
+        Ok(Watch {
+            root: root.to_path_buf(),
+            fd,
+            state,
+            stop,
+            held,
+            thread: Some(thread),
+        })
+    }
+
+    /// Watches the directory at `rel` below the root (its watch kept when it has one), as
+    /// a walk is about to list it. A directory that cannot be watched makes the next walk
+    /// full; the host's watch limit makes every walk full from now on.
+    pub fn add(&self, rel: &Path) {
+        let r = self.fd.add_dir(&self.root.join(rel), mask());
+        let mut st = lock(&self.state);
+        match r {
+            Ok(wd) => {
+                st.wds.insert(wd, rel.to_path_buf());
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                if st.dead.is_none() {
+                    st.dead = Some(format!(
+                        "the host's inotify watch limit is reached (fs.inotify.max_user_watches = {}, shared by every process of this user; {} watched here)",
+                        inotify::max_user_watches().map_or("?".into(), |n| n.to_string()),
+                        st.wds.len()
+                    ));
+                }
+            }
+            // Gone since it was listed: the event that says so makes the next walk full.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => st.need_full(
+                "unwatchable",
+                format!("cannot watch {}: {e}", self.root.join(rel).display()),
+            ),
+        }
+    }
+
+    /// Whether the reader thread leaves the events in the kernel's queue (a test's way to
+    /// make it overflow; a walk still reads them).
+    pub fn hold(&self, on: bool) {
+        self.held.store(on, Ordering::Relaxed);
+    }
+
+    /// Why the watcher gave up for good, if it did.
+    pub fn dead(&self) -> Option<String> {
+        lock(&self.state).dead.clone()
+    }
+
+    /// How many directories are watched.
+    pub fn watched(&self) -> usize {
+        lock(&self.state).wds.len()
+    }
+
+    /// A full walk starts: what was reported so far is covered by it (what happens from
+    /// now on goes to the next walk).
+    pub fn begin_full(&self) {
+        let mut st = lock(&self.state);
+        drain(&self.fd, &mut st);
+        st.full = None;
+        st.dirty.clear();
+        st.narrowed_since_full = 0;
+    }
+
+    /// What the next periodic walk must cover, everything reported until now included;
+    /// what it hands out is forgotten (see [`Watch::force_full`] when that walk fails).
+    pub fn plan(&self) -> Plan {
+        let mut st = lock(&self.state);
+        drain(&self.fd, &mut st);
+        if let Some(why) = &st.dead {
+            return Plan::Full(why.clone());
+        }
+        if let Some(why) = &st.full {
+            return Plan::Full(why.clone());
+        }
+        if st.narrowed_since_full + 1 >= FULL_EVERY {
+            return Plan::Full(format!("every {FULL_EVERY}th periodic walk is full"));
+        }
+        st.narrowed_since_full += 1;
+        let mut dirs: Vec<PathBuf> = st.dirty.drain().collect();
+        let open: Vec<PathBuf> = st
+            .open
+            .keys()
+            .filter_map(|wd| st.wds.get(wd))
+            .cloned()
+            .collect();
+        dirs.extend(open);
+        dirs.sort();
+        dirs.dedup();
+        Plan::Dirs(dirs)
+    }
+
+    /// The walk of the last plan failed or could not decide: the next one is full.
+    pub fn force_full(&self, why: String) {
+        lock(&self.state).need_full("fallback", why);
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
