@@ -584,9 +584,9 @@ impl<'c> Amender<'c> {
             [],
             |r| Ok((r.get(0)?, r.get(1)?)),
         )?;
-        let windows: i64 =
-            self.conn
-                .query_row("SELECT count(*) FROM missing_window", [], |r| r.get(0))?;
+        let windows: i64 = self
+            .conn
+            .query_row("SELECT count(*) FROM missing_window", [], |r| r.get(0))?;
         Ok([files as u64, bytes as u64, windows as u64])
     }
 

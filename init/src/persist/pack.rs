@@ -740,7 +740,11 @@ mod tests {
         assert_eq!(m.len(), 1);
         assert!(m.find(&chunk(1, 10).0).is_empty());
         assert_eq!(m.find(&chunk(2, 10).0)[0].pack, 0);
-        assert!(m.bad[0].contains("more than a pack map holds"), "{:?}", m.bad);
+        assert!(
+            m.bad[0].contains("more than a pack map holds"),
+            "{:?}",
+            m.bad
+        );
     }
 
     #[test]

@@ -447,7 +447,13 @@ impl Repo {
     ) -> Result<Arc<PackMap>, RepoError> {
         let known: std::collections::HashMap<ChunkId, usize> = prev
             .filter(|p| p.store == self.chunks)
-            .map(|p| p.packs.iter().enumerate().map(|(k, i)| (i.name, k)).collect())
+            .map(|p| {
+                p.packs
+                    .iter()
+                    .enumerate()
+                    .map(|(k, i)| (i.name, k))
+                    .collect()
+            })
             .unwrap_or_default();
         // By name: the map's pack order (which copy of a chunk in two packs is read first).
         let mut names: Vec<ChunkId> = listed

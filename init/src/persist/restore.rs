@@ -426,7 +426,6 @@ fn from_image(
         // Nothing but the database was written: `finish` makes it durable (no syncfs of
         // the whole volume, which waits for every other writer's dirty pages too).
         .map_err(|e| RestoreError::Image(Box::new(e)))
-
     })();
     match r {
         Ok(()) => {

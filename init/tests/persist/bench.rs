@@ -11,8 +11,8 @@ use std::time::Instant;
 
 use keel::chunk::ChunkId;
 use keel::config::CacheMode;
-use keel::persist::pack::{encode_index, Entry, PackIndex, PackMap};
 use keel::persist::fsck::{fsck, FsckOptions};
+use keel::persist::pack::{encode_index, Entry, PackIndex, PackMap};
 use keel::persist::{
     restore, CheckpointOptions, FsRemote, MemRemote, PersistParams, Persister, Remote, Repo,
 };
@@ -327,8 +327,11 @@ fn pack_map_cost() {
         };
         if let Some(dir) = &gen {
             std::fs::create_dir_all(dir).unwrap();
-            std::fs::write(dir.join(format!("{}.idx", p.name.to_hex())), encode_index(&p))
-                .unwrap();
+            std::fs::write(
+                dir.join(format!("{}.idx", p.name.to_hex())),
+                encode_index(&p),
+            )
+            .unwrap();
         }
         packs.push(p);
     }
@@ -353,4 +356,3 @@ fn pack_map_cost() {
         after.saturating_sub(before) as f64 * 1024.0 / n as f64,
     );
 }
-

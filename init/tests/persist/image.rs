@@ -266,7 +266,11 @@ fn restore_from_the_image_writes_what_decoding_the_chain_writes() {
         bodies(a.path())
     );
     let rep = fsck_of(a.path(), &remote, false);
-    assert!(rep.findings.is_empty(), "after the open: {:?}", rep.findings);
+    assert!(
+        rep.findings.is_empty(),
+        "after the open: {:?}",
+        rep.findings
+    );
     // The copy without images: clean, with a warning that says what is missing.
     let rep = fsck_of(b.path(), &chain_only, false);
     assert!(rep.is_clean(), "{:?}", rep.findings);
