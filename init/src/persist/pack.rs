@@ -718,7 +718,7 @@ mod tests {
         // same map.
         let mut b = PackMapBuilder::new("s");
         for (k, p) in packs.iter().enumerate() {
-            if k % 2 == 0 {
+            if k.is_multiple_of(2) {
                 b.add_from(&m, k);
             } else {
                 b.add(p.clone());
