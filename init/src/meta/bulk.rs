@@ -413,9 +413,6 @@ impl super::Tx<'_> {
     }
 }
 
-/// (ino, size) of a file.
-pub type FileSize = (InodeNo, u64);
-
 /// Changes to a database built by [`create_bulk`], before it becomes a workspace (see
 /// [`amend_bulk`]). New rows go through the writer's batches (and [`Amender::put_dirent`]'s);
 /// every method that deletes or reads first inserts what the batches still hold, so
@@ -575,32 +572,22 @@ impl<'c> Amender<'c> {
         self.w.persist_set(key, value)
     }
 
-    /// One pass over the inodes: (ino, size) of every body file with no window left to
-    /// fetch, in inode order (the files a lazy restore creates a sparse body for), and
-    /// (files with a body, their bytes, windows left to fetch).
-    pub fn bodies(&mut self) -> Result<(Vec<FileSize>, [u64; 3])> {
+    /// (files with windows left to fetch, their bytes, windows left to fetch), from the
+    /// missing windows and those files' inodes alone: no pass over every inode (a body file
+    /// with nothing to fetch is all holes; the filesystem creates its body sparse at its
+    /// first open).
+    pub fn missing_counts(&mut self) -> Result<[u64; 3]> {
         self.flush()?;
-        let mut st = self.conn.prepare(
-            "SELECT ino, size, EXISTS (SELECT 1 FROM missing_window m WHERE m.ino = inode.ino)
-             FROM inode WHERE storage = 1 AND nlink > 0 ORDER BY ino",
+        let (files, bytes): (i64, i64) = self.conn.query_row(
+            "SELECT count(*), coalesce(sum(size), 0) FROM inode
+             WHERE ino IN (SELECT ino FROM missing_window)",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
         )?;
-        let mut rows = st.query([])?;
-        let mut complete = Vec::new();
-        let mut counts = [0u64; 3];
-        while let Some(r) = rows.next()? {
-            let (ino, size) = (r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64);
-            counts[0] += 1;
-            counts[1] += size;
-            if !r.get::<_, bool>(2)? {
-                complete.push((InodeNo(ino), size));
-            }
-        }
-        counts[2] = self
+        let windows: i64 = self
             .conn
-            .query_row("SELECT count(*) FROM missing_window", [], |r| {
-                r.get::<_, i64>(0)
-            })? as u64;
-        Ok((complete, counts))
+            .query_row("SELECT count(*) FROM missing_window", [], |r| r.get(0))?;
+        Ok([files as u64, bytes as u64, windows as u64])
     }
 
     /// Inserts what is left and adds what was inserted and removed to `inode_totals`.

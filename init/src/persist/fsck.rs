@@ -554,7 +554,7 @@ fn check_packs(repo: &Repo, stored: &mut HashSet<ChunkId>, rep: &mut FsckReport)
                     );
                 }
             }
-            stored.extend(map.ids().copied());
+            stored.extend(map.ids());
         }
         Err(e) => rep.add(Level::Error, format!("read pack indexes: {e}"), false),
     }

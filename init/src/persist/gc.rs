@@ -376,8 +376,8 @@ pub fn gc_with(
     let pack_map = repo
         .load_listed_packs(&packs_listed, None)
         .map_err(GcError::List)?;
-    for p in &pack_map.packs {
-        for e in &p.entries {
+    for k in 0..pack_map.packs.len() {
+        for e in pack_map.entries(k) {
             chunk_sizes.entry(e.id).or_insert(u64::from(e.len));
         }
     }

@@ -14,7 +14,7 @@ use std::time::SystemTime;
 
 use super::gc::{sweep, Fate, GcError, GcReport};
 use super::marker::LiveMarker;
-use super::pack::{self, Entry, PackIndex, PackMap};
+use super::pack::{self, Entry, PackInfo, PackMap};
 use super::remote::ObjectInfo;
 use super::repo::{PackObjects, Repo};
 use crate::chunk::ChunkId;
@@ -29,12 +29,17 @@ pub(super) fn sweep_packs(
     old: &impl Fn(SystemTime) -> bool,
     report: &mut GcReport,
 ) -> Result<(), GcError> {
-    let by_name: HashMap<ChunkId, &PackIndex> = map.packs.iter().map(|p| (p.name, p)).collect();
+    let by_name: HashMap<ChunkId, usize> = map
+        .packs
+        .iter()
+        .enumerate()
+        .map(|(k, p)| (p.name, k))
+        .collect();
     for po in listed {
         match (&po.pack, &po.index, by_name.get(&po.name)) {
-            (Some(pack), Some(idx), Some(pi)) => {
-                let alive: Vec<&Entry> =
-                    pi.entries.iter().filter(|e| live.contains(&e.id)).collect();
+            (Some(pack), Some(idx), Some(k)) => {
+                let pi = &map.packs[*k];
+                let alive: Vec<Entry> = map.entries(*k).filter(|e| live.contains(&e.id)).collect();
                 let live_bytes: u64 = alive.iter().map(|e| u64::from(e.len)).sum();
                 if alive.is_empty() {
                     if delete_pair(repo, running, pack, idx, old, report)? {
@@ -117,8 +122,8 @@ fn delete_pair(
 fn repack(
     repo: &Repo,
     running: &LiveMarker,
-    pi: &PackIndex,
-    alive: &[&Entry],
+    pi: &PackInfo,
+    alive: &[Entry],
 ) -> Result<Result<(), String>, GcError> {
     running.check()?;
     let key = repo.pack_key(&pi.name);

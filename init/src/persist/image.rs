@@ -25,7 +25,7 @@ use super::format::{Body, DataRec, Header, ImageRef, InodeRec, TreeData, TreeIno
 use super::remote::{PutMode, RemoteError};
 use super::repo::{Chain, Repo, RepoError};
 use super::restore::{write_inode, RestoreError, RestoreMode, RestoreReport};
-use crate::chunk::{BodyStore, ChunkId};
+use crate::chunk::ChunkId;
 use crate::meta::{amend_bulk, create_bulk, Amender, InodeNo, Kind, MetaError, Nanos, Store};
 
 #[derive(Debug, thiserror::Error)]
@@ -61,8 +61,6 @@ pub enum ImageError {
     },
     #[error("image database: {0}")]
     Db(#[from] MetaError),
-    #[error("create the body of inode {ino}: {source}")]
-    Body { ino: u64, source: std::io::Error },
     #[error("list images: {0}")]
     List(RemoteError),
     #[error("delete {key}: {source}")]
@@ -205,16 +203,15 @@ fn compress(path: &Path) -> Result<(Vec<u8>, u64), ImageError> {
 }
 
 /// Restores a chain (its full snapshot must name an image) lazily into `building`: the
-/// image, then the deltas (as the chain fetched them); creates the bodies of the files with
-/// no window to fetch. `state` holds the bookkeeping rows to set. Fills the counts of
-/// `report`. The deltas are decoded on a thread of their own from the start, while the
+/// image, then the deltas (as the chain fetched them). No body is created: a file with
+/// windows to fetch gets its body at its first fetch, one that is all holes at its first
+/// open. `state` holds the bookkeeping rows to set. Fills the counts of `report`. The deltas are decoded on a thread of their own from the start, while the
 /// image is fetched and decompressed and while the earlier ones are applied (one decoded
 /// delta waits beside the one being applied).
 pub(super) fn restore(
     repo: &Repo,
     chain: &Chain,
     building: &Path,
-    bodies: &BodyStore,
     state: &[(&'static str, String)],
     report: &mut RestoreReport,
     laps: &mut dyn FnMut(&'static str),
@@ -247,7 +244,7 @@ pub(super) fn restore(
             Ok(d) => d,
             Err(e) => return Err(ImageError::Decoder(e)),
         };
-        let r = restore_decoded(repo, chain, building, bodies, state, report, laps, rx);
+        let r = restore_decoded(repo, chain, building, state, report, laps, rx);
         let decoding = decoder.join().unwrap_or_default();
         if r.is_ok() {
             tracing::info!(
@@ -269,7 +266,6 @@ fn restore_decoded(
     repo: &Repo,
     chain: &Chain,
     building: &Path,
-    bodies: &BodyStore,
     state: &[(&'static str, String)],
     report: &mut RestoreReport,
     laps: &mut dyn FnMut(&'static str),
@@ -315,7 +311,6 @@ fn restore_decoded(
     drop(data);
     laps("image");
 
-    let mut complete = Vec::new();
     let mut counts = [0; 3];
     let (mut records, mut waited) = (0, Duration::ZERO);
     amend_bulk(building, |a| -> Result<(), ImageError> {
@@ -332,21 +327,15 @@ fn restore_decoded(
             a.persist_set(k, v)?;
         }
         laps("deltas");
-        (complete, counts) = a.bodies()?;
+        counts = a.missing_counts()?;
         Ok(())
     })?;
-    laps("body list");
+    laps("counts");
     tracing::info!(
         "restore: {} deltas, {records} records applied in bulk ({:.2} s of it waiting for their decoding)",
         chain.deltas.len(),
         waited.as_secs_f64()
     );
-    for (ino, size) in complete {
-        bodies
-            .open_rw(ino.0)
-            .and_then(|f| f.set_len(size))
-            .map_err(|source| ImageError::Body { ino: ino.0, source })?;
-    }
     [report.files, report.file_bytes, report.windows_missing] = counts;
     report.inodes = chain.last().inodes;
     Ok(())

@@ -25,7 +25,10 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use super::format::{self, Body, FormatError, Header, Tree};
-use super::pack::{self, PackCache, PackIndex, PackMap};
+use super::pack::{self, PackCache, PackMap};
+
+/// Pack index objects fetched at once while the pack map loads.
+const INDEX_BATCH: usize = 64;
 use super::remote::{ObjectInfo, PutMode, Remote, RemoteError};
 use crate::chunk::ChunkId;
 
@@ -449,33 +452,56 @@ impl Repo {
         listed: &[PackObjects],
         prev: Option<&PackMap>,
     ) -> Result<Arc<PackMap>, RepoError> {
-        let known: std::collections::HashMap<ChunkId, &PackIndex> = prev
+        let known: std::collections::HashMap<ChunkId, usize> = prev
             .filter(|p| p.store == self.chunks)
-            .map(|p| p.packs.iter().map(|i| (i.name, i)).collect())
+            .map(|p| {
+                p.packs
+                    .iter()
+                    .enumerate()
+                    .map(|(k, i)| (i.name, k))
+                    .collect()
+            })
             .unwrap_or_default();
-        let mut packs = Vec::new();
-        let mut fetch = Vec::new();
-        for p in listed.iter().filter(|p| p.index.is_some()) {
-            match known.get(&p.name) {
-                Some(i) => packs.push((*i).clone()),
-                None => fetch.push(p.name),
+        // By name: the map's pack order (which copy of a chunk in two packs is read first).
+        let mut names: Vec<ChunkId> = listed
+            .iter()
+            .filter(|p| p.index.is_some())
+            .map(|p| p.name)
+            .collect();
+        names.sort();
+        names.dedup();
+        let mut b = pack::PackMapBuilder::new(&self.chunks);
+        // Indexes fetched a batch at a time and each added (then dropped) before the next
+        // batch: a load holds one batch of index objects beside the table, not all of them.
+        for batch in names.chunks(INDEX_BATCH) {
+            let fetch: Vec<&ChunkId> = batch.iter().filter(|n| !known.contains_key(n)).collect();
+            let keys: Vec<String> = fetch.iter().map(|n| self.pack_index_key(n)).collect();
+            let mut got = std::collections::HashMap::new();
+            for ((name, key), r) in fetch.iter().zip(&keys).zip(self.remote.get_many(&keys)) {
+                match r {
+                    Ok(bytes) => match pack::decode_index(key, **name, &bytes) {
+                        Ok(i) => {
+                            got.insert(**name, i);
+                        }
+                        Err(e) => b.bad(e.to_string()),
+                    },
+                    // Deleted since the listing (a gc): its chunks are elsewhere by now.
+                    Err(e) if e.is_not_found() => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            for name in batch {
+                match (known.get(name), prev) {
+                    (Some(k), Some(p)) => b.add_from(p, *k),
+                    _ => {
+                        if let Some(i) = got.remove(name) {
+                            b.add(i);
+                        }
+                    }
+                }
             }
         }
-        let keys: Vec<String> = fetch.iter().map(|n| self.pack_index_key(n)).collect();
-        let mut bad = Vec::new();
-        for ((name, key), r) in fetch.iter().zip(&keys).zip(self.remote.get_many(&keys)) {
-            match r {
-                Ok(b) => match pack::decode_index(key, *name, &b) {
-                    Ok(i) => packs.push(i),
-                    Err(e) => bad.push(e.to_string()),
-                },
-                // Deleted since the listing (a gc): its chunks are elsewhere by now.
-                Err(e) if e.is_not_found() => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        packs.sort_by_key(|p| p.name);
-        let map = Arc::new(PackMap::new(&self.chunks, packs, bad));
+        let map = Arc::new(b.finish());
         self.packs.set(map.clone());
         Ok(map)
     }
@@ -514,6 +540,7 @@ impl Repo {
                     tracing::info!(
                         packs = m.packs.len(),
                         chunks = m.len(),
+                        map_mib = m.heap_bytes() >> 20,
                         seconds = t.elapsed().as_secs_f64(),
                         "pack indexes loaded ahead of the first read"
                     );
@@ -635,7 +662,7 @@ impl Repo {
             .collect();
         for ((read, (key, _)), got) in reads.iter().zip(&reqs).zip(self.remote.get_ranges(&reqs)) {
             if let Ok(b) = &got {
-                self.keep_around(&map.packs[read.pack as usize], read, b, ids);
+                self.keep_around(map, read, b, ids);
             }
             for (k, off, len) in &read.parts {
                 let id = ids[*k];
@@ -676,11 +703,10 @@ impl Repo {
     }
 
     /// Keeps the chunks of `pack` that a read fetched without being asked for them.
-    fn keep_around(&self, pack: &PackIndex, read: &pack::Read, got: &Bytes, ids: &[ChunkId]) {
-        let first = pack.entries.partition_point(|e| e.off < read.range.start);
+    fn keep_around(&self, map: &PackMap, read: &pack::Read, got: &Bytes, ids: &[ChunkId]) {
         let end = read.range.start + got.len() as u64;
-        for e in pack.entries[first..]
-            .iter()
+        for e in map
+            .entries_from(read.pack as usize, read.range.start)
             .take_while(|e| e.range().end <= end)
         {
             if read.parts.iter().any(|(k, _, _)| ids[*k] == e.id) {

@@ -46,11 +46,7 @@ pub enum RestoreError {
     BadMode { seq: u64, ino: u64, mode: u32 },
     /// Restoring from the metadata image (a failure falls back to the snapshot chain).
     #[error("{0}")]
-    ImageBodies(#[source] crate::chunk::BodyError),
-    #[error("{0}")]
     Image(#[source] Box<super::image::ImageError>),
-    #[error("sync: {0}")]
-    ImageSync(#[source] std::io::Error),
 }
 
 impl RestoreError {
@@ -71,6 +67,7 @@ pub struct RestoreReport {
     /// Metadata only: windows are fetched on first use.
     pub lazy: bool,
     pub inodes: u64,
+    /// Files with a body and their bytes (lazy: those with a window to fetch).
     pub files: u64,
     pub file_bytes: u64,
     pub chunks_fetched: u64,
@@ -429,22 +426,18 @@ fn from_image(
         ..Default::default()
     };
     let r = (|| -> Result<(), RestoreError> {
-        let bodies =
-            BodyStore::open(&state_dir.join("bodies")).map_err(RestoreError::ImageBodies)?;
         let state = state_rows(repo, &headers, remote_id);
         super::image::restore(
             repo,
             chain,
             &state_dir.join(BUILDING_DB),
-            &bodies,
             &state,
             &mut report,
             &mut |name| laps.to(name, Instant::now()),
         )
-        .map_err(|e| RestoreError::Image(Box::new(e)))?;
-        sys::file::syncfs(state_dir).map_err(RestoreError::ImageSync)?;
-        laps.to("bodies", Instant::now());
-        Ok(())
+        // Nothing but the database was written: `finish` makes it durable (no syncfs of
+        // the whole volume, which waits for every other writer's dirty pages too).
+        .map_err(|e| RestoreError::Image(Box::new(e)))
     })();
     match r {
         Ok(()) => {
@@ -501,8 +494,8 @@ fn finish(
 }
 
 /// Creates the bodies at their full size (sparse: all-zero windows stay holes); returns
-/// (ino, idx, id) for every stored window. Lazy mode creates only the bodies with no stored
-/// window: the filesystem creates the others when it first needs them.
+/// (ino, idx, id) for every stored window. Lazy mode creates none: the filesystem creates a
+/// body at the first fetch of one of its windows, or (all holes) at the file's first open.
 fn create_bodies(
     tree: &Tree,
     bodies: &BodyStore,
@@ -512,15 +505,17 @@ fn create_bodies(
     let mut wanted: Vec<(u64, u64, ChunkId)> = Vec::new();
     for t in tree.inodes.values() {
         if let TreeData::Chunks(m) = &t.data {
-            report.files += 1;
-            report.file_bytes += t.rec.size;
             let stored = m.iter().any(Option::is_some);
+            if stored || mode == RestoreMode::Eager {
+                report.files += 1;
+                report.file_bytes += t.rec.size;
+            }
             for (i, id) in m.iter().enumerate() {
                 if let Some(id) = id {
                     wanted.push((t.rec.ino, i as u64, *id));
                 }
             }
-            if stored && mode == RestoreMode::Lazy {
+            if mode == RestoreMode::Lazy {
                 continue;
             }
             let f = bodies

@@ -9,8 +9,10 @@ use crate::support;
 use std::sync::Arc;
 use std::time::Instant;
 
+use keel::chunk::ChunkId;
 use keel::config::CacheMode;
 use keel::persist::fsck::{fsck, FsckOptions};
+use keel::persist::pack::{encode_index, Entry, PackIndex, PackMap};
 use keel::persist::{
     restore, CheckpointOptions, FsRemote, MemRemote, PersistParams, Persister, Remote, Repo,
 };
@@ -280,4 +282,77 @@ fn peak_rss_mib() -> u64 {
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |k| k >> 10)
+}
+
+/// A chunk id that looks like blake3 output (spread over the whole key space).
+fn pack_fake_id(n: u64) -> ChunkId {
+    ChunkId::of(&n.to_le_bytes())
+}
+
+/// Not a test: the pack map's memory and lookup cost at `KEEL_PACKMAP_CHUNKS` chunks
+/// (default 2M) in packs of 2,000, printed (`cargo test --release --test
+/// persist bench::pack_map_cost -- --ignored --nocapture`). With `KEEL_PACKGEN=DIR` it also writes
+/// those packs' index objects under DIR (a `file://` chunk store's `packs/`), for
+/// measuring a keel that loads them.
+#[test]
+#[ignore]
+fn pack_map_cost() {
+    let n: u64 = std::env::var("KEEL_PACKMAP_CHUNKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2_000_000);
+    let per = 2000;
+    let rss = || {
+        let s = std::fs::read_to_string("/proc/self/status").unwrap();
+        s.lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap()
+    };
+    let gen = std::env::var_os("KEEL_PACKGEN").map(std::path::PathBuf::from);
+    let mut packs = Vec::new();
+    for k in 0..n.div_ceil(per) {
+        let entries: Vec<Entry> = (0..per.min(n - k * per))
+            .map(|j| Entry {
+                id: pack_fake_id(k * per + j),
+                off: j * 4000,
+                len: 3000,
+            })
+            .collect();
+        let p = PackIndex {
+            name: pack_fake_id(u64::MAX - k),
+            len: per * 4000,
+            entries,
+        };
+        if let Some(dir) = &gen {
+            std::fs::create_dir_all(dir).unwrap();
+            std::fs::write(
+                dir.join(format!("{}.idx", p.name.to_hex())),
+                encode_index(&p),
+            )
+            .unwrap();
+        }
+        packs.push(p);
+    }
+    packs.sort_by_key(|p| p.name);
+    let before = rss();
+    let t = std::time::Instant::now();
+    let m = PackMap::new("s", packs, Vec::new());
+    let built = t.elapsed();
+    let after = rss();
+    let t = std::time::Instant::now();
+    let mut found = 0;
+    let lookups = 1_000_000u64;
+    for j in 0..lookups {
+        found += m.find(&pack_fake_id(j * 7919 % n)).len();
+    }
+    let per_lookup = t.elapsed().as_nanos() as f64 / lookups as f64;
+    assert_eq!(found as u64, lookups);
+    println!(
+        "pack map: {n} chunks, built in {:.3} s, RSS +{} MiB over the decoded indexes ({:.1} B a chunk), find {per_lookup:.0} ns",
+        built.as_secs_f64(),
+        after.saturating_sub(before) >> 10,
+        after.saturating_sub(before) as f64 * 1024.0 / n as f64,
+    );
 }

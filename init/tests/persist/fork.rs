@@ -83,7 +83,7 @@ fn chunk_count(repo: &Repo) -> usize {
         .into_iter()
         .map(|(id, _)| id)
         .collect();
-    ids.extend(repo.load_packs(None).unwrap().ids().copied());
+    ids.extend(repo.load_packs(None).unwrap().ids());
     ids.len()
 }
 

@@ -416,7 +416,7 @@ fn fsck_finds_a_corrupted_pack_entry_and_repairs_it_from_local_bytes() {
     let repo = Repo::new(remote.clone(), "ws");
     let map = repo.load_packs(None).unwrap();
     let pack = &map.packs[0];
-    let victim = pack.entries[3];
+    let victim = map.entries(0).nth(3).unwrap();
     mem.tamper(&repo.pack_key(&pack.name), |b| {
         b[victim.off as usize + 5] ^= 0x40;
     });

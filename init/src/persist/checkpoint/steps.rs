@@ -38,15 +38,21 @@ pub(super) const BASE_IMAGE: &str = "base_image";
 /// could not be built or uploaded (see `retries_image`).
 pub(super) const IMAGE_FAILURES: &str = "image_failures";
 
-/// Deltas may add up to a quarter of the size of the last full snapshot (at least this)
+/// Deltas may add up to an eighth of the size of the last full snapshot (at least this)
 /// before the next checkpoint compacts them into a full one: a fresh restore loads the full
 /// snapshot's image at once and applies the deltas after it (in bulk, `image::apply_delta`),
 /// so what they hold is the part of the restore that grows with the history (issue 41: six
 /// deltas that changed 450k of 547k inodes, replayed record by record, took a fresh host
-/// 6.96 s instead of ~0.9 s).
+/// 6.96 s instead of ~0.9 s). Measured at 1M files (BENCHMARKS.md, "A fresh host after a
+/// real session"): an inode a delta changed costs the restore ~3-3.5 µs of CPU (its record
+/// and its entry's, decoded and inserted), an inode of the image ~0.5 µs (download,
+/// decompress), and both snapshot kinds take ~10 bytes an inode; so deltas of an eighth of
+/// the full snapshot's bytes add at most ~0.75x the image's restore work (a quarter let
+/// them add ~1.5x). The price is about twice as many full snapshots while a workspace
+/// grows (each ~10 MB + a ~22 MB image and ~5.5 s of checkpoint work at 1M files, quiet).
 pub(super) const COMPACT_FLOOR: u64 = 256 << 10;
 /// The deltas' share of the full snapshot's size past which the next one is full.
-pub(super) const COMPACT_SHARE: u64 = 4;
+pub(super) const COMPACT_SHARE: u64 = 8;
 
 /// A hashed window: its id and bytes (`None` for an all-zero window).
 type Hashed = (Option<ChunkId>, Option<Bytes>);

@@ -190,15 +190,15 @@ fn wants_full_when_asked_new_untrusted_resized_or_deltas_add_up() {
     for c in &cases {
         assert!(wants_full(c, false, &params), "{c:?}");
     }
-    // Deltas past a quarter of a large full snapshot: full (the restore would replay them
-    // record by record); up to a quarter, or under the floor, a delta.
+    // Deltas past an eighth of a large full snapshot: full (the restore would replay
+    // them); up to an eighth, or under the floor, a delta.
     let big = |delta_bytes| Prior {
         full_bytes: 40 << 20,
         delta_bytes,
         ..delta.clone()
     };
-    assert!(!wants_full(&big(10 << 20), false, &params));
-    assert!(wants_full(&big((10 << 20) + 1), false, &params));
+    assert!(!wants_full(&big(5 << 20), false, &params));
+    assert!(wants_full(&big((5 << 20) + 1), false, &params));
     let small = Prior {
         full_bytes: 1000,
         delta_bytes: COMPACT_FLOOR,
