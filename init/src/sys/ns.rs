@@ -532,7 +532,7 @@ mod tests {
             no_new_privs: false,
             stdio: crate::sys::process::Stdio::Null,
             mnt_ns: ns,
-            cgroup_procs: None,
+            cgroup: None,
             seccomp: None,
         }
     }
