@@ -545,19 +545,19 @@ impl Processes {
                 stdin: plan.stdin != Stdin::None,
             },
         };
-        // Its cgroup.procs stays open only until the fork.
-        let mut procs = None;
+        // Its group's descriptors stay open only until the spawn.
+        let mut join = None;
         if let Some(root) = &self.cgroups {
             let name = format!("keel-exec-{}-{}", std::process::id(), rec.id);
             match root.create(&name) {
-                Ok((cg, p)) => {
+                Ok((cg, j)) => {
                     let _ = rec.cgroup.set(cg);
-                    procs = Some(p);
+                    join = Some(j);
                 }
                 Err(e) => warn!("exec {}: cgroup {name}: {e}", rec.id),
             }
         }
-        spec.cgroup_procs = procs.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+        spec.cgroup = join.as_ref().map(|j| j.fds());
         let spawned = {
             let mut t = self.lock();
             if t.closed.is_some() {
@@ -643,7 +643,7 @@ impl Processes {
             spec.ids = Some(process::resolve_ids(u, None).map_err(ExecError::User)?);
         }
         spec.session = Session::New;
-        spec.cgroup_procs = None;
+        spec.cgroup = None;
         spec.stdio = Stdio::Pipes { stdin: true };
         Ok(Helper {
             spec,

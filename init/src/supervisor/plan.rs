@@ -94,7 +94,7 @@ impl<'a> Plan<'a> {
             no_new_privs: s.no_new_privs,
             stdio: Stdio::Null,
             mnt_ns: None,
-            cgroup_procs: None,
+            cgroup: None,
             seccomp: self.seccomp.clone(),
         };
         let stop_signal = signal_name(&s.stop_signal).unwrap_or(libc::SIGTERM);
@@ -138,7 +138,7 @@ impl<'a> Plan<'a> {
             no_new_privs: cfg.init.no_new_privs,
             stdio: Stdio::Inherit,
             mnt_ns: None,
-            cgroup_procs: None,
+            cgroup: None,
             seccomp: self.seccomp.clone(),
         })
     }

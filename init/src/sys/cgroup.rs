@@ -2,8 +2,8 @@
 //! cgroup keel runs in, so that everything the process starts (a `setsid` or double-forked
 //! grandchild included) can be found, signalled and killed (`cgroup.kill`, Linux 5.14+; else
 //! every pid of `cgroup.procs`, until none is left) and its CPU time read (`cpu.stat`). The
-//! child joins its group itself between fork and exec (`enter_in_child`), so nothing it runs
-//! starts outside. Where cgroup v2 is not mounted or not writable (a read-only
+//! child starts in its group (`clone3` with `CLONE_INTO_CGROUP`), or joins it itself before
+//! it execs (`enter_in_child`), so nothing it runs starts outside. Where cgroup v2 is not mounted or not writable (a read-only
 //! `/sys/fs/cgroup` in a container), `Root::find` says so and the caller falls back to the
 //! process group and session.
 
@@ -68,26 +68,61 @@ impl Root {
         &self.dir
     }
 
-    /// Makes the group `name` (a leftover of that name, empty, is replaced), with its
-    /// `cgroup.procs` open for writing: the fd a child writes itself into
-    /// (`SpawnSpec::cgroup_procs`), to close once the child is spawned.
-    pub fn create(&self, name: &str) -> io::Result<(Cgroup, File)> {
+    /// Makes the group `name` (a leftover of that name, empty, is replaced), with the
+    /// descriptors a child joins it through (`Join`), to close once the child is spawned.
+    pub fn create(&self, name: &str) -> io::Result<(Cgroup, Join)> {
         let dir = self.dir.join(name);
         if dir.exists() {
             std::fs::remove_dir(&dir)?;
         }
         std::fs::create_dir(&dir)?;
-        let procs = std::fs::OpenOptions::new()
-            .write(true)
-            .open(dir.join("cgroup.procs"));
-        match procs {
-            Ok(procs) => Ok((Cgroup { dir }, procs)),
+        let join = (|| {
+            use std::os::unix::fs::OpenOptionsExt;
+            let fd = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECTORY)
+                .open(&dir)?;
+            let procs = std::fs::OpenOptions::new()
+                .write(true)
+                .open(dir.join("cgroup.procs"))?;
+            Ok(Join { dir: fd, procs })
+        })();
+        match join {
+            Ok(join) => Ok((Cgroup { dir }, join)),
             Err(e) => {
                 let _ = std::fs::remove_dir(&dir);
                 Err(e)
             }
         }
     }
+}
+
+/// A new group's directory and its `cgroup.procs`, open: a child starts in the group
+/// (`clone3` with `CLONE_INTO_CGROUP` and the directory), or, where clone3 cannot be used (a
+/// seccomp profile that refuses it, a kernel before 5.7), writes itself into `cgroup.procs`
+/// before it execs (`enter_in_child`).
+#[derive(Debug)]
+pub struct Join {
+    pub dir: File,
+    pub procs: File,
+}
+
+impl Join {
+    /// The raw descriptors a `SpawnSpec` carries (valid while `self` lives).
+    pub fn fds(&self) -> JoinFds {
+        use std::os::fd::AsRawFd;
+        JoinFds {
+            dir: self.dir.as_raw_fd(),
+            procs: self.procs.as_raw_fd(),
+        }
+    }
+}
+
+/// `Join`'s descriptors, borrowed for a spawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JoinFds {
+    pub dir: RawFd,
+    pub procs: RawFd,
 }
 
 /// One group; removing it is `remove` (it must be empty).
@@ -171,8 +206,9 @@ impl Cgroup {
     }
 }
 
-/// In a forked child: moves the calling process into the group whose `cgroup.procs` is open
-/// as `procs` ("0" names the writer). Async-signal-safe.
+/// In the child before exec (where it could not start in its group): moves the calling
+/// process into the group whose `cgroup.procs` is open as `procs` ("0" names the writer).
+/// Async-signal-safe.
 pub fn enter_in_child(procs: RawFd) -> io::Result<()> {
     // SAFETY: writes one byte from a static buffer to an fd the parent opened for us.
     if unsafe { libc::write(procs, b"0".as_ptr().cast(), 1) } != 1 {

@@ -19,4 +19,5 @@ pub mod sched;
 pub mod seccomp;
 pub mod signal;
 pub mod socket;
+pub mod spawn;
 pub mod tree;

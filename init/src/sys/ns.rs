@@ -450,15 +450,11 @@ fn read_full(fd: &OwnedFd, buf: &mut [u8]) -> usize {
     n
 }
 
-/// In a forked child: joins `ns` and returns to `cwd` there (setns moves the cwd to the
-/// namespace's root). Async-signal-safe.
-pub fn enter_in_child(ns: RawFd, cwd: &std::ffi::CStr) -> std::io::Result<()> {
-    // SAFETY: setns takes an fd and a flag; the child is single-threaded.
+/// In the child before exec: joins `ns` (setns moves the cwd to the namespace's root; the
+/// child enters its working directory later, as its user). Async-signal-safe.
+pub fn enter_in_child(ns: RawFd) -> std::io::Result<()> {
+    // SAFETY: setns takes an fd and a flag; the child has its own fs_struct (no CLONE_FS).
     if unsafe { libc::setns(ns, libc::CLONE_NEWNS) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `cwd` is a live NUL-terminated string.
-    if unsafe { libc::chdir(cwd.as_ptr()) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
@@ -536,7 +532,7 @@ mod tests {
             no_new_privs: false,
             stdio: crate::sys::process::Stdio::Null,
             mnt_ns: ns,
-            cgroup_procs: None,
+            cgroup: None,
             seccomp: None,
         }
     }

@@ -1,16 +1,15 @@
-//! Processes: starting a child with exactly the state keel wants it to have (cgroup, mount
-//! namespace, session/group, terminal, pipes, inherited signal mask, user, capabilities), the
+//! Processes: starting a child (`sys::spawn`, re-exported here), the
 //! one `wait4(-1, WNOHANG)` reaper (with each child's CPU time and peak memory),
 //! subreaper status, finding descendants, and process-wide settings (cwd, rlimits, umask,
 //! hostname, user lookup).
 
-use std::ffi::{CString, OsString};
-use std::os::unix::process::CommandExt;
+use std::ffi::CString;
 use std::path::PathBuf;
 
-use std::os::fd::{OwnedFd, RawFd};
-
 use nix::errno::Errno;
+
+use super::spawn::SPAWNING;
+pub use super::spawn::{spawn, spawn_io, Session, SpawnSpec, Spawned, Stdio};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
@@ -85,12 +84,6 @@ pub struct Reaped {
     /// No children at all remain (waitpid said ECHILD).
     pub none_left: bool,
 }
-
-/// Held (shared) while a child is forked and exec'd, and (exclusively) by the reaper: when
-/// exec fails, std's `Command::spawn` waits for that child itself, and a reaper on another
-/// thread must not collect it first (processes started through the API are forked on the
-/// control API's threads, not the supervisor's).
-static SPAWNING: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 /// The one reaper: `wait4(-1, WNOHANG)` until nothing more has ended.
 pub fn reap_all() -> Reaped {
@@ -200,187 +193,6 @@ pub fn resolve_group(group: &str) -> Result<u32, ProcessError> {
         })?
         .map(|g| g.gid.as_raw())
         .ok_or_else(|| ProcessError::NoSuchGroup(group.to_string()))
-}
-
-/// Which session/process group a child gets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Session {
-    /// A new session (and group) without a controlling terminal.
-    New,
-    /// A new process group in keel's session, made the terminal's foreground group.
-    ForegroundGroup,
-}
-
-/// Where a child's stdin, stdout and stderr go.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stdio {
-    /// stdin from /dev/null; stdout and stderr are keel's (services, probes).
-    Null,
-    /// keel's own stdin, stdout and stderr (the main command).
-    Inherit,
-    /// stdout and stderr to pipes keel reads; stdin from a pipe keel writes (`true`) or from
-    /// /dev/null (processes started through the API).
-    Pipes { stdin: bool },
-    /// All three on this terminal (a pty's slave side), which becomes the child's
-    /// controlling terminal in its new session.
-    Terminal(RawFd),
-}
-
-/// Everything a child is started with. Built before fork so the child only makes syscalls.
-#[derive(Debug, Clone)]
-pub struct SpawnSpec {
-    pub argv: Vec<OsString>,
-    /// The complete environment.
-    pub env: Vec<(OsString, OsString)>,
-    pub cwd: PathBuf,
-    pub ids: Option<Ids>,
-    pub session: Session,
-    /// Capability numbers to drop from the bounding, inheritable and ambient sets.
-    pub drop_caps: Vec<u32>,
-    pub no_new_privs: bool,
-    pub stdio: Stdio,
-    /// The sandbox mount namespace to join (an fd keel keeps open), if any.
-    pub mnt_ns: Option<RawFd>,
-    /// A cgroup's `cgroup.procs`, open for writing: the child moves itself there first, so
-    /// nothing it runs starts outside it (`sys::cgroup`).
-    pub cgroup_procs: Option<RawFd>,
-    /// The seccomp filter the child gets before its capabilities drop (`sys::seccomp`).
-    pub seccomp: Option<std::sync::Arc<super::seccomp::Filter>>,
-}
-
-/// A started child and keel's ends of its pipes (`Stdio::Pipes`).
-#[derive(Debug)]
-pub struct Spawned {
-    pub pid: i32,
-    pub stdin: Option<OwnedFd>,
-    pub stdout: Option<OwnedFd>,
-    pub stderr: Option<OwnedFd>,
-}
-
-/// Starts a child; its pid is also its process group id. Errors are those of exec (ENOENT,
-/// EACCES, ...) or of a setup step in the child.
-pub fn spawn(spec: &SpawnSpec) -> std::io::Result<i32> {
-    spawn_io(spec).map(|s| s.pid)
-}
-
-/// `spawn`, returning keel's ends of the child's pipes too. The one way keel starts a
-/// process: the main command, services, probes and processes started through the API.
-pub fn spawn_io(spec: &SpawnSpec) -> std::io::Result<Spawned> {
-    use std::process::Stdio as S;
-    let mut cmd = std::process::Command::new(&spec.argv[0]);
-    cmd.args(&spec.argv[1..])
-        .env_clear()
-        .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(&spec.cwd);
-    let mut ctty = false;
-    match spec.stdio {
-        Stdio::Null => {
-            cmd.stdin(S::null());
-        }
-        Stdio::Inherit => {}
-        Stdio::Pipes { stdin } => {
-            cmd.stdin(if stdin { S::piped() } else { S::null() })
-                .stdout(S::piped())
-                .stderr(S::piped());
-        }
-        Stdio::Terminal(fd) => {
-            let dup = || -> std::io::Result<S> {
-                // SAFETY: `fd` is the caller's open pty slave for the duration of the call;
-                // it is only borrowed to be duplicated.
-                let b = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-                Ok(S::from(b.try_clone_to_owned()?))
-            };
-            cmd.stdin(dup()?).stdout(dup()?).stderr(dup()?);
-            ctty = true;
-        }
-    }
-    let cgroup_procs = spec.cgroup_procs;
-    let mask = super::signal::inherited_sigset();
-    let ignored = super::signal::inherited_ignored();
-    let session = spec.session;
-    let drop_caps = spec.drop_caps.clone();
-    let nnp = spec.no_new_privs;
-    let seccomp = spec.seccomp.clone();
-    let ids = spec.ids.as_ref().map(|i| (i.uid, i.gid, i.groups.clone()));
-    let mnt_ns = spec.mnt_ns;
-    let cwd = CString::new(spec.cwd.as_os_str().as_encoded_bytes())
-        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-    let child_setup = move || -> std::io::Result<()> {
-        // Into its cgroup before anything else, so nothing the child runs starts outside.
-        if let Some(fd) = cgroup_procs {
-            super::cgroup::enter_in_child(fd)?;
-        }
-        // First, while the child still has CAP_SYS_ADMIN and CAP_SYS_CHROOT for setns.
-        if let Some(ns) = mnt_ns {
-            super::ns::enter_in_child(ns, &cwd)?;
-        }
-        match session {
-            Session::New => {
-                // SAFETY: setsid has no arguments; the child is not a group leader yet.
-                if unsafe { libc::setsid() } < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if ctty {
-                    // SAFETY: stdin is the pty slave (dup2'd by std before this closure); a
-                    // session leader without a terminal may take it as its controlling one.
-                    if unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0) } < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-            }
-            Session::ForegroundGroup => {
-                // SAFETY: setpgid(0, 0) puts the calling process in a new group of its own.
-                if unsafe { libc::setpgid(0, 0) } < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // SAFETY: plain integers; signals are still blocked here, so SIGTTOU from a
-                // background group cannot stop us. Failure (no terminal) is harmless.
-                unsafe { libc::tcsetpgrp(0, libc::getpid()) };
-            }
-        }
-        // While the child may still hold CAP_SYS_ADMIN: then it needs no no_new_privs.
-        if let Some(f) = &seccomp {
-            super::seccomp::install_in_child(f)?;
-        }
-        super::caps::drop_in_child(&drop_caps)?;
-        if let Some((uid, gid, groups)) = &ids {
-            // SAFETY: `groups` is a live Vec of gid_t-sized integers of the given length.
-            if unsafe { libc::setgroups(groups.len(), groups.as_ptr()) } != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // SAFETY: plain integer arguments.
-            if unsafe { libc::setgid(*gid) } != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // SAFETY: plain integer arguments.
-            if unsafe { libc::setuid(*uid) } != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
-        if nnp {
-            // SAFETY: PR_SET_NO_NEW_PRIVS takes plain integers.
-            if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
-        super::signal::restore_in_child(&mask, ignored)
-    };
-    // SAFETY: the closure only makes async-signal-safe syscalls on data prepared before fork
-    // (no allocation, no locks).
-    unsafe { cmd.pre_exec(child_setup) };
-    let mut child = {
-        let _reaper_waits = SPAWNING.read().unwrap_or_else(|p| p.into_inner());
-        cmd.spawn()?
-    };
-    let spawned = Spawned {
-        pid: child.id() as i32,
-        stdin: child.stdin.take().map(OwnedFd::from),
-        stdout: child.stdout.take().map(OwnedFd::from),
-        stderr: child.stderr.take().map(OwnedFd::from),
-    };
-    // Dropping `Child` neither waits nor kills: the one reaper collects it.
-    drop(child);
-    Ok(spawned)
 }
 
 /// Every live process that belongs to the tree of a process started in its own session

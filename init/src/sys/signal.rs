@@ -100,15 +100,31 @@ pub fn default_sigpipe() -> std::io::Result<()> {
     Ok(())
 }
 
-/// In a forked child, before exec: restore the inherited mask and the inherited SIG_IGN of
-/// SIGPIPE (std's Command resets it to SIG_DFL) and SIGCHLD (keel resets it for itself).
-/// Every other disposition survives exec untouched because keel never installs handlers.
-/// `ignored` is `inherited_ignored()`, read before fork. Async-signal-safe.
+/// In the child, before exec (every signal still blocked): each disposition back to what keel
+/// inherited (SIG_IGN where it was ignored, so SIGPIPE and SIGCHLD come back ignored when they
+/// were; SIG_DFL everywhere else, so no handler of keel's, such as Rust's SIGSEGV one, can
+/// run in a child that shares keel's memory), then the inherited mask. `ignored` is
+/// `inherited_ignored()`, read before the clone. Async-signal-safe.
 pub fn restore_in_child(mask: &libc::sigset_t, ignored: u64) -> std::io::Result<()> {
-    for sig in [libc::SIGPIPE, libc::SIGCHLD] {
-        if ignored & bit(sig) != 0 {
-            // SAFETY: setting a disposition to SIG_IGN is always valid.
-            if unsafe { libc::signal(sig, libc::SIG_IGN) } == libc::SIG_ERR {
+    for sig in 1..=64 {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+            continue;
+        }
+        // SAFETY: sigaction is plain data; zeroed is valid to receive the old action.
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: a null new action only queries the disposition of `sig` into `old`. glibc
+        // refuses its own two (32, 33), which it never sends to another process.
+        if unsafe { libc::sigaction(sig, std::ptr::null(), &mut old) } != 0 {
+            continue;
+        }
+        let want = if ignored & bit(sig) != 0 {
+            libc::SIG_IGN
+        } else {
+            libc::SIG_DFL
+        };
+        if old.sa_sigaction != want {
+            // SAFETY: setting a disposition to SIG_IGN or SIG_DFL is always valid.
+            if unsafe { libc::signal(sig, want) } == libc::SIG_ERR {
                 return Err(std::io::Error::last_os_error());
             }
         }

@@ -202,6 +202,43 @@ fn output_is_byte_exact_and_exits_are_reported_as_keel_run_does() {
     stop(&mut k);
 }
 
+/// The working directory is entered as the process's user, after the switch: a directory
+/// that user may not search is refused (one line naming the step and the directory), even
+/// though keel, root, could enter it; one the user may enter is its cwd.
+#[test]
+fn the_working_directory_is_entered_as_the_processs_user() {
+    if !require_root("exec cwd test") {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let mut k = keel("", false);
+    let private = k.path("root-only");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let dir = private.to_str().unwrap();
+    let (out, _, x) = run(&k, json!({"argv": ["pwd"], "user": "nobody", "cwd": dir}));
+    assert!(
+        out.is_empty(),
+        "nobody ran in {dir}: {}",
+        String::from_utf8_lossy(&out)
+    );
+    let e = x["error"].as_str().unwrap_or_default();
+    assert!(
+        e.contains("enter its working directory as its user") && e.contains(dir),
+        "{x}"
+    );
+    assert_ne!(x["status"], 0, "{x}");
+    // root may; and nobody may enter a directory open to it.
+    let (out, _, x) = run(&k, json!({"argv": ["pwd"], "cwd": dir}));
+    assert_eq!(String::from_utf8_lossy(&out), format!("{dir}\n"), "{x}");
+    let (out, _, x) = run(
+        &k,
+        json!({"argv": ["sh", "-c", "pwd; id -u"], "user": "nobody", "cwd": "/tmp"}),
+    );
+    assert_eq!(String::from_utf8_lossy(&out), "/tmp\n65534\n", "{x}");
+    stop(&mut k);
+}
+
 #[test]
 fn stdin_is_streamed_and_closed() {
     if !require_root("exec test") {
