@@ -425,20 +425,17 @@ fn from_image(
         lazy: true,
         ..Default::default()
     };
-    let r = (|| -> Result<(), RestoreError> {
-        let state = state_rows(repo, &headers, remote_id);
-        super::image::restore(
-            repo,
-            chain,
-            &state_dir.join(BUILDING_DB),
-            &state,
-            &mut report,
-            &mut |name| laps.to(name, Instant::now()),
-        )
-        // Nothing but the database was written: `finish` makes it durable (no syncfs of
-        // the whole volume, which waits for every other writer's dirty pages too).
-        .map_err(|e| RestoreError::Image(Box::new(e)))
-    })();
+    let state = state_rows(repo, &headers, remote_id);
+    // Nothing but the database is written: `finish` makes it durable (no syncfs of the
+    // whole volume, which waits for every other writer's dirty pages too).
+    let r = super::image::restore(
+        repo,
+        chain,
+        &state_dir.join(BUILDING_DB),
+        &state,
+        &mut report,
+        &mut |name| laps.to(name, Instant::now()),
+    );
     match r {
         Ok(()) => {
             tracing::info!(

@@ -154,6 +154,9 @@ struct Child {
     seccomp: Option<std::sync::Arc<super::seccomp::Filter>>,
     drop_caps: Vec<u32>,
     ids: Option<(u32, u32, Vec<libc::gid_t>)>,
+    /// keel is not dumpable (`ns::set_not_dumpable`): a child that switches user puts that
+    /// back on the memory it shares with keel (below).
+    not_dumpable: bool,
     no_new_privs: bool,
     cwd: CString,
     mask: libc::sigset_t,
@@ -366,6 +369,8 @@ pub fn spawn_io(spec: &SpawnSpec) -> io::Result<Spawned> {
         seccomp: spec.seccomp.clone(),
         drop_caps: spec.drop_caps.clone(),
         ids: spec.ids.as_ref().map(|i| (i.uid, i.gid, i.groups.clone())),
+        // SAFETY: PR_GET_DUMPABLE takes no pointer and returns the flag.
+        not_dumpable: unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) } == 0,
         no_new_privs: spec.no_new_privs,
         cwd: cstring(spec.cwd.as_os_str())?,
         mask: super::signal::inherited_sigset(),
@@ -678,6 +683,17 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
             check(
                 Step::Uid,
                 libc::syscall(libc::SYS_setresuid, *uid, *uid, *uid),
+            );
+        }
+        // A change of ids resets the dumpable flag of this child's memory, which is keel's
+        // (CLONE_VM), to `fs.suid_dumpable`: where a host sets 1, keel would become
+        // dumpable (ptrace-able by a same-uid process without CAP_SYS_PTRACE) until the
+        // child execs. Put keel's flag back at once; exec gives the child its own.
+        if c.not_dumpable {
+            // SAFETY: PR_SET_DUMPABLE takes plain integers.
+            check(
+                Step::Uid,
+                unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } as _,
             );
         }
     }
