@@ -32,7 +32,8 @@ pub const MAX_CONFIGURED: u64 = 64 << 30;
 pub enum Source {
     /// `[workspace] memory_budget = "SIZE"`.
     Configured,
-    /// A quarter of this cgroup `memory.max` (bytes), within [`FLOOR`]..[`AUTO_CEILING`].
+    /// A quarter of this cgroup `memory.max` (bytes; v1: `memory.limit_in_bytes`), within
+    /// [`FLOOR`]..[`AUTO_CEILING`].
     Cgroup { limit: u64 },
     /// No memory limit above keel (or no cgroup v2): [`NO_LIMIT`].
     NoLimit,
@@ -63,8 +64,12 @@ impl std::fmt::Display for Budget {
     }
 }
 
-/// Reads a cgroup v2 `memory.max`: `Ok(None)` for `max` (no limit), the limit in bytes, or
-/// why the text is not one.
+/// A cgroup v1 `memory.limit_in_bytes` at or past this is "no limit" (v1 writes its
+/// largest page count in bytes, 9223372036854771712 on x86-64, rather than `max`).
+const V1_UNLIMITED: u64 = 1 << 60;
+
+/// Reads a cgroup v2 `memory.max` (or a v1 `memory.limit_in_bytes`): `Ok(None)` for `max`
+/// (no limit), the limit in bytes, or why the text is not one.
 pub fn parse_memory_max(text: &str) -> Result<Option<u64>, String> {
     let t = text.trim();
     if t == "max" {
@@ -72,6 +77,7 @@ pub fn parse_memory_max(text: &str) -> Result<Option<u64>, String> {
     }
     match t.parse::<u64>() {
         Ok(0) => Err("a limit of 0 bytes".into()),
+        Ok(n) if n >= V1_UNLIMITED => Ok(None),
         Ok(n) => Ok(Some(n)),
         Err(_) => Err(format!("{t:?} is neither a number nor \"max\"")),
     }
@@ -132,22 +138,33 @@ impl Budget {
     }
 }
 
-/// The `memory.max` texts of keel's cgroup v2 and its ancestors up to the mount's root,
-/// innermost first (none without cgroup v2; the root group has no `memory.max`).
+/// The memory limits of keel's cgroup and its ancestors up to the mount's root, innermost
+/// first: cgroup v2's `memory.max` (the root group has none), and on a host whose memory
+/// controller is still on cgroup v1 (`N:memory:/path` in /proc/self/cgroup) its
+/// `memory.limit_in_bytes`. Inside a container the group's own path may not exist under the
+/// mount (runc mounts the container's group as the root): the walk up then finds the root's.
 fn own_memory_max() -> Vec<String> {
     let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    let Some(rel) = own.lines().find_map(|l| l.strip_prefix("0::")) else {
-        return Vec::new();
-    };
-    let root = std::path::Path::new("/sys/fs/cgroup");
-    let mut dir = root.join(rel.trim_start_matches('/'));
     let mut out = Vec::new();
-    loop {
-        if let Ok(t) = std::fs::read_to_string(dir.join("memory.max")) {
-            out.push(t);
-        }
-        if dir == root || !dir.pop() || !dir.starts_with(root) {
-            break;
+    for line in own.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, controllers, rel) = (f.next(), f.next().unwrap_or(""), f.next().unwrap_or(""));
+        let (root, file) = if controllers.is_empty() {
+            ("/sys/fs/cgroup", "memory.max")
+        } else if controllers.split(',').any(|c| c == "memory") {
+            ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")
+        } else {
+            continue;
+        };
+        let root = std::path::Path::new(root);
+        let mut dir = root.join(rel.trim_start_matches('/'));
+        loop {
+            if let Ok(t) = std::fs::read_to_string(dir.join(file)) {
+                out.push(t);
+            }
+            if dir == root || !dir.pop() || !dir.starts_with(root) {
+                break;
+            }
         }
     }
     out
@@ -359,7 +376,13 @@ mod tests {
 
     #[test]
     fn no_limit_gives_the_fixed_default() {
-        for texts in [&[][..], &["max\n"][..], &["max", "max"][..]] {
+        let v1_unlimited = "9223372036854771712\n";
+        for texts in [
+            &[][..],
+            &["max\n"][..],
+            &["max", "max"][..],
+            &[v1_unlimited][..],
+        ] {
             let b = derive(texts);
             assert_eq!(b.bytes, NO_LIMIT);
             assert_eq!(b.source, Source::NoLimit);
