@@ -10,8 +10,8 @@
 # install, as in a real one), then `keel checkpoint` takes the rest. Printed per keel: the
 # install's time and its ratio to ext4 in the same run (ext4: the same tree into a directory
 # of BENCH_DIR), keel's peak RSS during the install (VmHWM, reset before it, and RSS sampled
-# every 0.1 s: keel resets VmHWM itself at each checkpoint), keel's peak through the
-# checkpoint after it, and the checkpoints' own peaks as keel reports them (/status memory).
+# every 0.1 s: keel resets VmHWM itself at each checkpoint), and keel's peak through the
+# checkpoint after it.
 # --before BIN adds the same rows for another keel binary (e.g. the build before a change),
 # interleaved per rep. --budget SIZE sets [workspace] memory_budget. Medians of --reps
 # (default 3). Needs root, /dev/fuse, python3 and twice --bytes free under BENCH_DIR.
@@ -79,9 +79,9 @@ export KEEL_CONFIG=$RUN/config.toml
 
 kib() { awk -v k="$2:" '$1 == k {print $2}' "/proc/$1/status" 2>/dev/null; }
 secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'; }
-median() { sort -g | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
+median() { sed '/^$/d' | sort -g | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
 
-declare -A T PW PC OWN
+declare -A T PW PC
 one_ext4() {
     local t0 t1
     rm -rf "$RUN/ext4"; mkdir -p "$RUN/ext4"; sync
@@ -90,7 +90,7 @@ one_ext4() {
     rm -rf "$RUN/ext4"
 }
 one_keel() {   # one_keel LABEL BIN
-    local label=$1 bin=$2 pid t0 t1 hwm sampled own
+    local label=$1 bin=$2 pid t0 t1 hwm sampled
     CURBIN=$bin CUR=$label
     rm -rf "$RUN/state" "$RUN/mnt"
     KEEL_BIN=$bin "$REPO/ci/keelctl.sh" start "$RUN/state" "$RUN/mnt" >&2 || exit 1
@@ -107,10 +107,6 @@ one_keel() {   # one_keel LABEL BIN
     echo 5 >"/proc/$pid/clear_refs"
     "$bin" checkpoint --state "$RUN/state" >/dev/null || exit 1
     PC[$label]+="$(( $(kib "$pid" VmHWM) / 1024 )) "
-    own=$("$bin" status --socket "$RUN/state/control.sock" 2>/dev/null | python3 -c 'import json,sys
-try: print(json.load(sys.stdin)["memory"]["last_checkpoint_peak_bytes"] >> 20)
-except Exception: print("-")')
-    OWN[$label]+="$own "
     KEEL_BIN=$bin "$REPO/ci/keelctl.sh" stop "$RUN/state" "$RUN/mnt" >&2 || exit 1
     CUR=''
     grep -o 'checkpoint report=.*' "$RUN/state.log" | sed 's/^/  /' >&2
@@ -129,10 +125,10 @@ done
 e4=$(echo "${T[ext4]}" | tr ' ' '\n' | median)
 echo "# budget-bench: $FILES files / $BYTES bytes written by one process into a fresh keel mount (default config${BUDGET:+, memory_budget $BUDGET}), then keel checkpoint; keel $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?'); $(nproc) CPUs; medians of $REPS (each rep's value in brackets)"
 echo
-echo "| keel | install s | ×ext4 | peak during install MiB | peak through the checkpoint after MiB | that checkpoint's own peak MiB |"
-echo "|---|---|---|---|---|---|"
+echo "| keel | install s | ×ext4 | peak during install MiB | peak through the checkpoint after MiB |"
+echo "|---|---|---|---|---|"
 for l in "${LABELS[@]}"; do
     t=$(echo "${T[$l]}" | tr ' ' '\n' | median)
-    echo "| $l | $t [${T[$l]% }] | $(awk -v a="$t" -v b="$e4" 'BEGIN { printf "%.2f", a / b }') | $(echo "${PW[$l]}" | tr ' ' '\n' | median) [${PW[$l]% }] | $(echo "${PC[$l]}" | tr ' ' '\n' | median) [${PC[$l]% }] | ${OWN[$l]% } |"
+    echo "| $l | $t [${T[$l]% }] | $(awk -v a="$t" -v b="$e4" 'BEGIN { printf "%.2f", a / b }') | $(echo "${PW[$l]}" | tr ' ' '\n' | median) [${PW[$l]% }] | $(echo "${PC[$l]}" | tr ' ' '\n' | median) [${PC[$l]% }] |"
 done
-echo "| ext4 | $e4 [${T[ext4]% }] | 1.00 | | | |"
+echo "| ext4 | $e4 [${T[ext4]% }] | 1.00 | | |"

@@ -195,8 +195,9 @@ pub struct Shares {
     /// Records the snapshot history keeps (undo steps and the kept tree, about 300 bytes
     /// each): B/4 of them, 20,000..200,000.
     pub history_records: usize,
-    /// Bytes a built answer (a JSON list, a status) may hold before keel refuses it: B/8,
-    /// at least 4 MiB. Diffs stream and are bounded by `[control] diff_max_entries`.
+    /// Bytes of an answer keel builds whole (a snapshot list, a process record, an error:
+    /// the API's JSON answers) past which it stops writing it and answers 413 saying so:
+    /// B/8, at least 4 MiB. Diffs stream and are bounded by `[control] diff_max_entries`.
     pub answer_bytes: u64,
 }
 
