@@ -29,7 +29,8 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 set +e   # lib.sh is errexit-friendly; the cases check every status themselves
 
 CASES=(lifecycle no_credentials_in_sandbox five_instances sigkill_restores_last_checkpoint
-       same_id_waits_for_lease remote_down_at_stop time_to_usable kube_play kube_play_restricted)
+       same_id_waits_for_lease remote_down_at_stop time_to_usable kube_play kube_play_restricted
+       memory_limit)
 
 if [ "${1:-}" = --list ]; then printf '%s\n' "${CASES[@]}"; exit 0; fi
 selected=("$@")
@@ -595,6 +596,21 @@ kube_e2e() {   # kube_e2e MANIFEST NAME
     if [ "$rc" != 0 ]; then
         fail "$(grep '^error: ' "$tmp/$2.out" | sed 's/^error: //' | paste -sd';' - | cut -c1-400)"
         show "$tmp/$2.out" "kube-e2e ($1)" 40
+    fi
+}
+
+# The image under `--memory 256m` (script/limit-test.sh --ci: an install of 6,000 files /
+# 150 MB as the main command, 20,000 files, a 30,000-level chain, snapshot, diff by CLI and
+# API, rollback of 1,000 files, full checkpoint, gc, fsck, stop, fresh-volume restore): every
+# step passes and the container's memory cgroup counts no OOM kill.
+case_memory_limit() {
+    KEEL_IMAGE="$image" KEEL_LIMIT_NO_BUILD=1 bash "$repo/script/limit-test.sh" --ci \
+        >"$tmp/limit.out" 2>&1
+    local rc=$?
+    grep '^| 256m' "$tmp/limit.out" | sed 's/^/    /'
+    if [ "$rc" != 0 ]; then
+        fail "$(grep -E 'FAILED|limit-test:' "$tmp/limit.out" | paste -sd';' - | cut -c1-400)"
+        show "$tmp/limit.out" "limit-test --ci" 40
     fi
 }
 

@@ -15,7 +15,7 @@
 //!  │                │                               (never each other)
 //! meta · chunk · config                             the SQLite store; bodies, chunks
 //!  │
-//! sys · logging · progress · time                   syscalls and unsafe; leaves
+//! sys · logging · progress · time · budget          syscalls and unsafe; leaves
 //! ```
 //!
 //! Within the top layer: `run` uses `boot`, `supervisor`, `exec`, `control` and `shutdown`;
@@ -29,6 +29,7 @@
 #![deny(unsafe_code)]
 
 pub mod boot;
+pub mod budget;
 pub mod chunk;
 pub mod config;
 pub mod control;

@@ -284,6 +284,7 @@ impl Prepared {
         main: Option<Arc<dyn MainCommand>>,
     ) -> Result<Workspace, StartError> {
         crate::logging::step("start", "mount");
+        tracing::info!("memory budget: {}", crate::budget::get());
         let opened =
             crate::workspace::open_locked(&cfg.workspace, self.lock).map_err(StartError::Mount)?;
         // The remote is the source of windows not fetched yet before the first request can
@@ -349,7 +350,7 @@ impl Prepared {
     ) -> Result<Workspace, StartError> {
         crate::logging::step("start", "tree");
         let ws = &cfg.workspace;
-        crate::meta::set_cache_ceiling(ws.meta_cache);
+        crate::meta::set_cache_ceiling(ws.meta_cache.unwrap_or(crate::budget::shares().fs_cache));
         let tree = Arc::new(
             DirTree::open(&ws.state_dir, ws.inline_max, ws.chunk_size).map_err(StartError::Dir)?,
         );

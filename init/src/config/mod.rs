@@ -106,11 +106,14 @@ impl Config {
 
     /// The config every subcommand runs with: the file named (`--config`, else
     /// `KEEL_CONFIG`), else `DEFAULT_PATH` if it exists, else the built-in defaults.
+    /// Sets this process's memory budget from it (`crate::budget::set`).
     pub fn resolve(named: Option<&Path>) -> Result<Self, ConfigError> {
-        match config_file(named, Path::new(DEFAULT_PATH)) {
-            Some(p) => Self::load(&p),
-            None => Ok(Self::default()),
-        }
+        let cfg = match config_file(named, Path::new(DEFAULT_PATH)) {
+            Some(p) => Self::load(&p)?,
+            None => Self::default(),
+        };
+        crate::budget::set(cfg.workspace.budget());
+        Ok(cfg)
     }
 
     /// Expands `${VAR}` in the keys of `expand::EXPANDED_KEYS` (in this order).
@@ -312,9 +315,36 @@ mod tests {
     }
 
     #[test]
+    fn memory_budget_is_auto_or_a_size_within_bounds() {
+        let parse = |v: &str| {
+            Config::parse(
+                &format!("[workspace]\nmemory_budget = {v}\n"),
+                Path::new("x.toml"),
+            )
+        };
+        assert_eq!(parse("\"auto\"").unwrap().workspace.memory_budget, None);
+        assert_eq!(
+            parse("\"96MiB\"").unwrap().workspace.memory_budget,
+            Some(96 << 20)
+        );
+        assert_eq!(
+            Config::parse("", Path::new("x.toml"))
+                .unwrap()
+                .workspace
+                .memory_budget,
+            None
+        );
+        for bad in ["\"8MiB\"", "\"100GiB\"", "\"lots\"", "\"Auto\""] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(err.contains("workspace.memory_budget"), "{bad}: {err}");
+            assert_eq!(err.lines().count(), 1, "{err}");
+        }
+    }
+
+    #[test]
     fn meta_cache_is_a_size_within_bounds() {
         let c = Config::parse("[workspace]\nmeta_cache = \"8MiB\"\n", Path::new("x.toml")).unwrap();
-        assert_eq!(c.workspace.meta_cache, 8 << 20);
+        assert_eq!(c.workspace.meta_cache, Some(8 << 20));
         for bad in ["\"512KiB\"", "\"2GiB\"", "\"lots\""] {
             let err = Config::parse(
                 &format!("[workspace]\nmeta_cache = {bad}\n"),

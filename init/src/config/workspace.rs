@@ -170,9 +170,14 @@ pub struct WorkspaceConfig {
     /// Chunk window for checkpoints (power of two, 64 KiB – 8 MiB).
     #[serde(with = "size_str")]
     pub chunk_size: u64,
-    /// Ceiling of SQLite's page cache on each connection to meta.db (1 MiB – 1 GiB).
-    #[serde(with = "size_str")]
-    pub meta_cache: u64,
+    /// Ceiling of SQLite's page cache on the filesystem's connection to meta.db (1 MiB –
+    /// 1 GiB); `None`: the memory budget's share (`budget::Shares::fs_cache`).
+    #[serde(default, with = "super::units::opt_size_str")]
+    pub meta_cache: Option<u64>,
+    /// keel's own memory budget: `None` (`"auto"`, the default) derives it from the cgroup's
+    /// `memory.max` (see `budget`); else a size, 16 MiB – 64 GiB.
+    #[serde(with = "memory_budget")]
+    pub memory_budget: Option<u64>,
     pub on_fuse_unavailable: FuseUnavailable,
     /// Events the change feed (`GET /watch`) keeps for readers to resume from (1 – 10M).
     pub watch_window: usize,
@@ -200,7 +205,8 @@ impl Default for WorkspaceConfig {
             removed_ring_sched: None,
             inline_max: 4096,
             chunk_size: 512 * 1024,
-            meta_cache: 32 << 20,
+            meta_cache: None,
+            memory_budget: None,
             on_fuse_unavailable: FuseUnavailable::Dir,
             watch_window: DEFAULT_WATCH_WINDOW,
             provider: Provider::Auto,
@@ -251,10 +257,15 @@ impl WorkspaceConfig {
                 ),
             );
         }
-        if !(1 << 20..=1 << 30).contains(&self.meta_cache) {
+        if let Some(m) = self.meta_cache.filter(|m| !(1 << 20..=1 << 30).contains(m)) {
+            return bad("meta_cache", format!("{m} must be between 1MiB and 1GiB"));
+        }
+        if let Some(m) = self.memory_budget.filter(|m| {
+            !(crate::budget::MIN_CONFIGURED..=crate::budget::MAX_CONFIGURED).contains(m)
+        }) {
             return bad(
-                "meta_cache",
-                format!("{} must be between 1MiB and 1GiB", self.meta_cache),
+                "memory_budget",
+                format!("{m} must be \"auto\" or between 16MiB and 64GiB"),
             );
         }
         if !(1..=10_000_000).contains(&self.watch_window) {
@@ -279,6 +290,11 @@ impl WorkspaceConfig {
             .unwrap_or_else(|| format!("{FSNAME_PREFIX}{}", self.state_dir.display()))
     }
 
+    /// The memory budget this config gives in this process (see `budget`).
+    pub fn budget(&self) -> crate::budget::Budget {
+        crate::budget::Budget::detect(self.memory_budget)
+    }
+
     /// Worker threads to actually start.
     pub fn effective_threads(&self) -> usize {
         if self.threads == 0 {
@@ -288,6 +304,28 @@ impl WorkspaceConfig {
                 .clamp(2, 8)
         } else {
             self.threads
+        }
+    }
+}
+
+/// serde helper for `memory_budget`: `"auto"` (`None`) or a size.
+mod memory_budget {
+    use serde::{Deserialize, Deserializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        N(u64),
+        S(String),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(Some(n)),
+            Raw::S(s) if s == "auto" => Ok(None),
+            Raw::S(s) => super::super::units::parse_size(&s)
+                .map(Some)
+                .map_err(|e| serde::de::Error::custom(format!("{e} (or \"auto\")"))),
         }
     }
 }

@@ -105,6 +105,44 @@ impl Collector for StatusCollector {
             "1 while the FUSE workspace is mounted.",
             flag(r.mount.mounted),
         )?;
+        let mem = &r.memory;
+        if let Some(rss) = mem.rss_bytes {
+            gauge(
+                &mut enc,
+                "keel_memory_rss_bytes",
+                "keel's resident memory now.",
+                int(rss),
+            )?;
+        }
+        gauge(
+            &mut enc,
+            "keel_memory_peak_bytes",
+            "keel's peak resident memory since it started.",
+            int(mem.peak_bytes),
+        )?;
+        gauge(
+            &mut enc,
+            "keel_memory_budget_bytes",
+            "keel's memory budget ([workspace] memory_budget, or from the cgroup's memory.max).",
+            int(mem.budget_bytes),
+        )?;
+        if let Some(p) = mem.last_checkpoint_peak_bytes {
+            gauge(
+                &mut enc,
+                "keel_memory_last_checkpoint_peak_bytes",
+                "keel's peak resident memory during the last checkpoint.",
+                int(p),
+            )?;
+        }
+        if let (Some(op), Some(p)) = (&mem.last_operation, mem.last_operation_peak_bytes) {
+            let mut m = enc.encode_descriptor(
+                "keel_memory_last_operation_peak_bytes",
+                "keel's peak resident memory during the last operation (checkpoint, snapshot_create, diff, rollback, gc, fsck, restore, fork).",
+                None,
+                MetricType::Gauge,
+            )?;
+            ConstGauge::new(int(p)).encode(m.encode_family(&[("operation", op.as_str())])?)?;
+        }
         if let Some(on) = r.mount.passthrough {
             gauge(
                 &mut enc,

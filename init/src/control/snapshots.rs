@@ -78,10 +78,38 @@ fn snapshots_status(e: &SnapshotsError) -> u16 {
     }
 }
 
+/// A JSON answer, written out only up to the memory budget's share for one answer
+/// (`budget::Shares::answer_bytes`): past it the writing stops and the answer is a 413 that
+/// says so (the diffs, which can be far larger, stream instead).
 pub(super) fn json(code: u16, v: &serde_json::Value) -> Response {
-    let mut text = serde_json::to_string_pretty(v).unwrap_or_default();
-    text.push('\n');
-    Response::json(code, text)
+    json_capped(code, v, crate::budget::shares().answer_bytes as usize)
+}
+
+fn json_capped(code: u16, v: &serde_json::Value, cap: usize) -> Response {
+    /// A buffer that refuses to grow past `cap`.
+    struct Capped(Vec<u8>, usize);
+    impl std::io::Write for Capped {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            if self.0.len() + b.len() > self.1 {
+                return Err(std::io::Error::other("over the cap"));
+            }
+            self.0.extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut out = Capped(Vec::new(), cap);
+    if serde_json::to_writer_pretty(&mut out, v).is_err() {
+        let why = format!(
+            "the answer would be more than {cap} bytes, keel's memory budget's share for one answer ([workspace] memory_budget)"
+        );
+        let body = serde_json::json!({ "ok": false, "error": why });
+        return Response::json(413, format!("{body:#}\n"));
+    }
+    out.0.push(b'\n');
+    Response::json(code, String::from_utf8(out.0).unwrap_or_default())
 }
 
 pub(super) fn error(code: u16, why: &str) -> Response {
@@ -343,6 +371,20 @@ pub fn handle(req: &Request, status: &StatusHandle) -> Response {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_answer_past_the_budget_share_is_a_413_that_says_so() {
+        let v = serde_json::json!({ "names": vec!["a-long-snapshot-name"; 100] });
+        let ok = super::json_capped(200, &v, 1 << 20);
+        assert_eq!(ok.status, 200);
+        let refused = super::json_capped(200, &v, 1000);
+        assert_eq!(refused.status, 413);
+        let body = String::from_utf8_lossy(&refused.body).into_owned();
+        assert!(
+            body.contains("more than 1000 bytes") && body.contains("memory_budget"),
+            "{body}"
+        );
+    }
+
     use super::*;
 
     #[test]

@@ -524,6 +524,7 @@ impl StatusHandle {
                     error: l.error.clone(),
                 }),
             },
+            memory: MemoryReport::now(),
         }
     }
 
@@ -611,6 +612,41 @@ pub struct Report {
     pub mount: MountReport,
     pub services: Vec<ServiceReport>,
     pub persist: PersistReport,
+    pub memory: MemoryReport,
+}
+
+/// keel's own memory against its budget (see `crate::budget`), bytes.
+#[derive(Debug, Serialize)]
+pub struct MemoryReport {
+    /// keel's resident memory now (`VmRSS`); null where /proc does not say.
+    pub rss_bytes: Option<u64>,
+    /// Its peak since keel started.
+    pub peak_bytes: u64,
+    pub budget_bytes: u64,
+    /// Where the budget came from, in words.
+    pub budget: String,
+    /// The peak of the last checkpoint (null before the first).
+    pub last_checkpoint_peak_bytes: Option<u64>,
+    /// The last tracked operation (checkpoint, snapshot_create, diff, rollback, gc, fsck,
+    /// restore, fork) and its peak.
+    pub last_operation: Option<String>,
+    pub last_operation_peak_bytes: Option<u64>,
+}
+
+impl MemoryReport {
+    pub fn now() -> MemoryReport {
+        let b = crate::budget::get();
+        let p = crate::budget::peaks();
+        MemoryReport {
+            rss_bytes: crate::budget::rss().map(|(now, _)| now),
+            peak_bytes: p.since_start,
+            budget_bytes: b.bytes,
+            budget: b.to_string(),
+            last_checkpoint_peak_bytes: p.last_checkpoint,
+            last_operation: p.last_op.map(|(op, _)| op.to_string()),
+            last_operation_peak_bytes: p.last_op.map(|(_, n)| n),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]

@@ -26,7 +26,10 @@ use super::{inode_cols, inode_row, Counted, Inode, InodeNo, Kind, MetaError, Nan
 /// writes; it does not need to hold the tree. It counts in the daemon's peak while a full
 /// snapshot builds its metadata image (64 MiB made 66 of a 1M-file peak); with 16 MiB the
 /// 1M-file image built in 2.7 s.
-const BULK_CACHE_KIB: u32 = 16384;
+/// Page cache of a bulk writer's connection, KiB: the memory budget's `bulk_cache` share.
+fn bulk_cache_kib() -> u64 {
+    crate::budget::shares().bulk_cache / 1024
+}
 
 /// Rows per INSERT statement: one statement per row spent most of its time starting and
 /// ending the statement (and updating `sqlite_sequence` for the inode table).
@@ -216,7 +219,8 @@ fn prepare(conn: &Connection, now: Nanos) -> Result<()> {
          PRAGMA synchronous=OFF;
          PRAGMA foreign_keys=OFF;
          PRAGMA temp_store=MEMORY;
-         PRAGMA cache_size=-{BULK_CACHE_KIB};"
+         PRAGMA cache_size=-{};",
+        bulk_cache_kib()
     ))?;
     super::schema::create(conn, now)?;
     super::lazy::ensure_schema(conn)?;
@@ -630,7 +634,8 @@ pub fn amend_bulk<E: From<MetaError>>(
          PRAGMA synchronous=OFF;
          PRAGMA foreign_keys=OFF;
          PRAGMA temp_store=MEMORY;
-         PRAGMA cache_size=-{BULK_CACHE_KIB};"
+         PRAGMA cache_size=-{};",
+        bulk_cache_kib()
     ))
     .map_err(MetaError::from)?;
     let dropped: Vec<(String, String)> = {

@@ -276,8 +276,9 @@ impl Counted for Connection {
     }
 }
 
-/// Ceiling of SQLite's page cache per connection, KiB (`[workspace] meta_cache`).
-static CACHE_KIB: AtomicU32 = AtomicU32::new(32 * 1024);
+/// Ceiling of SQLite's page cache per connection, KiB (`[workspace] meta_cache`, else the
+/// memory budget's `fs_cache` share; until set, that of the default budget).
+static CACHE_KIB: AtomicU32 = AtomicU32::new(0);
 
 /// Sets the page cache ceiling of every connection opened from now on in this process (and
 /// caps `limit_cache`). Set once, before the workspace opens its store.
@@ -287,7 +288,10 @@ pub fn set_cache_ceiling(bytes: u64) {
 }
 
 fn cache_ceiling_kib() -> u32 {
-    CACHE_KIB.load(Ordering::SeqCst)
+    match CACHE_KIB.load(Ordering::SeqCst) {
+        0 => (crate::budget::shares().fs_cache / 1024) as u32,
+        kib => kib,
+    }
 }
 
 /// Writers on connections without group commit that are waiting to start a transaction on

@@ -182,14 +182,26 @@ fn last_seq(w: &Worker) -> Result<Option<u64>, AgentError> {
 }
 
 pub(super) fn run(w: &mut Worker, op: Op) -> Result<serde_json::Value, AgentError> {
+    let _peak = crate::budget::track(match &op {
+        Op::SnapshotCreate(_) => "snapshot_create",
+        Op::Rollback(_) => "rollback",
+        Op::Diff(_) => "diff",
+        Op::Checkpoint => "checkpoint",
+    });
     let r = match op {
         Op::SnapshotCreate(c) => create(w, &c),
         Op::Rollback(r) => rollback(w, &r),
         Op::Diff(d) => diff(w, &d),
         Op::Checkpoint => checkpoint(w),
     };
-    // A large workspace's tree is not kept between operations (history::MAX_TREE_RECORDS).
-    if w.history.as_ref().is_some_and(|h| !h.worth_keeping()) {
+    // A large workspace's tree is not kept between operations (history::max_tree_records),
+    // nor any while keel is near its memory budget.
+    if w.history.as_ref().is_some_and(|h| {
+        !h.worth_keeping()
+            || crate::budget::pressure(
+                "the snapshot history is dropped (diffs and rollbacks read the snapshots instead)",
+            )
+    }) {
         w.history = None;
         crate::sys::mem::release_free_heap();
     }
@@ -232,7 +244,7 @@ fn history_seeing(w: &mut Worker, current: u64, target: u64) -> Result<(), Agent
 }
 
 /// Whether the worker keeps (or would keep, by its header's inode count) the history at
-/// `seq`: past `history::MAX_TREE_RECORDS` an operation decodes only the trees it needs,
+/// `seq`: past `history::max_tree_records` an operation decodes only the trees it needs,
 /// since loading the history there would cost a whole tree for nothing kept.
 fn keeps_history(w: &Worker, seq: u64) -> Result<bool, AgentError> {
     if w.history.as_ref().is_some_and(|h| h.seq() == seq) {

@@ -225,6 +225,7 @@ fn canon(repo: &Repo, key: &str) -> Option<String> {
 /// workspace and live in the same store as the source's chunks. No chunk is copied.
 pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkReport, ForkError> {
     let op = crate::logging::Op::start("fork");
+    let _peak = crate::budget::track("fork");
     if src.manifest().map_err(ForkError::ReadSource)?.is_none() {
         return Err(ForkError::NoWorkspace(describe(src)));
     }

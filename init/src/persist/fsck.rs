@@ -149,6 +149,7 @@ fn started_only(state_dir: &Path) -> bool {
 }
 
 pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckError> {
+    let _peak = crate::budget::track("fsck");
     let t0 = Instant::now();
     let bad = |reason: String| FsckError::OpenState {
         path: state_dir.to_path_buf(),
@@ -190,7 +191,9 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
     }
     let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
     // Every check reads each table once, in order: more cache would not be hit again.
-    store.limit_cache(FSCK_CACHE_KIB)?;
+    // SQLite's page cache for fsck: the budget's share (the peak is this plus ~48 bytes an
+    // inode).
+    store.limit_cache((crate::budget::shares().fsck_cache / 1024) as u32)?;
     rep.remote_checked = opts.remote.is_some();
     if let Some(url) = &opts.missing_remote {
         let last: Option<u64> = store
@@ -244,9 +247,6 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
     rep.elapsed_s = t0.elapsed().as_secs_f64();
     Ok(rep)
 }
-
-/// SQLite's page cache for fsck, KiB (the process's peak is this plus ~48 bytes an inode).
-const FSCK_CACHE_KIB: u32 = 8 * 1024;
 
 /// Loose entries named one by one; past these, one summary line.
 const LOOSE_SHOWN: usize = 10;

@@ -345,6 +345,7 @@ pub fn gc_with(
     grace: Duration,
 ) -> Result<GcReport, GcError> {
     let op = crate::logging::Op::start("gc");
+    let _peak = crate::budget::track("gc");
     let _ = repo.manifest().map_err(GcError::List)?;
     // Announced before the fork records are read, and alive until the last delete: a fork
     // registered after that read waits for this gc to end before it reads its source.

@@ -11,12 +11,12 @@
 //! those. Anything outside the window (older, or before keel started) falls back to decoding
 //! the snapshot's chain, as before.
 //!
-//! The window is bounded by the records it holds (`MAX_RECORDS`); it starts empty when the
+//! The window is bounded by the records it holds (`max_records`); it starts empty when the
 //! first named snapshot, diff or rollback loads the tree (the one full decode), so a keel
 //! that is never asked for one never holds it; a rollback the window does not already see,
 //! and on a large workspace a diff, reads instead only the parts of the two trees it needs
 //! when the older snapshot is on the newer's chain (`diff::sparse`). The tree itself is kept only while it is
-//! small (`MAX_TREE_RECORDS`): a large workspace's tree would hold more memory than keel's
+//! small (`max_tree_records`): a large workspace's tree would hold more memory than keel's
 //! whole budget, so there each operation reads those parts, or builds the history it needs
 //! (the older snapshot's tree advanced to the newer, `advance_any`, else the chains
 //! decoded) and drops it, and
@@ -31,14 +31,20 @@ use super::repo::{Repo, RepoError};
 
 /// Records (inodes + entries) the undo steps may hold together; older steps are dropped
 /// past it. About 100 bytes to a few KB each (an inline file's bytes are in its record).
-pub const MAX_RECORDS: usize = 200_000;
+/// The memory budget's `history_records` share (200,000 from a 256 MiB budget up).
+pub fn max_records() -> usize {
+    crate::budget::shares().history_records
+}
 
 /// Records (inodes + entries) of the tree above which the history is not kept between
 /// operations (`History::worth_keeping`). A record of the decoded tree costs about 250-300
 /// bytes of heap (the inode record, its map node, an entry's name and key), so 200,000 is
 /// ~50-60 MiB: about 100,000 files. Issue 25 bounds keel's RSS at 150 MiB at 1,000,000
-/// files, which a kept tree of that size (~550 MiB) would break many times over.
-pub const MAX_TREE_RECORDS: usize = 200_000;
+/// files, which a kept tree of that size (~550 MiB) would break many times over. The same
+/// share of the memory budget as [`max_records`].
+pub fn max_tree_records() -> usize {
+    crate::budget::shares().history_records
+}
 
 /// Snapshots an operation walks to see an older one with one tree (`diff::diff_along`, a
 /// rollback's history): past it the two trees are decoded instead. Each is a GET (and a
@@ -258,13 +264,14 @@ impl History {
     /// kept (`worth_keeping`): an inode is about two records, itself and its entry. Lets
     /// an operation that loads the history only to keep it skip the load.
     pub fn would_keep(inodes: u64) -> bool {
-        inodes.saturating_mul(2) <= MAX_TREE_RECORDS as u64
+        inodes.saturating_mul(2) <= max_tree_records() as u64
     }
 
     /// Whether to keep the history after the operation that loaded or used it: only while
-    /// its tree holds at most `MAX_TREE_RECORDS` records (see the module doc).
+    /// its tree holds at most `max_tree_records` records (see the module doc). (The worker
+    /// also drops it when keel is near its memory budget: `agent::run`.)
     pub fn worth_keeping(&self) -> bool {
-        self.worth_keeping_under(MAX_TREE_RECORDS)
+        self.worth_keeping_under(max_tree_records())
     }
 
     fn worth_keeping_under(&self, limit: usize) -> bool {
@@ -273,7 +280,7 @@ impl History {
 
     /// Replays snapshot `seq` (just written by the checkpoint) onto the tree, keeping what
     /// it replaced. `Ok(false)`: it does not follow the tree, or the tree is past
-    /// `MAX_TREE_RECORDS` (the caller drops the history). The snapshot is read a record at
+    /// `max_tree_records` (the caller drops the history). The snapshot is read a record at
     /// a time (`format::reader`), never decoded whole.
     pub fn advance(&mut self, repo: &Repo, seq: u64) -> Result<bool, HistoryError> {
         if !self.worth_keeping() {
@@ -359,7 +366,7 @@ impl History {
         }
         self.records += step.records();
         self.steps.push_back(step);
-        while self.records > MAX_RECORDS {
+        while self.records > max_records() {
             match self.steps.pop_front() {
                 Some(s) => self.records -= s.records(),
                 None => break,
@@ -622,7 +629,8 @@ mod tests {
 
     #[test]
     fn only_a_small_tree_is_worth_keeping() {
-        assert!(History::would_keep(100_000) && !History::would_keep(100_001));
+        let n = max_tree_records() as u64 / 2;
+        assert!(History::would_keep(n) && !History::would_keep(n + 1));
         let h = History {
             tree: tree(10),
             ..Default::default()

@@ -143,6 +143,7 @@ fn restore_checked(
     windows: Option<u64>,
 ) -> Result<RestoreReport, RestoreError> {
     let _op = crate::logging::Op::start("restore");
+    let _peak = crate::budget::track("restore");
     let r = restore_inner(repo, seq, state_dir, mode, windows);
     if r.is_err() && state_dir.join(UNFINISHED).exists() && !state_dir.join("meta.db").exists() {
         // Leave the state dir empty again.

@@ -743,6 +743,7 @@ impl Worker {
                     mut out,
                     reply,
                 }) => {
+                    let _peak = crate::budget::track("diff");
                     let r = super::agent::diff_to(&mut self, &req, format, limit, &mut out);
                     // The writer ends the answer when it goes (before the reply).
                     drop(out);

@@ -290,7 +290,7 @@ pub fn open_locked(cfg: &WorkspaceConfig, lock: StateLock) -> Result<Opened, Ses
     let state = &cfg.state_dir;
     let passthrough = Arc::new(AtomicBool::new(false));
     let posix_acl = Arc::new(AtomicBool::new(false));
-    crate::meta::set_cache_ceiling(cfg.meta_cache);
+    crate::meta::set_cache_ceiling(cfg.meta_cache.unwrap_or(crate::budget::shares().fs_cache));
     let fs = WorkspaceFs::new(
         state,
         FsOptions {

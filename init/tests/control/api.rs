@@ -216,6 +216,15 @@ fn status_json_has_every_field_and_no_secret() {
     assert_eq!(v["persist"]["dirty_files"], 3);
     assert_eq!(v["persist"]["remote_backlog_bytes"], 0);
     assert!(v["persist"]["lease"].is_null());
+    // keel's own memory against its budget.
+    let m = &v["memory"];
+    assert!(m["rss_bytes"].as_u64().unwrap() > 0, "{m}");
+    assert!(
+        m["peak_bytes"].as_u64().unwrap() >= m["rss_bytes"].as_u64().unwrap() / 2,
+        "{m}"
+    );
+    assert!(m["budget_bytes"].as_u64().unwrap() >= 16 << 20, "{m}");
+    assert!(m["budget"].as_str().unwrap().contains("MiB"), "{m}");
     c.stop();
 }
 

@@ -7,6 +7,7 @@
 mod support;
 
 mod api;
+mod budget;
 mod deep_diff;
 mod e2e;
 mod exec;

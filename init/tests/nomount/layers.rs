@@ -29,6 +29,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("logging", 1),
     ("progress", 1),
     ("time", 1),
+    ("budget", 1),
 ];
 
 /// Same-layer modules that must not import each other at all.

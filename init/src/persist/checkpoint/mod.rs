@@ -86,6 +86,8 @@ pub struct CheckpointReport {
     pub packed_chunks: u64,
     pub packs_uploaded: u64,
     pub snapshot_bytes: u64,
+    /// Passes of hashing and uploading (each at most the memory budget's `hash_batch`).
+    pub batches: u64,
     pub elapsed: Duration,
 }
 
@@ -95,7 +97,7 @@ impl std::fmt::Display for CheckpointReport {
             None => write!(f, "nothing changed since the last checkpoint"),
             Some(s) => write!(
                 f,
-                "snapshot {s} ({}): {} inodes changed, {} windows / {} bytes hashed, {} chunks / {} bytes uploaded{}{}, snapshot {} bytes, {:.3}s",
+                "snapshot {s} ({}): {} inodes changed, {} windows / {} bytes hashed, {} chunks / {} bytes uploaded{}{}, snapshot {} bytes, {:.3}s{}",
                 if self.full { "full" } else { "delta" },
                 self.inodes,
                 self.windows_hashed,
@@ -111,7 +113,11 @@ impl std::fmt::Display for CheckpointReport {
                     n => format!(" ({n} already there, refreshed)"),
                 },
                 self.snapshot_bytes,
-                self.elapsed.as_secs_f64()
+                self.elapsed.as_secs_f64(),
+                match self.batches {
+                    0 | 1 => String::new(),
+                    n => format!(" in {n} batches"),
+                }
             ),
         }
     }
@@ -162,9 +168,6 @@ pub struct PersistParams {
     pub pack_size: u64,
 }
 
-/// SQLite page cache of the checkpointer's connection, KiB: it walks the changes once per
-/// checkpoint, so a large cache only holds memory between checkpoints.
-const CHECKPOINT_CACHE_KIB: u32 = 4096;
 /// Body modification times are coarse: rescan bodies modified this close to the point.
 const MTIME_SLACK_NS: i64 = 2_000_000_000;
 
@@ -218,7 +221,9 @@ impl Persister {
             ));
         }
         let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
-        store.limit_cache(CHECKPOINT_CACHE_KIB)?;
+        // The checkpointer walks the changes once per checkpoint, so a large cache would only
+        // hold memory between checkpoints: the budget's `checkpoint_cache` share.
+        store.limit_cache((crate::budget::shares().checkpoint_cache / 1024) as u32)?;
         let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| bad(e.to_string()))?;
         Ok(Persister {
             store,
@@ -355,6 +360,7 @@ impl Persister {
             });
         }
         let op = crate::logging::Op::start("checkpoint");
+        let _peak = crate::budget::track("checkpoint");
         let r = self.take_checkpoint(opts, &op);
         let done = r.as_ref().ok();
         let outcome = done.map(|r| (r.seq.is_some(), r.chunks_uploaded, r.chunk_bytes_uploaded));

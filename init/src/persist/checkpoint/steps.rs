@@ -24,9 +24,6 @@ use crate::persist::pack::{Built, Packer};
 use crate::persist::remote::{PutMode, RemoteError};
 use crate::persist::repo::Head;
 
-/// Bytes of windows hashed per batch (bounds memory while uploading: keel's peak RSS during
-/// a checkpoint is about this plus the snapshot's trees).
-const BATCH_BYTES: u64 = 32 << 20;
 /// `persist_state` key: the chunk maps of inline files were dropped once (see
 /// `void_stale_chunk_maps`).
 pub(super) const INLINE_MAPS_SWEPT: &str = "inline_chunk_maps_swept";
@@ -114,6 +111,8 @@ pub(super) struct Pass {
     /// `collect_tree`), so the tree is never in memory at once.
     pub spill: Option<FullSpill>,
     pub files: HashMap<InodeNo, FileWork>,
+    /// A delta's inodes whose records went to `spill` (no chunked file among them).
+    pub spilled: Vec<InodeNo>,
     pub jobs: Vec<Job>,
     /// Live inodes and file bytes of the whole tree (the snapshot header's totals).
     pub inode_total: u64,
@@ -138,6 +137,7 @@ impl Pass {
             body: Body::default(),
             spill: None,
             files: HashMap::new(),
+            spilled: Vec::new(),
             jobs: Vec::new(),
             inode_total: 0,
             file_bytes: 0,
@@ -169,7 +169,7 @@ impl Pass {
     fn data_of(&mut self, i: &Inode, found: &mut Found, dirty: &Dirty, cs: u64) -> DataRec {
         match (i.kind, i.storage) {
             (Kind::File, Storage::Inline) => {
-                let mut v = found.inline.get(&i.ino).cloned().unwrap_or_default();
+                let mut v = found.inline.remove(&i.ino).unwrap_or_default();
                 v.resize(i.size as usize, 0);
                 DataRec::Inline(v)
             }
@@ -293,11 +293,43 @@ impl Pass {
     }
 }
 
-/// A full snapshot's records other than its chunked files', in the order they will be
-/// written.
+/// A snapshot's records other than its chunked files', set aside on disk in the order they
+/// will be written: a full snapshot's always, a delta's once its records in memory pass the
+/// budget's share (`budget::Shares::snapshot_records`).
 pub(super) struct FullSpill {
     pub inodes: Spill,
     pub dirents: Spill,
+    pub unlinked: Spill,
+}
+
+impl FullSpill {
+    fn create(store: &crate::meta::Store) -> Result<FullSpill, CheckpointError> {
+        let spill = |name: &str| -> Result<Spill, CheckpointError> {
+            let path = store
+                .scratch_path(name)
+                .ok_or_else(|| format::FormatError::Spill {
+                    path: name.to_string(),
+                    source: std::io::Error::other("the state database has no file to spill beside"),
+                })?;
+            Ok(Spill::create(path)?)
+        };
+        Ok(FullSpill {
+            inodes: spill("snapshot-inodes")?,
+            dirents: spill("snapshot-dirents")?,
+            unlinked: spill("snapshot-unlinked")?,
+        })
+    }
+}
+
+/// Heap bytes an inode record holds, about (a delta's records in memory are counted by it).
+fn rec_bytes(r: &InodeRec) -> u64 {
+    let data = match &r.data {
+        DataRec::Inline(v) | DataRec::Symlink(v) => v.len(),
+        DataRec::Chunks { patch, .. } => patch.len() * 48,
+        DataRec::None => 0,
+    };
+    let x: usize = r.xattrs.iter().map(|(k, v)| k.len() + v.len() + 48).sum();
+    (160 + data + x) as u64
 }
 
 impl Pass {
@@ -312,17 +344,30 @@ impl Pass {
         let Some(sp) = self.spill.take() else {
             return Ok(format::encode(&h, &self.body)?);
         };
+        let b = &self.body;
         let mut w = BodyWriter::new(&h)?;
-        w.begin(
-            Section::Inodes,
-            sp.inodes.len() + self.body.inodes.len() as u64,
-        )?;
+        w.begin(Section::Inodes, sp.inodes.len() + b.inodes.len() as u64)?;
         w.splice(Section::Inodes, sp.inodes)?;
-        for r in &self.body.inodes {
+        for r in &b.inodes {
             w.inode(r)?;
         }
-        w.begin(Section::Dirents, sp.dirents.len())?;
+        w.begin(Section::Deleted, b.deleted.len() as u64)?;
+        for d in &b.deleted {
+            w.deleted(*d)?;
+        }
+        w.begin(Section::Dirents, sp.dirents.len() + b.dirents.len() as u64)?;
         w.splice(Section::Dirents, sp.dirents)?;
+        for d in &b.dirents {
+            w.dirent(d)?;
+        }
+        w.begin(
+            Section::Unlinked,
+            sp.unlinked.len() + b.unlinked.len() as u64,
+        )?;
+        w.splice(Section::Unlinked, sp.unlinked)?;
+        for (parent, name) in &b.unlinked {
+            w.unlinked(*parent, name)?;
+        }
         Ok(w.finish()?)
     }
 }
@@ -489,20 +534,7 @@ impl Persister {
         pass: &mut Pass,
     ) -> Result<(), CheckpointError> {
         let cs = self.params.chunk_size;
-        let spill = |name: &str| -> Result<Spill, CheckpointError> {
-            let path = self
-                .store
-                .scratch_path(name)
-                .ok_or_else(|| format::FormatError::Spill {
-                    path: name.to_string(),
-                    source: std::io::Error::other("the state database has no file to spill beside"),
-                })?;
-            Ok(Spill::create(path)?)
-        };
-        let mut sp = FullSpill {
-            inodes: spill("snapshot-inodes")?,
-            dirents: spill("snapshot-dirents")?,
-        };
+        let mut sp = FullSpill::create(&self.store)?;
         let mut xattrs = view.all_xattrs()?;
         view.for_each_live_inode_with_data(|i, data| -> Result<(), CheckpointError> {
             pass.inode_total += 1;
@@ -551,6 +583,9 @@ impl Persister {
         pass: &mut Pass,
     ) -> Result<(), CheckpointError> {
         let cs = self.params.chunk_size;
+        // Records kept in memory until this many bytes; the rest go to a spill file.
+        let keep = crate::budget::shares().snapshot_records;
+        let mut held = 0u64;
         let mut touched: BTreeSet<InodeNo> = view.snapshot_inodes()?.into_iter().collect();
         touched.extend(dirty.0.iter().map(|(ino, _)| *ino));
         for ino in touched {
@@ -574,17 +609,46 @@ impl Persister {
                 }
                 _ => {}
             }
-            pass.add_inode(&i, x, &mut found, dirty, cs);
+            if i.kind == Kind::File && i.storage == Storage::Body {
+                // Its record waits in memory for its chunk map (`fill_chunk_maps`).
+                pass.add_inode(&i, x, &mut found, dirty, cs);
+                held += 256;
+                continue;
+            }
+            let rec = rec_of(&i, x, pass.data_of(&i, &mut found, dirty, cs));
+            held += rec_bytes(&rec);
+            if held > keep && pass.spill.is_none() {
+                pass.spill = Some(FullSpill::create(&self.store)?);
+            }
+            match &mut pass.spill {
+                Some(sp) => {
+                    sp.inodes.push(&rec)?;
+                    pass.spilled.push(ino);
+                }
+                None => pass.body.inodes.push(rec),
+            }
         }
         for (parent, name) in view.snapshot_dirents()? {
-            match view.lookup(parent, &name)? {
-                Some(d) => pass.body.dirents.push(DirentRec {
+            held += 64 + name.len() as u64;
+            if held > keep && pass.spill.is_none() {
+                pass.spill = Some(FullSpill::create(&self.store)?);
+            }
+            let d = view.lookup(parent, &name)?;
+            match (d, &mut pass.spill) {
+                (Some(d), Some(sp)) => sp.dirents.push(&DirentRec {
+                    parent: parent.0,
+                    name,
+                    ino: d.ino.0,
+                    kind: d.kind.mode_bits(),
+                })?,
+                (Some(d), None) => pass.body.dirents.push(DirentRec {
                     parent: parent.0,
                     name,
                     ino: d.ino.0,
                     kind: d.kind.mode_bits(),
                 }),
-                None => pass.body.unlinked.push((parent.0, name)),
+                (None, Some(sp)) => sp.unlinked.push(&(parent.0, name.as_slice()))?,
+                (None, None) => pass.body.unlinked.push((parent.0, name)),
             }
         }
         (pass.inode_total, pass.file_bytes) = view.live_totals()?;
@@ -606,16 +670,24 @@ impl Persister {
         // Whether reused chunks need a fresh age (asked once, at the first upload).
         let mut shared: Option<bool> = None;
         let mut packer = Packer::new(self.params.pack_below, self.params.pack_size);
+        // Bytes of windows hashed per batch, held until uploaded (with at most one pack
+        // being filled): the budget's share, halved while keel is near its budget.
+        let mut batch = crate::budget::shares().hash_batch;
         while done < total {
+            if crate::budget::pressure("checkpoint batches are halved until it is not") {
+                crate::sys::mem::release_free_heap();
+                batch = (batch / 2).max(self.params.chunk_size);
+            }
             if deadline.is_some_and(|d| Instant::now() > d) {
                 return Err(CheckpointError::Deadline { done, total });
             }
             let mut end = done;
             let mut bytes = 0;
-            while end < total && (bytes < BATCH_BYTES || end == done) {
+            while end < total && (bytes < batch || end == done) {
                 bytes += pass.jobs[end].range.end - pass.jobs[end].range.start;
                 end += 1;
             }
+            pass.report.batches += 1;
             let results = self.hash_batch(&pass.jobs[done..end])?;
             let mut upload: Vec<(String, Bytes)> = Vec::new();
             for (job, (id, data)) in pass.jobs[done..end].iter().zip(results) {
@@ -856,9 +928,10 @@ impl Persister {
                 }
             }
         } else {
-            for rec in &pass.body.inodes {
-                if !pass.files.contains_key(&InodeNo(rec.ino)) {
-                    tx.truncate_file_chunks(InodeNo(rec.ino), 0)?;
+            let kept = pass.body.inodes.iter().map(|r| InodeNo(r.ino));
+            for ino in kept.chain(pass.spilled.iter().copied()) {
+                if !pass.files.contains_key(&ino) {
+                    tx.truncate_file_chunks(ino, 0)?;
                 }
             }
         }
