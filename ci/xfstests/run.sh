@@ -20,6 +20,7 @@
 #   - /sbin/mount.fuse.keel exists (an overlay on /sbin whose upper layer is a tmpfs);
 #   - every FUSE mount but this run's is detached (copies of other people's keel mounts and
 #     any dead FUSE mount, which would hang `df`); the originals are untouched;
+#   - /tmp is the run's own (OUT/tmp), unless OUT, KEEL_BIN or xfstests are under /tmp;
 #   - /proc/sys is read-only and /proc/sys/vm/{drop_caches,compact_memory} are /dev/null, so
 #     no test changes a host-wide setting or drops the host's page cache.
 # Writes OUT/results.tsv (test, pass|fail|notrun, reason: the notrun message, or where the
@@ -90,6 +91,20 @@ detach_foreign_fuse
 
 mkdir -p "$ns"
 mount -t tmpfs -o mode=755,size=16m "xfstests-ns" "$ns"
+# Each run its own /tmp: tests build trees at fixed /tmp paths (generic/100's
+# /tmp/populate_root), which two configurations running at once would share. Not where this
+# run's own files are under /tmp (the bind would hide them): then it says so.
+private_tmp=1
+for p in "$out" "$KEEL_BIN" "$xfst" "$repo"; do
+    case "$p/" in /tmp/*) private_tmp=0 ;; esac
+done
+if [ "$private_tmp" = 1 ]; then
+    mkdir -p "$out/tmp"
+    chmod 1777 "$out/tmp"
+    mount --bind "$out/tmp" /tmp
+else
+    echo "run.sh: $out, the keel binary or xfstests is under /tmp: this run shares the host's /tmp (tests at fixed /tmp paths race another configuration running at once)" >&2
+fi
 # No test changes a host-wide setting: /proc/sys read-only, cache drops go nowhere (on top
 # of the read-only bind, or they would be hidden under it).
 mount --bind /proc/sys /proc/sys
