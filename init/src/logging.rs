@@ -41,7 +41,12 @@ fn install_panic_hook() {
             .or_else(|| info.payload().downcast_ref::<String>().map(String::as_str));
         let thread = std::thread::current();
         let line = panic_line(thread.name(), info.location(), payload);
-        tracing::error!("{line}");
+        if tracing::enabled!(tracing::Level::ERROR) {
+            tracing::error!("{line}");
+        } else {
+            // KEEL_LOG filters errors out: a panic is still said.
+            eprintln!("keel: error: {line}");
+        }
         if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
             std_hook(info);
         }

@@ -432,11 +432,19 @@ impl Spill {
             path: path.display().to_string(),
             source,
         };
+        use std::os::unix::fs::OpenOptionsExt;
+        // 0600 from its creation (the records hold inline files' bytes, and with the `dir`
+        // provider the state dir is searchable by the sandbox's user, who could open it in
+        // the moment it has a name); a new file (O_EXCL), never one found at that name.
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(e)),
+            _ => {}
+        }
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
+            .mode(0o600)
             .open(&path)
             .map_err(err)?;
         std::fs::remove_file(&path).map_err(err)?;
@@ -1024,6 +1032,10 @@ mod tests {
         // database: only its descriptor keeps it.
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join("meta.db.snapshot-inodes");
+        // One a crashed keel left (readable by all) is not reused.
+        std::fs::write(&path, b"stale").unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+            .unwrap();
         let mut sp = Spill::create(path.clone()).unwrap();
         assert!(!path.exists(), "the spill file is still named");
         for i in 0..3u64 {
@@ -1031,6 +1043,9 @@ mod tests {
         }
         assert_eq!(sp.len(), 3);
         let f = sp.finish().unwrap();
+        // Private from its creation: inline files' bytes go through it.
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(f.metadata().unwrap().permissions().mode() & 0o777, 0o600);
         let mut bytes = Vec::new();
         std::io::Read::read_to_end(&mut zstd::stream::Decoder::new(f).unwrap(), &mut bytes)
             .unwrap();

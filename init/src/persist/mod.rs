@@ -96,6 +96,7 @@ const SCRATCH: &[&str] = &[
     "meta.db.image-shm",
     "meta.db.snapshot-inodes",
     "meta.db.snapshot-dirents",
+    "meta.db.snapshot-unlinked",
 ];
 
 /// Removes what a checkpoint interrupted by a crash left beside the state database
@@ -448,7 +449,12 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let store =
             crate::meta::Store::open(&d.path().join("meta.db"), crate::meta::Nanos(1)).unwrap();
-        for suffix in ["image", "snapshot-inodes", "snapshot-dirents"] {
+        for suffix in [
+            "image",
+            "snapshot-inodes",
+            "snapshot-dirents",
+            "snapshot-unlinked",
+        ] {
             let p = store.scratch_path(suffix).unwrap();
             let name = p.file_name().unwrap().to_str().unwrap().to_string();
             assert!(SCRATCH.contains(&name.as_str()), "{name} is not in SCRATCH");

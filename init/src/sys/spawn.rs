@@ -462,6 +462,12 @@ pub fn spawn_io(spec: &SpawnSpec) -> io::Result<Spawned> {
         }
         (pid, clone_err)
     };
+    if child.not_dumpable && child.ids.is_some() {
+        // The child put keel's flag back after its id switch; again here, in case its prctl
+        // failed (it then exited and keel would stay dumpable).
+        // SAFETY: PR_SET_DUMPABLE takes plain integers.
+        unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    }
     // SAFETY: restores this thread's mask saved above.
     unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
     drop(stack);

@@ -671,12 +671,16 @@ impl Persister {
         let mut shared: Option<bool> = None;
         let mut packer = Packer::new(self.params.pack_below, self.params.pack_size);
         // Bytes of windows hashed per batch, held until uploaded (with at most one pack
-        // being filled): the budget's share, halved while keel is near its budget.
+        // being filled): the budget's share, halved once when keel is near its budget (not
+        // at every batch: a keel whose store alone sits near the budget, as at a million
+        // files, would hash a window at a time and trim its heap each round).
         let mut batch = crate::budget::shares().hash_batch;
+        let mut halved = false;
         while done < total {
-            if crate::budget::pressure("checkpoint batches are halved until it is not") {
+            if !halved && crate::budget::pressure("checkpoint batches are halved until it is not") {
                 crate::sys::mem::release_free_heap();
                 batch = (batch / 2).max(self.params.chunk_size);
+                halved = true;
             }
             if deadline.is_some_and(|d| Instant::now() > d) {
                 return Err(CheckpointError::Deadline { done, total });

@@ -211,9 +211,21 @@ pub(super) fn check_body(
     tx: Option<&Tx>,
 ) -> Result<(), FsckError> {
     let path = ctx.body_path(bodies, i.ino.0);
-    // Every window a hole: an absent body loses nothing (a lazy restore from a metadata
-    // image leaves it out; the first open creates it sparse at the file's size).
-    if map.is_some_and(|m| m.iter().all(|(_, id)| id.is_none())) && !path.exists() {
+    // Every window recorded, each a hole, none written since: an absent body loses nothing
+    // (a lazy restore from a metadata image leaves it out; the first open creates it sparse
+    // at the file's size). A map that is empty, short or of another chunk size, or a dirty
+    // window, is not that: the body is missing.
+    let nwin = window_count(i.size, ctx.cs);
+    let all_holes = map.is_some_and(|m| {
+        ctx.maps_fit
+            && !m.is_empty()
+            && m.len() as u64 == nwin
+            && m.iter()
+                .enumerate()
+                .all(|(k, (idx, id))| *idx == k as u64 && id.is_none())
+            && !(0..nwin).any(skip)
+    });
+    if all_holes && !path.exists() {
         return Ok(());
     }
     if !check_body_length(&path, i, rep) {
