@@ -77,6 +77,8 @@ enum Command {
 
 /// Parses the command line and runs the subcommand; returns the exit code.
 pub fn main() -> i32 {
+    // Before anything is opened: what keel was started with is the main command's too.
+    keel::sys::process::note_inherited_fds();
     let cli = Cli::parse();
     let config = cli.config.as_deref().map(Path::new);
     // Commands that print and exit stop quietly when their reader goes away
@@ -88,7 +90,17 @@ pub fn main() -> i32 {
         let _ = keel::sys::signal::default_sigpipe();
     }
     match cli.command {
-        None => run::implicit(config, cli.run),
+        None => {
+            // Nested ones too: `keel restor` meant `keel snapshot restore`.
+            let cmd = <Cli as clap::CommandFactory>::command();
+            let names: Vec<String> = cmd
+                .get_subcommands()
+                .flat_map(|c| std::iter::once(c).chain(c.get_subcommands()))
+                .filter(|c| !c.is_hide_set())
+                .map(|c| c.get_name().to_string())
+                .collect();
+            run::implicit(config, cli.run, &names)
+        }
         Some(Command::Run(a)) => run::main(config, a),
         Some(Command::Mount(a)) => mount::main(config, a),
         Some(Command::Status(a)) => status::main(config, a),

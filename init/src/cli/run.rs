@@ -31,14 +31,15 @@ pub fn main(config: Option<&Path>, a: RunArgs) -> i32 {
     }
 }
 
-/// A bare `keel WORD ...`: `keel run WORD ...`, unless keel is not PID 1 and WORD is neither
-/// a path nor a command on PATH. On a host that is a mistyped subcommand (`keel restor`), and
-/// running it would set up an init first (the state dir, the mount point): refused before
-/// anything is made, exit 2. As PID 1 (a container's entrypoint) the word always runs:
-/// a command may live where only the mount makes it appear.
-pub fn implicit(config: Option<&Path>, a: RunArgs) -> i32 {
+/// A bare `keel WORD ...`: `keel run WORD ...`, unless keel is not PID 1, WORD is a near
+/// miss of one of the `subcommands` and neither a path nor a command on PATH. On a host that
+/// is a mistyped subcommand (`keel restor`), and running it would set up an init first (the
+/// state dir, the mount point): refused before anything is made, exit 2. Any other word
+/// runs, PID 1 or not (`podman run --init`, a pod sharing its process namespace): a command
+/// may live where only the mount makes it appear.
+pub fn implicit(config: Option<&Path>, a: RunArgs, subcommands: &[String]) -> i32 {
     if let Some(word) = a.command.first() {
-        if !keel::sys::process::is_pid1() && !runnable(word) {
+        if !keel::sys::process::is_pid1() && near_miss(word, subcommands) && !runnable(word) {
             eprintln!(
                 "keel: '{}' is not a keel subcommand and no command of that name is on PATH \
                  (`keel --help` lists the subcommands; `keel run -- CMD` runs CMD anyway)",
@@ -48,6 +49,45 @@ pub fn implicit(config: Option<&Path>, a: RunArgs) -> i32 {
         }
     }
     main(config, a)
+}
+
+/// `word` is at most two edits (insert, delete, substitute, swap two neighbours) from one of
+/// `names`, one for a name of four letters or fewer (`gcc` is a typo of `gc`, `ls` is not),
+/// or one of them exactly (`keel status` spelled with a flag first).
+fn near_miss(word: &OsStr, names: &[String]) -> bool {
+    let Some(word) = word.to_str() else {
+        return false;
+    };
+    names
+        .iter()
+        .any(|n| edit_distance(word, n) <= if n.chars().count() <= 4 { 1 } else { 2 })
+}
+
+/// Optimal-string-alignment distance between `a` and `b` (Levenshtein plus swaps of two
+/// neighbours), over chars.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    // d[i][j]: the distance between a[..i] and b[..j].
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for j in 0..=b.len() {
+        d[0][j] = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut v = (d[i - 1][j] + 1)
+                .min(d[i][j - 1] + 1)
+                .min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                v = v.min(d[i - 2][j - 2] + 1);
+            }
+            d[i][j] = v;
+        }
+    }
+    d[a.len()][b.len()]
 }
 
 /// `word` names a path (it holds a `/`) or an executable file in a directory of PATH.
@@ -77,8 +117,32 @@ fn exit_code(e: &RunError) -> i32 {
 
 #[cfg(test)]
 mod tests {
-    use super::runnable;
+    use super::{edit_distance, near_miss, runnable};
     use std::ffi::OsStr;
+
+    #[test]
+    fn only_a_near_miss_of_a_subcommand_counts_as_a_typo() {
+        let names: Vec<String> = ["restore", "status", "snapshot", "gc"]
+            .map(String::from)
+            .to_vec();
+        for typo in ["restor", "stauts", "statsu", "snapshto", "gcc", "rstore"] {
+            assert!(near_miss(OsStr::new(typo), &names), "{typo}");
+        }
+        // A command of the sandbox's own, found only once the workspace is mounted.
+        for word in [
+            "my-build-tool",
+            "pytest",
+            "deploy.sh",
+            "cargo",
+            "ls",
+            "make",
+        ] {
+            assert!(!near_miss(OsStr::new(word), &names), "{word}");
+        }
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(edit_distance("ab", "ba"), 1);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+    }
 
     #[test]
     fn a_path_or_a_command_on_path_is_runnable_and_a_typo_is_not() {

@@ -96,6 +96,7 @@ impl<'a> Plan<'a> {
             mnt_ns: None,
             cgroup: None,
             seccomp: self.seccomp.clone(),
+            inherit_fds: false,
         };
         let stop_signal = signal_name(&s.stop_signal).unwrap_or(libc::SIGTERM);
         Ok(Unit {
@@ -140,6 +141,7 @@ impl<'a> Plan<'a> {
             mnt_ns: None,
             cgroup: None,
             seccomp: self.seccomp.clone(),
+            inherit_fds: true,
         })
     }
 
@@ -169,6 +171,8 @@ impl<'a> Plan<'a> {
         let mut spec = self.main_spec(Vec::new())?;
         spec.session = Session::New;
         spec.stdio = Stdio::Null;
+        // keel's own inheritance (a jobserver's pipe) is the main command's, not theirs.
+        spec.inherit_fds = false;
         let cwd = spec.cwd.clone();
         let workspace = self
             .cfg
@@ -313,6 +317,10 @@ mod tests {
         assert_eq!(env_of(&web, "ONLY_INIT"), Some("1"));
         assert_eq!(web.spec.cwd, b.caller_cwd);
         assert_eq!(web.spec.stdio, Stdio::Null);
+        assert!(
+            !web.spec.inherit_fds,
+            "keel's inherited fds are the main command's"
+        );
         assert!(matches!(web.spec.session, Session::New));
         assert_eq!(web.restart, Restart::Always);
         assert_eq!(web.restart_delay, Duration::from_secs(2));
@@ -382,6 +390,14 @@ mod tests {
         assert_eq!(main.deps, vec![0, 1]);
         assert_eq!(main.restart, Restart::Never);
         assert_eq!(main.spec.stdio, Stdio::Inherit);
+        assert!(
+            main.spec.inherit_fds,
+            "a jobserver's pipe reaches the main command"
+        );
+        assert!(
+            !plan.exec_template().unwrap().spec.inherit_fds,
+            "nor a process started through the API"
+        );
         assert!(matches!(main.spec.session, Session::ForegroundGroup));
         assert_eq!(env_of(main, "SHARED"), Some("init"));
         assert_eq!(main.stop_signal, libc::SIGTERM);

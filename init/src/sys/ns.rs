@@ -534,6 +534,7 @@ mod tests {
             mnt_ns: ns,
             cgroup: None,
             seccomp: None,
+            inherit_fds: false,
         }
     }
 

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use nix::errno::Errno;
 
 use super::spawn::SPAWNING;
-pub use super::spawn::{spawn, spawn_io, Session, SpawnSpec, Spawned, Stdio};
+pub use super::spawn::{note_inherited_fds, spawn, spawn_io, Session, SpawnSpec, Spawned, Stdio};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {

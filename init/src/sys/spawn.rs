@@ -68,7 +68,48 @@ pub struct SpawnSpec {
     pub cgroup: Option<super::cgroup::JoinFds>,
     /// The seccomp filter the child gets before its capabilities drop (`sys::seccomp`).
     pub seccomp: Option<std::sync::Arc<super::seccomp::Filter>>,
+    /// Pass on the descriptors keel itself was started with open and not close-on-exec (a
+    /// make jobserver's pipe, systemd's `LISTEN_FDS`), as a plain init does for its one
+    /// command: the main command only. Every other descriptor above stdio is closed at exec.
+    pub inherit_fds: bool,
 }
+
+/// The descriptors above stdio keel was started with, open and not close-on-exec
+/// (`note_inherited_fds`), ascending.
+static INHERITED_FDS: std::sync::OnceLock<Vec<RawFd>> = std::sync::OnceLock::new();
+
+/// Remember which descriptors above stdio keel was started with (open, not close-on-exec),
+/// for `SpawnSpec::inherit_fds`. Called first thing in `main`, before keel opens anything;
+/// later calls change nothing. Without it no descriptor is passed on.
+pub fn note_inherited_fds() {
+    INHERITED_FDS.get_or_init(|| {
+        // The directory's own descriptor is close-on-exec (std opens everything so): it is
+        // not counted.
+        let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+            return Vec::new();
+        };
+        let mut fds: Vec<RawFd> = dir
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .filter(|&fd: &RawFd| {
+                // SAFETY: F_GETFD reads a flag of a descriptor number; a closed one is EBADF.
+                fd > 2 && unsafe { libc::fcntl(fd, libc::F_GETFD) } == 0
+            })
+            .collect();
+        fds.sort_unstable();
+        fds
+    });
+}
+
+/// Mark descriptors `lo..=hi` close-on-exec. Async-signal-safe (the child calls it).
+fn close_range_cloexec(lo: u32, hi: u32) {
+    // SAFETY: close_range takes plain integers and only changes this child's fd table
+    // (CLONE_FILES is not set: the table is the child's own copy).
+    unsafe { libc::syscall(libc::SYS_close_range, lo, hi, libc::CLOSE_RANGE_CLOEXEC) };
+}
+
+/// The shell a script without `#!` runs under, as execvp does.
+const SH_PATH: &std::ffi::CStr = c"/bin/sh";
+const SH_NAME: &std::ffi::CStr = c"sh";
 
 /// A started child and keel's ends of its pipes (`Stdio::Pipes`).
 #[derive(Debug)]
@@ -165,6 +206,11 @@ struct Child {
     paths: Vec<CString>,
     argv: Vec<*const libc::c_char>,
     envp: Vec<*const libc::c_char>,
+    /// Per entry of `paths`: `sh PATH ARGS...`, run as execvp does when the file is not an
+    /// executable format (a script without `#!`: ENOEXEC).
+    sh_argv: Vec<Vec<*const libc::c_char>>,
+    /// Descriptors above stdio left open across exec (`SpawnSpec::inherit_fds`), ascending.
+    keep_fds: Vec<RawFd>,
     failed_step: AtomicU32,
     failed_errno: AtomicI32,
 }
@@ -375,9 +421,24 @@ pub fn spawn_io(spec: &SpawnSpec) -> io::Result<Spawned> {
         cwd: cstring(spec.cwd.as_os_str())?,
         mask: super::signal::inherited_sigset(),
         ignored: super::signal::inherited_ignored(),
+        sh_argv: paths
+            .iter()
+            .map(|p| {
+                [SH_NAME.as_ptr(), p.as_ptr()]
+                    .into_iter()
+                    .chain(argv_c.iter().skip(1).map(|a| a.as_ptr()))
+                    .chain(std::iter::once(std::ptr::null()))
+                    .collect()
+            })
+            .collect(),
         paths,
         argv: null_terminated(&argv_c),
         envp: null_terminated(&envp_c),
+        keep_fds: if spec.inherit_fds {
+            INHERITED_FDS.get().cloned().unwrap_or_default()
+        } else {
+            Vec::new()
+        },
         failed_step: AtomicU32::new(Step::None as u32),
         failed_errno: AtomicI32::new(0),
     };
@@ -714,31 +775,38 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     // keel (root) could enter it.
     // SAFETY: `cwd` is a live NUL-terminated string.
     check(Step::Chdir, unsafe { libc::chdir(c.cwd.as_ptr()) } as _);
-    // Whatever keel holds open without close-on-exec (nothing of keel's own) is not the
-    // child's: mark every descriptor above stdio close-on-exec (Linux 5.11+; where the
-    // call is missing, keel's descriptors are close-on-exec already).
-    // SAFETY: close_range takes plain integers and only changes this child's fd table
-    // (CLONE_FILES is not set: the table is the child's own copy).
-    unsafe {
-        libc::syscall(
-            libc::SYS_close_range,
-            3u32,
-            u32::MAX,
-            libc::CLOSE_RANGE_CLOEXEC,
-        )
-    };
+    // Whatever keel holds open without close-on-exec is not the child's, except what keel
+    // was started with when it is passed on (`keep_fds`): mark every other descriptor above
+    // stdio close-on-exec (Linux 5.11+; where the call is missing, keel's own descriptors
+    // are close-on-exec already).
+    let mut lo = 3u32;
+    for &fd in &c.keep_fds {
+        let fd = fd as u32;
+        if fd > lo {
+            close_range_cloexec(lo, fd - 1);
+        }
+        lo = lo.max(fd + 1);
+    }
+    close_range_cloexec(lo, u32::MAX);
     io(
         Step::Signals,
         super::signal::restore_in_child(&c.mask, c.ignored),
     );
     let mut denied = false;
     let mut last = libc::ENOENT;
-    for p in &c.paths {
+    for (p, sh_argv) in c.paths.iter().zip(&c.sh_argv) {
         // SAFETY: `p`, `argv` and `envp` are live NUL-terminated strings and NULL-terminated
         // arrays of them, prepared by the parent.
         unsafe { libc::execve(p.as_ptr(), c.argv.as_ptr(), c.envp.as_ptr()) };
         // As execvp: keep looking after a miss, remember a refusal, stop at anything else.
         match errno() {
+            // Not an executable format (a script without `#!`): the shell runs it.
+            libc::ENOEXEC => {
+                // SAFETY: as above; `sh_argv` is `sh PATH ARGS... NULL`, prepared by the
+                // parent from live strings.
+                unsafe { libc::execve(SH_PATH.as_ptr(), sh_argv.as_ptr(), c.envp.as_ptr()) };
+                fail(Step::Exec, libc::ENOEXEC)
+            }
             libc::EACCES => denied = true,
             e @ (libc::ENOENT | libc::ENOTDIR | libc::ESTALE | libc::ENODEV | libc::ETIMEDOUT) => {
                 last = e
@@ -792,6 +860,7 @@ mod tests {
             mnt_ns: None,
             cgroup: None,
             seccomp: None,
+            inherit_fds: false,
         }
     }
 
@@ -800,6 +869,20 @@ mod tests {
         // SAFETY: waits for the test's own child; `status` is a local.
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
         status
+    }
+
+    #[test]
+    fn a_script_without_an_interpreter_line_runs_under_sh_as_execvp_runs_it() {
+        let d = tempfile::tempdir().unwrap();
+        let script = d.path().join("plain-script");
+        std::fs::write(&script, "echo \"ran $1 $2\"\n").unwrap();
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let s = spec(
+            &[script.to_str().unwrap(), "a", "b"],
+            Stdio::Pipes { stdin: false },
+        );
+        assert_eq!(output(&s), "ran a b\n");
     }
 
     #[test]

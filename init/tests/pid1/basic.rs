@@ -509,3 +509,39 @@ fn logs_are_prefixed_lines_or_json_and_service_output_is_untouched() {
     }
     assert!(json.contains("main command"), "{json}");
 }
+
+#[test]
+fn the_main_command_gets_the_descriptors_keel_was_started_with() {
+    // `make -j` runs `keel run -- ...` with its jobserver pipe on fds without close-on-exec;
+    // a plain init passes them on. keel's own descriptors it never passes on.
+    use std::io::Read;
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(&cfg, config("", "")).unwrap();
+    let (mut r, w) = std::io::pipe().unwrap();
+    let w_fd = std::os::fd::AsRawFd::as_raw_fd(&w);
+    let mut cmd = std::process::Command::new(KEEL);
+    cmd.arg("run")
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--", "sh", "-c", "echo jobserver >&7"]);
+    // SAFETY: dup2 is async-signal-safe; the new fd 7 has no close-on-exec, as make's.
+    unsafe {
+        cmd.pre_exec(move || match libc::dup2(w_fd, 7) {
+            -1 => Err(std::io::Error::last_os_error()),
+            _ => Ok(()),
+        })
+    };
+    let out = cmd.output().unwrap();
+    drop(w);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut got = String::new();
+    r.read_to_string(&mut got).unwrap();
+    assert_eq!(got, "jobserver\n");
+}
