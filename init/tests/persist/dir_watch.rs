@@ -149,9 +149,10 @@ fn a_write_through_a_shared_mapping_kept_open_reaches_the_snapshot() {
         )
     };
     assert_ne!(addr, libc::MAP_FAILED);
-    drop(file); // the mapping keeps the file open (no IN_CLOSE_* until it goes)
-                // A walk while it is mapped and not written yet: its directory is listed (a file is
-                // open there), nothing changed.
+    // The mapping keeps the file open (no IN_CLOSE_* until it goes).
+    drop(file);
+    // A walk while it is mapped and not written yet: its directory is listed (a file is
+    // open there), nothing changed.
     let r = f.tree.scan_changed().unwrap();
     assert!(r.narrowed && r.dirs == 1 && r.changed == 0, "{r}");
     // Written through the mapping only: no inotify event, the mtime moves at the fault.
@@ -204,4 +205,86 @@ fn a_moved_directory_falls_back_to_the_full_walk() {
     let r = f.periodic();
     assert!(r.narrowed && r.rewritten == 1, "{r}");
     f.assert_snapshot_is_the_tree();
+}
+
+/// Maps `len` bytes of the file at `path` shared and writable (the file's descriptor is
+/// closed at once: the mapping keeps the file open).
+fn map_shared(path: &Path, len: usize) -> *mut u8 {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    // SAFETY: a new shared mapping of `len` bytes of the open file, at an address the
+    // kernel picks; the caller writes within it and unmaps it.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(addr, libc::MAP_FAILED);
+    addr as *mut u8
+}
+
+/// A page written through a mapping, walked, then written again while still dirty (no
+/// sync wrote it back in between): the second write makes no fault, so neither time moves,
+/// and a walk comparing times would take the file as unchanged for good. Its close (the
+/// mapping going, as at a stop) makes the next walk read it again: `narrowed` for a
+/// periodic walk, else the full (final) one. The file is inline (its bytes are read by the
+/// walk itself); a body file's bytes are read later by the checkpoint, which narrows the
+/// window to between that read and the checkpoint's sync.
+fn a_dirty_mapped_page_written_again_reaches_the_snapshot(narrowed: bool) {
+    // Another test's checkpoint syncs the same filesystem and may write the page back
+    // between the two writes (the second then faults and moves the mtime, and there is
+    // nothing to show): try again, a few times.
+    for _ in 0..5 {
+        let mut f = fixture();
+        let path = f.root().join("a/x");
+        let len = std::fs::metadata(&path).unwrap().len() as usize;
+        let addr = map_shared(&path, len);
+        // SAFETY: within the mapping made above, which nothing else uses.
+        unsafe { std::ptr::write_bytes(addr, b'1', 100) };
+        // Out of the walk's clock tick (a file changed within it is looked at again anyway,
+        // which would hide what this test is about), without waiting.
+        set_mtime(&path, 1_600_000_000_000_000_000);
+        // A walk alone (a checkpoint's sync would write the page back).
+        let r = f.tree.scan_changed().unwrap();
+        assert!(r.narrowed && r.rewritten == 1, "{r}");
+        let before = std::fs::metadata(&path).unwrap();
+        // SAFETY: as above.
+        unsafe { std::ptr::write_bytes(addr, b'2', 100) };
+        // SAFETY: the mapping made above, not used after this.
+        assert_eq!(unsafe { libc::munmap(addr as *mut libc::c_void, len) }, 0);
+        let after = std::fs::metadata(&path).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        if (before.mtime(), before.mtime_nsec()) != (after.mtime(), after.mtime_nsec()) {
+            continue;
+        }
+        let r = if narrowed {
+            f.periodic()
+        } else {
+            let r = f.tree.scan().unwrap();
+            assert!(checkpoint(&mut f.p).seq.is_some());
+            r
+        };
+        assert_eq!((r.narrowed, r.rewritten), (narrowed, 1), "{r}");
+        f.assert_snapshot_is_the_tree();
+        return;
+    }
+    panic!("the page was written back between the two writes in every try");
+}
+
+#[test]
+fn a_dirty_mapped_page_written_again_reaches_a_periodic_snapshot() {
+    a_dirty_mapped_page_written_again_reaches_the_snapshot(true);
+}
+
+#[test]
+fn a_dirty_mapped_page_written_again_reaches_the_final_snapshot() {
+    a_dirty_mapped_page_written_again_reaches_the_snapshot(false);
 }

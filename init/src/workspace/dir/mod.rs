@@ -327,19 +327,37 @@ impl DirTree {
     }
 
     fn scan_once(&self) -> Result<ScanReport, DirError> {
+        self.scan_full(None)
+    }
+
+    /// A full walk; `prior`: the files a narrowed walk that gave way to it was to read
+    /// again (`watch::Rewritten`).
+    fn scan_full(&self, prior: Option<watch::Rewritten>) -> Result<ScanReport, DirError> {
         let s = self.store();
         let w = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rewritten = watch::Rewritten::default();
         if let Some(w) = w.as_ref() {
-            w.begin_full();
+            if let Some(p) = prior {
+                w.give_back_rewritten(p);
+            }
+            rewritten = w.begin_full();
         }
         let add = |rel: &Path| {
             if let Some(w) = w.as_ref() {
                 w.add(rel)
             }
         };
-        let r = scan::scan(&s, &self.root, self.inline_max, self.chunk_size, &add);
+        let r = scan::scan(
+            &s,
+            &self.root,
+            self.inline_max,
+            self.chunk_size,
+            &rewritten,
+            &add,
+        );
         if let (Err(e), Some(w)) = (&r, w.as_ref()) {
             w.force_full(format!("the last walk failed: {e}"));
+            w.give_back_rewritten(rewritten);
         }
         let (report, paths) = r?;
         *self.paths.lock().unwrap_or_else(|p| p.into_inner()) = paths;
@@ -410,8 +428,8 @@ impl DirTree {
                 Some((None, w)) => Some(w.plan()),
             }
         };
-        let dirs = match plan {
-            Some(watch::Plan::Dirs(d)) => d,
+        let (dirs, rewritten) = match plan {
+            Some(watch::Plan::Dirs(d, r)) => (d, r),
             Some(watch::Plan::Full(why)) => {
                 tracing::debug!("full walk: {why}");
                 return self.scan_once();
@@ -433,6 +451,7 @@ impl DirTree {
             self.chunk_size,
             &dirs,
             &mut paths,
+            &rewritten,
             &add,
         );
         *self.paths.lock().unwrap_or_else(|p| p.into_inner()) = paths;
@@ -441,11 +460,12 @@ impl DirTree {
             Ok(scan::Narrowed::NeedFull(why)) => {
                 tracing::debug!("narrowed walk gave way to a full one: {why}");
                 drop((s, w));
-                self.scan_once()
+                self.scan_full(Some(rewritten))
             }
             Err(e) => {
                 if let Some(w) = w.as_ref() {
                     w.force_full(format!("the last walk failed: {e}"));
+                    w.give_back_rewritten(rewritten);
                 }
                 Err(e)
             }

@@ -23,6 +23,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::watch::Rewritten;
 use super::{kind_of, now, DirError, Paths};
 use crate::chunk::chunker::window_count;
 use crate::meta::{HostRow, Inode, InodeNo, Kind, Nanos, Storage, Store, Tx};
@@ -97,6 +98,8 @@ struct Walk<'a> {
     subdirs: HashMap<InodeNo, u32>,
     /// Inodes whose record this walk already brought up to date.
     synced: HashSet<InodeNo>,
+    /// Files whose bytes are read again whatever their times say (`watch::Rewritten`).
+    rewritten: &'a Rewritten,
     paths: Paths,
     report: ScanReport,
     /// A narrowed walk (`scan_dirs`): only some directories are listed, existing
@@ -117,6 +120,7 @@ pub(super) fn scan(
     root: &Path,
     inline_max: u64,
     chunk_size: u64,
+    rewritten: &Rewritten,
     on_dir: &dyn Fn(&Path),
 ) -> Result<(ScanReport, Paths), DirError> {
     let t0 = Instant::now();
@@ -150,6 +154,7 @@ pub(super) fn scan(
         names: HashMap::new(),
         subdirs: HashMap::new(),
         synced: HashSet::new(),
+        rewritten,
         paths: HashMap::new(),
         report: ScanReport::default(),
         narrowed: false,
@@ -196,6 +201,7 @@ pub(super) fn scan_dirs(
     chunk_size: u64,
     dirs: &[PathBuf],
     paths: &mut Paths,
+    rewritten: &Rewritten,
     on_dir: &dyn Fn(&Path),
 ) -> Result<Narrowed, DirError> {
     let t0 = Instant::now();
@@ -244,6 +250,7 @@ pub(super) fn scan_dirs(
         names: HashMap::new(),
         subdirs: HashMap::new(),
         synced: HashSet::new(),
+        rewritten,
         paths: std::mem::take(paths),
         report: ScanReport::default(),
         narrowed: true,
@@ -469,6 +476,7 @@ impl Walk<'_> {
             let same = pk == kind
                 && kind != Kind::Dir
                 && st.nlink == 1
+                && !(kind == Kind::File && self.rewritten.contains(&path))
                 && self.host.get(&pi).is_some_and(|h| {
                     h.host_ino == st.ino
                         && h.size == st.size
@@ -612,18 +620,24 @@ impl Walk<'_> {
     ) -> Result<(), DirError> {
         self.synced.insert(ino);
         let rec = self.host.get(&ino).copied();
-        if rec.is_some_and(|h| {
-            h.host_ino == st.ino
-                && h.size == st.size
-                && h.mtime == st.mtime_ns
-                && h.ctime == st.ctime_ns
-        }) {
+        // Closed after being open for writing since the last walk: its times may not say
+        // that its bytes changed (a mapped page written again).
+        let reread = self.rewritten.contains(path);
+        if !reread
+            && rec.is_some_and(|h| {
+                h.host_ino == st.ino
+                    && h.size == st.size
+                    && h.mtime == st.mtime_ns
+                    && h.ctime == st.ctime_ns
+            })
+        {
             return Ok(()); // the common case: nothing read from the store
         }
         let Some(cur) = self.inode(ino)?.cloned() else {
             return Ok(());
         };
-        let unchanged = rec.is_none() && looks_same(&cur, st) && cur.perm == st.mode & 0o7777;
+        let unchanged =
+            !reread && rec.is_none() && looks_same(&cur, st) && cur.perm == st.mode & 0o7777;
         let row = HostRow {
             host_ino: st.ino,
             size: st.size,
@@ -648,10 +662,11 @@ impl Walk<'_> {
             )?;
             return Ok(());
         }
-        let bytes_may_differ = match rec {
-            Some(h) => h.host_ino != st.ino || h.size != st.size || h.mtime != st.mtime_ns,
-            None => cur.size != st.size || cur.mtime.0 != st.mtime_ns,
-        };
+        let bytes_may_differ = reread
+            || match rec {
+                Some(h) => h.host_ino != st.ino || h.size != st.size || h.mtime != st.mtime_ns,
+                None => cur.size != st.size || cur.mtime.0 != st.mtime_ns,
+            };
         let kind = cur.kind;
         let mut new = inode_of(
             st,

@@ -10,8 +10,10 @@
 //!   moved (the paths below it change: a full walk relearns them);
 //! - every [`FULL_EVERY`]th periodic walk, and always for the final checkpoint, `keel
 //!   checkpoint`, `snapshot create`, `diff` and `rollback` (the caller chooses those);
-//! - for good once the host's watch limit (`fs.inotify.max_user_watches`, read, never
-//!   changed) is reached: the watches are dropped and every walk is full, said once.
+//! - for good once keel's share of the host's watch limit is reached (half of
+//!   `fs.inotify.max_user_watches`, read, never changed: the limit is per user, and the
+//!   sandbox's own watchers, a dev server or a test runner, may be the same user) or the
+//!   limit itself: the watches are dropped and every walk is full, said once.
 //!
 //! Writes through a shared writable mmap make no event (only `IN_CLOSE_WRITE`, when the last
 //! reference to the open file goes, which a mapping holds). So every directory with a file
@@ -20,6 +22,14 @@
 //! moves the mtime) like any walk. Opens are counted per directory: a file renamed to
 //! another directory while open closes there, so the first directory may stay counted (a
 //! wasted listing) and the second undercounted — the periodic full walk bounds that case.
+//!
+//! A second write to a mapped page that is still dirty makes no fault, so no time moves:
+//! a walk between the two writes would take the file as unchanged for good. So every file
+//! closed after being open for writing since the last walk began ([`Rewritten`]) has its
+//! bytes read again by the next walk (full or narrowed) whatever its times say; once every
+//! process is gone (the final checkpoint) each mapping's close has been reported. The list
+//! holds at most [`REWRITTEN_FILES`] names; past that it names their directories, every
+//! file of which is read again.
 
 use std::collections::{HashMap, HashSet};
 use std::io;
@@ -34,20 +44,72 @@ use crate::sys::inotify::{self, Event, Inotify, Mask, Wd};
 /// A periodic walk is full every this many (the rest walk what changed).
 pub const FULL_EVERY: u32 = 10;
 
+/// Files [`Rewritten`] names one by one; past this it names their directories.
+pub const REWRITTEN_FILES: usize = 16_384;
+
+/// Files closed after being open for writing since a walk began (paths below the tree's
+/// root), whose bytes the next walk reads again whatever their times say (see the module's
+/// note on mappings).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Rewritten {
+    files: HashSet<PathBuf>,
+    /// Directories every file of which counts (when `files` was full).
+    dirs: HashSet<PathBuf>,
+}
+
+impl Rewritten {
+    /// Whether the file at `path` (below the root) must be read again.
+    pub fn contains(&self, path: &Path) -> bool {
+        !self.is_empty()
+            && (self.files.contains(path)
+                || self.dirs.contains(path.parent().unwrap_or(Path::new(""))))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty() && self.dirs.is_empty()
+    }
+
+    /// The file `name` of the directory `dir`.
+    fn insert(&mut self, dir: &Path, name: &std::ffi::OsStr) {
+        if self.dirs.contains(dir) {
+            return;
+        }
+        if self.files.len() < REWRITTEN_FILES {
+            self.files.insert(dir.join(name));
+        } else {
+            self.dirs.insert(dir.to_path_buf());
+        }
+    }
+
+    /// What `other` names too (a walk that failed gives its list back).
+    fn merge(&mut self, other: Rewritten) {
+        for d in other.dirs {
+            self.dirs.insert(d);
+        }
+        for f in other.files {
+            let dir = f.parent().unwrap_or(Path::new("")).to_path_buf();
+            if let Some(name) = f.file_name() {
+                self.insert(&dir, name);
+            }
+        }
+    }
+}
+
 /// What the next walk must cover.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Plan {
     /// Every directory, and why.
     Full(String),
     /// Only these directories (below the tree's root; `""` is the root), listed whole; new
-    /// directories found in them are walked whole too.
-    Dirs(Vec<PathBuf>),
+    /// directories found in them are walked whole too; the files of `rewritten` read again.
+    Dirs(Vec<PathBuf>, Rewritten),
 }
 
 #[derive(Default)]
 struct State {
     wds: HashMap<Wd, PathBuf>,
     dirty: HashSet<PathBuf>,
+    rewritten: Rewritten,
     /// Files open now per watched directory (by watch: a directory renamed keeps it, one
     /// removed takes its count with it).
     open: HashMap<Wd, u32>,
@@ -90,7 +152,7 @@ impl State {
         let Some(dir) = self.wds.get(&e.wd).cloned() else {
             return; // a watch dropped since
         };
-        let Some(_name) = e.name else {
+        let Some(name) = e.name else {
             // About the watched directory itself: its parent's watch reports the same with
             // a name (and a narrowed walk always looks at the root). The root going away
             // is a rollback's swap: relearned by a full walk.
@@ -113,6 +175,9 @@ impl State {
         }
         if e.mask.contains(Mask::IN_OPEN) {
             *self.open.entry(e.wd).or_default() += 1;
+        }
+        if e.mask.contains(Mask::IN_CLOSE_WRITE) {
+            self.rewritten.insert(&dir, &name);
         }
         if e.mask
             .intersects(Mask::IN_CLOSE_WRITE | Mask::IN_CLOSE_NOWRITE)
@@ -156,6 +221,8 @@ fn mask() -> Mask {
 /// The watches of one tree and what they reported since the last walk.
 pub struct Watch {
     root: PathBuf,
+    /// The most directories watched (see the module's note on the limit).
+    cap: usize,
     fd: Arc<Inotify>,
     state: Arc<Mutex<State>>,
     stop: Arc<AtomicBool>,
@@ -217,6 +284,7 @@ impl Watch {
             })?;
         Ok(Watch {
             root: root.to_path_buf(),
+            cap: inotify::max_user_watches().map_or(usize::MAX, |n| (n / 2).max(1) as usize),
             fd,
             state,
             stop,
@@ -229,6 +297,19 @@ impl Watch {
     /// a walk is about to list it. A directory that cannot be watched makes the next walk
     /// full; the host's watch limit makes every walk full from now on.
     pub fn add(&self, rel: &Path) {
+        {
+            let mut st = lock(&self.state);
+            if st.dead.is_some() {
+                return;
+            }
+            if st.wds.len() >= self.cap {
+                st.dead = Some(format!(
+                    "{} directories are watched, keel's share of the host's inotify watch limit (half of fs.inotify.max_user_watches, shared by every process of this user)",
+                    st.wds.len()
+                ));
+                return;
+            }
+        }
         let r = self.fd.add_dir(&self.root.join(rel), mask());
         let mut st = lock(&self.state);
         match r {
@@ -270,13 +351,14 @@ impl Watch {
     }
 
     /// A full walk starts: what was reported so far is covered by it (what happens from
-    /// now on goes to the next walk).
-    pub fn begin_full(&self) {
+    /// now on goes to the next walk); the files it reads again (see [`Rewritten`]).
+    pub fn begin_full(&self) -> Rewritten {
         let mut st = lock(&self.state);
         drain(&self.fd, &mut st);
         st.full = None;
         st.dirty.clear();
         st.narrowed_since_full = 0;
+        std::mem::take(&mut st.rewritten)
     }
 
     /// What the next periodic walk must cover, everything reported until now included;
@@ -304,7 +386,13 @@ impl Watch {
         dirs.extend(open);
         dirs.sort();
         dirs.dedup();
-        Plan::Dirs(dirs)
+        Plan::Dirs(dirs, std::mem::take(&mut st.rewritten))
+    }
+
+    /// A walk that took `r` (from `plan` or `begin_full`) did not commit: the next one
+    /// reads those files again.
+    pub fn give_back_rewritten(&self, r: Rewritten) {
+        lock(&self.state).rewritten.merge(r);
     }
 
     /// The walk of the last plan failed or could not decide: the next one is full.
