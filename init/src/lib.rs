@@ -13,7 +13,7 @@
 //!  │
 //! workspace      persist                            the FUSE fs │ checkpoints, remotes
 //!  │                │                               (never each other)
-//! meta · chunk · config                             the SQLite store; bodies, chunks
+//! config · state · meta · chunk                     the state dir; the SQLite store; bodies
 //!  │
 //! sys · logging · progress · time · budget          syscalls and unsafe; leaves
 //! ```
@@ -41,6 +41,7 @@ pub mod persist;
 pub mod progress;
 pub mod run;
 pub mod shutdown;
+pub mod state;
 pub mod supervisor;
 // The one module with unsafe code (syscalls through libc/nix), each block with a SAFETY note.
 #[allow(unsafe_code)]

@@ -11,9 +11,6 @@ use std::time::Duration;
 /// Environment variable that supplies (and overrides) the bearer token.
 pub const TOKEN_ENV: &str = "KEEL_CONTROL_TOKEN";
 
-/// File name of the control socket inside the workspace state dir.
-pub const SOCKET_NAME: &str = "control.sock";
-
 /// The control socket of a keel that is PID 1 (a container), outside the state dir.
 pub const RUN_SOCKET: &str = "/run/keel/control.sock";
 
@@ -191,7 +188,9 @@ impl ControlConfig {
         match &self.socket {
             Some(p) => Some(p.clone()),
             None if cfg.init.workspace && root_pid1 => Some(PathBuf::from(RUN_SOCKET)),
-            None if cfg.init.workspace => Some(cfg.workspace.state_dir.join(SOCKET_NAME)),
+            None if cfg.init.workspace => {
+                Some(cfg.workspace.state_dir.join(crate::state::CONTROL_SOCK))
+            }
             None => None,
         }
     }

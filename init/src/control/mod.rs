@@ -143,10 +143,7 @@ pub fn default_socket(cfg: &Config) -> PathBuf {
     if let Some(s) = &cfg.control.socket {
         return s.clone();
     }
-    let in_state = cfg
-        .workspace
-        .state_dir
-        .join(crate::config::control::SOCKET_NAME);
+    let in_state = cfg.workspace.state_dir.join(crate::state::CONTROL_SOCK);
     let run = PathBuf::from(crate::config::control::RUN_SOCKET);
     if !in_state.exists() && run.exists() && pid1_is_keel() {
         return run;

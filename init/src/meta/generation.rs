@@ -149,7 +149,7 @@ mod tests {
     #[test]
     fn a_number_given_again_after_a_crash_has_another_generation() {
         let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("meta.db");
+        let db = dir.path().join("test.db");
         let s = Store::open(&db, Nanos(0)).unwrap();
         let g1 = s.begin_generation().unwrap();
         assert_eq!(g1.of(1), 0, "the root's generation is the kernel's: 0");

@@ -61,7 +61,7 @@ pub struct Hydrator {
 impl Hydrator {
     /// Opens its own connection to the state database of `state_dir`.
     pub fn open(state_dir: &Path, repo: Repo, chunk_size: u64) -> Result<Hydrator, HydrateError> {
-        let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
+        let store = crate::state::open_store(state_dir, Nanos(now_ns()))?;
         Ok(Hydrator {
             repo,
             store: Mutex::new(store),

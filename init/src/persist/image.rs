@@ -122,7 +122,9 @@ fn build_and_upload(
     obj: &[u8],
     cs: u64,
 ) -> Result<(ImageRef, u64), ImageError> {
-    let path = store.scratch_path("image").ok_or(ImageError::NoScratch)?;
+    let path = store
+        .scratch_path(crate::state::SCRATCH_IMAGE)
+        .ok_or(ImageError::NoScratch)?;
     let _ = std::fs::remove_file(&path);
     let built = build(&path, obj, cs);
     // The bulk connection's page cache is freed now; hand it back before the compressed

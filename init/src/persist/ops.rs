@@ -83,11 +83,11 @@ pub(super) fn repo_of(cfg: &Config) -> Result<Repo, OpsError> {
 
 /// Locks a state dir that no running keel holds.
 pub(super) fn lock_offline(state: &Path) -> Result<sys::file::LockFile, OpsError> {
-    super::private::create_dir_all(state).map_err(|source| OpsError::CreateStateDir {
+    crate::state::private::create_dir_all(state).map_err(|source| OpsError::CreateStateDir {
         path: state.to_path_buf(),
         source,
     })?;
-    sys::file::try_lock(&state.join("lock"))
+    crate::state::try_lock(state)
         .map_err(|source| OpsError::Lock {
             path: state.to_path_buf(),
             source,
@@ -105,12 +105,7 @@ pub(super) fn ask(state: &Path, cmd: &str) -> Result<Option<String>, OpsError> {
         {
             return Ok(Some(r));
         }
-        let held = state.join("lock").exists()
-            && sys::file::try_lock(&state.join("lock"))
-                .ok()
-                .flatten()
-                .is_none();
-        if !held || t0.elapsed() > Duration::from_secs(5) {
+        if !crate::state::locked(state) || t0.elapsed() > Duration::from_secs(5) {
             return Ok(None);
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -131,12 +126,7 @@ pub(super) fn ask_stream(
         {
             return Ok(true);
         }
-        let held = state.join("lock").exists()
-            && sys::file::try_lock(&state.join("lock"))
-                .ok()
-                .flatten()
-                .is_none();
-        if !held || t0.elapsed() > Duration::from_secs(5) {
+        if !crate::state::locked(state) || t0.elapsed() > Duration::from_secs(5) {
             return Ok(false);
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -242,13 +232,10 @@ pub fn gc(cfg: &Config) -> Result<String, OpsError> {
         ..cfg.persist.clone()
     };
     let _lease = super::lease::ReleaseOnDrop::new(renewed_lease(state, &refuse)?);
-    let store = if state.join("meta.db").exists() {
+    let store = if crate::state::has_workspace(state) {
         Some(
-            crate::meta::Store::open(
-                &state.join("meta.db"),
-                crate::meta::Nanos(super::checkpoint::now_ns()),
-            )
-            .map_err(OpsError::OpenStore)?,
+            crate::state::open_store(state, crate::meta::Nanos(super::checkpoint::now_ns()))
+                .map_err(OpsError::OpenStore)?,
         )
     } else {
         None

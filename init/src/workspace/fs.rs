@@ -308,8 +308,8 @@ fn open_store(
     state_dir: &Path,
     opts: &FsOptions,
 ) -> FsResult<(Store, BodyStore, crate::meta::Generations)> {
-    let store = Store::open(&state_dir.join("meta.db"), now())?;
-    let bodies = BodyStore::open(&state_dir.join("bodies"))
+    let store = crate::state::open_store(state_dir, now())?;
+    let bodies = crate::state::open_bodies(state_dir)
         .map_err(|e| FsError::Io(io::Error::other(e.to_string())))?;
     let orphans = store.read().orphans()?;
     if !orphans.is_empty() {
@@ -423,7 +423,10 @@ impl WorkspaceFs {
         // start on a volume the sandbox filled must still open the store, recover its WAL
         // and write the start's own rows. Given back only if opening fails, retaken once
         // open when there is room.
-        let reserves = [state_dir.join("reserve"), state_dir.join("reserve.boot")];
+        let reserves = [
+            state_dir.join(crate::state::RESERVE),
+            state_dir.join(crate::state::RESERVE_BOOT),
+        ];
         let volume = VolumeUsage::of(state_dir);
         let (store, bodies, generations) = match open_store(state_dir, &opts) {
             Ok(opened) => opened,

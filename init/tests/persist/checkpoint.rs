@@ -168,7 +168,7 @@ fn corrupt_chunk_fails_restore_and_fsck_then_repair_reuploads() {
 fn fsck_says_what_it_checked_of_a_file_remote() {
     let dir = tempfile::tempdir().unwrap();
     let (state, remote) = (dir.path().join("state"), dir.path().join("remote"));
-    keel::persist::private::create_dir_all(&state).unwrap();
+    keel::state::private::create_dir_all(&state).unwrap();
     let fs = open_fs(&state);
     write_file(&fs, "big", &noise(11, 3 * CHUNK as usize));
     let url = format!("file://{}", remote.display());

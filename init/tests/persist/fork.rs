@@ -959,7 +959,7 @@ fn fork_cli() {
 
     // Something the running keel has not checkpointed yet; its socket checkpoints on request.
     write_file(&fs, "late", b"written after the last checkpoint");
-    let listener = UnixListener::bind(a.join("persist.sock")).unwrap();
+    let listener = UnixListener::bind(a.join(keel::state::PERSIST_SOCK)).unwrap();
     let server = std::thread::spawn(move || {
         let mut asked = Vec::new();
         for _ in 0..2 {
@@ -981,7 +981,7 @@ fn fork_cli() {
     let o = keel(&["fork", "--config", cfg_s, "--state", a_s, "--to", &f_url]);
     assert!(o.status.success(), "{}", text(&o));
     let (asked, p) = server.join().unwrap();
-    std::fs::remove_file(a.join("persist.sock")).unwrap();
+    std::fs::remove_file(a.join(keel::state::PERSIST_SOCK)).unwrap();
     assert_eq!(asked, vec!["mount-point", "checkpoint"]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("forked snapshot 2 of"), "{}", text(&o));

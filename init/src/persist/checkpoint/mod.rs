@@ -215,16 +215,17 @@ impl Persister {
             path: state_dir.to_path_buf(),
             reason,
         };
-        if !state_dir.join("meta.db").exists() {
-            return Err(bad(
-                "no meta.db: not a keel state dir (mount it once first)".into(),
-            ));
+        if !crate::state::has_workspace(state_dir) {
+            return Err(bad(format!(
+                "no {}: not a keel state dir (mount it once first)",
+                crate::state::META_DB
+            )));
         }
-        let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
+        let store = crate::state::open_store(state_dir, Nanos(now_ns()))?;
         // The checkpointer walks the changes once per checkpoint, so a large cache would only
         // hold memory between checkpoints: the budget's `checkpoint_cache` share.
         store.limit_cache((crate::budget::shares().checkpoint_cache / 1024) as u32)?;
-        let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| bad(e.to_string()))?;
+        let bodies = crate::state::open_bodies(state_dir).map_err(|e| bad(e.to_string()))?;
         Ok(Persister {
             store,
             bodies,

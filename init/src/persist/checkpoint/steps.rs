@@ -314,9 +314,9 @@ impl FullSpill {
             Ok(Spill::create(path)?)
         };
         Ok(FullSpill {
-            inodes: spill("snapshot-inodes")?,
-            dirents: spill("snapshot-dirents")?,
-            unlinked: spill("snapshot-unlinked")?,
+            inodes: spill(crate::state::SCRATCH_INODES)?,
+            dirents: spill(crate::state::SCRATCH_DIRENTS)?,
+            unlinked: spill(crate::state::SCRATCH_UNLINKED)?,
         })
     }
 }

@@ -412,7 +412,7 @@ mod tests {
 
     fn store() -> (tempfile::TempDir, Store) {
         let dir = tempfile::tempdir().unwrap();
-        let s = Store::open(&dir.path().join("meta.db"), Nanos(1)).unwrap();
+        let s = crate::state::open_store(dir.path(), Nanos(1)).unwrap();
         (dir, s)
     }
 
