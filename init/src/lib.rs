@@ -15,7 +15,7 @@
 //!  │                │                               (never each other)
 //! config · state · meta · chunk                     the state dir; the SQLite store; bodies
 //!  │
-//! sys · logging · progress · time · budget          syscalls and unsafe; leaves
+//! sys · logging · progress · time · random · budget   syscalls and unsafe; leaves
 //! ```
 //!
 //! Within the top layer: `run` uses `boot`, `supervisor`, `exec`, `control` and `shutdown`;
@@ -39,6 +39,7 @@ pub mod logging;
 pub mod meta;
 pub mod persist;
 pub mod progress;
+pub mod random;
 pub mod run;
 pub mod shutdown;
 pub mod state;

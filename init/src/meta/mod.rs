@@ -45,6 +45,13 @@ impl InodeNo {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub struct Nanos(pub i64);
 
+impl Nanos {
+    /// Now (`crate::time::now_ns`).
+    pub fn now() -> Nanos {
+        Nanos(crate::time::now_ns())
+    }
+}
+
 /// What kind of file an inode is. Stored as the `S_IFMT` bits of the mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {

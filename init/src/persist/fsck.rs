@@ -28,12 +28,12 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::checkpoint::now_ns;
 use super::remote::PutMode;
 use super::repo::Repo;
 use crate::chunk::chunker::window_range;
 use crate::chunk::{BodyStore, ChunkId};
 use crate::state::{self, private};
+use crate::time::now_ns;
 pub use quick::Sample;
 
 mod bodies;

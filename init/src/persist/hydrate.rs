@@ -12,11 +12,11 @@ use std::sync::Mutex;
 
 use bytes::Bytes;
 
-use super::checkpoint::now_ns;
 use super::repo::{Repo, RepoError};
 use crate::chunk::chunker::window_range;
 use crate::chunk::{ChunkId, ChunkSource, FetchError};
 use crate::meta::{InodeNo, MetaError, Nanos, Store};
+use crate::time::now_ns;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HydrateError {

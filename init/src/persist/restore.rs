@@ -14,13 +14,13 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use super::checkpoint::now_ns;
 use super::format::{Header, Tree, TreeData, TreeInode};
 use super::repo::{Chain, Repo, RepoError};
 use crate::chunk::{BodyStore, ChunkId};
 use crate::meta::{create_bulk, BulkWriter, InodeNo, Kind, MetaError, Nanos};
 use crate::state;
 use crate::sys;
+use crate::time::now_ns;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {

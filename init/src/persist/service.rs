@@ -14,11 +14,12 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::checkpoint::{backlog, now_ns, Backlog, CheckpointOptions, CheckpointReport, Persister};
+use super::checkpoint::{backlog, Backlog, CheckpointOptions, CheckpointReport, Persister};
 use super::control;
 use super::gc::{gc_with, GcReport, Retention};
 use super::lease::{Lease, LeaseInfo, LeaseState};
 use crate::config::{PersistConfig, WorkspaceConfig};
+use crate::time::now_ns;
 
 /// How often a long restore or final checkpoint logs how far it has got.
 pub const LOG_EVERY: Duration = Duration::from_secs(5);

@@ -30,7 +30,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::chunk::reserve::Reserve;
 use crate::chunk::{BodyPool, BodyStore};
@@ -308,7 +307,7 @@ fn open_store(
     state_dir: &Path,
     opts: &FsOptions,
 ) -> FsResult<(Store, BodyStore, crate::meta::Generations)> {
-    let store = crate::state::open_store(state_dir, now())?;
+    let store = crate::state::open_store(state_dir, Nanos::now())?;
     let bodies = crate::state::open_bodies(state_dir)
         .map_err(|e| FsError::Io(io::Error::other(e.to_string())))?;
     let orphans = store.read().orphans()?;
@@ -405,14 +404,6 @@ fn join_thread(slot: &Mutex<Option<std::thread::JoinHandle<()>>>) {
     if let Some(t) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
         let _ = t.join();
     }
-}
-
-/// Current time in nanoseconds since the epoch.
-pub fn now() -> Nanos {
-    let d = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    Nanos(d.as_nanos() as i64)
 }
 
 impl WorkspaceFs {

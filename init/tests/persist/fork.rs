@@ -883,7 +883,7 @@ fn a_checkpoint_in_flight_marker_nobody_renews_holds_no_gc_back() {
         fs,
         p: _,
     } = origin_and_fork(&noise(80, CHUNK as usize));
-    let now = keel::persist::checkpoint::now_ns();
+    let now = keel::time::now_ns();
     let hour = 3600 * 1_000_000_000i64;
     for (expires, kept) in [(now - 1_000_000_000, false), (now + hour, true)] {
         let data = noise(81 + u64::from(kept), 2 * CHUNK as usize);

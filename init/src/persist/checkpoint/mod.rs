@@ -20,7 +20,7 @@ mod tests;
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use self::steps::Pass;
 use super::format;
@@ -30,6 +30,7 @@ use super::repo::{Repo, RepoError};
 use crate::chunk::chunker::{window_count, window_range};
 use crate::chunk::BodyStore;
 use crate::meta::{InodeNo, Kind, MetaError, Nanos, Storage, Store, Tx};
+use crate::time::now_ns;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -170,13 +171,6 @@ pub struct PersistParams {
 
 /// Body modification times are coarse: rescan bodies modified this close to the point.
 const MTIME_SLACK_NS: i64 = 2_000_000_000;
-
-pub fn now_ns() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0)
-}
 
 /// Opens a file's bytes by inode number, for a workspace that does not keep them in the
 /// state dir's bodies (the `dir` provider's tree). An error fails the checkpoint.

@@ -8,7 +8,7 @@
 
 use super::{FsckError, FsckReport, Level};
 use crate::meta::{Inode, InodeNo, Kind, Nanos, Storage, Store, Tx};
-use crate::persist::checkpoint::now_ns;
+use crate::time::now_ns;
 
 /// One inode as the tree check needs it, and what the entries say about it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

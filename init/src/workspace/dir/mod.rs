@@ -111,7 +111,7 @@ impl DirTree {
         ];
         let volume = VolumeUsage::of(state_dir);
         let open = || -> Result<DirTree, DirError> {
-            let store = crate::state::open_store(state_dir, now())?;
+            let store = crate::state::open_store(state_dir, Nanos::now())?;
             store.ensure_host_map()?;
             let t = DirTree {
                 state_dir: state_dir.to_path_buf(),
@@ -508,17 +508,12 @@ fn remove_tree(p: &Path) {
     }
 }
 
-/// The current time in ns.
-pub fn now() -> Nanos {
-    crate::workspace::fs::now()
-}
-
 /// Whether the state dir's store says the `dir` provider wrote it last.
 pub fn state_is_dir(state_dir: &Path) -> bool {
     if !crate::state::has_workspace(state_dir) {
         return false;
     }
-    crate::state::open_store(state_dir, now())
+    crate::state::open_store(state_dir, Nanos::now())
         .and_then(|s| s.read().persist_get(PROVIDER_KEY))
         .ok()
         .flatten()

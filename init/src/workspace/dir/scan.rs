@@ -23,7 +23,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::{kind_of, now, DirError, Paths};
+use super::{kind_of, DirError, Paths};
 use crate::chunk::chunker::window_count;
 use crate::meta::{HostRow, Inode, InodeNo, Kind, Nanos, Storage, Store, Tx};
 use crate::sys::tree::{self as t, FullStat};
@@ -140,7 +140,7 @@ pub(super) fn scan(
         tx: &tx,
         inline_max,
         chunk_size,
-        start_ns: now().0,
+        start_ns: Nanos::now().0,
         inodes: HashMap::new(),
         touched: HashSet::new(),
         entries,
@@ -234,7 +234,7 @@ pub(super) fn scan_dirs(
         tx: &tx,
         inline_max,
         chunk_size,
-        start_ns: now().0,
+        start_ns: Nanos::now().0,
         inodes: HashMap::new(),
         touched: HashSet::new(),
         entries: HashMap::new(),
