@@ -4,6 +4,7 @@
 //! `keel status` reads (default `/run/keel/control.sock` for a root keel that is PID 1, else
 //! `<state_dir>/control.sock`, whenever the workspace is enabled); `group` opens it to a group.
 
+use super::BadKey;
 use serde::Deserialize;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -108,8 +109,8 @@ impl Default for ControlConfig {
 }
 
 impl ControlConfig {
-    pub fn validate(&self) -> Result<(), (String, String)> {
-        let bad = |k: &str, why: String| Err((format!("control.{k}"), why));
+    pub fn validate(&self) -> Result<(), BadKey> {
+        let bad = |k: &str, why: String| Err(BadKey::new(format!("control.{k}"), why));
         if let Some(l) = &self.listen {
             if let Err(why) = check_listen(l) {
                 return bad("listen", why.to_string());

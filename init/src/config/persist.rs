@@ -2,6 +2,7 @@
 //! snapshots are kept (by count, age and size), and the budgets of the final checkpoint at shutdown. Validated
 //! here, used by `persist/`.
 
+use super::BadKey;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -175,8 +176,8 @@ impl Default for PersistConfig {
 }
 
 impl PersistConfig {
-    pub fn validate(&self) -> Result<(), (String, String)> {
-        let bad = |k: &str, why: String| Err((format!("persist.{k}"), why));
+    pub fn validate(&self) -> Result<(), BadKey> {
+        let bad = |k: &str, why: String| Err(BadKey::new(format!("persist.{k}"), why));
         let r = self.remote.as_str();
         if !(r.is_empty()
             || r == "none"
