@@ -565,7 +565,7 @@ impl Workspace {
                 let r = t
                     .scan()
                     .map(|r| tracing::info!(%r, "final walk"))
-                    .map_err(|e| SessionError::Flush(e.to_string()));
+                    .map_err(|e| SessionError::Flush(e.into()));
                 t.make_room_if_full();
                 r
             }

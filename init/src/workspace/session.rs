@@ -32,7 +32,7 @@ pub enum SessionError {
     #[error("mount {path}: {source}")]
     Mount { path: PathBuf, source: io::Error },
     #[error("flush: {0}")]
-    Flush(String),
+    Flush(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("unmount {path}: {source}")]
     Unmount { path: PathBuf, source: io::Error },
     /// The finisher's last work (the final checkpoint) failed.
@@ -133,8 +133,7 @@ fn flush(mount_point: &Path, fs: &WorkspaceFs) -> Result<(), SessionError> {
     if let Err(e) = sys::file::syncfs(mount_point) {
         tracing::warn!(error = %e, "syncfs of the mount failed; syncing the store anyway");
     }
-    fs.sync_all()
-        .map_err(|e| SessionError::Flush(e.to_string()))
+    fs.sync_all().map_err(|e| SessionError::Flush(e.into()))
 }
 
 /// Creates the state dir (0700) when absent and refuses one that is not keel's (see
@@ -445,7 +444,7 @@ impl Mounted {
             // mount point is no longer this mount.
             self.fs
                 .sync_all()
-                .map_err(|e| SessionError::Flush(e.to_string()))
+                .map_err(|e| SessionError::Flush(e.into()))
         } else {
             self.flush()
         };
@@ -484,17 +483,13 @@ impl Mounted {
         let shut = flushed.and_then(|()| {
             self.fs
                 .shutdown_unfolded()
-                .map_err(|e| SessionError::Flush(e.to_string()))
+                .map_err(|e| SessionError::Flush(e.into()))
         });
         if let Some(f) = finisher {
             f.close(shut.is_ok() && unmounted.is_ok());
         }
         // Last: the WAL folded with everything in it, the finisher's own record included.
-        let shut = shut.and_then(|()| {
-            self.fs
-                .fold()
-                .map_err(|e| SessionError::Flush(e.to_string()))
-        });
+        let shut = shut.and_then(|()| self.fs.fold().map_err(|e| SessionError::Flush(e.into())));
         // A local failure first: `Finish` alone means everything is safe in the state dir
         // and only the remote is behind.
         unmounted?;
