@@ -13,9 +13,9 @@
 //!  │
 //! workspace      persist                            the FUSE fs │ checkpoints, remotes
 //!  │                │                               (never each other)
-//! meta · chunk · config                             the SQLite store; bodies, chunks
+//! config · state · meta · chunk                     the state dir; the SQLite store; bodies
 //!  │
-//! sys · logging · progress · time · budget          syscalls and unsafe; leaves
+//! sys · logging · progress · time · random · budget   syscalls and unsafe; leaves
 //! ```
 //!
 //! Within the top layer: `run` uses `boot`, `supervisor`, `exec`, `control` and `shutdown`;
@@ -39,8 +39,10 @@ pub mod logging;
 pub mod meta;
 pub mod persist;
 pub mod progress;
+pub mod random;
 pub mod run;
 pub mod shutdown;
+pub mod state;
 pub mod supervisor;
 // The one module with unsafe code (syscalls through libc/nix), each block with a SAFETY note.
 #[allow(unsafe_code)]

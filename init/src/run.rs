@@ -303,7 +303,7 @@ fn sandbox_namespace(
     let covers = sandbox_covers(cfg);
     for (p, c) in &covers {
         if *c == crate::sys::ns::Cover::EmptyDir && !p.exists() {
-            let _ = crate::persist::private::create_dir_all(p);
+            let _ = crate::state::private::create_dir_all(p);
         }
     }
     // In keel's own mount namespace (PID 1), mounts made later on the workspace mount point
@@ -490,7 +490,7 @@ mod tests {
         let mut cfg = Config::default();
         cfg.workspace.state_dir = state.clone();
         cfg.persist.remote = "none".into();
-        let inside = state.join("control.sock");
+        let inside = state.join(crate::state::CONTROL_SOCK);
         crate::sys::socket::dead_socket(&inside).unwrap();
         cfg.control.socket = Some(inside.clone());
         let sockets = |cfg: &Config| -> Vec<PathBuf> {

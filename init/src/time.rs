@@ -1,22 +1,41 @@
-//! Civil dates (proleptic Gregorian, UTC) from a count of days since 1970-01-01, for the
-//! timestamps keel prints without a date library: `control::status::rfc3339` (`/status`)
-//! and `persist::ops::fmt_time` (snapshot listings, lease holders). Pure arithmetic.
+//! The clock and the dates keel prints: [`now_ns`], the one reading of the wall clock that
+//! stamps times (inode times, snapshots, leases, markers), and civil dates (proleptic
+//! Gregorian, UTC) from a count of days since 1970-01-01 for the timestamps keel prints
+//! without a date library: [`rfc3339`] (`/status`) and [`fmt_ns`] (snapshot listings, lease
+//! holders). Pure arithmetic besides the clock.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Now, in nanoseconds since the Unix epoch (0 for a clock set before it).
+pub fn now_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}
+
+/// `(year, month, day, hour, minute, second)` of `secs` seconds after the epoch (before it
+/// when negative).
+fn civil_time(secs: i64) -> (i64, u32, u32, i64, i64, i64) {
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let (y, m, d) = civil_from_days(days);
+    (y, m, d, rem / 3600, rem % 3600 / 60, rem % 60)
+}
 
 /// `2026-01-02T03:04:05.678Z` for `t` (UTC, milliseconds).
-pub fn rfc3339(t: std::time::SystemTime) -> String {
-    let d = t
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or(std::time::Duration::ZERO);
-    let secs = d.as_secs();
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (year, month, day) = civil_from_days(days as i64);
+pub fn rfc3339(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
+    let (year, month, day, h, min, s) = civil_time(d.as_secs() as i64);
     format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
+        "{year:04}-{month:02}-{day:02}T{h:02}:{min:02}:{s:02}.{:03}Z",
         d.subsec_millis()
     )
+}
+
+/// `YYYY-MM-DD HH:MM:SSZ` (UTC) of a time in nanoseconds since the epoch.
+pub fn fmt_ns(ns: i64) -> String {
+    let (y, m, d, h, min, s) = civil_time(ns.div_euclid(1_000_000_000));
+    format!("{y:04}-{m:02}-{d:02} {h:02}:{min:02}:{s:02}Z")
 }
 
 /// `(year, month 1..=12, day 1..=31)` of the day `days` after 1970-01-01 (before it when
@@ -38,7 +57,33 @@ pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
 
 #[cfg(test)]
 mod tests {
-    use super::civil_from_days;
+    use super::*;
+
+    #[test]
+    fn rfc3339_known_dates() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        let leap = UNIX_EPOCH + Duration::from_secs(951_782_400); // 2000-02-29
+        assert_eq!(rfc3339(leap), "2000-02-29T00:00:00.000Z");
+        let t = UNIX_EPOCH + Duration::from_secs(4_102_444_799); // 2099-12-31T23:59:59
+        assert_eq!(
+            rfc3339(t + Duration::from_millis(999)),
+            "2099-12-31T23:59:59.999Z"
+        );
+        let before = UNIX_EPOCH - Duration::from_secs(1);
+        assert_eq!(rfc3339(before), "1970-01-01T00:00:00.000Z");
+    }
+
+    #[test]
+    fn fmt_ns_known_times() {
+        const S: i64 = 1_000_000_000;
+        assert_eq!(fmt_ns(0), "1970-01-01 00:00:00Z");
+        assert_eq!(fmt_ns(-1), "1969-12-31 23:59:59Z");
+        assert_eq!(
+            fmt_ns((951_782_400 + 3661) * S + 999),
+            "2000-02-29 01:01:01Z"
+        );
+        assert_eq!(fmt_ns(4_102_444_799 * S), "2099-12-31 23:59:59Z");
+    }
 
     #[test]
     fn known_days() {

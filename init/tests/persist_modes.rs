@@ -235,7 +235,7 @@ fn library_pass(tmp: &Path, walk: &mut Walk) {
 
     // The body pool makes files off the request path.
     let pool_root = tmp.join("pool-state");
-    let store = BodyStore::open(&pool_root.join("bodies")).unwrap();
+    let store = BodyStore::open(&pool_root.join(keel::state::BODIES)).unwrap();
     let pool = BodyPool::open(&store).unwrap();
     assert!(pool.fill(3).unwrap() > 0);
 

@@ -88,7 +88,7 @@ pub fn prepare_for(cfg: &Config, dir: bool) -> Result<Prepared, StartError> {
     }
     crate::logging::step("start", "lock");
     let lock = crate::workspace::lock_state(&cfg.workspace).map_err(StartError::Lock)?;
-    crate::persist::remove_scratch(&cfg.workspace.state_dir);
+    crate::state::remove_scratch(&cfg.workspace.state_dir);
     // The lease before anything reads or writes the remote; the lock is ours, so a lease
     // this state dir recorded is taken back at once.
     crate::logging::step("start", "lease");
@@ -192,7 +192,7 @@ impl StartWait {
 /// A restore's marker without a database after the start's restore step: no remote
 /// finished it (none is configured), so starting would make an empty workspace over it.
 fn unfinished_restore_left(state: &std::path::Path) -> Result<(), StartError> {
-    if state.join(restore::UNFINISHED).exists() && !state.join("meta.db").exists() {
+    if crate::state::restore_unfinished(state) {
         return Err(StartError::UnfinishedRestore(state.to_path_buf()));
     }
     Ok(())
@@ -203,7 +203,7 @@ fn unfinished_restore_left(state: &std::path::Path) -> Result<(), StartError> {
 pub fn restore_wanted(cfg: &Config) -> bool {
     !cfg.persist.remote.is_empty()
         && cfg.persist.remote_url(&cfg.workspace.state_dir).is_some()
-        && !cfg.workspace.state_dir.join("meta.db").exists()
+        && !crate::state::has_workspace(&cfg.workspace.state_dir)
 }
 
 /// With an empty (locked) state dir and a configured remote that holds a snapshot,
@@ -356,9 +356,9 @@ impl Prepared {
         );
         // The sandbox's user reaches the tree through the state dir: search only (0711),
         // nothing listed, everything else in it 0700/0600.
-        if let Err(e) = crate::persist::secure_state_dir(&ws.state_dir).and_then(|()| {
+        if let Err(e) = crate::state::secure(&ws.state_dir).and_then(|()| {
             use std::os::unix::fs::PermissionsExt;
-            if !crate::persist::private::may_chmod(&std::fs::metadata(&ws.state_dir)?) {
+            if !crate::state::private::may_chmod(&std::fs::metadata(&ws.state_dir)?) {
                 return Ok(()); // not keel's user's to change (see `may_chmod`)
             }
             std::fs::set_permissions(&ws.state_dir, std::fs::Permissions::from_mode(0o711))
@@ -565,7 +565,7 @@ impl Workspace {
                 let r = t
                     .scan()
                     .map(|r| tracing::info!(%r, "final walk"))
-                    .map_err(|e| SessionError::Flush(e.to_string()));
+                    .map_err(|e| SessionError::Flush(e.into()));
                 t.make_room_if_full();
                 r
             }
@@ -653,10 +653,10 @@ mod tests {
     fn an_unfinished_restore_nobody_took_over_stops_the_start() {
         let d = tempfile::tempdir().unwrap();
         unfinished_restore_left(d.path()).unwrap();
-        std::fs::write(d.path().join(restore::UNFINISHED), b"").unwrap();
+        std::fs::write(d.path().join(crate::state::RESTORE_UNFINISHED), b"").unwrap();
         let e = unfinished_restore_left(d.path()).unwrap_err().to_string();
         assert!(e.contains("did not finish"), "{e}");
-        std::fs::write(d.path().join("meta.db"), b"").unwrap();
+        std::fs::write(d.path().join(crate::state::META_DB), b"").unwrap();
         unfinished_restore_left(d.path()).unwrap();
     }
 }

@@ -613,7 +613,7 @@ mod tests {
 
     fn setup(max: usize) -> (tempfile::TempDir, BodyStore, BodyPool) {
         let dir = tempfile::tempdir().unwrap();
-        let store = BodyStore::open(&dir.path().join("bodies")).unwrap();
+        let store = BodyStore::open(&dir.path().join("store")).unwrap();
         let pool = BodyPool::open_with_max(&store, max).unwrap();
         (dir, store, pool)
     }
@@ -766,7 +766,7 @@ mod tests {
         assert_eq!(pool.fill(5).unwrap(), 5);
         assert_eq!(pool.len(), 5);
         assert_eq!(pool.fill(100).unwrap(), 3, "never past the maximum");
-        let files: Vec<_> = std::fs::read_dir(dir.path().join("bodies/pool"))
+        let files: Vec<_> = std::fs::read_dir(dir.path().join("store/pool"))
             .unwrap()
             .map(|e| e.unwrap().metadata().unwrap().len())
             .collect();
@@ -774,7 +774,7 @@ mod tests {
         // A taken slot is one of them, and reopening the pool adopts the rest.
         assert!(matches!(pool.take(1).unwrap(), Fresh::Slot(..)));
         drop(pool);
-        let store = BodyStore::open(&dir.path().join("bodies")).unwrap();
+        let store = BodyStore::open(&dir.path().join("store")).unwrap();
         assert_eq!(BodyPool::open_with_max(&store, 8).unwrap().len(), 8);
     }
 
@@ -839,7 +839,7 @@ mod tests {
         pool.recycle(1).unwrap();
         drop(pool);
         // A crash may leave bytes in a pooled file: the create that takes it empties it.
-        let slot = d.path().join("bodies/pool/0");
+        let slot = d.path().join("store/pool/0");
         std::fs::write(&slot, b"left over").unwrap();
         let pool = BodyPool::open_with_max(&store, 8).unwrap();
         assert_eq!(pool.len(), 1);

@@ -241,7 +241,7 @@ fn persist_config(
     lease.apply(&mut cfg);
     cfg.persist
         .validate()
-        .map_err(|(k, r)| Failed::usage(format!("{k}: {r}")))?;
+        .map_err(|e| Failed::usage(e.to_string()))?;
     Ok(cfg)
 }
 

@@ -126,8 +126,7 @@ fn config(config: Option<&Path>, a: &MountArgs) -> Result<Config, Failed> {
     ws.entry_timeout = a.entry_timeout.unwrap_or(ws.entry_timeout);
     ws.negative_timeout = a.negative_timeout.unwrap_or(ws.negative_timeout);
     ws.threads = a.threads.map_or(ws.threads, usize::from);
-    ws.validate()
-        .map_err(|(key, reason)| Failed::usage(format!("{key}: {reason}")))?;
+    ws.validate().map_err(|e| Failed::usage(e.to_string()))?;
     Ok(cfg)
 }
 

@@ -4,15 +4,13 @@
 //! `keel status` reads (default `/run/keel/control.sock` for a root keel that is PID 1, else
 //! `<state_dir>/control.sock`, whenever the workspace is enabled); `group` opens it to a group.
 
+use super::BadKey;
 use serde::Deserialize;
 use std::path::PathBuf;
 use std::time::Duration;
 
 /// Environment variable that supplies (and overrides) the bearer token.
 pub const TOKEN_ENV: &str = "KEEL_CONTROL_TOKEN";
-
-/// File name of the control socket inside the workspace state dir.
-pub const SOCKET_NAME: &str = "control.sock";
 
 /// The control socket of a keel that is PID 1 (a container), outside the state dir.
 pub const RUN_SOCKET: &str = "/run/keel/control.sock";
@@ -111,8 +109,8 @@ impl Default for ControlConfig {
 }
 
 impl ControlConfig {
-    pub fn validate(&self) -> Result<(), (String, String)> {
-        let bad = |k: &str, why: String| Err((format!("control.{k}"), why));
+    pub fn validate(&self) -> Result<(), BadKey> {
+        let bad = |k: &str, why: String| Err(BadKey::new(format!("control.{k}"), why));
         if let Some(l) = &self.listen {
             if let Err(why) = check_listen(l) {
                 return bad("listen", why.to_string());
@@ -191,7 +189,9 @@ impl ControlConfig {
         match &self.socket {
             Some(p) => Some(p.clone()),
             None if cfg.init.workspace && root_pid1 => Some(PathBuf::from(RUN_SOCKET)),
-            None if cfg.init.workspace => Some(cfg.workspace.state_dir.join(SOCKET_NAME)),
+            None if cfg.init.workspace => {
+                Some(cfg.workspace.state_dir.join(crate::state::CONTROL_SOCK))
+            }
             None => None,
         }
     }

@@ -2,6 +2,7 @@
 //! /exec`): how many run at once, how many output bytes keel keeps of each stream, how long a
 //! record stays after its process ended, and the largest `POST /exec` body.
 
+use super::BadKey;
 use serde::Deserialize;
 use std::time::Duration;
 
@@ -36,8 +37,8 @@ impl Default for ExecConfig {
 }
 
 impl ExecConfig {
-    pub fn validate(&self) -> Result<(), (String, String)> {
-        let bad = |k: &str, why: &str| Err((format!("exec.{k}"), why.to_string()));
+    pub fn validate(&self) -> Result<(), BadKey> {
+        let bad = |k: &str, why: &str| Err(BadKey::new(format!("exec.{k}"), why.to_string()));
         if self.max_processes == 0 {
             return bad("max_processes", "must be at least 1");
         }

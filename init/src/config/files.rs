@@ -1,6 +1,7 @@
 //! The `[files]` table: limits of the files API (`/files`): the largest upload and the most
 //! entries one listing returns.
 
+use super::BadKey;
 use serde::Deserialize;
 
 use super::units::size_str;
@@ -25,8 +26,8 @@ impl Default for FilesConfig {
 }
 
 impl FilesConfig {
-    pub fn validate(&self) -> Result<(), (String, String)> {
-        let bad = |k: &str, why: &str| Err((format!("files.{k}"), why.to_string()));
+    pub fn validate(&self) -> Result<(), BadKey> {
+        let bad = |k: &str, why: &str| Err(BadKey::new(format!("files.{k}"), why.to_string()));
         if self.max_upload == 0 {
             return bad("max_upload", "must be at least 1 byte");
         }

@@ -2,6 +2,7 @@
 //! umask, environment, resource limits, the main service's user, capability bounding set,
 //! how signals reach the main service, and whether the workspace is mounted at all.
 
+use super::BadKey;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
@@ -138,8 +139,8 @@ impl Default for InitConfig {
 }
 
 impl InitConfig {
-    pub fn validate(&self) -> Result<(), (String, String)> {
-        let bad = |k: &str, why: String| Err((format!("init.{k}"), why));
+    pub fn validate(&self) -> Result<(), BadKey> {
+        let bad = |k: &str, why: String| Err(BadKey::new(format!("init.{k}"), why));
         if let Some(h) = &self.hostname {
             if h.is_empty() || h.len() > 64 || h.contains('\0') {
                 return bad("hostname", format!("`{h}` must be 1-64 bytes"));
@@ -201,9 +202,12 @@ pub fn is_var_name(k: &str) -> bool {
 }
 
 /// Validates a `pass_env` list: exact variable names.
-pub fn check_pass_env(key: &str, names: &[String]) -> Result<(), (String, String)> {
+pub fn check_pass_env(key: &str, names: &[String]) -> Result<(), BadKey> {
     match names.iter().find(|k| !is_var_name(k)) {
-        Some(k) => Err((key.to_string(), format!("`{k}` is not a variable name"))),
+        Some(k) => Err(BadKey::new(
+            key.to_string(),
+            format!("`{k}` is not a variable name"),
+        )),
         None => Ok(()),
     }
 }
@@ -233,9 +237,9 @@ pub fn capability_name(s: &str) -> Option<String> {
 }
 
 /// Validates a signal name for serde users in this module family.
-pub fn check_signal(key: &str, s: &str) -> Result<(), (String, String)> {
+pub fn check_signal(key: &str, s: &str) -> Result<(), BadKey> {
     signal_name(s).map(|_| ()).ok_or_else(|| {
-        (
+        BadKey::new(
             key.to_string(),
             format!("`{s}` is not a signal name (e.g. \"SIGTERM\")"),
         )

@@ -47,6 +47,21 @@ pub enum ConfigError {
     },
 }
 
+/// A config value that does not validate: its key (`persist.remote`) and the problem, in
+/// words (`ConfigError::Invalid` adds the file).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{key}: {problem}")]
+pub struct BadKey {
+    pub key: String,
+    pub problem: String,
+}
+
+impl BadKey {
+    pub fn new(key: String, problem: String) -> BadKey {
+        BadKey { key, problem }
+    }
+}
+
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
@@ -87,10 +102,10 @@ impl Config {
         })?;
         cfg.expand_places(lookup)
             .and_then(|()| cfg.validate())
-            .map_err(|(key, reason)| ConfigError::Invalid {
+            .map_err(|BadKey { key, problem }| ConfigError::Invalid {
                 path: path.to_path_buf(),
                 key,
-                reason,
+                reason: problem,
             })?;
         Ok(cfg)
     }
@@ -117,14 +132,11 @@ impl Config {
     }
 
     /// Expands `${VAR}` in the keys of `expand::EXPANDED_KEYS` (in this order).
-    fn expand_places(
-        &mut self,
-        lookup: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<(), (String, String)> {
+    fn expand_places(&mut self, lookup: &dyn Fn(&str) -> Option<String>) -> Result<(), BadKey> {
         let x = |key: &str, v: &str| {
-            expand::expand(v, lookup).map_err(|e| (key.to_string(), e.to_string()))
+            expand::expand(v, lookup).map_err(|e| BadKey::new(key.to_string(), e.to_string()))
         };
-        let xp = |key: &str, p: &mut PathBuf| -> Result<(), (String, String)> {
+        let xp = |key: &str, p: &mut PathBuf| -> Result<(), BadKey> {
             if let Some(s) = p.to_str() {
                 *p = PathBuf::from(x(key, s)?);
             }
@@ -132,7 +144,7 @@ impl Config {
         };
         // An optional key whose variables expand to "" is as if it were not set
         // (`endpoint = "${EP:-}"`); a literal "" is still validated as written.
-        let xo = |key: &str, v: &mut Option<String>| -> Result<(), (String, String)> {
+        let xo = |key: &str, v: &mut Option<String>| -> Result<(), BadKey> {
             if let Some(s) = v.as_deref().filter(|s| s.contains('$')) {
                 *v = Some(x(key, s)?).filter(|s| !s.is_empty());
             }
@@ -153,7 +165,7 @@ impl Config {
         Ok(())
     }
 
-    fn validate(&self) -> Result<(), (String, String)> {
+    fn validate(&self) -> Result<(), BadKey> {
         self.init.validate()?;
         self.workspace.validate()?;
         self.shutdown.validate()?;

@@ -2,22 +2,12 @@
 //! snapshots are kept (by count, age and size), and the budgets of the final checkpoint at shutdown. Validated
 //! here, used by `persist/`.
 
+use super::BadKey;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::units::{duration_str, opt_duration_str, opt_size_str, size_str};
-
-/// The file in the state dir that remembers the holder id of the lease its keel took, so a
-/// keel restarted on the same state dir after a crash takes its own lease back at once
-/// (here, below both `persist` that writes it and `workspace` that accepts it in a fresh
-/// state dir).
-pub const LEASE_HOLDER_FILE: &str = "lease.holder";
-
-/// The file in the state dir that marks a restore into it that has not finished (from
-/// before the restore writes anything until its database is in place): `persist` writes it,
-/// `workspace` accepts a state dir holding it (the restore at start starts over).
-pub const RESTORE_UNFINISHED_FILE: &str = "restore.unfinished";
 
 /// When `fsync` returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -186,8 +176,8 @@ impl Default for PersistConfig {
 }
 
 impl PersistConfig {
-    pub fn validate(&self) -> Result<(), (String, String)> {
-        let bad = |k: &str, why: String| Err((format!("persist.{k}"), why));
+    pub fn validate(&self) -> Result<(), BadKey> {
+        let bad = |k: &str, why: String| Err(BadKey::new(format!("persist.{k}"), why));
         let r = self.remote.as_str();
         if !(r.is_empty()
             || r == "none"
@@ -270,7 +260,10 @@ impl PersistConfig {
     pub fn remote_url(&self, state_dir: &Path) -> Option<String> {
         match self.remote.as_str() {
             "none" => None,
-            "" => Some(format!("file://{}", state_dir.join("remote").display())),
+            "" => Some(format!(
+                "file://{}",
+                state_dir.join(crate::state::REMOTE).display()
+            )),
             r => Some(r.to_string()),
         }
     }

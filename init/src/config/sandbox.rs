@@ -1,6 +1,7 @@
 //! The `[sandbox]` table: the seccomp filter on everything keel starts (`seccomp`): on by
 //! default, off, or on with some of what it refuses allowed by name.
 
+use super::BadKey;
 use serde::Deserialize;
 
 use crate::sys::seccomp::{MOUNT_FAMILY, USERNS};
@@ -37,11 +38,11 @@ impl Seccomp {
 }
 
 impl SandboxConfig {
-    pub fn validate(&self) -> Result<(), (String, String)> {
+    pub fn validate(&self) -> Result<(), BadKey> {
         if let Seccomp::Allow(list) = &self.seccomp {
             for a in list {
                 if a != USERNS && !MOUNT_FAMILY.contains(&a.as_str()) {
-                    return Err((
+                    return Err(BadKey::new(
                         "sandbox.seccomp".into(),
                         format!(
                             "cannot allow `{a}`: true, false or a list of {USERNS}, {}",

@@ -1,6 +1,7 @@
 //! `[[service]]` tables: long-running processes keel starts before the main command, in
 //! dependency order, with restart policies, readiness probes and their own stop signal.
 
+use super::BadKey;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -147,7 +148,7 @@ impl Default for ServiceConfig {
 
 /// Validates all services together: names, commands, signals, dependencies (no unknown names,
 /// no cycles). Keys are named `service[i].key`.
-pub fn validate(services: &[ServiceConfig]) -> Result<(), (String, String)> {
+pub fn validate(services: &[ServiceConfig]) -> Result<(), BadKey> {
     let mut names = BTreeMap::new();
     for (i, s) in services.iter().enumerate() {
         let key = |k: &str| format!("service[{i}].{k}");
@@ -158,7 +159,7 @@ pub fn validate(services: &[ServiceConfig]) -> Result<(), (String, String)> {
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
         {
-            return Err((
+            return Err(BadKey::new(
                 key("name"),
                 format!(
                     "`{}` must be non-empty, [A-Za-z0-9._-], and not \"main\"",
@@ -167,16 +168,19 @@ pub fn validate(services: &[ServiceConfig]) -> Result<(), (String, String)> {
             ));
         }
         if names.insert(s.name.as_str(), i).is_some() {
-            return Err((key("name"), format!("`{}` is used twice", s.name)));
+            return Err(BadKey::new(
+                key("name"),
+                format!("`{}` is used twice", s.name),
+            ));
         }
         if s.command.is_empty() {
-            return Err((key("command"), "is missing or empty".into()));
+            return Err(BadKey::new(key("command"), "is missing or empty".into()));
         }
         check_signal(&key("stop_signal"), &s.stop_signal)?;
         super::init::check_pass_env(&key("pass_env"), &s.pass_env)?;
         if let Some(w) = &s.workdir {
             if !w.is_absolute() {
-                return Err((
+                return Err(BadKey::new(
                     key("workdir"),
                     format!("`{}` must be an absolute path", w.display()),
                 ));
@@ -185,22 +189,22 @@ pub fn validate(services: &[ServiceConfig]) -> Result<(), (String, String)> {
         if let Some(r) = &s.ready {
             match r.probe() {
                 None => {
-                    return Err((
+                    return Err(BadKey::new(
                         key("ready"),
                         "needs exactly one of command, http, file".into(),
                     ))
                 }
                 Some(Probe::Command(c)) if c.is_empty() => {
-                    return Err((key("ready.command"), "is empty".into()))
+                    return Err(BadKey::new(key("ready.command"), "is empty".into()))
                 }
                 Some(Probe::Http(u)) if crate::config::parse_http_url(&u).is_none() => {
-                    return Err((
+                    return Err(BadKey::new(
                         key("ready.http"),
                         format!("`{u}` is not an http://host:port/path URL"),
                     ))
                 }
                 Some(Probe::File(p)) if !p.is_absolute() => {
-                    return Err((
+                    return Err(BadKey::new(
                         key("ready.file"),
                         format!("`{}` must be an absolute path", p.display()),
                     ))
@@ -209,7 +213,7 @@ pub fn validate(services: &[ServiceConfig]) -> Result<(), (String, String)> {
             }
         }
         if s.restart_delay > s.restart_max_delay {
-            return Err((
+            return Err(BadKey::new(
                 key("restart_delay"),
                 "is longer than restart_max_delay".into(),
             ));
@@ -218,7 +222,7 @@ pub fn validate(services: &[ServiceConfig]) -> Result<(), (String, String)> {
     for (i, s) in services.iter().enumerate() {
         for d in &s.depends_on {
             if !names.contains_key(d.as_str()) {
-                return Err((
+                return Err(BadKey::new(
                     format!("service[{i}].depends_on"),
                     format!("`{d}` is not a service name"),
                 ));
@@ -227,7 +231,7 @@ pub fn validate(services: &[ServiceConfig]) -> Result<(), (String, String)> {
     }
     // Cycle check: repeatedly remove services whose dependencies are all removed.
     order(services).map(|_| ()).map_err(|i| {
-        (
+        BadKey::new(
             format!("service[{i}].depends_on"),
             format!(
                 "service `{}` is part of a dependency cycle",

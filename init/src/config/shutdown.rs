@@ -1,6 +1,7 @@
 //! The `[shutdown]` table: how long services get to stop after the stop signal before they
 //! are killed, how long the workspace gets to flush, and which signals mean "stop".
 
+use super::BadKey;
 use serde::Deserialize;
 use std::time::Duration;
 
@@ -35,11 +36,11 @@ impl Default for ShutdownConfig {
 }
 
 impl ShutdownConfig {
-    pub fn validate(&self) -> Result<(), (String, String)> {
+    pub fn validate(&self) -> Result<(), BadKey> {
         for s in &self.on {
             check_signal("shutdown.on", s)?;
             if matches!(super::signal_name(s), Some(9) | Some(19) | Some(17)) {
-                return Err((
+                return Err(BadKey::new(
                     "shutdown.on".into(),
                     format!("`{s}` cannot be caught or is used for reaping"),
                 ));

@@ -1,6 +1,7 @@
 //! The `[workspace]` table: where the FUSE workspace is mounted, where its state lives, and
 //! how the kernel caches it. Owned by the filesystem side; validated here, used by `workspace/`.
 
+use super::BadKey;
 use serde::Deserialize;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -216,8 +217,8 @@ impl Default for WorkspaceConfig {
 
 impl WorkspaceConfig {
     /// Checks values serde cannot: ranges and relations between keys.
-    pub fn validate(&self) -> Result<(), (String, String)> {
-        let bad = |k: &str, why: String| Err((format!("workspace.{k}"), why));
+    pub fn validate(&self) -> Result<(), BadKey> {
+        let bad = |k: &str, why: String| Err(BadKey::new(format!("workspace.{k}"), why));
         for (key, set) in [
             ("io_uring", self.removed_io_uring.is_some()),
             ("ring_sched", self.removed_ring_sched.is_some()),
@@ -358,7 +359,10 @@ mod tests {
                 fsname: Some(name.into()),
                 ..Default::default()
             };
-            let (key, reason) = ws.validate().unwrap_err();
+            let BadKey {
+                key,
+                problem: reason,
+            } = ws.validate().unwrap_err();
             assert_eq!(key, "workspace.fsname");
             assert!(reason.contains(why), "{name:?}: {reason}");
         }
@@ -366,7 +370,10 @@ mod tests {
             state_dir: PathBuf::from(format!("/{}", "d".repeat(4091))),
             ..Default::default()
         };
-        let (key, reason) = long.validate().unwrap_err();
+        let BadKey {
+            key,
+            problem: reason,
+        } = long.validate().unwrap_err();
         assert_eq!(key, "workspace.fsname");
         assert!(reason.contains("4097 bytes, more than 4095"), "{reason}");
     }

@@ -61,10 +61,7 @@ const API_TIMEOUT: Duration = Duration::from_secs(3600);
 /// The control socket to use, when the state dir's `persist.sock` is not visible and the
 /// control API's socket is.
 fn api_socket(cfg: &Config) -> Option<PathBuf> {
-    let persist_sock = cfg
-        .workspace
-        .state_dir
-        .join(crate::persist::control::SOCKET_NAME);
+    let persist_sock = cfg.workspace.state_dir.join(crate::state::PERSIST_SOCK);
     if persist_sock.exists() {
         return None;
     }
@@ -264,7 +261,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = Config::default();
         cfg.workspace.state_dir = dir.path().join("state");
-        let sock = dir.path().join("control.sock");
+        let sock = dir.path().join(crate::state::CONTROL_SOCK);
         cfg.control.socket = Some(sock.clone());
         let l = UnixListener::bind(&sock).unwrap();
         let server = std::thread::spawn(move || {

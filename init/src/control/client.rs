@@ -180,7 +180,7 @@ mod tests {
     #[test]
     fn nothing_listening_is_one_clear_line() {
         let d = tempfile::tempdir().unwrap();
-        let path = d.path().join("control.sock");
+        let path = d.path().join(crate::state::CONTROL_SOCK);
         let e = request(&path, "GET", "/status").unwrap_err();
         assert!(matches!(e, ClientError::NotListening { .. }), "{e:?}");
         // A stale socket file nobody listens on reads the same.

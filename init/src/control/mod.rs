@@ -42,7 +42,7 @@ pub enum ControlError {
     #[error("control.socket: {0}")]
     Socket(ServerError),
     #[error("control.group: {0}")]
-    Group(String),
+    Group(#[source] crate::sys::process::ProcessError),
 }
 
 /// The running control servers. Stop them (or drop them) as the very last step.
@@ -88,10 +88,7 @@ pub fn start(cfg: &Config) -> Result<Control, ControlError> {
         None => None,
     };
     let group = match &c.group {
-        Some(g) => Some(
-            crate::sys::process::resolve_group(g)
-                .map_err(|e| ControlError::Group(e.to_string()))?,
-        ),
+        Some(g) => Some(crate::sys::process::resolve_group(g).map_err(ControlError::Group)?),
         None => None,
     };
     let unix = match c.socket_path(cfg, crate::sys::process::is_root_pid1()) {
@@ -143,10 +140,7 @@ pub fn default_socket(cfg: &Config) -> PathBuf {
     if let Some(s) = &cfg.control.socket {
         return s.clone();
     }
-    let in_state = cfg
-        .workspace
-        .state_dir
-        .join(crate::config::control::SOCKET_NAME);
+    let in_state = cfg.workspace.state_dir.join(crate::state::CONTROL_SOCK);
     let run = PathBuf::from(crate::config::control::RUN_SOCKET);
     if !in_state.exists() && run.exists() && pid1_is_keel() {
         return run;

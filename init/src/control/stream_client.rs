@@ -49,7 +49,7 @@ pub enum StreamClientError {
     #[error("start a runtime: {0}")]
     Runtime(std::io::Error),
     #[error("bad request: {0}")]
-    Request(String),
+    Request(#[source] hyper::http::Error),
 }
 
 /// Sends `method path` with `body` (JSON) and hands the status code once, then every part
@@ -160,9 +160,7 @@ async fn run(
     for (k, v) in headers {
         req = req.header(*k, v.as_str());
     }
-    let req = req
-        .body(body)
-        .map_err(|e| StreamClientError::Request(e.to_string()))?;
+    let req = req.body(body).map_err(StreamClientError::Request)?;
     let resp = match target {
         Target::Socket(p) => {
             let s = tokio::net::UnixStream::connect(p)

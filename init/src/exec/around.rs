@@ -63,10 +63,7 @@ pub fn before(
     let (name, pin) = match &a.snapshot {
         Some(n) => (n.clone(), None),
         None if (a.diff && track.is_none()) || a.rollback_on.is_some() => {
-            let secs = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0);
+            let secs = crate::time::now_ns() / 1_000_000_000;
             let n = format!("exec-{id}-before-{secs}");
             (n.clone(), Some(n))
         }

@@ -154,7 +154,7 @@ impl Processes {
     /// run's), cgroups below keel's own where cgroup v2 can be written (else it says that a
     /// process that leaves its session and group cannot be reached).
     pub fn new(cfg: &crate::config::Config) -> Arc<Processes> {
-        let dir = cfg.workspace.state_dir.join("exec");
+        let dir = cfg.workspace.state_dir.join(crate::state::EXEC);
         if dir.exists() {
             let _ = std::fs::remove_dir_all(&dir);
         }
@@ -433,7 +433,7 @@ impl Processes {
         tpl: &Template,
         ids: Option<&process::Ids>,
     ) -> Result<Record, ExecError> {
-        crate::persist::private::create_dir_all(&self.dir).map_err(|source| ExecError::Output {
+        crate::state::private::create_dir_all(&self.dir).map_err(|source| ExecError::Output {
             path: self.dir.clone(),
             source,
         })?;

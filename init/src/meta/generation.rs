@@ -15,8 +15,6 @@
 //! (`mark_clean`): a start that finds it unchanged continues the last range. So the table
 //! grows by one row per unclean stop after which files were made.
 
-use std::hash::BuildHasher;
-
 use rusqlite::OptionalExtension;
 
 use super::{Result, Store};
@@ -57,13 +55,13 @@ fn sequence(conn: &rusqlite::Connection) -> rusqlite::Result<u64> {
 }
 
 /// A random generation that is neither 0 nor `not`.
-fn fresh_generation(seed: u64, not: u32) -> u32 {
-    let s = std::collections::hash_map::RandomState::new();
-    let mut g = s.hash_one(seed) as u32;
-    while g == 0 || g == not {
-        g = s.hash_one(u64::from(g)) as u32;
+fn fresh_generation(not: u32) -> u32 {
+    loop {
+        let g = crate::random::u64() as u32;
+        if g != 0 && g != not {
+            return g;
+        }
     }
-    g
 }
 
 impl Store {
@@ -96,7 +94,7 @@ impl Store {
                     |r| r.get(0),
                 )
                 .optional()?;
-            let gen = fresh_generation(seq, last.map_or(0, |g| g as u32));
+            let gen = fresh_generation(last.map_or(0, |g| g as u32));
             conn.execute(
                 "INSERT OR REPLACE INTO ino_generation (first, gen) VALUES (?1, ?2)",
                 rusqlite::params![(seq + 1) as i64, i64::from(gen)],
@@ -149,7 +147,7 @@ mod tests {
     #[test]
     fn a_number_given_again_after_a_crash_has_another_generation() {
         let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("meta.db");
+        let db = dir.path().join("test.db");
         let s = Store::open(&db, Nanos(0)).unwrap();
         let g1 = s.begin_generation().unwrap();
         assert_eq!(g1.of(1), 0, "the root's generation is the kernel's: 0");

@@ -45,6 +45,13 @@ impl InodeNo {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub struct Nanos(pub i64);
 
+impl Nanos {
+    /// Now (`crate::time::now_ns`).
+    pub fn now() -> Nanos {
+        Nanos(crate::time::now_ns())
+    }
+}
+
 /// What kind of file an inode is. Stored as the `S_IFMT` bits of the mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -1265,7 +1272,7 @@ mod tests {
     #[test]
     fn create_root_and_roundtrip() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("meta.db");
+        let p = dir.path().join("test.db");
         let s = Store::open(&p, Nanos(5)).unwrap();
         let root = s.read().get(InodeNo::ROOT).unwrap().unwrap();
         assert_eq!(root.kind, Kind::Dir);
@@ -1310,7 +1317,7 @@ mod tests {
     #[test]
     fn inode_totals_follow_every_writer_and_are_rebuilt_for_old_state_dirs() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("meta.db");
+        let p = dir.path().join("test.db");
         let s = Store::open(&p, Nanos(5)).unwrap();
         assert_eq!(totals(&s), (1, 1, 0), "the root alone");
         let tx = s.write().unwrap();
@@ -1408,7 +1415,7 @@ mod tests {
     #[test]
     fn group_commit_keeps_whole_operations_and_loses_only_the_open_group() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("meta.db");
+        let p = dir.path().join("test.db");
         let opened = std::sync::Arc::new(AtomicUsize::new(0));
         let mut s = Store::open(&p, Nanos(5)).unwrap();
         let o = opened.clone();
@@ -1456,7 +1463,7 @@ mod tests {
     #[test]
     fn lookup_inode_joins_the_entry_to_its_row() {
         let dir = tempfile::tempdir().unwrap();
-        let s = Store::open(&dir.path().join("meta.db"), Nanos(5)).unwrap();
+        let s = Store::open(&dir.path().join("test.db"), Nanos(5)).unwrap();
         let tx = s.write().unwrap();
         let a = tx.insert(&file(0o640)).unwrap();
         tx.link(InodeNo::ROOT, b"a", a, Kind::File).unwrap();
@@ -1480,7 +1487,7 @@ mod tests {
     fn link_new_refuses_a_taken_name_and_the_dropped_operation_leaves_nothing() {
         for group in [true, false] {
             let dir = tempfile::tempdir().unwrap();
-            let mut s = Store::open(&dir.path().join("meta.db"), Nanos(5)).unwrap();
+            let mut s = Store::open(&dir.path().join("test.db"), Nanos(5)).unwrap();
             if group {
                 s.enable_group_commit(Box::new(|| {}));
             }
@@ -1513,7 +1520,7 @@ mod tests {
     #[test]
     fn dir_cache_follows_committed_writes_of_its_connection_only() {
         let dir = tempfile::tempdir().unwrap();
-        let mut s = Store::open(&dir.path().join("meta.db"), Nanos(5)).unwrap();
+        let mut s = Store::open(&dir.path().join("test.db"), Nanos(5)).unwrap();
         s.enable_group_commit(Box::new(|| {}));
         let cache = s.dir_cache().clone();
         let root = s.read().get(InodeNo::ROOT).unwrap().unwrap();
@@ -1590,7 +1597,7 @@ mod tests {
     #[test]
     fn foreign_file_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("meta.db");
+        let p = dir.path().join("test.db");
         std::fs::write(
             &p,
             b"definitely not sqlite, just some bytes that are long enough",

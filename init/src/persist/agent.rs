@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint::{now_ns, CheckpointOptions};
+use super::checkpoint::CheckpointOptions;
 use super::diff::Sparse;
 use super::format::Tree;
 use super::history::{Changed, History, HistoryError, View};
@@ -25,6 +25,7 @@ use super::repo::{Repo, RepoError};
 use super::service::Worker;
 use super::snapshots::{self, SnapshotsError};
 use crate::meta::MetaError;
+use crate::time::now_ns;
 
 /// Why an agent operation (snapshot create, diff, rollback) failed. The messages are the
 /// ones `keel snapshot`, `keel diff` and `keel rollback` print.

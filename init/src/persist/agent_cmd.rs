@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::agent::{Op, Rollback, SnapshotCreate};
-use super::checkpoint::{now_ns, CheckpointError, CheckpointOptions};
+use super::checkpoint::{CheckpointError, CheckpointOptions};
 use super::control::RequestError;
 use super::diff::DiffError;
 use super::ops::{ask, ask_stream, repo_of, with_offline_writer, OpsError};
@@ -16,6 +16,7 @@ use super::{control, diff, snapshots};
 use crate::config::Config;
 use crate::meta::MetaError;
 use crate::sys;
+use crate::time::now_ns;
 
 /// Why `keel snapshot`, `keel diff` or `keel rollback` failed on this side of the running
 /// keel (its own refusals arrive as its answer). The messages are the command line's.

@@ -76,9 +76,6 @@ impl<W: Write> Write for OkFirst<W> {
     }
 }
 
-/// File name of the socket inside the state dir.
-pub const SOCKET_NAME: &str = "persist.sock";
-
 pub struct Server {
     path: PathBuf,
     stop: Arc<AtomicBool>,
@@ -161,7 +158,10 @@ impl Server {
         }
         let listener = UnixListener::bind(path)?;
         // Private like everything in the state dir (bind leaves 0777 minus the umask).
-        std::fs::set_permissions(path, Permissions::from_mode(super::private::FILE_MODE))?;
+        std::fs::set_permissions(
+            path,
+            Permissions::from_mode(crate::state::private::FILE_MODE),
+        )?;
         let stop = Arc::new(AtomicBool::new(false));
         let s2 = stop.clone();
         let t = std::thread::Builder::new()
@@ -248,7 +248,7 @@ pub fn request(
     cmd: &str,
     timeout: Duration,
 ) -> Result<Option<String>, RequestError> {
-    let path = state_dir.join(SOCKET_NAME);
+    let path = state_dir.join(crate::state::PERSIST_SOCK);
     let Ok(mut s) = UnixStream::connect(&path) else {
         return Ok(None);
     };
@@ -279,7 +279,7 @@ pub fn request_stream(
     timeout: Duration,
     out: &mut dyn Write,
 ) -> Result<bool, RequestError> {
-    let path = state_dir.join(SOCKET_NAME);
+    let path = state_dir.join(crate::state::PERSIST_SOCK);
     let Ok(mut s) = UnixStream::connect(&path) else {
         return Ok(false);
     };

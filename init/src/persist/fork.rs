@@ -31,12 +31,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint::now_ns;
 use super::format::{self, Header};
 use super::marker::Liveness;
 use super::remote::{PutMode, RemoteError};
-use super::repo::{random_id, Head, Manifest, Repo, RepoError};
+use super::repo::{Head, Manifest, Repo, RepoError};
 use crate::chunk::ChunkId;
+use crate::time::now_ns;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ForkError {
@@ -273,7 +273,7 @@ pub fn fork(src: &mut Repo, dst: &mut Repo, seq: Option<u64>) -> Result<ForkRepo
 
     // 1. The manifest (claims the target).
     op.step("manifest");
-    let id = random_id();
+    let id = crate::random::id();
     let m = Manifest {
         format: format::FORMAT,
         id: id.clone(),
@@ -384,7 +384,7 @@ fn gc_markers(owner: &str) -> String {
 /// gc reads its record, or the fork sees the marker and waits for the gc to end.
 pub fn announce_gc(repo: &Repo) -> Result<super::marker::LiveMarker, RepoError> {
     let (_, owner, _) = store_keys(repo)?;
-    let key = format!("{}{}", gc_markers(&owner), random_id());
+    let key = format!("{}{}", gc_markers(&owner), crate::random::id());
     Ok(super::marker::LiveMarker::start(
         repo.remote.clone(),
         &key,

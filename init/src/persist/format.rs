@@ -1031,7 +1031,7 @@ mod tests {
         // A crash in the middle of a full snapshot must not leave the spill beside the
         // database: only its descriptor keeps it.
         let d = tempfile::tempdir().unwrap();
-        let path = d.path().join("meta.db.snapshot-inodes");
+        let path = d.path().join(crate::state::SCRATCH[4]);
         // One a crashed keel left (readable by all) is not reused.
         std::fs::write(&path, b"stale").unwrap();
         std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644))

@@ -28,12 +28,12 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::checkpoint::now_ns;
-use super::private;
 use super::remote::PutMode;
 use super::repo::Repo;
 use crate::chunk::chunker::window_range;
 use crate::chunk::{BodyStore, ChunkId};
+use crate::state::{self, private};
+use crate::time::now_ns;
 pub use quick::Sample;
 
 mod bodies;
@@ -122,14 +122,6 @@ pub struct FsckOptions {
 /// anything of the workspace: it holds keel's lock and nothing but the files a start makes
 /// before its restore (the lease holder, control sockets) or a volume brings.
 fn started_only(state_dir: &Path) -> bool {
-    const START_FILES: &[&str] = &[
-        "lock",
-        super::LEASE_HOLDER_FILE,
-        super::control::SOCKET_NAME,
-        "control.sock",
-        "lost+found",
-        ".keep",
-    ];
     let Ok(entries) = std::fs::read_dir(state_dir) else {
         return false;
     };
@@ -140,10 +132,10 @@ fn started_only(state_dir: &Path) -> bool {
         let Some(name) = name.to_str() else {
             return false;
         };
-        if !START_FILES.contains(&name) {
+        if !state::STARTED_ONLY.contains(&name) {
             return false;
         }
-        locked |= name == "lock";
+        locked |= name == state::LOCK;
     }
     locked
 }
@@ -156,8 +148,8 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
         reason,
     };
     let mut rep = FsckReport::default();
-    if !state_dir.join("meta.db").exists() {
-        if state_dir.join(super::restore::UNFINISHED).exists() {
+    if !state::has_workspace(state_dir) {
+        if state_dir.join(state::RESTORE_UNFINISHED).exists() {
             // A first start (or `keel snapshot restore`) killed before its database was in
             // place: nothing is lost, the next one starts the restore over.
             rep.add(
@@ -179,7 +171,7 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
             rep.elapsed_s = t0.elapsed().as_secs_f64();
             return Ok(rep);
         }
-        return Err(bad("no meta.db: not a keel state dir".into()));
+        return Err(bad(format!("no {}: not a keel state dir", state::META_DB)));
     }
     // Before anything opens a file: opening the database makes it private by itself.
     check_modes(state_dir, "state dir", &mut rep, opts.repair);
@@ -189,7 +181,7 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
             check_modes(root, "file:// remote", &mut rep, opts.repair);
         }
     }
-    let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
+    let store = state::open_store(state_dir, Nanos(now_ns()))?;
     // Every check reads each table once, in order: more cache would not be hit again.
     // SQLite's page cache for fsck: the budget's share (the peak is this plus ~48 bytes an
     // inode).
@@ -213,7 +205,7 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
             ),
         }
     }
-    let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| bad(e.to_string()))?;
+    let bodies = state::open_bodies(state_dir).map_err(|e| bad(e.to_string()))?;
     // The `dir` provider keeps file bytes in its tree, checked by the walk of every
     // checkpoint against their host inodes: there are no bodies to check.
     let dir_tree = store.is_dir_workspace()?;
@@ -222,7 +214,7 @@ pub fn fsck(state_dir: &Path, opts: &FsckOptions) -> Result<FsckReport, FsckErro
             Level::Note,
             format!(
                 "dir workspace: file bytes live in {}, not in bodies: the local body check is skipped",
-                state_dir.join("workspace").display()
+                state_dir.join(state::TREE).display()
             ),
             false,
         );
@@ -577,7 +569,7 @@ mod tests {
         // a fresh state dir (a new host restoring the remote lazily): the dir held only the
         // lock, and fsck said "no meta.db: not a keel state dir" (exit 1).
         let d = tempfile::tempdir().unwrap();
-        std::fs::write(d.path().join("lock"), b"").unwrap();
+        std::fs::write(d.path().join(state::LOCK), b"").unwrap();
         let rep = fsck(d.path(), &opts()).expect("a state dir a start left");
         assert!(rep.is_clean(), "{:?}", rep.findings);
         assert!(
@@ -587,10 +579,10 @@ mod tests {
             "{:?}",
             rep.findings
         );
-        std::fs::write(d.path().join(crate::persist::LEASE_HOLDER_FILE), b"x").unwrap();
+        std::fs::write(d.path().join(state::LEASE_HOLDER), b"x").unwrap();
         assert!(fsck(d.path(), &opts()).unwrap().is_clean());
         // Anything else without a database is not taken for a state dir keel started on.
-        std::fs::create_dir(d.path().join("bodies")).unwrap();
+        std::fs::create_dir(d.path().join(state::BODIES)).unwrap();
         assert!(fsck(d.path(), &opts()).is_err());
         let empty = tempfile::tempdir().unwrap();
         assert!(

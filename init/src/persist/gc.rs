@@ -60,8 +60,9 @@ pub enum GcError {
     },
     #[error("state database: {0}")]
     Meta(#[from] MetaError),
+    /// Boxed: a remote's error would make every `GcError` (and what holds one) larger.
     #[error("read the snapshot names: {0}")]
-    Names(String),
+    Names(#[source] Box<super::snapshots::SnapshotsError>),
     #[error("metadata images: {0}")]
     Images(super::image::ImageError),
     #[error("read the other workspaces on the chunk store: {0}")]
@@ -387,7 +388,7 @@ pub fn gc_with(
     // named snapshots (until their name is deleted).
     let mut pinned: BTreeSet<u64> = local_seq.into_iter().collect();
     pinned.extend(shared.pinned.iter().copied());
-    pinned.extend(super::snapshots::pinned(repo).map_err(|e| GcError::Names(e.to_string()))?);
+    pinned.extend(super::snapshots::pinned(repo).map_err(|e| GcError::Names(Box::new(e)))?);
     let now_ns = now
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))

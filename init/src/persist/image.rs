@@ -33,7 +33,7 @@ pub enum ImageError {
     #[error("the state database has no file to build the image beside")]
     NoScratch,
     #[error("build the image database: {0}")]
-    Build(String),
+    Build(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("read or compress {path}: {source}")]
     Compress {
         path: String,
@@ -122,7 +122,9 @@ fn build_and_upload(
     obj: &[u8],
     cs: u64,
 ) -> Result<(ImageRef, u64), ImageError> {
-    let path = store.scratch_path("image").ok_or(ImageError::NoScratch)?;
+    let path = store
+        .scratch_path(crate::state::SCRATCH_IMAGE)
+        .ok_or(ImageError::NoScratch)?;
     let _ = std::fs::remove_file(&path);
     let built = build(&path, obj, cs);
     // The bulk connection's page cache is freed now; hand it back before the compressed
@@ -160,7 +162,7 @@ fn tree_inode(rec: &InodeRec, old: Option<TreeData>, cs: u64) -> TreeInode {
 fn build(path: &Path, obj: &[u8], cs: u64) -> Result<(), ImageError> {
     let mut scratch = RestoreReport::default();
     let (h, mut r) = super::format::reader("(snapshot being written)", obj)
-        .map_err(|e| ImageError::Build(e.to_string()))?;
+        .map_err(|e| ImageError::Build(e.into()))?;
     create_bulk(path, Nanos(0), |w| -> Result<(), RestoreError> {
         let fmt = |e: super::format::FormatError| RestoreError::LoadSnapshot {
             seq: h.seq,
@@ -185,7 +187,7 @@ fn build(path: &Path, obj: &[u8], cs: u64) -> Result<(), ImageError> {
         }
         Ok(())
     })
-    .map_err(|e| ImageError::Build(e.to_string()))
+    .map_err(|e| ImageError::Build(e.into()))
 }
 
 /// The file at `path`, zstd-compressed, and its uncompressed size.

@@ -27,11 +27,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint::now_ns;
 use super::remote::{PutMode, Remote, RemoteError};
-use super::repo::random_id;
 use super::retry::deadline_scope;
 use crate::config::Takeover;
+use crate::time::now_ns;
 
 /// The lease object as stored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -611,7 +610,7 @@ fn read_record(
 
 /// A new lease holder id (16 hex digits).
 pub fn new_holder_id() -> String {
-    random_id()[..16].to_string()
+    crate::random::id()[..16].to_string()
 }
 
 fn host_name() -> String {
@@ -675,7 +674,7 @@ impl Lease {
                                     remote: remote.describe(),
                                     who: r.who(),
                                     epoch: r.epoch,
-                                    expires: super::ops::fmt_time(r.expires_ns),
+                                    expires: crate::time::fmt_ns(r.expires_ns),
                                     in_s: ((r.expires_ns - now).max(0) as u64)
                                         .div_ceil(1_000_000_000),
                                 })

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint::now_ns;
 use super::remote::{PutMode, Remote, RemoteError, RemoteResult};
+use crate::time::now_ns;
 
 /// How long a marker lives without a renewal.
 pub const MARKER_TTL: Duration = Duration::from_secs(60);

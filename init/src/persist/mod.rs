@@ -5,7 +5,8 @@
 //! the background service (periodic checkpoints, the control socket, the final checkpoint
 //! at shutdown), and the single-writer lease that fences every head write; remote requests
 //! retry temporary failures within the caller's deadline. Everything it keeps on disk (state
-//! dir, `file://` remote) is private to keel's user: 0700 directories, 0600 files (`private`).
+//! dir, `file://` remote) is private to keel's user: 0700 directories, 0600 files
+//! (`state::private`).
 //! Depends on `meta` and `chunk`, never on `workspace`.
 
 pub mod agent;
@@ -27,7 +28,6 @@ pub mod metrics;
 pub mod objstore;
 pub mod ops;
 pub mod pack;
-pub mod private;
 pub mod readset;
 pub mod remote;
 pub mod repo;
@@ -47,6 +47,7 @@ pub use repo::Repo;
 pub use service::{CheckpointHandle, PersistState, Service};
 
 use crate::config::{PersistConfig, WorkspaceConfig};
+use crate::state::{self, private};
 
 /// Opens the remote named by `url`: the store and the key prefix of the workspace in it.
 pub fn open_remote(url: &str, cfg: &PersistConfig) -> Result<Repo, RemoteError> {
@@ -75,89 +76,20 @@ pub fn open_remote(url: &str, cfg: &PersistConfig) -> Result<Repo, RemoteError> 
 /// Makes the state dir private at start, and a local `file://` remote when it exists (one
 /// that does not is created 0700 when first opened): created 0700, and tightened with one
 /// log line each when an older keel or a volume driver left them with looser modes (see
-/// [`private`]). A directory that does not look like keel's is left alone (a state dir
-/// holding someone else's files is then refused by the mount, untouched).
+/// [`state::private`]). A directory that does not look like keel's is left alone (a
+/// state dir holding someone else's files is then refused by the mount, untouched).
 pub fn secure_at_start(state_dir: &Path, cfg: Option<&PersistConfig>) -> std::io::Result<()> {
-    secure_state_dir(state_dir)?;
+    state::secure(state_dir)?;
     if let Some(url) = cfg.and_then(|c| c.remote_url(state_dir)) {
         secure_remote(&url)?;
     }
     Ok(())
 }
 
-/// What a checkpoint builds beside the state database and removes when done: the metadata
-/// image under construction (a SQLite file, with its journal), and the spill files of a
-/// full snapshot, which builds since `Spill` unlinks at once no longer leave (their names
-/// are here for state dirs an older keel crashed in). Only a crash leaves any of these.
-const SCRATCH: &[&str] = &[
-    "meta.db.image",
-    "meta.db.image-journal",
-    "meta.db.image-wal",
-    "meta.db.image-shm",
-    "meta.db.snapshot-inodes",
-    "meta.db.snapshot-dirents",
-    "meta.db.snapshot-unlinked",
-];
-
-/// Removes what a checkpoint interrupted by a crash left beside the state database
-/// ([`SCRATCH`]); the state dir must be locked (no checkpoint of this state dir runs).
-/// Returns how many files and bytes went.
-pub fn remove_scratch(state_dir: &Path) -> (u64, u64) {
-    let (mut files, mut bytes) = (0, 0);
-    for name in SCRATCH {
-        let p = state_dir.join(name);
-        let Ok(m) = std::fs::symlink_metadata(&p) else {
-            continue;
-        };
-        match std::fs::remove_file(&p) {
-            Ok(()) => {
-                files += 1;
-                bytes += m.len();
-            }
-            Err(e) => {
-                tracing::warn!(path = %p.display(), error = %e, "cannot remove a checkpoint's leftover scratch file")
-            }
-        }
-    }
-    if files > 0 {
-        tracing::info!(
-            files,
-            bytes,
-            "removed what an interrupted checkpoint left beside the state database"
-        );
-    }
-    (files, bytes)
-}
-
-/// What marks a state dir as keel's, and what a state dir keel has not initialised yet may
-/// hold (a volume's `lost+found`, the lock, the lease holder...).
-const STATE_MARKERS: &[&str] = &["meta.db"];
-const STATE_FRESH: &[&str] = &[
-    "lost+found",
-    ".keep",
-    "lock",
-    "reserve",
-    "reserve.boot",
-    "control.sock",
-    control::SOCKET_NAME,
-    LEASE_HOLDER_FILE,
-    "bodies",
-    "remote",
-    "workspace",
-];
-
-/// The same for a `file://` remote's root.
+/// What marks a `file://` remote's root as keel's, and what one keel has not written much
+/// to yet may hold.
 const REMOTE_MARKERS: &[&str] = &["keel-workspace.json", "head", "lease"];
 const REMOTE_FRESH: &[&str] = &["chunks", "snapshots", "forks", "names", ".tmp.*"];
-
-/// Creates the state dir (0700) if needed and tightens it if it is keel's and loose.
-pub fn secure_state_dir(dir: &Path) -> std::io::Result<()> {
-    private::create_dir_all(dir)?;
-    if private::looks_like_keels(dir, STATE_MARKERS, STATE_FRESH)? {
-        private::secure_dir(dir, "state dir")?;
-    }
-    Ok(())
-}
 
 /// Tightens the `file://` remote at `url` if it exists, is keel's, and its root is loose
 /// (see [`private::secure_dir`]); other remotes are left alone.
@@ -173,8 +105,6 @@ pub fn secure_remote(url: &str) -> std::io::Result<()> {
         _ => Ok(()),
     }
 }
-
-pub use crate::config::persist::LEASE_HOLDER_FILE;
 
 /// Takes the single-writer lease of the workspace's remote (with its own connection, so
 /// renewals never queue behind a checkpoint's uploads). `Ok(None)` when the lease is off
@@ -249,7 +179,7 @@ fn acquire_recorded(
 /// Records a new holder id. Written once per state dir (its id is kept from then on), and
 /// before any lease carries it: a kill mid-write leaves no id and no lease with it.
 fn record_holder(state_dir: &Path, holder: &str) -> std::io::Result<()> {
-    private::write(&state_dir.join(LEASE_HOLDER_FILE), holder.as_bytes())
+    private::write(&state_dir.join(state::LEASE_HOLDER), holder.as_bytes())
 }
 
 /// How long a start on a state dir holding a workspace tries to reach the remote for the
@@ -264,7 +194,7 @@ pub fn acquire_lease_at_start(
     state_dir: &Path,
     cfg: &PersistConfig,
 ) -> Result<Option<lease::Lease>, lease::LeaseError> {
-    let has_workspace = state_dir.join("meta.db").exists();
+    let has_workspace = state::has_workspace(state_dir);
     let r = {
         // A remote that does not answer should not keep a workspace that is here from
         // starting for the whole retry budget.
@@ -311,14 +241,14 @@ fn previous_holder(state_dir: &Path, state_locked: bool) -> Option<Previous> {
     if !state_locked {
         // Free now (dropped at once): whoever recorded the id is gone. (No state dir yet:
         // nobody runs on it either.)
-        match crate::sys::file::try_lock(&state_dir.join("lock")) {
+        match state::try_lock(state_dir) {
             Ok(Some(_)) => {}
             Ok(None) => return None,
-            Err(_) if !state_dir.join("lock").exists() => {}
+            Err(_) if !state_dir.join(state::LOCK).exists() => {}
             Err(_) => return None,
         }
     }
-    let id = std::fs::read_to_string(state_dir.join(LEASE_HOLDER_FILE))
+    let id = std::fs::read_to_string(state_dir.join(state::LEASE_HOLDER))
         .ok()
         .map(|id| id.trim().to_string())
         .filter(|id| !id.is_empty());
@@ -413,52 +343,5 @@ mod tests {
             .expect("another state dir must not take a live lease");
         assert!(e.to_string().contains("in use by another writer"), "{e}");
         assert!(!other.exists(), "a refused command made its state dir");
-    }
-
-    #[test]
-    fn remove_scratch_takes_only_what_a_checkpoint_left() {
-        let d = tempfile::tempdir().unwrap();
-        let keep = [
-            "meta.db",
-            "meta.db-wal",
-            "meta.db-shm",
-            "meta.db.restoring",
-            "lock",
-        ];
-        for name in keep.iter().chain(SCRATCH) {
-            std::fs::write(d.path().join(name), b"12345").unwrap();
-        }
-        assert_eq!(
-            remove_scratch(d.path()),
-            (SCRATCH.len() as u64, 5 * SCRATCH.len() as u64)
-        );
-        let mut left: Vec<String> = std::fs::read_dir(d.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
-        left.sort();
-        let mut want: Vec<String> = keep.iter().map(|s| s.to_string()).collect();
-        want.sort();
-        assert_eq!(left, want);
-        assert_eq!(remove_scratch(d.path()), (0, 0));
-    }
-
-    #[test]
-    fn the_scratch_names_are_the_ones_the_checkpoint_uses() {
-        // `image.rs` and the full snapshot name their files with `Store::scratch_path`.
-        let d = tempfile::tempdir().unwrap();
-        let store =
-            crate::meta::Store::open(&d.path().join("meta.db"), crate::meta::Nanos(1)).unwrap();
-        for suffix in [
-            "image",
-            "snapshot-inodes",
-            "snapshot-dirents",
-            "snapshot-unlinked",
-        ] {
-            let p = store.scratch_path(suffix).unwrap();
-            let name = p.file_name().unwrap().to_str().unwrap().to_string();
-            assert!(SCRATCH.contains(&name.as_str()), "{name} is not in SCRATCH");
-            assert_eq!(p.parent().unwrap(), d.path());
-        }
     }
 }

@@ -83,11 +83,11 @@ pub(super) fn repo_of(cfg: &Config) -> Result<Repo, OpsError> {
 
 /// Locks a state dir that no running keel holds.
 pub(super) fn lock_offline(state: &Path) -> Result<sys::file::LockFile, OpsError> {
-    super::private::create_dir_all(state).map_err(|source| OpsError::CreateStateDir {
+    crate::state::private::create_dir_all(state).map_err(|source| OpsError::CreateStateDir {
         path: state.to_path_buf(),
         source,
     })?;
-    sys::file::try_lock(&state.join("lock"))
+    crate::state::try_lock(state)
         .map_err(|source| OpsError::Lock {
             path: state.to_path_buf(),
             source,
@@ -105,12 +105,7 @@ pub(super) fn ask(state: &Path, cmd: &str) -> Result<Option<String>, OpsError> {
         {
             return Ok(Some(r));
         }
-        let held = state.join("lock").exists()
-            && sys::file::try_lock(&state.join("lock"))
-                .ok()
-                .flatten()
-                .is_none();
-        if !held || t0.elapsed() > Duration::from_secs(5) {
+        if !crate::state::locked(state) || t0.elapsed() > Duration::from_secs(5) {
             return Ok(None);
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -131,12 +126,7 @@ pub(super) fn ask_stream(
         {
             return Ok(true);
         }
-        let held = state.join("lock").exists()
-            && sys::file::try_lock(&state.join("lock"))
-                .ok()
-                .flatten()
-                .is_none();
-        if !held || t0.elapsed() > Duration::from_secs(5) {
+        if !crate::state::locked(state) || t0.elapsed() > Duration::from_secs(5) {
             return Ok(false);
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -242,13 +232,10 @@ pub fn gc(cfg: &Config) -> Result<String, OpsError> {
         ..cfg.persist.clone()
     };
     let _lease = super::lease::ReleaseOnDrop::new(renewed_lease(state, &refuse)?);
-    let store = if state.join("meta.db").exists() {
+    let store = if crate::state::has_workspace(state) {
         Some(
-            crate::meta::Store::open(
-                &state.join("meta.db"),
-                crate::meta::Nanos(super::checkpoint::now_ns()),
-            )
-            .map_err(OpsError::OpenStore)?,
+            crate::state::open_store(state, crate::meta::Nanos(crate::time::now_ns()))
+                .map_err(OpsError::OpenStore)?,
         )
     } else {
         None
@@ -349,34 +336,4 @@ pub fn fork(
 pub fn fork_delete(cfg: &Config, url: &str) -> Result<super::fork::DeleteReport, OpsError> {
     let mut repo = open_remote(url, &cfg.persist).map_err(OpsError::OpenRemote)?;
     super::fork::delete_fork(&mut repo).map_err(OpsError::Fork)
-}
-
-/// `YYYY-MM-DD HH:MM:SSZ` (UTC) of a time in nanoseconds since the epoch.
-pub(crate) fn fmt_time(ns: i64) -> String {
-    let s = ns.div_euclid(1_000_000_000);
-    let (days, rem) = (s.div_euclid(86400), s.rem_euclid(86400));
-    let (y, m, d) = crate::time::civil_from_days(days);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::fmt_time;
-
-    #[test]
-    fn fmt_time_known_times() {
-        const S: i64 = 1_000_000_000;
-        assert_eq!(fmt_time(0), "1970-01-01 00:00:00Z");
-        assert_eq!(fmt_time(-1), "1969-12-31 23:59:59Z");
-        assert_eq!(
-            fmt_time((951_782_400 + 3661) * S + 999),
-            "2000-02-29 01:01:01Z"
-        );
-        assert_eq!(fmt_time(4_102_444_799 * S), "2099-12-31 23:59:59Z");
-    }
 }

@@ -41,7 +41,7 @@ pub fn encode(windows: &[(u64, u64)], chunk_size: u64) -> Vec<u8> {
     let obj = ReadSetObject {
         format: FORMAT,
         chunk_size,
-        written_ns: super::checkpoint::now_ns(),
+        written_ns: crate::time::now_ns(),
         windows: windows
             .iter()
             .take(MAX_WINDOWS)

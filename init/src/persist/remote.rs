@@ -181,7 +181,7 @@ impl FsRemote {
     /// Opens the store at `root`, creating it (0700, like every directory below it; every
     /// object is 0600) when absent.
     pub fn open(root: &Path) -> RemoteResult<FsRemote> {
-        super::private::create_dir_all(root).map_err(|e| RemoteError::Open {
+        crate::state::private::create_dir_all(root).map_err(|e| RemoteError::Open {
             url: format!("file://{}", root.display()),
             reason: e.to_string(),
         })?;
@@ -220,7 +220,7 @@ impl FsRemote {
 
     fn write_tmp(&self, path: &Path, key: &str, data: &[u8]) -> RemoteResult<PathBuf> {
         let dir = path.parent().expect("object path has a parent");
-        super::private::create_dir_all(dir).map_err(|e| RemoteError::io("put", key, e))?;
+        crate::state::private::create_dir_all(dir).map_err(|e| RemoteError::io("put", key, e))?;
         let n = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
         let tmp = dir.join(format!(".tmp.{}.{n}", std::process::id()));
         // 0600 from the start: the rename (or link) keeps the temporary file's mode. A stale
@@ -229,7 +229,7 @@ impl FsRemote {
             std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
-                .mode(super::private::FILE_MODE)
+                .mode(crate::state::private::FILE_MODE)
                 .open(&tmp)
         };
         let mut f = match create() {

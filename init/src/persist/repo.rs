@@ -19,7 +19,6 @@
 //! `<ws>/forks/` records of who shares a store).
 
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -178,7 +177,7 @@ impl Repo {
             Err(e) if e.is_not_found() => {
                 let m = Manifest {
                     format: format::FORMAT,
-                    id: random_id(),
+                    id: crate::random::id(),
                     chunks: self.chunks.clone(),
                     created_ns: now_ns,
                 };
@@ -791,17 +790,6 @@ impl Chain {
         }
         Ok((tree, headers))
     }
-}
-
-/// A random 128-bit id in hex (from the time, the pid and the address space layout).
-pub fn random_id() -> String {
-    let t = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos();
-    let probe = Box::new(0u8);
-    let seed = format!("{t}-{}-{:p}", std::process::id(), &*probe);
-    ChunkId::of(seed.as_bytes()).to_hex()[..32].to_string()
 }
 
 #[cfg(test)]

@@ -14,12 +14,13 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use super::checkpoint::now_ns;
 use super::format::{Header, Tree, TreeData, TreeInode};
 use super::repo::{Chain, Repo, RepoError};
 use crate::chunk::{BodyStore, ChunkId};
 use crate::meta::{create_bulk, BulkWriter, InodeNo, Kind, MetaError, Nanos};
+use crate::state;
 use crate::sys;
+use crate::time::now_ns;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
@@ -145,7 +146,7 @@ fn restore_checked(
     let _op = crate::logging::Op::start("restore");
     let _peak = crate::budget::track("restore");
     let r = restore_inner(repo, seq, state_dir, mode, windows);
-    if r.is_err() && state_dir.join(UNFINISHED).exists() && !state_dir.join("meta.db").exists() {
+    if r.is_err() && state::restore_unfinished(state_dir) {
         // Leave the state dir empty again.
         if remove_restore_output(state_dir).is_ok() {
             let _ = std::fs::remove_file(state_dir.join(UNFINISHED));
@@ -156,10 +157,10 @@ fn restore_checked(
 
 /// Present in a state dir from before a restore writes anything until its database is in
 /// place: a state dir with it and no `meta.db` holds an unfinished restore.
-pub const UNFINISHED: &str = crate::config::persist::RESTORE_UNFINISHED_FILE;
+const UNFINISHED: &str = state::RESTORE_UNFINISHED;
 
 /// The database a restore builds, renamed to `meta.db` when it is complete and durable.
-const BUILDING_DB: &str = "meta.db.restoring";
+const BUILDING_DB: &str = state::META_DB_RESTORING;
 
 /// The time of each phase of a restore.
 struct Laps {
@@ -177,7 +178,7 @@ impl Laps {
 
 /// Removes what a restore writes before its database is in place (not the marker).
 fn remove_restore_output(state_dir: &Path) -> std::io::Result<()> {
-    match std::fs::remove_dir_all(state_dir.join("bodies")) {
+    match std::fs::remove_dir_all(state_dir.join(state::BODIES)) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
         _ => {}
     }
@@ -271,7 +272,7 @@ fn restore_inner(
         path: state_dir.to_path_buf(),
         reason,
     };
-    super::secure_state_dir(state_dir).map_err(|e| bad(e.to_string()))?;
+    state::secure(state_dir).map_err(|e| bad(e.to_string()))?;
     let unfinished = state_dir.join(UNFINISHED).exists();
     if unfinished {
         tracing::warn!(state = %state_dir.display(), "restore: a restore into this state dir did not finish; starting it over");
@@ -283,15 +284,7 @@ fn restore_inner(
         .flatten()
     {
         let n = e.file_name().to_string_lossy().into_owned();
-        if ![
-            "lock",
-            "lost+found",
-            ".keep",
-            super::LEASE_HOLDER_FILE,
-            UNFINISHED,
-        ]
-        .contains(&n.as_str())
-        {
+        if !state::RESTORE_MAY_HOLD.contains(&n.as_str()) {
             return Err(bad(format!(
                 "not empty (holds `{n}`); restore only into an empty state dir"
             )));
@@ -299,7 +292,7 @@ fn restore_inner(
     }
     // Durable before anything else is written: a crash from here until meta.db appears
     // leaves a state dir the next restore recognises and starts over.
-    super::private::write(&state_dir.join(UNFINISHED), b"")
+    state::private::write(&state_dir.join(UNFINISHED), b"")
         .and_then(|()| sync_file(&state_dir.join(UNFINISHED)))
         .and_then(|()| sync_file(state_dir))
         .map_err(|e| bad(format!("write {UNFINISHED}: {e}")))?;
@@ -345,7 +338,7 @@ fn restore_inner(
         tree.file_bytes(),
         headers.len()
     );
-    let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| bad(e.to_string()))?;
+    let bodies = crate::state::open_bodies(state_dir).map_err(|e| bad(e.to_string()))?;
     let mut report = RestoreReport {
         seq,
         lazy: mode == RestoreMode::Lazy,
@@ -475,8 +468,8 @@ fn finish(
     // The database is durable before it becomes the workspace (the rename), and the rename
     // before the marker goes.
     sync_file(&building).map_err(|e| bad(format!("sync {BUILDING_DB}: {e}")))?;
-    sys::file::rename_noreplace(&building, &state_dir.join("meta.db"))
-        .map_err(|e| bad(format!("rename {BUILDING_DB} to meta.db: {e}")))?;
+    sys::file::rename_noreplace(&building, &state::meta_db(state_dir))
+        .map_err(|e| bad(format!("rename {BUILDING_DB} to {}: {e}", state::META_DB)))?;
     // From here on the restore is complete: nothing may fail it (the caller would remove
     // the workspace). A marker left behind is only noise: meta.db present means done.
     if let Err(e) = sync_file(state_dir)

@@ -5,7 +5,6 @@
 //! URLs out of error strings before they reach logs or `/status`.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// How often and how patiently a temporary failure is retried.
@@ -41,25 +40,8 @@ impl RetryPolicy {
         if nanos == 0 {
             return Duration::ZERO;
         }
-        Duration::from_nanos(random_u64() % (nanos + 1))
+        Duration::from_nanos(crate::random::below(nanos + 1))
     }
-}
-
-/// A fast non-cryptographic random number (splitmix64 over a time-seeded counter).
-pub fn random_u64() -> u64 {
-    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let seed = *SEED.get_or_init(|| {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1);
-        t ^ (u64::from(std::process::id()) << 32)
-    });
-    let mut z = seed.wrapping_add(COUNTER.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed));
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 thread_local! {

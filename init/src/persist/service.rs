@@ -14,15 +14,16 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::checkpoint::{backlog, now_ns, Backlog, CheckpointOptions, CheckpointReport, Persister};
+use super::checkpoint::{backlog, Backlog, CheckpointOptions, CheckpointReport, Persister};
 use super::control;
 use super::gc::{gc_with, GcReport, Retention};
 use super::lease::{Lease, LeaseInfo, LeaseState};
 use crate::config::{PersistConfig, WorkspaceConfig};
+use crate::time::now_ns;
 
 /// How often a long restore or final checkpoint logs how far it has got.
 pub const LOG_EVERY: Duration = Duration::from_secs(5);
-use crate::meta::{Nanos, Store};
+use crate::meta::Nanos;
 
 /// Makes every write the filesystem acknowledged visible in the state database (the
 /// mounted filesystem's `flush`).
@@ -919,7 +920,7 @@ impl Service {
             .name("keel-checkpoint".into())
             .spawn(move || worker.run(rx, interval))
             .map_err(ServiceError::Spawn)?;
-        let sock = state.join(super::control::SOCKET_NAME);
+        let sock = state.join(crate::state::PERSIST_SOCK);
         let control = control::Server::start(
             &sock,
             tx.clone(),
@@ -1045,7 +1046,7 @@ impl Service {
 }
 
 fn read_backlog(state: &Path, chunk_size: u64) -> Option<Backlog> {
-    let store = Store::open(&state.join("meta.db"), Nanos(now_ns())).ok()?;
+    let store = crate::state::open_store(state, Nanos(now_ns())).ok()?;
     backlog(&store, chunk_size).ok()
 }
 
@@ -1096,9 +1097,10 @@ mod tests {
     fn only_a_file_remote_on_the_state_volume_is_guarded() {
         let d = tempfile::tempdir().unwrap();
         let state = d.path().join("state");
-        std::fs::create_dir_all(state.join("remote")).unwrap();
-        let url = format!("file://{}", state.join("remote").display());
-        assert_eq!(on_state_volume(&url, &state), Some(state.join("remote")));
+        let remote = state.join(crate::state::REMOTE);
+        std::fs::create_dir_all(&remote).unwrap();
+        let url = format!("file://{}", remote.display());
+        assert_eq!(on_state_volume(&url, &state), Some(remote));
         assert_eq!(on_state_volume("s3://bucket/prefix", &state), None);
         // /proc is another filesystem.
         assert_eq!(on_state_volume("file:///proc", &state), None);

@@ -236,7 +236,7 @@ pub fn list(repo: &Repo) -> Result<Listing, SnapshotsError> {
                 .unwrap_or("")
                 .to_string(),
             created_ns: h.created_ns,
-            created: super::ops::fmt_time(h.created_ns),
+            created: crate::time::fmt_ns(h.created_ns),
             kind: if h.is_full() { "full" } else { "delta" },
             parent: h.parent,
             files: h.inodes,

@@ -548,7 +548,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let state = d.path().join("state");
         std::fs::create_dir(&state).unwrap();
-        std::fs::write(state.join("meta.db"), "secret-bytes").unwrap();
+        std::fs::write(state.join("store.db"), "secret-bytes").unwrap();
         let creds = d.path().join("creds");
         std::fs::write(&creds, "AWS_SECRET_ACCESS_KEY=abc").unwrap();
         let t0 = Instant::now();
@@ -570,7 +570,7 @@ mod tests {
             "keel's view is untouched"
         );
         assert_eq!(
-            std::fs::read_to_string(state.join("meta.db")).unwrap(),
+            std::fs::read_to_string(state.join("store.db")).unwrap(),
             "secret-bytes"
         );
         assert!(std::fs::read_dir(&state).unwrap().count() == 1);

@@ -28,7 +28,7 @@ pub enum SeccompError {
     #[error("no seccomp filter for this architecture ({0})")]
     Arch(String),
     #[error("compile the seccomp filter: {0}")]
-    Compile(String),
+    Compile(#[source] seccompiler::BackendError),
 }
 
 /// What `[sandbox] seccomp` may allow by name: new user namespaces, or one call of the
@@ -133,7 +133,7 @@ pub struct Filter {
 
 /// The rules for one table: every call refused unless `allow` names it.
 fn rules(t: &Table, allow: &[String]) -> Result<BTreeMap<i64, Vec<SeccompRule>>, SeccompError> {
-    let err = |e: seccompiler::BackendError| SeccompError::Compile(e.to_string());
+    let err = SeccompError::Compile;
     let mut r: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     let allowed = |n: &str| allow.iter().any(|a| a == n);
     if !allowed(USERNS) {
@@ -173,9 +173,8 @@ fn program(
         SeccompAction::Errno(errno as u32),
         arch,
     )
-    .map_err(|e| SeccompError::Compile(e.to_string()))?;
-    f.try_into()
-        .map_err(|e: seccompiler::BackendError| SeccompError::Compile(e.to_string()))
+    .map_err(SeccompError::Compile)?;
+    f.try_into().map_err(SeccompError::Compile)
 }
 
 impl Filter {

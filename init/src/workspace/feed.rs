@@ -207,12 +207,8 @@ impl Default for Feed {
 
 /// A number that differs between keel runs (and between feeds of one process).
 fn run_id() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_i64(super::fs::now().0);
-    h.write_u32(std::process::id());
     // Small enough to read, never 0.
-    (h.finish() >> 16).max(1)
+    (crate::random::u64() >> 16).max(1)
 }
 
 impl Feed {
@@ -262,7 +258,7 @@ impl Feed {
 
     /// Appends events (in order; the caller holds the filesystem's lock).
     pub fn push(&self, evs: impl IntoIterator<Item = NewEvent>) {
-        let time = super::fs::now();
+        let time = crate::meta::Nanos::now();
         let mut r = self.ring();
         if r.closed {
             return;

@@ -30,7 +30,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::chunk::reserve::Reserve;
 use crate::chunk::{BodyPool, BodyStore};
@@ -308,8 +307,8 @@ fn open_store(
     state_dir: &Path,
     opts: &FsOptions,
 ) -> FsResult<(Store, BodyStore, crate::meta::Generations)> {
-    let store = Store::open(&state_dir.join("meta.db"), now())?;
-    let bodies = BodyStore::open(&state_dir.join("bodies"))
+    let store = crate::state::open_store(state_dir, Nanos::now())?;
+    let bodies = crate::state::open_bodies(state_dir)
         .map_err(|e| FsError::Io(io::Error::other(e.to_string())))?;
     let orphans = store.read().orphans()?;
     if !orphans.is_empty() {
@@ -407,14 +406,6 @@ fn join_thread(slot: &Mutex<Option<std::thread::JoinHandle<()>>>) {
     }
 }
 
-/// Current time in nanoseconds since the epoch.
-pub fn now() -> Nanos {
-    let d = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    Nanos(d.as_nanos() as i64)
-}
-
 impl WorkspaceFs {
     /// Opens the state directory (which must already be locked by the caller), removing
     /// inodes that were unlinked while open when keel last stopped.
@@ -423,7 +414,10 @@ impl WorkspaceFs {
         // start on a volume the sandbox filled must still open the store, recover its WAL
         // and write the start's own rows. Given back only if opening fails, retaken once
         // open when there is room.
-        let reserves = [state_dir.join("reserve"), state_dir.join("reserve.boot")];
+        let reserves = [
+            state_dir.join(crate::state::RESERVE),
+            state_dir.join(crate::state::RESERVE_BOOT),
+        ];
         let volume = VolumeUsage::of(state_dir);
         let (store, bodies, generations) = match open_store(state_dir, &opts) {
             Ok(opened) => opened,

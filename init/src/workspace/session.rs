@@ -32,7 +32,7 @@ pub enum SessionError {
     #[error("mount {path}: {source}")]
     Mount { path: PathBuf, source: io::Error },
     #[error("flush: {0}")]
-    Flush(String),
+    Flush(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("unmount {path}: {source}")]
     Unmount { path: PathBuf, source: io::Error },
     /// The finisher's last work (the final checkpoint) failed.
@@ -133,55 +133,18 @@ fn flush(mount_point: &Path, fs: &WorkspaceFs) -> Result<(), SessionError> {
     if let Err(e) = sys::file::syncfs(mount_point) {
         tracing::warn!(error = %e, "syncfs of the mount failed; syncing the store anyway");
     }
-    fs.sync_all()
-        .map_err(|e| SessionError::Flush(e.to_string()))
+    fs.sync_all().map_err(|e| SessionError::Flush(e.into()))
 }
 
-/// Names that may sit in a state dir that keel has not initialised yet.
-const HARMLESS: &[&str] = &[
-    "lost+found",
-    "lock",
-    ".keep",
-    "reserve",
-    "reserve.boot",
-    "control.sock",
-    crate::config::persist::LEASE_HOLDER_FILE,
-];
-
+/// Creates the state dir (0700) when absent and refuses one that is not keel's (see
+/// `state::check_keels`; `boot` tightens an existing one first). A restore killed before its
+/// database was in place left its marker and part of its output: the start's restore
+/// removes that and starts over (and refuses anything it did not write itself).
 fn check_state_dir(dir: &Path) -> Result<(), SessionError> {
-    let bad = |reason: String| SessionError::OpenState {
+    crate::state::create_checked(dir).map_err(|e| SessionError::OpenState {
         path: dir.to_path_buf(),
-        reason,
-    };
-    // Private (0700) when created here; `boot` tightens an existing one first.
-    {
-        use std::os::unix::fs::DirBuilderExt;
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(|e| bad(format!("cannot create: {e}")))?;
-    }
-    // A restore killed before its database was in place left its marker and part of its
-    // output: the start's restore removes that and starts over (and refuses anything it
-    // did not write itself).
-    if !dir.join("meta.db").exists()
-        && !dir
-            .join(crate::config::persist::RESTORE_UNFINISHED_FILE)
-            .exists()
-    {
-        let entries = std::fs::read_dir(dir).map_err(|e| bad(format!("cannot read: {e}")))?;
-        for e in entries.flatten() {
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            if !HARMLESS.contains(&name.as_ref()) && name != "bodies" && name != "workspace" {
-                return Err(bad(format!(
-                    "not a keel state dir (it holds `{name}` but no meta.db); refusing to touch it"
-                )));
-            }
-        }
-    }
-    Ok(())
+        reason: e.to_string(),
+    })
 }
 
 /// At most this many dead keel mounts stacked on one mount point are cleared.
@@ -258,8 +221,8 @@ impl StateLock {
 pub fn lock_state(cfg: &WorkspaceConfig) -> Result<StateLock, SessionError> {
     let state = &cfg.state_dir;
     check_state_dir(state)?;
-    let lock_path = state.join("lock");
-    let lock = sys::file::try_lock(&lock_path)
+    let lock_path = state.join(crate::state::LOCK);
+    let lock = crate::state::try_lock(state)
         .map_err(|e| SessionError::OpenState {
             path: state.clone(),
             reason: format!("lock {}: {e}", lock_path.display()),
@@ -481,7 +444,7 @@ impl Mounted {
             // mount point is no longer this mount.
             self.fs
                 .sync_all()
-                .map_err(|e| SessionError::Flush(e.to_string()))
+                .map_err(|e| SessionError::Flush(e.into()))
         } else {
             self.flush()
         };
@@ -520,17 +483,13 @@ impl Mounted {
         let shut = flushed.and_then(|()| {
             self.fs
                 .shutdown_unfolded()
-                .map_err(|e| SessionError::Flush(e.to_string()))
+                .map_err(|e| SessionError::Flush(e.into()))
         });
         if let Some(f) = finisher {
             f.close(shut.is_ok() && unmounted.is_ok());
         }
         // Last: the WAL folded with everything in it, the finisher's own record included.
-        let shut = shut.and_then(|()| {
-            self.fs
-                .fold()
-                .map_err(|e| SessionError::Flush(e.to_string()))
-        });
+        let shut = shut.and_then(|()| self.fs.fold().map_err(|e| SessionError::Flush(e.into())));
         // A local failure first: `Finish` alone means everything is safe in the state dir
         // and only the remote is behind.
         unmounted?;
@@ -711,30 +670,5 @@ mod tests {
         ] {
             assert_eq!(is_keel_source(source, fsname), keel, "{source} / {fsname}");
         }
-    }
-
-    #[test]
-    fn a_state_dir_holding_an_unfinished_restore_is_accepted_and_others_are_not() {
-        // Found by the kill-anywhere soak: keel killed inside the eager restore of its
-        // start (a new host) would not start again on that state dir: "not a keel state
-        // dir (it holds `restore.unfinished` but no meta.db); refusing to touch it".
-        let d = tempfile::tempdir().unwrap();
-        for f in [
-            "lock",
-            "lease.holder",
-            "restore.unfinished",
-            "meta.db.restoring",
-        ] {
-            std::fs::write(d.path().join(f), b"").unwrap();
-        }
-        std::fs::create_dir(d.path().join("bodies")).unwrap();
-        check_state_dir(d.path()).expect("an unfinished restore's state dir");
-        // Without the marker, something that is not keel's is still refused.
-        std::fs::remove_file(d.path().join("restore.unfinished")).unwrap();
-        let e = check_state_dir(d.path()).unwrap_err().to_string();
-        assert!(e.contains("meta.db.restoring"), "{e}");
-        let other = tempfile::tempdir().unwrap();
-        std::fs::write(other.path().join("notes.txt"), b"mine").unwrap();
-        assert!(check_state_dir(other.path()).is_err());
     }
 }

@@ -631,7 +631,7 @@ fn curl(args: &[&str]) -> Option<(u16, String)> {
 #[test]
 fn curl_over_tcp_and_the_unix_socket() {
     let d = tempfile::tempdir().unwrap();
-    let sock = d.path().join("control.sock");
+    let sock = d.path().join(keel::state::CONTROL_SOCK);
     let (c, addr) = start(&format!(
         "token = \"{TOKEN}\"\nsocket = \"{}\"\n",
         sock.display()

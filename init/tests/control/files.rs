@@ -442,7 +442,9 @@ fn files_run_as_the_user_inside_the_sandbox_and_cannot_leave_the_workspace() {
         call(&k, "DELETE", "/files?path=rel-out/meta.db", &[], b"").code,
         403
     );
-    assert!(state.join("meta.db").exists() || state.read_dir().unwrap().next().is_some());
+    assert!(
+        state.join(keel::state::META_DB).exists() || state.read_dir().unwrap().next().is_some()
+    );
     // Another user's 0600 file, as nobody: the kernel says no; root (the sandbox's user
     // here) reads it.
     let r = get(&k, "/files?path=secret&user=nobody");

@@ -132,7 +132,7 @@ fn health_status_checkpoint_and_keel_status_with_the_fuse_workspace() {
     at_least("keel_checkpoint_uploaded_bytes_total", sent);
 
     // keel status finds <state_dir>/control.sock from the config alone.
-    let sock = state.path().join("control.sock");
+    let sock = state.path().join(keel::state::CONTROL_SOCK);
     assert!(sock.exists());
     let out = Command::new(KEEL)
         .args(["status", "--config"])
@@ -160,12 +160,12 @@ fn a_stale_socket_in_a_fresh_state_dir_does_not_block_the_next_keel() {
     }
     // A keel that died before it initialised the state dir left only its socket behind.
     let state = tempfile::tempdir().unwrap();
-    support::sys::dead_socket(&state.path().join("control.sock")).unwrap();
+    support::sys::dead_socket(&state.path().join(keel::state::CONTROL_SOCK)).unwrap();
     let mut k = start(
         &ws_config(state.path()),
         &["sh", "-c", "echo hi > $D/ws/f && cat $D/ws/f"],
     );
     assert_eq!(k.wait().0, 0, "{}", k.log_text());
     assert_eq!(k.stdout(), "hi\n");
-    assert!(!state.path().join("control.sock").exists());
+    assert!(!state.path().join(keel::state::CONTROL_SOCK).exists());
 }

@@ -45,7 +45,7 @@ fn source(remote_dir: &Path, src: &Path) -> BTreeMap<&'static str, Vec<u8>> {
 /// Unfetched windows as committed to the state dir. The mounted keel groups its metadata
 /// commits (at most 20 ms apart): callers wait for the count they expect (`until`).
 fn missing_windows(state: &Path) -> u64 {
-    let s = Store::open(&state.join("meta.db"), Nanos(0)).unwrap();
+    let s = Store::open(&state.join(keel::state::META_DB), Nanos(0)).unwrap();
     let n = s.read().missing_window_count().unwrap();
     n
 }

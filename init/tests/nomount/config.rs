@@ -123,7 +123,7 @@ fn every_subcommand_uses_the_configured_values() {
     // gc and checkpoint lock the configured state dir.
     for sub in [&["gc"][..], &["checkpoint"]] {
         let (_, all, _) = run(sub);
-        assert!(state.join("lock").exists(), "{sub:?}: {all}");
+        assert!(state.join(keel::state::LOCK).exists(), "{sub:?}: {all}");
         std::fs::remove_dir_all(&state).unwrap();
     }
     // fork reads the configured remote (which holds no workspace).

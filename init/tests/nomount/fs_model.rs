@@ -200,7 +200,7 @@ fn new_write_only_file_unlinked_while_open() {
 
 /// Descriptors this process holds on body files under `dir`.
 fn body_fds(dir: &Path) -> usize {
-    let bodies = dir.join("bodies");
+    let bodies = dir.join(keel::state::BODIES);
     std::fs::read_dir("/proc/self/fd")
         .unwrap()
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
@@ -610,7 +610,7 @@ fn a_body_written_after_its_last_close_moves_times_and_reaches_checkpoints() {
     let before = fs.setattr(ino, &set).unwrap().inode;
     fs.sync_all().unwrap();
     // What a checkpoint would do: forget the changes recorded so far.
-    let store = Store::open(&dir.path().join("meta.db"), Nanos(0)).unwrap();
+    let store = Store::open(&dir.path().join(keel::state::META_DB), Nanos(0)).unwrap();
     let tx = store.write().unwrap();
     tx.clear_all_changes().unwrap();
     tx.commit().unwrap();
@@ -660,7 +660,7 @@ fn a_number_a_crash_gives_again_comes_with_another_generation() {
     fs.sync_all().unwrap();
     drop(fs);
     // What a crash before the group commit leaves: no row, no entry, the sequence back.
-    let db = rusqlite::Connection::open(dir.path().join("meta.db")).unwrap();
+    let db = rusqlite::Connection::open(dir.path().join(keel::state::META_DB)).unwrap();
     db.execute_batch(&format!(
         "DELETE FROM inode WHERE ino = {lost};
          DELETE FROM dirent WHERE ino = {lost};

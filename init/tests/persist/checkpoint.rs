@@ -168,7 +168,7 @@ fn corrupt_chunk_fails_restore_and_fsck_then_repair_reuploads() {
 fn fsck_says_what_it_checked_of_a_file_remote() {
     let dir = tempfile::tempdir().unwrap();
     let (state, remote) = (dir.path().join("state"), dir.path().join("remote"));
-    keel::persist::private::create_dir_all(&state).unwrap();
+    keel::state::private::create_dir_all(&state).unwrap();
     let fs = open_fs(&state);
     write_file(&fs, "big", &noise(11, 3 * CHUNK as usize));
     let url = format!("file://{}", remote.display());
@@ -324,37 +324,4 @@ fn remote_failing_at_every_step_loses_nothing() {
         "{:?}",
         rep.findings
     );
-}
-
-#[test]
-fn hydrator_fetches_verified_windows_and_refuses_corrupt_ones() {
-    use keel::persist::hydrate::Hydrator;
-    let dir = tempfile::tempdir().unwrap();
-    let fs = open_fs(dir.path());
-    let data = noise(11, 3 * CHUNK as usize + 100);
-    let ino = write_file(&fs, "f", &data);
-    let mem = Arc::new(MemRemote::new());
-    let remote: Arc<dyn Remote> = mem.clone();
-    checkpoint(&mut persister(dir.path(), remote.clone()));
-    let h = Hydrator::open(dir.path(), Repo::new(remote.clone(), "ws"), CHUNK).unwrap();
-    // An empty, sparse body of the right size, as a lazy restore would leave it.
-    let scratch = tempfile::tempfile().unwrap();
-    scratch.set_len(data.len() as u64).unwrap();
-    let n = h
-        .hydrate(ino, data.len() as u64, &[0, 1, 2, 3], &scratch)
-        .unwrap();
-    assert_eq!(n, data.len() as u64);
-    let mut back = vec![0u8; data.len()];
-    std::os::unix::fs::FileExt::read_exact_at(&scratch, &mut back, 0).unwrap();
-    assert!(back == data);
-    // Flip a byte of window 1's chunk on the remote: an error naming it, no bytes.
-    let repo = Repo::new(remote, "ws");
-    let id = keel::chunk::ChunkId::of(&data[CHUNK as usize..2 * CHUNK as usize]);
-    mem.tamper(&repo.chunk_key(&id), |v| v[7] ^= 1);
-    let e = h.windows(ino, &[1]).unwrap_err();
-    assert!(
-        e.is_corrupt() && e.to_string().contains(&id.to_hex()),
-        "{e}"
-    );
-    assert!(h.windows(ino, &[9]).is_err());
 }

@@ -346,7 +346,7 @@ fn a_dir_tree_restores_into_the_fuse_store_byte_for_byte() {
     let back = DirTree::open(b.path(), 4096, CHUNK).unwrap();
     assert_eq!(host_manifest(back.root()), want);
     // The bodies went into the tree (hard links, then removed): none is left beside it.
-    let left: Vec<_> = walkdir(&b.path().join("bodies"))
+    let left: Vec<_> = walkdir(&b.path().join(keel::state::BODIES))
         .into_iter()
         .filter(|p| p.is_file())
         .collect();

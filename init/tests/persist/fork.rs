@@ -883,7 +883,7 @@ fn a_checkpoint_in_flight_marker_nobody_renews_holds_no_gc_back() {
         fs,
         p: _,
     } = origin_and_fork(&noise(80, CHUNK as usize));
-    let now = keel::persist::checkpoint::now_ns();
+    let now = keel::time::now_ns();
     let hour = 3600 * 1_000_000_000i64;
     for (expires, kept) in [(now - 1_000_000_000, false), (now + hour, true)] {
         let data = noise(81 + u64::from(kept), 2 * CHUNK as usize);
@@ -959,7 +959,7 @@ fn fork_cli() {
 
     // Something the running keel has not checkpointed yet; its socket checkpoints on request.
     write_file(&fs, "late", b"written after the last checkpoint");
-    let listener = UnixListener::bind(a.join("persist.sock")).unwrap();
+    let listener = UnixListener::bind(a.join(keel::state::PERSIST_SOCK)).unwrap();
     let server = std::thread::spawn(move || {
         let mut asked = Vec::new();
         for _ in 0..2 {
@@ -981,7 +981,7 @@ fn fork_cli() {
     let o = keel(&["fork", "--config", cfg_s, "--state", a_s, "--to", &f_url]);
     assert!(o.status.success(), "{}", text(&o));
     let (asked, p) = server.join().unwrap();
-    std::fs::remove_file(a.join("persist.sock")).unwrap();
+    std::fs::remove_file(a.join(keel::state::PERSIST_SOCK)).unwrap();
     assert_eq!(asked, vec!["mount-point", "checkpoint"]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("forked snapshot 2 of"), "{}", text(&o));

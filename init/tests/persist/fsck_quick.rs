@@ -37,7 +37,7 @@ fn has(rep: &FsckReport, level: Level, text: &str) -> bool {
 }
 
 fn sql(state: &Path, stmt: &str) {
-    let c = rusqlite::Connection::open(state.join("meta.db")).unwrap();
+    let c = rusqlite::Connection::open(state.join(keel::state::META_DB)).unwrap();
     c.execute_batch(stmt).unwrap();
 }
 
@@ -83,7 +83,7 @@ fn quick_fsck_reports_what_it_claims_to_check() {
     sql(state, "UPDATE inode_totals SET live = live - 1");
 
     // A body window damaged behind keel's back, then the body gone.
-    let bodies = BodyStore::open(&state.join("bodies")).unwrap();
+    let bodies = BodyStore::open(&state.join(keel::state::BODIES)).unwrap();
     let path = bodies.path(big.0);
     let good = std::fs::read(&path).unwrap();
     let mut bad = good.clone();
@@ -173,7 +173,7 @@ fn quick_fsck_reports_what_it_claims_to_check() {
 
 /// The inode of a top-level directory, read from the database (the workspace is closed).
 fn resolve_dir(state: &Path, name: &str) -> u64 {
-    let c = rusqlite::Connection::open(state.join("meta.db")).unwrap();
+    let c = rusqlite::Connection::open(state.join(keel::state::META_DB)).unwrap();
     c.query_row(
         "SELECT ino FROM dirent WHERE parent = 1 AND name = ?1",
         [name.as_bytes()],

@@ -16,8 +16,9 @@ use keel::persist::checkpoint::CheckpointOptions;
 use keel::persist::format;
 use keel::persist::fsck::{fsck, FsckOptions};
 use keel::persist::remote::PutMode;
-use keel::persist::restore::{self, RestoreMode, RestoreReport, UNFINISHED};
+use keel::persist::restore::{self, RestoreMode, RestoreReport};
 use keel::persist::{MemRemote, Remote, Repo};
+use keel::state::RESTORE_UNFINISHED as UNFINISHED;
 use keel::workspace::fs::{SetAttr, SetTime};
 use rusqlite::types::ValueRef;
 use support::persist::*;
@@ -98,7 +99,7 @@ fn source() -> (tempfile::TempDir, Arc<dyn Remote>) {
 /// Every row of the restored database that describes the workspace, as text (the
 /// bookkeeping's `clean_before` is a clock reading).
 fn db_dump(state: &Path) -> Vec<String> {
-    let c = rusqlite::Connection::open(state.join("meta.db")).unwrap();
+    let c = rusqlite::Connection::open(state.join(keel::state::META_DB)).unwrap();
     let mut out = Vec::new();
     for (t, order) in [
         ("inode", "ino"),
@@ -162,7 +163,7 @@ fn same(a: &[String], b: &[String], what: &str) {
 fn lazy(remote: &Arc<dyn Remote>, state: &Path) -> RestoreReport {
     let r = restore::restore_with(&mut repo(remote), None, state, RestoreMode::Lazy).unwrap();
     assert!(!state.join(UNFINISHED).exists());
-    assert!(!state.join("meta.db.restoring").exists());
+    assert!(!state.join(keel::state::META_DB_RESTORING).exists());
     r
 }
 
@@ -191,7 +192,7 @@ fn fsck_of(state: &Path, remote: &Arc<dyn Remote>, quick: bool) -> keel::persist
 /// The bodies a restore created (name, size), sorted.
 fn bodies(state: &Path) -> Vec<(String, u64)> {
     let mut v = Vec::new();
-    let Ok(shards) = std::fs::read_dir(state.join("bodies")) else {
+    let Ok(shards) = std::fs::read_dir(state.join(keel::state::BODIES)) else {
         return v;
     };
     for shard in shards {
@@ -291,7 +292,7 @@ fn restore_from_the_image_writes_what_decoding_the_chain_writes() {
         (ra.files + 1, ra.file_bytes + 3 * CHUNK),
         "{re:?} vs {ra:?}"
     );
-    let store = Store::open(&a.path().join("meta.db"), Nanos(0)).unwrap();
+    let store = Store::open(&a.path().join(keel::state::META_DB), Nanos(0)).unwrap();
     let (counted, kept) = store.read().inode_totals_both().unwrap();
     assert_eq!(counted, kept);
     assert_eq!(counted[0], ra.inodes);
@@ -669,7 +670,7 @@ fn a_head_of_many_deltas_restores_from_the_image_as_the_live_tree() {
     for (path, w) in &want {
         assert_eq!(got.get(path), Some(w), "{path}");
     }
-    let store = Store::open(&a.path().join("meta.db"), Nanos(0)).unwrap();
+    let store = Store::open(&a.path().join(keel::state::META_DB), Nanos(0)).unwrap();
     let (counted, kept) = store.read().inode_totals_both().unwrap();
     assert_eq!(counted, kept, "the running totals after the bulk deltas");
 }

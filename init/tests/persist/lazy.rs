@@ -154,7 +154,7 @@ fn on_demand(inner: Arc<dyn Remote>) {
     let b = resolve(&fs, "lz/b");
     // The restore created no body for files with stored windows: start time does not grow
     // with the number of files. The first fetch creates it, sparse at the file's size.
-    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join("bodies")).unwrap();
+    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join(keel::state::BODIES)).unwrap();
     assert_eq!(
         bodies.stat(a.0).unwrap(),
         None,
@@ -267,7 +267,7 @@ fn checkpoint_after_a_crash_never_hashes_unfetched_windows() {
     // Every window of every body was suspect; the unfetched ones kept their ids. Files the
     // crashed mount never touched have no body yet, so nothing of theirs is suspect.
     let fs = open_fs(l.dst.path());
-    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join("bodies")).unwrap();
+    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join(keel::state::BODIES)).unwrap();
     let (mut windows, mut untouched) = (0, 0);
     for path in ["d/e/big", "sparse", "lz/a", "lz/b", "lz/c"] {
         let ino = resolve(&fs, path);
@@ -361,7 +361,7 @@ fn crash_between_body_write_and_record_refetches() {
     assert_eq!(read(&fs, a, 5 * CHUNK, 10), &win(&a_bytes(), 5)[..10]);
     fs.settle_fetched();
     // Written into the body but never recorded (killed in between): window 1 holds junk.
-    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join("bodies")).unwrap();
+    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join(keel::state::BODIES)).unwrap();
     let f = bodies.open_rw(a.0).unwrap();
     use std::os::unix::fs::FileExt;
     f.write_all_at(&vec![0xAA; CHUNK as usize / 2], CHUNK)
@@ -450,7 +450,7 @@ fn fsck_does_not_call_unfetched_windows_corrupt() {
     // It did look at the fetched windows.
     assert!(rep.windows_hashed >= 1, "{rep:?}");
     // A fetched window damaged behind keel's back is still found.
-    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join("bodies")).unwrap();
+    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join(keel::state::BODIES)).unwrap();
     use std::os::unix::fs::FileExt;
     bodies
         .open_rw(a.0)
@@ -597,7 +597,9 @@ fn a_rollback_stopped_before_its_renames_is_finished_at_the_next_start() {
     std::fs::create_dir(&tmp).unwrap();
     let new = noise(2, 3 * CHUNK as usize);
     std::fs::write(tmp.join(ino.0.to_string()), &new).unwrap();
-    let store = keel::meta::Store::open(&dir.path().join("meta.db"), keel::meta::Nanos(1)).unwrap();
+    let store =
+        keel::meta::Store::open(&dir.path().join(keel::state::META_DB), keel::meta::Nanos(1))
+            .unwrap();
     let tx = store.write().unwrap();
     tx.persist_set("rollback_renames", &format!("[[{0},{0}]]", ino.0))
         .unwrap();
@@ -617,7 +619,9 @@ fn a_rollback_stopped_before_its_renames_is_finished_at_the_next_start() {
     assert_eq!(r.windows_hashed, 3, "{r}");
     let (_d, got) = eager_dump(remote);
     assert_eq!(got["/f"], want["/f"], "the remote has the new bytes");
-    let store = keel::meta::Store::open(&dir.path().join("meta.db"), keel::meta::Nanos(2)).unwrap();
+    let store =
+        keel::meta::Store::open(&dir.path().join(keel::state::META_DB), keel::meta::Nanos(2))
+            .unwrap();
     assert_eq!(store.read().persist_get("rollback_renames").unwrap(), None);
 }
 

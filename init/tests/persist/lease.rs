@@ -114,7 +114,7 @@ fn abandoned_lease_refuse_wait_force_and_the_old_holder_is_fenced() {
     let mut rec: keel::persist::lease::LeaseRecord =
         serde_json::from_slice(&remote.remote.get(&key).unwrap()).unwrap();
     let t_dead = Instant::now();
-    rec.expires_ns = keel::persist::checkpoint::now_ns() + ttl.as_nanos() as i64;
+    rec.expires_ns = keel::time::now_ns() + ttl.as_nanos() as i64;
     rec.ttl_ms = ttl.as_millis() as u64;
     remote
         .remote

@@ -11,8 +11,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
-use keel::persist::private::{loose_paths, secure_dir};
 use keel::persist::{open_remote, Persister};
+use keel::state::private::{loose_paths, secure_dir};
 use support::persist::*;
 
 fn chmod(p: &Path, m: u32) {
@@ -26,7 +26,7 @@ fn mode_of(p: &Path) -> u32 {
 /// A checkpointed state dir at `state` with its remote at `remote`.
 fn make_state(state: &Path, remote: &Path) {
     let url = format!("file://{}", remote.display());
-    keel::persist::private::create_dir_all(state).unwrap();
+    keel::state::private::create_dir_all(state).unwrap();
     let fs = open_fs(state);
     mkdir(&fs, "d");
     write_file(&fs, "d/small", b"small");
@@ -83,7 +83,7 @@ fn fsck_warns_about_loose_modes_and_repair_fixes_them() {
     assert!(loose_paths(&remote).unwrap().is_empty());
 
     // Under private roots: a loose database, body, shard dir and chunk.
-    let body = std::fs::read_dir(state.join("bodies"))
+    let body = std::fs::read_dir(state.join(keel::state::BODIES))
         .unwrap()
         .flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap())
         .map(|e| e.unwrap().path())
@@ -101,7 +101,7 @@ fn fsck_warns_about_loose_modes_and_repair_fixes_them() {
         .unwrap()
         .unwrap()
         .path();
-    chmod(&state.join("meta.db"), 0o644);
+    chmod(&state.join(keel::state::META_DB), 0o644);
     chmod(&body, 0o640);
     chmod(&state.join("bodies/00"), 0o755);
     chmod(&chunk, 0o604);
@@ -115,7 +115,7 @@ fn fsck_warns_about_loose_modes_and_repair_fixes_them() {
     let lines = mode_lines(&out);
     assert_eq!(lines.len(), 5, "{out}");
     for (path, mode) in [
-        (state.join("meta.db"), "0644"),
+        (state.join(keel::state::META_DB), "0644"),
         (body.clone(), "0640"),
         (state.join("bodies/00"), "0755"),
         (chunk.clone(), "0604"),

@@ -12,8 +12,9 @@ use std::sync::Arc;
 
 use keel::meta::{Nanos, Store};
 use keel::persist::fsck::{fsck, FsckOptions};
-use keel::persist::restore::{self, RestoreMode, UNFINISHED};
+use keel::persist::restore::{self, RestoreMode};
 use keel::persist::{MemRemote, Remote, Repo};
+use keel::state::RESTORE_UNFINISHED as UNFINISHED;
 use support::persist::*;
 
 /// A remote holding the rich tree plus a directory of 300 small files, and its dump.
@@ -68,9 +69,9 @@ fn bulk_restore_keeps_totals_right_and_triggers_working() {
             "{mode:?}: {r:?}"
         );
         assert!(!dir.path().join(UNFINISHED).exists());
-        assert!(!dir.path().join("meta.db.restoring").exists());
+        assert!(!dir.path().join(keel::state::META_DB_RESTORING).exists());
         {
-            let store = Store::open(&dir.path().join("meta.db"), Nanos(0)).unwrap();
+            let store = Store::open(&dir.path().join(keel::state::META_DB), Nanos(0)).unwrap();
             let (counted, kept) = store.read().inode_totals_both().unwrap();
             assert_eq!(counted, kept, "{mode:?}: totals (rows, live, bytes)");
             assert_eq!(counted[0], r.inodes, "{mode:?}");
@@ -132,14 +133,14 @@ fn a_restore_that_dies_midway_is_never_a_workspace_and_is_redone() {
     }));
     assert!(died.is_err(), "the tap did not fire");
     assert!(dir.path().join(UNFINISHED).exists());
-    assert!(dir.path().join("bodies").exists());
+    assert!(dir.path().join(keel::state::BODIES).exists());
     assert!(
-        !dir.path().join("meta.db").exists(),
+        !dir.path().join(keel::state::META_DB).exists(),
         "a half-restored state dir must not look like a workspace"
     );
     // As if it had also died while writing the database.
     std::fs::write(
-        dir.path().join("meta.db.restoring"),
+        dir.path().join(keel::state::META_DB_RESTORING),
         b"SQLite format 3\0half",
     )
     .unwrap();
@@ -212,7 +213,7 @@ fn a_failed_restore_empties_the_state_dir_and_a_foreign_one_is_left_alone() {
     assert!(left.is_empty(), "left behind: {left:?}");
 
     // Leftovers without the marker are not a restore's: refused, untouched.
-    std::fs::create_dir(dir.path().join("bodies")).unwrap();
+    std::fs::create_dir(dir.path().join(keel::state::BODIES)).unwrap();
     std::fs::write(dir.path().join("bodies/keep"), b"mine").unwrap();
     let e = restore::restore_with(
         &mut Repo::new(remote, "ws"),

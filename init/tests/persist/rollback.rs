@@ -578,7 +578,8 @@ fn api_rollback_takes_writes_still_in_the_kernel_cache() {
     );
     k.wait_file("ready");
     let post = |path: &str| {
-        let mut s = UnixStream::connect(k.state.join("control.sock")).expect("control socket");
+        let mut s =
+            UnixStream::connect(k.state.join(keel::state::CONTROL_SOCK)).expect("control socket");
         s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
         write!(
             s,

@@ -151,10 +151,10 @@ fn unrecorded_writes_after_a_crash_are_checkpointed() {
         checkpoint(&mut p);
         // A write the filesystem had not recorded when keel died: straight into the body.
         std::thread::sleep(std::time::Duration::from_millis(20));
-        let body = dir
-            .path()
-            .join("bodies")
-            .join(format!("{:02x}/{:x}", ino.0 & 0xff, ino.0));
+        let body =
+            dir.path()
+                .join(keel::state::BODIES)
+                .join(format!("{:02x}/{:x}", ino.0 & 0xff, ino.0));
         let f = std::fs::OpenOptions::new().write(true).open(body).unwrap();
         std::os::unix::fs::FileExt::write_all_at(&f, b"unrecorded", 2 * CHUNK + 5).unwrap();
         // (killed: no mark_running(false))

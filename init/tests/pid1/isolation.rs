@@ -169,7 +169,7 @@ fn the_sandbox_sees_no_state_no_credentials_and_cannot_read_keel() {
     }
     // keel itself kept writing its state: the planted file is not there, the database is.
     assert!(!state.path().join("planted").exists());
-    assert!(state.path().join("meta.db").exists());
+    assert!(state.path().join(keel::state::META_DB).exists());
 }
 
 #[test]

@@ -11,9 +11,10 @@
 //! writer's gc may have deleted chunks this state dir's maps name).
 
 use super::steps::Prior;
-use super::{kv_u64, now_ns, CheckpointError, Persister};
+use super::{kv_u64, CheckpointError, Persister};
 use crate::persist::repo::Head;
 use crate::persist::snapshots;
+use crate::time::now_ns;
 
 /// The snapshot whose head advance this state dir committed last (set before the head
 /// is written, so a checkpoint that died between the two knows the head is its own).

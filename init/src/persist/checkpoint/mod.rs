@@ -20,7 +20,7 @@ mod tests;
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use self::steps::Pass;
 use super::format;
@@ -30,6 +30,7 @@ use super::repo::{Repo, RepoError};
 use crate::chunk::chunker::{window_count, window_range};
 use crate::chunk::BodyStore;
 use crate::meta::{InodeNo, Kind, MetaError, Nanos, Storage, Store, Tx};
+use crate::time::now_ns;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -171,13 +172,6 @@ pub struct PersistParams {
 /// Body modification times are coarse: rescan bodies modified this close to the point.
 const MTIME_SLACK_NS: i64 = 2_000_000_000;
 
-pub fn now_ns() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0)
-}
-
 /// Opens a file's bytes by inode number, for a workspace that does not keep them in the
 /// state dir's bodies (the `dir` provider's tree). An error fails the checkpoint.
 pub type BodyOpener = std::sync::Arc<dyn Fn(u64) -> std::io::Result<std::fs::File> + Send + Sync>;
@@ -215,16 +209,17 @@ impl Persister {
             path: state_dir.to_path_buf(),
             reason,
         };
-        if !state_dir.join("meta.db").exists() {
-            return Err(bad(
-                "no meta.db: not a keel state dir (mount it once first)".into(),
-            ));
+        if !crate::state::has_workspace(state_dir) {
+            return Err(bad(format!(
+                "no {}: not a keel state dir (mount it once first)",
+                crate::state::META_DB
+            )));
         }
-        let store = Store::open(&state_dir.join("meta.db"), Nanos(now_ns()))?;
+        let store = crate::state::open_store(state_dir, Nanos(now_ns()))?;
         // The checkpointer walks the changes once per checkpoint, so a large cache would only
         // hold memory between checkpoints: the budget's `checkpoint_cache` share.
         store.limit_cache((crate::budget::shares().checkpoint_cache / 1024) as u32)?;
-        let bodies = BodyStore::open(&state_dir.join("bodies")).map_err(|e| bad(e.to_string()))?;
+        let bodies = crate::state::open_bodies(state_dir).map_err(|e| bad(e.to_string()))?;
         Ok(Persister {
             store,
             bodies,

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::{kv_u64, now_ns, CheckpointError, CheckpointReport, PersistParams, Persister};
+use super::{kv_u64, CheckpointError, CheckpointReport, PersistParams, Persister};
 use crate::chunk::chunker::{is_zero, window_count, window_range};
 use crate::chunk::ChunkId;
 use crate::meta::{ChunkRow, Inode, InodeNo, Kind, MissingRow, Nanos, Storage, Tx};
@@ -23,6 +23,7 @@ use crate::persist::format::{
 use crate::persist::pack::{Built, Packer};
 use crate::persist::remote::{PutMode, RemoteError};
 use crate::persist::repo::Head;
+use crate::time::now_ns;
 
 /// `persist_state` key: the chunk maps of inline files were dropped once (see
 /// `void_stale_chunk_maps`).
@@ -314,9 +315,9 @@ impl FullSpill {
             Ok(Spill::create(path)?)
         };
         Ok(FullSpill {
-            inodes: spill("snapshot-inodes")?,
-            dirents: spill("snapshot-dirents")?,
-            unlinked: spill("snapshot-unlinked")?,
+            inodes: spill(crate::state::SCRATCH_INODES)?,
+            dirents: spill(crate::state::SCRATCH_DIRENTS)?,
+            unlinked: spill(crate::state::SCRATCH_UNLINKED)?,
         })
     }
 }

@@ -36,7 +36,7 @@ fn params() -> PersistParams {
 
 fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    drop(Store::open(&dir.path().join("meta.db"), Nanos(1)).unwrap());
+    drop(crate::state::open_store(dir.path(), Nanos(1)).unwrap());
     let remote = Arc::new(MemRemote::new());
     let repo = Repo::new(remote.clone(), "ws");
     let p = Persister::open(dir.path(), repo, params()).unwrap();
@@ -769,7 +769,7 @@ fn a_head_written_but_not_recorded_is_recognised_as_its_own() {
         }
     }
     let dir = tempfile::tempdir().unwrap();
-    drop(Store::open(&dir.path().join("meta.db"), Nanos(1)).unwrap());
+    drop(crate::state::open_store(dir.path(), Nanos(1)).unwrap());
     let remote = Arc::new(LostHeadReply {
         inner: Arc::new(MemRemote::new()),
         lose: AtomicBool::new(false),

@@ -38,7 +38,7 @@ pub(super) fn check_bodies(
 ) -> Result<(), FsckError> {
     let scan = BodyScan::read(&store.read())?;
     let mut ids = bodies.ids().map_err(|e| FsckError::OpenState {
-        path: PathBuf::from("bodies"),
+        path: PathBuf::from(crate::state::BODIES),
         reason: e.to_string(),
     })?;
     ids.sort_unstable();
@@ -396,8 +396,8 @@ mod tests {
     fn dir() -> Dir {
         let d = tempfile::tempdir().unwrap();
         Dir {
-            store: Store::open(&d.path().join("meta.db"), Nanos(1)).unwrap(),
-            bodies: BodyStore::open(&d.path().join("bodies")).unwrap(),
+            store: crate::state::open_store(d.path(), Nanos(1)).unwrap(),
+            bodies: crate::state::open_bodies(d.path()).unwrap(),
             _dir: d,
         }
     }

@@ -86,13 +86,12 @@ pub(super) fn check(
         dirs.insert(*parent);
     }
     let max = r.max_ino()?;
-    let mut rng = Rng::seeded();
     let mut drawn = 0;
     for _ in 0..RANDOM_DIRS * 4 {
         if drawn == RANDOM_DIRS || max == 0 {
             break;
         }
-        let Some(i) = r.get(InodeNo(1 + rng.below(max)))? else {
+        let Some(i) = r.get(InodeNo(1 + crate::random::below(max)))? else {
             continue;
         };
         if i.nlink == 0 {
@@ -383,26 +382,4 @@ fn check_remote(
         }
     }
     Ok(local_header)
-}
-
-/// splitmix64, seeded from the clock: a different sample at every run.
-struct Rng(u64);
-
-impl Rng {
-    fn seeded() -> Rng {
-        Rng(super::now_ns() as u64 ^ (u64::from(std::process::id()) << 32))
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform enough in 0..n (n > 0).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }

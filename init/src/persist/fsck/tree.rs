@@ -8,7 +8,7 @@
 
 use super::{FsckError, FsckReport, Level};
 use crate::meta::{Inode, InodeNo, Kind, Nanos, Storage, Store, Tx};
-use crate::persist::checkpoint::now_ns;
+use crate::time::now_ns;
 
 /// One inode as the tree check needs it, and what the entries say about it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -412,7 +412,7 @@ mod tests {
 
     fn store() -> (tempfile::TempDir, Store) {
         let dir = tempfile::tempdir().unwrap();
-        let s = Store::open(&dir.path().join("meta.db"), Nanos(1)).unwrap();
+        let s = crate::state::open_store(dir.path(), Nanos(1)).unwrap();
         (dir, s)
     }
 

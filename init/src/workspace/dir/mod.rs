@@ -39,13 +39,12 @@ pub use build::{BuildReport, Source, SourceData, SourceInode};
 pub use scan::ScanReport;
 
 use crate::chunk::reserve::Reserve;
-use crate::chunk::BodyStore;
 use crate::meta::{InodeNo, Kind, MetaError, Nanos, Store};
 
 /// The tree's name in the state dir.
-pub const TREE: &str = "workspace";
+pub const TREE: &str = crate::state::TREE;
 /// Where a new tree is built before it is swapped in.
-pub const TREE_NEW: &str = "workspace.new";
+pub const TREE_NEW: &str = crate::state::TREE_NEW;
 pub use crate::meta::{PROVIDER_KEY, TREE_KEY};
 
 #[derive(Debug, thiserror::Error)]
@@ -106,10 +105,13 @@ impl DirTree {
     /// FUSE), and the start says how full the volume is.
     pub fn open(state_dir: &Path, inline_max: u64, chunk_size: u64) -> Result<DirTree, DirError> {
         use crate::workspace::fs::{give_back_reserves, VolumeUsage, MIB, RESERVE_BYTES};
-        let reserves = [state_dir.join("reserve"), state_dir.join("reserve.boot")];
+        let reserves = [
+            state_dir.join(crate::state::RESERVE),
+            state_dir.join(crate::state::RESERVE_BOOT),
+        ];
         let volume = VolumeUsage::of(state_dir);
         let open = || -> Result<DirTree, DirError> {
-            let store = Store::open(&state_dir.join("meta.db"), now())?;
+            let store = crate::state::open_store(state_dir, Nanos::now())?;
             store.ensure_host_map()?;
             let t = DirTree {
                 state_dir: state_dir.to_path_buf(),
@@ -203,11 +205,10 @@ impl DirTree {
             let fresh = r.list(InodeNo::ROOT)?.is_empty();
             (built, fresh)
         };
-        let bodies =
-            BodyStore::open(&self.state_dir.join("bodies")).map_err(|e| DirError::Open {
-                path: self.state_dir.join("bodies"),
-                source: io::Error::other(e.to_string()),
-            })?;
+        let bodies = crate::state::open_bodies(&self.state_dir).map_err(|e| DirError::Open {
+            path: self.state_dir.join(crate::state::BODIES),
+            source: io::Error::other(e.to_string()),
+        })?;
         if built {
             // Bodies a build linked into the tree and a crash left behind.
             for id in bodies.ids().unwrap_or_default() {
@@ -527,18 +528,12 @@ fn remove_tree(p: &Path) {
     }
 }
 
-/// The current time in ns.
-pub fn now() -> Nanos {
-    crate::workspace::fs::now()
-}
-
 /// Whether the state dir's store says the `dir` provider wrote it last.
 pub fn state_is_dir(state_dir: &Path) -> bool {
-    let db = state_dir.join("meta.db");
-    if !db.exists() {
+    if !crate::state::has_workspace(state_dir) {
         return false;
     }
-    Store::open(&db, now())
+    crate::state::open_store(state_dir, Nanos::now())
         .and_then(|s| s.read().persist_get(PROVIDER_KEY))
         .ok()
         .flatten()

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::watch::Rewritten;
-use super::{kind_of, now, DirError, Paths};
+use super::{kind_of, DirError, Paths};
 use crate::chunk::chunker::window_count;
 use crate::meta::{HostRow, Inode, InodeNo, Kind, Nanos, Storage, Store, Tx};
 use crate::sys::tree::{self as t, FullStat};
@@ -144,7 +144,7 @@ pub(super) fn scan(
         tx: &tx,
         inline_max,
         chunk_size,
-        start_ns: now().0,
+        start_ns: Nanos::now().0,
         inodes: HashMap::new(),
         touched: HashSet::new(),
         entries,
@@ -240,7 +240,7 @@ pub(super) fn scan_dirs(
         tx: &tx,
         inline_max,
         chunk_size,
-        start_ns: now().0,
+        start_ns: Nanos::now().0,
         inodes: HashMap::new(),
         touched: HashSet::new(),
         entries: HashMap::new(),

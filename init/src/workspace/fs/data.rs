@@ -1,6 +1,7 @@
 //! File data: open, read, write, flush, release, fsync, fallocate, seek and
 //! copy_file_range, over inline bytes or a body file.
 
+use crate::meta::Nanos;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -11,7 +12,7 @@ use super::namespace::New;
 use super::node::body_stamp;
 use super::node::{Data, Node, OpenFile};
 use super::{
-    lazy, now, Attr, Caller, FsError, FsResult, FsyncHook, Handle, Inner, OpenInfo, WorkspaceFs,
+    lazy, Attr, Caller, FsError, FsResult, FsyncHook, Handle, Inner, OpenInfo, WorkspaceFs,
 };
 use crate::config::CacheMode;
 use crate::meta::{Inode, InodeNo, Kind, Storage};
@@ -165,7 +166,7 @@ impl WorkspaceFs {
         if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
             self.sync_from_body(inner, ino)?;
             self.lazy_drop_from(inner, ino, 0)?;
-            let t = now();
+            let t = Nanos::now();
             let of = self.file_of(inner, ino)?;
             if of.inode.size != 0 {
                 self.resize(of, 0)?;
@@ -377,7 +378,7 @@ impl WorkspaceFs {
                         v.resize(end as usize, 0);
                     }
                     v[offset as usize..end as usize].copy_from_slice(data);
-                    let t = now();
+                    let t = Nanos::now();
                     of.inode.size = of.inode.size.max(end);
                     of.inode.mtime = t;
                     of.inode.ctime = t;
@@ -405,7 +406,7 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         if let Some(of) = inner.nodes.get_mut(&ino).and_then(|n| n.open.as_mut()) {
-            let t = now();
+            let t = Nanos::now();
             of.inode.size = of.inode.size.max(end);
             of.inode.mtime = t;
             of.inode.ctime = t;
@@ -583,7 +584,7 @@ impl WorkspaceFs {
             of.touch(offset, zero_end, self.opts.chunk_size);
         }
         // Like ext4 and tmpfs: every successful fallocate is a modification.
-        let t = now();
+        let t = Nanos::now();
         of.inode.mtime = t;
         of.inode.ctime = t;
         of.dirty = true;

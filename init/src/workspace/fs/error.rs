@@ -50,8 +50,14 @@ pub enum FsError {
     Io(#[from] io::Error),
     #[error("metadata: {0}")]
     Meta(#[from] MetaError),
-    #[error("lazy restore: {0}")]
-    Fetch(String),
+    /// A window of a lazily restored file could not be fetched; `at` names it (or is empty).
+    /// Boxed: two chunk ids would double the size of every `FsError`.
+    #[error("lazy restore: {at}{source}")]
+    Fetch {
+        at: String,
+        #[source]
+        source: Box<crate::chunk::FetchError>,
+    },
     /// An ACL keel stored (or restored) does not parse: the store is damaged.
     #[error("stored ACL: {0}")]
     StoredAcl(AclError),
@@ -82,7 +88,7 @@ impl FsError {
             FsError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
             FsError::Meta(e) if e.is_full() => libc::ENOSPC,
             FsError::Meta(_) => libc::EIO,
-            FsError::Fetch(_) => libc::EIO,
+            FsError::Fetch { .. } => libc::EIO,
             FsError::StoredAcl(_) => libc::EIO,
         }
     }

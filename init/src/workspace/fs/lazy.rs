@@ -130,7 +130,10 @@ fn fetch_error(ino: InodeNo, idx: u64, e: &FetchError) -> FsError {
         "lazy restore: cannot fetch window {idx} of inode {} ({e}); the read fails with EIO",
         ino.0
     );
-    FsError::Fetch(format!("inode {} window {idx}: {e}", ino.0))
+    FsError::Fetch {
+        at: format!("inode {} window {idx}: ", ino.0),
+        source: Box::new(e.clone()),
+    }
 }
 
 impl WorkspaceFs {

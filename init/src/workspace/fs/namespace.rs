@@ -3,7 +3,7 @@
 
 use super::group::Batch;
 use super::{
-    now, Attr, Caller, DirEntry, FsError, FsResult, Handle, Inner, SetAttr, SetTime, WorkspaceFs,
+    Attr, Caller, DirEntry, FsError, FsResult, Handle, Inner, SetAttr, SetTime, WorkspaceFs,
 };
 use super::{LINK_MAX, NAME_MAX, PATH_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE};
 use crate::meta::{Dirent, InodeNo, Kind, Nanos, Storage};
@@ -122,7 +122,7 @@ impl WorkspaceFs {
         if let Some(loss) = set.drop_setid {
             Self::kill_privs_locked(inner, ino, loss)?;
         }
-        let t = now();
+        let t = Nanos::now();
         if let Some(size) = set.size {
             // Loads the bytes; refuses directories (EISDIR) and special files (EINVAL).
             self.ensure_open(inner, ino)?;
@@ -375,7 +375,7 @@ impl WorkspaceFs {
         };
         self.track_entry(inner, parent, name, Some((child.ino, child.kind)));
         self.track_inode(inner, child.ino);
-        let t = now();
+        let t = Nanos::now();
         if dir {
             if child.kind != Kind::Dir {
                 return Err(FsError::NotDir);
@@ -446,7 +446,7 @@ impl WorkspaceFs {
         }
         self.track_entry(inner, newparent, newname, None);
         self.track_inode(inner, ino);
-        let t = now();
+        let t = Nanos::now();
         inode.nlink += 1;
         inode.ctime = t;
         p.mtime = t;
@@ -520,7 +520,7 @@ impl WorkspaceFs {
             .lookup(parent, name)?
             .ok_or(FsError::NotFound)?;
         let dst = inner.store.read().lookup(newparent, newname)?;
-        let t = now();
+        let t = Nanos::now();
 
         if flags & RENAME_EXCHANGE != 0 {
             let dst = dst.ok_or(FsError::NotFound)?;

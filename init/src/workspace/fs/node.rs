@@ -49,7 +49,7 @@ use std::sync::Arc;
 
 use super::data::read_body;
 use super::group::Batch;
-use super::{now, Attr, Caller, FsError, FsResult, Inner, WorkspaceFs};
+use super::{Attr, Caller, FsError, FsResult, Inner, WorkspaceFs};
 use crate::chunk::{BodyPool, Fresh};
 use crate::meta::{Inode, InodeNo, Kind, Nanos, Storage};
 
@@ -446,7 +446,7 @@ impl WorkspaceFs {
         perm: u32,
         rdev: u32,
     ) -> Inode {
-        let t = now();
+        let t = Nanos::now();
         let (gid, perm) = if parent.perm & libc::S_ISGID != 0 {
             let perm = if kind == Kind::Dir {
                 perm | libc::S_ISGID

@@ -113,7 +113,10 @@ pub struct RollbackReport {
 }
 
 fn fetch_err(e: FetchError) -> FsError {
-    FsError::Fetch(e.to_string())
+    FsError::Fetch {
+        at: String::new(),
+        source: Box::new(e),
+    }
 }
 
 /// The state-dir key recording a committed rollback's bodies still to rename into place:

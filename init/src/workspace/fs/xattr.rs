@@ -3,11 +3,12 @@
 //! them, see `acl`), the privileges a file loses on chown or write (set-ID bits,
 //! `security.capability`), and `access(2)`.
 
+use crate::meta::Nanos;
 use std::sync::atomic::Ordering;
 
 use super::acl::{self, Acl};
 use super::group::Batch;
-use super::{now, Caller, FsError, FsResult, Inner, SetAttr, SetIdLoss, WorkspaceFs};
+use super::{Caller, FsError, FsResult, Inner, SetAttr, SetIdLoss, WorkspaceFs};
 use super::{XATTR_CREATE, XATTR_NAME_MAX, XATTR_REPLACE, XATTR_SIZE_MAX};
 use crate::meta::{Inode, InodeNo, Kind};
 use crate::sys;
@@ -133,7 +134,7 @@ impl WorkspaceFs {
         if others + (name.len() + value.len()) as u64 > XATTRS_PER_FILE_MAX {
             return Err(FsError::XattrsFull);
         }
-        inode.ctime = now();
+        inode.ctime = Nanos::now();
         self.track_inode(inner, ino);
         let mut tx = Batch::new(&inner.store)?;
         tx.set_xattr(ino, name, value)?;
@@ -190,7 +191,7 @@ impl WorkspaceFs {
         } else {
             tx.set_xattr(ino, acl::DEFAULT, &acl.encode())?;
         }
-        inode.ctime = now();
+        inode.ctime = Nanos::now();
         tx.save(&inner.nodes, &inode)?;
         tx.commit(&mut inner.nodes)?;
         inner.no_xattrs.remove(&ino);
@@ -367,7 +368,7 @@ impl WorkspaceFs {
             return Ok(false);
         }
         inode.perm = perm;
-        inode.ctime = now();
+        inode.ctime = Nanos::now();
         let mut tx = Batch::new(&inner.store)?;
         if cap {
             tx.remove_xattr(ino, CAPABILITY_XATTR)?;
@@ -404,7 +405,7 @@ impl WorkspaceFs {
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         let mut inode = Self::load(inner, ino)?;
-        inode.ctime = now();
+        inode.ctime = Nanos::now();
         self.track_inode(inner, ino);
         let mut tx = Batch::new(&inner.store)?;
         if !tx.remove_xattr(ino, name)? {

@@ -30,7 +30,7 @@ const LOOSE_BITS: u32 = 0o7077;
 /// (and the one being built). Walks leave them alone, and a state dir that holds one is
 /// searchable by everyone (0711: the sandbox user reaches its workspace through it, but
 /// lists nothing, and every other entry stays 0700/0600).
-pub const SHARED: &[&str] = &["workspace", "workspace.new"];
+pub const SHARED: &[&str] = &[super::TREE, super::TREE_NEW];
 
 /// Bits the root of `root` may have beyond 0700: search for group and others when it holds
 /// the `dir` provider's tree.
@@ -269,6 +269,7 @@ fn walk(root: &Path, dev: u64, f: &mut dyn FnMut(&Path, &Metadata)) -> io::Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::{BODIES, LEASE_HOLDER, LOCK, META_DB};
 
     fn mode(p: &Path) -> u32 {
         std::fs::symlink_metadata(p).unwrap().mode() & 0o7777
@@ -280,15 +281,15 @@ mod tests {
 
     /// A tree as an older keel left it under umask 022.
     fn loose_tree(root: &Path) {
-        std::fs::create_dir_all(root.join("bodies/0a")).unwrap();
-        std::fs::write(root.join("meta.db"), b"x").unwrap();
-        std::fs::write(root.join("bodies/0a/10a"), b"y").unwrap();
+        std::fs::create_dir_all(root.join(BODIES).join("0a")).unwrap();
+        std::fs::write(root.join(META_DB), b"x").unwrap();
+        std::fs::write(root.join(BODIES).join("0a/10a"), b"y").unwrap();
         std::fs::write(root.join("private"), b"z").unwrap();
         chmod(root, 0o755);
-        chmod(&root.join("bodies"), 0o755);
-        chmod(&root.join("bodies/0a"), 0o777);
-        chmod(&root.join("meta.db"), 0o644);
-        chmod(&root.join("bodies/0a/10a"), 0o4666);
+        chmod(&root.join(BODIES), 0o755);
+        chmod(&root.join(BODIES).join("0a"), 0o777);
+        chmod(&root.join(META_DB), 0o644);
+        chmod(&root.join(BODIES).join("0a/10a"), 0o4666);
         chmod(&root.join("private"), 0o600);
     }
 
@@ -308,23 +309,23 @@ mod tests {
         assert_eq!(t.changed, 5, "{t:?}");
         assert_eq!(t.failed, 0);
         assert_eq!(mode(&root), 0o700);
-        assert_eq!(mode(&root.join("bodies")), 0o700);
-        assert_eq!(mode(&root.join("bodies/0a")), 0o700);
-        assert_eq!(mode(&root.join("meta.db")), 0o600);
-        assert_eq!(mode(&root.join("bodies/0a/10a")), 0o600);
+        assert_eq!(mode(&root.join(BODIES)), 0o700);
+        assert_eq!(mode(&root.join(BODIES).join("0a")), 0o700);
+        assert_eq!(mode(&root.join(META_DB)), 0o600);
+        assert_eq!(mode(&root.join(BODIES).join("0a/10a")), 0o600);
         assert_eq!(mode(&root.join("private")), 0o600);
         assert_eq!(mode(&outside), 0o644, "followed a symlink");
         assert!(loose_paths(&root).unwrap().is_empty());
 
         // A private root is not walked: a loose file below it stays (fsck finds it).
-        chmod(&root.join("meta.db"), 0o644);
+        chmod(&root.join(META_DB), 0o644);
         assert_eq!(secure_dir(&root, "state dir").unwrap(), None);
-        assert_eq!(mode(&root.join("meta.db")), 0o644);
+        assert_eq!(mode(&root.join(META_DB)), 0o644);
         let l = loose_paths(&root).unwrap();
         assert_eq!(
             l,
             vec![Loose {
-                path: root.join("meta.db"),
+                path: root.join(META_DB),
                 mode: 0o644,
                 is_dir: false
             }]
@@ -348,21 +349,21 @@ mod tests {
     fn only_keels_own_dirs_look_like_keels() {
         let d = tempfile::tempdir().unwrap();
         let dir = d.path();
-        let ours = |dir: &Path| looks_like_keels(dir, &["meta.db"], &["lock", ".tmp.*"]);
+        let ours = |dir: &Path| looks_like_keels(dir, &[META_DB], &[LOCK, ".tmp.*"]);
         assert!(ours(dir).unwrap(), "an empty dir");
-        std::fs::write(dir.join("lock"), b"").unwrap();
+        std::fs::write(dir.join(LOCK), b"").unwrap();
         std::fs::write(dir.join(".tmp.12.0"), b"").unwrap();
         assert!(ours(dir).unwrap(), "only fresh names");
         std::fs::write(dir.join(".bashrc"), b"").unwrap();
         assert!(!ours(dir).unwrap(), "someone else's file");
-        std::fs::write(dir.join("meta.db"), b"").unwrap();
+        std::fs::write(dir.join(META_DB), b"").unwrap();
         assert!(ours(dir).unwrap(), "the marker");
     }
 
     #[test]
     fn write_makes_an_existing_loose_file_private() {
         let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("lease.holder");
+        let p = d.path().join(LEASE_HOLDER);
         std::fs::write(&p, b"old old old").unwrap();
         chmod(&p, 0o666);
         write(&p, b"new").unwrap();
