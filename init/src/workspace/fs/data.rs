@@ -202,9 +202,14 @@ impl WorkspaceFs {
         {
             let of = node.open.as_mut().expect("loaded");
             let mut known = None;
-            if flags & libc::O_ACCMODE != libc::O_RDONLY && matches!(of.data, Data::Inline(_)) {
-                known = self.to_body(of)?;
-                of.pt_body = true;
+            if flags & libc::O_ACCMODE != libc::O_RDONLY {
+                if matches!(of.data, Data::Inline(_)) {
+                    known = self.to_body(of)?;
+                    of.pt_body = true;
+                }
+                // A reader of a file with no body reads zeros through keel; a writer
+                // passed through needs the body now.
+                self.materialize(of)?;
             }
             if let Data::Body(f) = &of.data {
                 // A readable handle can be mapped, and a mapping outlives the file: this
@@ -326,6 +331,10 @@ impl WorkspaceFs {
                     self.record_read(ino, offset, n as u64, of.inode.size);
                     (f.clone(), n)
                 }
+                Data::Holes => {
+                    buf.resize(n, 0);
+                    return Ok(());
+                }
             }
         };
         let (f, n) = body;
@@ -369,8 +378,10 @@ impl WorkspaceFs {
         if end > inline_max {
             self.to_body(of)?;
         }
+        self.materialize(of)?;
         let target = match &mut of.data {
             Data::Body(f) => Some(f.clone()),
+            Data::Holes => unreachable!("materialized above"),
             Data::Inline(v) => {
                 if let Some(data) = data {
                     if (v.len() as u64) < end {
@@ -550,6 +561,9 @@ impl WorkspaceFs {
             self.track_inode(inner, ino);
         }
         let of = self.file_of(inner, ino)?;
+        if mode & PUNCH == 0 {
+            self.materialize(of)?;
+        }
         let grows = mode & KEEP_SIZE == 0 && end > of.inode.size;
         if grows {
             self.resize(of, end)?;
@@ -568,6 +582,8 @@ impl WorkspaceFs {
                         zero_fill(f, offset, zero_end)?;
                     }
                 }
+                // A hole punched into a file of holes (it was not materialized).
+                Data::Holes => {}
             }
         } else if mode & (PUNCH | ZERO) == 0 {
             if let Data::Body(f) = &of.data {
@@ -644,6 +660,8 @@ impl WorkspaceFs {
         let of = self.file_of(inner, ino)?;
         match &of.data {
             Data::Inline(_) => Ok(if data { offset } else { size }),
+            Data::Holes if data => Err(FsError::NoData),
+            Data::Holes => Ok(offset),
             Data::Body(f) => match sys::file::seek_data_hole(f, offset, data) {
                 Ok(o) => Ok(o.min(size)),
                 Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
@@ -713,7 +731,7 @@ impl WorkspaceFs {
             let inner: &mut Inner = &mut guard;
             match &self.file_of(inner, ino_in)?.data {
                 Data::Body(f) => f.clone(),
-                Data::Inline(_) => return Ok(None),
+                Data::Inline(_) | Data::Holes => return Ok(None),
             }
         };
         let claim = self.lazy_prepare_write(ino_out, off_out, end)?;
