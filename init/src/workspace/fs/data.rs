@@ -178,7 +178,9 @@ impl WorkspaceFs {
         if flags & libc::O_ACCMODE != libc::O_RDONLY {
             self.track_inode(inner, ino);
         }
-        if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
+        // Not a file this open created: nothing to truncate, and its times must stay those
+        // the create replied with (the write-back cache keeps the kernel's).
+        if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY && !fresh {
             self.sync_from_body(inner, ino)?;
             self.lazy_drop_from(inner, ino, 0)?;
             let t = now();
