@@ -55,11 +55,25 @@ impl BodyStore {
 
     /// Opens a body for reading and writing, creating an empty one when absent.
     pub fn open_rw(&self, id: u64) -> io::Result<File> {
+        self.open_with(id, true)
+    }
+
+    /// Opens a body for reading and writing if it exists; `None` when it does not (a
+    /// lazily restored all-zero file has none until something is written to it).
+    pub fn open_existing(&self, id: u64) -> io::Result<Option<File>> {
+        match self.open_with(id, false) {
+            Ok(f) => Ok(Some(f)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn open_with(&self, id: u64, create: bool) -> io::Result<File> {
         let open = |flags: i32| {
             OpenOptions::new()
                 .read(true)
                 .write(true)
-                .create(true)
+                .create(create)
                 .truncate(false)
                 .mode(0o600)
                 .custom_flags(flags)

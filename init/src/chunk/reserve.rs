@@ -64,6 +64,14 @@ impl Reserve {
         }
     }
 
+    /// Whether the reserve holds its space now.
+    pub fn held(&self) -> bool {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
     /// Frees the reserved space; returns whether there was any to free.
     pub fn release(&self) -> bool {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());

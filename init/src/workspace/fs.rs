@@ -640,7 +640,18 @@ impl WorkspaceFs {
     /// caller with writes of its own to make before [`WorkspaceFs::fold`].
     pub fn shutdown_unfolded(&self) -> FsResult<()> {
         self.close_fetchers();
-        self.sync_all()?;
+        // On a volume the sandbox filled these commits may need the reserves (the running
+        // one may be gone already; the boot one is retaken at the next start).
+        let reserve = || self.reserve.release() || self.boot_reserve.release();
+        self.settle_windows(None)?;
+        loop {
+            match self.sync_all_once() {
+                Err(e) if e.errno() == libc::ENOSPC && reserve() => {
+                    tracing::warn!(error = %e, "state volume is full: using the space reserve to save open files");
+                }
+                r => break r?,
+            }
+        }
         // No new pool files from here on.
         self.pool.stop_filler();
         join_thread(&self.filler);
@@ -649,9 +660,6 @@ impl WorkspaceFs {
         join_thread(&self.discarder);
         let mut guard = self.lock();
         let chunk = self.opts.chunk_size;
-        // On a volume the sandbox filled these commits may need the reserves (the running
-        // one may be gone already; the boot one is retaken at the next start).
-        let reserve = || self.reserve.release() || self.boot_reserve.release();
         loop {
             match guard.commit_group(chunk) {
                 Err(e) if e.is_full() && reserve() => {

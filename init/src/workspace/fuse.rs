@@ -133,6 +133,27 @@ impl FuseAdapter {
         }
     }
 
+    /// Tells the kernel to drop its cached pages of `ino` in `[offset, offset + len)`, from
+    /// another thread: the kernel waits for the write-back of those pages to end, and a
+    /// write-back may need this thread to serve it.
+    fn drop_cached_pages(&self, ino: u64, offset: u64, len: usize) {
+        let Some(n) = self.notifier.get().cloned() else {
+            return;
+        };
+        let spawned = std::thread::Builder::new()
+            .name("keel-inval".into())
+            .spawn(
+                move || match n.inval_inode(INodeNo(ino), offset as i64, len as i64) {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                    Err(e) => tracing::debug!(ino, error = %e, "cannot drop cached pages"),
+                },
+            );
+        if let Err(e) = spawned {
+            tracing::warn!(ino, error = %e, "cannot drop the cached pages of a failed write");
+        }
+    }
+
     /// The counters of requests served, for status and benchmarks.
     pub fn requests(&self) -> Arc<RequestCounters> {
         self.requests.clone()
@@ -697,7 +718,16 @@ impl Filesystem for FuseAdapter {
                 fuse_metrics::write_bytes(n as usize);
                 reply.written(n)
             }
-            Err(e) => reply.error(errno(&e)),
+            Err(e) => {
+                reply.error(errno(&e));
+                // A write-back of cached pages that found no room (ENOSPC on a full state
+                // volume): the kernel reports it at the next fsync, but keeps the pages,
+                // clean, so reads would go on showing bytes the store does not have (and
+                // that are gone at the next start).
+                if write_flags.contains(WriteFlags::FUSE_WRITE_CACHE) {
+                    self.drop_cached_pages(i.0, offset, data.len());
+                }
+            }
         }
     }
 

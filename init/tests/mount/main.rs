@@ -10,6 +10,7 @@ mod support;
 mod acl;
 mod basic;
 mod cold;
+mod full_volume;
 mod handles;
 mod lazy;
 mod mmap;

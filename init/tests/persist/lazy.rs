@@ -47,8 +47,12 @@ fn b_bytes() -> Vec<u8> {
     noise(12, 7 * CHUNK as usize + 1234)
 }
 
+/// Size of `lz/holes`.
+const HOLES: u64 = 6 * CHUNK + 9;
+
 /// The rich tree plus multi-window files: `lz/a` (10 windows), `lz/b` (8, the last
-/// short), `lz/c` (sparse: data in windows 3 and 9 only).
+/// short), `lz/c` (sparse: data in windows 3 and 9 only), `lz/holes` (no data at all: a
+/// lazy restore leaves it without a body).
 fn build(fs: &WorkspaceFs) {
     build_rich_tree(fs);
     mkdir(fs, "lz");
@@ -57,6 +61,15 @@ fn build(fs: &WorkspaceFs) {
     let c = write_file(fs, "lz/c", b"");
     write_at(fs, c, 3 * CHUNK + 5, b"xyz");
     write_at(fs, c, 9 * CHUNK, b"tail");
+    let h = write_file(fs, "lz/holes", b"");
+    fs.setattr(
+        h,
+        &SetAttr {
+            size: Some(HOLES),
+            ..Default::default()
+        },
+    )
+    .unwrap();
 }
 
 struct Lazy {
@@ -246,6 +259,52 @@ fn lazy_restore_fetches_on_demand_s3() {
     let cfg = support::s3::s3_config(port);
     let repo = keel::persist::open_remote("s3://keel", &cfg).unwrap();
     on_demand(repo.remote.clone());
+}
+
+/// A lazily restored file of holes only has no body, and reading it needs none: its open,
+/// reads, SEEK_DATA and SEEK_HOLE, stat and close make nothing on the state volume (the
+/// read-only open created the body, which fails with ENOSPC on a full volume and EROFS on a
+/// read-only one). Its first write makes the body; the bytes read back, and a checkpoint
+/// and an eager restore keep them.
+#[test]
+fn reading_a_lazily_restored_file_of_holes_creates_no_body() {
+    let l = Lazy::new(Arc::new(MemRemote::new()));
+    let fs = l.open();
+    let h = resolve(&fs, "lz/holes");
+    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join("bodies")).unwrap();
+    assert_eq!(bodies.stat(h.0).unwrap(), None, "the restore made a body");
+    let g = l.n();
+
+    let (fh, _) = fs.open(h, libc::O_RDONLY).unwrap();
+    assert_eq!(read(&fs, h, 0, HOLES + 100), vec![0u8; HOLES as usize]);
+    assert_eq!(read(&fs, h, 2 * CHUNK + 3, 10), vec![0u8; 10]);
+    assert_eq!(
+        fs.seek(h, 0, true).err().map(|e| e.errno()),
+        Some(libc::ENXIO)
+    );
+    assert_eq!(fs.seek(h, 5, false).unwrap(), 5);
+    let a = fs.getattr(h).unwrap();
+    assert_eq!((a.inode.size, a.blocks), (HOLES, 0));
+    fs.release(fh).unwrap();
+    assert_eq!(read_all(&fs, h).unwrap(), vec![0u8; HOLES as usize]);
+    assert_eq!(bodies.stat(h.0).unwrap(), None, "reading made a body");
+    assert_eq!(l.n(), g, "reading a file of holes fetched chunks");
+
+    // The first write makes the body, sparse but for what it wrote.
+    write_at(&fs, h, CHUNK + 1, b"x");
+    let mut want = vec![0u8; HOLES as usize];
+    want[CHUNK as usize + 1] = b'x';
+    assert_eq!(read_all(&fs, h).unwrap(), want);
+    let (len, _) = bodies.stat(h.0).unwrap().expect("the write made a body");
+    assert_eq!(len, HOLES);
+    fs.sync_all().unwrap();
+    let mut p = persister_loose(l.dst.path(), l.remote.clone());
+    checkpoint(&mut p);
+    drop(p);
+    drop(fs);
+    let (d, _) = eager_dump(l.remote.clone());
+    let eager = open_fs(d.path());
+    assert_eq!(read_all(&eager, resolve(&eager, "lz/holes")).unwrap(), want);
 }
 
 #[test]

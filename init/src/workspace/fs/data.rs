@@ -29,14 +29,15 @@ pub(super) fn write_end(offset: u64, len: u64) -> FsResult<u64> {
 
 /// Copies bytes `[off_in, off_in + len)` of body `src` to `off_out` in body `dst`, inside
 /// the kernel where it can (`copy_file_range(2)`), else through a buffer. Past the end of
-/// `src` (a body shorter than its file) the bytes are zeros, as `read` serves them.
+/// `src` (a body shorter than its file) the bytes are zeros, as `read` serves them. On an
+/// error, also how many bytes were copied before it (as `write_body`).
 pub(super) fn copy_body_range(
     src: &File,
     off_in: u64,
     dst: &File,
     off_out: u64,
     len: u64,
-) -> io::Result<()> {
+) -> Result<(), (u64, io::Error)> {
     pub(super) const PIECE: u64 = 1 << 20;
     let mut done = 0u64;
     let mut in_kernel = true;
@@ -51,12 +52,12 @@ pub(super) fn copy_body_range(
                     in_kernel = false;
                     continue;
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err((done, e)),
             }
         } else {
             buf.resize((len - done).min(PIECE) as usize, 0);
-            let n = src.read_at(&mut buf, at_in)?;
-            dst.write_all_at(&buf[..n], at_out)?;
+            let n = src.read_at(&mut buf, at_in).map_err(|e| (done, e))?;
+            write_body(dst, &buf[..n], at_out).map_err(|(k, e)| (done + k as u64, e))?;
             n as u64
         };
         if n == 0 {
@@ -67,7 +68,7 @@ pub(super) fn copy_body_range(
     let zeros = vec![0u8; (len - done).min(PIECE) as usize];
     while done < len {
         let n = (len - done).min(PIECE) as usize;
-        dst.write_all_at(&zeros[..n], off_out + done)?;
+        write_body(dst, &zeros[..n], off_out + done).map_err(|(k, e)| (done + k as u64, e))?;
         done += n as u64;
     }
     Ok(())
@@ -90,6 +91,21 @@ pub(super) fn read_body(f: &File, buf: &mut [u8], offset: u64) -> io::Result<()>
         match f.read_at(&mut buf[done..], offset + done as u64)? {
             0 => break,
             n => done += n,
+        }
+    }
+    Ok(())
+}
+
+/// Writes `data` at `offset` of body `f`; on an error, also how many bytes went in before
+/// it (a full volume can take the first part of a write).
+pub(super) fn write_body(f: &File, data: &[u8], offset: u64) -> Result<(), (usize, io::Error)> {
+    let mut done = 0;
+    while done < data.len() {
+        match f.write_at(&data[done..], offset + done as u64) {
+            Ok(0) => return Err((done, io::Error::from(io::ErrorKind::WriteZero))),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err((done, e)),
         }
     }
     Ok(())
@@ -163,7 +179,9 @@ impl WorkspaceFs {
         if flags & libc::O_ACCMODE != libc::O_RDONLY {
             self.track_inode(inner, ino);
         }
-        if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY {
+        // Not a file this open created: nothing to truncate, and its times must stay those
+        // the create replied with (the write-back cache keeps the kernel's).
+        if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY && !fresh {
             self.sync_from_body(inner, ino)?;
             self.lazy_drop_from(inner, ino, 0)?;
             let t = Nanos::now();
@@ -203,9 +221,14 @@ impl WorkspaceFs {
         {
             let of = node.open.as_mut().expect("loaded");
             let mut known = None;
-            if flags & libc::O_ACCMODE != libc::O_RDONLY && matches!(of.data, Data::Inline(_)) {
-                known = self.to_body(of)?;
-                of.pt_body = true;
+            if flags & libc::O_ACCMODE != libc::O_RDONLY {
+                if matches!(of.data, Data::Inline(_)) {
+                    known = self.to_body(of)?;
+                    of.pt_body = true;
+                }
+                // A reader of a file with no body reads zeros through keel; a writer
+                // passed through needs the body now.
+                self.materialize(of)?;
             }
             if let Data::Body(f) = &of.data {
                 // A readable handle can be mapped, and a mapping outlives the file: this
@@ -327,6 +350,10 @@ impl WorkspaceFs {
                     self.record_read(ino, offset, n as u64, of.inode.size);
                     (f.clone(), n)
                 }
+                Data::Holes => {
+                    buf.resize(n, 0);
+                    return Ok(());
+                }
             }
         };
         let (f, n) = body;
@@ -339,11 +366,23 @@ impl WorkspaceFs {
         if data.is_empty() {
             return Ok(0);
         }
+        let room = self.room_for_data(data.len() as u64)?;
+        let data = &data[..room as usize];
         let end = write_end(offset, data.len() as u64)?;
         let claim = self.lazy_prepare_write(ino, offset, end)?;
         if let Some(f) = self.write_target(ino, offset, end, Some(data))? {
-            f.write_all_at(data, offset)?;
-            self.finish_write(ino, claim, &f, offset, end)?;
+            match write_body(&f, data, offset) {
+                Ok(()) => self.finish_write(ino, claim, &f, offset, end)?,
+                // The volume had room for only part of it. What went in changed the file
+                // and must be in the next checkpoint: it is recorded, and the caller gets
+                // a short write, as from ext4 (its next write finds no room: ENOSPC). Not
+                // over windows still to fetch (`claim`): a fetch overwrites them whole.
+                Err((n, _)) if n > 0 && claim.is_none() => {
+                    self.finish_write(ino, None, &f, offset, offset + n as u64)?;
+                    return Ok(n as u32);
+                }
+                Err((_, e)) => return Err(e.into()),
+            }
         }
         Ok(data.len() as u32)
     }
@@ -370,8 +409,10 @@ impl WorkspaceFs {
         if end > inline_max {
             self.to_body(of)?;
         }
+        self.materialize(of)?;
         let target = match &mut of.data {
             Data::Body(f) => Some(f.clone()),
+            Data::Holes => unreachable!("materialized above"),
             Data::Inline(v) => {
                 if let Some(data) = data {
                     if (v.len() as u64) < end {
@@ -551,6 +592,9 @@ impl WorkspaceFs {
             self.track_inode(inner, ino);
         }
         let of = self.file_of(inner, ino)?;
+        if mode & PUNCH == 0 {
+            self.materialize(of)?;
+        }
         let grows = mode & KEEP_SIZE == 0 && end > of.inode.size;
         if grows {
             self.resize(of, end)?;
@@ -569,6 +613,8 @@ impl WorkspaceFs {
                         zero_fill(f, offset, zero_end)?;
                     }
                 }
+                // A hole punched into a file of holes (it was not materialized).
+                Data::Holes => {}
             }
         } else if mode & (PUNCH | ZERO) == 0 {
             if let Data::Body(f) = &of.data {
@@ -606,6 +652,9 @@ impl WorkspaceFs {
     /// (other writers) then fails alone, and the next operations find the volume full and
     /// commit one by one, with the metadata reserve.
     fn room_for_allocation(&self, inner: &mut Inner, len: u64) -> FsResult<()> {
+        if self.room_for_data(len)? < len {
+            return Err(FsError::NoSpace);
+        }
         if let Ok(s) = sys::file::statvfs(&self.state_dir) {
             if len > s.blocks_avail.saturating_mul(s.fragment_size) {
                 return Err(FsError::NoSpace);
@@ -615,6 +664,31 @@ impl WorkspaceFs {
         // The next operation looks at the free space again (and stops grouping if low).
         inner.space_checked = None;
         Ok(())
+    }
+
+    /// Before keel writes file bytes (a write, a copy, a preallocation): once the metadata
+    /// reserve was given back on a full volume (`freeing`), what it held is kept for the
+    /// commits of deletes, which are what make room again. Spent on data, a sandbox that
+    /// keeps writing would leave no room to delete anything, and every later delete would
+    /// fail with ENOSPC. So while the reserve is not held (and cannot be taken back), a
+    /// write of `len` bytes gets what is free beyond what it held (a short write), or
+    /// ENOSPC when nothing is. Returns how many bytes may be written. Writes through
+    /// passthrough handles are the kernel's, which keel cannot hold back.
+    fn room_for_data(&self, len: u64) -> FsResult<u64> {
+        if self.reserve.held() {
+            return Ok(len);
+        }
+        self.reserve.refill_if_room();
+        if self.reserve.held() {
+            return Ok(len);
+        }
+        let Some(v) = super::VolumeUsage::of(&self.state_dir) else {
+            return Ok(len);
+        };
+        match v.avail.saturating_sub(super::RESERVE_BYTES) {
+            0 if len > 0 => Err(FsError::NoSpace),
+            beyond => Ok(len.min(beyond)),
+        }
     }
 
     /// `lseek(2)` as far as the filesystem sees it: only SEEK_DATA and SEEK_HOLE reach it
@@ -645,6 +719,8 @@ impl WorkspaceFs {
         let of = self.file_of(inner, ino)?;
         match &of.data {
             Data::Inline(_) => Ok(if data { offset } else { size }),
+            Data::Holes if data => Err(FsError::NoData),
+            Data::Holes => Ok(offset),
             Data::Body(f) => match sys::file::seek_data_hole(f, offset, data) {
                 Ok(o) => Ok(o.min(size)),
                 Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
@@ -704,6 +780,7 @@ impl WorkspaceFs {
         off_out: u64,
         len: u64,
     ) -> FsResult<Option<u64>> {
+        let len = self.room_for_data(len)?;
         let end = write_end(off_out, len)?;
         if end <= self.opts.inline_max {
             return Ok(None);
@@ -714,15 +791,22 @@ impl WorkspaceFs {
             let inner: &mut Inner = &mut guard;
             match &self.file_of(inner, ino_in)?.data {
                 Data::Body(f) => f.clone(),
-                Data::Inline(_) => return Ok(None),
+                Data::Inline(_) | Data::Holes => return Ok(None),
             }
         };
         let claim = self.lazy_prepare_write(ino_out, off_out, end)?;
         let Some(dst) = self.write_target(ino_out, off_out, end, None)? else {
             return Ok(None);
         };
-        copy_body_range(&src, off_in, &dst, off_out, len)?;
-        self.finish_write(ino_out, claim, &dst, off_out, end)?;
+        match copy_body_range(&src, off_in, &dst, off_out, len) {
+            Ok(()) => self.finish_write(ino_out, claim, &dst, off_out, end)?,
+            // Part of it went in before the volume filled: recorded, a short copy (`write`).
+            Err((n, _)) if n > 0 && claim.is_none() => {
+                self.finish_write(ino_out, None, &dst, off_out, off_out + n)?;
+                return Ok(Some(n));
+            }
+            Err((_, e)) => return Err(e.into()),
+        }
         Ok(Some(len))
     }
 }

@@ -234,11 +234,7 @@ impl WorkspaceFs {
             }
         }
         let size = Self::load(inner, ino)?.size;
-        let f = self.bodies.open_rw(ino.0)?;
-        if f.metadata()?.len() < size {
-            f.set_len(size)?;
-        }
-        Ok(Arc::new(f))
+        Ok(Arc::new(self.sparse_body(ino, size)?))
     }
 
     /// Does this file still have windows to fetch or settle? (Called with the lock held.)

@@ -108,7 +108,19 @@ impl WorkspaceFs {
     }
 
     pub fn setattr(&self, ino: InodeNo, set: &SetAttr) -> FsResult<Attr> {
-        self.freeing(|| self.setattr_once(ino, set))
+        // Only a truncate that shrinks the file makes room, so only it may take the metadata
+        // reserve (`freeing`). A chmod, utimens or truncate up on a full volume gets ENOSPC
+        // and leaves the reserve to the deletes that free the volume: spent on anything
+        // else, its room goes to the next data write and the delete has none.
+        let shrinks = match set.size {
+            Some(size) => self.getattr(ino)?.inode.size > size,
+            None => false,
+        };
+        if shrinks {
+            self.freeing(|| self.setattr_once(ino, set))
+        } else {
+            self.setattr_once(ino, set)
+        }
     }
 
     pub(super) fn setattr_once(&self, ino: InodeNo, set: &SetAttr) -> FsResult<Attr> {
@@ -490,7 +502,18 @@ impl WorkspaceFs {
         newname: &[u8],
         flags: u32,
     ) -> FsResult<()> {
-        self.freeing(|| self.rename_once(parent, name, newparent, newname, flags))
+        // A rename over another file deletes it and may take the metadata reserve; any other
+        // rename leaves it to the deletes (see `setattr`).
+        let replaces = flags & RENAME_EXCHANGE == 0
+            && matches!(
+                self.lock().store.read().lookup(newparent, newname),
+                Ok(Some(_))
+            );
+        if replaces {
+            self.freeing(|| self.rename_once(parent, name, newparent, newname, flags))
+        } else {
+            self.rename_once(parent, name, newparent, newname, flags)
+        }
     }
 
     pub(super) fn rename_once(

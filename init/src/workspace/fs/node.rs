@@ -57,6 +57,11 @@ use crate::meta::{Inode, InodeNo, Kind, Nanos, Storage};
 pub(super) enum Data {
     Inline(Vec<u8>),
     Body(Arc<File>),
+    /// A body the store names but that does not exist: every byte up to the size is zero.
+    /// A lazy restore leaves an all-zero file so, and reading or opening it must not need
+    /// room on the state volume (which may be full, or read-only). `materialize` creates
+    /// the body when something is about to change the file.
+    Holes,
 }
 
 /// State of a regular file while it is open (or being changed by a data operation).
@@ -377,7 +382,7 @@ impl WorkspaceFs {
             .and_then(|n| n.open.as_ref())
             .and_then(|of| match &of.data {
                 Data::Body(f) => Some(f.clone()),
-                Data::Inline(_) => None,
+                Data::Inline(_) | Data::Holes => None,
             });
         let mut a = self.attr(inode, body.as_deref())?;
         a.volatile = Self::volatile(inner, ino);
@@ -488,15 +493,22 @@ impl WorkspaceFs {
         }
         let data = match inode.storage {
             Storage::Inline => Data::Inline(inner.store.read().inline_data(ino)?),
-            Storage::Body => {
-                let f = self.bodies.open_rw(ino.0)?;
-                // The body may disagree with the committed size after a crash: the store
-                // is the truth (bytes past it were never acknowledged).
-                if f.metadata()?.len() != inode.size {
-                    f.set_len(inode.size)?;
+            Storage::Body => match self.bodies.open_existing(ino.0)? {
+                Some(f) => {
+                    // The body may disagree with the committed size after a crash: the
+                    // store is the truth (bytes past it were never acknowledged).
+                    if f.metadata()?.len() != inode.size {
+                        f.set_len(inode.size)?;
+                    }
+                    Data::Body(Arc::new(f))
                 }
-                Data::Body(Arc::new(f))
-            }
+                // Windows still to fetch land in a body: it is made now, as the fetches
+                // that follow expect.
+                None if self.lazy_incomplete(inner, ino, inode.size)? => {
+                    Data::Body(Arc::new(self.sparse_body(ino, inode.size)?))
+                }
+                None => Data::Holes,
+            },
         };
         let mut data = data;
         if let Data::Inline(v) = &mut data {
@@ -686,14 +698,35 @@ impl WorkspaceFs {
         Ok(stamp)
     }
 
+    /// Holes → Body: creates the body of a file that has none (`Data::Holes`), sparse at its
+    /// size, before a change to the file that needs it: a write, a truncate, a preallocation
+    /// or a writable passthrough open. Nothing for a file that has its bytes.
+    pub(super) fn materialize(&self, of: &mut OpenFile) -> FsResult<()> {
+        if let Data::Holes = of.data {
+            of.data = Data::Body(Arc::new(self.sparse_body(of.inode.ino, of.inode.size)?));
+        }
+        Ok(())
+    }
+
+    /// The body of `ino`, created empty if absent, at `size` (a hole where it grew).
+    pub(super) fn sparse_body(&self, ino: InodeNo, size: u64) -> FsResult<File> {
+        let f = self.bodies.open_rw(ino.0)?;
+        if f.metadata()?.len() < size {
+            f.set_len(size)?;
+        }
+        Ok(f)
+    }
+
     /// Sets the size of an open file's bytes (Inline → Body past `inline_max`, `to_body`).
     pub(super) fn resize(&self, of: &mut OpenFile, size: u64) -> FsResult<()> {
         if size > self.opts.inline_max {
             self.to_body(of)?;
         }
+        self.materialize(of)?;
         match &mut of.data {
             Data::Inline(v) => v.resize(size as usize, 0),
             Data::Body(f) => f.set_len(size)?,
+            Data::Holes => unreachable!("materialized above"),
         }
         let (lo, hi) = (of.inode.size.min(size), of.inode.size.max(size));
         of.touch(lo, hi, self.opts.chunk_size);

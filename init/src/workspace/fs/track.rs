@@ -125,10 +125,11 @@ impl Trackers {
     }
 }
 
-/// The chunk ids of body `f` of a file of `size` bytes: the checkpoint's map for windows
-/// not written since (`clean`), the hash of the bytes for the others.
+/// The chunk ids of body `f` (none: every byte is zero) of a file of `size` bytes: the
+/// checkpoint's map for windows not written since (`clean`), the hash of the bytes for the
+/// others.
 fn body_ids(
-    f: &File,
+    f: Option<&File>,
     size: u64,
     chunk: u64,
     clean: &HashMap<u64, Option<ChunkId>>,
@@ -148,7 +149,8 @@ fn body_ids(
         buf.clear();
         buf.resize((r.end - r.start) as usize, 0);
         let mut got = 0;
-        while got < buf.len() {
+        // No body at all: every window reads as zeros (`Data::Holes`).
+        while let Some(f) = f.filter(|_| got < buf.len()) {
             match f.read_at(&mut buf[got..], r.start + got as u64) {
                 // A shorter body: the rest reads as zeros (a sparse tail).
                 Ok(0) => break,
@@ -302,14 +304,14 @@ impl WorkspaceFs {
                     (Some(Data::Body(f)), _) => {
                         let dirty = self.dirty_windows(inner, ino)?;
                         let clean = self.clean_windows(inner, ino)?;
-                        Content::Chunks(body_ids(f, inode.size, chunk, &clean, &dirty)?)
+                        Content::Chunks(body_ids(Some(f), inode.size, chunk, &clean, &dirty)?)
                     }
                     (None, Storage::Body) if inode.size == 0 => Content::Chunks(Vec::new()),
-                    (None, Storage::Body) => {
+                    (Some(Data::Holes), _) | (None, Storage::Body) => {
                         let dirty = self.dirty_windows(inner, ino)?;
                         let clean = self.clean_windows(inner, ino)?;
-                        let f = self.bodies.open_rw(ino.0)?;
-                        Content::Chunks(body_ids(&f, inode.size, chunk, &clean, &dirty)?)
+                        let f = self.bodies.open_existing(ino.0)?;
+                        Content::Chunks(body_ids(f.as_ref(), inode.size, chunk, &clean, &dirty)?)
                     }
                 }
             }
