@@ -324,6 +324,43 @@ mod tests {
     }
 
     #[test]
+    fn a_long_stream_keeps_only_its_last_window_in_the_page_cache() {
+        use crate::sys::file::read_cached;
+        let d = tempfile::tempdir().unwrap();
+        let fs = nix::sys::statfs::statfs(d.path()).unwrap();
+        if fs.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC {
+            eprintln!("skipped: a tmpfs file lives in the page cache");
+            return;
+        }
+        let o = Output::create(&d.path().join("out"), 1 << 30);
+        let mib: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+        for _ in 0..128 {
+            o.append(&mib).unwrap();
+        }
+        let f = o.file_for_read().unwrap();
+        let mut page = [0u8; 4096];
+        let not_cached = |at: u64, page: &mut [u8]| matches!(read_cached(f, page, at), Err(e) if e.raw_os_error() == Some(libc::EAGAIN));
+        // The writer wrote its first steps out and dropped them; the last ones are cached.
+        assert!(
+            not_cached(0, &mut page),
+            "the stream's first page is still cached"
+        );
+        assert_eq!(read_cached(f, &mut page, (128 << 20) - 4096).unwrap(), 4096);
+        // A reader far behind reads them from the disk, exactly, and drops them again.
+        let mut buf = vec![0u8; 8 << 20];
+        assert_eq!(o.read(0, &mut buf).unwrap(), Chunk::Data(8 << 20));
+        assert!(buf.chunks(1 << 20).all(|c| c == &mib[..]));
+        assert!(
+            not_cached(0, &mut page),
+            "a reader left the first page cached"
+        );
+        assert!(
+            not_cached(4 << 20, &mut page),
+            "a reader left its second step cached"
+        );
+    }
+
+    #[test]
     fn head_and_tail_are_kept_and_the_gap_is_marked() {
         let d = tempfile::tempdir().unwrap();
         // 25 bytes of head, 75 of tail.

@@ -141,6 +141,25 @@ pub fn drop_cached(f: &File, offset: u64, len: u64) -> io::Result<()> {
     .map_err(io_err)
 }
 
+/// Reads what the page cache holds of `f` from `offset` into `buf`, never the disk
+/// (preadv2 with RWF_NOWAIT): EAGAIN when the page at `offset` is not cached. For tests of
+/// what keel leaves in the cache.
+#[cfg(test)]
+pub fn read_cached(f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: the one iovec points at `buf`, writable for its whole length for the whole
+    // call, and `f` keeps the descriptor open.
+    let n = unsafe { libc::preadv2(f.as_raw_fd(), &iov, 1, off_t(offset)?, libc::RWF_NOWAIT) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
 fn off_t(n: u64) -> io::Result<libc::off_t> {
     libc::off_t::try_from(n).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))
 }
