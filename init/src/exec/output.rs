@@ -8,6 +8,14 @@
 //! far it is about to write (`writing`) before it writes and publishes the new length
 //! (`len`) after, so a reader that read ring bytes checks afterwards that the writer did
 //! not reach them meanwhile.
+//!
+//! A stream kept in a file larger than [`CACHE_WINDOW`] twice over keeps only its last
+//! `CACHE_WINDOW` bytes in the page cache: the writer starts the disk write of each
+//! [`CACHE_STEP`] it completes and drops the step a window behind from the cache, and a
+//! reader that far behind drops the steps it read. Without it a 1 GiB stream is 1 GiB of
+//! new page cache, charged to the container's memory and, in a VM whose host backs guest
+//! memory on first touch, ~3 s of CPU per GiB in keel's writes (BENCHMARKS.md, "Output
+//! throughput"); the pages dropped are the ones the next steps reuse.
 
 use std::fs::File;
 use std::io;
@@ -16,6 +24,11 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::OnceLock;
+
+/// How many bytes behind the writer a long stream keeps in the page cache.
+pub const CACHE_WINDOW: u64 = 32 << 20;
+/// The writer starts a disk write, and drops an older range, once per this many bytes.
+const CACHE_STEP: u64 = 4 << 20;
 
 /// What a read found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +51,9 @@ pub struct Output {
     tail: u64,
     len: AtomicU64,
     writing: AtomicU64,
+    /// The stream offset up to which the disk write was started (a multiple of
+    /// `CACHE_STEP`; the one writer's).
+    written_back: AtomicU64,
 }
 
 impl Output {
@@ -52,6 +68,7 @@ impl Output {
             tail: limit - head,
             len: AtomicU64::new(0),
             writing: AtomicU64::new(0),
+            written_back: AtomicU64::new(0),
         }
     }
 
@@ -129,6 +146,7 @@ impl Output {
             buf = &buf[n..];
         }
         self.len.store(pos, SeqCst);
+        self.bound_cache(file, pos);
         Ok(())
     }
 
@@ -149,7 +167,63 @@ impl Output {
         self.writing.store(pos + n as u64, SeqCst);
         let moved = crate::sys::pipe::splice_to_file(pipe, file, at, n)?;
         self.len.store(pos + moved as u64, SeqCst);
+        self.bound_cache(file, pos + moved as u64);
         Ok(moved)
+    }
+
+    /// After the writer reached `len`: for a file larger than twice the cache window, the
+    /// disk write of each step completed since the last call starts, and the step a window
+    /// behind it, written out by now (or waited for: the writer then goes at the disk's
+    /// pace), leaves the page cache. A smaller file stays cached whole; its pages are
+    /// rewritten in place. Failures only leave pages cached: the bytes are in the file.
+    fn bound_cache(&self, file: &File, len: u64) {
+        if self.head + self.tail <= 2 * CACHE_WINDOW {
+            return;
+        }
+        let mut at = self.written_back.load(SeqCst);
+        // Bytes the ring no longer holds need no disk write (a buffer longer than the
+        // ring skipped them).
+        at = at.max(len.saturating_sub(self.tail) / CACHE_STEP * CACHE_STEP);
+        while at + CACHE_STEP <= len {
+            for (off, n) in self.file_ranges(at, at + CACHE_STEP) {
+                let _ = crate::sys::file::start_writeback(file, off, n);
+            }
+            if let Some(old) = at.checked_sub(CACHE_WINDOW) {
+                for (off, n) in self.file_ranges(old, old + CACHE_STEP) {
+                    let _ = crate::sys::file::write_out_and_drop(file, off, n);
+                }
+            }
+            at += CACHE_STEP;
+        }
+        self.written_back.store(at, SeqCst);
+    }
+
+    /// A reader read stream offsets `from..from + n`: the whole steps it finished with this
+    /// read, when the writer has dropped them from the page cache already (they are a
+    /// window behind it), leave the cache again, so a reader far behind the writer does not
+    /// grow it by the stream's size. Whole steps: the cache holds large folios, and one
+    /// that reaches past the range dropped stays.
+    fn uncache_read(&self, file: &File, from: u64, n: u64) {
+        let dropped_to = self.written_back.load(SeqCst).saturating_sub(CACHE_WINDOW);
+        let start = from / CACHE_STEP * CACHE_STEP;
+        let end = (from + n).min(dropped_to) / CACHE_STEP * CACHE_STEP;
+        if start < end {
+            for (off, len) in self.file_ranges(start, end) {
+                let _ = crate::sys::file::drop_cached(file, off, len);
+            }
+        }
+    }
+
+    /// The pieces of the file holding stream offsets `from..to` (not wider than the ring).
+    fn file_ranges(&self, mut from: u64, to: u64) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        while from < to {
+            let (at, room) = self.place(from);
+            let n = room.min(to - from);
+            out.push((at, n));
+            from += n;
+        }
+        out
     }
 
     /// Reads from logical offset `from` into `buf`.
@@ -161,7 +235,9 @@ impl Output {
         if from < self.head {
             let n = (self.head.min(len) - from).min(buf.len() as u64) as usize;
             if n > 0 {
-                self.file_for_read()?.read_exact_at(&mut buf[..n], from)?;
+                let file = self.file_for_read()?;
+                file.read_exact_at(&mut buf[..n], from)?;
+                self.uncache_read(file, from, n as u64);
                 return Ok(Chunk::Data(n));
             }
         }
@@ -171,7 +247,8 @@ impl Output {
         }
         let (at, room) = self.place(from);
         let n = (len - from).min(room).min(buf.len() as u64) as usize;
-        self.file_for_read()?.read_exact_at(&mut buf[..n], at)?;
+        let file = self.file_for_read()?;
+        file.read_exact_at(&mut buf[..n], at)?;
         // The writer may have reached these bytes while they were read.
         let reached = self.writing.load(SeqCst);
         if reached > from + self.tail {
@@ -179,6 +256,7 @@ impl Output {
                 to: self.head.max(reached - self.tail),
             });
         }
+        self.uncache_read(file, from, n as u64);
         Ok(Chunk::Data(n))
     }
 }
@@ -243,6 +321,43 @@ mod tests {
         assert_eq!(&data[..25], &all[..25]);
         assert_eq!(&data[25..], &all[925..]);
         assert_eq!(o.len(), 1000);
+    }
+
+    #[test]
+    fn a_long_stream_keeps_only_its_last_window_in_the_page_cache() {
+        use crate::sys::file::read_cached;
+        let d = tempfile::tempdir().unwrap();
+        let fs = nix::sys::statfs::statfs(d.path()).unwrap();
+        if fs.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC {
+            eprintln!("skipped: a tmpfs file lives in the page cache");
+            return;
+        }
+        let o = Output::create(&d.path().join("out"), 1 << 30);
+        let mib: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+        for _ in 0..128 {
+            o.append(&mib).unwrap();
+        }
+        let f = o.file_for_read().unwrap();
+        let mut page = [0u8; 4096];
+        let not_cached = |at: u64, page: &mut [u8]| matches!(read_cached(f, page, at), Err(e) if e.raw_os_error() == Some(libc::EAGAIN));
+        // The writer wrote its first steps out and dropped them; the last ones are cached.
+        assert!(
+            not_cached(0, &mut page),
+            "the stream's first page is still cached"
+        );
+        assert_eq!(read_cached(f, &mut page, (128 << 20) - 4096).unwrap(), 4096);
+        // A reader far behind reads them from the disk, exactly, and drops them again.
+        let mut buf = vec![0u8; 8 << 20];
+        assert_eq!(o.read(0, &mut buf).unwrap(), Chunk::Data(8 << 20));
+        assert!(buf.chunks(1 << 20).all(|c| c == &mib[..]));
+        assert!(
+            not_cached(0, &mut page),
+            "a reader left the first page cached"
+        );
+        assert!(
+            not_cached(4 << 20, &mut page),
+            "a reader left its second step cached"
+        );
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! File and filesystem syscalls the workspace needs beyond std: fallocate, SEEK_DATA/HOLE,
-//! statvfs, flock, copy_file_range, rename without replacing. Thin safe wrappers over `nix`.
+//! statvfs, flock, copy_file_range, rename without replacing, and writing a range of a file
+//! out to disk and out of the page cache (sync_file_range, posix_fadvise). Thin safe
+//! wrappers over `nix` and `libc`.
 
 use std::fs::File;
 use std::io;
@@ -103,6 +105,74 @@ pub fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
         nix::fcntl::RenameFlags::RENAME_NOREPLACE,
     )
     .map_err(io_err)
+}
+
+/// Starts writing the dirty pages of `f` in `offset..offset + len` to disk and returns
+/// without waiting for them (sync_file_range with SYNC_FILE_RANGE_WRITE).
+pub fn start_writeback(f: &File, offset: u64, len: u64) -> io::Result<()> {
+    sync_range(f, offset, len, libc::SYNC_FILE_RANGE_WRITE)
+}
+
+/// Writes the pages of `f` in `offset..offset + len` to disk, waiting for any write of them
+/// already under way and for its own, then drops them from the page cache
+/// (POSIX_FADV_DONTNEED): a later read of the range reads the disk.
+pub fn write_out_and_drop(f: &File, offset: u64, len: u64) -> io::Result<()> {
+    sync_range(
+        f,
+        offset,
+        len,
+        libc::SYNC_FILE_RANGE_WAIT_BEFORE
+            | libc::SYNC_FILE_RANGE_WRITE
+            | libc::SYNC_FILE_RANGE_WAIT_AFTER,
+    )?;
+    drop_cached(f, offset, len)
+}
+
+/// Drops the clean pages of `f` in `offset..offset + len` from the page cache
+/// (POSIX_FADV_DONTNEED); dirty ones stay.
+pub fn drop_cached(f: &File, offset: u64, len: u64) -> io::Result<()> {
+    let (o, l) = (off_t(offset)?, off_t(len)?);
+    nix::fcntl::posix_fadvise(
+        f.as_fd(),
+        o,
+        l,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    )
+    .map_err(io_err)
+}
+
+/// Reads what the page cache holds of `f` from `offset` into `buf`, never the disk
+/// (preadv2 with RWF_NOWAIT): EAGAIN when the page at `offset` is not cached. For tests of
+/// what keel leaves in the cache.
+#[cfg(test)]
+pub fn read_cached(f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: the one iovec points at `buf`, writable for its whole length for the whole
+    // call, and `f` keeps the descriptor open.
+    let n = unsafe { libc::preadv2(f.as_raw_fd(), &iov, 1, off_t(offset)?, libc::RWF_NOWAIT) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+fn off_t(n: u64) -> io::Result<libc::off_t> {
+    libc::off_t::try_from(n).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))
+}
+
+fn sync_range(f: &File, offset: u64, len: u64, flags: libc::c_uint) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let (o, l) = (off_t(offset)?, off_t(len)?);
+    // SAFETY: sync_file_range takes a descriptor, which `f` keeps open for the whole call,
+    // and plain integers; it touches no memory of ours.
+    if unsafe { libc::sync_file_range(f.as_raw_fd(), o, l, flags) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// `syncfs(2)`: writes out every dirty page of the filesystem holding `path`.
