@@ -79,8 +79,9 @@ pub struct SpawnSpec {
 static INHERITED_FDS: std::sync::OnceLock<Vec<RawFd>> = std::sync::OnceLock::new();
 
 /// Remember which descriptors above stdio keel was started with (open, not close-on-exec),
-/// for `SpawnSpec::inherit_fds`. Called first thing in `main`, before keel opens anything;
-/// later calls change nothing. Without it no descriptor is passed on.
+/// for `SpawnSpec::inherit_fds`, and make them close-on-exec in keel, so that nothing else
+/// keel runs (a `Command` of its own) inherits them. Called first thing in `main`, before
+/// keel opens anything; later calls change nothing. Without it no descriptor is passed on.
 pub fn note_inherited_fds() {
     INHERITED_FDS.get_or_init(|| {
         // The directory's own descriptor is close-on-exec (std opens everything so): it is
@@ -96,6 +97,10 @@ pub fn note_inherited_fds() {
             })
             .collect();
         fds.sort_unstable();
+        for &fd in &fds {
+            // SAFETY: F_SETFD sets a flag of a descriptor number keel was started with.
+            unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+        }
         fds
     });
 }
@@ -775,12 +780,14 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     // keel (root) could enter it.
     // SAFETY: `cwd` is a live NUL-terminated string.
     check(Step::Chdir, unsafe { libc::chdir(c.cwd.as_ptr()) } as _);
-    // Whatever keel holds open without close-on-exec is not the child's, except what keel
-    // was started with when it is passed on (`keep_fds`): mark every other descriptor above
-    // stdio close-on-exec (Linux 5.11+; where the call is missing, keel's own descriptors
-    // are close-on-exec already).
+    // Whatever keel holds open without close-on-exec is not the child's; what keel was
+    // started with (close-on-exec in keel since `note_inherited_fds`) is, when it is passed
+    // on (`keep_fds`): mark every other descriptor above stdio close-on-exec (Linux 5.11+;
+    // where the call is missing, keel's own descriptors are close-on-exec already).
     let mut lo = 3u32;
     for &fd in &c.keep_fds {
+        // SAFETY: F_SETFD clears a flag of a descriptor in this child's own fd table.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, 0) };
         let fd = fd as u32;
         if fd > lo {
             close_range_cloexec(lo, fd - 1);

@@ -714,6 +714,18 @@ impl Filesystem for FuseAdapter {
             }
         }
         match self.fs.write(i, offset, data) {
+            // A short write (the volume filled up part way; what went in is recorded) of
+            // cached pages: the kernel's write-back looks only at the error and would take
+            // every page as written. Say ENOSPC (reported at the next fsync) and drop the
+            // pages, so reads show what the store has.
+            Ok(n)
+                if (n as usize) < data.len()
+                    && write_flags.contains(WriteFlags::FUSE_WRITE_CACHE) =>
+            {
+                fuse_metrics::write_bytes(n as usize);
+                reply.error(Errno::from_i32(libc::ENOSPC));
+                self.drop_cached_pages(i.0, offset, data.len());
+            }
             Ok(n) => {
                 fuse_metrics::write_bytes(n as usize);
                 reply.written(n)

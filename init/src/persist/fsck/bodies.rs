@@ -212,8 +212,8 @@ pub(super) fn check_body(
 ) -> Result<(), FsckError> {
     let path = ctx.body_path(bodies, i.ino.0);
     // Every window recorded, each a hole, none written since: an absent body loses nothing
-    // (a lazy restore from a metadata image leaves it out; the first open creates it sparse
-    // at the file's size). A map that is empty, short or of another chunk size, or a dirty
+    // (a lazy restore from a metadata image leaves it out; reads see zeros, and the first
+    // write, truncate or writable passthrough open creates it sparse at the file's size). A map that is empty, short or of another chunk size, or a dirty
     // window, is not that: the body is missing.
     let nwin = window_count(i.size, ctx.cs);
     let all_holes = map.is_some_and(|m| {

@@ -336,11 +336,9 @@ impl DirTree {
     fn scan_full(&self, prior: Option<watch::Rewritten>) -> Result<ScanReport, DirError> {
         let s = self.store();
         let w = self.watch.lock().unwrap_or_else(|p| p.into_inner());
-        let mut rewritten = watch::Rewritten::default();
+        let mut rewritten = prior.unwrap_or_default();
         if let Some(w) = w.as_ref() {
-            if let Some(p) = prior {
-                w.give_back_rewritten(p);
-            }
+            w.give_back_rewritten(rewritten);
             rewritten = w.begin_full();
         }
         let add = |rel: &Path| {
@@ -348,14 +346,7 @@ impl DirTree {
                 w.add(rel)
             }
         };
-        let r = scan::scan(
-            &s,
-            &self.root,
-            self.inline_max,
-            self.chunk_size,
-            &rewritten,
-            &add,
-        );
+        let r = scan::scan(&s, &self.root, &self.opts(&rewritten, &add));
         if let (Err(e), Some(w)) = (&r, w.as_ref()) {
             w.force_full(format!("the last walk failed: {e}"));
             w.give_back_rewritten(rewritten);
@@ -363,6 +354,20 @@ impl DirTree {
         let (report, paths) = r?;
         *self.paths.lock().unwrap_or_else(|p| p.into_inner()) = paths;
         Ok(report)
+    }
+
+    /// How this tree's walks go (see `scan::Opts`).
+    fn opts<'a>(
+        &self,
+        rewritten: &'a watch::Rewritten,
+        on_dir: &'a dyn Fn(&Path),
+    ) -> scan::Opts<'a> {
+        scan::Opts {
+            inline_max: self.inline_max,
+            chunk_size: self.chunk_size,
+            rewritten,
+            on_dir,
+        }
     }
 
     /// Starts change notification (see `watch`): the next walk is full and watches every
@@ -419,21 +424,23 @@ impl DirTree {
             let mut g = self.watch.lock().unwrap_or_else(|p| p.into_inner());
             match g.as_ref().map(|w| (w.dead(), w)) {
                 None => None,
-                Some((Some(why), _)) => {
-                    tracing::info!(
-                        "change notification is off: {why}; every checkpoint walks the whole tree"
+                Some((Some(why), w)) => {
+                    tracing::warn!(
+                        "change notification is off: {why}; every checkpoint walks the whole tree, and a second write to a still-dirty page of a shared mapping can no longer be seen"
                     );
+                    // What it reported until now still goes to the next walk.
+                    let pending = w.begin_full();
                     *g = None;
-                    None
+                    Some((watch::Plan::Full(why), pending))
                 }
-                Some((None, w)) => Some(w.plan()),
+                Some((None, w)) => Some((w.plan(), watch::Rewritten::default())),
             }
         };
         let (dirs, rewritten) = match plan {
-            Some(watch::Plan::Dirs(d, r)) => (d, r),
-            Some(watch::Plan::Full(why)) => {
+            Some((watch::Plan::Dirs(d, r), _)) => (d, r),
+            Some((watch::Plan::Full(why), pending)) => {
                 tracing::debug!("full walk: {why}");
-                return self.scan_once();
+                return self.scan_full(Some(pending));
             }
             None => return self.scan_once(),
         };
@@ -448,12 +455,9 @@ impl DirTree {
         let r = scan::scan_dirs(
             &s,
             &self.root,
-            self.inline_max,
-            self.chunk_size,
             &dirs,
             &mut paths,
-            &rewritten,
-            &add,
+            &self.opts(&rewritten, &add),
         );
         *self.paths.lock().unwrap_or_else(|p| p.into_inner()) = paths;
         match r {

@@ -111,18 +111,31 @@ struct Walk<'a> {
     bail: Option<String>,
 }
 
-/// Walks the tree at `root` into `store`; returns what it did and where each file kept in
-/// a body is.
+/// How a walk goes: files up to `inline_max` bytes are kept inline, bigger ones in windows
+/// of `chunk_size`; the files of `rewritten` are read again whatever their times say;
 /// `on_dir` is called with each directory's path below the root before it is listed (the
 /// watcher adds its watch then).
+#[derive(Clone, Copy)]
+pub(super) struct Opts<'a> {
+    pub inline_max: u64,
+    pub chunk_size: u64,
+    pub rewritten: &'a Rewritten,
+    pub on_dir: &'a dyn Fn(&Path),
+}
+
+/// Walks the tree at `root` into `store`; returns what it did and where each file kept in
+/// a body is.
 pub(super) fn scan(
     store: &Store,
     root: &Path,
-    inline_max: u64,
-    chunk_size: u64,
-    rewritten: &Rewritten,
-    on_dir: &dyn Fn(&Path),
+    opts: &Opts<'_>,
 ) -> Result<(ScanReport, Paths), DirError> {
+    let Opts {
+        inline_max,
+        chunk_size,
+        rewritten,
+        on_dir,
+    } = *opts;
     let t0 = Instant::now();
     let walk_err = |path: &Path, source: std::io::Error| DirError::Walk {
         path: path.to_path_buf(),
@@ -197,13 +210,16 @@ pub(super) enum Narrowed {
 pub(super) fn scan_dirs(
     store: &Store,
     root: &Path,
-    inline_max: u64,
-    chunk_size: u64,
     dirs: &[PathBuf],
     paths: &mut Paths,
-    rewritten: &Rewritten,
-    on_dir: &dyn Fn(&Path),
+    opts: &Opts<'_>,
 ) -> Result<Narrowed, DirError> {
+    let Opts {
+        inline_max,
+        chunk_size,
+        rewritten,
+        on_dir,
+    } = *opts;
     let t0 = Instant::now();
     let walk_err = |path: &Path, source: std::io::Error| DirError::Walk {
         path: path.to_path_buf(),

@@ -763,8 +763,17 @@ impl WorkspaceFs {
             if buf.is_empty() {
                 break;
             }
-            self.write(ino_out, off_out + done, &buf)?;
-            done += buf.len() as u64;
+            // A write the volume cut short (or refused) after some bytes were copied: the
+            // count so far, as copy_file_range(2) says it.
+            let w = match self.write(ino_out, off_out + done, &buf) {
+                Ok(w) => w as u64,
+                Err(_) if done > 0 => break,
+                Err(e) => return Err(e),
+            };
+            done += w;
+            if w < buf.len() as u64 {
+                break;
+            }
         }
         Ok(done)
     }
