@@ -483,6 +483,35 @@ fn every_write_path_says_enospc(args: &[&str]) {
         );
     }
 
+    // The same with the write-back cache: the write lands in the page cache and reaches
+    // keel at write-back, where room for part of it is a short answer the kernel's
+    // write-back would take as whole (it looks only at the error). The fsync says ENOSPC
+    // and the file then reads as keel has it, not as the cache had it (the restart below
+    // compares it again).
+    if args.contains(&"--writeback-cache") {
+        fs::remove_file(m.join("spare.bin")).unwrap();
+        wait_for_room(&m, 256 << 10);
+        let f = OpenOptions::new()
+            .write(true)
+            .open(m.join("short.bin"))
+            .unwrap();
+        let data = pattern(4 * MIB, 21);
+        f.write_all_at(&data, 0)
+            .unwrap_or_else(|e| panic!("{what}: a cached write: {e}"));
+        let synced = f.sync_all();
+        drop(f);
+        assert_eq!(
+            synced.as_ref().map_err(|e| e.raw_os_error()),
+            Err(Some(libc::ENOSPC)),
+            "{what}: the fsync of a write-back with room for part of it"
+        );
+        let back = fs::read(m.join("short.bin")).unwrap();
+        assert!(
+            back[..4 * MIB] != data[..],
+            "{what}: the file reads as the page cache had it, bytes keel never stored"
+        );
+    }
+
     // Room again: every call succeeds.
     fs::remove_file(m.join("filler1")).unwrap_or_else(|e| panic!("{what}: delete: {e}"));
     wait_for_room(&m, 32 * MIB as u64);
