@@ -552,6 +552,8 @@ fn every_write_path_says_enospc(args: &[&str]) {
     support::mount::assert_same_tree(&before, &after, "a restart on the full volume");
     // The start found room to write its own rows and serves writes where a delete made room.
     fs::remove_file(m.join("filler2")).unwrap();
+    // The body of a removed file goes after the reply (as after filler1 above).
+    wait_for_room(&m, 8 * MIB as u64);
     fs::write(m.join("after-restart"), pattern(2 * MIB, 20)).unwrap();
     assert_eq!(
         fs::read(m.join("after-restart")).unwrap(),
