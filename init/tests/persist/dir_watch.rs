@@ -129,40 +129,21 @@ fn a_chmod_and_an_xattr_change_reach_the_snapshot() {
 #[test]
 fn a_write_through_a_shared_mapping_kept_open_reaches_the_snapshot() {
     let mut f = fixture();
-    let path = f.root().join("a/big");
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&path)
-        .unwrap();
     let len = 100_000;
-    // SAFETY: a new shared mapping of the whole open file (100,000 bytes), at an address
-    // the kernel picks; written below within its length, unmapped at the end.
-    let addr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(addr, libc::MAP_FAILED);
     // The mapping keeps the file open (no IN_CLOSE_* until it goes).
-    drop(file);
+    let addr = map_shared(&f.root().join("a/big"), len);
     // A walk while it is mapped and not written yet: its directory is listed (a file is
     // open there), nothing changed.
     let r = f.tree.scan_changed().unwrap();
     assert!(r.narrowed && r.dirs == 1 && r.changed == 0, "{r}");
     // Written through the mapping only: no inotify event, the mtime moves at the fault.
     // SAFETY: within the mapping made above, which nothing else uses.
-    unsafe { std::ptr::write_bytes((addr as *mut u8).add(70_000), b'M', 1000) };
+    unsafe { std::ptr::write_bytes(addr.add(70_000), b'M', 1000) };
     let r = f.periodic();
     assert!(r.narrowed && r.rewritten == 1, "{r}");
     f.assert_snapshot_is_the_tree();
     // SAFETY: the mapping made above, not used after this.
-    assert_eq!(unsafe { libc::munmap(addr, len) }, 0);
+    assert_eq!(unsafe { libc::munmap(addr as *mut libc::c_void, len) }, 0);
 }
 
 #[test]
