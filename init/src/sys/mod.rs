@@ -12,6 +12,7 @@ pub mod inotify;
 pub mod mem;
 pub mod mount;
 pub mod ns;
+pub mod open_files;
 pub mod pipe;
 pub mod process;
 pub mod pty;

@@ -15,7 +15,6 @@ use std::collections::BTreeMap;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{FileExt, PermissionsExt};
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use support::mount::{errname, pattern, Keel};
@@ -37,33 +36,20 @@ const BIG: usize = 4 * MIB;
 /// A shared read-write mapping of the first `len` bytes of `f`, written with `byte` over
 /// `[0, len)`, then `msync(MS_SYNC)`: the msync's result (where a write-back error shows).
 fn write_through_mapping(f: &fs::File, len: usize, byte: u8) -> io::Result<()> {
-    // SAFETY: a new shared mapping of `len` bytes of an open file at an address the kernel
-    // picks; it is written only inside those bytes and unmapped below.
-    let addr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        )
-    };
-    if addr == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
+    // Written only inside those bytes and unmapped below.
+    let addr = sys::map_shared(f, len)?;
     // SAFETY: the mapping is `len` bytes long; the file has at least `len` allocated bytes,
     // so no page of it needs new room on the volume (which would raise SIGBUS).
-    unsafe { std::ptr::write_bytes(addr.cast::<u8>(), byte, len) };
+    unsafe { std::ptr::write_bytes(addr, byte, len) };
     // SAFETY: `addr` and `len` are exactly the mapping made above.
-    let r = unsafe { libc::msync(addr, len, libc::MS_SYNC) };
+    let r = unsafe { libc::msync(addr.cast(), len, libc::MS_SYNC) };
     let synced = if r == 0 {
         Ok(())
     } else {
         Err(io::Error::last_os_error())
     };
     // SAFETY: unmaps exactly the mapping made above.
-    assert_eq!(unsafe { libc::munmap(addr, len) }, 0, "munmap");
+    assert_eq!(unsafe { libc::munmap(addr.cast(), len) }, 0, "munmap");
     synced
 }
 

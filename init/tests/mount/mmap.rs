@@ -7,7 +7,6 @@
 use crate::support;
 
 use std::fs::{self, OpenOptions};
-use std::os::unix::io::AsRawFd;
 
 use support::mount::Keel;
 
@@ -45,19 +44,8 @@ fn a_body_a_mapping_holds_never_becomes_another_files_body() {
         let p = k.p(name);
         fs::write(&p, vec![b'A'; len]).unwrap();
         let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
-        // SAFETY: a new shared mapping of `len` bytes of an open file, at an address the
-        // kernel picks; it is never read or written here, only unmapped at the end.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                f.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(addr, libc::MAP_FAILED, "mmap {name}");
+        // Never read or written here, only unmapped at the end.
+        let addr = support::sys::map_shared(&f, len).unwrap_or_else(|e| panic!("mmap {name}: {e}"));
         drop(f);
         maps.push((addr as usize, len));
     }
@@ -108,24 +96,6 @@ fn times(p: &std::path::Path) -> (i128, i128) {
     let ns =
         |t: libc::statx_timestamp| i128::from(t.tv_sec) * 1_000_000_000 + i128::from(t.tv_nsec);
     (ns(st.stx_mtime), ns(st.stx_ctime))
-}
-
-/// A shared read-write mapping of the first `len` bytes of `f`.
-fn map_shared(f: &fs::File, len: usize) -> *mut u8 {
-    // SAFETY: a new shared mapping of `len` bytes of an open file at an address the kernel
-    // picks; the caller writes inside it and unmaps it.
-    let addr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(addr, libc::MAP_FAILED, "mmap");
-    addr.cast()
 }
 
 /// Writes `byte` over `[at, at + n)` of a mapping.
@@ -184,7 +154,7 @@ fn a_write_through_a_shared_mapping_moves_mtime_and_ctime() {
     // Mapped, written, unmapped, closed; then stat.
     let ctime = set_sentinel();
     let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
-    let map = map_shared(&f, len);
+    let map = support::sys::map_shared(&f, len).expect("mmap");
     poke(map, 100, 100, b'b');
     unmap(map, len);
     drop(f);
@@ -207,7 +177,7 @@ fn a_write_through_a_shared_mapping_moves_mtime_and_ctime() {
     snapshot("before");
     let ctime = set_sentinel();
     let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
-    let map = map_shared(&f, len);
+    let map = support::sys::map_shared(&f, len).expect("mmap");
     drop(f);
     let _ = times(&p);
     poke(map, 40_000, 1000, b'c');

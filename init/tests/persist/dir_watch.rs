@@ -8,7 +8,6 @@
 
 use crate::support;
 
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -31,6 +30,12 @@ struct Fixture {
 /// A small tree, watched, walked in full and checkpointed; every mtime set well in the
 /// past so that no file is within a walk's clock tick.
 fn fixture() -> Fixture {
+    fixture_with(|_| {})
+}
+
+/// [`fixture`], with `before_watch` called on the tree's root once it is written and
+/// backdated, before change notification starts.
+fn fixture_with(before_watch: impl FnOnce(&Path)) -> Fixture {
     let state = tempfile::tempdir().unwrap();
     let tree = DirTree::open(state.path(), 4096, CHUNK).unwrap();
     let root = tree.root().to_path_buf();
@@ -42,6 +47,7 @@ fn fixture() -> Fixture {
     }
     std::fs::write(root.join("a/big"), vec![7u8; 100_000]).unwrap();
     super::dir_provider::backdate(&root);
+    before_watch(&root);
     tree.watch().unwrap();
     let remote: Arc<dyn Remote> = Arc::new(MemRemote::new());
     let mut p = dir_persister(state.path(), remote.clone(), &tree);
@@ -146,6 +152,47 @@ fn a_write_through_a_shared_mapping_kept_open_reaches_the_snapshot() {
     assert_eq!(unsafe { libc::munmap(addr as *mut libc::c_void, len) }, 0);
 }
 
+/// A file mapped before keel watched the tree makes no `IN_OPEN` event: its directory is
+/// found holding an open file in /proc when the first walk has watched it, and narrowed
+/// walks list it while the mapping lasts.
+#[test]
+fn a_write_through_a_mapping_made_before_the_watch_reaches_a_periodic_snapshot() {
+    let len = 100_000;
+    let mut addr = std::ptr::null_mut();
+    let mut f = fixture_with(|root| addr = map_shared(&root.join("a/big"), len));
+    // Written through the mapping only: no inotify event, the mtime moves at the fault.
+    // SAFETY: within the mapping made above, which nothing else uses.
+    unsafe { std::ptr::write_bytes(addr.add(40_000), b'P', 1000) };
+    let r = f.periodic();
+    assert!(r.narrowed && r.rewritten == 1, "{r}");
+    f.assert_snapshot_is_the_tree();
+    // SAFETY: the mapping made above, not used after this.
+    assert_eq!(unsafe { libc::munmap(addr.cast(), len) }, 0);
+}
+
+/// The same for a directory made, and a file in it mapped, between two walks: the walk
+/// that finds the directory watches it only then, after the open.
+#[test]
+fn a_write_through_a_mapping_made_in_a_new_directory_reaches_a_periodic_snapshot() {
+    let mut f = fixture();
+    let (dir, len) = (f.root().join("b/new"), 100_000);
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("m"), vec![5u8; len]).unwrap();
+    // Out of the walk's clock tick (a file changed within it is looked at again by a walk
+    // that lists it, which this one would not without the fix), without waiting.
+    set_mtime(&dir.join("m"), 1_600_000_000_000_000_000);
+    let addr = map_shared(&dir.join("m"), len);
+    let r = f.periodic();
+    assert!(r.narrowed && r.created == 2, "{r}");
+    // SAFETY: within the mapping made above, which nothing else uses.
+    unsafe { std::ptr::write_bytes(addr.add(10), b'N', 1000) };
+    let r = f.periodic();
+    assert!(r.narrowed && r.rewritten == 1, "{r}");
+    f.assert_snapshot_is_the_tree();
+    // SAFETY: the mapping made above, not used after this.
+    assert_eq!(unsafe { libc::munmap(addr.cast(), len) }, 0);
+}
+
 #[test]
 fn an_overflowed_event_queue_falls_back_to_the_full_walk() {
     let mut f = fixture();
@@ -196,20 +243,7 @@ fn map_shared(path: &Path, len: usize) -> *mut u8 {
         .write(true)
         .open(path)
         .unwrap();
-    // SAFETY: a new shared mapping of `len` bytes of the open file, at an address the
-    // kernel picks; the caller writes within it and unmaps it.
-    let addr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(addr, libc::MAP_FAILED);
-    addr as *mut u8
+    support::sys::map_shared(&file, len).unwrap()
 }
 
 /// A page written through a mapping, walked, then written again while still dirty (no

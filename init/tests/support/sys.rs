@@ -31,6 +31,28 @@ fn check_size(ret: libc::ssize_t) -> io::Result<usize> {
     }
 }
 
+/// A shared read-write mapping of the first `len` bytes of `f`, at an address the kernel
+/// picks. It keeps the file open after `f` is closed; the caller writes only inside it and
+/// unmaps it (`libc::munmap(addr.cast(), len)`).
+pub fn map_shared(f: &impl AsRawFd, len: usize) -> io::Result<*mut u8> {
+    // SAFETY: a new mapping that overlaps nothing of this process's (the kernel picks the
+    // address); no memory is read or written by the call.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(addr.cast())
+}
+
 pub fn kill(pid: u32, sig: libc::c_int) {
     // SAFETY: kill has no memory-safety preconditions; a stale pid at worst returns ESRCH.
     unsafe { libc::kill(pid as libc::pid_t, sig) };

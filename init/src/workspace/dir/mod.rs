@@ -353,6 +353,9 @@ impl DirTree {
         }
         let (report, paths) = r?;
         *self.paths.lock().unwrap_or_else(|p| p.into_inner()) = paths;
+        if let Some(w) = w.as_ref() {
+            w.walked(true);
+        }
         Ok(report)
     }
 
@@ -461,7 +464,12 @@ impl DirTree {
         );
         *self.paths.lock().unwrap_or_else(|p| p.into_inner()) = paths;
         match r {
-            Ok(scan::Narrowed::Done(report)) => Ok(report),
+            Ok(scan::Narrowed::Done(report)) => {
+                if let Some(w) = w.as_ref() {
+                    w.walked(false);
+                }
+                Ok(report)
+            }
             Ok(scan::Narrowed::NeedFull(why)) => {
                 tracing::debug!("narrowed walk gave way to a full one: {why}");
                 drop((s, w));

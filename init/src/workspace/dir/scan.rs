@@ -130,12 +130,7 @@ pub(super) fn scan(
     root: &Path,
     opts: &Opts<'_>,
 ) -> Result<(ScanReport, Paths), DirError> {
-    let Opts {
-        inline_max,
-        chunk_size,
-        rewritten,
-        on_dir,
-    } = *opts;
+    let on_dir = opts.on_dir;
     let t0 = Instant::now();
     let walk_err = |path: &Path, source: std::io::Error| DirError::Walk {
         path: path.to_path_buf(),
@@ -153,27 +148,7 @@ pub(super) fn scan(
     }
     let host = tx.host_rows()?;
     let loaded = t0.elapsed();
-    let mut w = Walk {
-        tx: &tx,
-        inline_max,
-        chunk_size,
-        start_ns: Nanos::now().0,
-        inodes: HashMap::new(),
-        touched: HashSet::new(),
-        entries,
-        host,
-        by_host: None,
-        new_hosts: Vec::new(),
-        names: HashMap::new(),
-        subdirs: HashMap::new(),
-        synced: HashSet::new(),
-        rewritten,
-        paths: HashMap::new(),
-        report: ScanReport::default(),
-        narrowed: false,
-        walked: HashSet::new(),
-        bail: None,
-    };
+    let mut w = Walk::new(&tx, opts, entries, host, HashMap::new(), false);
     // The root: inode 1 whatever its host inode.
     w.sync(
         InodeNo::ROOT,
@@ -214,12 +189,7 @@ pub(super) fn scan_dirs(
     paths: &mut Paths,
     opts: &Opts<'_>,
 ) -> Result<Narrowed, DirError> {
-    let Opts {
-        inline_max,
-        chunk_size,
-        rewritten,
-        on_dir,
-    } = *opts;
+    let on_dir = opts.on_dir;
     let t0 = Instant::now();
     let walk_err = |path: &Path, source: std::io::Error| DirError::Walk {
         path: path.to_path_buf(),
@@ -252,27 +222,7 @@ pub(super) fn scan_dirs(
         todo.push((rel.clone(), ino, parent));
     }
     let loaded = t0.elapsed();
-    let mut w = Walk {
-        tx: &tx,
-        inline_max,
-        chunk_size,
-        start_ns: Nanos::now().0,
-        inodes: HashMap::new(),
-        touched: HashSet::new(),
-        entries: HashMap::new(),
-        host,
-        by_host: None,
-        new_hosts: Vec::new(),
-        names: HashMap::new(),
-        subdirs: HashMap::new(),
-        synced: HashSet::new(),
-        rewritten,
-        paths: std::mem::take(paths),
-        report: ScanReport::default(),
-        narrowed: true,
-        walked: HashSet::new(),
-        bail: None,
-    };
+    let mut w = Walk::new(&tx, opts, HashMap::new(), host, std::mem::take(paths), true);
     let r = narrowed_walk(&mut w, root, &root_fd, &root_st, todo, on_dir);
     let Walk {
         mut report,
@@ -363,7 +313,41 @@ fn vanished(e: &std::io::Error) -> bool {
     )
 }
 
-impl Walk<'_> {
+impl<'a> Walk<'a> {
+    /// A walk in `tx` as `opts` say, starting from the store's `entries` per directory (a
+    /// narrowed walk reads those of the directories it lists as it goes), the last walk's
+    /// `host` records and `paths`, found nothing yet.
+    fn new(
+        tx: &'a Tx<'a>,
+        opts: &Opts<'a>,
+        entries: HashMap<InodeNo, HashMap<Vec<u8>, (InodeNo, Kind)>>,
+        host: HashMap<InodeNo, HostRow>,
+        paths: Paths,
+        narrowed: bool,
+    ) -> Self {
+        Walk {
+            tx,
+            inline_max: opts.inline_max,
+            chunk_size: opts.chunk_size,
+            start_ns: Nanos::now().0,
+            inodes: HashMap::new(),
+            touched: HashSet::new(),
+            entries,
+            host,
+            by_host: None,
+            new_hosts: Vec::new(),
+            names: HashMap::new(),
+            subdirs: HashMap::new(),
+            synced: HashSet::new(),
+            rewritten: opts.rewritten,
+            paths,
+            report: ScanReport::default(),
+            narrowed,
+            walked: HashSet::new(),
+            bail: None,
+        }
+    }
+
     /// Lists the directories of `stack` and those found below them (below each known one
     /// too, unless the walk is narrowed), comparing each entry with the store.
     fn walk(

@@ -23,6 +23,23 @@
 //! another directory while open closes there, so the first directory may stay counted (a
 //! wasted listing) and the second undercounted — the periodic full walk bounds that case.
 //!
+//! A file opened (or mapped) before its directory got its watch — before keel watched the
+//! tree, or in a directory made and used before a walk found it — made no `IN_OPEN` that
+//! could be counted. So after every full walk, and after a narrowed walk that watched a
+//! directory for the first time, keel reads from /proc which files are open now
+//! (`sys::open_files`: every process's descriptors and shared mappings), and every narrowed
+//! walk lists their directories too until the next such reading. Reading /proc after the
+//! watches are added leaves no gap: an open still held then is found, one made after its
+//! watch was counted, and a mapping closed before is no longer written through (its close,
+//! if after the watch, is `IN_CLOSE_WRITE`, see below). It costs one pass over the
+//! processes' fds and maps, however large the tree, and only when watches were added: a
+//! narrowed walk that watched nothing new reads nothing. (Counting each new directory as
+//! open until some walk could vouch for it would need the same reading to vouch, and
+//! before it would list the whole tree after the first full walk.) A process keel may
+//! not read in /proc (another user's, for a keel that is not root), or one that sees the
+//! tree by another path (another mount namespace), is not found: the periodic full walk
+//! bounds that case. While /proc cannot be listed every walk is full.
+//!
 //! A second write to a mapped page that is still dirty makes no fault, so no time moves:
 //! a walk between the two writes would take the file as unchanged for good. So every file
 //! closed after being open for writing since the last walk began ([`Rewritten`]) has its
@@ -40,6 +57,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::sys::inotify::{self, Event, Inotify, Mask, Wd};
+use crate::sys::open_files;
 
 /// A periodic walk is full every this many (the rest walk what changed).
 pub const FULL_EVERY: u32 = 10;
@@ -113,6 +131,12 @@ struct State {
     /// Files open now per watched directory (by watch: a directory renamed keeps it, one
     /// removed takes its count with it).
     open: HashMap<Wd, u32>,
+    /// Directories (below the root) with a file open when /proc was last read (see the
+    /// module's note on opens made before a watch): listed by every narrowed walk until the
+    /// next reading.
+    held_open: HashSet<PathBuf>,
+    /// A directory got its first watch since /proc was last read.
+    new_watch: bool,
     /// Why the next walk must be full.
     full: Option<String>,
     /// Why the watcher gave up for good.
@@ -314,7 +338,9 @@ impl Watch {
         let mut st = lock(&self.state);
         match r {
             Ok(wd) => {
-                st.wds.insert(wd, rel.to_path_buf());
+                if st.wds.insert(wd, rel.to_path_buf()).is_none() {
+                    st.new_watch = true;
+                }
             }
             Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
                 if st.dead.is_none() {
@@ -384,9 +410,43 @@ impl Watch {
             .cloned()
             .collect();
         dirs.extend(open);
+        dirs.extend(st.held_open.iter().cloned());
         dirs.sort();
         dirs.dedup();
         Plan::Dirs(dirs, std::mem::take(&mut st.rewritten))
+    }
+
+    /// A walk (`full` or not) committed: after a full one, or one that watched a directory
+    /// for the first time, the directories with a file open now are read from /proc (see
+    /// the module's note on opens made before a watch). /proc that cannot be read makes the
+    /// next walk full.
+    pub fn walked(&self, full: bool) {
+        let mut st = lock(&self.state);
+        if !(full || st.new_watch) || st.dead.is_some() {
+            return;
+        }
+        st.new_watch = false;
+        // Spelled as the kernel prints it (the tree's path may pass through a symlink).
+        let root = std::fs::canonicalize(&self.root).unwrap_or_else(|_| self.root.clone());
+        match open_files::open_below(&root) {
+            Ok(files) => {
+                st.held_open = files
+                    .iter()
+                    .filter_map(|f| f.strip_prefix(&root).ok()?.parent())
+                    // A directory removed since, holding a file still open, is no longer
+                    // in the tree (a narrowed walk could not list it).
+                    .filter(|d| root.join(d).is_dir())
+                    .map(Path::to_path_buf)
+                    .collect();
+            }
+            Err(e) => {
+                st.held_open.clear();
+                st.need_full(
+                    "proc",
+                    format!("cannot list /proc to find the files open before their directory was watched: {e}"),
+                );
+            }
+        }
     }
 
     /// A walk that took `r` (from `plan` or `begin_full`) did not commit: the next one
