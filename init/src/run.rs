@@ -166,7 +166,7 @@ fn setup(args: RunOptions, signals: crate::sys::signal::Signals) -> Result<Setup
     if let Some(w) = &mounted {
         give_fresh_workspace_to_user(&cfg, w.mount_point());
         if let Some(p) = w.persist() {
-            publish_checkpoints(control.status(), p);
+            crate::control::publish_checkpoints(control.status(), p);
         }
     }
     control
@@ -349,63 +349,6 @@ fn sandbox_namespace(
         }
     );
     Ok(Some(ns))
-}
-
-/// `POST /checkpoint` takes a real checkpoint to the remote, and `/status` shows the backlog,
-/// the failures and the lease, updated after every checkpoint attempt and lease renewal.
-fn publish_checkpoints(status: &crate::control::StatusHandle, svc: &crate::persist::Service) {
-    let observer: crate::persist::service::StateObserver = {
-        let status = status.clone();
-        std::sync::Arc::new(move |st: &crate::persist::PersistState| {
-            status.update_persist(|p| {
-                p.dirty_bytes = Some(st.backlog.bytes);
-                p.dirty_files = Some(st.backlog.files);
-                p.backlog_inodes = Some(st.backlog.inodes);
-                p.remote_backlog_bytes = Some(st.backlog.bytes);
-                p.last_checkpoint = st.last_checkpoint_ns.map(|ns| {
-                    std::time::UNIX_EPOCH + std::time::Duration::from_nanos(ns.max(0) as u64)
-                });
-                p.consecutive_failures = Some(st.consecutive_failures);
-                p.last_error = st.last_error.clone();
-                p.remote_disk_bytes = st.remote_disk_bytes;
-                p.lease = Some(match &st.lease {
-                    None => crate::control::status::LeaseStatus {
-                        held: false,
-                        state: "disabled".into(),
-                        holder: None,
-                        epoch: None,
-                        expires: None,
-                        error: None,
-                    },
-                    Some(l) => crate::control::status::LeaseStatus {
-                        held: l.state == crate::persist::lease::LeaseState::Held,
-                        state: l.state.as_str().into(),
-                        holder: Some(l.holder.clone()),
-                        epoch: Some(l.epoch),
-                        expires: Some(
-                            std::time::UNIX_EPOCH
-                                + std::time::Duration::from_nanos(l.expires_ns.max(0) as u64),
-                        ),
-                        error: l.error.clone(),
-                    },
-                });
-            });
-        })
-    };
-    svc.set_observer(observer);
-    let h = svc.handle();
-    status.set_agent(h.clone());
-    status.set_checkpoint(Box::new(move || {
-        let r = h.checkpoint_now()?;
-        Ok(crate::control::CheckpointReport {
-            done: r.to_string(),
-            remote: true,
-            files: Some(r.inodes),
-            chunks_uploaded: Some(r.chunks_uploaded),
-            bytes_uploaded: Some(r.chunk_bytes_uploaded),
-            checkpoint: r.seq.map(|s| s.to_string()),
-        })
-    }));
 }
 
 /// A fresh (empty, root-owned) workspace is handed to the user the main command runs as, so

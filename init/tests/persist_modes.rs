@@ -4,7 +4,7 @@
 //! checkpoints, fork, gc, eager and lazy restore, a restore that died midway (its
 //! `restore.unfinished` marker), the body pool, the space reserves) and,
 //! with root and /dev/fuse, the `keel` binary (mount, writes through the kernel, `keel
-//! checkpoint` over the persist socket, stop, `keel gc`, `keel fork`, `keel snapshot
+//! checkpoint` over its control socket, stop, `keel gc`, `keel fork`, `keel snapshot
 //! restore`, and `keel run` with its control socket). Each tree is walked while keel has it
 //! open (so the WAL, SHM and sockets are seen) and after; every entry's mode is asserted,
 //! and the kinds of entry seen are printed.

@@ -2,8 +2,9 @@
 //! filesystem's rollback (`fs::WorkspaceFs::rollback`): what differs between the tree at
 //! the last checkpoint and the target, the target as the filesystem asks for it, and the
 //! kernel invalidations once it is applied (through the FUSE session's notifier,
-//! `workspace::Invalidate`). Part of the start sequence: it joins persist's trees to the
-//! workspace's filesystem, which know nothing of each other.
+//! `workspace::Invalidate`). `FuseLive` and `DirLive` are the two providers' `LiveTree`s,
+//! handed to the checkpoint service at start. Part of the start sequence: it joins
+//! persist's trees to the workspace's filesystem, which know nothing of each other.
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
@@ -14,10 +15,12 @@ use bytes::Bytes;
 
 use crate::chunk::{ChunkId, ChunkSource, FetchError};
 use crate::meta::{InodeNo, Kind};
+use crate::persist::agent::LiveTree;
 use crate::persist::diff::Sparse;
 use crate::persist::format::{Tree, TreeData, TreeInode};
 use crate::persist::history::{Changed, View};
 use crate::persist::hydrate::RemoteChunks;
+use crate::persist::service::BoxError;
 use crate::persist::Repo;
 use crate::workspace::dir::{DirError, DirTree, Source as DirSource, SourceData, SourceInode};
 use crate::workspace::fs::{
@@ -188,45 +191,52 @@ pub enum LiveRollbackError {
     Apply(#[source] crate::workspace::fs::FsError),
 }
 
-/// What the checkpoint service calls to roll the mounted workspace back.
-pub fn rollback_fn(fs: Arc<WorkspaceFs>, inval: Invalidate) -> crate::persist::agent::RollbackFn {
-    Box::new(
-        move |repo: &Repo,
-              cur: &View,
-              target: &View,
-              changed: &Changed,
-              sparse: Option<&Sparse>| {
-            if cur.chunk_size() != target.chunk_size() {
-                return Err(LiveRollbackError::WindowSize {
-                    snapshot: target.chunk_size(),
-                    workspace: cur.chunk_size(),
-                }
-                .into());
+/// The mounted FUSE workspace as a rollback reaches it: the filesystem applies the plan,
+/// then the kernel forgets what it cached of what changed.
+pub struct FuseLive {
+    pub fs: Arc<WorkspaceFs>,
+    pub inval: Invalidate,
+}
+
+impl LiveTree for FuseLive {
+    fn roll_back(
+        &self,
+        repo: &Repo,
+        cur: &View,
+        target: &View,
+        changed: &Changed,
+        sparse: Option<&Sparse>,
+    ) -> Result<serde_json::Value, BoxError> {
+        if cur.chunk_size() != target.chunk_size() {
+            return Err(LiveRollbackError::WindowSize {
+                snapshot: target.chunk_size(),
+                workspace: cur.chunk_size(),
             }
-            let p = plan(cur, target, changed);
-            let t = TreeTarget::new(target, sparse, repo);
-            let r = fs.rollback(&p, &t).map_err(LiveRollbackError::Apply)?;
-            let t0 = Instant::now();
-            let mut inval_failed = 0u64;
-            for i in &r.inval {
-                if inval(i).is_err() {
-                    inval_failed += 1;
-                }
+            .into());
+        }
+        let p = plan(cur, target, changed);
+        let t = TreeTarget::new(target, sparse, repo);
+        let r = self.fs.rollback(&p, &t).map_err(LiveRollbackError::Apply)?;
+        let t0 = Instant::now();
+        let mut inval_failed = 0u64;
+        for i in &r.inval {
+            if (self.inval)(i).is_err() {
+                inval_failed += 1;
             }
-            Ok(serde_json::json!({
-                "inodes": r.inodes,
-                "entries": r.entries,
-                "bodies_rebuilt": r.bodies,
-                "body_bytes": r.body_bytes,
-                "open_files_kept": r.kept_open,
-                "renumbered": r.renumbered,
-                "changed_after_checkpoint": r.late,
-                "invalidations": r.inval.len(),
-                "invalidations_unknown_to_kernel": inval_failed,
-                "invalidate_ms": (t0.elapsed().as_secs_f64() * 1e6).round() / 1e3,
-            }))
-        },
-    )
+        }
+        Ok(serde_json::json!({
+            "inodes": r.inodes,
+            "entries": r.entries,
+            "bodies_rebuilt": r.bodies,
+            "body_bytes": r.body_bytes,
+            "open_files_kept": r.kept_open,
+            "renumbered": r.renumbered,
+            "changed_after_checkpoint": r.late,
+            "invalidations": r.inval.len(),
+            "invalidations_unknown_to_kernel": inval_failed,
+            "invalidate_ms": (t0.elapsed().as_secs_f64() * 1e6).round() / 1e3,
+        }))
+    }
 }
 
 /// A snapshot tree as the `dir` provider builds it: entries and inodes from the tree,
@@ -300,38 +310,41 @@ impl DirSource for SnapshotSource<'_> {
     }
 }
 
-/// What the checkpoint service calls to roll a `dir` workspace back: the whole target tree
-/// is built beside the live one (files whose bytes did not change hard-linked from it,
-/// the others fetched) and swapped in with one rename; the walk then records it, and the
-/// service's next checkpoint makes it a snapshot.
-pub fn dir_rollback_fn(tree: Arc<DirTree>) -> crate::persist::agent::RollbackFn {
-    Box::new(
-        move |repo: &Repo,
-              cur: &View,
-              target: &View,
-              _changed: &Changed,
-              sparse: Option<&Sparse>| {
-            let full = match sparse {
-                Some(_) => repo.load_tree(target.seq)?.0,
-                None => target.to_tree(),
-            };
-            let src = SnapshotSource {
-                tree: &full,
-                cur,
-                chunks: RemoteChunks::new(repo.clone()),
-            };
-            let r = tree.build_and_swap(&src)?;
-            Ok(serde_json::json!({
-                "provider": "dir",
-                "files": r.files,
-                "dirs": r.dirs,
-                "files_unchanged_linked": r.reused,
-                "bytes_written": r.bytes,
-                "build_ms": (r.elapsed.as_secs_f64() * 1e6).round() / 1e3,
-                "not_set": r.skipped_note(),
-            }))
-        },
-    )
+/// A `dir` workspace as a rollback reaches it: the whole target tree is built beside the
+/// live one (files whose bytes did not change hard-linked from it, the others fetched) and
+/// swapped in with one rename; the walk then records it, and the service's next checkpoint
+/// makes it a snapshot.
+pub struct DirLive(pub Arc<DirTree>);
+
+impl LiveTree for DirLive {
+    fn roll_back(
+        &self,
+        repo: &Repo,
+        cur: &View,
+        target: &View,
+        _changed: &Changed,
+        sparse: Option<&Sparse>,
+    ) -> Result<serde_json::Value, BoxError> {
+        let full = match sparse {
+            Some(_) => repo.load_tree(target.seq)?.0,
+            None => target.to_tree(),
+        };
+        let src = SnapshotSource {
+            tree: &full,
+            cur,
+            chunks: RemoteChunks::new(repo.clone()),
+        };
+        let r = self.0.build_and_swap(&src)?;
+        Ok(serde_json::json!({
+            "provider": "dir",
+            "files": r.files,
+            "dirs": r.dirs,
+            "files_unchanged_linked": r.reused,
+            "bytes_written": r.bytes,
+            "build_ms": (r.elapsed.as_secs_f64() * 1e6).round() / 1e3,
+            "not_set": r.skipped_note(),
+        }))
+    }
 }
 
 #[cfg(test)]

@@ -2,8 +2,8 @@
 //! private → take its lock (`workspace::lock_state`) → take the remote's single-writer
 //! lease → give an empty state dir the remote's latest snapshot → open the store
 //! (`workspace::open_locked`) → wire a lazily restored state dir to the remote → mount
-//! (`Opened::mount`) → start the prefetch → start the checkpoint service → let rollbacks reach the mounted
-//! filesystem (`live`). The lock comes before the lease: a keel restarted on the same state
+//! (`Opened::mount`) → start the prefetch → start the checkpoint service, handing it the
+//! live workspace rollbacks change (`live::FuseLive`, `live::DirLive`). The lock comes before the lease: a keel restarted on the same state
 //! dir takes its own lease back at once, trusting the lock. The stop keeps the reverse:
 //! prefetch stopped → flush → final checkpoint → unmount → filesystem shut down → service
 //! closed (the lease released) → lock released. `workspace` and `persist` know nothing of
@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use crate::config::persist::{FsyncMode, ReplayMode};
 use crate::config::Config;
-use crate::persist::agent::MainCommand;
+use crate::persist::agent::{LiveTree, MainCommand};
 use crate::persist::lease::{LeaseError, ReleaseOnDrop};
 use crate::persist::restore::{self, RestoreError, RestoreMode};
 use crate::persist::service::{FlushFn, ServiceError};
@@ -276,8 +276,9 @@ pub struct Workspace {
 
 impl Prepared {
     /// Opens the locked state dir, wires the remote in as the source of windows not fetched
-    /// yet, mounts it, then starts the prefetch, the checkpoint service (with the lease and `main`, `keel run`'s main command for
-    /// `rollback --restart`), rollback of the mounted filesystem.
+    /// yet, mounts it, then starts the prefetch and the checkpoint service (with the lease,
+    /// `main`, `keel run`'s main command for `rollback --restart`, and the mounted
+    /// filesystem for rollbacks).
     pub fn mount(
         mut self,
         cfg: &Config,
@@ -324,13 +325,18 @@ impl Prepared {
             ws.prefetch = start_background(cfg, &fs, beside)?;
         }
         crate::logging::step("start", "checkpoints");
-        ws.persist = start_persist(cfg, &fs, self.lease.take(), main)?;
+        // Rollbacks change the filesystem and tell the kernel what it must forget: without
+        // the kernel's notifier there is no safe rollback, and none is offered.
+        let live = inval.map(|inval| {
+            Box::new(super::live::FuseLive {
+                fs: fs.clone(),
+                inval,
+            }) as Box<dyn LiveTree>
+        });
+        ws.persist = start_persist(cfg, &fs, self.lease.take(), main, live)?;
         if let Some(svc) = &ws.persist {
             let fs2 = fs.clone();
             svc.set_read_set(Box::new(move || fs2.read_set()), found);
-        }
-        if let (Some(svc), Some(inval)) = (&ws.persist, inval) {
-            svc.set_rollback(super::live::rollback_fn(fs, inval));
         }
         crate::logging::step("start", "ready");
         Ok(ws)
@@ -387,10 +393,10 @@ impl Prepared {
             self.lease.take(),
             main,
             Some(tree.opener()),
+            Some(Box::new(super::live::DirLive(tree.clone()))),
         )
         .map_err(StartError::Checkpoints)?;
         if let Some(svc) = &persist {
-            svc.set_rollback(super::live::dir_rollback_fn(tree.clone()));
             // Periodic checkpoints walk what change notification names (when it covers the
             // tree); every other checkpoint walks the whole tree (the flush above).
             match tree.watch() {
@@ -514,6 +520,7 @@ fn start_persist(
     fs: &Arc<WorkspaceFs>,
     lease: Option<crate::persist::lease::Lease>,
     main: Option<Arc<dyn MainCommand>>,
+    live: Option<Box<dyn LiveTree>>,
 ) -> Result<Option<Service>, StartError> {
     let fs2 = fs.clone();
     // Never touch the mount point from inside the daemon here (no syncfs of the mount): a
@@ -522,7 +529,7 @@ fn start_persist(
     // syncs the mount from its own process first, and the final checkpoint follows
     // `Mounted::flush`.
     let flush: FlushFn = Box::new(move || fs2.sync_all().map_err(Into::into));
-    let service = Service::start(&cfg.workspace, &cfg.persist, flush, lease, main)
+    let service = Service::start_with(&cfg.workspace, &cfg.persist, flush, lease, main, None, live)
         .map_err(StartError::Checkpoints)?;
     if let Some(svc) = &service {
         if cfg.persist.fsync == FsyncMode::Remote {

@@ -23,10 +23,10 @@ pub struct CheckpointArgs {
 pub fn main(config: Option<&Path>, a: CheckpointArgs) -> i32 {
     report("checkpoint", || {
         let cfg = persist_config(config, a.state.as_deref(), a.remote.as_deref(), a.lease)?;
-        let r = progress::show("checkpoint", || {
+        let line = progress::show("checkpoint", || {
             keel::control::agent_client::checkpoint(&cfg, a.full)
         })?;
-        println!("{}", r.text);
-        Ok(if r.ok { 0 } else { super::EXIT_FAILED })
+        println!("{line}");
+        Ok(0)
     })
 }

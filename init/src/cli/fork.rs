@@ -42,7 +42,7 @@ pub fn main(config: Option<&Path>, a: ForkArgs) -> i32 {
         }
         let to = a.to.as_deref().unwrap_or_default();
         let r = progress::show("fork", || {
-            keel::persist::ops::fork(&cfg, to, a.from.as_deref(), a.seq)
+            keel::control::agent_client::fork(&cfg, to, a.from.as_deref(), a.seq)
         })?;
         let from = a
             .from

@@ -23,7 +23,10 @@ pub fn main(config: Option<&Path>, a: GcArgs) -> i32 {
             a.remote.as_deref(),
             super::TakeoverArg::default(),
         )?;
-        println!("{}", progress::show("gc", || keel::persist::ops::gc(&cfg))?);
+        println!(
+            "{}",
+            progress::show("gc", || keel::control::agent_client::gc(&cfg))?
+        );
         Ok(0)
     })
 }

@@ -66,6 +66,8 @@ enum MountError {
     #[error("{0}")]
     Start(#[source] keel::boot::workspace::StartError),
     #[error("{0}")]
+    Control(#[source] keel::control::ControlError),
+    #[error("{0}")]
     Unmount(#[source] keel::workspace::SessionError),
 }
 
@@ -140,11 +142,30 @@ pub fn main(config_file: Option<&Path>, a: MountArgs) -> i32 {
 
 /// Mounts `cfg`'s workspace like `keel run` does (lock, lease, restore of an empty state
 /// dir, checkpoints: `boot::workspace`) and serves it until a stop signal or an unmount from
-/// outside, then saves and unmounts; SIGUSR1 logs the count of FUSE requests served.
+/// outside, then saves and unmounts; SIGUSR1 logs the count of FUSE requests served. The
+/// control API's Unix socket (`control::start_socket`) is up from the mount to the end of the
+/// unmount: `keel checkpoint`, `keel gc` and the agent commands reach the mount there.
 fn mount_foreground(cfg: &Config, record_changes: bool) -> Result<(), MountError> {
     use keel::sys::fgsig::{Stop, StopSignals};
     let signals = StopSignals::block().map_err(MountError::BlockSignals)?;
     let mut ws = keel::boot::workspace::start(cfg).map_err(MountError::Start)?;
+    let control = match keel::control::start_socket(cfg) {
+        Ok(c) => c,
+        Err(e) => {
+            // Saved and unmounted as at a stop, so the failure leaves nothing behind.
+            if let Err(u) = ws.unmount() {
+                tracing::warn!(error = %u, "unmount after the control socket failed");
+            }
+            return Err(MountError::Control(e));
+        }
+    };
+    let status = control.status();
+    status.mounted(cfg, ws.mounted());
+    // Nothing to supervise: `/health` is ok while the workspace is mounted.
+    status.set_services(Vec::new(), None);
+    if let Some(p) = ws.persist() {
+        keel::control::publish_checkpoints(status, p);
+    }
     let mounted = ws.mounted().expect("keel mount mounts FUSE");
     if record_changes {
         if let Err(e) = mounted.handle().watch() {
@@ -182,7 +203,10 @@ fn mount_foreground(cfg: &Config, record_changes: bool) -> Result<(), MountError
         }
         break;
     }
-    ws.unmount().map_err(MountError::Unmount)
+    control.status().unmounting();
+    let r = ws.unmount().map_err(MountError::Unmount);
+    control.stop();
+    r
 }
 
 #[cfg(test)]

@@ -1,15 +1,19 @@
-//! The agent commands (`keel snapshot create|list|delete`, `keel diff`, `keel rollback`)
-//! from wherever they are typed: through the running keel's `persist.sock` when the state
-//! dir is visible (`persist::agent_cmd`, which also works on a stopped state dir), and
-//! otherwise through the control API's Unix socket. Inside the sandbox the state dir is
-//! covered by an empty tmpfs, so there the control socket (`/run/keel/control.sock`, root
-//! and keel's user only) is the way in: the same routes, the same checks as `GET /snapshots`
-//! and `POST /rollback` over HTTP. `keel checkpoint` goes the same ways: `persist.sock`,
-//! the control API's `POST /checkpoint` (a `keel run` without checkpoints to a remote),
-//! else the stopped state dir directly.
+//! The command line's one way to a running keel: `keel checkpoint [--full]`, `keel gc`, the
+//! checkpoint `keel fork` takes first, and the agent commands (`keel snapshot
+//! create|list|delete`, `keel diff`, `keel rollback`). A running keel (`keel run` or `keel
+//! mount`) is reached only through its control API's Unix socket (`default_socket`:
+//! `[control] socket`, else the state dir's `control.sock`, else inside a keel container
+//! `/run/keel/control.sock`), with the routes and the rights checks the API has over HTTP; a
+//! stopped state dir is worked on directly (`persist::ops`, `persist::agent_cmd`). `find`
+//! tells the two apart: a socket that answers is a running keel; no socket, or one nobody
+//! listens on, is a stopped state dir, unless the state dir is locked (a keel still
+//! starting: asked again for a few seconds, then one line saying it does not answer).
+//! Before a checkpoint or an operation on the live workspace the mount is synced from this
+//! process, so what the kernel still caches reaches keel first (from here, so that a keel
+//! killed meanwhile cannot deadlock on its own mount).
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::client::{request_within, ClientError};
 use crate::config::Config;
@@ -18,9 +22,9 @@ use crate::persist::agent_cmd::{self, AgentCmdError, DiffOptions};
 use crate::persist::ops::{self, OpsError};
 use crate::persist::snapshots::{self, SnapshotsError};
 
-/// Why an agent command or `keel checkpoint` failed, by the way it went: `persist.sock`
-/// and the stopped state dir (`Ops`, `AgentCmd`), or the control socket. The messages are
-/// the command line's.
+/// Why `keel checkpoint`, `keel gc`, `keel fork` or an agent command failed: on the stopped
+/// state dir (`Ops`, `AgentCmd`), or on the way to the running keel. The messages are the
+/// command line's, one line each.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentClientError {
     /// Boxed, as `AgentCmd`: the steps' errors are large.
@@ -41,6 +45,10 @@ pub enum AgentClientError {
     Answer(#[source] serde_json::Error),
     #[error("write the answer: {0}")]
     Output(#[source] std::io::Error),
+    #[error("state dir {} is in use by a keel that does not answer on its control socket {} (still starting, or its socket is elsewhere: see [control] socket)", state.display(), socket.display())]
+    NotAnswering { state: PathBuf, socket: PathBuf },
+    #[error("no keel runs on {}: rollback works on a mounted workspace (a stopped one is restored with keel snapshot restore)", .0.display())]
+    NotRunning(PathBuf),
 }
 
 impl From<OpsError> for AgentClientError {
@@ -55,51 +63,117 @@ impl From<AgentCmdError> for AgentClientError {
     }
 }
 
-/// A rollback with `restart` waits for the main command to stop: allow for it.
+/// A checkpoint lasts as long as its upload (minutes for a large first one), a rollback with
+/// `restart` waits for the main command to stop: allow for it.
 const API_TIMEOUT: Duration = Duration::from_secs(3600);
 
-/// The control socket to use, when the state dir's `persist.sock` is not visible and the
-/// control API's socket is.
-fn api_socket(cfg: &Config) -> Option<PathBuf> {
-    let persist_sock = cfg.workspace.state_dir.join(crate::state::PERSIST_SOCK);
-    if persist_sock.exists() {
-        return None;
-    }
-    let s = super::default_socket(cfg);
-    s.exists().then_some(s)
+/// How long the first question (`GET /status`) may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a locked state dir whose socket is not up yet (a keel starting) is asked again.
+const START_WAIT: Duration = Duration::from_secs(5);
+
+/// Where the state dir's workspace is served, as `find` saw it.
+enum Keel {
+    /// A keel answers on this control socket; `mount`: its FUSE mount point.
+    Running {
+        socket: PathBuf,
+        mount: Option<PathBuf>,
+    },
+    /// No keel runs on the state dir: work on it directly.
+    Stopped,
 }
 
-/// `keel checkpoint [--full]`: by the running keel over `persist.sock` if there is one,
-/// else over its control API (`POST /checkpoint`: a flush when no remote is configured),
-/// else offline on the stopped state dir.
-pub fn checkpoint(cfg: &Config, full: bool) -> Result<ops::Answer, AgentClientError> {
-    if let Some(a) = ops::checkpoint_running(cfg, full)? {
-        return Ok(a);
-    }
-    let http = super::default_socket(cfg);
-    if http.exists() {
-        // A checkpoint lasts as long as its upload (minutes for a large first one): wait as
-        // for the other agent commands. Only a socket nobody listens on (a keel that is
-        // gone) sends this to the stopped state dir; a keel that is there answers, or its
-        // failure is the answer.
-        let route = if full {
-            "/checkpoint?full=1"
-        } else {
-            "/checkpoint"
-        };
-        match request_within(&http, "POST", route, API_TIMEOUT) {
-            Ok((code, body)) => {
-                return Ok(ops::Answer {
-                    text: body.trim().to_string(),
-                    ok: code == 200,
-                })
+/// Which keel serves `cfg`'s state dir, if any (see the module's doc).
+fn find(cfg: &Config) -> Result<Keel, AgentClientError> {
+    let socket = super::default_socket(cfg);
+    let state = &cfg.workspace.state_dir;
+    let t0 = Instant::now();
+    loop {
+        match request_within(&socket, "GET", "/status", PROBE_TIMEOUT) {
+            Ok((200, body)) => {
+                let v: serde_json::Value = json(&body)?;
+                let mount = (v["mount"]["mounted"] == true)
+                    .then(|| v["mount"]["mount_point"].as_str().map(PathBuf::from))
+                    .flatten();
+                return Ok(Keel::Running { socket, mount });
             }
+            Ok((_, body)) => return Err(AgentClientError::Refused(refusal(&body))),
             Err(ClientError::NotListening { .. }) => {}
             Err(e @ ClientError::Denied { .. }) => return Err(AgentClientError::Denied(e)),
             Err(e) => return Err(AgentClientError::Request(e)),
         }
+        if !crate::state::locked(state) {
+            return Ok(Keel::Stopped);
+        }
+        if t0.elapsed() > START_WAIT {
+            return Err(AgentClientError::NotAnswering {
+                state: state.clone(),
+                socket,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
-    Ok(ops::checkpoint_offline(cfg, full)?)
+}
+
+/// Pushes what the kernel caches for the running keel's mount into keel, from this process.
+fn sync_mount(mount: Option<&Path>, what: &str) {
+    if let Some(mp) = mount {
+        if let Err(e) = crate::sys::file::syncfs(mp) {
+            eprintln!(
+                "keel: {what}: syncfs {}: {e} (going on with what keel has)",
+                mp.display()
+            );
+        }
+    }
+}
+
+/// `keel checkpoint [--full]`: by the running keel (`POST /checkpoint`: a flush when no
+/// remote is configured), else as the stopped state dir's one writer. The line it prints.
+pub fn checkpoint(cfg: &Config, full: bool) -> Result<String, AgentClientError> {
+    let Keel::Running { socket, mount } = find(cfg)? else {
+        return Ok(ops::checkpoint_offline(cfg, full)?.text);
+    };
+    sync_mount(mount.as_deref(), "checkpoint");
+    let route = if full {
+        "/checkpoint?full=1"
+    } else {
+        "/checkpoint"
+    };
+    done(&json(&call(&socket, "POST", route)?)?)
+}
+
+/// The report's one line (`done`) of an answer.
+fn done(v: &serde_json::Value) -> Result<String, AgentClientError> {
+    Ok(v["done"].as_str().unwrap_or_default().to_string())
+}
+
+/// `keel gc`: by the running keel (`POST /gc`), else offline.
+pub fn gc(cfg: &Config) -> Result<String, AgentClientError> {
+    let Keel::Running { socket, .. } = find(cfg)? else {
+        return Ok(ops::gc(cfg)?);
+    };
+    done(&json(&call(&socket, "POST", "/gc")?)?)
+}
+
+/// `keel fork --to URL [--from URL] [--seq N]`: a keel serving the source here (the
+/// configured remote) checkpoints first, so the fork holds the latest state.
+pub fn fork(
+    cfg: &Config,
+    to: &str,
+    from: Option<&str>,
+    seq: Option<u64>,
+) -> Result<crate::persist::fork::ForkReport, AgentClientError> {
+    let configured = cfg.persist.remote_url(&cfg.workspace.state_dir);
+    let of_this = from.is_none() || configured.as_deref() == from;
+    if seq.is_none() && configured.is_some() && of_this {
+        if let Keel::Running { socket, mount } = find(cfg)? {
+            sync_mount(mount.as_deref(), "fork");
+            let line = done(&json(&call(&socket, "POST", "/checkpoint")?)?)?;
+            eprintln!("keel: fork: checkpointed the running workspace first: {line}");
+        }
+    }
+    Ok(ops::fork(cfg, to, from, seq)?)
 }
 
 /// Percent-encodes a query value (everything but RFC 3986's unreserved characters).
@@ -143,22 +217,23 @@ pub fn snapshot_create(
     cfg: &Config,
     c: &SnapshotCreate,
 ) -> Result<serde_json::Value, AgentClientError> {
-    let Some(sock) = api_socket(cfg) else {
-        return Ok(agent_cmd::snapshot_create(cfg, c)?);
-    };
     if let Some(n) = &c.name {
         snapshots::check_name(n).map_err(AgentClientError::CheckName)?;
     }
+    let Keel::Running { socket, mount } = find(cfg)? else {
+        return Ok(agent_cmd::snapshot_create(cfg, c)?);
+    };
+    sync_mount(mount.as_deref(), "snapshot create");
     let mut route = format!("/snapshots?message={}", enc(&c.message));
     if let Some(n) = &c.name {
         route.push_str(&format!("&name={}", enc(n)));
     }
-    json(&call(&sock, "POST", &route)?)
+    json(&call(&socket, "POST", &route)?)
 }
 
 /// The listing, as JSON or as the text table.
 pub fn snapshot_list(cfg: &Config, as_json: bool) -> Result<String, AgentClientError> {
-    let Some(sock) = api_socket(cfg) else {
+    let Keel::Running { socket, .. } = find(cfg)? else {
         let l = agent_cmd::snapshot_list(cfg)?;
         return Ok(if as_json {
             serde_json::to_string_pretty(&l).expect("listing serialises")
@@ -171,16 +246,16 @@ pub fn snapshot_list(cfg: &Config, as_json: bool) -> Result<String, AgentClientE
     } else {
         "/snapshots?format=text"
     };
-    Ok(call(&sock, "GET", route)?.trim_end().to_string())
+    Ok(call(&socket, "GET", route)?.trim_end().to_string())
 }
 
 /// The names removed.
 pub fn snapshot_delete(cfg: &Config, what: &str) -> Result<Vec<String>, AgentClientError> {
-    let Some(sock) = api_socket(cfg) else {
+    let Keel::Running { socket, .. } = find(cfg)? else {
         return Ok(agent_cmd::snapshot_delete(cfg, what)?);
     };
     let v = json(&call(
-        &sock,
+        &socket,
         "DELETE",
         &format!("/snapshots/{}", enc(what)),
     )?)?;
@@ -200,9 +275,13 @@ pub fn diff(
     o: &DiffOptions,
     out: &mut dyn std::io::Write,
 ) -> Result<(), AgentClientError> {
-    let Some(sock) = api_socket(cfg) else {
+    let Keel::Running { socket, mount } = find(cfg)? else {
         return Ok(agent_cmd::diff(cfg, o, out)?);
     };
+    if o.to.is_none() {
+        // Against the live workspace, which the keel checkpoints first.
+        sync_mount(mount.as_deref(), "diff");
+    }
     let mut route = format!("/diff?from={}", enc(&o.from));
     if let Some(t) = &o.to {
         route.push_str(&format!("&to={}", enc(t)));
@@ -213,7 +292,7 @@ pub fn diff(
         route.push_str("&format=text");
     }
     if o.path.is_some() {
-        let mut text = call(&sock, "GET", &route)?;
+        let mut text = call(&socket, "GET", &route)?;
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
         }
@@ -221,28 +300,34 @@ pub fn diff(
             .write_all(text.as_bytes())
             .map_err(AgentClientError::Output);
     }
-    let refused =
-        super::client::request_to(&sock, "GET", &route, API_TIMEOUT, out).map_err(|e| match e {
+    let refused = super::client::request_to(&socket, "GET", &route, API_TIMEOUT, out).map_err(
+        |e| match e {
             ClientError::Denied { .. } => AgentClientError::Denied(e),
             e => AgentClientError::Request(e),
-        })?;
+        },
+    )?;
     match refused {
         None => Ok(()),
         Some((_, body)) => Err(AgentClientError::Refused(refusal(&body))),
     }
 }
 
+/// `keel rollback`: only of a running keel (a stopped workspace is restored with `keel
+/// snapshot restore`).
 pub fn rollback(cfg: &Config, r: &Rollback) -> Result<serde_json::Value, AgentClientError> {
-    let Some(sock) = api_socket(cfg) else {
-        return Ok(agent_cmd::rollback(cfg, r)?);
+    let Keel::Running { socket, mount } = find(cfg)? else {
+        return Err(AgentClientError::NotRunning(
+            cfg.workspace.state_dir.clone(),
+        ));
     };
+    sync_mount(mount.as_deref(), "rollback");
     let mut route = format!("/rollback?to={}", enc(&r.to));
     match r.restart {
         Some(true) => route.push_str("&restart=1"),
         Some(false) => route.push_str("&restart=0"),
         None => {}
     }
-    json(&call(&sock, "POST", &route)?)
+    json(&call(&socket, "POST", &route)?)
 }
 
 #[cfg(test)]
@@ -251,11 +336,11 @@ mod tests {
     use std::io::{Read, Write};
     use std::os::unix::net::UnixListener;
 
-    /// `keel checkpoint` through the control socket (inside the sandbox): a slow answer is
-    /// waited for (a 1 GiB checkpoint to S3 took longer than the 10 s a status call gets,
-    /// and the command then tried the state dir it cannot see: "Read-only file system");
-    /// a keel that fails is the answer; only a socket nobody listens on sends the command
-    /// to the stopped state dir.
+    /// `keel checkpoint` through the control socket (inside the sandbox, as everywhere): a
+    /// slow answer is waited for (a 1 GiB checkpoint to S3 took longer than the 10 s a status
+    /// call gets, and the command then tried the state dir it cannot see: "Read-only file
+    /// system"); a keel that fails is the answer; only a socket nobody listens on sends the
+    /// command to the stopped state dir.
     #[test]
     fn a_checkpoint_over_the_control_socket_waits_and_goes_offline_only_when_nobody_listens() {
         let dir = tempfile::tempdir().unwrap();
@@ -265,30 +350,50 @@ mod tests {
         cfg.control.socket = Some(sock.clone());
         let l = UnixListener::bind(&sock).unwrap();
         let server = std::thread::spawn(move || {
-            // The whole request is read before the connection is closed (a close with unread
-            // bytes resets the connection: the client would read ECONNRESET, not the answer).
-            let (mut s, _) = l.accept().unwrap();
-            let req = read_request(&mut s);
-            // Longer than the 10 s a status call waits; the checkpoint waits an hour.
-            std::thread::sleep(Duration::from_secs(11));
-            s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n{\"ok\":true}\n")
-                .unwrap();
-            s.shutdown(std::net::Shutdown::Write).unwrap();
-            // Until the client has read the answer and closed.
-            let _ = s.read_to_end(&mut Vec::new());
-            // A keel that hangs up without answering.
-            let (mut s, _) = l.accept().unwrap();
-            read_request(&mut s);
-            drop(s);
-            req
+            let mut asked = Vec::new();
+            for (answer, wait) in [
+                (STATUS, 0),
+                // Longer than the 10 s a status call waits; the checkpoint waits an hour.
+                ("{\"ok\":true,\"done\":\"snapshot 7\"}\n", 11),
+                (STATUS, 0),
+                // A keel that hangs up without answering.
+                ("", 0),
+            ] {
+                // The whole request is read before the connection is closed (a close with
+                // unread bytes resets the connection: the client would read ECONNRESET,
+                // not the answer).
+                let (mut s, _) = l.accept().unwrap();
+                let req = read_request(&mut s);
+                asked.push(req.lines().next().unwrap_or_default().to_string());
+                std::thread::sleep(Duration::from_secs(wait));
+                if answer.is_empty() {
+                    continue;
+                }
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+                    answer.len()
+                );
+                s.write_all(head.as_bytes()).unwrap();
+                s.write_all(answer.as_bytes()).unwrap();
+                s.shutdown(std::net::Shutdown::Write).unwrap();
+                // Until the client has read the answer and closed.
+                let _ = s.read_to_end(&mut Vec::new());
+            }
+            asked
         });
-        let a = checkpoint(&cfg, true).unwrap();
-        assert_eq!(a.text, "{\"ok\":true}");
-        assert!(a.ok);
+        assert_eq!(checkpoint(&cfg, true).unwrap(), "snapshot 7");
         let e = checkpoint(&cfg, false).unwrap_err();
         assert!(matches!(e, AgentClientError::Request(_)), "{e}");
-        let req = server.join().unwrap();
-        assert!(req.starts_with("POST /checkpoint?full=1 "), "{req}");
+        let asked = server.join().unwrap();
+        assert_eq!(
+            asked,
+            [
+                "GET /status HTTP/1.1",
+                "POST /checkpoint?full=1 HTTP/1.1",
+                "GET /status HTTP/1.1",
+                "POST /checkpoint HTTP/1.1"
+            ]
+        );
         // A socket nobody listens on (a keel that is gone): the stopped state dir's way. Made
         // with mknod, not by closing the listener above: a process forked by another test
         // may still hold a copy of that fd and accept the connection.
@@ -298,6 +403,9 @@ mod tests {
         let e = checkpoint(&cfg, false).unwrap_err();
         assert!(matches!(e, AgentClientError::Ops(_)), "{e}");
     }
+
+    /// A running keel's `GET /status`, with its workspace not mounted (nothing to sync).
+    const STATUS: &str = "{\"mount\":{\"mounted\":false}}\n";
 
     /// Reads one request head (the client sends no body).
     fn read_request(s: &mut std::os::unix::net::UnixStream) -> String {

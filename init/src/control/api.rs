@@ -95,6 +95,11 @@ const AGENT_ROUTES_FORBIDDEN: &str = "forbidden: snapshots, diffs and rollbacks 
     every file; they are for root and keel's own user on the control socket, or for the \
     holder of the control token over TCP";
 
+/// The answer to a full checkpoint asked for with `Rights::Observe`.
+const FULL_CHECKPOINT_FORBIDDEN: &str = "forbidden: a full checkpoint uploads the whole \
+    workspace again; it is for root and keel's own user on the control socket, or for the \
+    holder of the control token over TCP (a plain POST /checkpoint is open to observers)";
+
 /// The answer to `/exec` and `/processes` called with `Rights::Observe`.
 const PROCESS_ROUTES_FORBIDDEN: &str = "forbidden: processes run with the sandbox's rights as \
     any user; they are for root and keel's own user on the control socket, or for the \
@@ -147,9 +152,10 @@ pub fn dispatch(req: &Request, status: &StatusHandle, access: &Access) -> Dispat
         Found::NotFound => Dispatch::Answer(Response::text(404, "not found\n")),
         Found::OtherMethods(allow) => Dispatch::Answer(method_not_allowed(&allow)),
         Found::Route(route, params) => {
-            if route.rights == Rights::All && rights != Rights::All {
-                let why = if route.path.starts_with("/exec") || route.path.starts_with("/processes")
-                {
+            if needed_rights(&route, req) == Rights::All && rights != Rights::All {
+                let why = if route.path == "/checkpoint" {
+                    FULL_CHECKPOINT_FORBIDDEN
+                } else if route.path.starts_with("/exec") || route.path.starts_with("/processes") {
                     PROCESS_ROUTES_FORBIDDEN
                 } else if route.path.starts_with("/files") {
                     FILES_ROUTES_FORBIDDEN
@@ -161,6 +167,15 @@ pub fn dispatch(req: &Request, status: &StatusHandle, access: &Access) -> Dispat
             Dispatch::Route(route, params)
         }
     }
+}
+
+/// The rights `req` needs: its route's, and every right for a full checkpoint, which an
+/// observer must not be able to set off (it uploads the whole workspace again).
+fn needed_rights(route: &super::routes::Route, req: &Request) -> Rights {
+    if route.path == "/checkpoint" && full_asked(&req.query) {
+        return Rights::All;
+    }
+    route.rights
 }
 
 /// Answers one request whose body has been read (a plain route, or an answer of
@@ -187,26 +202,46 @@ pub fn metrics(_: &Request, _: &super::routes::Params, status: &StatusHandle) ->
     r
 }
 
-/// `POST /checkpoint`. A full snapshot is written where the state dir is visible (`keel
-/// checkpoint --full` there); here it would quietly be a delta.
+/// `POST /checkpoint` (`?full=1`: a full snapshot, not a delta, which only a caller with
+/// every right may ask for: see `needed_rights`).
 pub fn checkpoint(req: &Request, _: &super::routes::Params, status: &StatusHandle) -> Response {
-    let full = super::snapshots::param(&req.query, "full");
-    if full.is_some_and(|v| v != "0" && v != "false") {
-        return super::snapshots::error(
-            400,
-            "a full snapshot is not offered over the control API: \
-             run `keel checkpoint --full` where the state dir is visible",
-        );
+    if full_asked(&req.query) {
+        return answer_checkpoint(status.checkpoint_full());
     }
-    run_checkpoint(status)
+    answer_checkpoint(status.checkpoint())
+}
+
+/// `?full=` set to anything but `0` or `false`.
+fn full_asked(query: &str) -> bool {
+    super::snapshots::param(query, "full").is_some_and(|v| v != "0" && v != "false")
+}
+
+/// `POST /gc`: old snapshots and the chunks no kept snapshot uses go, under the configured
+/// retention, by the checkpoint service (`keel gc`).
+pub fn gc(_: &Request, _: &super::routes::Params, status: &StatusHandle) -> Response {
+    let Some(agent) = status.agent() else {
+        return super::snapshots::error(503, super::status::NO_SERVICE);
+    };
+    let t0 = std::time::Instant::now();
+    match agent.gc() {
+        Ok(r) => super::snapshots::json(
+            200,
+            &serde_json::json!({
+                "ok": true,
+                "done": r.to_string(),
+                "duration_ms": ms(t0.elapsed()),
+            }),
+        ),
+        Err(e) => super::snapshots::error(super::snapshots::service_status(&e), &e.to_string()),
+    }
 }
 
 fn ms(d: Duration) -> u64 {
     d.as_millis().try_into().unwrap_or(u64::MAX)
 }
 
-fn run_checkpoint(status: &StatusHandle) -> Response {
-    let (code, body) = match status.checkpoint() {
+fn answer_checkpoint(outcome: CheckpointOutcome) -> Response {
+    let (code, body) = match outcome {
         CheckpointOutcome::Done(report, took) => {
             let mut v = serde_json::to_value(&report).unwrap_or_default();
             if let Some(o) = v.as_object_mut() {

@@ -12,7 +12,7 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("nothing is listening on {} (is `keel run` running with this state dir?)", path.display())]
+    #[error("nothing is listening on {} (is `keel run` or `keel mount` running with this state dir?)", path.display())]
     NotListening { path: PathBuf },
     #[error("{}: permission denied (the control socket is for root / keel's user only)", path.display())]
     Denied { path: PathBuf },

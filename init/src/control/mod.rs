@@ -1,9 +1,13 @@
-//! The control API: an HTTP/1.1 server on hyper that reports keel's state and triggers
-//! checkpoints. `status` is the shared model everything publishes into; `server` runs the
-//! listeners (TCP when `[control] listen` is set, the root-only Unix socket for `keel
-//! status`) and converts hyper's requests to `api`'s, which routes; `auth` checks tokens;
-//! `metrics` is the Prometheus exposition; `client` is `keel status`. Everything here runs on
-//! its own threads and never blocks the supervisor.
+//! The control API, the one protocol of a running keel: an HTTP/1.1 server on hyper that
+//! reports keel's state and serves checkpoints, gc, named snapshots, diffs, rollbacks,
+//! processes and files. `status` is the shared model everything publishes into (and
+//! `publish_checkpoints` wires the checkpoint service in); `server` runs the listeners (TCP
+//! when `[control] listen` is set, and the Unix socket for root, keel's user and `[control]
+//! group`: `start` under `keel run`, `start_socket`, the socket alone, under `keel mount`)
+//! and converts hyper's requests to `api`'s, which routes; `auth` checks tokens; `metrics` is
+//! the Prometheus exposition; `client` speaks to the socket, and `agent_client` is the
+//! command line's one way to a running keel. Everything here runs on its own threads and
+//! never blocks the supervisor.
 
 pub mod agent_client;
 pub mod api;
@@ -87,20 +91,8 @@ pub fn start(cfg: &Config) -> Result<Control, ControlError> {
         }
         None => None,
     };
-    let group = match &c.group {
-        Some(g) => Some(crate::sys::process::resolve_group(g).map_err(ControlError::Group)?),
-        None => None,
-    };
     let unix = match c.socket_path(cfg, crate::sys::process::is_root_pid1()) {
-        Some(path) => match server::serve_unix(&path, status.clone(), group, server::Limits::of(c))
-        {
-            Ok(s) => Some(s),
-            Err(e) if c.socket.is_some() => return Err(ControlError::Socket(e)),
-            Err(e) => {
-                warn!("no control socket for `keel status`: {e}");
-                None
-            }
-        },
+        Some(path) => serve_socket(cfg, status, &path)?,
         None => None,
     };
     Ok(Control {
@@ -108,6 +100,95 @@ pub fn start(cfg: &Config) -> Result<Control, ControlError> {
         tcp,
         unix,
     })
+}
+
+/// What `keel mount` serves: the Unix socket only (`[control] socket`, else the state dir's
+/// `control.sock`), with the same rights as under `keel run`, and no TCP listener: a mount
+/// on a host is reached by root, keel's user and `[control] group`, like its state dir.
+pub fn start_socket(cfg: &Config) -> Result<Control, ControlError> {
+    let status = &StatusHandle::new(cfg);
+    let path = cfg
+        .control
+        .socket
+        .clone()
+        .unwrap_or_else(|| cfg.workspace.state_dir.join(crate::state::CONTROL_SOCK));
+    Ok(Control {
+        status: status.clone(),
+        tcp: None,
+        unix: serve_socket(cfg, status, &path)?,
+    })
+}
+
+/// The Unix socket at `path`. One that cannot be created is an error when `[control]
+/// socket` names it, and only warns at the default place (it is a convenience there).
+fn serve_socket(
+    cfg: &Config,
+    status: &StatusHandle,
+    path: &std::path::Path,
+) -> Result<Option<Server>, ControlError> {
+    let c = &cfg.control;
+    let group = match &c.group {
+        Some(g) => Some(crate::sys::process::resolve_group(g).map_err(ControlError::Group)?),
+        None => None,
+    };
+    match server::serve_unix(path, status.clone(), group, server::Limits::of(c)) {
+        Ok(s) => Ok(Some(s)),
+        Err(e) if c.socket.is_some() => Err(ControlError::Socket(e)),
+        Err(e) => {
+            warn!("no control socket for `keel status`, `keel checkpoint` and the agent commands: {e}");
+            Ok(None)
+        }
+    }
+}
+
+/// `POST /checkpoint` takes a real checkpoint to the remote, the agent routes reach the
+/// checkpoint service, and `/status` shows the backlog, the failures and the lease, updated
+/// after every checkpoint attempt and lease renewal.
+pub fn publish_checkpoints(status: &StatusHandle, svc: &crate::persist::Service) {
+    let observer: crate::persist::service::StateObserver = {
+        let status = status.clone();
+        std::sync::Arc::new(move |st: &crate::persist::PersistState| {
+            status.update_persist(|p| {
+                p.dirty_bytes = Some(st.backlog.bytes);
+                p.dirty_files = Some(st.backlog.files);
+                p.backlog_inodes = Some(st.backlog.inodes);
+                p.remote_backlog_bytes = Some(st.backlog.bytes);
+                p.last_checkpoint = st.last_checkpoint_ns.map(|ns| {
+                    std::time::UNIX_EPOCH + std::time::Duration::from_nanos(ns.max(0) as u64)
+                });
+                p.consecutive_failures = Some(st.consecutive_failures);
+                p.last_error = st.last_error.clone();
+                p.remote_disk_bytes = st.remote_disk_bytes;
+                p.lease = Some(match &st.lease {
+                    None => LeaseStatus {
+                        held: false,
+                        state: "disabled".into(),
+                        holder: None,
+                        epoch: None,
+                        expires: None,
+                        error: None,
+                    },
+                    Some(l) => LeaseStatus {
+                        held: l.state == crate::persist::lease::LeaseState::Held,
+                        state: l.state.as_str().into(),
+                        holder: Some(l.holder.clone()),
+                        epoch: Some(l.epoch),
+                        expires: Some(
+                            std::time::UNIX_EPOCH
+                                + std::time::Duration::from_nanos(l.expires_ns.max(0) as u64),
+                        ),
+                        error: l.error.clone(),
+                    },
+                });
+            });
+        })
+    };
+    svc.set_observer(observer);
+    let h = svc.handle();
+    status.set_agent(h.clone());
+    status.set_checkpoint(Box::new(move || {
+        Ok(CheckpointReport::of(&h.checkpoint_now()?))
+    }));
 }
 
 impl Control {

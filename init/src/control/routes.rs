@@ -76,7 +76,9 @@ use Rights::{All, Observe};
 pub static ROUTES: &[Route] = &[
     r("GET", "/status", Observe, Plain(api::status)),
     r("GET", "/metrics", Observe, Plain(api::metrics)),
+    // `?full=1` needs `All` (`api::needed_rights`).
     r("POST", "/checkpoint", Observe, Plain(api::checkpoint)),
+    r("POST", "/gc", All, Plain(api::gc)),
     r("GET", "/snapshots", All, Plain(snapshots::route)),
     r("POST", "/snapshots", All, Plain(snapshots::route)),
     r("DELETE", "/snapshots/{name}", All, Plain(snapshots::route)),

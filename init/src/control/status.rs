@@ -306,10 +306,12 @@ impl StatusHandle {
         });
     }
 
-    /// The final flush and unmount begin: no more checkpoints through the control API.
+    /// The final flush and unmount begin: no more checkpoints, snapshots or rollbacks
+    /// through the control API (the checkpoint service is busy with the final checkpoint).
     pub fn unmounting(&self) {
         self.set_stopping("stopping");
         self.set_workspace(None);
+        *lock(&self.0.agent) = None;
         self.set_mount(MountState::Unmounting);
     }
 
@@ -535,10 +537,8 @@ impl StatusHandle {
     pub fn checkpoint(&self) -> CheckpointOutcome {
         let _one = lock(&self.0.checkpoint_running);
         let t0 = Instant::now();
-        if let Phase::Stopping(_) = lock(&self.0.state).phase {
-            return CheckpointOutcome::Unavailable(
-                "keel is stopping; the final flush is under way".into(),
-            );
+        if let Some(stopping) = self.stopping_outcome() {
+            return stopping;
         }
         let callback = lock(&self.0.checkpoint).clone();
         if let Some(f) = callback {
@@ -566,6 +566,49 @@ impl StatusHandle {
                 t0.elapsed(),
             ),
             Err(e) => CheckpointOutcome::Failed(e.to_string()),
+        }
+    }
+
+    /// A checkpoint that writes a full snapshot, not a delta (`keel checkpoint --full`), by
+    /// the checkpoint service (never beside another checkpoint of this API). Without a
+    /// service there is no snapshot to write.
+    pub fn checkpoint_full(&self) -> CheckpointOutcome {
+        let _one = lock(&self.0.checkpoint_running);
+        let t0 = Instant::now();
+        if let Some(stopping) = self.stopping_outcome() {
+            return stopping;
+        }
+        let Some(agent) = self.agent() else {
+            return CheckpointOutcome::Unavailable(NO_SERVICE.into());
+        };
+        match agent.checkpoint_full() {
+            Ok(r) => CheckpointOutcome::Done(CheckpointReport::of(&r), t0.elapsed()),
+            Err(e) => CheckpointOutcome::Failed(e.to_string()),
+        }
+    }
+
+    /// The answer to a checkpoint asked for once keel is stopping.
+    fn stopping_outcome(&self) -> Option<CheckpointOutcome> {
+        matches!(lock(&self.0.state).phase, Phase::Stopping(_)).then(|| {
+            CheckpointOutcome::Unavailable("keel is stopping; the final flush is under way".into())
+        })
+    }
+}
+
+/// Why a route that needs the checkpoint service is not served.
+pub const NO_SERVICE: &str =
+    "no checkpoint service (no workspace mounted, keel is stopping, or [persist] remote = \"none\")";
+
+impl CheckpointReport {
+    /// The report of a checkpoint by the checkpoint service.
+    pub fn of(r: &crate::persist::checkpoint::CheckpointReport) -> Self {
+        CheckpointReport {
+            done: r.to_string(),
+            remote: true,
+            files: Some(r.inodes),
+            chunks_uploaded: Some(r.chunks_uploaded),
+            bytes_uploaded: Some(r.chunk_bytes_uploaded),
+            checkpoint: r.seq.map(|s| s.to_string()),
         }
     }
 }

@@ -8,8 +8,8 @@
 //! `rollback-from-M` while the rollback runs and `before-rollback-N` once it is done, so it
 //! can be rolled back to, whatever the retention or a gc meanwhile), see that tree and the
 //! target's (from the history, or only the parts the snapshots between them touched,
-//! `diff::sparse`), hand both to the mounted filesystem (`RollbackFn`, set by the workspace
-//! session), then checkpoint again: the rolled-back tree is snapshot N. A rollback that
+//! `diff::sparse`), hand both to the live workspace (`LiveTree`, which the workspace's
+//! start hands the service), then checkpoint again: the rolled-back tree is snapshot N. A rollback that
 //! changes nothing makes no snapshot and names none: its undo is the snapshot it started
 //! from.
 
@@ -62,7 +62,7 @@ pub enum AgentError {
     NoMain,
     #[error(transparent)]
     Main(#[from] MainCommandError),
-    /// The mounted filesystem's rollback (`RollbackFn`) failed.
+    /// The live workspace's rollback (`LiveTree::roll_back`) failed.
     #[error("{0}")]
     Apply(#[source] super::service::BoxError),
     /// A rollback failed after it named the state before it (`pin`): where to go back.
@@ -153,21 +153,25 @@ pub struct Diff {
     pub to: Option<String>,
 }
 
-/// Makes the mounted workspace equal to `target` (the tree at the last checkpoint is
-/// `current`); returns what it did, as JSON.
-/// `changed` names every inode and entry that may differ between the two. With a
-/// `Sparse`, the two views hold only what may differ (and the directories): what else the
-/// rollback needs of the target is read from it (`Sparse::read_to`).
-pub type RollbackFn = Box<
-    dyn Fn(
-            &Repo,
-            &View,
-            &View,
-            &Changed,
-            Option<&Sparse>,
-        ) -> Result<serde_json::Value, super::service::BoxError>
-        + Send,
->;
+/// The live workspace as a rollback reaches it. The workspace's side implements it (the
+/// FUSE filesystem with its kernel notifier, or the `dir` provider's tree: `boot::live`)
+/// and hands it to the checkpoint service when it starts it (`Service::start_with`); this
+/// is all persist knows of the filesystem.
+pub trait LiveTree: Send {
+    /// Makes the live workspace equal to `target` (the tree at the last checkpoint is
+    /// `current`); returns what it did, as JSON. `changed` names every inode and entry that
+    /// may differ between the two. With a `Sparse`, the two views hold only what may differ
+    /// (and the directories): what else the rollback needs of the target is read from it
+    /// (`Sparse::read_to`).
+    fn roll_back(
+        &self,
+        repo: &Repo,
+        current: &View,
+        target: &View,
+        changed: &Changed,
+        sparse: Option<&Sparse>,
+    ) -> Result<serde_json::Value, super::service::BoxError>;
+}
 
 fn ms(t: Instant) -> f64 {
     (t.elapsed().as_secs_f64() * 1e6).round() / 1e3
@@ -484,7 +488,7 @@ pub const NO_MAIN: &str = "--restart needs keel run: keel mount supervises no co
 
 fn rollback(w: &mut Worker, req: &Rollback) -> Result<serde_json::Value, AgentError> {
     let t0 = Instant::now();
-    if w.rollback.is_none() {
+    if w.live.is_none() {
         return Err(AgentError::NotMounted);
     }
     let repo = w.p.repo().clone();
@@ -600,8 +604,10 @@ fn roll_and_checkpoint(
     let t_load = ms(t1);
     let t2 = Instant::now();
     op.step("apply");
-    let f = w.rollback.as_ref().expect("checked above");
-    let detail = f(repo, &cur, &tgt, &changed, sparse.as_ref()).map_err(AgentError::Apply)?;
+    let live = w.live.as_ref().expect("checked above");
+    let detail = live
+        .roll_back(repo, &cur, &tgt, &changed, sparse.as_ref())
+        .map_err(AgentError::Apply)?;
     drop((cur, tgt));
     drop(sparse);
     // What the trees held goes back to the system (RSS stays at the peak otherwise).

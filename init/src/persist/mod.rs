@@ -2,7 +2,8 @@
 //! (content-addressed blake3 chunks shared by every snapshot, metadata snapshots as deltas
 //! with periodic compaction, a head pointer), restore of any snapshot into an empty state
 //! dir, garbage collection with snapshot retention, `fsck` of a state dir and its remote, and
-//! the background service (periodic checkpoints, the control socket, the final checkpoint
+//! the background service (periodic checkpoints, the checkpoints, snapshots, diffs and
+//! rollbacks the control API asks of it through `CheckpointHandle`, the final checkpoint
 //! at shutdown), and the single-writer lease that fences every head write; remote requests
 //! retry temporary failures within the caller's deadline. Everything it keeps on disk (state
 //! dir, `file://` remote) is private to keel's user: 0700 directories, 0600 files
@@ -12,7 +13,6 @@
 pub mod agent;
 pub mod agent_cmd;
 pub mod checkpoint;
-pub mod control;
 pub mod diff;
 pub mod fork;
 pub mod format;

@@ -1,20 +1,18 @@
-//! One-shot persistence operations for the command line, on a config it has made: `keel
-//! checkpoint` (its `persist.sock` and offline halves; `control::agent_client` routes it),
-//! `gc`, `fsck`, `snapshot restore`, `fork`. Each talks to the running keel over
-//! `persist.sock` when the state dir is mounted, and otherwise locks the state dir and works
-//! on it directly. Long work reports to `crate::progress`.
+//! One-shot persistence operations for the command line on a stopped state dir, on a config
+//! it has made: `keel checkpoint`, `gc`, `fsck`, `snapshot restore`, `fork`. Each locks the
+//! state dir and works on it directly; a running keel is asked through its control API
+//! instead (`control::agent_client` decides which, and asks it). Long work reports to
+//! `crate::progress`.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use super::checkpoint::{CheckpointError, CheckpointOptions, Persister};
-use super::control::RequestError;
 use super::fork::ForkError;
 use super::fsck::{FsckError, FsckReport};
 use super::gc::GcError;
 use super::lease::LeaseError;
 use super::restore::{RestoreError, RestoreReport};
-use super::{control, gc, open_remote, params, restore, RemoteError, Repo};
+use super::{gc, open_remote, params, restore, RemoteError, Repo};
 use crate::config::Config;
 use crate::meta::MetaError;
 use crate::sys;
@@ -39,11 +37,8 @@ pub enum OpsError {
         #[source]
         source: std::io::Error,
     },
-    #[error("state dir {} is in use by a running keel that does not answer on persist.sock (checkpoints off, or still starting)", .0.display())]
+    #[error("state dir {} is in use by a running keel (it did not answer on its control socket)", .0.display())]
     InUse(PathBuf),
-    /// Talking to the running keel over `persist.sock`.
-    #[error("{0}")]
-    Ask(#[source] RequestError),
     #[error("{0}")]
     OpenState(#[source] Box<CheckpointError>),
     #[error("{0}")]
@@ -95,71 +90,11 @@ pub(super) fn lock_offline(state: &Path) -> Result<sys::file::LockFile, OpsError
         .ok_or_else(|| OpsError::InUse(state.to_path_buf()))
 }
 
-/// Asks the running keel; while the state dir is locked but the socket is not up yet (keel
-/// is starting), retries for a few seconds. `None`: no keel runs there.
-pub(super) fn ask(state: &Path, cmd: &str) -> Result<Option<String>, OpsError> {
-    let t0 = std::time::Instant::now();
-    loop {
-        if let Some(r) =
-            control::request(state, cmd, Duration::from_secs(3600)).map_err(OpsError::Ask)?
-        {
-            return Ok(Some(r));
-        }
-        if !crate::state::locked(state) || t0.elapsed() > Duration::from_secs(5) {
-            return Ok(None);
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// [`ask`] for a command whose answer is streamed to `out` (`control::request_stream`);
-/// `Ok(false)`: no keel runs there.
-pub(super) fn ask_stream(
-    state: &Path,
-    cmd: &str,
-    out: &mut dyn std::io::Write,
-) -> Result<bool, OpsError> {
-    let t0 = std::time::Instant::now();
-    loop {
-        if control::request_stream(state, cmd, Duration::from_secs(3600), out)
-            .map_err(OpsError::Ask)?
-        {
-            return Ok(true);
-        }
-        if !crate::state::locked(state) || t0.elapsed() > Duration::from_secs(5) {
-            return Ok(false);
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// What a command printed and whether it succeeded.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Answer {
     pub text: String,
     pub ok: bool,
-}
-
-/// `keel checkpoint [--full]` by the keel running on the state dir, over its
-/// `persist.sock`; `None`: no keel answers there (see `control::agent_client::checkpoint`
-/// for the other ways).
-pub fn checkpoint_running(cfg: &Config, full: bool) -> Result<Option<Answer>, OpsError> {
-    let state = &cfg.workspace.state_dir;
-    let cmd = if full {
-        "checkpoint full"
-    } else {
-        "checkpoint"
-    };
-    if let Some(mp) = ask(state, "mount-point")? {
-        // Push what the kernel still caches for the mount into keel first; from this
-        // process, so a keel killed meanwhile cannot deadlock on its own mount.
-        if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
-            eprintln!("keel: checkpoint: syncfs {mp}: {e} (checkpointing what keel has)");
-        }
-    }
-    Ok(control::request(state, cmd, Duration::from_secs(3600))
-        .map_err(OpsError::Ask)?
-        .map(|r| Answer { text: r, ok: true }))
 }
 
 /// `keel checkpoint [--full]` of a stopped state dir, as its one writer.
@@ -216,12 +151,9 @@ fn renewed_lease(
     Ok(lease)
 }
 
-/// `keel gc`: by the running keel if there is one, else offline.
+/// `keel gc` of a stopped state dir's remote.
 pub fn gc(cfg: &Config) -> Result<String, OpsError> {
     let state = &cfg.workspace.state_dir;
-    if let Some(r) = ask(state, "gc")? {
-        return Ok(r);
-    }
     let _lock = lock_offline(state)?;
     let mut repo = repo_of(cfg)?;
     // Under the workspace's lease, as the running keel's own gc is: a live writer may name
@@ -299,34 +231,21 @@ pub fn snapshot_restore(cfg: &Config, seq: Option<u64>) -> Result<RestoreReport,
 }
 
 /// `keel fork --to URL [--from URL] [--seq N]`: a new workspace from a snapshot of the
-/// source (default: the configured remote, checkpointed first by a keel serving it here).
+/// source (default: the configured remote; a keel serving it here was asked to checkpoint
+/// first, by `control::agent_client::fork`).
 pub fn fork(
     cfg: &Config,
     to: &str,
     from: Option<&str>,
     seq: Option<u64>,
 ) -> Result<super::fork::ForkReport, OpsError> {
-    let state = &cfg.workspace.state_dir;
-    let configured = cfg.persist.remote_url(state);
     let from = match from {
         Some(f) => f.to_string(),
-        None => configured.clone().ok_or(OpsError::NoForkSource)?,
+        None => cfg
+            .persist
+            .remote_url(&cfg.workspace.state_dir)
+            .ok_or(OpsError::NoForkSource)?,
     };
-    // A keel serving the source here checkpoints first, so the fork holds the latest state.
-    if seq.is_none() && configured.as_deref() == Some(from.as_str()) {
-        if let Some(mp) = control::request(state, "mount-point", Duration::from_secs(10))
-            .map_err(OpsError::Ask)?
-        {
-            if let Err(e) = sys::file::syncfs(Path::new(&mp)) {
-                eprintln!("keel: fork: syncfs {mp}: {e} (checkpointing what keel has)");
-            }
-        }
-        if let Some(r) = control::request(state, "checkpoint", Duration::from_secs(3600))
-            .map_err(OpsError::Ask)?
-        {
-            eprintln!("keel: fork: checkpointed the running workspace first: {r}");
-        }
-    }
     let mut src = open_remote(&from, &cfg.persist).map_err(OpsError::OpenRemote)?;
     let mut dst = open_remote(to, &cfg.persist).map_err(OpsError::OpenRemote)?;
     super::fork::fork(&mut src, &mut dst, seq).map_err(OpsError::Fork)

@@ -1,6 +1,6 @@
 //! The checkpoint service of a mounted workspace: one worker thread that owns the
 //! `Persister` and takes a checkpoint every `[persist] interval` when something changed,
-//! on request (control socket, `fsync = "remote"`), and a final one at shutdown within a
+//! on request (the control API through `CheckpointHandle`, `fsync = "remote"`), and a final one at shutdown within a
 //! deadline; automatic gc every `gc_every` checkpoints. If the final checkpoint cannot
 //! finish, `finish` reports exactly what did not reach the remote; it stays in the local
 //! state (pending) and the next start uploads it first. A failed periodic checkpoint is
@@ -15,7 +15,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::checkpoint::{backlog, Backlog, CheckpointOptions, CheckpointReport, Persister};
-use super::control;
 use super::gc::{gc_with, GcReport, Retention};
 use super::lease::{Lease, LeaseInfo, LeaseState};
 use crate::config::{PersistConfig, WorkspaceConfig};
@@ -32,7 +31,7 @@ pub type FlushFn = Box<dyn Fn() -> Result<(), BoxError> + Send>;
 /// The mounted filesystem's read set and its generation (see `persist::readset`).
 pub type ReadSetFn = Box<dyn Fn() -> (u64, Vec<(u64, u64)>) + Send>;
 
-/// The error of a closure handed across layers (the filesystem's flush, its rollback).
+/// The error of what the filesystem's side hands across layers (its flush, its rollback).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Why the service did not start, or why a request to it (a checkpoint, a gc, a named
@@ -47,11 +46,6 @@ pub enum ServiceError {
     },
     #[error("start checkpoints: {0}")]
     Start(#[from] super::CheckpointError),
-    #[error("control socket {path}: {source}")]
-    Control {
-        path: PathBuf,
-        source: std::io::Error,
-    },
     #[error("spawn worker: {0}")]
     Spawn(std::io::Error),
     #[error("checkpoint service stopped")]
@@ -97,14 +91,8 @@ pub(crate) enum Cmd {
     Gc {
         reply: Sender<Result<GcReport, ServiceError>>,
     },
-    Status {
-        reply: Sender<String>,
-    },
     State {
         reply: Sender<PersistState>,
-    },
-    MountPoint {
-        reply: Sender<PathBuf>,
     },
     /// Stop periodic work (the filesystem is about to go away).
     Pause {
@@ -141,10 +129,6 @@ pub(crate) enum Cmd {
     /// provider's walk of what changed; every other checkpoint walks everything).
     SetPeriodicFlush {
         f: FlushFn,
-    },
-    /// What rolls the mounted workspace back (set once the filesystem is up).
-    SetRollback {
-        f: super::agent::RollbackFn,
     },
     /// Where the read set comes from, and the set found on the remote at the start (when
     /// the start fetched it).
@@ -271,6 +255,25 @@ impl CheckpointHandle {
         rx.recv().map_err(|_| ServiceError::Stopped)?
     }
 
+    /// Flushes the filesystem, takes a checkpoint that writes a full snapshot (not a delta)
+    /// and waits for it (`keel checkpoint --full`).
+    pub fn checkpoint_full(&self) -> Result<CheckpointReport, ServiceError> {
+        let (reply, rx) = mpsc::channel();
+        self.tx
+            .send(Cmd::Checkpoint { full: true, reply })
+            .map_err(|_| ServiceError::Stopped)?;
+        rx.recv().map_err(|_| ServiceError::Stopped)?
+    }
+
+    /// A gc of the remote by the worker, under the configured retention (`keel gc`).
+    pub fn gc(&self) -> Result<GcReport, ServiceError> {
+        let (reply, rx) = mpsc::channel();
+        self.tx
+            .send(Cmd::Gc { reply })
+            .map_err(|_| ServiceError::Stopped)?;
+        rx.recv().map_err(|_| ServiceError::Stopped)?
+    }
+
     /// Runs a named snapshot or a rollback on the worker and waits for it. A rollback is
     /// refused at once while a checkpoint or another rollback runs.
     pub fn agent(&self, op: super::agent::Op) -> Result<serde_json::Value, ServiceError> {
@@ -348,7 +351,6 @@ impl CheckpointHandle {
 pub struct Service {
     tx: Sender<Cmd>,
     worker: Option<JoinHandle<()>>,
-    control: Option<control::Server>,
     state_dir: PathBuf,
     chunk_size: u64,
     /// The final checkpoint's budget; `None`: none (`set_final_unbounded`).
@@ -367,8 +369,9 @@ pub(super) struct Worker {
     periodic_flush: Option<FlushFn>,
     since_gc: u32,
     pub(super) paused: bool,
-    /// See `agent::RollbackFn`; `None` until the filesystem sets it.
-    pub(super) rollback: Option<super::agent::RollbackFn>,
+    /// What a rollback changes (`agent::LiveTree`); `None` when the start gave none (no
+    /// rollback then).
+    pub(super) live: Option<Box<dyn super::agent::LiveTree>>,
     /// A rollback stops the main command unless asked not to (the `dir` provider).
     pub(super) rollback_restarts: bool,
     /// Recent snapshots' trees for diffs and rollbacks (`history`); loaded on the first.
@@ -376,6 +379,7 @@ pub(super) struct Worker {
     /// See `agent::MainCommand`; `None` under `keel mount`.
     pub(super) main: Option<std::sync::Arc<dyn super::agent::MainCommand>>,
     busy: Arc<AtomicU8>,
+    /// Where the workspace is mounted (`agent::sync_kernel`).
     pub(super) mount_point: PathBuf,
     failures: u32,
     last_error: Option<String>,
@@ -603,46 +607,6 @@ impl Worker {
         verdict()
     }
 
-    fn status(&self) -> String {
-        let b = self
-            .p
-            .backlog()
-            .map(|b| b.to_string())
-            .unwrap_or_else(|e| e.to_string());
-        let r = self.p.store().read();
-        let last = r
-            .persist_get("last_seq")
-            .ok()
-            .flatten()
-            .unwrap_or_else(|| "none".into());
-        let at: Option<i64> = r
-            .persist_get("last_checkpoint_ns")
-            .ok()
-            .flatten()
-            .and_then(|v| v.parse().ok());
-        let age = at
-            .map(|t| format!("{:.1}s ago", (now_ns() - t) as f64 / 1e9))
-            .unwrap_or_else(|| "never".into());
-        let lease = match self.p.lease().map(|l| l.info()) {
-            None => "lease: disabled".to_string(),
-            Some(i) => format!(
-                "lease: {} by {} epoch {}{}",
-                i.state.as_str(),
-                i.holder,
-                i.epoch,
-                i.error.map(|e| format!(" ({e})")).unwrap_or_default()
-            ),
-        };
-        let failures = match &self.last_error {
-            Some(e) => format!("; {} failed in a row, last error: {e}", self.failures),
-            None => String::new(),
-        };
-        format!(
-            "remote {}; last snapshot {last} ({age}); backlog: {b}; {lease}{failures}",
-            self.p.repo().describe()
-        )
-    }
-
     fn state(&self) -> PersistState {
         let r = self.p.store().read();
         let get = |k: &str| r.persist_get(k).ok().flatten();
@@ -727,9 +691,6 @@ impl Worker {
                 Ok(Cmd::Gc { reply }) => {
                     let _ = reply.send(self.gc());
                 }
-                Ok(Cmd::Status { reply }) => {
-                    let _ = reply.send(self.status());
-                }
                 Ok(Cmd::State { reply }) => {
                     let _ = reply.send(self.state());
                 }
@@ -753,7 +714,6 @@ impl Worker {
                 Ok(Cmd::Repo { reply }) => {
                     let _ = reply.send(self.p.repo().clone());
                 }
-                Ok(Cmd::SetRollback { f }) => self.rollback = Some(f),
                 Ok(Cmd::SetPeriodicFlush { f }) => self.periodic_flush = Some(f),
                 Ok(Cmd::SetReadSet { f, found }) => {
                     self.read_set = Some(ReadSets {
@@ -761,9 +721,6 @@ impl Worker {
                         found,
                         uploaded: None,
                     })
-                }
-                Ok(Cmd::MountPoint { reply }) => {
-                    let _ = reply.send(self.mount_point.clone());
                 }
                 Ok(Cmd::Pause { reply }) => {
                     self.paused = true;
@@ -844,12 +801,12 @@ impl Service {
         lease: Option<Lease>,
         main: Option<std::sync::Arc<dyn super::agent::MainCommand>>,
     ) -> Result<Option<Service>, ServiceError> {
-        Self::start_with(ws, cfg, flush, lease, main, None)
+        Self::start_with(ws, cfg, flush, lease, main, None, None)
     }
 
-    /// [`Service::start`] for a workspace whose file bytes are not in the state dir's
-    /// bodies: `opener` opens a file by inode number for the checkpoint (the `dir`
-    /// provider's tree).
+    /// [`Service::start`] with what rollbacks change (`live`; none: rollbacks are refused)
+    /// and, for a workspace whose file bytes are not in the state dir's bodies, `opener`,
+    /// which opens a file by inode number for the checkpoint (the `dir` provider's tree).
     pub fn start_with(
         ws: &WorkspaceConfig,
         cfg: &PersistConfig,
@@ -857,6 +814,7 @@ impl Service {
         mut lease: Option<Lease>,
         main: Option<std::sync::Arc<dyn super::agent::MainCommand>>,
         opener: Option<super::checkpoint::BodyOpener>,
+        live: Option<Box<dyn super::agent::LiveTree>>,
     ) -> Result<Option<Service>, ServiceError> {
         let state = &ws.state_dir;
         let Some(url) = cfg.remote_url(state) else {
@@ -901,7 +859,7 @@ impl Service {
             flush,
             since_gc: 0,
             paused: false,
-            rollback: None,
+            live,
             periodic_flush: None,
             history: None,
             main,
@@ -920,25 +878,10 @@ impl Service {
             .name("keel-checkpoint".into())
             .spawn(move || worker.run(rx, interval))
             .map_err(ServiceError::Spawn)?;
-        let sock = state.join(crate::state::PERSIST_SOCK);
-        let control = control::Server::start(
-            &sock,
-            tx.clone(),
-            CheckpointHandle {
-                tx: tx.clone(),
-                busy: busy.clone(),
-                has_main,
-            },
-        )
-        .map_err(|source| ServiceError::Control {
-            path: sock.clone(),
-            source,
-        })?;
         tracing::info!(remote = %url, interval_s = interval.as_secs_f64(), "checkpoints enabled");
         Ok(Some(Service {
             tx,
             worker: Some(handle),
-            control: Some(control),
             state_dir: state.clone(),
             chunk_size: ws.chunk_size,
             flush_timeout: Some(cfg.flush_timeout),
@@ -955,14 +898,9 @@ impl Service {
         let _ = self.tx.send(Cmd::SetReadSet { f, found });
     }
 
-    /// Lets rollbacks reach the mounted filesystem (see `agent::RollbackFn`).
     /// Periodic checkpoints flush with `f` (see `Cmd::SetPeriodicFlush`).
     pub fn set_periodic_flush(&self, f: FlushFn) {
         let _ = self.tx.send(Cmd::SetPeriodicFlush { f });
-    }
-
-    pub fn set_rollback(&self, f: super::agent::RollbackFn) {
-        let _ = self.tx.send(Cmd::SetRollback { f });
     }
 
     /// Takes a checkpoint now and waits for it (`fsync = "remote"`, `keel checkpoint`).
@@ -976,9 +914,6 @@ impl Service {
 
     /// Stops periodic checkpoints (before the filesystem is unmounted).
     pub fn pause(&self) {
-        if let Some(c) = &self.control {
-            c.stop();
-        }
         let (reply, rx) = mpsc::channel();
         if self.tx.send(Cmd::Pause { reply }).is_ok() {
             let _ = rx.recv();
@@ -986,13 +921,9 @@ impl Service {
     }
 
     /// The final checkpoint, right after the caller flushed the filesystem, within
-    /// `[persist] flush_timeout` (unless `set_final_unbounded`). Periodic checkpoints and the
-    /// control socket stop.
+    /// `[persist] flush_timeout` (unless `set_final_unbounded`). Periodic checkpoints stop.
     pub fn finish(&mut self) -> Result<CheckpointReport, FinalError> {
         let deadline = self.flush_timeout.map(|t| Instant::now() + t);
-        if let Some(c) = self.control.take() {
-            c.stop();
-        }
         let (reply, rx) = mpsc::channel();
         let sent = self.tx.send(Cmd::Final { deadline, reply }).is_ok();
         // The worker checks the deadline between steps; allow one remote round trip more.
@@ -1032,9 +963,6 @@ impl Service {
     }
 
     fn stop(&mut self, clean: bool) {
-        if let Some(c) = self.control.take() {
-            c.stop();
-        }
         let _ = self.tx.send(Cmd::Close { clean });
         if let Some(w) = self.worker.take() {
             // A worker stuck past the final deadline is left behind; the process exits.

@@ -36,8 +36,9 @@ pub const RESERVE: &str = "reserve";
 pub const RESERVE_BOOT: &str = "reserve.boot";
 /// The control API's Unix socket when keel is not a root PID 1.
 pub const CONTROL_SOCK: &str = "control.sock";
-/// The checkpoint service's line-protocol socket.
-pub const PERSIST_SOCK: &str = "persist.sock";
+/// The socket an older keel's checkpoint service answered a line protocol on (the control
+/// API is the only protocol now): a killed one may have left it in a state dir.
+pub const OLD_PERSIST_SOCK: &str = "persist.sock";
 /// The default `file://` remote (`persist.remote = ""`).
 pub const REMOTE: &str = "remote";
 /// The `dir` provider's tree, and where a new one is built before it is swapped in.
@@ -93,7 +94,7 @@ pub const RESTORE_MAY_HOLD: &[&str] = &[LOCK, LOST_FOUND, KEEP, LEASE_HOLDER, RE
 pub const STARTED_ONLY: &[&str] = &[
     LOCK,
     LEASE_HOLDER,
-    PERSIST_SOCK,
+    OLD_PERSIST_SOCK,
     CONTROL_SOCK,
     LOST_FOUND,
     KEEP,

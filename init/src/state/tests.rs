@@ -69,7 +69,7 @@ fn what_a_fresh_state_dir_may_hold_is_accepted() {
 fn the_start_tightens_exactly_the_state_dirs_the_mount_accepts() {
     let cases: &[(&[&str], bool)] = &[
         (&[REMOTE], false),
-        (&[PERSIST_SOCK], false),
+        (&[OLD_PERSIST_SOCK], false),
         (&["notes.txt"], false),
         (&[RESTORE_UNFINISHED, META_DB_RESTORING], true),
         (&[META_DB, "notes.txt"], true),

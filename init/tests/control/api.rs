@@ -300,13 +300,14 @@ fn checkpoint_runs_the_callback_and_answers_when_done() {
     assert_eq!(v["done"], "uploaded 2 chunks");
     assert_eq!(v["chunks_uploaded"], 2);
     assert!(v["duration_ms"].as_u64().unwrap() >= 300);
-    // A full snapshot is not offered here: refused, not quietly written as a delta.
+    // A full snapshot is the checkpoint service's to write (there is none here): refused,
+    // not quietly written as a delta.
     let r = post(addr, "/checkpoint?full=1", Some(TOKEN));
-    assert_eq!(r.code, 400, "{r:?}");
+    assert_eq!(r.code, 503, "{r:?}");
     assert!(r.json()["error"]
         .as_str()
         .unwrap()
-        .contains("keel checkpoint --full"));
+        .contains("no checkpoint service"));
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert_eq!(post(addr, "/checkpoint?full=0", Some(TOKEN)).code, 200);
     assert_eq!(calls.load(Ordering::SeqCst), 2);
@@ -533,7 +534,8 @@ fn unix_socket_needs_no_token_is_0600_and_goes_away_on_stop() {
     assert_eq!(std::fs::read_to_string(&sock).unwrap(), "not a socket");
 }
 
-/// The agent routes show the names and bytes of every file and roll them back: over TCP
+/// The agent routes show the names and bytes of every file and roll them back (and a full
+/// checkpoint or a gc is work an observer must not set off): over TCP
 /// without a token they are refused (403) while /status and /checkpoint still answer; with a
 /// token only its holder reaches them, as root does on the socket. With no workspace they
 /// answer 503: served, not refused.
@@ -546,6 +548,8 @@ fn agent_routes_need_the_token_or_root_on_the_socket() {
         ("GET", "/diff?from=1"),
         ("GET", "/diff?from=1&path=secret"),
         ("POST", "/rollback?to=1"),
+        ("POST", "/checkpoint?full=1"),
+        ("POST", "/gc"),
         ("POST", "/exec"),
         ("GET", "/processes"),
         ("GET", "/processes/1"),

@@ -1,7 +1,7 @@
 //! A diff of a pathological tree costs keel one path, not the sum of them (root and
 //! /dev/fuse; panics when they are missing while CI is set). The sandbox user makes a chain
 //! of 30,000 directories of one-character names (900 MB of paths in all, 60 KB the deepest);
-//! `keel diff` (text, over persist.sock) and `GET /diff` (JSON, over the control socket)
+//! `keel diff` (text, through the CLI) and `GET /diff` (JSON, over the control socket)
 //! list all of it, and keel's peak RSS (VmHWM, reset through `clear_refs` before each) stays
 //! under `BOUND`, where an answer held whole needs its 900 MB at least once.
 
@@ -152,7 +152,7 @@ fn a_30000_level_chain_is_diffed_with_keel_holding_one_path() {
     let pid = k.pid();
     let rss = status_kib(pid, "VmRSS:");
 
-    // keel diff, text, over persist.sock: line k is "A " and 2k bytes of path.
+    // keel diff, text, over the control socket: line k is "A " and 2k bytes of path.
     reset_peak(pid);
     let mut child = Command::new(KEEL)
         .args(["diff", "--config"])

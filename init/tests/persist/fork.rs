@@ -934,7 +934,7 @@ fn text(o: &Output) -> String {
     )
 }
 
-/// The CLI: a keel "serving" the origin (a persist socket in its state dir) is asked for a
+/// The CLI: a keel "serving" the origin (a control socket in its state dir) is asked for a
 /// checkpoint first; list, restore, fsck and gc work on the fork; refusals are one line.
 #[test]
 fn fork_cli() {
@@ -957,23 +957,40 @@ fn fork_cli() {
     let mut p = Persister::open(&a, origin, params()).unwrap();
     checkpoint(&mut p);
 
-    // Something the running keel has not checkpointed yet; its socket checkpoints on request.
+    // Something the running keel has not checkpointed yet; its control socket checkpoints
+    // on request.
     write_file(&fs, "late", b"written after the last checkpoint");
-    let listener = UnixListener::bind(a.join(keel::state::PERSIST_SOCK)).unwrap();
+    let sock = a.join(keel::state::CONTROL_SOCK);
+    let listener = UnixListener::bind(&sock).unwrap();
     let server = std::thread::spawn(move || {
         let mut asked = Vec::new();
         for _ in 0..2 {
             let (mut c, _) = listener.accept().unwrap();
+            let mut r = BufReader::new(&c);
             let mut line = String::new();
-            BufReader::new(&c).read_line(&mut line).unwrap();
-            let line = line.trim().to_string();
-            let reply = match line.as_str() {
-                "mount-point" => "ok /".to_string(),
-                "checkpoint" => format!("ok {}", checkpoint(&mut p)),
-                _ => "error unexpected".to_string(),
+            r.read_line(&mut line).unwrap();
+            // The rest of the head (the client sends no body).
+            let mut h = String::new();
+            while r.read_line(&mut h).unwrap() > 0 && h != "\r\n" {
+                h.clear();
+            }
+            let asked_for = line.split(' ').take(2).collect::<Vec<_>>().join(" ");
+            let body = match asked_for.as_str() {
+                "GET /status" => r#"{"mount": {"mounted": false, "mount_point": "/"}}"#.to_string(),
+                "POST /checkpoint" => serde_json::json!({
+                    "ok": true,
+                    "done": checkpoint(&mut p).to_string(),
+                })
+                .to_string(),
+                _ => r#"{"ok": false, "error": "unexpected"}"#.to_string(),
             };
-            writeln!(c, "{reply}").unwrap();
-            asked.push(line);
+            write!(
+                c,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            asked.push(asked_for);
         }
         (asked, p)
     });
@@ -981,8 +998,8 @@ fn fork_cli() {
     let o = keel(&["fork", "--config", cfg_s, "--state", a_s, "--to", &f_url]);
     assert!(o.status.success(), "{}", text(&o));
     let (asked, p) = server.join().unwrap();
-    std::fs::remove_file(a.join(keel::state::PERSIST_SOCK)).unwrap();
-    assert_eq!(asked, vec!["mount-point", "checkpoint"]);
+    std::fs::remove_file(&sock).unwrap();
+    assert_eq!(asked, vec!["GET /status", "POST /checkpoint"]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("forked snapshot 2 of"), "{}", text(&o));
     assert!(out.contains("none copied"), "{}", text(&o));

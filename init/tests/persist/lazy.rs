@@ -555,14 +555,25 @@ fn a_rollback_to_an_inline_file_forgets_its_unfetched_windows() {
         repo.load_tree(small).unwrap().0,
     );
     let changed = Changed::between(&cur, &target);
-    let rollback = keel::boot::live::rollback_fn(fs.clone(), Arc::new(|_: &_| Ok(())));
-    rollback(&repo, &View::of(&cur), &View::of(&target), &changed, None).unwrap();
+    let live = keel::boot::live::FuseLive {
+        fs: fs.clone(),
+        inval: Arc::new(|_: &_| Ok(())),
+    };
+    keel::persist::agent::LiveTree::roll_back(
+        &live,
+        &repo,
+        &View::of(&cur),
+        &View::of(&target),
+        &changed,
+        None,
+    )
+    .unwrap();
     // An inline file: nothing to fetch (a window left listed fails this read here, and
     // with a chunk source would be fetched into a body nobody reads).
     assert_eq!(read_all(&fs, f).unwrap(), b"small\n");
     // Mounted again: what is left to fetch comes from the store.
     fs.shutdown().unwrap();
-    drop((rollback, fs));
+    drop((live, fs));
     let fs = open_fs(dst.path());
     fs.set_chunk_source(Arc::new(RemoteChunks::new(repo.clone())));
     write_at(&fs, f, 1, b"XY");

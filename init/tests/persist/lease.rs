@@ -630,18 +630,26 @@ fn service_state_reports_failures_and_the_lost_lease() {
     svc.close(true);
 }
 
-/// `status` over the persist socket of a running `keel mount` (up shortly after the mount).
+/// The lease as `GET /status` on a running `keel mount`'s control socket shows it (up
+/// shortly after the mount), in one line: `STATE by HOLDER epoch N`, and the whole answer
+/// for `no_secret`.
 fn persist_status(state: &Path) -> String {
+    let sock = state.join(keel::state::CONTROL_SOCK);
     let t0 = Instant::now();
     loop {
-        if let Some(s) =
-            keel::persist::control::request(state, "status", Duration::from_secs(30)).unwrap()
-        {
-            return s;
+        if let Ok(body) = keel::control::client::status(&sock) {
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let l = &v["persist"]["lease"];
+            return format!(
+                "lease: {} by {} epoch {}\n{body}",
+                l["state"].as_str().unwrap_or("?"),
+                l["holder"].as_str().unwrap_or("?"),
+                l["epoch"]
+            );
         }
         assert!(
             t0.elapsed() < support::mount::READY_TIMEOUT,
-            "keel never answered on persist.sock"
+            "keel never answered on its control socket"
         );
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -252,8 +252,14 @@ fn status_shows_the_file_remote_disk_use_after_checkpoints_and_gc() {
     write_file(&fs, "big", &noise(2, BIG));
     svc.checkpoint_now().unwrap();
     let two = wait_for("grew by a second version", &|n| n >= one + BIG as u64);
-    // `keel gc` through the running keel: keep = 1 frees the first version.
+    // `keel gc` through the running keel's control socket (served here as `keel mount`
+    // serves it): keep = 1 frees the first version.
+    let mut full = keel::config::Config::default();
+    full.workspace = ws.clone();
+    let control = keel::control::start_socket(&full).unwrap();
+    keel::control::publish_checkpoints(control.status(), &svc);
     let o = keel(&["gc", "--state", state.to_str().unwrap()]);
+    control.stop();
     assert!(o.status.success(), "{}", text(&o));
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     println!("gc through the running keel: {out}");
