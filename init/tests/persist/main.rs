@@ -1,7 +1,7 @@
 //! Persistence: checkpoints, restores, leases, forks, retention, fsck and rollback, through
 //! the remote trait (in memory, `file://`, a real S3 endpoint) and on real mounts. One test
-//! binary, each file a module. (`persist_modes.rs` is its own binary: it sets the umask,
-//! which is per process.)
+//! binary, each file a module (`modes` runs its passes in a child process: it sets the
+//! umask, which is per process).
 
 #[macro_use]
 #[path = "../support/mod.rs"]
@@ -18,6 +18,7 @@ mod fsck_quick;
 mod image;
 mod lazy;
 mod lease;
+mod modes;
 mod packs;
 mod private;
 mod restore;

@@ -145,7 +145,7 @@ fn every_module_has_a_layer() {
         .collect();
     assert!(
         missing.is_empty(),
-        "give these top-level modules a layer in tests/nomount/layers.rs: {missing:?}"
+        "give these top-level modules a layer in tests/control/layers.rs: {missing:?}"
     );
 }
 
@@ -177,7 +177,7 @@ fn imports_point_down() {
         .collect();
     assert!(
         gone.is_empty(),
-        "fixed, remove from KNOWN in tests/nomount/layers.rs: {gone:?}"
+        "fixed, remove from KNOWN in tests/control/layers.rs: {gone:?}"
     );
 }
 

@@ -9,11 +9,11 @@
 //! open (so the WAL, SHM and sockets are seen) and after; every entry's mode is asserted,
 //! and the kinds of entry seen are printed.
 //!
-//! The umask is per process, so this binary holds this ONE test, which sets the umask for
-//! each pass and puts it back; keep it the only test here (other test binaries run as other
-//! processes).
+//! The umask is per process and the tests of this binary are threads of one process, so the
+//! test starts this binary again with only itself selected and [`CHILD`] set, and the child
+//! sets the umask for each pass: no other test runs under it.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -373,8 +373,34 @@ fn run_pass(walk: &mut Walk) {
     walk.expect("run-remote file   0600 /chunks/<hex>/<hex>");
 }
 
+/// Set in the child process that runs the passes (see the module's paragraph).
+const CHILD: &str = "KEEL_TEST_UMASK_CHILD";
+
 #[test]
 fn state_and_remote_are_private_under_umask_000_and_022() {
+    if std::env::var_os(CHILD).is_none() {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "modes::state_and_remote_are_private_under_umask_000_and_022",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        println!("{stdout}{stderr}");
+        assert!(out.status.success(), "the child's passes failed");
+        assert!(
+            stdout.contains("1 passed"),
+            "the child ran no test: is the name in the --exact filter right?"
+        );
+        return;
+    }
     // Checked first: without root and /dev/fuse the binary pass is skipped (it panics when
     // CI is set, see `support::mount::fuse_available`).
     let fuse = support::mount::fuse_available();
