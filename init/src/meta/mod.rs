@@ -179,12 +179,19 @@ pub enum MetaError {
 }
 
 impl MetaError {
-    /// True when the failure is the disk being full (SQLITE_FULL).
+    /// True when the failure is the disk being full. SQLite says SQLITE_FULL when a write
+    /// to the database or its WAL comes back short with ENOSPC, but not for every write a
+    /// full volume refuses: opening a WAL database extends its `-shm` index file one byte
+    /// per page, and a failure there (ENOSPC: on a full tmpfs or ext4 that is what it is)
+    /// is SQLITE_IOERR_SHMSIZE, "disk I/O error"; a write SQLite did not expect to fail is
+    /// SQLITE_IOERR_WRITE.
     pub fn is_full(&self) -> bool {
-        matches!(self, MetaError::Sql(rusqlite::Error::SqliteFailure(e, _))
-            if e.code == rusqlite::ErrorCode::DiskFull)
-            || matches!(self, MetaError::Sql(rusqlite::Error::SqliteFailure(e, _))
-            if e.extended_code == rusqlite::ffi::SQLITE_IOERR_WRITE)
+        let MetaError::Sql(rusqlite::Error::SqliteFailure(e, _)) = self else {
+            return false;
+        };
+        e.code == rusqlite::ErrorCode::DiskFull
+            || e.extended_code == rusqlite::ffi::SQLITE_IOERR_WRITE
+            || e.extended_code == rusqlite::ffi::SQLITE_IOERR_SHMSIZE
     }
 }
 
@@ -598,6 +605,22 @@ impl Store {
         self.conn
             .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
         Ok(())
+    }
+
+    /// Copies the WAL into the database file without waiting for readers (a passive
+    /// checkpoint), committing the open group first. Once all of it is copied, the next
+    /// write starts the WAL over from its beginning, in room the WAL file already has,
+    /// instead of appending: on a full volume that is how an update that adds no pages
+    /// commits. Returns whether all of it was copied. Fails (full) when the copy needs the
+    /// database file to grow and the volume has no room for that.
+    pub fn rewind_wal(&self) -> Result<bool> {
+        self.commit_group()?;
+        let (busy, log, copied): (i64, i64, i64) =
+            self.conn
+                .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                })?;
+        Ok(busy == 0 && log == copied)
     }
 
     /// Runs SQLite's own consistency check; returns the problems it found.
