@@ -382,6 +382,25 @@ struct Group {
     marked: RefCell<HashSet<InodeNo>>,
 }
 
+/// What a checkpoint of the WAL into the database file did (`Store::rewind_wal`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WalFold {
+    /// Whether it could not finish (another connection held a lock it needed).
+    pub busy: bool,
+    /// Frames in the WAL.
+    pub log: i64,
+    /// Frames of them now in the database file.
+    pub copied: i64,
+}
+
+impl WalFold {
+    /// Whether all of the WAL is in the database file, so that the next write may start it
+    /// over (if no other connection still reads from it).
+    pub fn done(&self) -> bool {
+        !self.busy && self.log == self.copied
+    }
+}
+
 /// When a group commit is due.
 #[derive(Debug, Clone, Copy)]
 pub struct GroupLimits {
@@ -611,16 +630,20 @@ impl Store {
     /// checkpoint), committing the open group first. Once all of it is copied, the next
     /// write starts the WAL over from its beginning, in room the WAL file already has,
     /// instead of appending: on a full volume that is how an update that adds no pages
-    /// commits. Returns whether all of it was copied. Fails (full) when the copy needs the
-    /// database file to grow and the volume has no room for that.
-    pub fn rewind_wal(&self) -> Result<bool> {
+    /// commits. Says how much was copied. Fails (full) when the copy needs the database
+    /// file to grow and the volume has no room for that.
+    pub fn rewind_wal(&self) -> Result<WalFold> {
         self.commit_group()?;
         let (busy, log, copied): (i64, i64, i64) =
             self.conn
                 .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
                     Ok((r.get(0)?, r.get(1)?, r.get(2)?))
                 })?;
-        Ok(busy == 0 && log == copied)
+        Ok(WalFold {
+            busy: busy != 0,
+            log,
+            copied,
+        })
     }
 
     /// Runs SQLite's own consistency check; returns the problems it found.

@@ -600,7 +600,15 @@ impl WorkspaceFs {
     /// WAL has nothing new for the database file, and a loop of chmods cycles through the
     /// WAL's own room, starting it over each time it reaches its end. Creates, which would
     /// add pages, are kept off the last free room (`Room::claim_entry`).
+    ///
+    /// Once the reserve was given back, what is free is the deletes' room, and an update
+    /// whose commit appended to the WAL would spend it (a loop of 2000 chmods did, and the
+    /// delete after it failed). So then the WAL is folded before the update too: its commit
+    /// starts the WAL over and writes into the WAL's own room, never past it.
     fn in_place<T>(&self, mut op: impl FnMut() -> FsResult<T>) -> FsResult<T> {
+        if !self.reserve_held() {
+            self.rewind_wal(false);
+        }
         match op() {
             Err(e) if e.errno() == libc::ENOSPC && self.rewind_wal(true) => op(),
             r => r,
@@ -620,7 +628,15 @@ impl WorkspaceFs {
             r => r,
         };
         match r {
-            Ok(done) => done,
+            Ok(fold) => {
+                tracing::debug!(
+                    busy = fold.busy,
+                    log = fold.log,
+                    copied = fold.copied,
+                    "folded the metadata log on a full volume"
+                );
+                fold.done()
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "cannot fold the metadata log on a full volume");
                 false
