@@ -426,18 +426,22 @@ fn tree(m: &Path) -> BTreeMap<PathBuf, support::mount::Entry> {
     out
 }
 
-fn every_write_path_says_enospc(args: &[&str]) {
-    if !support::mount::fuse_available() {
-        return;
-    }
-    let what = format!("keel mount {}", args.join(" "));
-    let passthrough = args.windows(2).any(|w| w == ["--passthrough", "on"]);
-    // Drop order: keel unmounts, then the tmpfs volume, then its (empty) directory.
+/// keel mounted with its state dir on a 48 MiB tmpfs. Fields drop in order: keel unmounts,
+/// then the tmpfs volume, then its (empty) directory.
+struct OnSmallVolume {
+    k: Keel,
+    /// Where checkpoints go (`file://`), off the small volume.
+    remote: PathBuf,
+    _vol: Volume,
+    _vol_dir: tempfile::TempDir,
+}
+
+fn on_a_small_volume(args: &[&str]) -> OnSmallVolume {
     let vol_dir = tempfile::tempdir().unwrap();
     let vol = vol_dir.path().join("volume");
     fs::create_dir(&vol).unwrap();
     sys::mount_tmpfs(&vol, "size=48m,mode=755").expect("mount a 48 MiB tmpfs state volume");
-    let _vol = Volume(vol.clone());
+    let vol_guard = Volume(vol.clone());
     // Checkpoints go elsewhere, as to a bucket: a remote on the full volume itself fails the
     // final one, and `keel mount` then exits 75 (`pid1::full_volume` has that case).
     let tmp = tempfile::tempdir().unwrap();
@@ -450,7 +454,27 @@ fn every_write_path_says_enospc(args: &[&str]) {
     .unwrap();
     let mut args = args.to_vec();
     args.extend(["--config", cfg.to_str().unwrap()]);
-    let mut k = Keel::start_in(tmp, vol.join("state"), &args);
+    let k = Keel::start_in(tmp, vol.join("state"), &args);
+    OnSmallVolume {
+        k,
+        remote,
+        _vol: vol_guard,
+        _vol_dir: vol_dir,
+    }
+}
+
+fn every_write_path_says_enospc(args: &[&str]) {
+    if !support::mount::fuse_available() {
+        return;
+    }
+    let what = format!("keel mount {}", args.join(" "));
+    let passthrough = args.windows(2).any(|w| w == ["--passthrough", "on"]);
+    let OnSmallVolume {
+        mut k,
+        remote,
+        _vol,
+        _vol_dir,
+    } = on_a_small_volume(args);
     let m = k.mnt.clone();
     prepare(&m);
 
@@ -486,6 +510,11 @@ fn every_write_path_says_enospc(args: &[&str]) {
         show(&full),
         k.log_text()
     );
+
+    // A sandbox looping metadata updates on the full volume (whatever they answer) must not
+    // spend the room deletes need: the delete below must still succeed after it.
+    let looped = metadata_loop(&m.join("alloc.bin"));
+    eprintln!("{what}: 2000 chmods and utimens on the full volume, failed: {looped:?}");
 
     // Room for part of a write (direct I/O: keel's answer is the write(2)'s): what went in
     // is said (a short write, as from ext4), and nothing past it changed.
@@ -627,4 +656,101 @@ fn a_full_tmpfs_changes_what_needs_no_room() {
         .filter(|(_, needs, r)| *needs == Needs::Nothing && r.is_err())
         .collect();
     assert!(failed.is_empty(), "tmpfs:\n{}", show(&full));
+}
+
+/// chmod and utimens of `p`, 2000 times each; how many of each failed, by error.
+fn metadata_loop(p: &Path) -> BTreeMap<String, u32> {
+    let mut failed = BTreeMap::<String, u32>::new();
+    for r in 0..2000u32 {
+        let mode = if r % 2 == 0 { 0o600 } else { 0o644 };
+        if let Err(e) = fs::set_permissions(p, fs::Permissions::from_mode(mode)) {
+            *failed.entry(format!("chmod: {e}")).or_default() += 1;
+        }
+        let t = sys::Ts::At(1_000_000 + i64::from(r), 0);
+        if let Err(e) = sys::utimens(p, t, t, false) {
+            *failed.entry(format!("utimens: {e}")).or_default() += 1;
+        }
+    }
+    failed
+}
+
+/// Stops keel, checks the store (`keel fsck`), starts it again on the same volume, and
+/// checks that the tree reads as it did.
+fn restart_intact(k: &mut Keel, remote: &Path, what: &str) {
+    let before = tree(&k.mnt);
+    k.stop();
+    fsck(&k.state, remote);
+    k.start_again();
+    let after = tree(&k.mnt);
+    support::mount::assert_same_tree(&before, &after, what);
+}
+
+/// After a delete made room: a new file of 2 MiB is written and reads back.
+fn writes_work(m: &Path, what: &str) {
+    let p = m.join("after-delete");
+    fs::write(&p, pattern(2 * MIB, 30))
+        .unwrap_or_else(|e| panic!("{what}: a write after a delete made room: {e}"));
+    assert_eq!(fs::read(&p).unwrap(), pattern(2 * MIB, 30), "{what}");
+}
+
+/// Several writers filling the volume at once through the mount (each its own file, and
+/// one making files) cannot together take the room deletes need: the room gate counts what
+/// it granted to writes in flight. Then a delete succeeds, keel restarts with the tree
+/// intact and `keel fsck` clean, and writes work again.
+#[test]
+fn writers_filling_a_volume_at_once_leave_room_to_delete() {
+    if !support::mount::fuse_available() {
+        return;
+    }
+    let what = "four writers and a creator at once";
+    let OnSmallVolume {
+        mut k,
+        remote,
+        _vol,
+        _vol_dir,
+    } = on_a_small_volume(&["--passthrough", "off", "--cache", "none"]);
+    let m = k.mnt.clone();
+    fs::write(m.join("victim.bin"), pattern(512 << 10, 7)).unwrap();
+    fs::create_dir(m.join("many")).unwrap();
+    let errors: Vec<io::Error> = std::thread::scope(|s| {
+        let mut all: Vec<_> = (0..4)
+            .map(|i| {
+                let p = m.join(format!("filler{i}"));
+                s.spawn(move || {
+                    let mut f = OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(&p)
+                        .unwrap();
+                    let block = pattern(256 << 10, 40 + i);
+                    loop {
+                        if let Err(e) = f.write_all(&block) {
+                            return e;
+                        }
+                    }
+                })
+            })
+            .collect();
+        let dir = m.join("many");
+        all.push(s.spawn(move || {
+            let long = "n".repeat(200);
+            (0..100_000)
+                .find_map(|i| fs::File::create(dir.join(format!("{i:06}{long}"))).err())
+                .expect("made 100000 files on a small volume")
+        }));
+        all.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    eprintln!("{what}: {errors:?}");
+    for e in &errors {
+        assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{what}: {e}");
+    }
+
+    fs::remove_file(m.join("victim.bin"))
+        .unwrap_or_else(|e| panic!("{what}: rm on the full volume: {e}\nlog:\n{}", k.log_text()));
+    restart_intact(&mut k, &remote, what);
+    fs::remove_file(m.join("filler0")).unwrap_or_else(|e| panic!("{what}: rm: {e}"));
+    wait_for_room(&m, 4 * MIB as u64);
+    writes_work(&m, what);
+    k.stop();
+    fsck(&k.state, &remote);
 }
