@@ -97,7 +97,10 @@ fn a_file_under_a_new_directory_reaches_the_snapshot() {
     // The new directories are watched: a change in one is seen by a narrowed walk too.
     std::fs::write(f.root().join("b/new/sub/n"), b"changed").unwrap();
     let r = f.periodic();
-    assert!(r.narrowed && r.rewritten == 1, "{r}");
+    // At least `n`: where some process's open files cannot be read in /proc (a machine
+    // whose PID 1 is not dumpable), the new directories are listed whole until the next
+    // full walk, and `b/new/big` may count too.
+    assert!(r.narrowed && r.rewritten >= 1, "{r}");
     f.assert_snapshot_is_the_tree();
 }
 

@@ -35,10 +35,21 @@
 //! processes' fds and maps, however large the tree, and only when watches were added: a
 //! narrowed walk that watched nothing new reads nothing. (Counting each new directory as
 //! open until some walk could vouch for it would need the same reading to vouch, and
-//! before it would list the whole tree after the first full walk.) A process keel may
-//! not read in /proc (another user's, for a keel that is not root), or one that sees the
-//! tree by another path (another mount namespace), is not found: the periodic full walk
-//! bounds that case. While /proc cannot be listed every walk is full.
+//! before it would list the whole tree after the first full walk.) The pass runs without
+//! the state's lock (events keep being read meanwhile) and keeps directories, not paths;
+//! the entries it reads are capped (a process can hold one file open a million times):
+//! past the cap, or while /proc cannot be listed, the next walk is full.
+//!
+//! Reading another uid's fds and maps takes ptrace access (`CAP_SYS_PTRACE`, which
+//! container runtimes drop by default), so a keel that is not root, and a root keel whose
+//! `[init] user` is not root, may not see the sandbox's processes at all. When any process
+//! could not be read the pass cannot vouch for the opens made before a watch: every
+//! directory watched for the first time since the last full walk is listed by every
+//! narrowed walk until the next full one (which compares every file, and is at most
+//! [`FULL_EVERY`] walks away), and the log says so once. A directory watched before the
+//! last full walk, with a file a hidden process opened before that watch and writes through
+//! a mapping, is caught by that periodic full walk, as is a process that sees the tree by
+//! another path (another mount namespace).
 //!
 //! A second write to a mapped page that is still dirty makes no fault, so no time moves:
 //! a walk between the two writes would take the file as unchanged for good. So every file
@@ -137,6 +148,12 @@ struct State {
     held_open: HashSet<PathBuf>,
     /// A directory got its first watch since /proc was last read.
     new_watch: bool,
+    /// The directories that got their first watch since the last full walk committed (by
+    /// watch, as `open`; that walk compared every file of those it watched itself).
+    fresh: HashSet<Wd>,
+    /// The last reading of /proc could not read some process: narrowed walks list `fresh`
+    /// too (see the module's note on permissions).
+    unvouched: bool,
     /// Why the next walk must be full.
     full: Option<String>,
     /// Why the watcher gave up for good.
@@ -147,6 +164,15 @@ struct State {
 }
 
 impl State {
+    /// Says `what` in the log the first time for `kind`, later only when debugging.
+    fn say_once(&mut self, kind: &'static str, what: &str) {
+        if self.said.insert(kind) {
+            tracing::warn!("change notification: {what} (said once)");
+        } else {
+            tracing::debug!("change notification: {what}");
+        }
+    }
+
     fn need_full(&mut self, kind: &'static str, why: String) {
         if self.said.insert(kind) {
             tracing::info!(
@@ -171,6 +197,7 @@ impl State {
         if e.mask.contains(Mask::IN_IGNORED) {
             self.wds.remove(&e.wd);
             self.open.remove(&e.wd);
+            self.fresh.remove(&e.wd);
             return;
         }
         let Some(dir) = self.wds.get(&e.wd).cloned() else {
@@ -340,6 +367,7 @@ impl Watch {
             Ok(wd) => {
                 if st.wds.insert(wd, rel.to_path_buf()).is_none() {
                     st.new_watch = true;
+                    st.fresh.insert(wd);
                 }
             }
             Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
@@ -411,6 +439,9 @@ impl Watch {
             .collect();
         dirs.extend(open);
         dirs.extend(st.held_open.iter().cloned());
+        if st.unvouched {
+            dirs.extend(st.fresh.iter().filter_map(|wd| st.wds.get(wd)).cloned());
+        }
         dirs.sort();
         dirs.dedup();
         Plan::Dirs(dirs, std::mem::take(&mut st.rewritten))
@@ -418,26 +449,58 @@ impl Watch {
 
     /// A walk (`full` or not) committed: after a full one, or one that watched a directory
     /// for the first time, the directories with a file open now are read from /proc (see
-    /// the module's note on opens made before a watch). /proc that cannot be read makes the
-    /// next walk full.
+    /// the module's note on opens made before a watch), without holding the state's lock.
+    /// /proc that cannot be read, or read past its cap, makes the next walk full.
     pub fn walked(&self, full: bool) {
-        let mut st = lock(&self.state);
-        if !(full || st.new_watch) || st.dead.is_some() {
-            return;
+        {
+            let mut st = lock(&self.state);
+            if !(full || st.new_watch) || st.dead.is_some() {
+                return;
+            }
+            // Cleared before the reading: a watch added from now on is not covered by it
+            // and asks for the next one.
+            st.new_watch = false;
+            if full {
+                st.fresh.clear();
+            }
         }
-        st.new_watch = false;
         // Spelled as the kernel prints it (the tree's path may pass through a symlink).
         let root = std::fs::canonicalize(&self.root).unwrap_or_else(|_| self.root.clone());
-        match open_files::open_below(&root) {
-            Ok(files) => {
-                st.held_open = files
-                    .iter()
-                    .filter_map(|f| f.strip_prefix(&root).ok()?.parent())
-                    // A directory removed since, holding a file still open, is no longer
-                    // in the tree (a narrowed walk could not list it).
-                    .filter(|d| root.join(d).is_dir())
-                    .map(Path::to_path_buf)
-                    .collect();
+        let scan = open_files::open_dirs_below(&root, open_files::Caps::default()).map(|s| {
+            let held: HashSet<PathBuf> = s
+                .dirs
+                .iter()
+                .filter_map(|d| d.strip_prefix(&root).ok())
+                // A directory removed since, holding a file still open, is no longer in
+                // the tree (a narrowed walk could not list it).
+                .filter(|d| root.join(d).is_dir())
+                .map(Path::to_path_buf)
+                .collect();
+            (held, s.denied, s.capped)
+        });
+        self.took(scan);
+    }
+
+    /// What a reading of /proc found (the directories below the root, the processes that
+    /// could not be read, whether a cap stopped it), applied to the plans to come.
+    fn took(&self, scan: io::Result<(HashSet<PathBuf>, usize, bool)>) {
+        let mut st = lock(&self.state);
+        match scan {
+            Ok((held, denied, capped)) => {
+                st.held_open = held;
+                st.unvouched = denied > 0;
+                if denied > 0 {
+                    st.say_once(
+                        "procdenied",
+                        &format!("{denied} processes' open files cannot be read in /proc (another user's, without CAP_SYS_PTRACE): every directory watched since the last full walk is walked each time until the next full walk"),
+                    );
+                }
+                if capped {
+                    st.need_full(
+                        "proccap",
+                        "too many open files in /proc to read them all".into(),
+                    );
+                }
             }
             Err(e) => {
                 st.held_open.clear();
@@ -467,5 +530,56 @@ impl Drop for Watch {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dirs(w: &Watch) -> Vec<PathBuf> {
+        match w.plan() {
+            Plan::Dirs(d, _) => d,
+            Plan::Full(why) => panic!("full walk: {why}"),
+        }
+    }
+
+    #[test]
+    fn a_process_proc_cannot_read_keeps_new_directories_walked_until_a_full_walk() {
+        let tmp = tempfile::tempdir().unwrap();
+        for d in ["old", "new"] {
+            std::fs::create_dir(tmp.path().join(d)).unwrap();
+        }
+        let w = Watch::start(tmp.path()).unwrap();
+        w.begin_full();
+        w.add(Path::new(""));
+        w.add(Path::new("old"));
+        w.walked(true);
+        // A narrowed walk finds "new"; some process's fds could not be read.
+        w.add(Path::new("new"));
+        w.took(Ok((HashSet::new(), 1, false)));
+        assert_eq!(dirs(&w), vec![PathBuf::from("new")]);
+        assert_eq!(dirs(&w), vec![PathBuf::from("new")]);
+        // A reading that saw every process vouches for it again.
+        w.took(Ok((HashSet::new(), 0, false)));
+        assert_eq!(dirs(&w), Vec::<PathBuf>::new());
+        // A full walk compared it: not held after it, whatever the reading says.
+        w.took(Ok((HashSet::new(), 1, false)));
+        w.begin_full();
+        w.walked(true);
+        w.took(Ok((HashSet::new(), 1, false)));
+        assert_eq!(dirs(&w), Vec::<PathBuf>::new());
+    }
+
+    #[test]
+    fn a_reading_stopped_by_its_cap_makes_the_next_walk_full() {
+        let tmp = tempfile::tempdir().unwrap();
+        let w = Watch::start(tmp.path()).unwrap();
+        w.begin_full();
+        w.add(Path::new(""));
+        w.walked(true);
+        assert_eq!(dirs(&w), Vec::<PathBuf>::new());
+        w.took(Ok((HashSet::new(), 0, true)));
+        assert!(matches!(w.plan(), Plan::Full(_)));
     }
 }
