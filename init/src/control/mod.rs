@@ -92,7 +92,7 @@ pub fn start(cfg: &Config) -> Result<Control, ControlError> {
         None => None,
     };
     let unix = match c.socket_path(cfg, crate::sys::process::is_root_pid1()) {
-        Some(path) => serve_socket(cfg, status, &path)?,
+        Some(path) => serve_socket(cfg, status, &path, false)?,
         None => None,
     };
     Ok(Control {
@@ -105,26 +105,31 @@ pub fn start(cfg: &Config) -> Result<Control, ControlError> {
 /// What `keel mount` serves: the Unix socket only (`[control] socket`, else the state dir's
 /// `control.sock`), with the same rights as under `keel run`, and no TCP listener: a mount
 /// on a host is reached by root, keel's user and `[control] group`, like its state dir.
-pub fn start_socket(cfg: &Config) -> Result<Control, ControlError> {
-    let status = &StatusHandle::new(cfg);
+/// `status` is the model already filled (mounted, services, checkpoints), so the first
+/// client sees the mount as it is. The socket is the mount's only way in (checkpoints, gc,
+/// the agent commands): one that cannot be made is an error wherever it is.
+pub fn start_socket(cfg: &Config, status: &StatusHandle) -> Result<Control, ControlError> {
     let path = cfg
         .control
         .socket
         .clone()
         .unwrap_or_else(|| cfg.workspace.state_dir.join(crate::state::CONTROL_SOCK));
+    let unix = serve_socket(cfg, status, &path, true)?;
     Ok(Control {
         status: status.clone(),
         tcp: None,
-        unix: serve_socket(cfg, status, &path)?,
+        unix,
     })
 }
 
-/// The Unix socket at `path`. One that cannot be created is an error when `[control]
-/// socket` names it, and only warns at the default place (it is a convenience there).
+/// The Unix socket at `path`. One that cannot be created is an error when `required` (`[control]
+/// socket` names it, or `keel mount`, whose only way in it is), and only warns otherwise (at
+/// the default place of `keel run`, which has TCP and `keel exec`, it is a convenience).
 fn serve_socket(
     cfg: &Config,
     status: &StatusHandle,
     path: &std::path::Path,
+    required: bool,
 ) -> Result<Option<Server>, ControlError> {
     let c = &cfg.control;
     let group = match &c.group {
@@ -133,7 +138,7 @@ fn serve_socket(
     };
     match server::serve_unix(path, status.clone(), group, server::Limits::of(c)) {
         Ok(s) => Ok(Some(s)),
-        Err(e) if c.socket.is_some() => Err(ControlError::Socket(e)),
+        Err(e) if required || c.socket.is_some() => Err(ControlError::Socket(e)),
         Err(e) => {
             warn!("no control socket for `keel status`, `keel checkpoint` and the agent commands: {e}");
             Ok(None)
@@ -233,4 +238,22 @@ pub fn default_socket(cfg: &Config) -> PathBuf {
 /// (on a host, a socket left there by something else must not be taken for the state dir's).
 fn pid1_is_keel() -> bool {
     std::fs::read_to_string("/proc/1/comm").is_ok_and(|c| c.trim_end() == "keel")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `keel mount`'s socket is its only way in: one that cannot be made (here its state
+    /// dir's, where a plain file has the name) fails the start rather than warn, even at the
+    /// default place.
+    #[test]
+    fn the_mounts_socket_that_cannot_be_made_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::default();
+        cfg.workspace.state_dir = dir.path().to_path_buf();
+        std::fs::write(dir.path().join(crate::state::CONTROL_SOCK), "").unwrap();
+        let e = start_socket(&cfg, &StatusHandle::new(&cfg)).unwrap_err();
+        assert!(matches!(e, ControlError::Socket(_)), "{e}");
+    }
 }

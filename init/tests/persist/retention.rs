@@ -254,10 +254,13 @@ fn status_shows_the_file_remote_disk_use_after_checkpoints_and_gc() {
     let two = wait_for("grew by a second version", &|n| n >= one + BIG as u64);
     // `keel gc` through the running keel's control socket (served here as `keel mount`
     // serves it): keep = 1 frees the first version.
-    let mut full = keel::config::Config::default();
-    full.workspace = ws.clone();
-    let control = keel::control::start_socket(&full).unwrap();
-    keel::control::publish_checkpoints(control.status(), &svc);
+    let full = keel::config::Config {
+        workspace: ws.clone(),
+        ..Default::default()
+    };
+    let status = keel::control::StatusHandle::new(&full);
+    keel::control::publish_checkpoints(&status, &svc);
+    let control = keel::control::start_socket(&full, &status).unwrap();
     let o = keel(&["gc", "--state", state.to_str().unwrap()]);
     control.stop();
     assert!(o.status.success(), "{}", text(&o));
