@@ -43,6 +43,8 @@ pub enum AgentClientError {
     Refused(String),
     #[error("unexpected answer from keel: {0}")]
     Answer(#[source] serde_json::Error),
+    #[error("keel answered without saying what it did (no `done`): {0}")]
+    NoDone(String),
     #[error("write the answer: {0}")]
     Output(#[source] std::io::Error),
     #[error("state dir {} is in use by a keel that does not answer on its control socket {} (still starting, or its socket is elsewhere: see [control] socket)", state.display(), socket.display())]
@@ -179,9 +181,12 @@ pub fn checkpoint(cfg: &Config, full: bool) -> Result<String, AgentClientError> 
     done(&json(&call(&socket, "POST", route)?)?)
 }
 
-/// The report's one line (`done`) of an answer.
+/// The report's one line (`done`) of an answer; an answer without one is not a report.
 fn done(v: &serde_json::Value) -> Result<String, AgentClientError> {
-    Ok(v["done"].as_str().unwrap_or_default().to_string())
+    match v["done"].as_str() {
+        Some(line) if !line.trim().is_empty() => Ok(line.to_string()),
+        _ => Err(AgentClientError::NoDone(v.to_string())),
+    }
 }
 
 /// `keel gc`: by the running keel (`POST /gc`), else offline.
@@ -488,6 +493,28 @@ mod tests {
                 "POST /checkpoint HTTP/1.1"
             ]
         );
+    }
+
+    /// A checkpoint answered 200 without its `done` line is not a checkpoint the command can
+    /// report: it fails rather than print an empty line and exit 0.
+    #[test]
+    fn a_checkpoint_answer_without_done_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::default();
+        cfg.workspace.state_dir = dir.path().join("state");
+        let sock = dir.path().join("control.sock");
+        cfg.control.socket = Some(sock.clone());
+        let l = UnixListener::bind(&sock).unwrap();
+        let server = std::thread::spawn(move || {
+            for answer in [STATUS, "{\"ok\":true}\n"] {
+                let (mut s, _) = l.accept().unwrap();
+                read_request(&mut s);
+                answer_with(&mut s, answer);
+            }
+        });
+        let e = checkpoint(&cfg, false).unwrap_err();
+        server.join().unwrap();
+        assert!(matches!(e, AgentClientError::NoDone(_)), "{e}");
     }
 
     /// Writes a 200 answer with `body` and waits for the client to close.
