@@ -29,7 +29,7 @@ pub use status::{
 };
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use tracing::{info, warn};
 
@@ -55,11 +55,13 @@ pub struct Control {
     status: StatusHandle,
     tcp: Option<Server>,
     unix: Option<Server>,
+    /// The state dir's socket of a keel that is PID 1 (beside /run/keel's).
+    state_unix: Option<Server>,
 }
 
 /// Starts what `[control]` asks for. A TCP listener that cannot bind, or an explicitly
-/// configured socket that cannot be created, is an error; the default socket in the state
-/// dir is a convenience and only warns.
+/// configured socket that cannot be created, is an error; a default socket (the state dir's,
+/// /run/keel's) is a convenience under `keel run` and only warns.
 pub fn start(cfg: &Config) -> Result<Control, ControlError> {
     let status = &StatusHandle::new(cfg);
     let c = &cfg.control;
@@ -91,14 +93,26 @@ pub fn start(cfg: &Config) -> Result<Control, ControlError> {
         }
         None => None,
     };
-    let unix = match c.socket_path(cfg, crate::sys::process::is_root_pid1()) {
-        Some(path) => serve_socket(cfg, status, &path, false)?,
+    let path = c.socket_path(cfg, crate::sys::process::is_root_pid1());
+    let unix = match &path {
+        Some(path) => serve_socket(cfg, status, path, false)?,
         None => None,
+    };
+    // A keel that is PID 1 serves /run/keel/control.sock for its sandbox; the host reaches
+    // the state dir only (`keel checkpoint --state` on a bind-mounted dir), so the socket is
+    // served there too. The sandbox's cover over the state dir hides this one.
+    let in_state = cfg.workspace.state_dir.join(crate::state::CONTROL_SOCK);
+    let state_unix = match &path {
+        Some(p) if *p == Path::new(crate::config::control::RUN_SOCKET) => {
+            serve_socket(cfg, status, &in_state, false)?
+        }
+        _ => None,
     };
     Ok(Control {
         status: status.clone(),
         tcp,
         unix,
+        state_unix,
     })
 }
 
@@ -119,6 +133,7 @@ pub fn start_socket(cfg: &Config, status: &StatusHandle) -> Result<Control, Cont
         status: status.clone(),
         tcp: None,
         unix,
+        state_unix: None,
     })
 }
 
@@ -212,7 +227,7 @@ impl Control {
         if let Some(s) = self.tcp {
             s.stop();
         }
-        if let Some(s) = self.unix {
+        for s in [self.unix, self.state_unix].into_iter().flatten() {
             s.stop();
         }
     }
