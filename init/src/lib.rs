@@ -2,7 +2,7 @@
 //!
 //! `main.rs` and `cli/` (the binary) parse the command line, run a command and turn its
 //! outcome into an exit code; everything else lives here and never imports from `cli/`.
-//! The layers, each importing only those below it (`tests/layers.rs` checks every
+//! The layers, each importing only those below it (`tests/control/layers.rs` checks every
 //! `crate::` path):
 //!
 //! ```text

@@ -149,23 +149,27 @@ fn mount_foreground(cfg: &Config, record_changes: bool) -> Result<(), MountError
     use keel::sys::fgsig::{Stop, StopSignals};
     let signals = StopSignals::block().map_err(MountError::BlockSignals)?;
     let mut ws = keel::boot::workspace::start(cfg).map_err(MountError::Start)?;
-    let control = match keel::control::start_socket(cfg) {
+    // The model is filled before the socket serves it: the first client sees the mount, and
+    // its checkpoint reaches the checkpoint service, not the default flush.
+    let status = keel::control::StatusHandle::new(cfg);
+    status.mounted(cfg, ws.mounted());
+    // Nothing to supervise: `/health` is ok while the workspace is mounted.
+    status.set_services(Vec::new(), None);
+    if let Some(p) = ws.persist() {
+        keel::control::publish_checkpoints(&status, p);
+    }
+    let control = match keel::control::start_socket(cfg, &status) {
         Ok(c) => c,
         Err(e) => {
-            // Saved and unmounted as at a stop, so the failure leaves nothing behind.
+            // Saved and unmounted as at a stop, so the failure leaves nothing behind (and
+            // nothing holds the checkpoint service beside the final checkpoint).
+            status.unmounting();
             if let Err(u) = ws.unmount() {
                 tracing::warn!(error = %u, "unmount after the control socket failed");
             }
             return Err(MountError::Control(e));
         }
     };
-    let status = control.status();
-    status.mounted(cfg, ws.mounted());
-    // Nothing to supervise: `/health` is ok while the workspace is mounted.
-    status.set_services(Vec::new(), None);
-    if let Some(p) = ws.persist() {
-        keel::control::publish_checkpoints(status, p);
-    }
     let mounted = ws.mounted().expect("keel mount mounts FUSE");
     if record_changes {
         if let Err(e) = mounted.handle().watch() {

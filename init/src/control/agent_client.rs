@@ -43,10 +43,18 @@ pub enum AgentClientError {
     Refused(String),
     #[error("unexpected answer from keel: {0}")]
     Answer(#[source] serde_json::Error),
+    #[error("keel answered without saying what it did (no `done`): {0}")]
+    NoDone(String),
     #[error("write the answer: {0}")]
     Output(#[source] std::io::Error),
     #[error("state dir {} is in use by a keel that does not answer on its control socket {} (still starting, or its socket is elsewhere: see [control] socket)", state.display(), socket.display())]
     NotAnswering { state: PathBuf, socket: PathBuf },
+    #[error("state dir {} is in use, but the keel on its control socket {} serves {serves} (set [control] socket to this state dir's keel's)", state.display(), socket.display())]
+    OtherKeel {
+        state: PathBuf,
+        socket: PathBuf,
+        serves: String,
+    },
     #[error("no keel runs on {}: rollback works on a mounted workspace (a stopped one is restored with keel snapshot restore)", .0.display())]
     NotRunning(PathBuf),
 }
@@ -89,14 +97,23 @@ fn find(cfg: &Config) -> Result<Keel, AgentClientError> {
     let socket = super::default_socket(cfg);
     let state = &cfg.workspace.state_dir;
     let t0 = Instant::now();
+    let mut other = None;
     loop {
         match request_within(&socket, "GET", "/status", PROBE_TIMEOUT) {
             Ok((200, body)) => {
                 let v: serde_json::Value = json(&body)?;
-                let mount = (v["mount"]["mounted"] == true)
-                    .then(|| v["mount"]["mount_point"].as_str().map(PathBuf::from))
-                    .flatten();
-                return Ok(Keel::Running { socket, mount });
+                match serves(&v, state) {
+                    Ok(()) => {
+                        let mount = (v["mount"]["mounted"] == true)
+                            .then(|| v["mount"]["mount_point"].as_str().map(PathBuf::from))
+                            .flatten();
+                        return Ok(Keel::Running { socket, mount });
+                    }
+                    // Another keel's socket (a shared `[control] socket`, or the one at
+                    // /run/keel): not this state dir's keel, which is then stopped, or
+                    // elsewhere.
+                    Err(theirs) => other = Some(theirs),
+                }
             }
             Ok((_, body)) => return Err(AgentClientError::Refused(refusal(&body))),
             Err(ClientError::NotListening { .. }) => {}
@@ -107,13 +124,34 @@ fn find(cfg: &Config) -> Result<Keel, AgentClientError> {
             return Ok(Keel::Stopped);
         }
         if t0.elapsed() > START_WAIT {
-            return Err(AgentClientError::NotAnswering {
-                state: state.clone(),
-                socket,
+            return Err(match other {
+                Some(serves) => AgentClientError::OtherKeel {
+                    state: state.clone(),
+                    socket,
+                    serves,
+                },
+                None => AgentClientError::NotAnswering {
+                    state: state.clone(),
+                    socket,
+                },
             });
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// Whether the keel whose `GET /status` is `v` serves the state dir `state`; else the one it
+/// serves. Both sides resolve symlinks (`status::canonical_state_dir`); a keel too old to say
+/// is taken at its word, as before.
+fn serves(v: &serde_json::Value, state: &Path) -> Result<(), String> {
+    let Some(theirs) = v["state_dir"].as_str() else {
+        return Ok(());
+    };
+    let ours = super::status::canonical_state_dir(state);
+    if theirs == ours || Path::new(theirs) == state {
+        return Ok(());
+    }
+    Err(theirs.to_string())
 }
 
 /// Pushes what the kernel caches for the running keel's mount into keel, from this process.
@@ -143,9 +181,12 @@ pub fn checkpoint(cfg: &Config, full: bool) -> Result<String, AgentClientError> 
     done(&json(&call(&socket, "POST", route)?)?)
 }
 
-/// The report's one line (`done`) of an answer.
+/// The report's one line (`done`) of an answer; an answer without one is not a report.
 fn done(v: &serde_json::Value) -> Result<String, AgentClientError> {
-    Ok(v["done"].as_str().unwrap_or_default().to_string())
+    match v["done"].as_str() {
+        Some(line) if !line.trim().is_empty() => Ok(line.to_string()),
+        _ => Err(AgentClientError::NoDone(v.to_string())),
+    }
 }
 
 /// `keel gc`: by the running keel (`POST /gc`), else offline.
@@ -402,6 +443,87 @@ mod tests {
         cfg.control.socket = Some(dead);
         let e = checkpoint(&cfg, false).unwrap_err();
         assert!(matches!(e, AgentClientError::Ops(_)), "{e}");
+    }
+
+    /// A keel serving another state dir answers on the socket (a `[control] socket` shared by
+    /// two configs, or /run/keel's): `keel checkpoint --state B` must not checkpoint keel A's
+    /// workspace. B is not locked (stopped), so the command goes to B's state dir offline;
+    /// the same keel answering for its own state dir (symlinks resolved) is used.
+    #[test]
+    fn a_keel_serving_another_state_dir_is_not_this_state_dirs_keel() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::default();
+        std::fs::create_dir(dir.path().join("b")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("b"), dir.path().join("b-link")).unwrap();
+        cfg.workspace.state_dir = dir.path().join("b-link");
+        let sock = dir.path().join("shared.sock");
+        cfg.control.socket = Some(sock.clone());
+        let l = UnixListener::bind(&sock).unwrap();
+        let ours = std::fs::canonicalize(dir.path().join("b")).unwrap();
+        let answers = [
+            format!(
+                "{{\"state_dir\":\"{}\",\"mount\":{{\"mounted\":false}}}}\n",
+                dir.path().join("a").display()
+            ),
+            format!(
+                "{{\"state_dir\":\"{}\",\"mount\":{{\"mounted\":false}}}}\n",
+                ours.display()
+            ),
+            "{\"ok\":true,\"done\":\"snapshot 3\"}\n".to_string(),
+        ];
+        let server = std::thread::spawn(move || {
+            let mut asked = Vec::new();
+            for answer in answers {
+                let (mut s, _) = l.accept().unwrap();
+                let req = read_request(&mut s);
+                asked.push(req.lines().next().unwrap_or_default().to_string());
+                answer_with(&mut s, &answer);
+            }
+            asked
+        });
+        let e = checkpoint(&cfg, false).unwrap_err();
+        assert!(matches!(e, AgentClientError::Ops(_)), "{e}");
+        assert_eq!(checkpoint(&cfg, false).unwrap(), "snapshot 3");
+        let asked = server.join().unwrap();
+        assert_eq!(
+            asked,
+            [
+                "GET /status HTTP/1.1",
+                "GET /status HTTP/1.1",
+                "POST /checkpoint HTTP/1.1"
+            ]
+        );
+    }
+
+    /// A checkpoint answered 200 without its `done` line is not a checkpoint the command can
+    /// report: it fails rather than print an empty line and exit 0.
+    #[test]
+    fn a_checkpoint_answer_without_done_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::default();
+        cfg.workspace.state_dir = dir.path().join("state");
+        let sock = dir.path().join("control.sock");
+        cfg.control.socket = Some(sock.clone());
+        let l = UnixListener::bind(&sock).unwrap();
+        let server = std::thread::spawn(move || {
+            for answer in [STATUS, "{\"ok\":true}\n"] {
+                let (mut s, _) = l.accept().unwrap();
+                read_request(&mut s);
+                answer_with(&mut s, answer);
+            }
+        });
+        let e = checkpoint(&cfg, false).unwrap_err();
+        server.join().unwrap();
+        assert!(matches!(e, AgentClientError::NoDone(_)), "{e}");
+    }
+
+    /// Writes a 200 answer with `body` and waits for the client to close.
+    fn answer_with(s: &mut std::os::unix::net::UnixStream, body: &str) {
+        let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
+        s.write_all(head.as_bytes()).unwrap();
+        s.write_all(body.as_bytes()).unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let _ = s.read_to_end(&mut Vec::new());
     }
 
     /// A running keel's `GET /status`, with its workspace not mounted (nothing to sync).

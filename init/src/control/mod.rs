@@ -29,7 +29,7 @@ pub use status::{
 };
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use tracing::{info, warn};
 
@@ -55,11 +55,13 @@ pub struct Control {
     status: StatusHandle,
     tcp: Option<Server>,
     unix: Option<Server>,
+    /// The state dir's socket of a keel that is PID 1 (beside /run/keel's).
+    state_unix: Option<Server>,
 }
 
 /// Starts what `[control]` asks for. A TCP listener that cannot bind, or an explicitly
-/// configured socket that cannot be created, is an error; the default socket in the state
-/// dir is a convenience and only warns.
+/// configured socket that cannot be created, is an error; a default socket (the state dir's,
+/// /run/keel's) is a convenience under `keel run` and only warns.
 pub fn start(cfg: &Config) -> Result<Control, ControlError> {
     let status = &StatusHandle::new(cfg);
     let c = &cfg.control;
@@ -91,40 +93,58 @@ pub fn start(cfg: &Config) -> Result<Control, ControlError> {
         }
         None => None,
     };
-    let unix = match c.socket_path(cfg, crate::sys::process::is_root_pid1()) {
-        Some(path) => serve_socket(cfg, status, &path)?,
+    let path = c.socket_path(cfg, crate::sys::process::is_root_pid1());
+    let unix = match &path {
+        Some(path) => serve_socket(cfg, status, path, false)?,
         None => None,
+    };
+    // A keel that is PID 1 serves /run/keel/control.sock for its sandbox; the host reaches
+    // the state dir only (`keel checkpoint --state` on a bind-mounted dir), so the socket is
+    // served there too. The sandbox's cover over the state dir hides this one.
+    let in_state = cfg.workspace.state_dir.join(crate::state::CONTROL_SOCK);
+    let state_unix = match &path {
+        Some(p) if *p == Path::new(crate::config::control::RUN_SOCKET) => {
+            serve_socket(cfg, status, &in_state, false)?
+        }
+        _ => None,
     };
     Ok(Control {
         status: status.clone(),
         tcp,
         unix,
+        state_unix,
     })
 }
 
 /// What `keel mount` serves: the Unix socket only (`[control] socket`, else the state dir's
 /// `control.sock`), with the same rights as under `keel run`, and no TCP listener: a mount
 /// on a host is reached by root, keel's user and `[control] group`, like its state dir.
-pub fn start_socket(cfg: &Config) -> Result<Control, ControlError> {
-    let status = &StatusHandle::new(cfg);
+/// `status` is the model already filled (mounted, services, checkpoints), so the first
+/// client sees the mount as it is. The socket is the mount's only way in (checkpoints, gc,
+/// the agent commands): one that cannot be made is an error wherever it is.
+pub fn start_socket(cfg: &Config, status: &StatusHandle) -> Result<Control, ControlError> {
     let path = cfg
         .control
         .socket
         .clone()
         .unwrap_or_else(|| cfg.workspace.state_dir.join(crate::state::CONTROL_SOCK));
+    let unix = serve_socket(cfg, status, &path, true)?;
     Ok(Control {
         status: status.clone(),
         tcp: None,
-        unix: serve_socket(cfg, status, &path)?,
+        unix,
+        state_unix: None,
     })
 }
 
-/// The Unix socket at `path`. One that cannot be created is an error when `[control]
-/// socket` names it, and only warns at the default place (it is a convenience there).
+/// The Unix socket at `path`. One that cannot be created is an error when `required` (`[control]
+/// socket` names it, or `keel mount`, whose only way in it is), and only warns otherwise (at
+/// the default place of `keel run`, which has TCP and `keel exec`, it is a convenience).
 fn serve_socket(
     cfg: &Config,
     status: &StatusHandle,
     path: &std::path::Path,
+    required: bool,
 ) -> Result<Option<Server>, ControlError> {
     let c = &cfg.control;
     let group = match &c.group {
@@ -133,7 +153,7 @@ fn serve_socket(
     };
     match server::serve_unix(path, status.clone(), group, server::Limits::of(c)) {
         Ok(s) => Ok(Some(s)),
-        Err(e) if c.socket.is_some() => Err(ControlError::Socket(e)),
+        Err(e) if required || c.socket.is_some() => Err(ControlError::Socket(e)),
         Err(e) => {
             warn!("no control socket for `keel status`, `keel checkpoint` and the agent commands: {e}");
             Ok(None)
@@ -207,7 +227,7 @@ impl Control {
         if let Some(s) = self.tcp {
             s.stop();
         }
-        if let Some(s) = self.unix {
+        for s in [self.unix, self.state_unix].into_iter().flatten() {
             s.stop();
         }
     }
@@ -233,4 +253,22 @@ pub fn default_socket(cfg: &Config) -> PathBuf {
 /// (on a host, a socket left there by something else must not be taken for the state dir's).
 fn pid1_is_keel() -> bool {
     std::fs::read_to_string("/proc/1/comm").is_ok_and(|c| c.trim_end() == "keel")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `keel mount`'s socket is its only way in: one that cannot be made (here its state
+    /// dir's, where a plain file has the name) fails the start rather than warn, even at the
+    /// default place.
+    #[test]
+    fn the_mounts_socket_that_cannot_be_made_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::default();
+        cfg.workspace.state_dir = dir.path().to_path_buf();
+        std::fs::write(dir.path().join(crate::state::CONTROL_SOCK), "").unwrap();
+        let e = start_socket(&cfg, &StatusHandle::new(&cfg)).unwrap_err();
+        assert!(matches!(e, ControlError::Socket(_)), "{e}");
+    }
 }

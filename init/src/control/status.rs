@@ -192,6 +192,8 @@ struct Shared {
     started: Instant,
     started_wall: SystemTime,
     mount_point: String,
+    /// The state dir with every symlink resolved: a client checks it is this keel's.
+    state_dir: String,
     cache: &'static str,
     /// `[control] diff_max_entries`.
     diff_max_entries: u64,
@@ -254,6 +256,7 @@ impl StatusHandle {
             started: Instant::now(),
             started_wall: SystemTime::now(),
             mount_point: cfg.workspace.mount_point.display().to_string(),
+            state_dir: canonical_state_dir(&cfg.workspace.state_dir),
             cache: cfg.workspace.cache.as_str(),
             diff_max_entries: cfg.control.diff_max_entries,
             state: Mutex::new(State {
@@ -449,6 +452,7 @@ impl StatusHandle {
         let uptime = self.0.started.elapsed();
         Report {
             version: env!("CARGO_PKG_VERSION"),
+            state_dir: self.0.state_dir.clone(),
             started_at: crate::time::rfc3339(self.0.started_wall),
             uptime_seconds: round3(uptime.as_secs_f64()),
             phase: match &s.phase {
@@ -624,6 +628,16 @@ fn mount_word(m: MountState) -> &'static str {
     }
 }
 
+/// `dir` with every symlink resolved, or as it is when that fails (it does not exist, or is
+/// hidden): what `GET /status` reports as `state_dir`, and what a client compares it with to
+/// know the keel that answered serves its state dir.
+pub fn canonical_state_dir(dir: &std::path::Path) -> String {
+    std::fs::canonicalize(dir)
+        .unwrap_or_else(|_| dir.to_path_buf())
+        .display()
+        .to_string()
+}
+
 fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
@@ -641,6 +655,8 @@ pub fn unix_secs(t: SystemTime) -> f64 {
 #[derive(Debug, Serialize)]
 pub struct Report {
     pub version: &'static str,
+    /// The state dir this keel serves, symlinks resolved (`canonical_state_dir`).
+    pub state_dir: String,
     pub started_at: String,
     pub uptime_seconds: f64,
     pub phase: &'static str,

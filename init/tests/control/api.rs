@@ -175,6 +175,9 @@ fn status_json_has_every_field_and_no_secret() {
     assert!(!r.body.contains(TOKEN), "token leaked: {}", r.body);
     let v = r.json();
     assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+    // The state dir it serves (the default, absent here: as configured), so a client can
+    // tell this keel from one of another state dir on a shared socket.
+    assert_eq!(v["state_dir"], "/var/lib/keel");
     assert!(v["uptime_seconds"].as_f64().unwrap() >= 0.0);
     assert!(v["started_at"].as_str().unwrap().ends_with('Z'));
     assert_eq!(v["phase"], "running");

@@ -258,8 +258,9 @@ fn status_shows_the_file_remote_disk_use_after_checkpoints_and_gc() {
         workspace: ws.clone(),
         ..Default::default()
     };
-    let control = keel::control::start_socket(&full).unwrap();
-    keel::control::publish_checkpoints(control.status(), &svc);
+    let status = keel::control::StatusHandle::new(&full);
+    keel::control::publish_checkpoints(&status, &svc);
+    let control = keel::control::start_socket(&full, &status).unwrap();
     let o = keel(&["gc", "--state", state.to_str().unwrap()]);
     control.stop();
     assert!(o.status.success(), "{}", text(&o));
