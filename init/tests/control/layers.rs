@@ -1,6 +1,7 @@
 //! keel's layers point one way: `cli → boot/run/supervisor/control/shutdown → workspace,
 //! persist → config/state/meta/chunk → sys/logging/progress/time/random`. This test reads
-//! every `crate::` path in `init/src` (outside comments) and fails on an edge that points up
+//! every `crate::` path in `init/src` (outside comments; groups over several lines and
+//! nested groups included) and every `super::` chain that climbs to the crate root, and fails on an edge that points up
 //! a layer, on an import between `workspace` and `persist` (siblings: the start sequence
 //! that joins them lives above both), and on a circle between top-level modules. Edges not
 //! yet fixed are listed in `KNOWN` with the reason; the test also fails when one of them is
@@ -69,41 +70,115 @@ fn module_of(root: &Path, file: &Path) -> String {
     first.trim_end_matches(".rs").to_string()
 }
 
-/// Every `crate::NAME` in `text` outside `//` comments.
-fn crate_refs(text: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
+/// The text without its `//` comments (string literals are not told apart: a `//` inside
+/// one cuts the rest of its line, which can only hide an import, never invent one).
+fn without_comments(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
     for line in text.lines() {
-        let code = match line.find("//") {
+        out.push_str(match line.find("//") {
             Some(i) => &line[..i],
             None => line,
-        };
-        let mut rest = code;
-        while let Some(i) = rest.find("crate::") {
-            let tail = &rest[i + "crate::".len()..];
-            let name: String = tail
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect();
-            // `use crate::{a, b}` names several modules at once.
-            if name.is_empty() && tail.starts_with('{') {
-                let group = &tail[1..tail.find('}').unwrap_or(tail.len())];
-                for n in group.split(',') {
-                    let n: String = n
-                        .trim()
-                        .chars()
-                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                        .collect();
-                    if !n.is_empty() {
-                        out.insert(n);
-                    }
-                }
-            } else if !name.is_empty() {
-                out.insert(name);
-            }
-            rest = tail;
-        }
+        });
+        out.push('\n');
     }
     out
+}
+
+/// The leading identifier of `s` (after whitespace).
+fn ident(s: &str) -> String {
+    s.trim_start()
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect()
+}
+
+/// The first names of a path or a `{…}` group at the start of `tail` (after `crate::` or a
+/// climb to the crate root): `a::b` names `a`; `{a, b::{c, d}}` names `a` and `b`, however
+/// rustfmt wrapped the group over lines.
+fn first_names(tail: &str, out: &mut BTreeSet<String>) {
+    let tail = tail.trim_start();
+    let Some(group) = tail.strip_prefix('{') else {
+        let n = ident(tail);
+        if !n.is_empty() {
+            out.insert(n);
+        }
+        return;
+    };
+    // Split at the commas of this group's own level, up to its closing brace.
+    let (mut depth, mut item) = (0usize, String::new());
+    for c in group.chars() {
+        match c {
+            '{' => depth += 1,
+            '}' if depth == 0 => break,
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                first_names(&std::mem::take(&mut item), out);
+                continue;
+            }
+            _ => {}
+        }
+        item.push(c);
+    }
+    first_names(&item, out);
+}
+
+/// Every top-level module `text` (the file `rel` below `src/`, e.g. `workspace/fs/lazy.rs`)
+/// names outside `//` comments: through `crate::` paths, and through `super::` chains that
+/// climb to the crate root (`super::super::persist` in `workspace/fs.rs`). A file's module
+/// depth is its path's; a climb from inside an inline `mod` is counted from the file, so a
+/// name is kept only when it is a top-level module (`tops`).
+fn crate_refs_in(text: &str, rel: &Path, tops: &BTreeSet<String>) -> BTreeSet<String> {
+    let code = without_comments(text);
+    let mut out = BTreeSet::new();
+    let mut rest = code.as_str();
+    while let Some(i) = rest.find("crate::") {
+        first_names(&rest[i + "crate::".len()..], &mut out);
+        rest = &rest[i + "crate::".len()..];
+    }
+    // The file's depth below the crate root: `a.rs` and `a/mod.rs` are 1, `a/b.rs` 2.
+    let mut depth = rel.components().count();
+    if rel.file_name().is_some_and(|f| f == "mod.rs") {
+        depth -= 1;
+    }
+    let bytes = code.as_bytes();
+    let mut at = 0;
+    while let Some(i) = code[at..].find("super::") {
+        let start = at + i;
+        let preceded = start > 0
+            && (bytes[start - 1].is_ascii_alphanumeric()
+                || bytes[start - 1] == b'_'
+                || bytes[start - 1] == b':');
+        let mut end = start;
+        let mut climbs = 0;
+        while code[end..].starts_with("super::") {
+            climbs += 1;
+            end += "super::".len();
+        }
+        if !preceded && climbs >= depth {
+            first_names(&code[end..], &mut out);
+        }
+        at = end;
+    }
+    out.retain(|n| tops.contains(n));
+    out
+}
+
+/// Every `crate::NAME` in `text` (a file directly below `src/`, where `super::` is the crate
+/// root too) that names a module of `tops`.
+fn crate_refs(text: &str, tops: &BTreeSet<String>) -> BTreeSet<String> {
+    crate_refs_in(text, Path::new("x.rs"), tops)
+}
+
+/// The crate's top-level modules (files and directories directly below `src/`).
+fn top_modules() -> BTreeSet<String> {
+    std::fs::read_dir(src_dir())
+        .unwrap()
+        .map(|e| {
+            let name = e.unwrap().file_name().to_string_lossy().to_string();
+            name.trim_end_matches(".rs").to_string()
+        })
+        .filter(|n| n != "lib" && n != "main")
+        .collect()
 }
 
 /// Module → modules it imports (self-edges dropped), with one file per edge for the message.
@@ -112,6 +187,7 @@ fn edges() -> BTreeMap<(String, String), String> {
     let mut files = Vec::new();
     rust_files(&root, &mut files);
     files.sort();
+    let tops = top_modules();
     let mut out = BTreeMap::new();
     for f in files {
         let from = module_of(&root, &f);
@@ -119,7 +195,8 @@ fn edges() -> BTreeMap<(String, String), String> {
             continue;
         }
         let text = std::fs::read_to_string(&f).unwrap();
-        for to in crate_refs(&text) {
+        let rel = f.strip_prefix(&root).unwrap();
+        for to in crate_refs_in(&text, rel, &tops) {
             if to != from {
                 let rel = f.strip_prefix(&root).unwrap().display().to_string();
                 out.entry((from.clone(), to)).or_insert(rel);
@@ -230,10 +307,38 @@ fn no_circles_between_modules() {
 
 #[test]
 fn the_scanner_sees_imports() {
-    let r =
-        crate_refs("use crate::{sys, meta::Store}; // crate::boot\nlet x = crate::persist::f();");
+    let tops: BTreeSet<String> = ["sys", "meta", "persist", "boot", "control", "state", "time"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let r = crate_refs(
+        "use crate::{sys, meta::Store}; // crate::boot\nlet x = crate::persist::f();",
+        &tops,
+    );
     assert_eq!(
         r.into_iter().collect::<Vec<_>>(),
         vec!["meta".to_string(), "persist".into(), "sys".into()]
     );
+    // A group rustfmt wrapped over lines, with a nested group inside.
+    let r = crate_refs(
+        "use crate::{\n    control::{api, status::Status},\n    state,\n    time::now_ns,\n};",
+        &tops,
+    );
+    assert_eq!(
+        r.into_iter().collect::<Vec<_>>(),
+        vec!["control".to_string(), "state".into(), "time".into()]
+    );
+    // `super::` climbs: to the crate root from `workspace/fs.rs` takes two.
+    let r = crate_refs_in(
+        "use super::super::persist::x;\nuse super::{sys, y};\nuse super::super::{boot, z};",
+        Path::new("workspace/fs.rs"),
+        &tops,
+    );
+    assert_eq!(
+        r.into_iter().collect::<Vec<_>>(),
+        vec!["boot".to_string(), "persist".into()]
+    );
+    // From `workspace/mod.rs` one climb is the crate root.
+    let r = crate_refs_in("use super::meta;", Path::new("workspace/mod.rs"), &tops);
+    assert_eq!(r.into_iter().collect::<Vec<_>>(), vec!["meta".to_string()]);
 }
