@@ -179,19 +179,12 @@ pub enum MetaError {
 }
 
 impl MetaError {
-    /// True when the failure is the disk being full. SQLite says SQLITE_FULL when a write
-    /// to the database or its WAL comes back short with ENOSPC, but not for every write a
-    /// full volume refuses: opening a WAL database extends its `-shm` index file one byte
-    /// per page, and a failure there (ENOSPC: on a full tmpfs or ext4 that is what it is)
-    /// is SQLITE_IOERR_SHMSIZE, "disk I/O error"; a write SQLite did not expect to fail is
-    /// SQLITE_IOERR_WRITE.
+    /// True when the failure is the disk being full (SQLITE_FULL).
     pub fn is_full(&self) -> bool {
-        let MetaError::Sql(rusqlite::Error::SqliteFailure(e, _)) = self else {
-            return false;
-        };
-        e.code == rusqlite::ErrorCode::DiskFull
-            || e.extended_code == rusqlite::ffi::SQLITE_IOERR_WRITE
-            || e.extended_code == rusqlite::ffi::SQLITE_IOERR_SHMSIZE
+        matches!(self, MetaError::Sql(rusqlite::Error::SqliteFailure(e, _))
+            if e.code == rusqlite::ErrorCode::DiskFull)
+            || matches!(self, MetaError::Sql(rusqlite::Error::SqliteFailure(e, _))
+            if e.extended_code == rusqlite::ffi::SQLITE_IOERR_WRITE)
     }
 }
 
@@ -380,25 +373,6 @@ struct Group {
     /// write it again (every create, unlink and close in a directory marked the directory
     /// once more). Emptied when a group begins or is lost.
     marked: RefCell<HashSet<InodeNo>>,
-}
-
-/// What a checkpoint of the WAL into the database file did (`Store::rewind_wal`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WalFold {
-    /// Whether it could not finish (another connection held a lock it needed).
-    pub busy: bool,
-    /// Frames in the WAL.
-    pub log: i64,
-    /// Frames of them now in the database file.
-    pub copied: i64,
-}
-
-impl WalFold {
-    /// Whether all of the WAL is in the database file, so that the next write may start it
-    /// over (if no other connection still reads from it).
-    pub fn done(&self) -> bool {
-        !self.busy && self.log == self.copied
-    }
 }
 
 /// When a group commit is due.
@@ -624,26 +598,6 @@ impl Store {
         self.conn
             .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
         Ok(())
-    }
-
-    /// Copies the WAL into the database file without waiting for readers (a passive
-    /// checkpoint), committing the open group first. Once all of it is copied, the next
-    /// write starts the WAL over from its beginning, in room the WAL file already has,
-    /// instead of appending: on a full volume that is how an update that adds no pages
-    /// commits. Says how much was copied. Fails (full) when the copy needs the database
-    /// file to grow and the volume has no room for that.
-    pub fn rewind_wal(&self) -> Result<WalFold> {
-        self.commit_group()?;
-        let (busy, log, copied): (i64, i64, i64) =
-            self.conn
-                .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
-                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-                })?;
-        Ok(WalFold {
-            busy: busy != 0,
-            log,
-            copied,
-        })
     }
 
     /// Runs SQLite's own consistency check; returns the problems it found.

@@ -50,7 +50,6 @@ mod nodes;
 mod reads;
 mod replay;
 mod rollback;
-mod room;
 mod track;
 mod watch;
 mod xattr;
@@ -262,8 +261,6 @@ pub struct WorkspaceFs {
     state_dir: PathBuf,
     opts: FsOptions,
     reserve: Reserve,
-    /// Writes and creates claim room here first (`room`).
-    room: room::Room,
     /// Space for the next start's opening writes; also given back by a shutdown that
     /// cannot fold the WAL on a full volume.
     boot_reserve: Reserve,
@@ -356,18 +353,6 @@ pub(crate) fn give_back_reserves(paths: &[PathBuf]) -> u64 {
     freed
 }
 
-/// The start's one-line error when the store cannot be opened for lack of room: how full
-/// the volume is, and what SQLite said.
-fn store_full(state_dir: &Path, e: FsError) -> FsError {
-    let volume = VolumeUsage::of(state_dir)
-        .map(|v| v.to_string())
-        .unwrap_or_else(|| "its usage is unknown".into());
-    match e {
-        FsError::Meta(source) => FsError::StoreFull { volume, source },
-        other => other,
-    }
-}
-
 pub(crate) const MIB: f64 = (1u64 << 20) as f64;
 
 /// How full the state volume is, said once at every start.
@@ -438,24 +423,15 @@ impl WorkspaceFs {
             Ok(opened) => opened,
             // A foreign or corrupt store is refused as it is: nothing in the dir is touched.
             Err(e @ FsError::Meta(MetaError::Foreign { .. })) => return Err(e),
-            // Only a lack of room is helped by the reserves; any other failure is said as
-            // it is, and the reserves stay for the start that has a full volume.
-            Err(first) if first.errno() != libc::ENOSPC => return Err(first),
             Err(first) => match give_back_reserves(&reserves) {
-                0 => return Err(store_full(state_dir, first)),
+                0 => return Err(first),
                 freed => {
                     tracing::warn!(
                         error = %first,
                         "cannot open the store on a full state volume; retrying with the {:.1} MiB space reserve",
                         freed as f64 / MIB
                     );
-                    match open_store(state_dir, &opts) {
-                        Ok(opened) => opened,
-                        Err(e) if e.errno() == libc::ENOSPC => {
-                            return Err(store_full(state_dir, e))
-                        }
-                        Err(e) => return Err(e),
-                    }
+                    open_store(state_dir, &opts)?
                 }
             },
         };
@@ -546,7 +522,6 @@ impl WorkspaceFs {
             lazy,
             reads: reads::ReadLog::default(),
             reserve: Reserve::open(&reserves[0], RESERVE_BYTES),
-            room: room::Room::default(),
             boot_reserve,
             state_dir: state_dir.to_path_buf(),
             opts,
@@ -569,13 +544,7 @@ impl WorkspaceFs {
     /// with ENOSPC, gives up the metadata reserve and tries once more. Operations leave no
     /// trace when they fail, so the retry is safe.
     fn freeing<T>(&self, mut op: impl FnMut() -> FsResult<T>) -> FsResult<T> {
-        // First without the reserve: a WAL started over has room for a delete's few pages,
-        // and the reserve stays held against writers keel cannot stop (passthrough).
         let r = match op() {
-            Err(e) if e.errno() == libc::ENOSPC && self.rewind_wal(false) => op(),
-            r => r,
-        };
-        let r = match r {
             Err(e) if e.errno() == libc::ENOSPC && self.reserve.release() => {
                 tracing::warn!("state volume is full: using the metadata reserve");
                 op()
@@ -586,78 +555,6 @@ impl WorkspaceFs {
             self.reserve.refill_if_room();
         }
         r
-    }
-
-    /// Runs an update that grows nothing in the store: attributes, times, the size and
-    /// mtime an overwrite leaves. On ext4 these need no new block; here each is a commit
-    /// appended to the WAL, which on a full volume has no room to grow. So when one fails
-    /// with ENOSPC the WAL is started over (`rewind_wal`) and the update tried once more,
-    /// into room the WAL file already has.
-    ///
-    /// Bounded: such updates never make the store bigger, so the reserve may at most give
-    /// the copy into the database file room for the pages of operations already
-    /// acknowledged (the next checkpoint would copy them anyway), once: after that copy the
-    /// WAL has nothing new for the database file, and a loop of chmods cycles through the
-    /// WAL's own room, starting it over each time it reaches its end. Creates, which would
-    /// add pages, are kept off the last free room (`Room::claim_entry`).
-    ///
-    /// Once the reserve was given back, what is free is the deletes' room, and an update
-    /// whose commit appended to the WAL would spend it (a loop of 2000 chmods did, and the
-    /// delete after it failed). So then the WAL is folded before the update too: its commit
-    /// starts the WAL over and writes into the WAL's own room, never past it.
-    fn in_place<T>(&self, mut op: impl FnMut() -> FsResult<T>) -> FsResult<T> {
-        if !self.reserve_held() {
-            self.rewind_wal(false);
-        }
-        match op() {
-            Err(e) if e.errno() == libc::ENOSPC && self.rewind_wal(true) => op(),
-            r => r,
-        }
-    }
-
-    /// Copies the WAL into the database file so that the next commit starts it over
-    /// (`Store::rewind_wal`); returns whether it did. With `reserve`, a copy that needs the
-    /// database file to grow on a full volume may give back the metadata reserve for it.
-    fn rewind_wal(&self, reserve: bool) -> bool {
-        let guard = self.lock();
-        let r = match guard.store.rewind_wal() {
-            Err(e) if e.is_full() && reserve && self.reserve.release() => {
-                tracing::warn!(error = %e, "state volume is full: using the metadata reserve to fold the metadata log");
-                guard.store.rewind_wal()
-            }
-            r => r,
-        };
-        match r {
-            Ok(fold) => {
-                tracing::debug!(
-                    busy = fold.busy,
-                    log = fold.log,
-                    copied = fold.copied,
-                    "folded the metadata log on a full volume"
-                );
-                fold.done()
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, "cannot fold the metadata log on a full volume");
-                false
-            }
-        }
-    }
-
-    /// Room for one new entry (create, mkdir, mknod, symlink, link), claimed for as long as
-    /// the returned claim lives (see `room`).
-    fn room_for_entry(&self) -> FsResult<room::Claim<'_>> {
-        self.room
-            .claim_entry(&self.state_dir, room::kept(self.reserve_held()))
-    }
-
-    /// Whether the metadata reserve holds its room (taken back first when there is room).
-    fn reserve_held(&self) -> bool {
-        if self.reserve.held() {
-            return true;
-        }
-        self.reserve.refill_if_room();
-        self.reserve.held()
     }
 
     fn lock(&self) -> Guard<'_> {

@@ -308,44 +308,6 @@ fn reading_a_lazily_restored_file_of_holes_creates_no_body() {
 }
 
 #[test]
-fn resizing_a_lazily_restored_file_of_holes_creates_no_body() {
-    let l = Lazy::new(Arc::new(MemRemote::new()));
-    let fs = l.open();
-    let h = resolve(&fs, "lz/holes");
-    let bodies = keel::chunk::BodyStore::open(&l.dst.path().join("bodies")).unwrap();
-    let g = l.n();
-    let set = |size| SetAttr {
-        size: Some(size),
-        ..Default::default()
-    };
-    // Shrunk, grown past its old size, and shrunk to nothing and grown again: every byte is
-    // still zero, so no size change needs a body (nor room for one on a full volume).
-    for size in [2 * CHUNK + 7, 9 * CHUNK, 0, HOLES + 5] {
-        fs.setattr(h, &set(size)).unwrap();
-        assert_eq!(
-            bodies.stat(h.0).unwrap(),
-            None,
-            "a truncate to {size} made a body"
-        );
-        assert_eq!(fs.getattr(h).unwrap().inode.size, size);
-        assert_eq!(read_all(&fs, h).unwrap(), vec![0u8; size as usize]);
-    }
-    assert_eq!(l.n(), g, "resizing a file of holes fetched chunks");
-    // The checkpoint records the new size, all holes; a restore reads it back so.
-    fs.sync_all().unwrap();
-    let mut p = persister_loose(l.dst.path(), l.remote.clone());
-    checkpoint(&mut p);
-    drop(p);
-    drop(fs);
-    let (d, _) = eager_dump(l.remote.clone());
-    let eager = open_fs(d.path());
-    assert_eq!(
-        read_all(&eager, resolve(&eager, "lz/holes")).unwrap(),
-        vec![0u8; (HOLES + 5) as usize]
-    );
-}
-
-#[test]
 fn checkpoint_after_a_crash_never_hashes_unfetched_windows() {
     let l = Lazy::new(Arc::new(MemRemote::new()));
     let mut p = persister_loose(l.dst.path(), l.remote.clone());

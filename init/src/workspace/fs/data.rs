@@ -366,9 +366,8 @@ impl WorkspaceFs {
         if data.is_empty() {
             return Ok(0);
         }
-        let len = data.len() as u64;
-        let room = self.room_for_data(len, self.new_bytes(ino, offset, len)?)?;
-        let data = &data[..room.granted as usize];
+        let room = self.room_for_data(data.len() as u64)?;
+        let data = &data[..room as usize];
         let end = write_end(offset, data.len() as u64)?;
         let claim = self.lazy_prepare_write(ino, offset, end)?;
         if let Some(f) = self.write_target(ino, offset, end, Some(data))? {
@@ -460,20 +459,11 @@ impl WorkspaceFs {
 
     /// Commits a file's pending attributes (on close of a descriptor).
     pub fn flush(&self, ino: InodeNo) -> FsResult<()> {
-        let r = {
-            let mut guard = self.lock();
-            let inner: &mut Inner = &mut guard;
-            self.sync_from_body(inner, ino)?;
-            self.fed_closed(inner, ino);
-            Self::write_back(inner, ino)
-        };
-        // Attributes only: an update in place (see `in_place`).
-        match r {
-            Err(e) if e.errno() == libc::ENOSPC && self.rewind_wal(true) => {
-                Self::write_back(&mut self.lock(), ino)
-            }
-            r => r,
-        }
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        self.sync_from_body(inner, ino)?;
+        self.fed_closed(inner, ino);
+        Self::write_back(inner, ino)
     }
 
     /// Closes a file handle; returns whether it was a passthrough handle. Open → Loaded at
@@ -554,17 +544,13 @@ impl WorkspaceFs {
             }
             self.bodies.sync_entry(ino.0)?;
         }
-        // The size and times a write left: an update in place (`in_place`), which on a full
-        // volume commits as ext4's fsync of an overwrite does.
-        self.in_place(|| {
-            let mut guard = self.lock();
-            let inner: &mut Inner = &mut guard;
-            // What passthrough handles wrote, whatever the body's stamp says (`sync_written`).
-            self.sync_written(inner, ino)?;
-            Self::write_back(inner, ino)?;
-            inner.sync(self.opts.chunk_size)?;
-            Ok(())
-        })?;
+        let mut guard = self.lock();
+        let inner: &mut Inner = &mut guard;
+        // What passthrough handles wrote, whatever the body's stamp says (`sync_written`).
+        self.sync_written(inner, ino)?;
+        Self::write_back(inner, ino)?;
+        inner.sync(self.opts.chunk_size)?;
+        drop(guard);
         if let Some(hook) = self.fsync_hook.get() {
             hook().map_err(|e| {
                 tracing::error!(ino = ino.0, error = %e, "fsync: the checkpoint to the remote failed");
@@ -598,12 +584,9 @@ impl WorkspaceFs {
         }
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
-        // Held until the preallocation is done (`room`).
-        let _room = if mode & PUNCH == 0 {
-            Some(self.room_for_allocation(inner, len)?)
-        } else {
-            None
-        };
+        if mode & PUNCH == 0 {
+            self.room_for_allocation(inner, len)?;
+        }
         if !inner.trackers.is_empty() {
             self.file_of(inner, ino)?;
             self.track_inode(inner, ino);
@@ -668,9 +651,8 @@ impl WorkspaceFs {
     /// their unlinks lost, no way to free it); a preallocation filling it all the same
     /// (other writers) then fails alone, and the next operations find the volume full and
     /// commit one by one, with the metadata reserve.
-    fn room_for_allocation(&self, inner: &mut Inner, len: u64) -> FsResult<super::room::Claim<'_>> {
-        let room = self.room_for_data(len, len)?;
-        if room.granted < len {
+    fn room_for_allocation(&self, inner: &mut Inner, len: u64) -> FsResult<()> {
+        if self.room_for_data(len)? < len {
             return Err(FsError::NoSpace);
         }
         if let Ok(s) = sys::file::statvfs(&self.state_dir) {
@@ -681,42 +663,32 @@ impl WorkspaceFs {
         inner.commit_group(self.opts.chunk_size)?;
         // The next operation looks at the free space again (and stops grouping if low).
         inner.space_checked = None;
-        Ok(room)
+        Ok(())
     }
 
-    /// Before keel writes file bytes (a write, a copy, a preallocation) of which `new` need
-    /// new room on the volume: a claim on the room (`room`), held until the bytes are
-    /// written. Once the metadata reserve was given back on a full volume (`freeing`), what
-    /// it held is kept for the commits of deletes, which are what make room again. Spent on
-    /// data, a sandbox that keeps writing would leave no room to delete anything, and every
-    /// later delete would fail with ENOSPC. So while the reserve is not held (and cannot be
-    /// taken back), a write gets what is free beyond what it held (a short write), or ENOSPC
-    /// when nothing is. Writes through passthrough handles are the kernel's, which keel
-    /// cannot hold back.
-    fn room_for_data(&self, len: u64, new: u64) -> FsResult<super::room::Claim<'_>> {
-        let kept = super::room::kept(self.reserve_held());
-        self.room.claim(&self.state_dir, kept, len, new)
-    }
-
-    /// How many of the `len` bytes at `offset` of `ino` a write needs new room for: none
-    /// when they overwrite allocated bytes of its body or inline bytes it has (as on ext4,
-    /// such a write succeeds on a full volume), else all of them.
-    fn new_bytes(&self, ino: InodeNo, offset: u64, len: u64) -> FsResult<u64> {
-        let end = write_end(offset, len)?;
-        let mut guard = self.lock();
-        let inner: &mut Inner = &mut guard;
-        let of = self.file_of(inner, ino)?;
-        if end > of.inode.size {
+    /// Before keel writes file bytes (a write, a copy, a preallocation): once the metadata
+    /// reserve was given back on a full volume (`freeing`), what it held is kept for the
+    /// commits of deletes, which are what make room again. Spent on data, a sandbox that
+    /// keeps writing would leave no room to delete anything, and every later delete would
+    /// fail with ENOSPC. So while the reserve is not held (and cannot be taken back), a
+    /// write of `len` bytes gets what is free beyond what it held (a short write), or
+    /// ENOSPC when nothing is. Returns how many bytes may be written. Writes through
+    /// passthrough handles are the kernel's, which keel cannot hold back.
+    fn room_for_data(&self, len: u64) -> FsResult<u64> {
+        if self.reserve.held() {
             return Ok(len);
         }
-        Ok(match &of.data {
-            Data::Inline(_) => 0,
-            Data::Body(f) => match sys::file::seek_data_hole(f, offset, false) {
-                Ok(hole) if hole >= end => 0,
-                _ => len,
-            },
-            Data::Holes => len,
-        })
+        self.reserve.refill_if_room();
+        if self.reserve.held() {
+            return Ok(len);
+        }
+        let Some(v) = super::VolumeUsage::of(&self.state_dir) else {
+            return Ok(len);
+        };
+        match v.avail.saturating_sub(super::RESERVE_BYTES) {
+            0 if len > 0 => Err(FsError::NoSpace),
+            beyond => Ok(len.min(beyond)),
+        }
     }
 
     /// `lseek(2)` as far as the filesystem sees it: only SEEK_DATA and SEEK_HOLE reach it
@@ -817,8 +789,7 @@ impl WorkspaceFs {
         off_out: u64,
         len: u64,
     ) -> FsResult<Option<u64>> {
-        let room = self.room_for_data(len, len)?;
-        let len = room.granted;
+        let len = self.room_for_data(len)?;
         let end = write_end(off_out, len)?;
         if end <= self.opts.inline_max {
             return Ok(None);

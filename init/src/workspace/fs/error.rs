@@ -46,10 +46,6 @@ pub enum FsError {
     XattrsFull,
     #[error("the state volume has no room for it")]
     NoSpace,
-    /// The start could not open the store for lack of room, even with the space reserves
-    /// given back: `volume` says how full the volume is.
-    #[error("cannot open the workspace store: the state volume is full ({volume}): {source}")]
-    StoreFull { volume: String, source: MetaError },
     #[error("io: {0}")]
     Io(#[from] io::Error),
     #[error("metadata: {0}")]
@@ -89,7 +85,6 @@ impl FsError {
             FsError::TooManyLinks => libc::EMLINK,
             FsError::XattrsFull => libc::ENOSPC,
             FsError::NoSpace => libc::ENOSPC,
-            FsError::StoreFull { .. } => libc::ENOSPC,
             FsError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
             FsError::Meta(e) if e.is_full() => libc::ENOSPC,
             FsError::Meta(_) => libc::EIO,

@@ -109,11 +109,9 @@ impl WorkspaceFs {
 
     pub fn setattr(&self, ino: InodeNo, set: &SetAttr) -> FsResult<Attr> {
         // Only a truncate that shrinks the file makes room, so only it may take the metadata
-        // reserve for its own commit (`freeing`). Everything else setattr does (a chmod,
-        // chown, utimens, a truncate up: a sparse body or a file of holes grows without
-        // blocks) adds no pages to the store: on a full volume it commits into room the WAL
-        // already has (`in_place`), as ext4 changes an inode in place, and leaves the
-        // reserve to the deletes that free the volume.
+        // reserve (`freeing`). A chmod, utimens or truncate up on a full volume gets ENOSPC
+        // and leaves the reserve to the deletes that free the volume: spent on anything
+        // else, its room goes to the next data write and the delete has none.
         let shrinks = match set.size {
             Some(size) => self.getattr(ino)?.inode.size > size,
             None => false,
@@ -121,7 +119,7 @@ impl WorkspaceFs {
         if shrinks {
             self.freeing(|| self.setattr_once(ino, set))
         } else {
-            self.in_place(|| self.setattr_once(ino, set))
+            self.setattr_once(ino, set)
         }
     }
 
@@ -231,8 +229,6 @@ impl WorkspaceFs {
         name: &[u8],
         new: New<'_>,
     ) -> FsResult<Attr> {
-        // Held until the entry is in the store (`room`).
-        let _room = self.room_for_entry()?;
         let New {
             kind,
             perm,
@@ -444,7 +440,6 @@ impl WorkspaceFs {
 
     pub fn link(&self, ino: InodeNo, newparent: InodeNo, newname: &[u8]) -> FsResult<Attr> {
         check_name(newname)?;
-        let _room = self.room_for_entry()?;
         let mut guard = self.lock();
         let inner: &mut Inner = &mut guard;
         let mut inode = Self::load(inner, ino)?;

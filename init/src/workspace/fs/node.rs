@@ -699,8 +699,8 @@ impl WorkspaceFs {
     }
 
     /// Holes → Body: creates the body of a file that has none (`Data::Holes`), sparse at its
-    /// size, before a change to the file that needs it: a write, a preallocation or a
-    /// writable passthrough open (a truncate does not: `resize`). Nothing for a file that has its bytes.
+    /// size, before a change to the file that needs it: a write, a truncate, a preallocation
+    /// or a writable passthrough open. Nothing for a file that has its bytes.
     pub(super) fn materialize(&self, of: &mut OpenFile) -> FsResult<()> {
         if let Data::Holes = of.data {
             of.data = Data::Body(Arc::new(self.sparse_body(of.inode.ino, of.inode.size)?));
@@ -718,17 +718,15 @@ impl WorkspaceFs {
     }
 
     /// Sets the size of an open file's bytes (Inline → Body past `inline_max`, `to_body`).
-    /// A file of holes stays without a body: shrunk or grown, every byte up to its new size
-    /// is still zero, so the size change is metadata only (and needs no room for a body on
-    /// a full state volume).
     pub(super) fn resize(&self, of: &mut OpenFile, size: u64) -> FsResult<()> {
         if size > self.opts.inline_max {
             self.to_body(of)?;
         }
+        self.materialize(of)?;
         match &mut of.data {
             Data::Inline(v) => v.resize(size as usize, 0),
             Data::Body(f) => f.set_len(size)?,
-            Data::Holes => {}
+            Data::Holes => unreachable!("materialized above"),
         }
         let (lo, hi) = (of.inode.size.min(size), of.inode.size.max(size));
         of.touch(lo, hi, self.opts.chunk_size);
