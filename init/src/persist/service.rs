@@ -245,33 +245,29 @@ pub fn retry_delay(failures: u32, interval: Duration) -> Duration {
     d.min(interval)
 }
 
+/// Sends the worker the command `cmd` makes around a reply channel and waits for the answer;
+/// `Stopped` when the worker is gone before answering.
+fn ask<T>(tx: &Sender<Cmd>, cmd: impl FnOnce(Sender<T>) -> Cmd) -> Result<T, ServiceError> {
+    let (reply, rx) = mpsc::channel();
+    tx.send(cmd(reply)).map_err(|_| ServiceError::Stopped)?;
+    rx.recv().map_err(|_| ServiceError::Stopped)
+}
+
 impl CheckpointHandle {
     /// Flushes the filesystem, takes a checkpoint and waits for it.
     pub fn checkpoint_now(&self) -> Result<CheckpointReport, ServiceError> {
-        let (reply, rx) = mpsc::channel();
-        self.tx
-            .send(Cmd::Checkpoint { full: false, reply })
-            .map_err(|_| ServiceError::Stopped)?;
-        rx.recv().map_err(|_| ServiceError::Stopped)?
+        ask(&self.tx, |reply| Cmd::Checkpoint { full: false, reply })?
     }
 
     /// Flushes the filesystem, takes a checkpoint that writes a full snapshot (not a delta)
     /// and waits for it (`keel checkpoint --full`).
     pub fn checkpoint_full(&self) -> Result<CheckpointReport, ServiceError> {
-        let (reply, rx) = mpsc::channel();
-        self.tx
-            .send(Cmd::Checkpoint { full: true, reply })
-            .map_err(|_| ServiceError::Stopped)?;
-        rx.recv().map_err(|_| ServiceError::Stopped)?
+        ask(&self.tx, |reply| Cmd::Checkpoint { full: true, reply })?
     }
 
     /// A gc of the remote by the worker, under the configured retention (`keel gc`).
     pub fn gc(&self) -> Result<GcReport, ServiceError> {
-        let (reply, rx) = mpsc::channel();
-        self.tx
-            .send(Cmd::Gc { reply })
-            .map_err(|_| ServiceError::Stopped)?;
-        rx.recv().map_err(|_| ServiceError::Stopped)?
+        ask(&self.tx, |reply| Cmd::Gc { reply })?
     }
 
     /// Runs a named snapshot or a rollback on the worker and waits for it. A rollback is
@@ -331,20 +327,12 @@ impl CheckpointHandle {
 
     /// The workspace's remote (for listings and diffs, which only read it).
     pub fn repo(&self) -> Result<super::Repo, ServiceError> {
-        let (reply, rx) = mpsc::channel();
-        self.tx
-            .send(Cmd::Repo { reply })
-            .map_err(|_| ServiceError::Stopped)?;
-        rx.recv().map_err(|_| ServiceError::Stopped)
+        ask(&self.tx, |reply| Cmd::Repo { reply })
     }
 
     /// Backlog and last checkpoint (waits for a checkpoint in progress).
     pub fn state(&self) -> Result<PersistState, ServiceError> {
-        let (reply, rx) = mpsc::channel();
-        self.tx
-            .send(Cmd::State { reply })
-            .map_err(|_| ServiceError::Stopped)?;
-        rx.recv().map_err(|_| ServiceError::Stopped)
+        ask(&self.tx, |reply| Cmd::State { reply })
     }
 }
 
@@ -905,11 +893,7 @@ impl Service {
 
     /// Takes a checkpoint now and waits for it (`fsync = "remote"`, `keel checkpoint`).
     pub fn checkpoint_now(&self) -> Result<CheckpointReport, ServiceError> {
-        let (reply, rx) = mpsc::channel();
-        self.tx
-            .send(Cmd::Checkpoint { full: false, reply })
-            .map_err(|_| ServiceError::Stopped)?;
-        rx.recv().map_err(|_| ServiceError::Stopped)?
+        ask(&self.tx, |reply| Cmd::Checkpoint { full: false, reply })?
     }
 
     /// Stops periodic checkpoints (before the filesystem is unmounted).
